@@ -1,0 +1,494 @@
+"""A throwaway cluster of SSH "hosts" on this machine, built from Linux network namespaces.
+
+Each test host is a network namespace (``trx-node1``, ...) joined to a bridge (``trxbr0``) in the
+root namespace by a veth pair. Each runs its own OpenSSH ``sshd`` in private mount and UTS
+namespaces, so that it has its own hostname (``node1``) and its own ``/etc/hosts``, in which that
+name resolves to the host's own address. The root ``/etc/hosts`` gets the test host names too, so
+that a launcher in the root namespace can reach them by name.
+
+All names are fixed, so only one cluster can exist on a machine at a time. Starting a cluster first
+removes whatever a crashed earlier run left behind. Requires root (see
+:func:`cluster_unavailable_reason`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+SSHD = Path("/usr/sbin/sshd")
+ETC_HOSTS = Path("/etc/hosts")
+ETC_HOSTNAME = Path("/etc/hostname")
+HOSTS_MARKER = "# torchrunx-test-cluster"
+"""Trailing comment on every line this module adds to the root ``/etc/hosts``."""
+NETNS_PREFIX = "trx-"
+BRIDGE = "trxbr0"
+SUBNET = "10.200.0"
+LAUNCHER_ADDRESS = f"{SUBNET}.1"
+LAUNCHER_NAME = "trx-launcher"
+UNREACHABLE_NAME = "unreachable"
+UNREACHABLE_ADDRESS = f"{SUBNET}.250"
+MAX_HOSTS = 99
+"""Host addresses are ``.11`` to ``.109``, clear of the launcher and the unreachable address."""
+
+_OUR_LINK = re.compile(rf"^(?:{BRIDGE}|trxv\d+)$")
+_REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname", "ssh", "ssh-keygen")
+
+
+@dataclass(frozen=True)
+class TestHost:
+    """One test host.
+
+    Attributes:
+        name: Hostname, e.g. ``"node1"``; resolves to ``address`` everywhere.
+        address: IPv4 address of the host on the test bridge, e.g. ``"10.200.0.11"``.
+        netns: Name of its network namespace, e.g. ``"trx-node1"``.
+        veth: Root-namespace end of its veth pair, e.g. ``"trxv1"``.
+    """
+
+    __test__: ClassVar[bool] = False  # not a pytest test class
+
+    name: str
+    address: str
+    netns: str
+    veth: str
+
+
+class TestCluster:
+    """A running set of test hosts, each with an ``sshd`` on port 22. Made by :func:`start_cluster`.
+
+    Attributes:
+        hosts: The test hosts, ``node1`` to ``nodeN``.
+        ssh_config: ``ssh -F`` file with a ``Host`` entry for every node and for ``unreachable``
+            (an address on the test subnet with no host behind it, ``ConnectTimeout 2``).
+        bad_key_ssh_config: Same as ``ssh_config``, but with an ``IdentityFile`` that the hosts do
+            not accept.
+        known_hosts: ``known_hosts`` file with every host key under the host's name and address.
+        identity_file: Private key that every host accepts for ``root``.
+        launcher_address: Address of the root namespace on the test bridge (``trx-launcher``).
+        workdir: Directory holding keys, configs and ``sshd`` logs.
+    """
+
+    __test__: ClassVar[bool] = False  # not a pytest test class
+
+    def __init__(self, hosts: list[TestHost], workdir: Path) -> None:
+        """Describe a cluster; nothing is started. Use :func:`start_cluster` instead.
+
+        Args:
+            hosts: The test hosts.
+            workdir: Existing directory for keys, configs and logs.
+        """
+        self.hosts = hosts
+        self.workdir = workdir
+        self.launcher_address = LAUNCHER_ADDRESS
+        self.ssh_config = workdir / "ssh_config"
+        self.bad_key_ssh_config = workdir / "bad_key_ssh_config"
+        self.known_hosts = workdir / "known_hosts"
+        self.identity_file = workdir / "id_ed25519"
+        self._authorized_keys = workdir / "authorized_keys"
+        self._bad_identity_file = workdir / "id_ed25519_unauthorized"
+        self._daemons: dict[str, subprocess.Popen[bytes]] = {}
+        self._saved_etc_hosts: bytes | None = None
+
+    def names(self) -> list[str]:
+        """Return the host names, in order."""
+        return [host.name for host in self.hosts]
+
+    def run_on(
+        self, host: TestHost | str, argv: list[str], timeout: float = 10
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command in a host's network namespace (only; not its mount or UTS namespace).
+
+        Args:
+            host: The host or its name.
+            argv: Command and arguments.
+            timeout: Seconds before :class:`subprocess.TimeoutExpired` is raised.
+
+        Returns:
+            The finished process, with text ``stdout`` and ``stderr``; its exit status is not
+            checked.
+        """
+        netns = self._host(host).netns
+        return subprocess.run(
+            ["nsenter", f"--net=/run/netns/{netns}", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def cut_link(self, host: TestHost | str) -> None:
+        """Take a host off the network by setting the root end of its veth pair down.
+
+        Open connections are not reset; packets just stop flowing.
+
+        Args:
+            host: The host or its name.
+        """
+        _run(["ip", "link", "set", self._host(host).veth, "down"])
+
+    def restore_link(self, host: TestHost | str) -> None:
+        """Undo :meth:`cut_link`.
+
+        Args:
+            host: The host or its name.
+        """
+        _run(["ip", "link", "set", self._host(host).veth, "up"])
+
+    def wait_ssh_ready(self, timeout: float = 10) -> None:
+        """Wait until every host's ``sshd`` accepts a TCP connection and sends its banner.
+
+        Args:
+            timeout: Seconds to wait for all hosts together.
+
+        Raises:
+            RuntimeError: If an ``sshd`` exited, or a host is not ready in time.
+        """
+        deadline = time.monotonic() + timeout
+        for host in self.hosts:
+            while not _sshd_answers(host.address):
+                daemon = self._daemons.get(host.name)
+                if daemon is None or daemon.poll() is not None:
+                    msg = f"sshd on {host.name} is not running: {self._sshd_log(host)}"
+                    raise RuntimeError(msg)
+                if time.monotonic() > deadline:
+                    msg = f"sshd on {host.name} not ready in {timeout}s: {self._sshd_log(host)}"
+                    raise RuntimeError(msg)
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stop every process in the hosts, remove namespaces and links, restore ``/etc/hosts``.
+
+        Safe to call more than once, and on a cluster that only partly started.
+        """
+        atexit.unregister(self.stop)
+        for daemon in self._daemons.values():
+            daemon.terminate()
+        for daemon in self._daemons.values():
+            _reap(daemon, timeout=5)
+        self._daemons.clear()
+        for host in self.hosts:
+            _kill_netns_processes(host.netns)
+            _run(["ip", "link", "del", host.veth], check=False)
+            _run(["ip", "netns", "del", host.netns], check=False)
+        _run(["ip", "link", "del", BRIDGE], check=False)
+        if self._saved_etc_hosts is not None:
+            ETC_HOSTS.write_bytes(self._saved_etc_hosts)
+            self._saved_etc_hosts = None
+
+    def _host(self, host: TestHost | str) -> TestHost:
+        if isinstance(host, TestHost):
+            return host
+        for candidate in self.hosts:
+            if candidate.name == host:
+                return candidate
+        msg = f"no test host named {host!r}"
+        raise KeyError(msg)
+
+    def _host_dir(self, host: TestHost) -> Path:
+        return self.workdir / host.name
+
+    def _sshd_log(self, host: TestHost) -> str:
+        log = self._host_dir(host) / "sshd.log"
+        return log.read_text(errors="replace").strip() if log.exists() else "(no log)"
+
+    def _start(self) -> None:
+        """Create keys, configs, network and daemons, then wait for the daemons."""
+        self._make_keys_and_configs()
+        self._make_network()
+        self._edit_etc_hosts()
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
+        for host in self.hosts:
+            self._start_sshd(host)
+        self.wait_ssh_ready()
+
+    def _make_keys_and_configs(self) -> None:
+        for host in self.hosts:
+            self._host_dir(host).mkdir()
+        _keygen_all(
+            [self.identity_file, self._bad_identity_file]
+            + [self._host_dir(host) / "ssh_host_ed25519_key" for host in self.hosts]
+        )
+        self._authorized_keys.write_text(_public_key(self.identity_file) + "\n")
+        self.known_hosts.write_text(
+            "".join(
+                f"{host.name},{host.address} "
+                f"{_public_key(self._host_dir(host) / 'ssh_host_ed25519_key')}\n"
+                for host in self.hosts
+            )
+        )
+        self.ssh_config.write_text(self._client_config(self.identity_file))
+        self.bad_key_ssh_config.write_text(self._client_config(self._bad_identity_file))
+        hosts_file = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n" + "".join(
+            f"{line}\n" for line in _name_lines(self.hosts)
+        )
+        for host in self.hosts:
+            host_dir = self._host_dir(host)
+            (host_dir / "hosts").write_text(hosts_file)
+            (host_dir / "hostname").write_text(f"{host.name}\n")
+            (host_dir / "sshd_config").write_text(
+                f"Port 22\n"
+                f"ListenAddress {host.address}\n"
+                f"HostKey {host_dir / 'ssh_host_ed25519_key'}\n"
+                f"PidFile {host_dir / 'sshd.pid'}\n"
+                f"AuthorizedKeysFile {self._authorized_keys}\n"
+                "PermitRootLogin prohibit-password\n"
+                "PasswordAuthentication no\n"
+                "KbdInteractiveAuthentication no\n"
+                "UsePAM no\n"
+                "StrictModes no\n"
+                "MaxStartups 100:30:200\n"
+                "MaxSessions 100\n"
+                "LogLevel ERROR\n"
+            )
+
+    def _client_config(self, identity_file: Path) -> str:
+        targets = [(host.name, host.address) for host in self.hosts]
+        targets.append((UNREACHABLE_NAME, UNREACHABLE_ADDRESS))
+        entries = []
+        for name, address in targets:
+            options = [
+                f"HostName {address}",
+                "User root",
+                "Port 22",
+                f"IdentityFile {identity_file}",
+                "IdentitiesOnly yes",
+                f"UserKnownHostsFile {self.known_hosts}",
+                "GlobalKnownHostsFile /dev/null",
+                "StrictHostKeyChecking yes",
+                "BatchMode yes",
+            ]
+            if name == UNREACHABLE_NAME:
+                options.append("ConnectTimeout 2")
+            entries.append(f"Host {name}\n" + "".join(f"    {option}\n" for option in options))
+        return "\n".join(entries)
+
+    def _make_network(self) -> None:
+        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{LAUNCHER_ADDRESS}/24", "dev", BRIDGE])
+        _run(["ip", "link", "set", BRIDGE, "up"])
+        for host in self.hosts:
+            _run(["ip", "netns", "add", host.netns])
+            peer = ["peer", "name", "eth0", "netns", host.netns]
+            _run(["ip", "link", "add", host.veth, "type", "veth", *peer])
+            _run(["ip", "link", "set", host.veth, "master", BRIDGE, "up"])
+            _run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0"])
+            _run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
+
+    def _edit_etc_hosts(self) -> None:
+        original = ETC_HOSTS.read_bytes()
+        self._saved_etc_hosts = original
+        separator = b"" if original.endswith(b"\n") or not original else b"\n"
+        added = "".join(f"{line} {HOSTS_MARKER}\n" for line in _name_lines(self.hosts))
+        # Rewrite in place: /etc/hosts may be a bind mount, which cannot be renamed over.
+        ETC_HOSTS.write_bytes(original + separator + added.encode())
+
+    def _start_sshd(self, host: TestHost) -> None:
+        host_dir = self._host_dir(host)
+        mounts = [(host_dir / "hosts", ETC_HOSTS)]
+        if ETC_HOSTNAME.exists():
+            mounts.append((host_dir / "hostname", ETC_HOSTNAME))
+        script = " && ".join(
+            [f"mount --bind {shlex.quote(str(src))} {dst}" for src, dst in mounts]
+            + [
+                f"hostname {host.name}",
+                f"exec {SSHD} -D -e -f {shlex.quote(str(host_dir / 'sshd_config'))}",
+            ]
+        )
+        # nsenter and unshare exec rather than fork, so the Popen pid ends up being sshd's.
+        argv = ["nsenter", f"--net=/run/netns/{host.netns}"]
+        argv += ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script]
+        with (host_dir / "sshd.log").open("wb") as log:
+            self._daemons[host.name] = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+
+def cluster_unavailable_reason() -> str | None:
+    """Say why a test cluster cannot be made here.
+
+    Returns:
+        ``None`` if network namespaces can be made and the needed tools are present, else the
+        reason they cannot.
+    """
+    if not sys.platform.startswith("linux"):
+        return f"test cluster needs Linux, not {sys.platform}"
+    if os.geteuid() != 0:
+        return "test cluster needs root (network namespaces, /etc/hosts)"
+    missing = [tool for tool in _REQUIRED_TOOLS if shutil.which(tool) is None]
+    if not os.access(SSHD, os.X_OK):
+        missing.append(str(SSHD))
+    if missing:
+        return f"test cluster needs missing tools: {', '.join(missing)}"
+    probe = subprocess.run(
+        ["unshare", "--net", "--mount", "--uts", "true"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        return f"cannot make namespaces (`unshare --net --mount --uts`): {probe.stderr.strip()}"
+    return None
+
+
+def start_cluster(n: int, workdir: Path) -> TestCluster:
+    """Start ``n`` test hosts, ``node1`` to ``node{n}``, and wait until each ``sshd`` accepts.
+
+    First removes namespaces, links and ``/etc/hosts`` lines left by an earlier run. The cluster is
+    stopped at interpreter exit if :meth:`TestCluster.stop` was not called.
+
+    Args:
+        n: Number of hosts, 1 to 99.
+        workdir: Existing, empty directory for keys, configs and logs; its path must not contain
+            whitespace (it is written unquoted into ssh configs).
+
+    Returns:
+        The running cluster.
+
+    Raises:
+        ValueError: If ``n`` or ``workdir`` is unusable.
+    """
+    if not 1 <= n <= MAX_HOSTS:
+        msg = f"n must be between 1 and {MAX_HOSTS}, not {n}"
+        raise ValueError(msg)
+    workdir = workdir.resolve()
+    if any(char.isspace() for char in str(workdir)):
+        msg = f"workdir path must not contain whitespace: {workdir}"
+        raise ValueError(msg)
+    _remove_stale_cluster()
+    hosts = [
+        TestHost(
+            name=f"node{i}",
+            address=f"{SUBNET}.{10 + i}",
+            netns=f"{NETNS_PREFIX}node{i}",
+            veth=f"trxv{i}",
+        )
+        for i in range(1, n + 1)
+    ]
+    cluster = TestCluster(hosts, workdir)
+    atexit.register(cluster.stop)
+    try:
+        cluster._start()  # noqa: SLF001
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _remove_stale_cluster() -> None:
+    """Remove every ``trx-`` namespace with its processes, test link and marked hosts line."""
+    netns_list = _run(["ip", "netns", "list"]).stdout.splitlines()
+    for netns in (line.split()[0] for line in netns_list if line.strip()):
+        if netns.startswith(NETNS_PREFIX):
+            _kill_netns_processes(netns)
+            _run(["ip", "netns", "del", netns])
+    links = _run(["ip", "-o", "link", "show"]).stdout.splitlines()
+    for link in (line.split(": ")[1].split("@")[0] for line in links):
+        if _OUR_LINK.match(link):
+            _run(["ip", "link", "del", link], check=False)  # a veth may go with its peer
+    lines = ETC_HOSTS.read_bytes().splitlines(keepends=True)
+    kept = [line for line in lines if not line.rstrip().endswith(HOSTS_MARKER.encode())]
+    if kept != lines:
+        ETC_HOSTS.write_bytes(b"".join(kept))
+
+
+def _name_lines(hosts: list[TestHost]) -> list[str]:
+    """``/etc/hosts`` lines for the launcher and every host (IPv4, then IPv4-mapped IPv6)."""
+    return (
+        [f"{LAUNCHER_ADDRESS} {LAUNCHER_NAME}"]
+        + [f"{host.address} {host.name}" for host in hosts]
+        + [f"::ffff:{host.address} {host.name}" for host in hosts]
+    )
+
+
+def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a command; if ``check``, raise :class:`RuntimeError` with its stderr when it fails."""
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    if check and result.returncode != 0:
+        msg = f"{shlex.join(argv)} failed ({result.returncode}): {result.stderr.strip()}"
+        raise RuntimeError(msg)
+    return result
+
+
+def _keygen_all(paths: list[Path]) -> None:
+    """Make unencrypted ed25519 key pairs at ``paths`` (``.pub`` alongside), concurrently."""
+    procs = [
+        subprocess.Popen(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for path in paths
+    ]
+    for path, proc in zip(paths, procs, strict=True):
+        _, stderr = proc.communicate(timeout=30)
+        if proc.returncode != 0:
+            msg = f"ssh-keygen for {path} failed: {stderr.decode(errors='replace').strip()}"
+            raise RuntimeError(msg)
+
+
+def _public_key(private_key: Path) -> str:
+    """Return ``"<type> <base64>"`` from the ``.pub`` file next to ``private_key``."""
+    key_type, key_data = Path(f"{private_key}.pub").read_text().split()[:2]
+    return f"{key_type} {key_data}"
+
+
+def _sshd_answers(address: str) -> bool:
+    """Whether an SSH server at ``address`` port 22 accepts a connection and sends its banner."""
+    try:
+        with socket.create_connection((address, 22), timeout=0.5) as sock:
+            return sock.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait for ``proc`` to exit, SIGKILLing it after ``timeout`` seconds."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _netns_pids(netns: str) -> list[int]:
+    """Pids of live (non-zombie) processes in a network namespace."""
+    result = _run(["ip", "netns", "pids", netns], check=False)
+    return [int(pid) for pid in result.stdout.split()]
+
+
+def _kill_netns_processes(netns: str, grace: float = 2.0) -> None:
+    """Kill every process in a network namespace: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+    Raises:
+        RuntimeError: If processes survive SIGKILL for 10 seconds.
+    """
+    start = time.monotonic()
+    while pids := _netns_pids(netns):
+        elapsed = time.monotonic() - start
+        if elapsed > grace + 10:
+            msg = f"processes {pids} in {netns} survive SIGKILL"
+            raise RuntimeError(msg)
+        sig = signal.SIGTERM if elapsed < grace else signal.SIGKILL
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        time.sleep(0.05)

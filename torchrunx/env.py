@@ -1,0 +1,80 @@
+"""Environment forwarding: which launcher variables reach agents and workers.
+
+Values never appear on a command line: they travel on the agent's stdin (see
+:mod:`torchrunx.transport`) and then inside the authenticated worker spec.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+DEFAULT_ENV_VARS: tuple[str, ...] = (
+    "PATH",
+    "LD_LIBRARY_PATH",
+    "LIBRARY_PATH",
+    "PYTHON*",
+    "CUDA*",
+    "TORCH*",
+    "PYTORCH*",
+    "NCCL*",
+)
+"""``fnmatch`` patterns of the launcher's variables that are copied by default."""
+
+# Variables that describe one process and must never be copied to another one.
+_NEVER_FORWARDED = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+    }
+)
+
+
+def forwarded_env(
+    patterns: Iterable[str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The launcher's variables whose names match any of ``patterns`` (``fnmatch``, case-sensitive).
+
+    Per-process variables (``RANK``, ``MASTER_PORT``, ...) are never copied: every worker gets
+    its own.
+    """
+    env = os.environ if environ is None else environ
+    pattern_list = list(patterns)
+    return {
+        name: value
+        for name, value in env.items()
+        if name not in _NEVER_FORWARDED
+        and any(fnmatch.fnmatchcase(name, pattern) for pattern in pattern_list)
+    }
+
+
+def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one argument each)
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    group_rank: int,
+    master_addr: str,
+    master_port: int,
+) -> dict[str, str]:
+    """The torch.distributed variables of one worker (torchrun's names)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(group_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }

@@ -1,0 +1,153 @@
+"""Every error torchrunx raises, in one tree.
+
+::
+
+    Exception
+    ├── TorchrunxError                  base of everything below
+    │   ├── AgentFailedError            an agent or its host died, or could not be started
+    │   ├── WorkerFailedError           a worker died without raising (exit code or signal)
+    │   ├── WorkerRaisedError           a worker raised an exception that cannot travel back
+    │   ├── SerializationError          (also a TypeError) the function, an argument or a
+    │   │                               return value cannot be pickled
+    │   └── ProtocolError               a peer broke the wire protocol or failed to authenticate
+    └── <the user's own exception>      re-raised with its own type when a worker raises it;
+                                        its remote traceback is attached as ``__cause__``
+
+Validation of ``Launcher`` fields raises plain ``ValueError`` / ``TypeError`` before any host is
+touched. Third-party errors (paramiko, socket, pickle) are translated here at the boundary with
+``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+
+
+class TorchrunxError(Exception):
+    """Base class of every error raised by torchrunx itself."""
+
+
+class AgentFailedError(TorchrunxError):
+    """An agent (one per host) died, lost its connection, or could not be started.
+
+    Attributes:
+        hostname: The host the agent ran (or should have run) on.
+        reason: What happened, in words.
+        stderr: The last lines the agent (or ssh) wrote to stderr, if any.
+    """
+
+    def __init__(self, hostname: str, reason: str, stderr: str = "") -> None:
+        """Describe a failed agent."""
+        self.hostname = hostname
+        self.reason = reason
+        self.stderr = stderr
+        message = f"agent on host {hostname!r} failed: {reason}"
+        if stderr.strip():
+            message += "\n--- agent stderr (last lines) ---\n" + stderr.rstrip()
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type[AgentFailedError], tuple[str, str, str]]:
+        """Pickle with the constructor's arguments."""
+        return (type(self), (self.hostname, self.reason, self.stderr))
+
+
+def describe_exit(exitcode: int | None, signal_number: int | None) -> str:
+    """Describe how a process ended, e.g. ``exit code 3`` or ``signal 9 (SIGKILL)``."""
+    if signal_number is not None:
+        try:
+            name = _signal.Signals(signal_number).name
+        except ValueError:
+            name = "unknown signal"
+        return f"signal {signal_number} ({name})"
+    return f"exit code {exitcode}"
+
+
+class WorkerFailedError(TorchrunxError):
+    """A worker process died without raising a Python exception.
+
+    Typical causes: a signal (SIGKILL from the OOM killer, SIGSEGV from a crash in a C
+    extension), ``sys.exit(n)`` or ``os._exit(n)``.
+
+    Attributes:
+        hostname: Host of the worker.
+        local_rank: Rank of the worker on its host.
+        rank: Global rank of the worker.
+        pid: Process id of the worker on its host.
+        exitcode: Exit code, or ``None`` when a signal ended it.
+        signal: Signal number, or ``None`` when it exited.
+    """
+
+    def __init__(  # noqa: PLR0913, PLR0917 (each field is part of the error's contract)
+        self,
+        hostname: str,
+        local_rank: int,
+        rank: int,
+        pid: int,
+        exitcode: int | None,
+        signal: int | None,
+    ) -> None:
+        """Describe a dead worker."""
+        self.hostname = hostname
+        self.local_rank = local_rank
+        self.rank = rank
+        self.pid = pid
+        self.exitcode = exitcode
+        self.signal = signal
+        super().__init__(
+            f"worker rank {rank} (local rank {local_rank} on host {hostname!r}, pid {pid}) "
+            f"died with {describe_exit(exitcode, signal)} without raising an exception"
+        )
+
+    @property
+    def signal_name(self) -> str | None:
+        """Name of the signal that ended the worker (``"SIGKILL"``), or ``None``."""
+        if self.signal is None:
+            return None
+        try:
+            return _signal.Signals(self.signal).name
+        except ValueError:
+            return None
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[WorkerFailedError], tuple[str, int, int, int, int | None, int | None]]:
+        """Pickle with the constructor's arguments."""
+        return (
+            type(self),
+            (self.hostname, self.local_rank, self.rank, self.pid, self.exitcode, self.signal),
+        )
+
+
+class WorkerRaisedError(TorchrunxError):
+    """A worker raised an exception that could not be sent back with its own type.
+
+    This happens when the exception object cannot be pickled or unpickled (for example a
+    custom exception whose ``__init__`` takes different arguments than it passes to
+    ``Exception.__init__``). The message keeps the original type name and message, and the
+    remote traceback is attached as ``__cause__``.
+    """
+
+
+class SerializationError(TorchrunxError, TypeError):
+    """The function, an argument, or a return value cannot be pickled with cloudpickle."""
+
+
+class ProtocolError(TorchrunxError):
+    """A peer sent something that is not torchrunx's wire protocol, or failed to authenticate."""
+
+
+class RemoteTraceback(Exception):  # noqa: N818 (mirrors concurrent.futures' name; not an error)
+    """The formatted traceback of an exception raised in a worker.
+
+    Attached as ``__cause__`` of the re-raised exception, so Python prints it above the
+    launcher's own traceback.
+    """
+
+    def __init__(self, text: str) -> None:
+        """Keep the formatted remote traceback."""
+        self.text = text
+        super().__init__(text)
+
+    def __str__(self) -> str:
+        """Show the traceback as it was printed in the worker."""
+        return "\n\n" + self.text.rstrip()

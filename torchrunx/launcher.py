@@ -1,0 +1,766 @@
+"""The launcher: starts one agent per host, hands out the function, and gathers the results.
+
+Phases of one launch (:meth:`Launcher.run`)::
+
+    validate fields ─ pickle the call ─ resolve hosts ─ listen ─ start agents (in parallel)
+      ─ await AgentHello from every host ─ assign ranks, send WorkerSpec + call
+      ─ monitor (results straight from workers; exits, heartbeats from agents)
+      ─ stop everything on the first failure ─ clean up ─ return or raise
+
+One thread (the caller's) owns every decision; helper threads only move bytes (accept and
+authenticate connections, read frames, copy agent output, wait for agent exits) and report
+through one queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import pickle
+import queue
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
+
+import cloudpickle
+
+from torchrunx import protocol
+from torchrunx.env import DEFAULT_ENV_VARS, forwarded_env
+from torchrunx.errors import (
+    AgentFailedError,
+    ProtocolError,
+    RemoteTraceback,
+    SerializationError,
+    WorkerFailedError,
+    WorkerRaisedError,
+    describe_exit,
+)
+from torchrunx.hosts import HostSlots, is_local_host, resolve_hostnames, resolve_slots
+from torchrunx.protocol import (
+    AgentDone,
+    AgentHello,
+    Connection,
+    Heartbeat,
+    Stop,
+    WorkerException,
+    WorkerExited,
+    WorkerHello,
+    WorkerResult,
+    WorkerSpec,
+    WorkersStarted,
+)
+from torchrunx.results import LaunchResult
+from torchrunx.transport import AgentBootstrap, AgentProcess, LocalAgent, SshAgent, agent_script
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Backend = Literal["nccl", "gloo", "mpi", "ucc", "auto"] | None
+
+_HEARTBEAT_INTERVAL = 1.0
+_HANDSHAKE_TIMEOUT = 10.0
+_SETTLE_TIMEOUT = 2.0
+_STOP_GRACE = 3.0
+_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """How to run a function on many hosts and workers; :meth:`run` does it.
+
+    Every field has a default, so ``Launcher().run(func)`` runs one worker per GPU (or CPU
+    core) on this machine, or on every node of the SLURM allocation it runs in.
+    """
+
+    hostnames: list[str] | Literal["auto", "slurm"] = "auto"
+    """Hosts to run on. "auto": the SLURM allocation if inside one, else localhost."""
+
+    workers_per_host: int | list[int] | Literal["auto", "slurm"] = "auto"
+    """Workers per host: one number, one per host, or "auto" (GPUs, else CPU cores, per host)."""
+
+    ssh_config_file: str | Path | None = None
+    """SSH config for reaching hosts (default: ~/.ssh/config if it exists)."""
+
+    backend: Backend = "auto"
+    """torch.distributed backend. "auto": nccl where the worker sees CUDA, else gloo.
+    None: no process group."""
+
+    timeout: int = 600
+    """Process-group timeout in seconds (for collectives and process-group set-up)."""
+
+    default_env_vars: tuple[str, ...] = DEFAULT_ENV_VARS
+    """Launcher environment variables (fnmatch patterns) copied to agents and workers."""
+
+    extra_env_vars: tuple[str, ...] = ()
+    """More fnmatch patterns of environment variables to copy, on top of default_env_vars."""
+
+    env_file: str | Path | None = None
+    """A bash file sourced on every host before the agent starts (after copied variables)."""
+
+    launcher_address: str | None = None
+    """Address remote agents connect back to. Default: TORCHRUNX_LAUNCHER_ADDR, else the local
+    address of each SSH connection."""
+
+    agent_timeout: float = 5.0
+    """Seconds without a heartbeat after which a host counts as lost (cut link, frozen host)."""
+
+    start_timeout: float = 60.0
+    """Seconds for every agent to start and connect back (SSH connect included)."""
+
+    def run(self, func: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> LaunchResult[R]:
+        """Run ``func(*args, **kwargs)`` in every worker and return every rank's value.
+
+        Raises:
+            ValueError: A field is invalid (raised before any host is touched).
+            TypeError: ``func`` is not callable.
+            SerializationError: The function, an argument or a return value cannot be pickled.
+            AgentFailedError: An agent could not be started, died, or its host was lost.
+            WorkerFailedError: A worker died without raising (exit code or signal).
+            Exception: The exception a worker raised, with its own type, the remote traceback
+                as ``__cause__`` and the host and rank in its notes.
+        """
+        self.validate()
+        if not callable(func):
+            raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
+        call = _pickle_call(func, args, kwargs)
+        hosts = resolve_slots(resolve_hostnames(self.hostnames), self.workers_per_host)
+        if not hosts:
+            raise ValueError("hostnames resolved to an empty list; give at least one host")
+        launch = _Launch(self, hosts, call)
+        try:
+            per_host = launch.execute()
+        finally:
+            launch.close()
+        return LaunchResult(tuple(h.hostname for h in hosts), per_host)
+
+    def validate(self) -> None:
+        """Check every field; raise a clear error before anything starts.
+
+        Raises:
+            ValueError: A field has an invalid value.
+            TypeError: A field has the wrong type.
+        """
+        _validate_hostnames(self.hostnames)
+        _validate_workers(self.workers_per_host, self.hostnames)
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {list(_BACKENDS)}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, int) or self.timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        for name in ("agent_timeout", "start_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("default_env_vars", "extra_env_vars"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                raise TypeError(f"{name} must be a tuple of fnmatch patterns, got {value!r}")
+        if self.env_file is not None and not Path(self.env_file).expanduser().is_file():
+            raise ValueError(f"env_file {str(self.env_file)!r} does not exist or is not a file")
+        if self.ssh_config_file is not None:
+            path = Path(self.ssh_config_file).expanduser()
+            if not path.is_file() or not os.access(path, os.R_OK):
+                raise ValueError(f"ssh_config_file {str(path)!r} does not exist or is not readable")
+
+
+def launch(
+    func: Callable[..., R],
+    func_args: tuple[Any, ...] | None = None,
+    func_kwargs: dict[str, Any] | None = None,
+    **launcher_fields: Any,  # noqa: ANN401 (the Launcher's fields, checked by its constructor)
+) -> LaunchResult[R]:
+    """Run ``func(*func_args, **func_kwargs)`` on every worker: ``Launcher(**fields).run(...)``.
+
+    Raises:
+        TypeError: An unknown launcher field.
+        Exception: Whatever :meth:`Launcher.run` raises.
+    """
+    launcher = Launcher(**launcher_fields)
+    return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
+
+
+def _validate_hostnames(hostnames: object) -> None:
+    if hostnames in ("auto", "slurm"):
+        return
+    if isinstance(hostnames, str):
+        raise ValueError(  # noqa: TRY004 (a wrong value of the right field; ValueError as documented)
+            f"hostnames={hostnames!r}: give a list of hostnames (e.g. [{hostnames!r}]), "
+            '"auto" or "slurm"'
+        )
+    if not isinstance(hostnames, list | tuple) or not hostnames:
+        raise ValueError(f"hostnames must be a non-empty list of host names, got {hostnames!r}")
+    for name in hostnames:
+        if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
+            raise ValueError(f"hostnames contains an invalid host name: {name!r}")
+
+
+def _validate_workers(workers: object, hostnames: object) -> None:
+    if workers in ("auto", "slurm"):
+        return
+    counts = workers if isinstance(workers, list | tuple) else [workers]
+    for count in counts:
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ValueError(f"workers_per_host must be positive integers, got {workers!r}")
+    if isinstance(workers, list | tuple) and isinstance(hostnames, list | tuple):
+        _check_lengths(len(workers), len(hostnames))
+
+
+def _check_lengths(workers: int, hosts: int) -> None:
+    if workers != hosts:
+        raise ValueError(
+            f"workers_per_host has {workers} entries but hostnames has {hosts}; "
+            "give one count per host or a single int"
+        )
+
+
+def _pickle_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    try:
+        return bytes(cloudpickle.dumps((func, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:
+        name = getattr(func, "__qualname__", repr(func))
+        raise SerializationError(
+            f"cannot pickle the function {name} or its arguments with cloudpickle: {exc}. "
+            "Everything passed to a launch must be picklable (no open files, locks, sockets)."
+        ) from exc
+
+
+# ------------------------------------------------------------------------------------------
+# The live launch
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Started:
+    host_index: int
+    process: AgentProcess
+
+
+@dataclass(frozen=True)
+class _StartFailed:
+    host_index: int
+    error: AgentFailedError
+
+
+@dataclass(frozen=True)
+class _AgentEnded:
+    host_index: int
+    status: int | None
+
+
+@dataclass(frozen=True)
+class _Received:
+    conn: Connection
+    message: protocol.Message
+    payload: bytearray
+
+
+@dataclass(frozen=True)
+class _Closed:
+    conn: Connection
+
+
+_Event = _Started | _StartFailed | _AgentEnded | _Received | _Closed
+
+
+@dataclass
+class _AgentState:
+    slots: HostSlots
+    remote: bool
+    process: AgentProcess | None = None
+    conn: Connection | None = None
+    hello: AgentHello | None = None
+    spec: WorkerSpec | None = None
+    pids: tuple[int, ...] = ()
+    last_heard: float = 0.0
+    done: bool = False
+    ended: bool = False
+
+
+@dataclass
+class _RankState:
+    host_index: int
+    local_rank: int
+    conn: Connection | None = None
+    pid: int = 0
+    closed: bool = False
+    result: bytearray | None = None
+    exited: WorkerExited | None = None
+    settle_by: float | None = None
+
+
+@dataclass
+class _Failures:
+    first: BaseException | None = None
+    others: list[str] = field(default_factory=list)
+
+    def add(self, error: BaseException) -> None:
+        if self.first is None:
+            self.first = error
+        else:
+            self.others.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+
+
+class _Launch:
+    """One launch in progress; owned by the thread that calls :meth:`execute`."""
+
+    def __init__(self, launcher: Launcher, hosts: list[HostSlots], call: bytes) -> None:
+        self.launcher = launcher
+        self.call = call
+        self.secret = protocol.new_secret()
+        self.events: queue.Queue[_Event] = queue.Queue()
+        self.agents = [_AgentState(h, remote=not is_local_host(h.hostname)) for h in hosts]
+        self.ranks: list[_RankState] = []
+        self.failures = _Failures()
+        self.stopping = False
+        self.closing = False
+        self.threads: list[threading.Thread] = []
+        self.connections: list[Connection] = []
+        self.lock = threading.Lock()
+        self.listener = _listen()
+        self.port = int(self.listener.getsockname()[1])
+        self.env = forwarded_env((*launcher.default_env_vars, *launcher.extra_env_vars))
+        self._spawn(self._accept_loop, "torchrunx-accept")
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def execute(self) -> tuple[tuple[Any, ...], ...]:
+        """Run every phase; return the unpickled results per host."""
+        try:
+            self._start_agents()
+            deadline = time.monotonic() + self.launcher.start_timeout
+            self._wait(lambda: all(a.hello is not None for a in self.agents), deadline)
+            self._send_specs()
+            self._wait(self._finished, None)
+        except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
+            if not isinstance(exc, _Abort):  # _Abort: the failure is already recorded
+                self.failures.add(exc)
+            self._stop_all()
+            error = self._error()
+            raise error from error.__cause__
+        return self._collect()
+
+    def _start_agents(self) -> None:
+        script = agent_script(
+            env=self.env,
+            cwd=str(Path.cwd()),
+            python=sys.executable,
+            env_file=str(Path(self.launcher.env_file).expanduser().resolve())
+            if self.launcher.env_file is not None
+            else None,
+        )
+        pool = ThreadPoolExecutor(
+            max_workers=min(32, len(self.agents)), thread_name_prefix="torchrunx-ssh"
+        )
+        for index in range(len(self.agents)):
+            pool.submit(self._start_agent, index, script)
+        pool.shutdown(wait=False)
+
+    def _start_agent(self, index: int, script: bytes) -> None:
+        state = self.agents[index]
+        hostname = state.slots.hostname
+        try:
+            if state.remote:
+                process: AgentProcess = SshAgent(
+                    hostname,
+                    script,
+                    lambda local_address: self._bootstrap(index, local_address),
+                    self.launcher.ssh_config_file,
+                    connect_timeout=min(self.launcher.start_timeout, 30.0),
+                )
+            else:
+                process = LocalAgent(hostname, script, self._bootstrap(index, "127.0.0.1"))
+        except AgentFailedError as exc:
+            self.events.put(_StartFailed(index, exc))
+            return
+        except Exception as exc:  # noqa: BLE001 (any failure to start is this host's failure)
+            error = AgentFailedError(hostname, f"cannot start the agent: {exc!r}")
+            error.__cause__ = exc
+            self.events.put(_StartFailed(index, error))
+            return
+        self.events.put(_Started(index, process))
+        self._spawn(
+            lambda: self.events.put(_AgentEnded(index, process.wait(1e9))),
+            f"torchrunx-wait-{hostname}",
+        )
+
+    def _bootstrap(self, index: int, local_address: str) -> bytes:
+        state = self.agents[index]
+        address = local_address
+        if state.remote:
+            address = (
+                self.launcher.launcher_address
+                or os.environ.get("TORCHRUNX_LAUNCHER_ADDR")
+                or local_address
+            )
+        return AgentBootstrap(
+            host_index=index,
+            hostname=state.slots.hostname,
+            launcher_address=address,
+            launcher_port=self.port,
+            secret=self.secret,
+            workers=state.slots.workers,
+            preload_torch=self.launcher.backend is not None,
+            heartbeat_interval=_HEARTBEAT_INTERVAL,
+            agent_timeout=float(self.launcher.agent_timeout),
+            sys_path=tuple(sys.path),
+        ).to_json_line()
+
+    def _send_specs(self) -> None:
+        hellos = [a.hello for a in self.agents]
+        world_size = sum(h.slots for h in hellos if h is not None)
+        master_addr, master_port = self._master_address()
+        offset = 0
+        for index, state in enumerate(self.agents):
+            assert state.hello is not None  # noqa: S101 (all hellos are in)
+            assert state.conn is not None  # noqa: S101
+            spec = WorkerSpec(
+                host_index=index,
+                hostname=state.slots.hostname,
+                num_workers=state.hello.slots,
+                rank_offset=offset,
+                world_size=world_size,
+                num_hosts=len(self.agents),
+                master_addr=master_addr,
+                master_port=master_port,
+                backend=self.launcher.backend,
+                timeout=self.launcher.timeout,
+                env=self.env,
+            )
+            state.spec = spec
+            self.ranks.extend(_RankState(index, r) for r in range(spec.num_workers))
+            offset += spec.num_workers
+            state.conn.send(spec, self.call)
+
+    def _master_address(self) -> tuple[str, int]:
+        """Rank 0 runs on host 0: its address as the other hosts can reach it, and its port."""
+        first = self.agents[0]
+        assert first.hello is not None  # noqa: S101 (all hellos are in)
+        assert first.conn is not None  # noqa: S101
+        if first.remote:
+            address = str(first.conn.sock.getpeername()[0]).removeprefix("::ffff:")
+        elif any(a.remote for a in self.agents):
+            # Host 0 is this machine: use the address the remote agents reached us on.
+            remote = next(a for a in self.agents if a.remote)
+            assert remote.conn is not None  # noqa: S101
+            address = str(remote.conn.sock.getsockname()[0]).removeprefix("::ffff:")
+        else:
+            address = "127.0.0.1"
+        return address, first.hello.free_port
+
+    def _finished(self) -> bool:
+        agents_done = all(a.done or a.ended for a in self.agents)
+        return agents_done and all(r.result is not None for r in self.ranks)
+
+    def _collect(self) -> tuple[tuple[Any, ...], ...]:
+        per_host: list[list[Any]] = [[] for _ in self.agents]
+        for rank, state in enumerate(self.ranks):
+            assert state.result is not None  # noqa: S101 (checked by _finished)
+            try:
+                value = pickle.loads(state.result)  # noqa: S301 (from an authenticated worker)
+            except Exception as exc:
+                raise SerializationError(
+                    f"cannot unpickle the return value of rank {rank} in the launcher: {exc}; "
+                    "is every module it needs importable here?"
+                ) from exc
+            state.result = None
+            per_host[state.host_index].append(value)
+        return tuple(tuple(values) for values in per_host)
+
+    # -- event loop -----------------------------------------------------------------------
+
+    def _wait(self, done: Callable[[], bool], deadline: float | None) -> None:
+        next_tick = time.monotonic()
+        while not done():
+            if self.failures.first is not None and not self.stopping:
+                raise _Abort
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                if self.stopping:
+                    return
+                raise self._start_timeout_error()
+            if now >= next_tick:
+                self._tick(now)
+                next_tick = now + _HEARTBEAT_INTERVAL / 2
+                continue
+            wait = next_tick - now if deadline is None else min(next_tick, deadline) - now
+            try:
+                event = self.events.get(timeout=max(wait, 0.0))
+            except queue.Empty:
+                continue
+            self._handle(event)
+
+    def _tick(self, now: float) -> None:
+        for state in self.agents:
+            if state.conn is None or state.done or state.ended:
+                continue
+            with contextlib.suppress(OSError):
+                state.conn.send(Heartbeat())
+            silent = now - state.last_heard
+            if silent > self.launcher.agent_timeout and not self.stopping:
+                self._fail(
+                    AgentFailedError(
+                        state.slots.hostname,
+                        f"no heartbeat for {silent:.1f} s "
+                        f"(agent_timeout={self.launcher.agent_timeout:g}); the host is "
+                        "unreachable, its link is cut, or the agent is frozen",
+                    )
+                )
+        for rank, rank_state in enumerate(self.ranks):
+            if rank_state.settle_by is not None and now >= rank_state.settle_by:
+                self._settle(rank)
+
+    def _handle(self, event: _Event) -> None:
+        if isinstance(event, _Started):
+            self.agents[event.host_index].process = event.process
+            if self.closing:
+                event.process.close()
+        elif isinstance(event, _StartFailed):
+            self.agents[event.host_index].ended = True
+            self._fail(event.error)
+        elif isinstance(event, _AgentEnded):
+            self._on_agent_ended(event.host_index, event.status)
+        elif isinstance(event, _Received):
+            self._on_message(event.conn, event.message, event.payload)
+        else:
+            self._on_closed(event.conn)
+
+    def _on_agent_ended(self, index: int, status: int | None) -> None:
+        state = self.agents[index]
+        state.ended = True
+        if state.done or self.stopping:
+            return
+        process = state.process
+        tail = process.stderr_tail() if process is not None else ""
+        if status == 127:
+            reason = (
+                f"the agent could not start (exit status 127): is {sys.executable} present "
+                "on that host? torchrunx runs the launcher's interpreter on every host and "
+                "assumes a shared filesystem"
+            )
+        elif status is not None and status < 0:
+            reason = f"the agent process ended with {describe_exit(None, -status)}"
+        else:
+            reason = f"the agent process ended unexpectedly (exit status {status})"
+        self._fail(AgentFailedError(state.slots.hostname, reason, tail))
+
+    def _on_message(self, conn: Connection, message: protocol.Message, payload: bytearray) -> None:
+        if isinstance(message, AgentHello):
+            state = self.agents[message.host_index]
+            state.conn, state.hello, state.last_heard = conn, message, time.monotonic()
+            return
+        if isinstance(message, WorkerHello):
+            rank = self.ranks[message.rank]
+            rank.conn, rank.pid = conn, message.pid
+            return
+        if isinstance(message, WorkerResult):
+            self.ranks[message.rank].result = payload
+            return
+        if isinstance(message, WorkerException):
+            self._fail(self._rebuild_exception(message, payload))
+            return
+        state = next(a for a in self.agents if a.conn is conn)
+        state.last_heard = time.monotonic()
+        if isinstance(message, WorkersStarted):
+            state.pids = message.pids
+        elif isinstance(message, WorkerExited):
+            self._on_worker_exited(state, message)
+        elif isinstance(message, AgentDone):
+            state.done = True
+
+    def _on_worker_exited(self, agent: _AgentState, message: WorkerExited) -> None:
+        assert agent.spec is not None  # noqa: S101 (workers exist only after the spec)
+        rank = agent.spec.rank_offset + message.local_rank
+        state = self.ranks[rank]
+        state.exited, state.pid = message, message.pid
+        if state.conn is not None and not state.closed:
+            # Its last bytes may still be in flight on its own connection.
+            state.settle_by = time.monotonic() + _SETTLE_TIMEOUT
+        else:
+            self._settle(rank)
+
+    def _on_closed(self, conn: Connection) -> None:
+        for state in self.agents:
+            if state.conn is conn:
+                if not (state.done or state.ended or self.stopping):
+                    self._fail(
+                        AgentFailedError(
+                            state.slots.hostname,
+                            "the connection to the agent closed unexpectedly (the agent process "
+                            "died or was killed)",
+                            state.process.stderr_tail() if state.process is not None else "",
+                        )
+                    )
+                state.ended = state.ended or not state.done
+                return
+        for rank, rank_state in enumerate(self.ranks):
+            if rank_state.conn is conn:
+                rank_state.closed = True
+                if rank_state.exited is not None:
+                    self._settle(rank)
+                return
+
+    def _settle(self, rank: int) -> None:
+        """Decide about a worker that exited: fine if it sent its outcome, else it failed."""
+        state = self.ranks[rank]
+        state.settle_by = None
+        if state.result is not None or self.stopping or state.exited is None:
+            return
+        host = self.agents[state.host_index].slots.hostname
+        exited = state.exited
+        self._fail(
+            WorkerFailedError(
+                host, state.local_rank, rank, exited.pid, exited.exitcode, exited.signal
+            )
+        )
+
+    def _rebuild_exception(self, message: WorkerException, payload: bytearray) -> BaseException:
+        state = self.ranks[message.rank]
+        host = self.agents[state.host_index].slots.hostname
+        where = (
+            f"worker rank {message.rank} (local rank {state.local_rank} on host {host!r}, "
+            f"pid {state.pid})"
+        )
+        error: BaseException | None = None
+        if message.unpicklable_result:
+            error = SerializationError(f"{message.message} (in {where})")
+        elif payload:
+            with contextlib.suppress(Exception):
+                loaded = pickle.loads(payload)  # noqa: S301 (from an authenticated worker)
+                error = loaded if isinstance(loaded, BaseException) else None
+        if error is None:
+            error = WorkerRaisedError(
+                f"{message.type_name}: {message.message} (raised in {where}; the exception "
+                "object could not be sent back, so its type is not kept)"
+            )
+        error.__cause__ = RemoteTraceback(message.traceback)
+        error.__suppress_context__ = True
+        _add_note(error, f"raised in {where}")
+        return error
+
+    def _fail(self, error: BaseException) -> None:
+        if self.stopping:
+            self.failures.others.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+        else:
+            self.failures.add(error)
+
+    def _start_timeout_error(self) -> AgentFailedError:
+        missing = next(a for a in self.agents if a.hello is None)
+        address = self.launcher.launcher_address or os.environ.get("TORCHRUNX_LAUNCHER_ADDR")
+        return AgentFailedError(
+            missing.slots.hostname,
+            "the agent did not connect back within "
+            f"start_timeout={self.launcher.start_timeout:g} s; "
+            f"can that host reach this machine on port {self.port}"
+            + (f" at {address}" if address else "")
+            + "? Set launcher_address / TORCHRUNX_LAUNCHER_ADDR to an address it can reach",
+            missing.process.stderr_tail() if missing.process is not None else "",
+        )
+
+    def _error(self) -> BaseException:
+        error = self.failures.first
+        assert error is not None  # noqa: S101 (only called after a failure)
+        if self.failures.others:
+            _add_note(
+                error, "other failures seen while stopping: " + "; ".join(self.failures.others)
+            )
+        return error
+
+    # -- stop and clean up ------------------------------------------------------------------
+
+    def _stop_all(self) -> None:
+        """Tell every agent to stop its workers and wait (bounded) until they did."""
+        self.stopping = True
+        reason = str(self.failures.first).splitlines()[0] if self.failures.first else "stopped"
+        for state in self.agents:
+            if state.conn is not None and not (state.done or state.ended):
+                with contextlib.suppress(OSError):
+                    state.conn.send(Stop(reason, _STOP_GRACE))
+        deadline = time.monotonic() + _STOP_GRACE + 5.0
+        self._wait(lambda: all(a.done or a.ended or a.conn is None for a in self.agents), deadline)
+
+    def close(self) -> None:
+        """Release everything: agents, connections, the port, and helper threads."""
+        self.closing = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        while True:  # pick up agents whose start was still under way
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(event, _Started):
+                self.agents[event.host_index].process = event.process
+        processes = [a.process for a in self.agents if a.process is not None]
+        with ThreadPoolExecutor(max_workers=max(1, len(processes))) as pool:
+            list(pool.map(lambda p: p.close(), processes))
+        with self.lock:
+            connections = list(self.connections)
+        for conn in connections:
+            conn.close()
+        for thread in self.threads:
+            thread.join(2.0)
+
+    # -- helper threads -----------------------------------------------------------------------
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        with self.lock:
+            self.threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            self._spawn(functools.partial(self._serve, sock), "torchrunx-conn")
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.settimeout(_HANDSHAKE_TIMEOUT)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            protocol.server_handshake(sock, self.secret)
+        except (OSError, ProtocolError):
+            sock.close()  # unauthenticated: dropped without reading anything more
+            return
+        sock.settimeout(None)
+        conn = Connection(sock)
+        with self.lock:
+            if self.closing:
+                conn.close()
+                return
+            self.connections.append(conn)
+        while True:
+            try:
+                message, payload = conn.recv()
+            except (OSError, ProtocolError):
+                self.events.put(_Closed(conn))
+                return
+            self.events.put(_Received(conn, message, payload))
+
+
+class _Abort(Exception):  # noqa: N818 (internal control flow, never escapes)
+    """Raised inside the event loop when a failure was recorded."""
+
+
+def _listen() -> socket.socket:
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("0.0.0.0", 0))  # noqa: S104 (agents on other hosts connect here)
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: keep the note where 3.11+ would
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]

@@ -1,0 +1,319 @@
+"""The wire protocol between launcher, agents and workers.
+
+Every connection is TCP from an agent or a worker to the launcher's listening socket.
+It starts with a mutual challenge-response handshake over a per-launch random secret, and
+nothing is unpickled from a peer before it has proved it knows that secret::
+
+    launcher (server)                                agent / worker (client)
+      accept  ── MAGIC | server nonce ──────────────▶
+              ◀── MAGIC | role | client nonce | HMAC(secret, "client", role, ns, nc) ──
+      verify  ── HMAC(secret, "server", nc, ns) ────▶ verify
+              ◀════════════ frames (both ways) ════════════▶
+
+A frame is ``!QQ`` (header length, payload length), a pickled message dataclass from this
+module, and an optional raw payload (cloudpickled user data: the function, a result, an
+exception), so large payloads are written and read without extra copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import pickle
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchrunx.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAGIC = b"TORCHRUNX/%03d\n" % PROTOCOL_VERSION
+NONCE_BYTES = 32
+MAC_BYTES = hashlib.sha256().digest_size
+SECRET_BYTES = 32
+_FRAME = struct.Struct("!QQ")
+_MAX_HEADER = 64 * 1024 * 1024
+_ROLES: dict[bytes, Literal["agent", "worker"]] = {b"A": "agent", b"W": "worker"}
+
+Role = Literal["agent", "worker"]
+
+
+# --------------------------------------------------------------------------------------------
+# Messages. Agent -> launcher, launcher -> agent, worker -> launcher.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentHello:
+    """First message of an agent: who it is and what its host offers."""
+
+    host_index: int
+    hostname: str
+    pid: int
+    slots: int
+    """Workers this host would run for ``workers_per_host="auto"`` (GPUs, else CPU cores)."""
+    free_port: int
+    """A port that was free on this host, used as ``MASTER_PORT`` if it runs rank 0."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Blueprint of the worker group an agent starts; its payload is the cloudpickled call."""
+
+    host_index: int
+    hostname: str
+    num_workers: int
+    rank_offset: int
+    world_size: int
+    num_hosts: int
+    master_addr: str
+    master_port: int
+    backend: str | None
+    timeout: int
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkersStarted:
+    """Agent: the workers were forked; their pids in local-rank order."""
+
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    """Agent: a worker process ended (seen at once through its pidfd)."""
+
+    local_rank: int
+    pid: int
+    exitcode: int | None
+    signal: int | None
+
+
+@dataclass(frozen=True)
+class AgentDone:
+    """Agent: every worker ended and was reaped; the agent exits after this."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Launcher: stop the workers (SIGTERM, then SIGKILL after the grace period) and exit."""
+
+    reason: str
+    grace_period: float = 3.0
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Either direction: I am alive."""
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """Worker: first message on its own connection."""
+
+    rank: int
+    local_rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """Worker: the function returned; the payload is the cloudpickled return value."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class WorkerException:
+    """Worker: the function raised.
+
+    The payload is the cloudpickled exception, or empty when it could not be pickled and
+    restored; the type name, message and formatted traceback always travel as text.
+    """
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    unpicklable_result: bool = False
+    """True when the function returned but its value could not be pickled."""
+
+
+Message = (
+    AgentHello
+    | WorkerSpec
+    | WorkersStarted
+    | WorkerExited
+    | AgentDone
+    | Stop
+    | Heartbeat
+    | WorkerHello
+    | WorkerResult
+    | WorkerException
+)
+_MESSAGE_TYPES = (
+    AgentHello,
+    WorkerSpec,
+    WorkersStarted,
+    WorkerExited,
+    AgentDone,
+    Stop,
+    Heartbeat,
+    WorkerHello,
+    WorkerResult,
+    WorkerException,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Handshake
+# --------------------------------------------------------------------------------------------
+
+
+def new_secret() -> bytes:
+    """A fresh random per-launch secret."""
+    return os.urandom(SECRET_BYTES)
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"|".join(parts), hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    received = 0
+    while received < size:
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            raise ConnectionError("connection closed by peer")
+        received += count
+    return buffer
+
+
+def server_handshake(sock: socket.socket, secret: bytes) -> Role:
+    """Authenticate a client that connected to the launcher; return its role.
+
+    Only fixed-size byte strings are read here: nothing is unpickled.
+
+    Raises:
+        ProtocolError: The peer does not speak the protocol or does not know the secret.
+        OSError: The connection failed or timed out.
+    """
+    server_nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(MAGIC + server_nonce)
+    reply = bytes(_recv_exact(sock, len(MAGIC) + 1 + NONCE_BYTES + MAC_BYTES))
+    magic, rest = reply[: len(MAGIC)], reply[len(MAGIC) :]
+    if magic != MAGIC:
+        raise ProtocolError(f"peer does not speak torchrunx protocol version {PROTOCOL_VERSION}")
+    role_byte, client_nonce, client_mac = (
+        rest[:1],
+        rest[1 : 1 + NONCE_BYTES],
+        rest[1 + NONCE_BYTES :],
+    )
+    expected = _mac(secret, b"client", role_byte, server_nonce, client_nonce)
+    if role_byte not in _ROLES or not hmac.compare_digest(expected, client_mac):
+        raise ProtocolError("peer failed to authenticate (wrong or missing launch secret)")
+    sock.sendall(_mac(secret, b"server", client_nonce, server_nonce))
+    return _ROLES[role_byte]
+
+
+def client_handshake(sock: socket.socket, secret: bytes, role: Role) -> None:
+    """Authenticate to the launcher and check that the launcher knows the secret too.
+
+    Raises:
+        ProtocolError: The server is not a torchrunx launcher of this launch.
+        OSError: The connection failed or timed out.
+    """
+    greeting = bytes(_recv_exact(sock, len(MAGIC) + NONCE_BYTES))
+    if greeting[: len(MAGIC)] != MAGIC:
+        raise ProtocolError(
+            f"launcher does not speak torchrunx protocol version {PROTOCOL_VERSION}"
+        )
+    server_nonce = greeting[len(MAGIC) :]
+    client_nonce = os.urandom(NONCE_BYTES)
+    role_byte = b"A" if role == "agent" else b"W"
+    mac = _mac(secret, b"client", role_byte, server_nonce, client_nonce)
+    sock.sendall(MAGIC + role_byte + client_nonce + mac)
+    server_mac = bytes(_recv_exact(sock, MAC_BYTES))
+    if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce)):
+        raise ProtocolError("launcher failed to authenticate (wrong launch secret)")
+
+
+# --------------------------------------------------------------------------------------------
+# Framed connection
+# --------------------------------------------------------------------------------------------
+
+
+class Connection:
+    """An authenticated socket that sends and receives framed messages.
+
+    Sending is safe from several threads; receiving belongs to one reader.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        """Wrap an already authenticated socket."""
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def fileno(self) -> int:
+        """The socket's file descriptor (for selectors)."""
+        return self.sock.fileno()
+
+    def send(self, message: Message, payload: bytes | memoryview = b"") -> None:
+        """Send one message and its optional raw payload.
+
+        Raises:
+            OSError: The connection is broken.
+        """
+        header = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self.sock.sendall(_FRAME.pack(len(header), len(payload)) + header)
+            if len(payload):
+                self.sock.sendall(payload)
+
+    def recv(self) -> tuple[Message, bytearray]:
+        """Receive one message and its payload (blocking, honouring the socket timeout).
+
+        Raises:
+            ConnectionError: The peer closed the connection.
+            ProtocolError: The frame is not a torchrunx message.
+            OSError: The connection is broken or timed out.
+        """
+        header_size, payload_size = _FRAME.unpack(_recv_exact(self.sock, _FRAME.size))
+        if header_size > _MAX_HEADER:
+            raise ProtocolError(f"message header of {header_size} bytes is too large")
+        message = pickle.loads(_recv_exact(self.sock, header_size))  # noqa: S301 (peer authenticated)
+        if not isinstance(message, _MESSAGE_TYPES):
+            raise ProtocolError(f"unexpected message type {type(message).__name__}")
+        payload = _recv_exact(self.sock, payload_size) if payload_size else bytearray()
+        return message, payload
+
+    def close(self) -> None:
+        """Close the socket; safe to call twice."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def connect(address: tuple[str, int], secret: bytes, role: Role, timeout: float) -> Connection:
+    """Connect to the launcher, authenticate, and return the framed connection.
+
+    Raises:
+        ProtocolError: Authentication failed.
+        OSError: The launcher cannot be reached within ``timeout`` seconds.
+    """
+    sock = socket.create_connection(address, timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_handshake(sock, secret, role)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return Connection(sock)

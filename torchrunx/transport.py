@@ -1,0 +1,464 @@
+"""Starting one agent per host: a local subprocess, or a command over SSH (paramiko).
+
+Both start the same constant command, which reads everything else from its stdin::
+
+    bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'
+        stdin: export VAR=value ...; cd CWD && source ENV_FILE && exec PYTHON -u -c BOOT <NUL>
+               {"secret": ..., "launcher": [...], ...}<newline>       (read by BOOT)
+
+so environment values and the launch secret never appear on a command line (``ps`` shows
+only the constant command and the boot code). The script is built by a pure function in
+which every value is ``shlex.quote``-d. stdin then stays open: the agent treats its EOF as
+"the launcher is gone".
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import getpass
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torchrunx.errors import AgentFailedError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import paramiko
+
+logger = logging.getLogger(__name__)
+
+AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'"""
+"""The only command line an agent is started with (constant, holds no values)."""
+
+# Runs inside the agent's interpreter: reads the bootstrap line, then hands over to the agent.
+BOOT_CODE = (
+    "import sys,json;b=json.loads(sys.stdin.buffer.readline());sys.path[:]=b['sys_path'];"
+    "import torchrunx.agent as a;a.main(b)"
+)
+
+_STDERR_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class AgentBootstrap:
+    """What an agent needs to find and join its launch; sent as one JSON line on stdin."""
+
+    host_index: int
+    hostname: str
+    launcher_address: str
+    launcher_port: int
+    secret: bytes
+    workers: int | None
+    preload_torch: bool
+    heartbeat_interval: float
+    agent_timeout: float
+    sys_path: tuple[str, ...]
+
+    def to_json_line(self) -> bytes:
+        """Encode as one line of JSON (the secret as hex)."""
+        data: dict[str, Any] = {
+            "host_index": self.host_index,
+            "hostname": self.hostname,
+            "launcher": [self.launcher_address, self.launcher_port],
+            "secret": self.secret.hex(),
+            "workers": self.workers,
+            "preload_torch": self.preload_torch,
+            "heartbeat_interval": self.heartbeat_interval,
+            "agent_timeout": self.agent_timeout,
+            "sys_path": list(self.sys_path),
+        }
+        return json.dumps(data).encode() + b"\n"
+
+
+def agent_script(*, env: dict[str, str], cwd: str, python: str, env_file: str | None) -> bytes:
+    """The shell script (one NUL-terminated string) that the agent command evaluates.
+
+    Forwarded variables are exported first, then ``env_file`` is sourced (so it can extend or
+    override them), then the interpreter replaces the shell.
+    """
+    parts: list[str] = []
+    if env:
+        exports = " ".join(f"{name}={shlex.quote(value)}" for name, value in sorted(env.items()))
+        parts.append(f"export {exports}")
+    steps = [f"cd {shlex.quote(cwd)}"]
+    if env_file is not None:
+        steps.append(f"source {shlex.quote(env_file)}")
+    steps.append(f"exec {shlex.quote(python)} -u -c {shlex.quote(BOOT_CODE)}")
+    parts.append(" && ".join(steps))
+    return ("; ".join(parts)).encode() + b"\0"
+
+
+class AgentProcess(Protocol):
+    """A started agent, as the launcher sees it: its output and its end."""
+
+    hostname: str
+
+    def stderr_tail(self) -> str:
+        """The last lines the agent (or ssh) wrote to stderr."""
+        ...
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait for the agent to end; its exit status, or ``None`` if still running."""
+        ...
+
+    def close(self) -> None:
+        """End the agent if it still runs and release everything held for it."""
+        ...
+
+
+class _OutputPump:
+    """Copies an agent's output to the launcher's stdout/stderr and keeps the stderr tail."""
+
+    def __init__(self, hostname: str) -> None:
+        self.hostname = hostname
+        self.tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
+        self.threads: list[threading.Thread] = []
+
+    def start(self, read: Callable[[], bytes], *, is_stderr: bool) -> None:
+        name = f"torchrunx-{'stderr' if is_stderr else 'stdout'}-{self.hostname}"
+        thread = threading.Thread(target=self._pump, args=(read, is_stderr), name=name, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _pump(self, read: Callable[[], bytes], is_stderr: bool) -> None:
+        target = sys.stderr if is_stderr else sys.stdout
+        pending = b""
+        while True:
+            try:
+                chunk = read()
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            self._emit(lines, target, is_stderr)
+        if pending:
+            self._emit([pending], target, is_stderr)
+
+    def _emit(self, lines: list[bytes], target: Any, is_stderr: bool) -> None:  # noqa: ANN401
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            if is_stderr:
+                self.tail.append(line)
+            with contextlib.suppress(ValueError, OSError):
+                target.write(line + "\n")
+                target.flush()
+
+    def join(self, timeout: float) -> None:
+        for thread in self.threads:
+            thread.join(timeout)
+
+
+class LocalAgent:
+    """An agent on this machine: a plain subprocess in its own session (no SSH)."""
+
+    def __init__(self, hostname: str, script: bytes, bootstrap: bytes) -> None:
+        """Start the agent and hand it its script and bootstrap on stdin.
+
+        Raises:
+            AgentFailedError: bash cannot be started.
+        """
+        self.hostname = hostname
+        self._pump = _OutputPump(hostname)
+        try:
+            self._process = subprocess.Popen(
+                ["bash", "--noprofile", "--norc", "-c", 'IFS= read -r -d "" s && eval "$s"'],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # Ctrl-C in the terminal reaches the launcher only
+            )
+        except OSError as exc:
+            raise AgentFailedError(hostname, f"cannot start the agent: {exc}") from exc
+        assert self._process.stdin is not None  # noqa: S101 (Popen with PIPE)
+        assert self._process.stdout is not None  # noqa: S101
+        assert self._process.stderr is not None  # noqa: S101
+        stdout, stderr = self._process.stdout, self._process.stderr
+        self._pump.start(lambda: os.read(stdout.fileno(), 65536), is_stderr=False)
+        self._pump.start(lambda: os.read(stderr.fileno(), 65536), is_stderr=True)
+        try:
+            self._process.stdin.write(script + bootstrap)
+            self._process.stdin.flush()
+        except OSError:
+            pass  # it died at once; wait() and stderr_tail() tell why
+
+    @property
+    def pid(self) -> int:
+        """Pid of the agent process."""
+        return self._process.pid
+
+    def stderr_tail(self) -> str:
+        """The last lines the agent wrote to stderr."""
+        self._pump.join(0.5)
+        return "\n".join(self._pump.tail)
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait for the agent to end; its exit status, or ``None`` if still running."""
+        try:
+            return self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        """Close stdin (the agent stops on EOF), then SIGKILL it if it has not ended in 5 s."""
+        if self._process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._process.stdin.close()
+        if self.wait(5.0) is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, 9)
+            self._process.wait()
+        self._pump.join(2.0)
+        for stream in (self._process.stdout, self._process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """Where and how to reach a host, resolved from the SSH config (pure data)."""
+
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    identity_files: tuple[str, ...]
+    identities_only: bool
+    known_hosts_files: tuple[str, ...]
+    strict_host_key_checking: str
+    connect_timeout: float
+    proxy_jump: str | None
+    proxy_command: str | None
+
+
+def _default_ssh_config() -> Path | None:
+    path = Path("~/.ssh/config").expanduser()
+    return path if path.is_file() else None
+
+
+def resolve_ssh_target(
+    alias: str, config_file: str | Path | None, connect_timeout: float
+) -> SshTarget:
+    """Read ``~/.ssh/config`` (or ``config_file``) for ``alias``.
+
+    Honours HostName, User, Port, IdentityFile, IdentitiesOnly, UserKnownHostsFile,
+    StrictHostKeyChecking, ConnectTimeout, ProxyJump and ProxyCommand.
+
+    Raises:
+        ValueError: The config file cannot be read or parsed.
+    """
+    import paramiko  # noqa: PLC0415 (paramiko is only needed for remote hosts)
+
+    path = Path(config_file).expanduser() if config_file is not None else _default_ssh_config()
+    config = paramiko.SSHConfig()
+    if path is not None:
+        try:
+            config = paramiko.SSHConfig.from_path(str(path))
+        except (OSError, UnicodeDecodeError, paramiko.ConfigParseError) as exc:
+            raise ValueError(f"cannot read SSH config file {str(path)!r}: {exc}") from exc
+    options = config.lookup(alias)
+    known_hosts = ["~/.ssh/known_hosts"]
+    if "userknownhostsfile" in options:
+        known_hosts = str(options["userknownhostsfile"]).split()
+    proxy_jump = options.get("proxyjump")
+    return SshTarget(
+        alias=alias,
+        hostname=str(options.get("hostname", alias)),
+        port=int(options.get("port", 22)),
+        user=str(options.get("user", getpass.getuser())),
+        identity_files=tuple(str(Path(p).expanduser()) for p in options.get("identityfile", [])),
+        identities_only=str(options.get("identitiesonly", "no")).lower() == "yes",
+        known_hosts_files=tuple(str(Path(p).expanduser()) for p in known_hosts),
+        strict_host_key_checking=str(options.get("stricthostkeychecking", "ask")).lower(),
+        connect_timeout=float(options.get("connecttimeout", connect_timeout)),
+        proxy_jump=None if proxy_jump in (None, "none") else str(proxy_jump),
+        proxy_command=options.get("proxycommand"),
+    )
+
+
+def _host_key_policy(strict: str) -> paramiko.MissingHostKeyPolicy:
+    import paramiko  # noqa: PLC0415
+
+    if strict in {"no", "off", "accept-new"}:
+        # Accepted in memory only: torchrunx never writes the user's known_hosts file.
+        return paramiko.AutoAddPolicy()
+    return paramiko.RejectPolicy()
+
+
+def ssh_connect(
+    target: SshTarget, config_file: str | Path | None, *, depth: int = 0
+) -> list[paramiko.SSHClient]:
+    """Open an authenticated SSH connection; returns the chain of clients, the target last.
+
+    ProxyJump hosts come first in the list (each resolved from the same config).
+
+    Raises:
+        AgentFailedError: The host is unreachable, its key is unknown, or authentication failed.
+    """
+    import paramiko  # noqa: PLC0415
+
+    chain: list[paramiko.SSHClient] = []
+    sock: Any = None
+    if target.proxy_jump is not None and depth < 8:
+        jump_alias = target.proxy_jump.split(",")[-1]
+        jump_user, _, jump_host = jump_alias.rpartition("@")
+        jump_target = resolve_ssh_target(jump_host, config_file, target.connect_timeout)
+        if jump_user:
+            jump_target = _replace_user(jump_target, jump_user)
+        chain = ssh_connect(jump_target, config_file, depth=depth + 1)
+        transport = chain[-1].get_transport()
+        assert transport is not None  # noqa: S101 (connected just above)
+        sock = transport.open_channel(
+            "direct-tcpip",
+            (target.hostname, target.port),
+            ("127.0.0.1", 0),
+            timeout=target.connect_timeout,
+        )
+    elif target.proxy_command is not None:
+        sock = paramiko.ProxyCommand(target.proxy_command)
+    client = paramiko.SSHClient()
+    for known_hosts in target.known_hosts_files:
+        if Path(known_hosts).is_file():
+            client.get_host_keys().load(known_hosts)
+    client.set_missing_host_key_policy(_host_key_policy(target.strict_host_key_checking))
+    try:
+        client.connect(
+            target.hostname,
+            port=target.port,
+            username=target.user,
+            key_filename=list(target.identity_files) or None,
+            look_for_keys=not target.identities_only,
+            allow_agent=not target.identities_only,
+            timeout=target.connect_timeout,
+            banner_timeout=target.connect_timeout,
+            auth_timeout=target.connect_timeout,
+            channel_timeout=target.connect_timeout,
+            sock=sock,
+        )
+    except (paramiko.SSHException, OSError, EOFError) as exc:
+        _close_all([client, *chain])
+        raise _ssh_error(target, exc) from exc
+    return [*chain, client]
+
+
+def _ssh_error(target: SshTarget, exc: BaseException) -> AgentFailedError:
+    """Translate a paramiko/socket error into an AgentFailedError that says what to do."""
+    import paramiko  # noqa: PLC0415
+
+    where = f"{target.user}@{target.hostname}:{target.port}"
+    if isinstance(exc, paramiko.AuthenticationException):
+        reason = (
+            f"SSH authentication failed for {where}: {exc}; check IdentityFile/User in your "
+            "SSH config, or that your key is in the host's authorized_keys"
+        )
+    elif isinstance(exc, paramiko.BadHostKeyException):
+        reason = f"host key of {where} does not match known_hosts: {exc}"
+    elif isinstance(exc, paramiko.SSHException):
+        hint = ""
+        if "known_hosts" in str(exc):
+            hint = (
+                "; connect once with `ssh` to record its key, or set "
+                "StrictHostKeyChecking accept-new for this host in your SSH config"
+            )
+        reason = f"SSH to {where} failed: {exc}{hint}"
+    else:
+        what = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
+        reason = (
+            f"cannot connect to {where} ({what}, connect timeout {target.connect_timeout:g} s); "
+            "is the host up and reachable?"
+        )
+    return AgentFailedError(target.alias, reason)
+
+
+def _replace_user(target: SshTarget, user: str) -> SshTarget:
+    fields = {**target.__dict__, "user": user}
+    return SshTarget(**fields)
+
+
+def _close_all(clients: list[paramiko.SSHClient]) -> None:
+    for client in reversed(clients):
+        with contextlib.suppress(Exception):
+            client.close()
+
+
+class SshAgent:
+    """An agent on a remote host, started with paramiko over one SSH connection."""
+
+    def __init__(
+        self,
+        hostname: str,
+        script: bytes,
+        bootstrap_for: Callable[[str], bytes],
+        config_file: str | Path | None,
+        connect_timeout: float,
+    ) -> None:
+        """Connect, start the agent command and hand it its script and bootstrap on stdin.
+
+        ``bootstrap_for`` builds the bootstrap line from the launcher address that this
+        connection's local end has (the address the host can reach the launcher on).
+
+        Raises:
+            AgentFailedError: SSH failed, or the command could not be started.
+        """
+        import paramiko  # noqa: PLC0415
+
+        self.hostname = hostname
+        self._pump = _OutputPump(hostname)
+        target = resolve_ssh_target(hostname, config_file, connect_timeout)
+        self._clients = ssh_connect(target, config_file)
+        transport = self._clients[-1].get_transport()
+        assert transport is not None  # noqa: S101 (connected)
+        try:
+            self._channel = transport.open_session(timeout=connect_timeout)
+            self._channel.exec_command(AGENT_COMMAND)
+            self._pump.start(lambda: self._channel.recv(65536), is_stderr=False)
+            self._pump.start(lambda: self._channel.recv_stderr(65536), is_stderr=True)
+            self._channel.sendall(script + bootstrap_for(self._local_address(transport)))
+        except (paramiko.SSHException, OSError) as exc:
+            _close_all(self._clients)
+            raise AgentFailedError(hostname, f"cannot start the agent over SSH: {exc}") from exc
+
+    def _local_address(self, transport: paramiko.Transport) -> str:
+        import paramiko  # noqa: PLC0415
+
+        sock = transport.sock
+        if isinstance(sock, paramiko.Channel) or not hasattr(sock, "getsockname"):
+            # Through a proxy: the first hop's local address is our best guess.
+            first = self._clients[0].get_transport()
+            sock = first.sock if first is not None else sock
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            address = str(sock.getsockname()[0])
+            return address.removeprefix("::ffff:")
+        return "127.0.0.1"
+
+    def stderr_tail(self) -> str:
+        """The last lines the agent (or the remote shell) wrote to stderr."""
+        self._pump.join(0.5)
+        return "\n".join(self._pump.tail)
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait for the remote command to end; its exit status, or ``None`` if still running."""
+        if not self._channel.status_event.wait(timeout):
+            return None
+        return int(self._channel.recv_exit_status())
+
+    def close(self) -> None:
+        """Close the channel (the agent sees EOF on stdin and stops) and the SSH connection."""
+        with contextlib.suppress(Exception):
+            self._channel.shutdown_write()
+        self.wait(5.0)
+        with contextlib.suppress(Exception):
+            self._channel.close()
+        self._pump.join(2.0)
+        _close_all(self._clients)

@@ -1,0 +1,114 @@
+"""The worker: runs the user's function in one rank and sends its outcome to the launcher.
+
+A worker is forked by its agent (so torch is already imported), opens its own
+authenticated connection to the launcher, joins the process group, calls the function, and
+sends back exactly one message: :class:`WorkerResult` (the cloudpickled return value as a
+raw payload, straight to the launcher) or :class:`WorkerException`. ``sys.exit(n)`` in the
+function ends the worker with code ``n`` and no message; the agent reports that exit.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import pickle
+import sys
+import traceback
+from typing import Any
+
+import cloudpickle
+
+from torchrunx import protocol
+from torchrunx.env import worker_env
+from torchrunx.protocol import WorkerException, WorkerHello, WorkerResult, WorkerSpec
+
+_EXIT_RAISED = 1
+
+
+def _init_process_group(backend: str, spec: WorkerSpec, rank: int, local_rank: int) -> None:
+    import torch  # noqa: PLC0415 (workers with backend=None never import torch)
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=dt.timedelta(seconds=spec.timeout),
+    )
+
+
+def _destroy_process_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _exception_message(
+    rank: int, exc: BaseException, *, unpicklable_result: bool = False
+) -> tuple[WorkerException, bytes]:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        payload = cloudpickle.dumps(exc)
+        pickle.loads(payload)  # noqa: S301 (our own bytes: checks the exception can be rebuilt)
+    except Exception:  # noqa: BLE001 (any failure means: send the text only)
+        payload = b""
+    message = WorkerException(
+        rank=rank,
+        type_name=type(exc).__qualname__,
+        message=str(exc),
+        traceback=text,
+        unpicklable_result=unpicklable_result,
+    )
+    return message, payload
+
+
+def run(boot: dict[str, Any], spec: WorkerSpec, payload: bytearray, local_rank: int) -> int:
+    """Run one rank; returns the process exit code."""
+    rank = spec.rank_offset + local_rank
+    os.environ.update(spec.env)
+    os.environ.update(
+        worker_env(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=spec.world_size,
+            local_world_size=spec.num_workers,
+            group_rank=spec.host_index,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+        )
+    )
+    secret = bytes.fromhex(boot["secret"])
+    address = (boot["launcher"][0], int(boot["launcher"][1]))
+    conn = protocol.connect(address, secret, "worker", timeout=float(boot["agent_timeout"]) * 2)
+    conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid()))
+    try:
+        func, args, kwargs = pickle.loads(payload)  # noqa: S301 (from the authenticated launcher)
+        del payload
+        if spec.backend is not None:
+            _init_process_group(spec.backend, spec, rank, local_rank)
+        result = func(*args, **kwargs)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:  # noqa: BLE001 (every failure goes back to the launcher)
+        message, data = _exception_message(rank, exc)
+        conn.send(message, data)
+        return _EXIT_RAISED
+    try:
+        data = cloudpickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 (reported as a SerializationError)
+        error = TypeError(
+            f"the return value of rank {rank} ({type(result).__qualname__}) cannot be pickled: "
+            f"{exc}"
+        )
+        message, blob = _exception_message(rank, error, unpicklable_result=True)
+        conn.send(message, blob)
+        return _EXIT_RAISED
+    conn.send(WorkerResult(rank=rank), data)
+    conn.close()
+    _destroy_process_group()
+    return 0
