@@ -28,3 +28,33 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
     test_cluster = start_cluster(2, tmp_path_factory.mktemp("cluster"))
     yield test_cluster
     test_cluster.stop()
+
+
+def torchrunx_processes() -> list[str]:
+    """Live (non-zombie) agents and workers on this machine, test hosts included.
+
+    The test hosts share this machine's pid namespace, so one look covers every host. Agents
+    run ``python -c BOOT`` whose code names ``torchrunx.agent``; workers are forks of agents
+    and keep that command line.
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "torchrunx.agent" in cmdline and state != "Z":
+            found.append(f"{entry}: {cmdline[:120]}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes() -> Iterator[None]:
+    """After every test: no agent or worker may be left on any host."""
+    yield
+    assert torchrunx_processes() == []

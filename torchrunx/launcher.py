@@ -700,8 +700,11 @@ class _Launch:
             if isinstance(event, _Started):
                 self.agents[event.host_index].process = event.process
         processes = [a.process for a in self.agents if a.process is not None]
-        with ThreadPoolExecutor(max_workers=max(1, len(processes))) as pool:
-            list(pool.map(lambda p: p.close(), processes))
+        closers = [threading.Thread(target=p.close, name="torchrunx-close") for p in processes]
+        for closer in closers:
+            closer.start()
+        for closer in closers:
+            closer.join()
         with self.lock:
             connections = list(self.connections)
         for conn in connections:

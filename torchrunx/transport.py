@@ -160,6 +160,15 @@ class _OutputPump:
             thread.join(timeout)
 
 
+# What a fresh SSH login would have; everything else must be forwarded explicitly, so a
+# local agent sees the same environment as a remote one.
+_LOGIN_VARIABLES = ("HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "PATH")
+
+
+def _login_environment() -> dict[str, str]:
+    return {name: os.environ[name] for name in _LOGIN_VARIABLES if name in os.environ}
+
+
 class LocalAgent:
     """An agent on this machine: a plain subprocess in its own session (no SSH)."""
 
@@ -178,6 +187,7 @@ class LocalAgent:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # Ctrl-C in the terminal reaches the launcher only
+                env=_login_environment(),
             )
         except OSError as exc:
             raise AgentFailedError(hostname, f"cannot start the agent: {exc}") from exc

@@ -1,0 +1,133 @@
+"""The public surface: exports, Launcher fields, LaunchResult, validation before any start."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import typing
+
+import pytest
+
+import torchrunx as trx
+from torchrunx.results import LaunchResult
+
+
+def test_exports_are_sorted_and_complete():
+    assert trx.__all__ == sorted(trx.__all__)
+    for name in trx.__all__:
+        assert hasattr(trx, name), name
+    assert {"Launcher", "launch", "LaunchResult", "AgentFailedError", "WorkerFailedError"} <= set(
+        trx.__all__
+    )
+
+
+def test_launcher_fields_and_defaults():
+    fields = {f.name: f.default for f in dataclasses.fields(trx.Launcher)}
+    assert fields["hostnames"] == "auto"
+    assert fields["workers_per_host"] == "auto"
+    assert fields["ssh_config_file"] is None
+    assert fields["backend"] == "auto"
+    assert fields["timeout"] == 600
+    assert fields["default_env_vars"] == (
+        "PATH",
+        "LD_LIBRARY_PATH",
+        "LIBRARY_PATH",
+        "PYTHON*",
+        "CUDA*",
+        "TORCH*",
+        "PYTORCH*",
+        "NCCL*",
+    )
+    assert fields["extra_env_vars"] == ()
+    assert fields["env_file"] is None
+    hints = typing.get_type_hints(trx.Launcher)
+    assert typing.Literal["nccl", "gloo", "mpi", "ucc", "auto"] in typing.get_args(hints["backend"])
+
+
+def test_every_launcher_field_has_a_docstring():
+    # tyro turns these attribute docstrings into --help text.
+    import ast
+    import inspect
+
+    source = inspect.getsource(trx.Launcher)
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    documented = set()
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
+            documented.add(node.target.id)  # type: ignore[union-attr]
+    assert documented == {f.name for f in dataclasses.fields(trx.Launcher)}
+
+
+def _result() -> LaunchResult[str]:
+    return LaunchResult(("a", "b", "a"), (("a0", "a1"), ("b0",), ("a2",)))
+
+
+def test_launch_result_rank_and_results():
+    result = _result()
+    assert [result.rank(i) for i in range(4)] == ["a0", "a1", "b0", "a2"]
+    assert result.ranks == ["a0", "a1", "b0", "a2"]
+    # Duplicate hostnames: nothing is lost; the name's list continues in rank order.
+    assert result.results == {"a": ["a0", "a1", "a2"], "b": ["b0"]}
+    assert list(result.results) == ["a", "b"]
+    assert result.index("a", 2) == "a2"
+    assert result.index("b", 0) == "b0"
+    assert result.per_host[2] == ("a2",)
+
+
+def test_launch_result_errors_name_what_exists():
+    result = _result()
+    with pytest.raises(IndexError, match=r"ranks 0\.\.3"):
+        result.rank(4)
+    with pytest.raises(KeyError, match="was not part of this launch"):
+        result.index("c", 0)
+    with pytest.raises(IndexError, match="ran 1 workers"):
+        result.index("b", 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"hostnames": []}, ValueError, "non-empty list"),
+        ({"hostnames": "node1"}, ValueError, "give a list of hostnames"),
+        ({"hostnames": ["a b"]}, ValueError, "invalid host name"),
+        ({"workers_per_host": 0}, ValueError, "positive integers"),
+        ({"workers_per_host": -2}, ValueError, "positive integers"),
+        (
+            {"hostnames": ["a", "b"], "workers_per_host": [1]},
+            ValueError,
+            "1 entries but hostnames has 2",
+        ),
+        ({"backend": "tcp"}, ValueError, "backend='tcp'"),
+        ({"timeout": 0}, ValueError, "timeout must be a positive"),
+        (
+            {"env_file": "/nonexistent/env.sh"},
+            ValueError,
+            "env_file '/nonexistent/env.sh' does not exist",
+        ),
+        ({"ssh_config_file": "/nonexistent/ssh_config"}, ValueError, "ssh_config_file"),
+        ({"extra_env_vars": "FOO*"}, TypeError, "tuple of fnmatch patterns"),
+    ],
+)
+def test_bad_fields_fail_before_any_host_is_touched(fields, error, match):
+    # Unreachable hosts prove nothing was started: the error comes from validation alone.
+    fields = {"hostnames": ["unreachable.invalid"], "workers_per_host": 1, **fields}
+    with pytest.raises(error, match=match):
+        trx.Launcher(**fields).run(print)
+
+
+def test_func_must_be_callable():
+    with pytest.raises(TypeError, match="func must be callable"):
+        trx.Launcher(hostnames=["unreachable.invalid"]).run(42)  # type: ignore[arg-type]
+
+
+def test_unpicklable_argument_is_a_clear_error_before_start():
+    lock = threading.Lock()
+    with pytest.raises(
+        trx.SerializationError, match="cannot pickle the function .* or its arguments"
+    ):
+        trx.launch(print, (lock,), hostnames=["unreachable.invalid"], workers_per_host=1)
+
+
+def test_unknown_launch_field():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'hostname'"):
+        trx.launch(print, hostname=["localhost"])

@@ -1,0 +1,232 @@
+"""Launches over real SSH on the namespace test hosts (node1, node2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+
+import pytest
+
+import torchrunx as trx
+
+pytestmark = pytest.mark.cluster
+
+
+def where_am_i() -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    return {
+        "host": socket.gethostname(),
+        "rank": int(os.environ["RANK"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "world": int(os.environ["WORLD_SIZE"]),
+        "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
+        "group_rank": int(os.environ["GROUP_RANK"]),
+        "sum": total.item(),
+    }
+
+
+def test_two_hosts_over_ssh_with_uneven_workers(cluster):
+    result = trx.launch(
+        where_am_i,
+        hostnames=cluster.names(),
+        workers_per_host=[1, 2],
+        backend="gloo",
+        ssh_config_file=cluster.ssh_config,
+    )
+    assert [r["host"] for r in result.ranks] == ["node1", "node2", "node2"]
+    assert [(r["rank"], r["local_rank"], r["group_rank"]) for r in result.ranks] == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 1, 1),
+    ]
+    assert all(r["world"] == 3 and r["sum"] == 3.0 for r in result.ranks)
+    assert [r["local_world"] for r in result.ranks] == [1, 2, 2]
+    assert result.index("node2", 1)["rank"] == 2
+    assert list(result.results) == ["node1", "node2"]
+
+
+def test_localhost_and_remote_hosts_in_one_group(cluster):
+    result = trx.launch(
+        where_am_i,
+        hostnames=["localhost", *cluster.names()],
+        workers_per_host=1,
+        backend="gloo",
+        ssh_config_file=cluster.ssh_config,
+    )
+    assert [r["host"] for r in result.ranks] == [socket.gethostname(), "node1", "node2"]
+    assert all(r["sum"] == 3.0 for r in result.ranks)
+
+
+class RemoteError(Exception):
+    pass
+
+
+def fail_on_node2() -> None:
+    import torch.distributed as dist
+
+    if socket.gethostname() == "node2":
+        raise RemoteError(f"failed on {socket.gethostname()}")
+    dist.barrier()
+
+
+def test_remote_exception_keeps_type_and_names_the_host(cluster):
+    started = time.monotonic()
+    with pytest.raises(RemoteError, match="failed on node2") as info:
+        trx.launch(
+            fail_on_node2,
+            hostnames=cluster.names(),
+            workers_per_host=1,
+            backend="gloo",
+            ssh_config_file=cluster.ssh_config,
+            timeout=120,
+        )
+    assert any("host 'node2'" in note and "rank 1" in note for note in info.value.__notes__)
+    assert time.monotonic() - started < 60  # node1 waited in barrier(); it was stopped
+
+
+def kill_my_agent_on_node2() -> None:
+    if socket.gethostname() == "node2":
+        os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(120)
+
+
+def test_agent_killed_mid_run_is_an_agent_failed_error(cluster):
+    started = time.monotonic()
+    with pytest.raises(trx.AgentFailedError, match="agent on host 'node2' failed") as info:
+        trx.launch(
+            kill_my_agent_on_node2,
+            hostnames=cluster.names(),
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+        )
+    assert info.value.hostname == "node2"
+    assert time.monotonic() - started < 60
+
+
+def test_worker_sigkill_on_a_remote_host(cluster):
+    def die() -> None:
+        if os.environ["RANK"] == "2":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+
+    with pytest.raises(trx.WorkerFailedError, match="SIGKILL") as info:
+        trx.launch(
+            die,
+            hostnames=cluster.names(),
+            workers_per_host=[1, 2],
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+        )
+    assert (info.value.hostname, info.value.rank, info.value.local_rank) == ("node2", 2, 1)
+
+
+def test_unreachable_host_fails_quickly_with_the_reason(cluster):
+    started = time.monotonic()
+    with pytest.raises(
+        trx.AgentFailedError, match=r"cannot connect to root@10\.200\.0\.250:22 \(timed out"
+    ) as info:
+        trx.launch(
+            print,
+            hostnames=["node1", "unreachable"],
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+        )
+    assert info.value.hostname == "unreachable"
+    assert time.monotonic() - started < 30  # ConnectTimeout 2 s in the test ssh config
+
+
+def test_wrong_key_is_refused_with_the_reason(cluster):
+    with pytest.raises(
+        trx.AgentFailedError, match="SSH authentication failed for root@10.200.0.11:22"
+    ):
+        trx.launch(
+            print,
+            hostnames=["node1"],
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.bad_key_ssh_config,
+        )
+
+
+def test_missing_interpreter_is_a_clear_error(cluster, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python3")
+    with pytest.raises(
+        trx.AgentFailedError, match="is /nonexistent/bin/python3 present on that host"
+    ) as info:
+        trx.launch(
+            print,
+            hostnames=["node1"],
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+        )
+    assert "No such file or directory" in info.value.stderr
+
+
+def test_no_secret_or_environment_value_on_any_command_line(cluster, monkeypatch):
+    monkeypatch.setenv("TORCH_SECRET_TOKEN", "hunter2-value-that-must-not-leak")
+
+    def scan_command_lines() -> list[str]:
+        leaks = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if b"hunter2" in cmdline or b"secret" in cmdline:
+                leaks.append(cmdline.decode(errors="replace"))
+        assert os.environ["TORCH_SECRET_TOKEN"].startswith("hunter2")
+        return leaks
+
+    result = trx.launch(
+        scan_command_lines,
+        hostnames=cluster.names(),
+        workers_per_host=1,
+        backend=None,
+        ssh_config_file=cluster.ssh_config,
+    )
+    assert result.ranks == [[], []]
+
+
+def test_cut_link_is_noticed_within_agent_timeout(cluster):
+    def sleep_then_return() -> str:
+        time.sleep(30)
+        return socket.gethostname()
+
+    host = cluster.hosts[1]
+    import threading
+
+    timer = threading.Timer(3.0, cluster.cut_link, args=(host,))
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(trx.AgentFailedError, match="no heartbeat for") as info:
+            trx.launch(
+                sleep_then_return,
+                hostnames=cluster.names(),
+                workers_per_host=1,
+                backend=None,
+                ssh_config_file=cluster.ssh_config,
+                agent_timeout=2,
+            )
+        assert info.value.hostname == "node2"
+        assert time.monotonic() - started < 25
+    finally:
+        timer.join()
+        cluster.restore_link(host)
+    # The cut-off agent notices the silence too and stops its workers by itself.
+    deadline = time.monotonic() + 15
+    from conftest import torchrunx_processes
+
+    while torchrunx_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)

@@ -1,0 +1,271 @@
+"""Launches on localhost: real agents, forked workers, gloo groups and real faults."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import torchrunx as trx
+from torchrunx import launcher as launcher_module
+
+LOCAL = {"hostnames": ["localhost"], "workers_per_host": 2, "backend": "gloo"}
+
+
+def rank_info() -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "env": {
+            k: os.environ[k]
+            for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+        },
+        "sum": total.item(),
+        "pid": os.getpid(),
+        "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]),
+    }
+
+
+def test_localhost_gloo_collectives_and_results():
+    result = trx.Launcher(**LOCAL).run(rank_info)
+    assert [r["rank"] for r in result.ranks] == [0, 1]
+    assert all(r["world"] == 2 and r["sum"] == 3.0 for r in result.ranks)
+    assert result.rank(1)["env"] == {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+    }
+    assert result.index("localhost", 1) == result.rank(1)
+    assert list(result.results) == ["localhost"]
+    assert result.rank(0)["pid"] != result.rank(1)["pid"] != os.getpid()
+    assert result.rank(0)["master"][1] != "29500"
+
+
+def add(a: int, b: int, *, scale: int = 1) -> int:
+    return (a + b) * scale + int(os.environ["RANK"])
+
+
+def test_arguments_and_per_rank_return_values_and_consecutive_launches():
+    first = trx.launch(
+        add, (1, 2), {"scale": 10}, hostnames=["localhost"], workers_per_host=3, backend=None
+    )
+    assert first.ranks == [30, 31, 32]
+    second = trx.Launcher(hostnames=["localhost"], workers_per_host=1, backend=None).run(add, 5, 6)
+    assert second.ranks == [11]
+
+
+def test_duplicate_hostnames_keep_every_result():
+    result = trx.launch(
+        add, (0, 0), hostnames=["localhost", "localhost"], workers_per_host=[1, 2], backend="gloo"
+    )
+    assert result.ranks == [0, 1, 2]
+    assert result.results == {"localhost": [0, 1, 2]}
+    assert result.per_host == ((0,), (1, 2))
+
+
+def test_auto_workers_is_one_per_cpu_core_without_gpus():
+    result = trx.launch(
+        lambda: os.environ["LOCAL_WORLD_SIZE"], hostnames=["localhost"], backend=None
+    )
+    assert result.ranks == [str(len(os.sched_getaffinity(0)))] * len(os.sched_getaffinity(0))
+
+
+class RankOneError(Exception):
+    pass
+
+
+def raise_on_rank_one() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RankOneError("rank one is unhappy")
+    dist.barrier()
+
+
+def test_worker_exception_keeps_its_type_and_remote_traceback():
+    with pytest.raises(RankOneError, match="rank one is unhappy") as info:
+        trx.Launcher(**LOCAL).run(raise_on_rank_one)
+    cause = info.value.__cause__
+    assert type(cause).__name__ == "RemoteTraceback"
+    assert "raise_on_rank_one" in str(cause) and 'raise RankOneError("rank one is unhappy")' in str(
+        cause
+    )
+    assert any("rank 1" in note and "localhost" in note for note in info.value.__notes__)
+
+
+def rank_zero_fails_while_one_waits() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(0.5)
+        raise ValueError("rank zero failed")
+    dist.barrier()
+
+
+def test_rank_zero_fails_while_rank_one_waits_in_barrier_fails_fast():
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="rank zero failed"):
+        trx.Launcher(**{**LOCAL, "timeout": 120}).run(rank_zero_fails_while_one_waits)
+    # Behaviour, not speed: the launch must not sit in the barrier until the 120 s timeout.
+    assert time.monotonic() - started < 60
+
+
+def kill_self_on_rank_one(how: str) -> None:
+    import ctypes
+    import signal
+
+    if os.environ["RANK"] == "1":
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif how == "segfault":
+            ctypes.string_at(0)
+        else:
+            sys.exit(3)
+    time.sleep(120)
+
+
+@pytest.mark.parametrize(
+    ("how", "described"),
+    [
+        ("sigkill", "signal 9 (SIGKILL)"),
+        ("segfault", "signal 11 (SIGSEGV)"),
+        ("exit", "exit code 3"),
+    ],
+)
+def test_worker_death_is_a_worker_failed_error(how, described):
+    started = time.monotonic()
+    with pytest.raises(trx.WorkerFailedError) as info:
+        trx.Launcher(**LOCAL).run(kill_self_on_rank_one, how)
+    error = info.value
+    assert described in str(error)
+    assert (error.hostname, error.local_rank, error.rank) == ("localhost", 1, 1)
+    assert error.pid > 0
+    if how == "exit":
+        assert (error.exitcode, error.signal, error.signal_name) == (3, None, None)
+    else:
+        assert error.exitcode is None
+        assert error.signal_name == {"sigkill": "SIGKILL", "segfault": "SIGSEGV"}[how]
+    assert time.monotonic() - started < 60  # rank 0 sleeps 120 s: it was stopped, not waited for
+
+
+def test_unpicklable_return_value_is_a_serialization_error():
+    with pytest.raises(trx.SerializationError, match="return value of rank 0 .*cannot be pickled"):
+        trx.launch(threading.Lock, hostnames=["localhost"], workers_per_host=1, backend=None)
+
+
+def test_environment_forwarding_extra_vars_and_env_file(tmp_path, monkeypatch):
+    env_file = tmp_path / "env.sh"
+    env_file.write_text('export FROM_ENV_FILE="sourced $MY_EXTRA_VAR"\n')
+    monkeypatch.setenv("MY_EXTRA_VAR", "extra value; with $(specials)")
+    monkeypatch.setenv("TORCH_TEST_VAR", "default pattern")
+    monkeypatch.setenv("NOT_FORWARDED", "nope")
+
+    def read_env() -> dict[str, str | None]:
+        return {
+            k: os.environ.get(k)
+            for k in ("MY_EXTRA_VAR", "TORCH_TEST_VAR", "NOT_FORWARDED", "FROM_ENV_FILE")
+        }
+
+    result = trx.launch(
+        read_env,
+        hostnames=["localhost"],
+        workers_per_host=1,
+        backend=None,
+        extra_env_vars=("MY_*",),
+        env_file=env_file,
+    )
+    assert result.rank(0) == {
+        "MY_EXTRA_VAR": "extra value; with $(specials)",
+        "TORCH_TEST_VAR": "default pattern",
+        "NOT_FORWARDED": None,
+        "FROM_ENV_FILE": "sourced extra value; with $(specials)",
+    }
+
+
+def test_main_module_exception_class_and_function_round_trip(tmp_path):
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torchrunx as trx
+
+            class MainError(Exception):
+                pass
+
+            def fail():
+                import os
+                if os.environ["RANK"] == "1":
+                    raise MainError("defined in __main__")
+                return 0
+
+            if __name__ == "__main__":
+                try:
+                    trx.launch(fail, hostnames=["localhost"], workers_per_host=2, backend=None)
+                except MainError as e:
+                    print("caught MainError:", e, "| cause:", type(e.__cause__).__name__)
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert "caught MainError: defined in __main__ | cause: RemoteTraceback" in out.stdout, (
+        out.stderr
+    )
+
+
+def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(tmp_path, monkeypatch):
+    listeners: list[socket.socket] = []
+    real_listen = launcher_module._listen
+
+    def spy_listen() -> socket.socket:
+        listeners.append(real_listen())
+        return listeners[-1]
+
+    monkeypatch.setattr(launcher_module, "_listen", spy_listen)
+    marker = tmp_path / "unpickled"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    outcome: dict[str, object] = {}
+
+    def run_launch() -> None:
+        outcome["result"] = trx.launch(
+            time.sleep, (4,), hostnames=["localhost"], workers_per_host=1, backend=None
+        )
+
+    thread = threading.Thread(target=run_launch)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not listeners and time.monotonic() < deadline:
+        time.sleep(0.05)
+    port = listeners[0].getsockname()[1]
+    evil = pickle.dumps(Evil())
+    for attempt in (evil, b"TORCHRUNX/001\n" + b"W" + b"\0" * 64 + evil):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.recv(64)  # the launcher's greeting
+            sock.sendall(attempt)
+            sock.settimeout(10)
+            try:  # refused: the launcher closed the connection (FIN, or RST as data was unread)
+                assert sock.recv(1024) == b""
+            except ConnectionResetError:
+                pass
+    thread.join(60)
+    assert outcome["result"].ranks == [None]  # the launch itself was not disturbed
+    assert not marker.exists()

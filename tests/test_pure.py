@@ -1,0 +1,160 @@
+"""Pure logic: command builders with hostile values, env selection, slots, handshake."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+
+import pytest
+
+from torchrunx import hosts, protocol
+from torchrunx.env import forwarded_env
+from torchrunx.errors import ProtocolError, WorkerFailedError
+from torchrunx.transport import AGENT_COMMAND, agent_script
+
+HOSTILE = [
+    "a b",
+    "it's",
+    'say "hi"',
+    "x; rm -rf /tmp/nope",
+    "$(touch /tmp/pwned)",
+    "`id`",
+    "new\nline",
+    "tab\tback\\slash",
+    "",
+]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_agent_script_keeps_hostile_values_intact(value, tmp_path):
+    # The real agent command and script, with an "interpreter" that prints what it got.
+    workdir = tmp_path / "work dir; $(touch pwned)"
+    workdir.mkdir()
+    fake_python = tmp_path / "fake python"
+    fake_python.write_text('#!/bin/sh\nprintf "%s|" "$TRX_VALUE" "$1" "$2"; pwd\n')
+    fake_python.chmod(0o755)
+    env_file = tmp_path / "env file.sh"
+    env_file.write_text('export TRX_VALUE="$TRX_VALUE"\n')
+    script = agent_script(
+        env={"TRX_VALUE": value}, cwd=str(workdir), python=str(fake_python), env_file=str(env_file)
+    )
+    out = subprocess.run(
+        ["bash", "-c", AGENT_COMMAND], input=script, capture_output=True, check=True
+    )
+    assert out.stdout.decode() == f"{value}|-u|-c|{workdir}\n"
+    assert not (tmp_path / "pwned").exists()
+    assert not (workdir / "pwned").exists()
+
+
+def test_agent_script_has_no_values_on_the_command_line():
+    script = agent_script(
+        env={"SECRET_TOKEN": "hunter2"}, cwd="/w", python="/py", env_file="/e v.sh"
+    )
+    assert "hunter2" not in AGENT_COMMAND
+    text = script.decode()
+    assert text.endswith("\0")
+    assert "export SECRET_TOKEN=hunter2;" in text
+    assert "source '/e v.sh'" in text
+    assert text.index("export") < text.index("source") < text.index("exec /py -u -c")
+
+
+def test_forwarded_env_patterns():
+    environ = {
+        "PATH": "/bin",
+        "CUDA_HOME": "/c",
+        "MY_VAR": "1",
+        "RANK": "3",
+        "TORCH_X": "y",
+        "OTHER": "z",
+    }
+    assert forwarded_env(("PATH", "CUDA*", "TORCH*"), environ) == {
+        "PATH": "/bin",
+        "CUDA_HOME": "/c",
+        "TORCH_X": "y",
+    }
+    assert forwarded_env(("MY_*", "RANK"), environ) == {"MY_VAR": "1"}  # RANK is per worker
+
+
+def test_resolve_slots():
+    assert hosts.resolve_slots(["a", "b"], 2) == [hosts.HostSlots("a", 2), hosts.HostSlots("b", 2)]
+    assert hosts.resolve_slots(["a", "b"], [1, 3]) == [
+        hosts.HostSlots("a", 1),
+        hosts.HostSlots("b", 3),
+    ]
+    assert hosts.resolve_slots(["a"], "auto") == [hosts.HostSlots("a", None)]
+    with pytest.raises(ValueError, match="3 entries but there are 2 hosts"):
+        hosts.resolve_slots(["a", "b"], [1, 2, 3])
+
+
+def test_slurm_outside_an_allocation(monkeypatch):
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+    assert hosts.resolve_hostnames("auto") == ["localhost"]
+    with pytest.raises(RuntimeError, match="no SLURM allocation was detected"):
+        hosts.resolve_hostnames("slurm")
+    with pytest.raises(RuntimeError, match="no SLURM allocation was detected"):
+        hosts.resolve_slots(["localhost"], "slurm")
+
+
+def test_count_local_slots():
+    assert hosts.count_local_slots({"CUDA_VISIBLE_DEVICES": "0,3"}) == 2
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    assert hosts.count_local_slots({"CUDA_VISIBLE_DEVICES": ""}) == cpus
+    assert hosts.count_local_slots({"CUDA_VISIBLE_DEVICES": "-1"}) == cpus
+
+
+def test_is_local_host():
+    assert hosts.is_local_host("localhost")
+    assert hosts.is_local_host("127.0.0.1")
+    assert hosts.is_local_host(socket.gethostname())
+    assert not hosts.is_local_host("unreachable.invalid")
+
+
+def test_worker_failed_error_names_the_signal():
+    error = WorkerFailedError("node1", 1, 3, 1234, None, 9)
+    assert error.signal_name == "SIGKILL"
+    assert "rank 3" in str(error) and "node1" in str(error) and "pid 1234" in str(error)
+    assert "signal 9 (SIGKILL)" in str(error)
+
+
+def _serve(sock: socket.socket, secret: bytes, outcome: list[object]) -> None:
+    try:
+        outcome.append(protocol.server_handshake(sock, secret))
+    except ProtocolError as exc:
+        outcome.append(exc)
+        sock.close()  # as the launcher does: drop the peer
+
+
+@pytest.mark.parametrize("client_secret", [b"x" * 32, b""])
+def test_handshake_rejects_a_wrong_secret(client_secret):
+    server, client = socket.socketpair()
+    outcome: list[object] = []
+    thread = threading.Thread(target=_serve, args=(server, b"s" * 32, outcome))
+    thread.start()
+    with pytest.raises((ProtocolError, ConnectionError)):
+        protocol.client_handshake(client, client_secret, "worker")
+        client.close()
+    thread.join()
+    assert isinstance(outcome[0], ProtocolError)
+    assert "failed to authenticate" in str(outcome[0])
+    client.close()
+
+
+def test_handshake_accepts_the_right_secret_both_ways():
+    server, client = socket.socketpair()
+    outcome: list[object] = []
+    thread = threading.Thread(target=_serve, args=(server, b"s" * 32, outcome))
+    thread.start()
+    protocol.client_handshake(client, b"s" * 32, "agent")
+    thread.join()
+    assert outcome == ["agent"]
+    sender, receiver = protocol.Connection(server), protocol.Connection(client)
+    sender.send(protocol.WorkerResult(rank=3), b"payload")
+    message, payload = receiver.recv()
+    assert message == protocol.WorkerResult(rank=3)
+    assert bytes(payload) == b"payload"
+    sender.close()
+    receiver.close()
