@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import typing
 
@@ -52,7 +53,7 @@ def test_every_launcher_field_has_a_docstring():
     source = inspect.getsource(trx.Launcher)
     body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
     documented = set()
-    for node, following in zip(body, body[1:]):
+    for node, following in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
             documented.add(node.target.id)  # type: ignore[union-attr]
     assert documented == {f.name for f in dataclasses.fields(trx.Launcher)}
@@ -123,7 +124,7 @@ def test_func_must_be_callable():
 def test_unpicklable_argument_is_a_clear_error_before_start():
     lock = threading.Lock()
     with pytest.raises(
-        trx.SerializationError, match="cannot pickle the function .* or its arguments"
+        trx.SerializationError, match=r"cannot pickle the function .* or its arguments"
     ):
         trx.launch(print, (lock,), hostnames=["unreachable.invalid"], workers_per_host=1)
 

@@ -146,7 +146,7 @@ def test_unreachable_host_fails_quickly_with_the_reason(cluster):
 
 def test_wrong_key_is_refused_with_the_reason(cluster):
     with pytest.raises(
-        trx.AgentFailedError, match="SSH authentication failed for root@10.200.0.11:22"
+        trx.AgentFailedError, match=r"SSH authentication failed for root@10\.200\.0\.11:22"
     ):
         trx.launch(
             print,

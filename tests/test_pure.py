@@ -116,7 +116,9 @@ def test_is_local_host():
 def test_worker_failed_error_names_the_signal():
     error = WorkerFailedError("node1", 1, 3, 1234, None, 9)
     assert error.signal_name == "SIGKILL"
-    assert "rank 3" in str(error) and "node1" in str(error) and "pid 1234" in str(error)
+    assert "rank 3" in str(error)
+    assert "node1" in str(error)
+    assert "pid 1234" in str(error)
     assert "signal 9 (SIGKILL)" in str(error)
 
 
@@ -136,7 +138,6 @@ def test_handshake_rejects_a_wrong_secret(client_secret):
     thread.start()
     with pytest.raises((ProtocolError, ConnectionError)):
         protocol.client_handshake(client, client_secret, "worker")
-        client.close()
     thread.join()
     assert isinstance(outcome[0], ProtocolError)
     assert "failed to authenticate" in str(outcome[0])

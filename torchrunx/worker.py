@@ -10,6 +10,7 @@ function ends the worker with code ``n`` and no message; the agent reports that 
 from __future__ import annotations
 
 import datetime as dt
+import io
 import os
 import pickle
 import sys
@@ -70,6 +71,10 @@ def _exception_message(
 def run(boot: dict[str, Any], spec: WorkerSpec, payload: bytearray, local_rank: int) -> int:
     """Run one rank; returns the process exit code."""
     rank = spec.rank_offset + local_rank
+    for stream in (sys.stdout, sys.stderr):
+        # Whole lines per write: workers share their agent's output pipes.
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
     os.environ.update(spec.env)
     os.environ.update(
         worker_env(

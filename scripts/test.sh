@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install everything a fresh Debian machine needs (system packages too), then run the linters,
+# the type checker and the whole test suite. Run as root (the tests build network namespaces).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
+apt-get update -qq
+apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps >/dev/null
+python3 -m pip install -q torch==2.13.0          # CPU build; before the project, so pip keeps it
+python3 -m pip install -q -e ".[dev]"
+ruff check .
+ruff format --check .
+mypy
+python3 -m pytest "$@"
