@@ -36,9 +36,8 @@ def train(steps: int, lr: float) -> dict[str, object]:
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
-    print(
-        f"rank {rank}/{world} (LOCAL_RANK={os.environ['LOCAL_RANK']}): final loss {loss.item():.5f}"
-    )
+    local_rank = os.environ["LOCAL_RANK"]
+    print(f"rank {rank}/{world} (LOCAL_RANK={local_rank}): final loss {loss.item():.5f}")
     weights = model.module.weight.detach().flatten().tolist()
     return {"loss": loss.item(), "weights": weights, "bias": model.module.bias.item()}
 

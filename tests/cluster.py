@@ -385,7 +385,7 @@ def start_cluster(n: int, workdir: Path) -> TestCluster:
     cluster = TestCluster(hosts, workdir)
     atexit.register(cluster.stop)
     try:
-        cluster._start()  # noqa: SLF001
+        cluster._start()
     except BaseException:
         cluster.stop()
         raise
