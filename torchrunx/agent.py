@@ -87,7 +87,7 @@ class Agent:
 
     # -- start ---------------------------------------------------------------------------
 
-    def receive_spec(self) -> tuple[WorkerSpec, bytearray]:
+    def receive_spec(self) -> tuple[WorkerSpec, list[bytearray]]:
         """Wait for the worker spec, answering heartbeats meanwhile."""
         preload: threading.Thread | None = None
         if self.boot["preload_torch"]:
@@ -106,7 +106,7 @@ class Agent:
                 preload.join()
         return message, payload
 
-    def start_workers(self, spec: WorkerSpec, payload: bytearray) -> None:
+    def start_workers(self, spec: WorkerSpec, payload: list[bytearray]) -> None:
         """Fork ``spec.num_workers`` workers and register their pidfds."""
         sys.stdout.flush()
         sys.stderr.flush()
@@ -120,7 +120,9 @@ class Agent:
             self.selector.register(pidfd, selectors.EVENT_READ, worker)
         self.conn.send(WorkersStarted(tuple(w.pid for w in self.workers)))
 
-    def _become_worker(self, spec: WorkerSpec, payload: bytearray, local_rank: int) -> NoReturn:
+    def _become_worker(
+        self, spec: WorkerSpec, payload: list[bytearray], local_rank: int
+    ) -> NoReturn:
         code = 1
         try:
             os.setsid()  # own process group: the agent can stop the worker's whole tree

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import pickle
 import queue
 import socket
 import sys
@@ -28,9 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
-import cloudpickle
-
-from torchrunx import protocol
+from torchrunx import protocol, serialization
 from torchrunx.env import DEFAULT_ENV_VARS, forwarded_env
 from torchrunx.errors import (
     AgentFailedError,
@@ -221,9 +218,11 @@ def _check_lengths(workers: int, hosts: int) -> None:
         )
 
 
-def _pickle_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+def _pickle_call(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[memoryview]:
     try:
-        return bytes(cloudpickle.dumps((func, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
+        return serialization.dumps((func, args, kwargs))
     except Exception as exc:
         name = getattr(func, "__qualname__", repr(func))
         raise SerializationError(
@@ -259,7 +258,7 @@ class _AgentEnded:
 class _Received:
     conn: Connection
     message: protocol.Message
-    payload: bytearray
+    payload: list[bytearray]
 
 
 @dataclass(frozen=True)
@@ -291,7 +290,7 @@ class _RankState:
     conn: Connection | None = None
     pid: int = 0
     closed: bool = False
-    result: bytearray | None = None
+    result: list[bytearray] | None = None
     exited: WorkerExited | None = None
     settle_by: float | None = None
 
@@ -311,7 +310,7 @@ class _Failures:
 class _Launch:
     """One launch in progress; owned by the thread that calls :meth:`execute`."""
 
-    def __init__(self, launcher: Launcher, hosts: list[HostSlots], call: bytes) -> None:
+    def __init__(self, launcher: Launcher, hosts: list[HostSlots], call: list[memoryview]) -> None:
         self.launcher = launcher
         self.call = call
         self.secret = protocol.new_secret()
@@ -464,7 +463,7 @@ class _Launch:
         for rank, state in enumerate(self.ranks):
             assert state.result is not None  # noqa: S101 (checked by _finished)
             try:
-                value = pickle.loads(state.result)  # noqa: S301 (from an authenticated worker)
+                value = serialization.loads(state.result)
             except Exception as exc:
                 raise SerializationError(
                     f"cannot unpickle the return value of rank {rank} in the launcher: {exc}; "
@@ -551,7 +550,9 @@ class _Launch:
             reason = f"the agent process ended unexpectedly (exit status {status})"
         self._fail(AgentFailedError(state.slots.hostname, reason, tail))
 
-    def _on_message(self, conn: Connection, message: protocol.Message, payload: bytearray) -> None:
+    def _on_message(
+        self, conn: Connection, message: protocol.Message, payload: list[bytearray]
+    ) -> None:
         if isinstance(message, AgentHello):
             state = self.agents[message.host_index]
             state.conn, state.hello, state.last_heard = conn, message, time.monotonic()
@@ -621,7 +622,9 @@ class _Launch:
             )
         )
 
-    def _rebuild_exception(self, message: WorkerException, payload: bytearray) -> BaseException:
+    def _rebuild_exception(
+        self, message: WorkerException, payload: list[bytearray]
+    ) -> BaseException:
         state = self.ranks[message.rank]
         host = self.agents[state.host_index].slots.hostname
         where = (
@@ -633,7 +636,7 @@ class _Launch:
             error = SerializationError(f"{message.message} (in {where})")
         elif payload:
             with contextlib.suppress(Exception):
-                loaded = pickle.loads(payload)  # noqa: S301 (from an authenticated worker)
+                loaded = serialization.loads(payload)
                 error = loaded if isinstance(loaded, BaseException) else None
         if error is None:
             error = WorkerRaisedError(

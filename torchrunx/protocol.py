@@ -10,9 +10,10 @@ nothing is unpickled from a peer before it has proved it knows that secret::
       verify  ── HMAC(secret, "server", nc, ns) ────▶ verify
               ◀════════════ frames (both ways) ════════════▶
 
-A frame is ``!QQ`` (header length, payload length), a pickled message dataclass from this
-module, and an optional raw payload (cloudpickled user data: the function, a result, an
-exception), so large payloads are written and read without extra copies.
+A frame is ``!QI`` (header length, number of payload parts), one ``!Q`` length per part, a
+pickled message dataclass from this module, then the raw parts (user data from
+:mod:`torchrunx.serialization`: the pickle stream and one buffer per tensor), so large
+payloads are written and read without extra copies.
 """
 
 from __future__ import annotations
@@ -26,16 +27,21 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from torchrunx.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 PROTOCOL_VERSION = 1
 MAGIC = b"TORCHRUNX/%03d\n" % PROTOCOL_VERSION
 NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
 SECRET_BYTES = 32
-_FRAME = struct.Struct("!QQ")
+_FRAME = struct.Struct("!QI")
+_PART = struct.Struct("!Q")
+_MAX_PARTS = 1 << 20
 _MAX_HEADER = 64 * 1024 * 1024
 _ROLES: dict[bytes, Literal["agent", "worker"]] = {b"A": "agent", b"W": "worker"}
 
@@ -188,8 +194,10 @@ def _recv_exact(sock: socket.socket, size: int) -> bytearray:
     buffer = bytearray(size)
     view = memoryview(buffer)
     received = 0
+    # On blocking sockets, MSG_WAITALL reads large payloads in few syscalls (and GIL hand-offs).
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
     while received < size:
-        count = sock.recv_into(view[received:])
+        count = sock.recv_into(view[received:], size - received, flags)
         if count == 0:
             raise ConnectionError("connection closed by peer")
         received += count
@@ -265,34 +273,35 @@ class Connection:
         """The socket's file descriptor (for selectors)."""
         return self.sock.fileno()
 
-    def send(self, message: Message, payload: bytes | memoryview = b"") -> None:
-        """Send one message and its optional raw payload.
+    def send(self, message: Message, payload: Sequence[bytes | memoryview] = ()) -> None:
+        """Send one message and its optional raw payload parts.
 
         Raises:
             OSError: The connection is broken.
         """
         header = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = b"".join(_PART.pack(memoryview(part).nbytes) for part in payload)
         with self._send_lock:
-            self.sock.sendall(_FRAME.pack(len(header), len(payload)) + header)
-            if len(payload):
-                self.sock.sendall(payload)
+            self.sock.sendall(_FRAME.pack(len(header), len(payload)) + sizes + header)
+            for part in payload:
+                self.sock.sendall(part)
 
-    def recv(self) -> tuple[Message, bytearray]:
-        """Receive one message and its payload (blocking, honouring the socket timeout).
+    def recv(self) -> tuple[Message, list[bytearray]]:
+        """Receive one message and its payload parts (blocking, honouring the socket timeout).
 
         Raises:
             ConnectionError: The peer closed the connection.
             ProtocolError: The frame is not a torchrunx message.
             OSError: The connection is broken or timed out.
         """
-        header_size, payload_size = _FRAME.unpack(_recv_exact(self.sock, _FRAME.size))
-        if header_size > _MAX_HEADER:
-            raise ProtocolError(f"message header of {header_size} bytes is too large")
+        header_size, count = _FRAME.unpack(_recv_exact(self.sock, _FRAME.size))
+        if header_size > _MAX_HEADER or count > _MAX_PARTS:
+            raise ProtocolError(f"frame of {header_size} header bytes, {count} parts is too large")
+        sizes = [_PART.unpack_from(_recv_exact(self.sock, _PART.size))[0] for _ in range(count)]
         message = pickle.loads(_recv_exact(self.sock, header_size))  # noqa: S301 (peer authenticated)
         if not isinstance(message, _MESSAGE_TYPES):
             raise ProtocolError(f"unexpected message type {type(message).__name__}")
-        payload = _recv_exact(self.sock, payload_size) if payload_size else bytearray()
-        return message, payload
+        return message, [_recv_exact(self.sock, size) for size in sizes]
 
     def close(self) -> None:
         """Close the socket; safe to call twice."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import cloudpickle
 
-from torchrunx import protocol
+from torchrunx import protocol, serialization
 from torchrunx.env import worker_env
 from torchrunx.protocol import WorkerException, WorkerHello, WorkerResult, WorkerSpec
 
@@ -51,13 +51,13 @@ def _destroy_process_group() -> None:
 
 def _exception_message(
     rank: int, exc: BaseException, *, unpicklable_result: bool = False
-) -> tuple[WorkerException, bytes]:
+) -> tuple[WorkerException, list[bytes]]:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        payload = cloudpickle.dumps(exc)
-        pickle.loads(payload)  # noqa: S301 (our own bytes: checks the exception can be rebuilt)
+        payload: list[bytes] = [cloudpickle.dumps(exc)]
+        pickle.loads(payload[0])  # noqa: S301 (our own bytes: checks the exception can be rebuilt)
     except Exception:  # noqa: BLE001 (any failure means: send the text only)
-        payload = b""
+        payload = []
     message = WorkerException(
         rank=rank,
         type_name=type(exc).__qualname__,
@@ -68,7 +68,7 @@ def _exception_message(
     return message, payload
 
 
-def run(boot: dict[str, Any], spec: WorkerSpec, payload: bytearray, local_rank: int) -> int:
+def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_rank: int) -> int:
     """Run one rank; returns the process exit code."""
     rank = spec.rank_offset + local_rank
     for stream in (sys.stdout, sys.stderr):
@@ -92,7 +92,7 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: bytearray, local_rank: 
     conn = protocol.connect(address, secret, "worker", timeout=float(boot["agent_timeout"]) * 2)
     conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid()))
     try:
-        func, args, kwargs = pickle.loads(payload)  # noqa: S301 (from the authenticated launcher)
+        func, args, kwargs = serialization.loads(payload)
         del payload
         if spec.backend is not None:
             _init_process_group(spec.backend, spec, rank, local_rank)
@@ -100,11 +100,10 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: bytearray, local_rank: 
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException as exc:  # noqa: BLE001 (every failure goes back to the launcher)
-        message, data = _exception_message(rank, exc)
-        conn.send(message, data)
+        conn.send(*_exception_message(rank, exc))
         return _EXIT_RAISED
     try:
-        data = cloudpickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        parts = serialization.dumps(result)
     except Exception as exc:  # noqa: BLE001 (reported as a SerializationError)
         error = TypeError(
             f"the return value of rank {rank} ({type(result).__qualname__}) cannot be pickled: "
@@ -113,7 +112,7 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: bytearray, local_rank: 
         message, blob = _exception_message(rank, error, unpicklable_result=True)
         conn.send(message, blob)
         return _EXIT_RAISED
-    conn.send(WorkerResult(rank=rank), data)
+    conn.send(WorkerResult(rank=rank), parts)
     conn.close()
     _destroy_process_group()
     return 0
