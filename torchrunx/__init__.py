@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torchrunx.errors import (
     AgentFailedError,
+    LaunchTimeoutError,
     SerializationError,
     TorchrunxError,
     WorkerFailedError,
@@ -23,6 +24,7 @@ from torchrunx.results import LaunchResult
 __all__ = [
     "AgentFailedError",
     "LaunchResult",
+    "LaunchTimeoutError",
     "Launcher",
     "SerializationError",
     "TorchrunxError",

@@ -3,34 +3,40 @@
 Process tree on one host::
 
     agent  (python -c BOOT, started by bash over SSH or as a local subprocess)
+    ├── guardian              (forked first; kills the workers' process groups if the agent dies)
     ├── worker local_rank 0   (forked; own session and process group; PDEATHSIG=SIGKILL)
     ├── worker local_rank 1
     └── ...
 
-Sequence: connect to the launcher and authenticate; send :class:`AgentHello` (slots, a free
-port); import torch in a background thread meanwhile (once per host, never touching CUDA);
-receive the :class:`WorkerSpec` with the cloudpickled call as payload; fork the workers;
-then loop on one selector over the launcher connection, stdin and one pidfd per worker, so
-a worker's death is reported the moment it happens. The agent is single-threaded when it
-forks (the preload thread has been joined) and ends when its workers have ended.
+Sequence: fork the guardian; connect to the launcher and authenticate; send
+:class:`AgentHello` (slots, a free port); import torch in a background thread meanwhile (once
+per host, never touching CUDA) while heartbeats go on; receive the :class:`WorkerSpec` with
+the pickled call as payload; fork the workers; then loop on one selector over the launcher
+connection, stdin, one pidfd per worker (so a death is reported the moment it happens) and
+one stack pipe per worker. The agent is single-threaded when it forks (the preload thread
+has been joined) and ends when its workers have ended.
 
-The agent stops its workers (SIGTERM to each worker's process group, SIGKILL after the
-grace period) when the launcher says :class:`Stop`, when the launcher connection or stdin
-closes (the launcher died), or when no heartbeat arrived for ``agent_timeout`` seconds.
+Stopping: on :class:`Stop` (or when the launcher connection or stdin closes, or no heartbeat
+arrived for ``agent_timeout`` seconds) the agent optionally asks each live worker for its
+Python stacks (SIGUSR1, written by ``faulthandler`` into the worker's stack pipe) and sends
+them as :class:`WorkerStacks`, then sends SIGTERM to every worker's process group and SIGKILL
+after the grace period.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import os
 import selectors
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from torchrunx import protocol
@@ -45,9 +51,15 @@ from torchrunx.protocol import (
     WorkerExited,
     WorkerSpec,
     WorkersStarted,
+    WorkerStacks,
 )
 
 _PR_SET_PDEATHSIG = 1
+_STACK_DUMP_WAIT = 0.5
+_STACK_SETTLE = 0.05
+_STACK_BYTES = 16 * 1024
+_DEFAULT_GRACE = 3.0
+_PGID = struct.Struct("!i")
 
 
 @dataclass
@@ -55,7 +67,50 @@ class _Worker:
     local_rank: int
     pid: int
     pidfd: int
+    stack_fd: int
+    stacks: bytearray = field(default_factory=bytearray)
     ended: bool = False
+
+
+class _Guardian:
+    """A small process that kills the workers' process groups if the agent dies.
+
+    Workers die with their agent by PDEATHSIG, but whatever they started would not: the
+    guardian is told each worker's process group and, when the agent's end of its pipe
+    closes (however the agent ended), sends SIGKILL to every one of them.
+    """
+
+    def __init__(self) -> None:
+        read_end, self.fd = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.fd)
+            _guard(read_end)
+        os.close(read_end)
+
+    def watch(self, pgid: int) -> None:
+        os.write(self.fd, _PGID.pack(pgid))
+
+    def close(self) -> None:
+        os.close(self.fd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _guard(fd: int) -> NoReturn:
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for std in (0, 1, 2):  # hold none of the agent's pipes open
+            os.dup2(devnull, std)
+        data = b""
+        while chunk := os.read(fd, 4096):
+            data += chunk
+        for (pgid,) in _PGID.iter_unpack(data[: len(data) - len(data) % _PGID.size]):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def _free_port() -> int:
@@ -73,55 +128,71 @@ def _preload_torch() -> None:
 class Agent:
     """The live agent of one host (created by :func:`main`)."""
 
-    def __init__(self, boot: dict[str, Any], connection: Connection) -> None:
-        """Keep the bootstrap settings and the authenticated launcher connection."""
+    def __init__(self, boot: dict[str, Any], connection: Connection, guardian: _Guardian) -> None:
+        """Keep the bootstrap settings, the launcher connection and the guardian."""
         self.boot = boot
         self.conn = connection
+        self.guardian = guardian
         self.selector = selectors.DefaultSelector()
         self.workers: list[_Worker] = []
         self.heartbeat_interval = float(boot["heartbeat_interval"])
         self.agent_timeout = float(boot["agent_timeout"])
         self.last_heard = time.monotonic()
+        self.next_heartbeat = time.monotonic()
+        self.dump_deadline: float | None = None
+        self.grace_period = _DEFAULT_GRACE
         self.stop_deadline: float | None = None
+        self.stopping = False
         self.launcher_alive = True
+        self.conn.sock.settimeout(self.agent_timeout)
+        self.selector.register(self.conn.sock, selectors.EVENT_READ, "launcher")
+        self.selector.register(0, selectors.EVENT_READ, "stdin")
 
     # -- start ---------------------------------------------------------------------------
 
-    def receive_spec(self) -> tuple[WorkerSpec, list[bytearray]]:
-        """Wait for the worker spec, answering heartbeats meanwhile."""
+    def receive_spec(self) -> tuple[WorkerSpec, list[bytearray]] | None:
+        """Wait for the worker spec (heartbeats go on); ``None`` if told to stop first."""
         preload: threading.Thread | None = None
         if self.boot["preload_torch"]:
             preload = threading.Thread(target=_preload_torch, name="torchrunx-preload")
             preload.start()
-        self.conn.sock.settimeout(self.agent_timeout)
         try:
-            while True:
-                message, payload = self.conn.recv()
-                if isinstance(message, WorkerSpec):
-                    break
-                if isinstance(message, Stop):
-                    raise SystemExit(0)
+            while not self.stopping:
+                self._keep_alive(time.monotonic())
+                for key, _ in self.selector.select(self._until_next_timer(time.monotonic())):
+                    if key.data == "launcher":
+                        message, payload = self._recv()
+                        if isinstance(message, WorkerSpec):
+                            return message, payload
+                        self._on_message(message)
+                    elif key.data == "stdin":
+                        self._on_stdin()
+            return None
         finally:
             if preload is not None:
                 preload.join()
-        return message, payload
 
     def start_workers(self, spec: WorkerSpec, payload: list[bytearray]) -> None:
-        """Fork ``spec.num_workers`` workers and register their pidfds."""
+        """Fork ``spec.num_workers`` workers and register their pidfds and stack pipes."""
         sys.stdout.flush()
         sys.stderr.flush()
         for local_rank in range(spec.num_workers):
+            stack_read, stack_write = os.pipe()
             pid = os.fork()
             if pid == 0:
-                self._become_worker(spec, payload, local_rank)
-            pidfd = os.pidfd_open(pid)
-            worker = _Worker(local_rank, pid, pidfd)
+                os.close(stack_read)
+                self._become_worker(spec, payload, local_rank, stack_write)
+            os.close(stack_write)
+            self.guardian.watch(pid)  # the worker's process group id is its pid (setsid)
+            os.set_blocking(stack_read, False)
+            worker = _Worker(local_rank, pid, os.pidfd_open(pid), stack_read)
             self.workers.append(worker)
-            self.selector.register(pidfd, selectors.EVENT_READ, worker)
+            self.selector.register(worker.pidfd, selectors.EVENT_READ, worker)
+            self.selector.register(stack_read, selectors.EVENT_READ, ("stacks", worker))
         self.conn.send(WorkersStarted(tuple(w.pid for w in self.workers)))
 
     def _become_worker(
-        self, spec: WorkerSpec, payload: list[bytearray], local_rank: int
+        self, spec: WorkerSpec, payload: list[bytearray], local_rank: int, stack_fd: int
     ) -> NoReturn:
         code = 1
         try:
@@ -133,12 +204,15 @@ class Agent:
             self.selector.close()
             for sibling in self.workers:
                 os.close(sibling.pidfd)
+                os.close(sibling.stack_fd)
+            os.close(self.guardian.fd)
             self.conn.sock.close()
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
             os.close(devnull)
             if os.getppid() != self.boot["agent_pid"]:
                 os._exit(1)  # the agent died before PDEATHSIG was armed
+            faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True)
             from torchrunx import worker  # noqa: PLC0415 (only in the worker)
 
             code = worker.run(self.boot, spec, payload, local_rank)
@@ -152,48 +226,78 @@ class Agent:
 
     def monitor(self) -> None:
         """Loop until every worker has ended; then tell the launcher."""
-        self.conn.sock.settimeout(self.agent_timeout)
-        self.selector.register(self.conn.sock, selectors.EVENT_READ, "launcher")
-        self.selector.register(0, selectors.EVENT_READ, "stdin")
-        next_heartbeat = time.monotonic()
         while not all(w.ended for w in self.workers):
             now = time.monotonic()
-            if now >= next_heartbeat:
-                self._send(Heartbeat())
-                next_heartbeat = now + self.heartbeat_interval
-            if self.launcher_alive and now - self.last_heard > self.agent_timeout:
-                self._begin_stop("no heartbeat from the launcher", 3.0)
-                self.launcher_alive = False
+            self._keep_alive(now)
+            if self.dump_deadline is not None and now >= self.dump_deadline:
+                self._send_stacks_and_terminate()
             if self.stop_deadline is not None and now >= self.stop_deadline:
                 self._signal_workers(signal.SIGKILL)
                 self.stop_deadline = None
-            timeout = next_heartbeat - now
-            if self.stop_deadline is not None:
-                timeout = min(timeout, self.stop_deadline - now)
-            for key, _ in self.selector.select(max(timeout, 0.0)):
+            for key, _ in self.selector.select(self._until_next_timer(time.monotonic())):
                 self._on_ready(key.data)
         self._send(AgentDone())
+
+    def _keep_alive(self, now: float) -> None:
+        if now >= self.next_heartbeat:
+            self._send(Heartbeat())
+            self.next_heartbeat = now + self.heartbeat_interval
+        if self.launcher_alive and now - self.last_heard > self.agent_timeout:
+            self.launcher_alive = False
+            self._begin_stop(dump_stacks=False)
+
+    def _until_next_timer(self, now: float) -> float:
+        timers = [self.next_heartbeat, self.last_heard + self.agent_timeout]
+        timers += [t for t in (self.dump_deadline, self.stop_deadline) if t is not None]
+        return max(min(timers) - now, 0.0)
 
     def _on_ready(self, source: Any) -> None:  # noqa: ANN401 (selector payload)
         if isinstance(source, _Worker):
             self._reap(source)
+        elif isinstance(source, tuple):
+            self._read_stacks(source[1])
         elif source == "launcher":
-            self._on_launcher_message()
-        elif source == "stdin" and not os.read(0, 4096):
-            self.selector.unregister(0)
-            self._begin_stop("the launcher's stdin closed", 3.0)
+            self._on_message(self._recv()[0])
+        elif source == "stdin":
+            self._on_stdin()
 
-    def _on_launcher_message(self) -> None:
+    def _recv(self) -> tuple[protocol.Message, list[bytearray]]:
         try:
-            message, _ = self.conn.recv()
+            message, payload = self.conn.recv()
         except (OSError, ProtocolError):
             self.selector.unregister(self.conn.sock)
             self.launcher_alive = False
-            self._begin_stop("the connection to the launcher closed", 3.0)
-            return
+            self._begin_stop(dump_stacks=False)
+            return Heartbeat(), []
         self.last_heard = time.monotonic()
+        return message, payload
+
+    def _on_message(self, message: protocol.Message) -> None:
         if isinstance(message, Stop):
-            self._begin_stop(message.reason, message.grace_period)
+            self.grace_period = message.grace_period
+            self._begin_stop(dump_stacks=message.dump_stacks)
+
+    def _on_stdin(self) -> None:
+        if not os.read(0, 4096):  # EOF: the launcher (or its SSH connection) is gone
+            self.selector.unregister(0)
+            self.launcher_alive = False
+            self._begin_stop(dump_stacks=False)
+
+    def _read_stacks(self, worker: _Worker) -> None:
+        try:
+            chunk = os.read(worker.stack_fd, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self.selector.unregister(worker.stack_fd)
+            os.close(worker.stack_fd)
+            worker.stack_fd = -1
+            return
+        worker.stacks += chunk
+        del worker.stacks[:-_STACK_BYTES]
+        if self.dump_deadline is not None and all(w.stacks for w in self.workers if not w.ended):
+            # Every live worker has begun its dump; a dump is written in one go.
+            self.dump_deadline = min(self.dump_deadline, time.monotonic() + _STACK_SETTLE)
 
     def _reap(self, worker: _Worker) -> None:
         _, status = os.waitpid(worker.pid, 0)
@@ -207,12 +311,33 @@ class Agent:
             os.killpg(worker.pid, signal.SIGKILL)
         self._send(WorkerExited(worker.local_rank, worker.pid, None if sig else exitcode, sig))
 
-    def _begin_stop(self, reason: str, grace_period: float) -> None:
-        if self.stop_deadline is not None or all(w.ended for w in self.workers):
+    def _begin_stop(self, *, dump_stacks: bool) -> None:
+        if self.stopping:
             return
-        del reason  # the launcher knows why; the agent only obeys
+        self.stopping = True
+        live = [w for w in self.workers if not w.ended]
+        if dump_stacks and live and self.launcher_alive:
+            for worker in live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGUSR1)
+            self.dump_deadline = time.monotonic() + _STACK_DUMP_WAIT
+        else:
+            self._terminate()
+
+    def _send_stacks_and_terminate(self) -> None:
+        self.dump_deadline = None
+        stacks = {}
+        for worker in self.workers:
+            if worker.stack_fd >= 0:
+                self._read_stacks(worker)
+            if not worker.ended and worker.stacks:
+                stacks[worker.local_rank] = worker.stacks.decode(errors="replace")
+        self._send(WorkerStacks(stacks))
+        self._terminate()
+
+    def _terminate(self) -> None:
         self._signal_workers(signal.SIGTERM)
-        self.stop_deadline = time.monotonic() + grace_period
+        self.stop_deadline = time.monotonic() + self.grace_period
 
     def _signal_workers(self, signum: int) -> None:
         for worker in self.workers:
@@ -227,7 +352,7 @@ class Agent:
             self.conn.send(message)
         except OSError:
             self.launcher_alive = False
-            self._begin_stop("the connection to the launcher broke", 3.0)
+            self._begin_stop(dump_stacks=False)
 
     def close(self) -> None:
         """Kill any worker still alive and release every descriptor."""
@@ -238,8 +363,12 @@ class Agent:
                     os.waitpid(worker.pid, 0)
                 os.close(worker.pidfd)
                 worker.ended = True
+            if worker.stack_fd >= 0:
+                os.close(worker.stack_fd)
+                worker.stack_fd = -1
         self.selector.close()
         self.conn.close()
+        self.guardian.close()
 
 
 def main(boot: dict[str, Any]) -> None:
@@ -248,12 +377,14 @@ def main(boot: dict[str, Any]) -> None:
     # A Ctrl-C meant for the launcher must not kill the agent before it cleans up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    guardian = _Guardian()
     secret = bytes.fromhex(boot["secret"])
     address = (boot["launcher"][0], int(boot["launcher"][1]))
     try:
         conn = protocol.connect(address, secret, "agent", timeout=float(boot["agent_timeout"]) * 2)
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx agent: cannot reach the launcher at {address}: {exc}\n")
+        guardian.close()
         sys.exit(2)
     slots = boot["workers"] if boot["workers"] is not None else count_local_slots()
     conn.send(
@@ -265,11 +396,12 @@ def main(boot: dict[str, Any]) -> None:
             free_port=_free_port(),
         )
     )
-    agent = Agent(boot, conn)
+    agent = Agent(boot, conn, guardian)
     try:
-        spec, payload = agent.receive_spec()
-        agent.start_workers(spec, payload)
-        agent.monitor()
+        received = agent.receive_spec()
+        if received is not None:
+            agent.start_workers(*received)
+            agent.monitor()
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx agent: lost the launcher: {exc}\n")
     finally:

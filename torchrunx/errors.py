@@ -7,6 +7,7 @@
     │   ├── AgentFailedError            an agent or its host died, or could not be started
     │   ├── WorkerFailedError           a worker died without raising (exit code or signal)
     │   ├── WorkerRaisedError           a worker raised an exception that cannot travel back
+    │   ├── LaunchTimeoutError          (also a TimeoutError) launch_timeout was hit
     │   ├── SerializationError          (also a TypeError) the function, an argument or a
     │   │                               return value cannot be pickled
     │   └── ProtocolError               a peer broke the wire protocol or failed to authenticate
@@ -125,6 +126,14 @@ class WorkerRaisedError(TorchrunxError):
     custom exception whose ``__init__`` takes different arguments than it passes to
     ``Exception.__init__``). The message keeps the original type name and message, and the
     remote traceback is attached as ``__cause__``.
+    """
+
+
+class LaunchTimeoutError(TorchrunxError, TimeoutError):
+    """The launch ran longer than ``Launcher.launch_timeout``; its workers were stopped.
+
+    The message names the limit and the ranks still running; the Python stacks of those
+    workers are attached as a note.
     """
 
 

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -31,9 +32,11 @@ from torchrunx import protocol, serialization
 from torchrunx.env import DEFAULT_ENV_VARS, forwarded_env
 from torchrunx.errors import (
     AgentFailedError,
+    LaunchTimeoutError,
     ProtocolError,
     RemoteTraceback,
     SerializationError,
+    TorchrunxError,
     WorkerFailedError,
     WorkerRaisedError,
     describe_exit,
@@ -51,12 +54,13 @@ from torchrunx.protocol import (
     WorkerResult,
     WorkerSpec,
     WorkersStarted,
+    WorkerStacks,
 )
 from torchrunx.results import LaunchResult
 from torchrunx.transport import AgentBootstrap, AgentProcess, LocalAgent, SshAgent, agent_script
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -67,6 +71,7 @@ _HEARTBEAT_INTERVAL = 1.0
 _HANDSHAKE_TIMEOUT = 10.0
 _SETTLE_TIMEOUT = 2.0
 _STOP_GRACE = 3.0
+_MAX_STACKS_SHOWN = 16
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
 
 
@@ -113,6 +118,9 @@ class Launcher:
     start_timeout: float = 60.0
     """Seconds for every agent to start and connect back (SSH connect included)."""
 
+    launch_timeout: float | None = None
+    """Wall-clock limit in seconds for the whole launch (None: no limit)."""
+
     def run(self, func: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> LaunchResult[R]:
         """Run ``func(*args, **kwargs)`` in every worker and return every rank's value.
 
@@ -134,7 +142,8 @@ class Launcher:
             raise ValueError("hostnames resolved to an empty list; give at least one host")
         launch = _Launch(self, hosts, call)
         try:
-            per_host = launch.execute()
+            with _sigterm_raises_system_exit():
+                per_host = launch.execute()
         finally:
             launch.close()
         return LaunchResult(tuple(h.hostname for h in hosts), per_host)
@@ -150,11 +159,11 @@ class Launcher:
         _validate_workers(self.workers_per_host, self.hostnames)
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {list(_BACKENDS)}")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, int) or self.timeout <= 0:
+        if not isinstance(self.timeout, int) or not _is_positive(self.timeout):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        for name in ("agent_timeout", "start_timeout"):
+        for name in ("agent_timeout", "start_timeout", "launch_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            if (value is not None or name != "launch_timeout") and not _is_positive(value):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         for name in ("default_env_vars", "extra_env_vars"):
             value = getattr(self, name)
@@ -182,6 +191,10 @@ def launch(
     """
     launcher = Launcher(**launcher_fields)
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
+
+
+def _is_positive(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
 
 
 def _validate_hostnames(hostnames: object) -> None:
@@ -318,6 +331,8 @@ class _Launch:
         self.agents = [_AgentState(h, remote=not is_local_host(h.hostname)) for h in hosts]
         self.ranks: list[_RankState] = []
         self.failures = _Failures()
+        self.started = time.monotonic()
+        self.stacks: dict[int, str] = {}
         self.stopping = False
         self.closing = False
         self.threads: list[threading.Thread] = []
@@ -332,12 +347,16 @@ class _Launch:
 
     def execute(self) -> tuple[tuple[Any, ...], ...]:
         """Run every phase; return the unpickled results per host."""
+        limit = self.launcher.launch_timeout
+        launch_deadline = None if limit is None else self.started + limit
         try:
             self._start_agents()
-            deadline = time.monotonic() + self.launcher.start_timeout
-            self._wait(lambda: all(a.hello is not None for a in self.agents), deadline)
+            start_deadline = self.started + self.launcher.start_timeout
+            if launch_deadline is not None and launch_deadline < start_deadline:
+                start_deadline = launch_deadline
+            self._wait(lambda: all(a.hello is not None for a in self.agents), start_deadline)
             self._send_specs()
-            self._wait(self._finished, None)
+            self._wait(self._finished, launch_deadline)
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
             if not isinstance(exc, _Abort):  # _Abort: the failure is already recorded
                 self.failures.add(exc)
@@ -484,7 +503,7 @@ class _Launch:
             if deadline is not None and now >= deadline:
                 if self.stopping:
                     return
-                raise self._start_timeout_error()
+                raise self._timeout_error(now)
             if now >= next_tick:
                 self._tick(now)
                 next_tick = now + _HEARTBEAT_INTERVAL / 2
@@ -571,6 +590,10 @@ class _Launch:
         state.last_heard = time.monotonic()
         if isinstance(message, WorkersStarted):
             state.pids = message.pids
+        elif isinstance(message, WorkerStacks):
+            assert state.spec is not None  # noqa: S101 (stacks come from started workers)
+            for local_rank, text in message.stacks.items():
+                self.stacks[state.spec.rank_offset + local_rank] = text
         elif isinstance(message, WorkerExited):
             self._on_worker_exited(state, message)
         elif isinstance(message, AgentDone):
@@ -654,7 +677,15 @@ class _Launch:
         else:
             self.failures.add(error)
 
-    def _start_timeout_error(self) -> AgentFailedError:
+    def _timeout_error(self, now: float) -> TorchrunxError:
+        limit = self.launcher.launch_timeout
+        if limit is not None and now >= self.started + limit:
+            running = [r for r, s in enumerate(self.ranks) if s.result is None]
+            return LaunchTimeoutError(
+                f"launch_timeout={limit:g} s was hit: the launch was stopped after "
+                f"{now - self.started:.1f} s with ranks {running or 'not yet started'} still "
+                "running (their stacks are below, if they could be read)"
+            )
         missing = next(a for a in self.agents if a.hello is None)
         address = self.launcher.launcher_address or os.environ.get("TORCHRUNX_LAUNCHER_ADDR")
         return AgentFailedError(
@@ -671,21 +702,36 @@ class _Launch:
         error = self.failures.first
         assert error is not None  # noqa: S101 (only called after a failure)
         if self.failures.others:
-            _add_note(
-                error, "other failures seen while stopping: " + "; ".join(self.failures.others)
-            )
+            others = "; ".join(self.failures.others)
+            _add_note(error, f"other failures seen while stopping: {others}")
+        if self.stacks:
+            _add_note(error, self._stacks_note())
         return error
+
+    def _stacks_note(self) -> str:
+        lines = ["Python stacks of the workers that were still running when the launch stopped:"]
+        for rank in sorted(self.stacks)[:_MAX_STACKS_SHOWN]:
+            state = self.ranks[rank]
+            host = self.agents[state.host_index].slots.hostname
+            lines.append(f"--- rank {rank} (local rank {state.local_rank} on host {host!r}) ---")
+            lines.append(self.stacks[rank].rstrip())
+        if len(self.stacks) > _MAX_STACKS_SHOWN:
+            lines.append(f"... and {len(self.stacks) - _MAX_STACKS_SHOWN} more workers")
+        return "\n".join(lines)
 
     # -- stop and clean up ------------------------------------------------------------------
 
     def _stop_all(self) -> None:
         """Tell every agent to stop its workers and wait (bounded) until they did."""
         self.stopping = True
-        reason = str(self.failures.first).splitlines()[0] if self.failures.first else "stopped"
+        first = self.failures.first
+        reason = (str(first).splitlines() or [type(first).__name__])[0]
+        # Stacks tell where the survivors were stuck; after a Ctrl-C the user knows why.
+        dump = not isinstance(first, KeyboardInterrupt | SystemExit)
         for state in self.agents:
             if state.conn is not None and not (state.done or state.ended):
                 with contextlib.suppress(OSError):
-                    state.conn.send(Stop(reason, _STOP_GRACE))
+                    state.conn.send(Stop(reason, _STOP_GRACE, dump_stacks=dump))
         deadline = time.monotonic() + _STOP_GRACE + 5.0
         self._wait(lambda: all(a.done or a.ended or a.conn is None for a in self.agents), deadline)
 
@@ -757,6 +803,30 @@ class _Launch:
 
 class _Abort(Exception):  # noqa: N818 (internal control flow, never escapes)
     """Raised inside the event loop when a failure was recorded."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises_system_exit() -> Iterator[None]:
+    """During a launch, SIGTERM stops everything cleanly, then exits with status 143.
+
+    Only where SIGTERM still has its default action (which would kill the launcher before it
+    could stop its agents) and only in the main thread; the handler is restored afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        del signum, frame
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _listen() -> socket.socket:

@@ -111,6 +111,15 @@ class Stop:
 
     reason: str
     grace_period: float = 3.0
+    dump_stacks: bool = True
+    """Send each live worker's Python stacks (:class:`WorkerStacks`) before stopping."""
+
+
+@dataclass(frozen=True)
+class WorkerStacks:
+    """Agent: the Python stacks of its workers that were still running, by local rank."""
+
+    stacks: dict[int, str]
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,7 @@ Message = (
     | WorkerExited
     | AgentDone
     | Stop
+    | WorkerStacks
     | Heartbeat
     | WorkerHello
     | WorkerResult
@@ -169,6 +179,7 @@ _MESSAGE_TYPES = (
     WorkerExited,
     AgentDone,
     Stop,
+    WorkerStacks,
     Heartbeat,
     WorkerHello,
     WorkerResult,

@@ -49,6 +49,16 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _looks_like_timeout(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
 def _exception_message(
     rank: int, exc: BaseException, *, unpicklable_result: bool = False
 ) -> tuple[WorkerException, list[bytes]]:
@@ -100,6 +110,8 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException as exc:  # noqa: BLE001 (every failure goes back to the launcher)
+        if spec.backend is not None and _looks_like_timeout(exc):
+            _add_note(exc, f"the process-group timeout is Launcher.timeout={spec.timeout} s")
         conn.send(*_exception_message(rank, exc))
         return _EXIT_RAISED
     try:
