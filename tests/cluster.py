@@ -6,15 +6,19 @@ namespaces, so that it has its own hostname (``node1``) and its own ``/etc/hosts
 name resolves to the host's own address. The root ``/etc/hosts`` gets the test host names too, so
 that a launcher in the root namespace can reach them by name.
 
-All names are fixed, so only one cluster can exist on a machine at a time. Starting a cluster first
-removes whatever a crashed earlier run left behind. Requires root (see
-:func:`cluster_unavailable_reason`).
+Every name and address comes from a :class:`Profile`. Two profiles exist, with disjoint names,
+links, subnets and ``/etc/hosts`` markers, so that one cluster of each can run at the same time:
+``"test"`` (``node1``... on ``10.200.0``, for the test suite) and ``"bench"`` (``bnode1``... on
+``10.201.0``, for ``benchmarks/``). Only one cluster per profile can exist on a machine at a time.
+Starting a cluster first removes whatever a crashed earlier run of the same profile left behind.
+Requires root (see :func:`cluster_unavailable_reason`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import re
 import shlex
@@ -26,24 +30,107 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 SSHD = Path("/usr/sbin/sshd")
 ETC_HOSTS = Path("/etc/hosts")
 ETC_HOSTNAME = Path("/etc/hostname")
-HOSTS_MARKER = "# torchrunx-test-cluster"
-"""Trailing comment on every line this module adds to the root ``/etc/hosts``."""
-NETNS_PREFIX = "trx-"
-BRIDGE = "trxbr0"
-SUBNET = "10.200.0"
-LAUNCHER_ADDRESS = f"{SUBNET}.1"
-LAUNCHER_NAME = "trx-launcher"
-UNREACHABLE_NAME = "unreachable"
-UNREACHABLE_ADDRESS = f"{SUBNET}.250"
+ETC_HOSTS_LOCK = Path("/run/torchrunx-cluster.lock")
+"""Lock file held while any profile reads and rewrites the root ``/etc/hosts``."""
 MAX_HOSTS = 99
 """Host addresses are ``.11`` to ``.109``, clear of the launcher and the unreachable address."""
 
-_OUR_LINK = re.compile(rf"^(?:{BRIDGE}|trxv\d+)$")
+ProfileName = Literal["test", "bench"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The names and addresses of one kind of cluster; clusters of different profiles coexist.
+
+    Attributes:
+        name: The profile's name, as given to :func:`start_cluster`.
+        netns_prefix: Prefix of the hosts' network namespace names, e.g. ``"trx-"``.
+        bridge: Name of the bridge in the root namespace, e.g. ``"trxbr0"``.
+        veth_prefix: Prefix of the root ends of the veth pairs, e.g. ``"trxv"`` (``trxv1``...).
+        subnet: First three octets of the IPv4 /24 subnet, e.g. ``"10.200.0"``.
+        host_prefix: Prefix of the host names, e.g. ``"node"`` (``node1``...).
+        launcher_name: Name of the root namespace's bridge address (``.1``).
+        unreachable_name: SSH config alias of an address with no host behind it (``.250``).
+        hosts_marker: Trailing comment on every line this profile adds to the root
+            ``/etc/hosts``.
+    """
+
+    name: ProfileName
+    netns_prefix: str
+    bridge: str
+    veth_prefix: str
+    subnet: str
+    host_prefix: str
+    launcher_name: str
+    unreachable_name: str
+    hosts_marker: str
+
+    @property
+    def launcher_address(self) -> str:
+        """Address of the root namespace on the bridge."""
+        return f"{self.subnet}.1"
+
+    @property
+    def unreachable_address(self) -> str:
+        """An address on the subnet with no host behind it."""
+        return f"{self.subnet}.250"
+
+    def host(self, i: int) -> TestHost:
+        """Describe host number ``i`` (1-based)."""
+        name = f"{self.host_prefix}{i}"
+        return TestHost(
+            name=name,
+            address=f"{self.subnet}.{10 + i}",
+            netns=f"{self.netns_prefix}{name}",
+            veth=f"{self.veth_prefix}{i}",
+        )
+
+    def owns_link(self, link: str) -> bool:
+        """Whether a root-namespace link name is this profile's bridge or one of its veths."""
+        return (
+            re.fullmatch(rf"{re.escape(self.bridge)}|{re.escape(self.veth_prefix)}\d+", link)
+            is not None
+        )
+
+    def is_marked(self, line: bytes) -> bool:
+        """Whether an ``/etc/hosts`` line was added by this profile."""
+        return line.rstrip().endswith(self.hosts_marker.encode())
+
+
+PROFILES: dict[str, Profile] = {
+    "test": Profile(
+        name="test",
+        netns_prefix="trx-",
+        bridge="trxbr0",
+        veth_prefix="trxv",
+        subnet="10.200.0",
+        host_prefix="node",
+        launcher_name="trx-launcher",
+        unreachable_name="unreachable",
+        hosts_marker="# torchrunx-test-cluster",
+    ),
+    "bench": Profile(
+        name="bench",
+        netns_prefix="trb-",
+        bridge="trbbr0",
+        veth_prefix="trbv",
+        subnet="10.201.0",
+        host_prefix="bnode",
+        launcher_name="trb-launcher",
+        unreachable_name="bunreachable",
+        hosts_marker="# torchrunx-bench-cluster",
+    ),
+}
+"""Every profile by name: ``"test"`` for the test suite, ``"bench"`` for ``benchmarks/``."""
+
 _REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname", "ssh", "ssh-keygen")
 
 
@@ -70,9 +157,11 @@ class TestCluster:
     """A running set of test hosts, each with an ``sshd`` on port 22. Made by :func:`start_cluster`.
 
     Attributes:
-        hosts: The test hosts, ``node1`` to ``nodeN``.
+        profile: The names and addresses this cluster uses.
+        hosts: The test hosts, ``node1`` to ``nodeN`` (``bnode1``... in the bench profile).
         ssh_config: ``ssh -F`` file with a ``Host`` entry for every node and for ``unreachable``
-            (an address on the test subnet with no host behind it, ``ConnectTimeout 2``).
+            (``bunreachable`` in the bench profile: an address on the test subnet with no host
+            behind it, ``ConnectTimeout 2``).
         bad_key_ssh_config: Same as ``ssh_config``, but with an ``IdentityFile`` that the hosts do
             not accept.
         known_hosts: ``known_hosts`` file with every host key under the host's name and address.
@@ -83,16 +172,18 @@ class TestCluster:
 
     __test__: ClassVar[bool] = False  # not a pytest test class
 
-    def __init__(self, hosts: list[TestHost], workdir: Path) -> None:
+    def __init__(self, hosts: list[TestHost], workdir: Path, profile: Profile) -> None:
         """Describe a cluster; nothing is started. Use :func:`start_cluster` instead.
 
         Args:
             hosts: The test hosts.
             workdir: Existing directory for keys, configs and logs.
+            profile: The names and addresses the cluster uses.
         """
+        self.profile = profile
         self.hosts = hosts
         self.workdir = workdir
-        self.launcher_address = LAUNCHER_ADDRESS
+        self.launcher_address = profile.launcher_address
         self.ssh_config = workdir / "ssh_config"
         self.bad_key_ssh_config = workdir / "bad_key_ssh_config"
         self.known_hosts = workdir / "known_hosts"
@@ -101,6 +192,7 @@ class TestCluster:
         self._bad_identity_file = workdir / "id_ed25519_unauthorized"
         self._daemons: dict[str, subprocess.Popen[bytes]] = {}
         self._saved_etc_hosts: bytes | None = None
+        self._written_etc_hosts: bytes | None = None
 
     def names(self) -> list[str]:
         """Return the host names, in order."""
@@ -183,9 +275,9 @@ class TestCluster:
             _kill_netns_processes(host.netns)
             _run(["ip", "link", "del", host.veth], check=False)
             _run(["ip", "netns", "del", host.netns], check=False)
-        _run(["ip", "link", "del", BRIDGE], check=False)
+        _run(["ip", "link", "del", self.profile.bridge], check=False)
         if self._saved_etc_hosts is not None:
-            ETC_HOSTS.write_bytes(self._saved_etc_hosts)
+            self._restore_etc_hosts(self._saved_etc_hosts)
             self._saved_etc_hosts = None
 
     def _host(self, host: TestHost | str) -> TestHost:
@@ -232,7 +324,7 @@ class TestCluster:
         self.ssh_config.write_text(self._client_config(self.identity_file))
         self.bad_key_ssh_config.write_text(self._client_config(self._bad_identity_file))
         hosts_file = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n" + "".join(
-            f"{line}\n" for line in _name_lines(self.hosts)
+            f"{line}\n" for line in _name_lines(self.profile, self.hosts)
         )
         for host in self.hosts:
             host_dir = self._host_dir(host)
@@ -256,7 +348,7 @@ class TestCluster:
 
     def _client_config(self, identity_file: Path) -> str:
         targets = [(host.name, host.address) for host in self.hosts]
-        targets.append((UNREACHABLE_NAME, UNREACHABLE_ADDRESS))
+        targets.append((self.profile.unreachable_name, self.profile.unreachable_address))
         entries = []
         for name, address in targets:
             options = [
@@ -270,31 +362,47 @@ class TestCluster:
                 "StrictHostKeyChecking yes",
                 "BatchMode yes",
             ]
-            if name == UNREACHABLE_NAME:
+            if name == self.profile.unreachable_name:
                 options.append("ConnectTimeout 2")
             entries.append(f"Host {name}\n" + "".join(f"    {option}\n" for option in options))
         return "\n".join(entries)
 
     def _make_network(self) -> None:
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{LAUNCHER_ADDRESS}/24", "dev", BRIDGE])
-        _run(["ip", "link", "set", BRIDGE, "up"])
+        bridge = self.profile.bridge
+        _run(["ip", "link", "add", bridge, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{self.profile.launcher_address}/24", "dev", bridge])
+        _run(["ip", "link", "set", bridge, "up"])
         for host in self.hosts:
             _run(["ip", "netns", "add", host.netns])
             peer = ["peer", "name", "eth0", "netns", host.netns]
             _run(["ip", "link", "add", host.veth, "type", "veth", *peer])
-            _run(["ip", "link", "set", host.veth, "master", BRIDGE, "up"])
+            _run(["ip", "link", "set", host.veth, "master", bridge, "up"])
             _run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0"])
             _run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
 
     def _edit_etc_hosts(self) -> None:
-        original = ETC_HOSTS.read_bytes()
-        self._saved_etc_hosts = original
-        separator = b"" if original.endswith(b"\n") or not original else b"\n"
-        added = "".join(f"{line} {HOSTS_MARKER}\n" for line in _name_lines(self.hosts))
-        # Rewrite in place: /etc/hosts may be a bind mount, which cannot be renamed over.
-        ETC_HOSTS.write_bytes(original + separator + added.encode())
+        marker = self.profile.hosts_marker
+        added = "".join(f"{line} {marker}\n" for line in _name_lines(self.profile, self.hosts))
+        with _etc_hosts_lock():
+            original = ETC_HOSTS.read_bytes()
+            self._saved_etc_hosts = original
+            separator = b"" if original.endswith(b"\n") or not original else b"\n"
+            self._written_etc_hosts = original + separator + added.encode()
+            # Rewrite in place: /etc/hosts may be a bind mount, which cannot be renamed over.
+            ETC_HOSTS.write_bytes(self._written_etc_hosts)
+
+    def _restore_etc_hosts(self, saved: bytes) -> None:
+        """Put back ``saved`` if nobody changed the file since; else drop only our lines.
+
+        Another profile's cluster may have added or removed its own lines meanwhile.
+        """
+        with _etc_hosts_lock():
+            current = ETC_HOSTS.read_bytes()
+            if current == self._written_etc_hosts:
+                ETC_HOSTS.write_bytes(saved)
+            else:
+                _drop_marked_lines(self.profile)
 
     def _start_sshd(self, host: TestHost) -> None:
         host_dir = self._host_dir(host)
@@ -348,23 +456,30 @@ def cluster_unavailable_reason() -> str | None:
     return None
 
 
-def start_cluster(n: int, workdir: Path) -> TestCluster:
+def start_cluster(n: int, workdir: Path, profile: ProfileName = "test") -> TestCluster:
     """Start ``n`` test hosts, ``node1`` to ``node{n}``, and wait until each ``sshd`` accepts.
 
-    First removes namespaces, links and ``/etc/hosts`` lines left by an earlier run. The cluster is
-    stopped at interpreter exit if :meth:`TestCluster.stop` was not called.
+    First removes namespaces, links and ``/etc/hosts`` lines left by an earlier run of the same
+    profile; another profile's cluster is left alone. The cluster is stopped at interpreter exit if
+    :meth:`TestCluster.stop` was not called.
 
     Args:
         n: Number of hosts, 1 to 99.
         workdir: Existing, empty directory for keys, configs and logs; its path must not contain
             whitespace (it is written unquoted into ssh configs).
+        profile: Which names and addresses to use (see :data:`PROFILES`): ``"test"`` (the
+            default: ``node1``... on ``10.200.0``) or ``"bench"`` (``bnode1``... on ``10.201.0``).
 
     Returns:
         The running cluster.
 
     Raises:
-        ValueError: If ``n`` or ``workdir`` is unusable.
+        ValueError: If ``n``, ``workdir`` or ``profile`` is unusable.
     """
+    if profile not in PROFILES:
+        msg = f"profile must be one of {sorted(PROFILES)}, not {profile!r}"
+        raise ValueError(msg)
+    chosen = PROFILES[profile]
     if not 1 <= n <= MAX_HOSTS:
         msg = f"n must be between 1 and {MAX_HOSTS}, not {n}"
         raise ValueError(msg)
@@ -372,17 +487,9 @@ def start_cluster(n: int, workdir: Path) -> TestCluster:
     if any(char.isspace() for char in str(workdir)):
         msg = f"workdir path must not contain whitespace: {workdir}"
         raise ValueError(msg)
-    _remove_stale_cluster()
-    hosts = [
-        TestHost(
-            name=f"node{i}",
-            address=f"{SUBNET}.{10 + i}",
-            netns=f"{NETNS_PREFIX}node{i}",
-            veth=f"trxv{i}",
-        )
-        for i in range(1, n + 1)
-    ]
-    cluster = TestCluster(hosts, workdir)
+    _remove_stale_cluster(chosen)
+    hosts = [chosen.host(i) for i in range(1, n + 1)]
+    cluster = TestCluster(hosts, workdir, chosen)
     atexit.register(cluster.stop)
     try:
         cluster._start()
@@ -392,27 +499,44 @@ def start_cluster(n: int, workdir: Path) -> TestCluster:
     return cluster
 
 
-def _remove_stale_cluster() -> None:
-    """Remove every ``trx-`` namespace with its processes, test link and marked hosts line."""
+def _remove_stale_cluster(profile: Profile) -> None:
+    """Remove the profile's namespaces with their processes, its links and marked hosts lines."""
     netns_list = _run(["ip", "netns", "list"]).stdout.splitlines()
     for netns in (line.split()[0] for line in netns_list if line.strip()):
-        if netns.startswith(NETNS_PREFIX):
+        if netns.startswith(profile.netns_prefix):
             _kill_netns_processes(netns)
             _run(["ip", "netns", "del", netns])
     links = _run(["ip", "-o", "link", "show"]).stdout.splitlines()
     for link in (line.split(": ")[1].split("@")[0] for line in links):
-        if _OUR_LINK.match(link):
+        if profile.owns_link(link):
             _run(["ip", "link", "del", link], check=False)  # a veth may go with its peer
+    with _etc_hosts_lock():
+        _drop_marked_lines(profile)
+
+
+@contextlib.contextmanager
+def _etc_hosts_lock() -> Iterator[None]:
+    """Hold an exclusive lock between profiles' read-modify-write cycles of ``/etc/hosts``."""
+    with ETC_HOSTS_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _drop_marked_lines(profile: Profile) -> None:
+    """Remove the profile's marked lines from ``/etc/hosts`` (the caller holds the lock)."""
     lines = ETC_HOSTS.read_bytes().splitlines(keepends=True)
-    kept = [line for line in lines if not line.rstrip().endswith(HOSTS_MARKER.encode())]
+    kept = [line for line in lines if not profile.is_marked(line)]
     if kept != lines:
         ETC_HOSTS.write_bytes(b"".join(kept))
 
 
-def _name_lines(hosts: list[TestHost]) -> list[str]:
+def _name_lines(profile: Profile, hosts: list[TestHost]) -> list[str]:
     """``/etc/hosts`` lines for the launcher and every host (IPv4, then IPv4-mapped IPv6)."""
     return (
-        [f"{LAUNCHER_ADDRESS} {LAUNCHER_NAME}"]
+        [f"{profile.launcher_address} {profile.launcher_name}"]
         + [f"{host.address} {host.name}" for host in hosts]
         + [f"::ffff:{host.address} {host.name}" for host in hosts]
     )

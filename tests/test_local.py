@@ -207,8 +207,7 @@ def test_main_module_exception_class_and_function_round_trip(tmp_path):
                 pass
 
             def fail():
-                import contextlib
-import os
+                import os
                 if os.environ["RANK"] == "1":
                     raise MainError("defined in __main__")
                 return 0
