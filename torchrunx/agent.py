@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import logging
 import os
 import selectors
 import signal
@@ -42,11 +43,13 @@ from typing import Any, NoReturn
 from torchrunx import protocol
 from torchrunx.errors import ProtocolError
 from torchrunx.hosts import count_local_slots
+from torchrunx.logs import LineSplitter, capture_logging, parse_line
 from torchrunx.protocol import (
     AgentDone,
     AgentHello,
     Connection,
     Heartbeat,
+    LogLines,
     Stop,
     WorkerExited,
     WorkerSpec,
@@ -54,7 +57,10 @@ from torchrunx.protocol import (
     WorkerStacks,
 )
 
+logger = logging.getLogger(__name__)
+
 _PR_SET_PDEATHSIG = 1
+_DRAIN_WAIT = 1.0
 _STACK_DUMP_WAIT = 0.5
 _STACK_SETTLE = 0.05
 _STACK_BYTES = 16 * 1024
@@ -63,11 +69,21 @@ _PGID = struct.Struct("!i")
 
 
 @dataclass
+class _Output:
+    """One of a worker's output pipes (stdout or stderr), read by the agent."""
+
+    fd: int
+    is_stderr: bool
+    splitter: LineSplitter = field(default_factory=LineSplitter)
+
+
+@dataclass
 class _Worker:
     local_rank: int
     pid: int
     pidfd: int
     stack_fd: int
+    outputs: list[_Output]
     stacks: bytearray = field(default_factory=bytearray)
     ended: bool = False
 
@@ -99,6 +115,7 @@ class _Guardian:
 
 def _guard(fd: int) -> NoReturn:
     try:
+        os.setsid()  # outside the agent's process group: survives a kill of that group
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         devnull = os.open(os.devnull, os.O_RDWR)
         for std in (0, 1, 2):  # hold none of the agent's pipes open
@@ -111,6 +128,10 @@ def _guard(fd: int) -> NoReturn:
                 os.killpg(pgid, signal.SIGKILL)
     finally:
         os._exit(0)
+
+
+def _alive(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive()
 
 
 def _free_port() -> int:
@@ -151,26 +172,35 @@ class Agent:
     # -- start ---------------------------------------------------------------------------
 
     def receive_spec(self) -> tuple[WorkerSpec, list[bytearray]] | None:
-        """Wait for the worker spec (heartbeats go on); ``None`` if told to stop first."""
+        """Wait for the worker spec and the torch preload, heartbeats going on meanwhile.
+
+        Returns ``None`` if told to stop first.
+        """
         preload: threading.Thread | None = None
         if self.boot["preload_torch"]:
             preload = threading.Thread(target=_preload_torch, name="torchrunx-preload")
             preload.start()
+        received: tuple[WorkerSpec, list[bytearray]] | None = None
         try:
-            while not self.stopping:
+            while not self.stopping and (received is None or _alive(preload)):
                 self._keep_alive(time.monotonic())
-                for key, _ in self.selector.select(self._until_next_timer(time.monotonic())):
+                wait = self._until_next_timer(time.monotonic())
+                if received is not None and preload is not None:
+                    preload.join(wait)  # only the preload is missing: wait for it
+                    continue
+                for key, _ in self.selector.select(wait):
                     if key.data == "launcher":
                         message, payload = self._recv()
                         if isinstance(message, WorkerSpec):
-                            return message, payload
-                        self._on_message(message)
+                            received = (message, payload)
+                        else:
+                            self._on_message(message)
                     elif key.data == "stdin":
                         self._on_stdin()
-            return None
         finally:
             if preload is not None:
                 preload.join()
+        return None if self.stopping else received
 
     def start_workers(self, spec: WorkerSpec, payload: list[bytearray]) -> None:
         """Fork ``spec.num_workers`` workers and register their pidfds and stack pipes."""
@@ -178,17 +208,30 @@ class Agent:
         sys.stderr.flush()
         for local_rank in range(spec.num_workers):
             stack_read, stack_write = os.pipe()
+            out_read, out_write = os.pipe()
+            err_read, err_write = os.pipe()
             pid = os.fork()
             if pid == 0:
-                os.close(stack_read)
+                for fd in (stack_read, out_read, err_read):
+                    os.close(fd)
+                os.dup2(out_write, 1)  # descriptor level: C code and child processes too
+                os.dup2(err_write, 2)
+                os.close(out_write)
+                os.close(err_write)
                 self._become_worker(spec, payload, local_rank, stack_write)
-            os.close(stack_write)
+            for fd in (stack_write, out_write, err_write):
+                os.close(fd)
             self.guardian.watch(pid)  # the worker's process group id is its pid (setsid)
-            os.set_blocking(stack_read, False)
-            worker = _Worker(local_rank, pid, os.pidfd_open(pid), stack_read)
+            outputs = [_Output(out_read, is_stderr=False), _Output(err_read, is_stderr=True)]
+            worker = _Worker(local_rank, pid, os.pidfd_open(pid), stack_read, outputs)
             self.workers.append(worker)
             self.selector.register(worker.pidfd, selectors.EVENT_READ, worker)
+            os.set_blocking(stack_read, False)
             self.selector.register(stack_read, selectors.EVENT_READ, ("stacks", worker))
+            for output in outputs:
+                os.set_blocking(output.fd, False)
+                self.selector.register(output.fd, selectors.EVENT_READ, (worker, output))
+        logger.info("started %d workers: pids %s", spec.num_workers, [w.pid for w in self.workers])
         self.conn.send(WorkersStarted(tuple(w.pid for w in self.workers)))
 
     def _become_worker(
@@ -199,12 +242,14 @@ class Agent:
             os.setsid()  # own process group: the agent can stop the worker's whole tree
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+            for signum in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, signal.SIG_DFL)
             self.selector.close()
             for sibling in self.workers:
                 os.close(sibling.pidfd)
                 os.close(sibling.stack_fd)
+                for output in sibling.outputs:
+                    os.close(output.fd)
             os.close(self.guardian.fd)
             self.conn.sock.close()
             devnull = os.open(os.devnull, os.O_RDONLY)
@@ -225,18 +270,31 @@ class Agent:
     # -- monitor -------------------------------------------------------------------------
 
     def monitor(self) -> None:
-        """Loop until every worker has ended; then tell the launcher."""
-        while not all(w.ended for w in self.workers):
+        """Loop until every worker has ended and its output is read; then tell the launcher."""
+        drain_deadline: float | None = None
+        while not self._all_done():
             now = time.monotonic()
+            if drain_deadline is None and all(w.ended for w in self.workers):
+                # Something the workers started outside their process group may hold the
+                # pipes open: read what comes for a moment, then give up on it.
+                drain_deadline = now + _DRAIN_WAIT
+            if drain_deadline is not None and now >= drain_deadline:
+                break
             self._keep_alive(now)
             if self.dump_deadline is not None and now >= self.dump_deadline:
                 self._send_stacks_and_terminate()
             if self.stop_deadline is not None and now >= self.stop_deadline:
                 self._signal_workers(signal.SIGKILL)
                 self.stop_deadline = None
-            for key, _ in self.selector.select(self._until_next_timer(time.monotonic())):
+            wait = self._until_next_timer(time.monotonic())
+            if drain_deadline is not None:
+                wait = min(wait, max(drain_deadline - time.monotonic(), 0.0))
+            for key, _ in self.selector.select(wait):
                 self._on_ready(key.data)
         self._send(AgentDone())
+
+    def _all_done(self) -> bool:
+        return all(w.ended and not w.outputs for w in self.workers)
 
     def _keep_alive(self, now: float) -> None:
         if now >= self.next_heartbeat:
@@ -254,6 +312,8 @@ class Agent:
     def _on_ready(self, source: Any) -> None:  # noqa: ANN401 (selector payload)
         if isinstance(source, _Worker):
             self._reap(source)
+        elif isinstance(source, tuple) and isinstance(source[1], _Output):
+            self._read_output(source[0], source[1])
         elif isinstance(source, tuple):
             self._read_stacks(source[1])
         elif source == "launcher":
@@ -299,7 +359,34 @@ class Agent:
             # Every live worker has begun its dump; a dump is written in one go.
             self.dump_deadline = min(self.dump_deadline, time.monotonic() + _STACK_SETTLE)
 
+    def _read_output(self, worker: _Worker, output: _Output, *, until_empty: bool = False) -> None:
+        """Forward the whole lines available on one output pipe (all of it at EOF)."""
+        lines: list[str] = []
+        while True:
+            try:
+                chunk = os.read(output.fd, 65536)
+            except BlockingIOError:
+                break
+            lines += output.splitter.feed(chunk)
+            if not chunk:
+                self.selector.unregister(output.fd)
+                os.close(output.fd)
+                worker.outputs.remove(output)
+                break
+            if not until_empty:
+                break
+        if lines:
+            now = time.time()
+            name = f"worker.{worker.local_rank}.{'stderr' if output.is_stderr else 'stdout'}"
+            records = []
+            for raw in lines:
+                line = parse_line(raw, is_stderr=output.is_stderr, default_name=name)
+                records.append((worker.local_rank, line.levelno, line.name, line.text, now))
+            self._send(LogLines(tuple(records)))
+
     def _reap(self, worker: _Worker) -> None:
+        for output in list(worker.outputs):  # its last words go out before its death notice
+            self._read_output(worker, output, until_empty=True)
         _, status = os.waitpid(worker.pid, 0)
         self.selector.unregister(worker.pidfd)
         os.close(worker.pidfd)
@@ -309,6 +396,9 @@ class Agent:
         # Whatever the worker started in its own process group goes with it.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(worker.pid, signal.SIGKILL)
+        logger.info(
+            "worker %d (pid %d) exited with status %d", worker.local_rank, worker.pid, exitcode
+        )
         self._send(WorkerExited(worker.local_rank, worker.pid, None if sig else exitcode, sig))
 
     def _begin_stop(self, *, dump_stacks: bool) -> None:
@@ -366,6 +456,9 @@ class Agent:
             if worker.stack_fd >= 0:
                 os.close(worker.stack_fd)
                 worker.stack_fd = -1
+            for output in worker.outputs:
+                os.close(output.fd)
+            worker.outputs.clear()
         self.selector.close()
         self.conn.close()
         self.guardian.close()
@@ -377,6 +470,7 @@ def main(boot: dict[str, Any]) -> None:
     # A Ctrl-C meant for the launcher must not kill the agent before it cleans up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    capture_logging(int(boot["log_level"]))
     guardian = _Guardian()
     secret = bytes.fromhex(boot["secret"])
     address = (boot["launcher"][0], int(boot["launcher"][1]))
@@ -397,6 +491,13 @@ def main(boot: dict[str, Any]) -> None:
         )
     )
     agent = Agent(boot, conn, guardian)
+    logger.info(
+        "agent of host %d started on %s (pid %d)",
+        boot["host_index"],
+        socket.gethostname(),
+        os.getpid(),
+    )
+    code = 0
     try:
         received = agent.receive_spec()
         if received is not None:
@@ -404,9 +505,11 @@ def main(boot: dict[str, Any]) -> None:
             agent.monitor()
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx agent: lost the launcher: {exc}\n")
+    except SystemExit as exc:  # SIGTERM
+        code = exc.code if isinstance(exc.code, int) else 1
     finally:
         agent.close()
         sys.stdout.flush()
         sys.stderr.flush()
         # Skip interpreter teardown (torch's takes ~0.5 s): the launcher waits for this exit.
-        os._exit(0)
+        os._exit(code)

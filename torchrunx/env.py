@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ DEFAULT_ENV_VARS: tuple[str, ...] = (
     "NCCL*",
 )
 """``fnmatch`` patterns of the launcher's variables that are copied by default."""
+
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # Variables that describe one process and must never be copied to another one.
 _NEVER_FORWARDED = frozenset(
@@ -54,6 +57,7 @@ def forwarded_env(
         name: value
         for name, value in env.items()
         if name not in _NEVER_FORWARDED
+        and _SHELL_NAME.fullmatch(name)  # a name bash can export; others cannot be forwarded
         and any(fnmatch.fnmatchcase(name, pattern) for pattern in pattern_list)
     }
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
 HostnamesSpec = list[str] | Literal["auto", "slurm"]
-WorkersSpec = int | list[int] | Literal["auto", "slurm"]
+WorkersSpec = int | list[int] | tuple[int, ...] | Literal["auto", "slurm"]
 
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1", "0.0.0.0"})  # noqa: S104 (a name to recognise, not an address to bind)
 
@@ -99,7 +99,7 @@ def resolve_slots(hostnames: list[str], workers_per_host: WorkersSpec) -> list[H
         ValueError: A list whose length differs from the number of hosts.
         RuntimeError: ``"slurm"`` outside an allocation.
     """
-    if isinstance(workers_per_host, list):
+    if isinstance(workers_per_host, list | tuple):
         if len(workers_per_host) != len(hostnames):
             raise ValueError(
                 f"workers_per_host has {len(workers_per_host)} entries but there are "

@@ -42,11 +42,13 @@ from torchrunx.errors import (
     describe_exit,
 )
 from torchrunx.hosts import HostSlots, is_local_host, resolve_hostnames, resolve_slots
+from torchrunx.logs import Line, LogHandlers, LogRouter, parse_line
 from torchrunx.protocol import (
     AgentDone,
     AgentHello,
     Connection,
     Heartbeat,
+    LogLines,
     Stop,
     WorkerException,
     WorkerExited,
@@ -70,6 +72,7 @@ Backend = Literal["nccl", "gloo", "mpi", "ucc", "auto"] | None
 _HEARTBEAT_INTERVAL = 1.0
 _HANDSHAKE_TIMEOUT = 10.0
 _SETTLE_TIMEOUT = 2.0
+_UNCONNECTED_SETTLE_TIMEOUT = 1.0
 _STOP_GRACE = 3.0
 _MAX_STACKS_SHOWN = 16
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
@@ -120,6 +123,11 @@ class Launcher:
 
     launch_timeout: float | None = None
     """Wall-clock limit in seconds for the whole launch (None: no limit)."""
+
+    log_handlers: LogHandlers = "auto"
+    """Where forwarded logs go. "auto": rank 0's host on stdout and every agent and worker in
+    files under $TORCHRUNX_LOG_DIR; None: nowhere; or logging.Handlers (or a function making
+    them) that receive every record."""
 
     def run(self, func: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> LaunchResult[R]:
         """Run ``func(*args, **kwargs)`` in every worker and return every rank's value.
@@ -317,7 +325,7 @@ class _Failures:
         if self.first is None:
             self.first = error
         else:
-            self.others.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+            self.others.append(_summary(error))
 
 
 class _Launch:
@@ -338,9 +346,13 @@ class _Launch:
         self.threads: list[threading.Thread] = []
         self.connections: list[Connection] = []
         self.lock = threading.Lock()
+        self.start_pool = ThreadPoolExecutor(
+            max_workers=min(32, len(hosts)), thread_name_prefix="torchrunx-start"
+        )
         self.listener = _listen()
         self.port = int(self.listener.getsockname()[1])
         self.env = forwarded_env((*launcher.default_env_vars, *launcher.extra_env_vars))
+        self.logs = LogRouter(launcher.log_handlers, [h.hostname for h in hosts])
         self._spawn(self._accept_loop, "torchrunx-accept")
 
     # -- phases ---------------------------------------------------------------------------
@@ -374,12 +386,8 @@ class _Launch:
             if self.launcher.env_file is not None
             else None,
         )
-        pool = ThreadPoolExecutor(
-            max_workers=min(32, len(self.agents)), thread_name_prefix="torchrunx-ssh"
-        )
         for index in range(len(self.agents)):
-            pool.submit(self._start_agent, index, script)
-        pool.shutdown(wait=False)
+            self.start_pool.submit(self._start_agent, index, script)
 
     def _start_agent(self, index: int, script: bytes) -> None:
         state = self.agents[index]
@@ -392,9 +400,15 @@ class _Launch:
                     lambda local_address: self._bootstrap(index, local_address),
                     self.launcher.ssh_config_file,
                     connect_timeout=min(self.launcher.start_timeout, 30.0),
+                    on_line=functools.partial(self._on_agent_line, index),
                 )
             else:
-                process = LocalAgent(hostname, script, self._bootstrap(index, "127.0.0.1"))
+                process = LocalAgent(
+                    hostname,
+                    script,
+                    self._bootstrap(index, "127.0.0.1"),
+                    functools.partial(self._on_agent_line, index),
+                )
         except AgentFailedError as exc:
             self.events.put(_StartFailed(index, exc))
             return
@@ -403,11 +417,21 @@ class _Launch:
             error.__cause__ = exc
             self.events.put(_StartFailed(index, error))
             return
-        self.events.put(_Started(index, process))
+        with self.lock:
+            closing = self.closing
+            if not closing:
+                self.events.put(_Started(index, process))
+        if closing:  # the launch ended while this agent was starting
+            process.close()
+            return
         self._spawn(
             lambda: self.events.put(_AgentEnded(index, process.wait(1e9))),
             f"torchrunx-wait-{hostname}",
         )
+
+    def _on_agent_line(self, index: int, is_stderr: bool, text: str) -> None:
+        line = parse_line(text, is_stderr=is_stderr, default_name="agent")
+        self.logs.emit(index, None, None, line, time.time())
 
     def _bootstrap(self, index: int, local_address: str) -> bytes:
         state = self.agents[index]
@@ -428,6 +452,7 @@ class _Launch:
             preload_torch=self.launcher.backend is not None,
             heartbeat_interval=_HEARTBEAT_INTERVAL,
             agent_timeout=float(self.launcher.agent_timeout),
+            log_level=self.logs.level,
             sys_path=tuple(sys.path),
         ).to_json_line()
 
@@ -450,9 +475,10 @@ class _Launch:
                 master_port=master_port,
                 backend=self.launcher.backend,
                 timeout=self.launcher.timeout,
-                env=self.env,
+                log_level=self.logs.level,
             )
             state.spec = spec
+            self.logs.add_workers(index, spec.num_workers)
             self.ranks.extend(_RankState(index, r) for r in range(spec.num_workers))
             offset += spec.num_workers
             state.conn.send(spec, self.call)
@@ -538,8 +564,6 @@ class _Launch:
     def _handle(self, event: _Event) -> None:
         if isinstance(event, _Started):
             self.agents[event.host_index].process = event.process
-            if self.closing:
-                event.process.close()
         elif isinstance(event, _StartFailed):
             self.agents[event.host_index].ended = True
             self._fail(event.error)
@@ -563,6 +587,8 @@ class _Launch:
                 "on that host? torchrunx runs the launcher's interpreter on every host and "
                 "assumes a shared filesystem"
             )
+        elif status is not None and status < 0 and state.remote:
+            reason = "the agent ended without an exit status (killed by a signal, or SSH dropped)"
         elif status is not None and status < 0:
             reason = f"the agent process ended with {describe_exit(None, -status)}"
         else:
@@ -586,7 +612,9 @@ class _Launch:
         if isinstance(message, WorkerException):
             self._fail(self._rebuild_exception(message, payload))
             return
-        state = next(a for a in self.agents if a.conn is conn)
+        self._on_agent_message(next(a for a in self.agents if a.conn is conn), message)
+
+    def _on_agent_message(self, state: _AgentState, message: protocol.Message) -> None:
         state.last_heard = time.monotonic()
         if isinstance(message, WorkersStarted):
             state.pids = message.pids
@@ -594,17 +622,29 @@ class _Launch:
             assert state.spec is not None  # noqa: S101 (stacks come from started workers)
             for local_rank, text in message.stacks.items():
                 self.stacks[state.spec.rank_offset + local_rank] = text
+        elif isinstance(message, LogLines):
+            self._on_log_lines(state, message)
         elif isinstance(message, WorkerExited):
             self._on_worker_exited(state, message)
         elif isinstance(message, AgentDone):
             state.done = True
+
+    def _on_log_lines(self, agent: _AgentState, message: LogLines) -> None:
+        assert agent.spec is not None  # noqa: S101 (lines come from started workers)
+        index, offset = agent.spec.host_index, agent.spec.rank_offset
+        for local_rank, levelno, name, text, created in message.records:
+            line = Line(levelno, name, text)
+            self.logs.emit(index, local_rank, offset + local_rank, line, created)
 
     def _on_worker_exited(self, agent: _AgentState, message: WorkerExited) -> None:
         assert agent.spec is not None  # noqa: S101 (workers exist only after the spec)
         rank = agent.spec.rank_offset + message.local_rank
         state = self.ranks[rank]
         state.exited, state.pid = message, message.pid
-        if state.conn is not None and not state.closed:
+        if state.conn is None:
+            # Its hello may still be queued behind this report (another connection).
+            state.settle_by = time.monotonic() + _UNCONNECTED_SETTLE_TIMEOUT
+        elif not state.closed:
             # Its last bytes may still be in flight on its own connection.
             state.settle_by = time.monotonic() + _SETTLE_TIMEOUT
         else:
@@ -639,11 +679,21 @@ class _Launch:
             return
         host = self.agents[state.host_index].slots.hostname
         exited = state.exited
-        self._fail(
-            WorkerFailedError(
-                host, state.local_rank, rank, exited.pid, exited.exitcode, exited.signal
-            )
+        error = WorkerFailedError(
+            host, state.local_rank, rank, exited.pid, exited.exitcode, exited.signal
         )
+        self._add_output_tail(error, state)
+        self._fail(error)
+
+    def _add_output_tail(self, error: BaseException, state: _RankState) -> None:
+        tail = self.logs.tail(state.host_index, state.local_rank)
+        path = self.logs.log_file(state.host_index, state.local_rank)
+        where = f" (full log: {path})" if path is not None else ""
+        if tail:
+            body = "\n".join(f"    {line}" for line in tail)
+            _add_note(error, f"last {len(tail)} lines of its output{where}:\n{body}")
+        elif path is not None:
+            _add_note(error, f"it wrote no output{where}")
 
     def _rebuild_exception(
         self, message: WorkerException, payload: list[bytearray]
@@ -669,11 +719,12 @@ class _Launch:
         error.__cause__ = RemoteTraceback(message.traceback)
         error.__suppress_context__ = True
         _add_note(error, f"raised in {where}")
+        self._add_output_tail(error, state)
         return error
 
     def _fail(self, error: BaseException) -> None:
         if self.stopping:
-            self.failures.others.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+            self.failures.others.append(_summary(error))
         else:
             self.failures.add(error)
 
@@ -734,13 +785,22 @@ class _Launch:
                     state.conn.send(Stop(reason, _STOP_GRACE, dump_stacks=dump))
         deadline = time.monotonic() + _STOP_GRACE + 5.0
         self._wait(lambda: all(a.done or a.ended or a.conn is None for a in self.agents), deadline)
+        while True:  # what arrived together with the last agent's goodbye still counts
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(event)
 
     def close(self) -> None:
         """Release everything: agents, connections, the port, and helper threads."""
-        self.closing = True
+        with self.lock:
+            self.closing = True
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
+        # Starts still under way end within their connect timeout and close what they made.
+        self.start_pool.shutdown(wait=True)
         while True:  # pick up agents whose start was still under way
             try:
                 event = self.events.get_nowait()
@@ -760,6 +820,7 @@ class _Launch:
             conn.close()
         for thread in self.threads:
             thread.join(2.0)
+        self.logs.close()
 
     # -- helper threads -----------------------------------------------------------------------
 
@@ -833,6 +894,12 @@ def _listen() -> socket.socket:
     if socket.has_dualstack_ipv6():
         return socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
     return socket.create_server(("0.0.0.0", 0))  # noqa: S104 (agents on other hosts connect here)
+
+
+def _summary(error: BaseException) -> str:
+    """``Type: first line of the message`` (just the type for an empty message)."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _add_note(error: BaseException, note: str) -> None:

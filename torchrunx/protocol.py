@@ -26,7 +26,7 @@ import pickle
 import socket
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from torchrunx.errors import ProtocolError
@@ -80,7 +80,8 @@ class WorkerSpec:
     master_port: int
     backend: str | None
     timeout: int
-    env: dict[str, str] = field(default_factory=dict)
+    log_level: int = 20
+    """Level of the workers' root logger (``TORCHRUNX_LOG_LEVEL``)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,16 @@ class WorkerExited:
     pid: int
     exitcode: int | None
     signal: int | None
+
+
+@dataclass(frozen=True)
+class LogLines:
+    """Agent: whole lines its workers wrote, in order per worker and stream.
+
+    Each record is ``(local_rank, levelno, logger name, text, unix time read)``.
+    """
+
+    records: tuple[tuple[int, int, str, str, float], ...]
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,7 @@ Message = (
     | WorkerSpec
     | WorkersStarted
     | WorkerExited
+    | LogLines
     | AgentDone
     | Stop
     | WorkerStacks
@@ -177,6 +189,7 @@ _MESSAGE_TYPES = (
     WorkerSpec,
     WorkersStarted,
     WorkerExited,
+    LogLines,
     AgentDone,
     Stop,
     WorkerStacks,

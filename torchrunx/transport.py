@@ -22,17 +22,16 @@ import logging
 import os
 import shlex
 import subprocess
-import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torchrunx.errors import AgentFailedError
+from torchrunx.logs import LineSplitter
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import paramiko
 
 logger = logging.getLogger(__name__)
@@ -62,6 +61,7 @@ class AgentBootstrap:
     preload_torch: bool
     heartbeat_interval: float
     agent_timeout: float
+    log_level: int
     sys_path: tuple[str, ...]
 
     def to_json_line(self) -> bytes:
@@ -75,6 +75,7 @@ class AgentBootstrap:
             "preload_torch": self.preload_torch,
             "heartbeat_interval": self.heartbeat_interval,
             "agent_timeout": self.agent_timeout,
+            "log_level": self.log_level,
             "sys_path": list(self.sys_path),
         }
         return json.dumps(data).encode() + b"\n"
@@ -116,11 +117,16 @@ class AgentProcess(Protocol):
         ...
 
 
-class _OutputPump:
-    """Copies an agent's output to the launcher's stdout/stderr and keeps the stderr tail."""
+OnLine = Callable[[bool, str], None]
+"""Receives each whole line an agent writes: ``(is_stderr, text)``."""
 
-    def __init__(self, hostname: str) -> None:
+
+class _OutputPump:
+    """Reads an agent's stdout/stderr as whole lines, hands them on, keeps the stderr tail."""
+
+    def __init__(self, hostname: str, on_line: OnLine) -> None:
         self.hostname = hostname
+        self.on_line = on_line
         self.tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
         self.threads: list[threading.Thread] = []
 
@@ -131,29 +137,18 @@ class _OutputPump:
         self.threads.append(thread)
 
     def _pump(self, read: Callable[[], bytes], is_stderr: bool) -> None:
-        target = sys.stderr if is_stderr else sys.stdout
-        pending = b""
+        splitter = LineSplitter()
         while True:
             try:
                 chunk = read()
             except OSError:
                 chunk = b""
+            for line in splitter.feed(chunk):
+                if is_stderr:
+                    self.tail.append(line)
+                self.on_line(is_stderr, line)
             if not chunk:
-                break
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            self._emit(lines, target, is_stderr)
-        if pending:
-            self._emit([pending], target, is_stderr)
-
-    def _emit(self, lines: list[bytes], target: Any, is_stderr: bool) -> None:  # noqa: ANN401
-        for raw in lines:
-            line = raw.decode(errors="replace")
-            if is_stderr:
-                self.tail.append(line)
-            with contextlib.suppress(ValueError, OSError):
-                target.write(line + "\n")
-                target.flush()
+                return
 
     def join(self, timeout: float) -> None:
         for thread in self.threads:
@@ -172,14 +167,14 @@ def _login_environment() -> dict[str, str]:
 class LocalAgent:
     """An agent on this machine: a plain subprocess in its own session (no SSH)."""
 
-    def __init__(self, hostname: str, script: bytes, bootstrap: bytes) -> None:
+    def __init__(self, hostname: str, script: bytes, bootstrap: bytes, on_line: OnLine) -> None:
         """Start the agent and hand it its script and bootstrap on stdin.
 
         Raises:
             AgentFailedError: bash cannot be started.
         """
         self.hostname = hostname
-        self._pump = _OutputPump(hostname)
+        self._pump = _OutputPump(hostname, on_line)
         try:
             self._process = subprocess.Popen(
                 ["bash", "--noprofile", "--norc", "-c", 'IFS= read -r -d "" s && eval "$s"'],
@@ -405,13 +400,14 @@ def _close_all(clients: list[paramiko.SSHClient]) -> None:
 class SshAgent:
     """An agent on a remote host, started with paramiko over one SSH connection."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913, PLR0917 (what a remote start needs)
         self,
         hostname: str,
         script: bytes,
         bootstrap_for: Callable[[str], bytes],
         config_file: str | Path | None,
         connect_timeout: float,
+        on_line: OnLine,
     ) -> None:
         """Connect, start the agent command and hand it its script and bootstrap on stdin.
 
@@ -424,7 +420,7 @@ class SshAgent:
         import paramiko  # noqa: PLC0415
 
         self.hostname = hostname
-        self._pump = _OutputPump(hostname)
+        self._pump = _OutputPump(hostname, on_line)
         target = resolve_ssh_target(hostname, config_file, connect_timeout)
         self._clients = ssh_connect(target, config_file)
         transport = self._clients[-1].get_transport()

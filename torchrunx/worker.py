@@ -21,6 +21,7 @@ import cloudpickle
 
 from torchrunx import protocol, serialization
 from torchrunx.env import worker_env
+from torchrunx.logs import capture_logging
 from torchrunx.protocol import WorkerException, WorkerHello, WorkerResult, WorkerSpec
 
 _EXIT_RAISED = 1
@@ -85,7 +86,8 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
         # Whole lines per write: workers share their agent's output pipes.
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=False)
-    os.environ.update(spec.env)
+    # Forwarded variables and env_file's exports are already in the agent's (inherited) env.
+    capture_logging(spec.log_level)
     os.environ.update(
         worker_env(
             rank=rank,
@@ -107,8 +109,11 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
         if spec.backend is not None:
             _init_process_group(spec.backend, spec, rank, local_rank)
         result = func(*args, **kwargs)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except SystemExit as exc:  # like the interpreter: a non-int code is printed, status 1
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        sys.stderr.write(f"{exc.code}\n")
+        return 1
     except BaseException as exc:  # noqa: BLE001 (every failure goes back to the launcher)
         if spec.backend is not None and _looks_like_timeout(exc):
             _add_note(exc, f"the process-group timeout is Launcher.timeout={spec.timeout} s")

@@ -1,0 +1,362 @@
+r"""Logs: capture in agents and workers, forwarding, and the launcher's handlers.
+
+Capture. Each worker's file descriptors 1 and 2 are pipes read by its agent, so everything
+the worker writes (``print``, C extensions, child processes) is captured at the descriptor
+level and survives the worker's death. ``logging`` and ``warnings`` records in workers and
+agents are written to stderr as *marked lines* that keep their level and logger name::
+
+    \x1e<levelno>\x1f<logger name>\x1f<message, newlines as \x1d>\n
+
+Forwarding. The agent splits its workers' output into whole lines (never mid-line) and sends
+them in batches (:class:`torchrunx.protocol.LogLines`) over its authenticated connection, as
+it reads them, and always before it reports that worker's exit. The agent's own output comes
+to the launcher on its stdout/stderr (SSH channel or pipe) and is parsed the same way.
+
+Records. In the launcher every line becomes a :class:`logging.LogRecord` with the extra
+attributes ``hostname``, ``host_index``, ``local_rank`` (``None`` for the agent) and ``rank``.
+Plain stdout lines are INFO, plain stderr lines WARNING; marked lines keep their own level.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import io
+
+RECORD_START = "\x1e"
+FIELD_SEP = "\x1f"
+NEWLINE = "\x1d"
+STDOUT_LEVEL = logging.INFO
+STDERR_LEVEL = logging.WARNING
+TAIL_LINES = 20
+
+LogHandlers = list[logging.Handler] | Callable[[], list[logging.Handler]] | Literal["auto"] | None
+
+
+class MarkedLineFormatter(logging.Formatter):
+    """Formats a record as one marked line (used inside agents and workers)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """One line: marker, level, logger name, message (with the traceback, if any)."""
+        text = super().format(record).rstrip("\n").replace("\n", NEWLINE)
+        return f"{RECORD_START}{record.levelno}{FIELD_SEP}{record.name}{FIELD_SEP}{text}"
+
+
+def capture_logging(level: int) -> None:
+    """In an agent or a worker: send ``logging`` and ``warnings`` records to stderr, marked."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(MarkedLineFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.captureWarnings(capture=True)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of output, parsed: level, logger name and text."""
+
+    levelno: int
+    name: str
+    text: str
+
+
+def parse_line(raw: str, *, is_stderr: bool, default_name: str) -> Line:
+    """Parse a marked line, or classify a plain one by its stream."""
+    if raw.startswith(RECORD_START):
+        fields = raw[1:].split(FIELD_SEP, 2)
+        if len(fields) == 3 and fields[0].isdigit():
+            return Line(int(fields[0]), fields[1], fields[2].replace(NEWLINE, "\n"))
+    return Line(STDERR_LEVEL if is_stderr else STDOUT_LEVEL, default_name, raw)
+
+
+class LineSplitter:
+    """Turns chunks of bytes into whole lines; keeps an unfinished line until its end."""
+
+    def __init__(self) -> None:
+        """Start with nothing pending."""
+        self.pending = b""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """Whole lines completed by ``chunk`` (an empty chunk means EOF: flush the rest)."""
+        if not chunk:
+            rest, self.pending = self.pending, b""
+            return [rest.decode(errors="replace")] if rest else []
+        data = self.pending + chunk
+        *lines, self.pending = data.split(b"\n")
+        return [line.decode(errors="replace") for line in lines]
+
+
+def log_level_from_env(environ: dict[str, str] | None = None) -> int:
+    """``TORCHRUNX_LOG_LEVEL`` as a number: a level name (``DEBUG``) or number; default INFO.
+
+    Raises:
+        ValueError: The value is neither a known level name nor a number.
+    """
+    value = (os.environ if environ is None else environ).get("TORCHRUNX_LOG_LEVEL", "INFO")
+    value = value.strip()
+    if value.isdigit():
+        return int(value)
+    level = logging.getLevelName(value.upper())
+    if not isinstance(level, int):
+        raise ValueError(  # noqa: TRY004 (a bad value of a string setting)
+            f"TORCHRUNX_LOG_LEVEL={value!r} is not a logging level (DEBUG, INFO, WARNING, ...)"
+        )
+    return level
+
+
+# --------------------------------------------------------------------------------------------
+# Public helpers
+# --------------------------------------------------------------------------------------------
+
+
+class _SourceFilter(logging.Filter):
+    def __init__(self, hostname: str, local_rank: int | None, host_index: int | None) -> None:
+        super().__init__()
+        self.hostname = hostname
+        self.local_rank = local_rank
+        self.host_index = host_index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "hostname", None) != self.hostname:
+            return False
+        if self.host_index is not None and getattr(record, "host_index", None) != self.host_index:
+            return False
+        return getattr(record, "local_rank", None) == self.local_rank
+
+
+def add_filter_to_handler(
+    handler: logging.Handler,
+    hostname: str,
+    local_rank: int | None,
+    log_level: int = logging.NOTSET,
+) -> None:
+    """Let ``handler`` receive only the records of one agent (``local_rank=None``) or worker.
+
+    Args:
+        handler: Any ``logging.Handler``.
+        hostname: Host of the agent or worker, as given in ``hostnames``.
+        local_rank: Rank of the worker on that host, or ``None`` for the agent itself.
+        log_level: Records below this level are dropped.
+    """
+    handler.addFilter(_SourceFilter(hostname, local_rank, None))
+    handler.setLevel(log_level)
+
+
+def _add_source_filter(
+    handler: logging.Handler, hostname: str, local_rank: int | None, host_index: int | None
+) -> None:
+    handler.addFilter(_SourceFilter(hostname, local_rank, host_index))
+
+
+class _PrefixFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        local_rank = getattr(record, "local_rank", None)
+        source = getattr(record, "hostname", "?")
+        prefix = f"[{source}]" if local_rank is None else f"[{source}:{local_rank}]"
+        return "\n".join(f"{prefix} {line}" for line in record.getMessage().split("\n"))
+
+
+def stream_handler(
+    hostname: str, local_rank: int | None, log_level: int = logging.NOTSET
+) -> logging.Handler:
+    """A handler printing one agent's or worker's records on stdout, prefixed ``[host:rank]``.
+
+    Args:
+        hostname: Host of the agent or worker.
+        local_rank: Rank of the worker on that host, or ``None`` for the agent.
+        log_level: Records below this level are dropped.
+    """
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_PrefixFormatter())
+    add_filter_to_handler(handler, hostname, local_rank, log_level)
+    return handler
+
+
+class _PrivateFileHandler(logging.FileHandler):
+    """A FileHandler whose file is created readable and writable by its owner only."""
+
+    def _open(self) -> io.TextIOWrapper:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)  # noqa: PTH123
+
+
+def file_handler(
+    hostname: str,
+    local_rank: int | None,
+    file_path: str | os.PathLike[str],
+    log_level: int = logging.NOTSET,
+) -> logging.Handler:
+    """A handler writing one agent's or worker's records to ``file_path`` (mode 0600).
+
+    Args:
+        hostname: Host of the agent or worker.
+        local_rank: Rank of the worker on that host, or ``None`` for the agent.
+        file_path: The log file; its folder must exist.
+        log_level: Records below this level are dropped.
+    """
+    handler = _PrivateFileHandler(file_path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    add_filter_to_handler(handler, hostname, local_rank, log_level)
+    return handler
+
+
+# --------------------------------------------------------------------------------------------
+# The launcher's router
+# --------------------------------------------------------------------------------------------
+
+
+def new_log_dir(root: Path) -> Path:
+    """A new folder under ``root`` named by the current time in ISO 8601 (mode 0700).
+
+    Unique even for two launches in the same microsecond (a ``-N`` suffix is added).
+    """
+    stamp = dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="microseconds")
+    root.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1000):
+        path = root / (stamp if attempt == 0 else f"{stamp}-{attempt}")
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"cannot create a new log folder under {root}")
+
+
+@dataclass(frozen=True)
+class _Source:
+    host_index: int
+    hostname: str
+    local_rank: int | None
+
+
+class LogRouter:
+    """Receives every forwarded line of one launch and hands records to the handlers.
+
+    Thread-safe: agent output pumps and connection readers call :meth:`emit` concurrently.
+    """
+
+    def __init__(self, spec: LogHandlers, hostnames: Sequence[str]) -> None:
+        """Resolve the ``log_handlers`` field; ``"auto"`` builds the default handlers.
+
+        Raises:
+            ValueError: ``TORCHRUNX_LOG_LEVEL`` is not a level.
+        """
+        self.hostnames = list(hostnames)
+        self.level = log_level_from_env()
+        self.auto = spec == "auto"
+        self.log_dir: Path | None = None
+        self.handlers: list[logging.Handler] = []
+        self.owned: list[logging.Handler] = []
+        self.tails: dict[tuple[int, int | None], deque[str]] = {}
+        self.lock = threading.Lock()
+        if spec == "auto":
+            self._add_defaults_for_agents()
+        elif callable(spec):
+            self.handlers = list(spec())
+        elif spec is not None:
+            self.handlers = list(spec)
+
+    def _file_name(self, host_index: int, local_rank: int | None) -> str:
+        hostname = self.hostnames[host_index]
+        occurrence = self.hostnames[:host_index].count(hostname)
+        base = hostname if occurrence == 0 else f"{hostname}-{occurrence}"
+        return f"{base}.log" if local_rank is None else f"{base}[{local_rank}].log"
+
+    def _add_defaults_for_agents(self) -> None:
+        root = os.environ.get("TORCHRUNX_LOG_DIR", "./torchrunx_logs")
+        if root:
+            self.log_dir = new_log_dir(Path(root))
+        console = stream_handler(self.hostnames[0], None, self.level)
+        console.filters.clear()
+        _add_source_filter(console, self.hostnames[0], None, 0)
+        self._own(console)
+        for index, hostname in enumerate(self.hostnames):
+            self._add_file(index, hostname, None)
+
+    def add_workers(self, host_index: int, num_workers: int) -> None:
+        """Defaults for the workers of one host, once their number is known."""
+        if not self.auto:
+            return
+        hostname = self.hostnames[host_index]
+        if host_index == 0 and num_workers > 0:
+            console = stream_handler(hostname, 0, self.level)
+            console.filters.clear()
+            _add_source_filter(console, hostname, 0, 0)
+            self._own(console)
+        for local_rank in range(num_workers):
+            self._add_file(host_index, hostname, local_rank)
+
+    def _add_file(self, host_index: int, hostname: str, local_rank: int | None) -> None:
+        if self.log_dir is None:
+            return
+        path = self.log_dir / self._file_name(host_index, local_rank)
+        handler = file_handler(hostname, local_rank, path, self.level)
+        handler.filters.clear()
+        _add_source_filter(handler, hostname, local_rank, host_index)
+        self._own(handler)
+
+    def _own(self, handler: logging.Handler) -> None:
+        with self.lock:
+            self.handlers.append(handler)
+            self.owned.append(handler)
+
+    def log_file(self, host_index: int, local_rank: int | None) -> Path | None:
+        """The default log file of an agent or worker, if files are written."""
+        if self.log_dir is None:
+            return None
+        return self.log_dir / self._file_name(host_index, local_rank)
+
+    def tail(self, host_index: int, local_rank: int | None) -> list[str]:
+        """The last lines of an agent's or worker's output."""
+        return list(self.tails.get((host_index, local_rank), ()))
+
+    def emit(
+        self,
+        host_index: int,
+        local_rank: int | None,
+        rank: int | None,
+        line: Line,
+        created: float,
+    ) -> None:
+        """Hand one line to every handler as a LogRecord."""
+        hostname = self.hostnames[host_index]
+        tail = self.tails.setdefault((host_index, local_rank), deque(maxlen=TAIL_LINES))
+        tail.append(line.text)
+        record = logging.LogRecord(
+            name=line.name,
+            level=line.levelno,
+            pathname=hostname,
+            lineno=0,
+            msg=line.text,
+            args=None,
+            exc_info=None,
+        )
+        record.created = created
+        record.msecs = (created - int(created)) * 1000
+        record.hostname = hostname
+        record.host_index = host_index
+        record.local_rank = local_rank
+        record.rank = rank
+        with self.lock:
+            handlers = list(self.handlers)
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+    def close(self) -> None:
+        """Flush every handler and close the ones this router created."""
+        for handler in self.handlers:
+            handler.flush()
+        for handler in self.owned:
+            handler.close()
