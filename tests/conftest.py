@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from typing import TYPE_CHECKING
 
 import pytest
@@ -10,6 +11,7 @@ from cluster import cluster_unavailable_reason, start_cluster
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from pathlib import Path
 
     from cluster import TestCluster
 
@@ -30,12 +32,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
     test_cluster.stop()
 
 
+# Every launch of this test session carries this variable (it matches the default TORCH*
+# pattern), so leftovers are told apart from other launches running on the same machine.
+SESSION_MARKER = f"TORCHRUNX_TEST_SESSION={uuid.uuid4().hex}"
+os.environ.update([SESSION_MARKER.split("=", 1)])
+
+
 def torchrunx_processes() -> list[str]:
-    """Live (non-zombie) agents and workers on this machine, test hosts included.
+    """Live (non-zombie) agents and workers of this test session, test hosts included.
 
     The test hosts share this machine's pid namespace, so one look covers every host. Agents
-    run ``python -c BOOT`` whose code names ``torchrunx.agent``; workers are forks of agents
-    and keep that command line.
+    run ``python -c BOOT`` whose code names ``torchrunx.agent``; workers and guardians are
+    forks of agents and keep that command line.
     """
     found = []
     for entry in os.listdir("/proc"):
@@ -46,11 +54,21 @@ def torchrunx_processes() -> list[str]:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{entry}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                ours = SESSION_MARKER.encode() in f.read().split(b"\0")
         except OSError:
             continue
-        if "torchrunx.agent" in cmdline and state != "Z":
+        if "torchrunx.agent" in cmdline and state != "Z" and ours:
             found.append(f"{entry}: {cmdline[:120]}")
     return found
+
+
+@pytest.fixture(autouse=True)
+def log_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Default log files of each test go to a temporary folder, not into the checkout."""
+    path = tmp_path_factory.mktemp("torchrunx_logs")
+    monkeypatch.setenv("TORCHRUNX_LOG_DIR", str(path))
+    return path
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ from torchrunx.errors import (
     WorkerRaisedError,
 )
 from torchrunx.launcher import Launcher, launch
+from torchrunx.logs import add_filter_to_handler, file_handler, stream_handler
 from torchrunx.results import LaunchResult
 
 __all__ = [
@@ -30,5 +31,8 @@ __all__ = [
     "TorchrunxError",
     "WorkerFailedError",
     "WorkerRaisedError",
+    "add_filter_to_handler",
+    "file_handler",
     "launch",
+    "stream_handler",
 ]

@@ -341,6 +341,9 @@ class _Launch:
         self.failures = _Failures()
         self.started = time.monotonic()
         self.stacks: dict[int, str] = {}
+        # The worker behind a failure: its output tail is added when the error is raised,
+        # once the agents have forwarded everything (output travels apart from exceptions).
+        self.failed_rank: dict[int, _RankState] = {}
         self.stopping = False
         self.closing = False
         self.threads: list[threading.Thread] = []
@@ -682,7 +685,7 @@ class _Launch:
         error = WorkerFailedError(
             host, state.local_rank, rank, exited.pid, exited.exitcode, exited.signal
         )
-        self._add_output_tail(error, state)
+        self.failed_rank[id(error)] = state
         self._fail(error)
 
     def _add_output_tail(self, error: BaseException, state: _RankState) -> None:
@@ -719,7 +722,7 @@ class _Launch:
         error.__cause__ = RemoteTraceback(message.traceback)
         error.__suppress_context__ = True
         _add_note(error, f"raised in {where}")
-        self._add_output_tail(error, state)
+        self.failed_rank[id(error)] = state
         return error
 
     def _fail(self, error: BaseException) -> None:
@@ -752,6 +755,8 @@ class _Launch:
     def _error(self) -> BaseException:
         error = self.failures.first
         assert error is not None  # noqa: S101 (only called after a failure)
+        if id(error) in self.failed_rank:
+            self._add_output_tail(error, self.failed_rank[id(error)])
         if self.failures.others:
             others = "; ".join(self.failures.others)
             _add_note(error, f"other failures seen while stopping: {others}")

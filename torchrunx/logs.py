@@ -264,6 +264,7 @@ class LogRouter:
             self._add_defaults_for_agents()
         elif callable(spec):
             self.handlers = list(spec())
+            self.owned = list(self.handlers)  # made for this launch: closed with it
         elif spec is not None:
             self.handlers = list(spec)
 
@@ -355,7 +356,7 @@ class LogRouter:
                 handler.handle(record)
 
     def close(self) -> None:
-        """Flush every handler and close the ones this router created."""
+        """Flush every handler; close the ones made for this launch (not a list the user gave)."""
         for handler in self.handlers:
             handler.flush()
         for handler in self.owned:

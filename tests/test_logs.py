@@ -1,0 +1,210 @@
+"""Log forwarding: capture at the descriptor level, default files and console, handlers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from typing import TYPE_CHECKING
+
+import pytest
+
+import torchrunx as trx
+from torchrunx.logs import LineSplitter, log_level_from_env, parse_line
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+def chatty() -> int:
+    rank = int(os.environ["RANK"])
+    print(f"print from rank {rank}")
+    os.write(1, f"os.write from rank {rank}\n".encode())
+    subprocess.run(["echo", f"subprocess of rank {rank}"], check=True)
+    logging.getLogger("mylib").info("logging.info from rank %d", rank)
+    logging.getLogger("mylib").debug("debug from rank %d", rank)
+    warnings.warn(f"warning from rank {rank}", stacklevel=1)
+    print(f"stderr from rank {rank}", file=sys.stderr)
+    return rank
+
+
+def launch_dir(log_dir: Path) -> Path:
+    (folder,) = log_dir.iterdir()
+    return folder
+
+
+def test_two_hosts_files_layout_content_and_console(cluster, log_dir, capsys):
+    trx.launch(
+        chatty,
+        hostnames=cluster.names(),
+        workers_per_host=2,
+        backend=None,
+        ssh_config_file=cluster.ssh_config,
+    )
+    folder = launch_dir(log_dir)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "node1.log",
+        "node1[0].log",
+        "node1[1].log",
+        "node2.log",
+        "node2[0].log",
+        "node2[1].log",
+    ]
+    assert folder.stat().st_mode & 0o777 == 0o700
+    for path in folder.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    worker = (folder / "node2[1].log").read_text()
+    for text in (
+        "print from rank 3",
+        "os.write from rank 3",
+        "subprocess of rank 3",
+        "logging.info from rank 3",
+        "stderr from rank 3",
+    ):
+        assert text in worker
+    assert "WARNING py.warnings" in worker and "warning from rank 3" in worker
+    assert "INFO mylib: logging.info from rank 3" in worker
+    assert "debug from rank 3" not in worker  # below the default INFO level
+    assert "WARNING worker.1.stderr: stderr from rank 3" in worker
+    assert "agent of host 1 started on node2" in (folder / "node2.log").read_text()
+    out = capsys.readouterr().out
+    assert "[node1:0] print from rank 0" in out
+    assert "[node1] agent of host 0 started on node1" in out
+    assert "rank 1" not in out and "node2" not in out  # only the first agent and its first worker
+
+
+def test_lines_in_order_none_lost_under_load(log_dir):
+    def flood() -> None:
+        for i in range(100_000):
+            print(f"line {i}")
+
+    trx.launch(
+        flood, hostnames=["localhost"], workers_per_host=1, backend=None, log_handlers="auto"
+    )
+    lines = (launch_dir(log_dir) / "localhost[0].log").read_text().splitlines()
+    numbers = [int(line.rsplit(" ", 1)[1]) for line in lines if " line " in line]
+    assert numbers == list(range(100_000))
+
+
+def test_log_dir_empty_writes_no_files(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCHRUNX_LOG_DIR", "")
+    monkeypatch.chdir(tmp_path)
+    trx.launch(chatty, hostnames=["localhost"], workers_per_host=1, backend=None)
+    assert list(tmp_path.iterdir()) == []
+    assert "[localhost:0] print from rank 0" in capsys.readouterr().out
+
+
+def test_default_log_dir_and_unique_folders(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHRUNX_LOG_DIR")
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None)
+    folders = sorted((tmp_path / "torchrunx_logs").iterdir())
+    assert len(folders) == 2
+    for folder in folders:  # ISO 8601 names that sort by time
+        assert folder.name[:4].isdigit() and "T" in folder.name
+
+
+def test_log_level_from_environment(log_dir, monkeypatch):
+    monkeypatch.setenv("TORCHRUNX_LOG_LEVEL", "DEBUG")
+    trx.launch(chatty, hostnames=["localhost"], workers_per_host=1, backend=None)
+    assert "debug from rank 0" in (launch_dir(log_dir) / "localhost[0].log").read_text()
+    assert log_level_from_env({"TORCHRUNX_LOG_LEVEL": "30"}) == 30
+    with pytest.raises(ValueError, match="TORCHRUNX_LOG_LEVEL='LOUD' is not a logging level"):
+        log_level_from_env({"TORCHRUNX_LOG_LEVEL": "LOUD"})
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_custom_handlers_list_factory_and_filter(log_dir, capsys):
+    everything, only_rank1 = Collect(), Collect()
+    trx.add_filter_to_handler(only_rank1, socket.gethostname(), 1, logging.WARNING)
+    host = socket.gethostname()
+    trx.launch(
+        chatty,
+        hostnames=[host],
+        workers_per_host=2,
+        backend=None,
+        log_handlers=[everything, only_rank1],
+    )
+    assert list(log_dir.iterdir()) == []  # custom handlers replace the defaults
+    assert capsys.readouterr().out == ""
+    texts = {(r.local_rank, r.getMessage()) for r in everything.records}
+    assert (0, "print from rank 0") in texts and (1, "os.write from rank 1") in texts
+    assert any(r.local_rank is None and "started" in r.getMessage() for r in everything.records)
+    record = next(r for r in everything.records if r.getMessage() == "logging.info from rank 1")
+    assert (record.hostname, record.local_rank, record.rank, record.levelno, record.name) == (
+        host,
+        1,
+        1,
+        logging.INFO,
+        "mylib",
+    )
+    assert only_rank1.records
+    assert {(r.local_rank, r.levelno >= logging.WARNING) for r in only_rank1.records} == {(1, True)}
+
+    made: list[Collect] = []
+    trx.launch(
+        chatty,
+        hostnames=[host],
+        workers_per_host=1,
+        backend=None,
+        log_handlers=lambda: made.append(Collect()) or made,
+    )
+    assert any(r.getMessage() == "print from rank 0" for r in made[0].records)
+
+
+def test_helpers_file_and_stream_handler(tmp_path, capsys):
+    path = tmp_path / "rank0.txt"
+    handlers = [trx.file_handler("localhost", 0, path), trx.stream_handler("localhost", None)]
+    trx.launch(
+        chatty, hostnames=["localhost"], workers_per_host=2, backend=None, log_handlers=handlers
+    )
+    text = path.read_text()
+    assert "print from rank 0" in text and "rank 1" not in text
+    assert path.stat().st_mode & 0o777 == 0o600
+    for handler in handlers:  # handlers given as a list stay the caller's to close
+        handler.close()
+    out = capsys.readouterr().out
+    assert "[localhost] agent of host 0 started" in out and "print from" not in out
+
+
+def test_no_handlers_prints_nothing(capsys, log_dir):
+    trx.launch(chatty, hostnames=["localhost"], workers_per_host=1, backend=None, log_handlers=None)
+    assert capsys.readouterr().out == ""
+    assert list(log_dir.iterdir()) == []
+
+
+def test_failure_includes_output_tail_and_log_path(log_dir):
+    def fail() -> None:
+        for i in range(30):
+            print(f"step {i}")
+        raise RuntimeError("diverged")
+
+    with pytest.raises(RuntimeError, match="diverged") as info:
+        trx.launch(fail, hostnames=["localhost"], workers_per_host=1, backend=None)
+    note = next(n for n in info.value.__notes__ if "lines of its output" in n)
+    assert "step 29" in note and "step 10" in note and "step 9\n" not in note  # the last 20
+    assert str(launch_dir(log_dir) / "localhost[0].log") in note
+
+
+def test_line_splitter_and_parser():
+    splitter = LineSplitter()
+    assert splitter.feed(b"ab") == []
+    assert splitter.feed(b"c\nde\n\nf") == ["abc", "de", ""]
+    assert splitter.feed(b"") == ["f"]
+    marked = parse_line("\x1e40\x1fpkg.mod\x1fboom\x1dtraceback", is_stderr=True, default_name="x")
+    assert (marked.levelno, marked.name, marked.text) == (40, "pkg.mod", "boom\ntraceback")
+    plain = parse_line("hello", is_stderr=False, default_name="worker.0.stdout")
+    assert (plain.levelno, plain.name) == (logging.INFO, "worker.0.stdout")
+    assert parse_line("oops", is_stderr=True, default_name="e").levelno == logging.WARNING
