@@ -116,6 +116,13 @@ def test_bad_fields_fail_before_any_host_is_touched(fields, error, match):
         trx.Launcher(**fields).run(print)
 
 
+def test_unparsable_ssh_config_fails_before_start(tmp_path):
+    config = tmp_path / "ssh_config"
+    config.write_text("Host node1\n    Port\n")
+    with pytest.raises(ValueError, match=r"cannot read SSH config file .*Unparsable line Port"):
+        trx.Launcher(hostnames=["unreachable.invalid"], ssh_config_file=config).run(print)
+
+
 def test_func_must_be_callable():
     with pytest.raises(TypeError, match="func must be callable"):
         trx.Launcher(hostnames=["unreachable.invalid"]).run(42)  # type: ignore[arg-type]

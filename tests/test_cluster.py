@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -128,6 +129,35 @@ def test_worker_sigkill_on_a_remote_host(cluster):
     assert (info.value.hostname, info.value.rank, info.value.local_rank) == ("node2", 2, 1)
 
 
+def die_on_node2(how: str) -> None:
+    import ctypes
+    import sys
+
+    if socket.gethostname() == "node2":
+        if how == "segfault":
+            ctypes.string_at(0)
+        sys.exit(3)
+    time.sleep(120)
+
+
+@pytest.mark.parametrize(
+    ("how", "described"), [("segfault", "signal 11 (SIGSEGV)"), ("exit", "exit code 3")]
+)
+def test_remote_worker_death(cluster, how, described):
+    started = time.monotonic()
+    with pytest.raises(trx.WorkerFailedError, match=re.escape(described)) as info:
+        trx.launch(
+            die_on_node2,
+            (how,),
+            hostnames=cluster.names(),
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+        )
+    assert (info.value.hostname, info.value.rank) == ("node2", 1)
+    assert time.monotonic() - started < 60  # node1 sleeps 120 s: it was stopped
+
+
 def test_unreachable_host_fails_quickly_with_the_reason(cluster):
     started = time.monotonic()
     with pytest.raises(
@@ -183,7 +213,8 @@ def test_no_secret_or_environment_value_on_any_command_line(cluster, monkeypatch
                     cmdline = f.read()
             except OSError:
                 continue
-            if b"hunter2" in cmdline or b"secret" in cmdline:
+            # The value itself, or anything shaped like the launch secret (64 hex digits).
+            if b"hunter2" in cmdline or re.search(rb"[0-9a-f]{64}", cmdline):
                 leaks.append(cmdline.decode(errors="replace"))
         assert os.environ["TORCH_SECRET_TOKEN"].startswith("hunter2")
         return leaks

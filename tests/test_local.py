@@ -6,6 +6,7 @@ import contextlib
 import os
 import pickle
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import pytest
 
 import torchrunx as trx
 from torchrunx import launcher as launcher_module
+from torchrunx.protocol import LogLines
 
 LOCAL = {"hostnames": ["localhost"], "workers_per_host": 2, "backend": "gloo"}
 
@@ -233,7 +235,9 @@ def test_main_module_exception_class_and_function_round_trip(tmp_path):
     )
 
 
-def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(tmp_path, monkeypatch):
+def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(
+    tmp_path, monkeypatch, capsys, log_dir
+):
     listeners: list[socket.socket] = []
     real_listen = launcher_module._listen
 
@@ -262,7 +266,13 @@ def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(tmp_pat
         time.sleep(0.05)
     port = listeners[0].getsockname()[1]
     evil = pickle.dumps(Evil())
-    for attempt in (evil, b"TORCHRUNX/001\n" + b"W" + b"\0" * 64 + evil):
+    forged_log = pickle.dumps(LogLines(((0, 50, "forged", "FORGED LOG LINE", 0.0),)))
+    frame = struct.pack("!QI", len(forged_log), 0) + forged_log
+    for attempt in (
+        evil,
+        b"TORCHRUNX/001\n" + b"A" + b"\0" * 64 + frame,
+        b"TORCHRUNX/001\n" + b"W" + b"\0" * 64 + evil,
+    ):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.recv(64)  # the launcher's greeting
             sock.sendall(attempt)
@@ -273,3 +283,5 @@ def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(tmp_pat
     thread.join(60)
     assert outcome["result"].ranks == [None]  # the launch itself was not disturbed
     assert not marker.exists()
+    assert "FORGED" not in capsys.readouterr().out
+    assert "FORGED" not in "".join(p.read_text() for p in log_dir.rglob("*.log"))

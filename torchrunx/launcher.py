@@ -59,7 +59,14 @@ from torchrunx.protocol import (
     WorkerStacks,
 )
 from torchrunx.results import LaunchResult
-from torchrunx.transport import AgentBootstrap, AgentProcess, LocalAgent, SshAgent, agent_script
+from torchrunx.transport import (
+    AgentBootstrap,
+    AgentProcess,
+    LocalAgent,
+    SshAgent,
+    agent_script,
+    read_ssh_config,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -183,6 +190,7 @@ class Launcher:
             path = Path(self.ssh_config_file).expanduser()
             if not path.is_file() or not os.access(path, os.R_OK):
                 raise ValueError(f"ssh_config_file {str(path)!r} does not exist or is not readable")
+            read_ssh_config(path)  # a syntax error is reported now, before any host is touched
 
 
 def launch(

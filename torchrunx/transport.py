@@ -252,6 +252,22 @@ def _default_ssh_config() -> Path | None:
     return path if path.is_file() else None
 
 
+def read_ssh_config(path: Path | None) -> paramiko.SSHConfig:
+    """Parse an SSH config file (an empty config for ``None``).
+
+    Raises:
+        ValueError: The file cannot be read or parsed.
+    """
+    import paramiko  # noqa: PLC0415 (paramiko is only needed for remote hosts)
+
+    if path is None:
+        return paramiko.SSHConfig()
+    try:
+        return paramiko.SSHConfig.from_path(str(path))
+    except (OSError, UnicodeDecodeError, paramiko.ConfigParseError) as exc:
+        raise ValueError(f"cannot read SSH config file {str(path)!r}: {exc}") from exc
+
+
 def resolve_ssh_target(
     alias: str, config_file: str | Path | None, connect_timeout: float
 ) -> SshTarget:
@@ -263,16 +279,8 @@ def resolve_ssh_target(
     Raises:
         ValueError: The config file cannot be read or parsed.
     """
-    import paramiko  # noqa: PLC0415 (paramiko is only needed for remote hosts)
-
     path = Path(config_file).expanduser() if config_file is not None else _default_ssh_config()
-    config = paramiko.SSHConfig()
-    if path is not None:
-        try:
-            config = paramiko.SSHConfig.from_path(str(path))
-        except (OSError, UnicodeDecodeError, paramiko.ConfigParseError) as exc:
-            raise ValueError(f"cannot read SSH config file {str(path)!r}: {exc}") from exc
-    options = config.lookup(alias)
+    options = read_ssh_config(path).lookup(alias)
     known_hosts = ["~/.ssh/known_hosts"]
     if "userknownhostsfile" in options:
         known_hosts = str(options["userknownhostsfile"]).split()
