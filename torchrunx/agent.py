@@ -12,8 +12,9 @@ Sequence: fork the guardian; connect to the launcher and authenticate; send
 :class:`AgentHello` (slots, a free port); import torch in a background thread meanwhile (once
 per host, never touching CUDA) while heartbeats go on; receive the :class:`WorkerSpec` with
 the pickled call as payload; fork the workers; then loop on one selector over the launcher
-connection, stdin, one pidfd per worker (so a death is reported the moment it happens) and
-one stack pipe per worker. The agent is single-threaded when it forks (the preload thread
+connection, stdin, one pidfd per worker (so a death is reported the moment it happens), the
+worker's stdout and stderr pipes (forwarded as :class:`LogLines`, see :mod:`torchrunx.logs`)
+and one stack pipe per worker. The agent is single-threaded when it forks (the preload thread
 has been joined) and ends when its workers have ended.
 
 Stopping: on :class:`Stop` (or when the launcher connection or stdin closes, or no heartbeat
@@ -107,6 +108,10 @@ class _Guardian:
     def watch(self, pgid: int) -> None:
         os.write(self.fd, _PGID.pack(pgid))
 
+    def forget(self, pgid: int) -> None:
+        """The group's leader was reaped: its id may be reused, never signal it."""
+        os.write(self.fd, _PGID.pack(-pgid))
+
     def close(self) -> None:
         os.close(self.fd)
         with contextlib.suppress(ChildProcessError):
@@ -120,18 +125,22 @@ def _guard(fd: int) -> NoReturn:
         devnull = os.open(os.devnull, os.O_RDWR)
         for std in (0, 1, 2):  # hold none of the agent's pipes open
             os.dup2(devnull, std)
-        data = b""
+        groups: set[int] = set()
+        pending = b""
         while chunk := os.read(fd, 4096):
-            data += chunk
-        for (pgid,) in _PGID.iter_unpack(data[: len(data) - len(data) % _PGID.size]):
+            pending += chunk
+            whole = len(pending) - len(pending) % _PGID.size
+            for (pgid,) in _PGID.iter_unpack(pending[:whole]):
+                if pgid > 0:
+                    groups.add(pgid)
+                else:
+                    groups.discard(-pgid)
+            pending = pending[whole:]
+        for pgid in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
     finally:
         os._exit(0)
-
-
-def _alive(thread: threading.Thread | None) -> bool:
-    return thread is not None and thread.is_alive()
 
 
 def _free_port() -> int:
@@ -140,10 +149,14 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _preload_torch() -> None:
+def _preload_torch(enabled: bool, done_fd: int) -> None:
     # Importing torch.distributed does not initialise CUDA; forked workers inherit the modules.
-    with contextlib.suppress(ImportError):
-        import torch.distributed  # noqa: F401, PLC0415
+    try:
+        if enabled:
+            with contextlib.suppress(ImportError):
+                import torch.distributed  # noqa: F401, PLC0415
+    finally:
+        os.write(done_fd, b"1")
 
 
 class Agent:
@@ -176,19 +189,22 @@ class Agent:
 
         Returns ``None`` if told to stop first.
         """
-        preload: threading.Thread | None = None
-        if self.boot["preload_torch"]:
-            preload = threading.Thread(target=_preload_torch, name="torchrunx-preload")
-            preload.start()
+        # The preload thread writes to this pipe when done, so one selector waits for it,
+        # the launcher and stdin alike.
+        done_read, done_write = os.pipe()
+        preload = threading.Thread(
+            target=_preload_torch,
+            args=(bool(self.boot["preload_torch"]), done_write),
+            name="torchrunx-preload",
+        )
+        preload.start()
+        self.selector.register(done_read, selectors.EVENT_READ, "preloaded")
         received: tuple[WorkerSpec, list[bytearray]] | None = None
+        preloaded = False
         try:
-            while not self.stopping and (received is None or _alive(preload)):
+            while not self.stopping and (received is None or not preloaded):
                 self._keep_alive(time.monotonic())
-                wait = self._until_next_timer(time.monotonic())
-                if received is not None and preload is not None:
-                    preload.join(wait)  # only the preload is missing: wait for it
-                    continue
-                for key, _ in self.selector.select(wait):
+                for key, _ in self.selector.select(self._until_next_timer(time.monotonic())):
                     if key.data == "launcher":
                         message, payload = self._recv()
                         if isinstance(message, WorkerSpec):
@@ -197,9 +213,13 @@ class Agent:
                             self._on_message(message)
                     elif key.data == "stdin":
                         self._on_stdin()
+                    elif key.data == "preloaded":
+                        preloaded = True
         finally:
-            if preload is not None:
-                preload.join()
+            preload.join()
+            self.selector.unregister(done_read)
+            os.close(done_read)
+            os.close(done_write)
         return None if self.stopping else received
 
     def start_workers(self, spec: WorkerSpec, payload: list[bytearray]) -> None:
@@ -396,6 +416,7 @@ class Agent:
         # Whatever the worker started in its own process group goes with it.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(worker.pid, signal.SIGKILL)
+        self.guardian.forget(worker.pid)
         logger.info(
             "worker %d (pid %d) exited with status %d", worker.local_rank, worker.pid, exitcode
         )

@@ -1,7 +1,7 @@
 """Environment forwarding: which launcher variables reach agents and workers.
 
 Values never appear on a command line: they travel on the agent's stdin (see
-:mod:`torchrunx.transport`) and then inside the authenticated worker spec.
+:mod:`torchrunx.transport`), are exported by the agent's shell, and workers inherit them.
 """
 
 from __future__ import annotations

@@ -94,10 +94,12 @@ class WorkerFailedError(TorchrunxError):
         self.pid = pid
         self.exitcode = exitcode
         self.signal = signal
-        super().__init__(
-            f"worker rank {rank} (local rank {local_rank} on host {hostname!r}, pid {pid}) "
-            f"died with {describe_exit(exitcode, signal)} without raising an exception"
-        )
+        where = f"worker rank {rank} (local rank {local_rank} on host {hostname!r}, pid {pid})"
+        if exitcode == 0:
+            message = f"{where} exited with code 0 before returning (sys.exit(0) or os._exit(0)?)"
+        else:
+            message = f"{where} died with {describe_exit(exitcode, signal)} without raising"
+        super().__init__(message)
 
     @property
     def signal_name(self) -> str | None:

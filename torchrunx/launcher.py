@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import queue
 import signal
@@ -42,7 +43,7 @@ from torchrunx.errors import (
     describe_exit,
 )
 from torchrunx.hosts import HostSlots, is_local_host, resolve_hostnames, resolve_slots
-from torchrunx.logs import Line, LogHandlers, LogRouter, parse_line
+from torchrunx.logs import Line, LogHandlers, LogRouter, log_level_from_env, parse_line
 from torchrunx.protocol import (
     AgentDone,
     AgentHello,
@@ -132,9 +133,9 @@ class Launcher:
     """Wall-clock limit in seconds for the whole launch (None: no limit)."""
 
     log_handlers: LogHandlers = "auto"
-    """Where forwarded logs go. "auto": rank 0's host on stdout and every agent and worker in
-    files under $TORCHRUNX_LOG_DIR; None: nowhere; or logging.Handlers (or a function making
-    them) that receive every record."""
+    """Where forwarded logs go. "auto": the first agent and its first worker on stdout, and
+    every agent and worker in files under $TORCHRUNX_LOG_DIR; None: nowhere; or
+    logging.Handlers (or a function making them) that receive every record."""
 
     def run(self, func: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> LaunchResult[R]:
         """Run ``func(*args, **kwargs)`` in every worker and return every rank's value.
@@ -184,6 +185,8 @@ class Launcher:
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(p, str) for p in value):
                 raise TypeError(f"{name} must be a tuple of fnmatch patterns, got {value!r}")
+        _validate_log_handlers(self.log_handlers)
+        log_level_from_env()  # raises ValueError for a bad TORCHRUNX_LOG_LEVEL
         if self.env_file is not None and not Path(self.env_file).expanduser().is_file():
             raise ValueError(f"env_file {str(self.env_file)!r} does not exist or is not a file")
         if self.ssh_config_file is not None:
@@ -207,6 +210,18 @@ def launch(
     """
     launcher = Launcher(**launcher_fields)
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
+
+
+def _validate_log_handlers(handlers: object) -> None:
+    if handlers is None or handlers == "auto" or callable(handlers):
+        return
+    if not isinstance(handlers, list | tuple) or not all(
+        isinstance(h, logging.Handler) for h in handlers
+    ):
+        raise TypeError(
+            f'log_handlers must be "auto", None, a list of logging.Handler or a function '
+            f"returning one, got {handlers!r}"
+        )
 
 
 def _is_positive(value: object) -> bool:
@@ -342,6 +357,8 @@ class _Launch:
     def __init__(self, launcher: Launcher, hosts: list[HostSlots], call: list[memoryview]) -> None:
         self.launcher = launcher
         self.call = call
+        # First: it may raise (a bad TORCHRUNX_LOG_LEVEL, a failing handler factory).
+        self.logs = LogRouter(launcher.log_handlers, [h.hostname for h in hosts])
         self.secret = protocol.new_secret()
         self.events: queue.Queue[_Event] = queue.Queue()
         self.agents = [_AgentState(h, remote=not is_local_host(h.hostname)) for h in hosts]
@@ -363,7 +380,6 @@ class _Launch:
         self.listener = _listen()
         self.port = int(self.listener.getsockname()[1])
         self.env = forwarded_env((*launcher.default_env_vars, *launcher.extra_env_vars))
-        self.logs = LogRouter(launcher.log_handlers, [h.hostname for h in hosts])
         self._spawn(self._accept_loop, "torchrunx-accept")
 
     # -- phases ---------------------------------------------------------------------------
@@ -701,7 +717,7 @@ class _Launch:
         path = self.logs.log_file(state.host_index, state.local_rank)
         where = f" (full log: {path})" if path is not None else ""
         if tail:
-            body = "\n".join(f"    {line}" for line in tail)
+            body = "\n".join("    " + line.replace("\n", "\n    ") for line in tail)
             _add_note(error, f"last {len(tail)} lines of its output{where}:\n{body}")
         elif path is not None:
             _add_note(error, f"it wrote no output{where}")
@@ -813,7 +829,7 @@ class _Launch:
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         # Starts still under way end within their connect timeout and close what they made.
-        self.start_pool.shutdown(wait=True)
+        self.start_pool.shutdown(wait=True, cancel_futures=True)
         while True:  # pick up agents whose start was still under way
             try:
                 event = self.events.get_nowait()

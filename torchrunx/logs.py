@@ -39,6 +39,7 @@ NEWLINE = "\x1d"
 STDOUT_LEVEL = logging.INFO
 STDERR_LEVEL = logging.WARNING
 TAIL_LINES = 20
+MAX_LINE_BYTES = 1 << 20
 
 LogHandlers = list[logging.Handler] | Callable[[], list[logging.Handler]] | Literal["auto"] | None
 
@@ -94,6 +95,9 @@ class LineSplitter:
             return [rest.decode(errors="replace")] if rest else []
         data = self.pending + chunk
         *lines, self.pending = data.split(b"\n")
+        if len(self.pending) > MAX_LINE_BYTES:  # a line without end: pass it on in pieces
+            lines.append(self.pending)
+            self.pending = b""
         return [line.decode(errors="replace") for line in lines]
 
 
@@ -353,7 +357,10 @@ class LogRouter:
             handlers = list(self.handlers)
         for handler in handlers:
             if record.levelno >= handler.level:
-                handler.handle(record)
+                try:
+                    handler.handle(record)
+                except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
+                    handler.handleError(record)
 
     def close(self) -> None:
         """Flush every handler; close the ones made for this launch (not a list the user gave)."""

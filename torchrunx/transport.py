@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.logs import LineSplitter
+from torchrunx.logs import LineSplitter, parse_line
 
 if TYPE_CHECKING:
     import paramiko
@@ -145,7 +145,7 @@ class _OutputPump:
                 chunk = b""
             for line in splitter.feed(chunk):
                 if is_stderr:
-                    self.tail.append(line)
+                    self.tail.append(parse_line(line, is_stderr=True, default_name="agent").text)
                 self.on_line(is_stderr, line)
             if not chunk:
                 return

@@ -21,6 +21,7 @@ import cloudpickle
 
 from torchrunx import protocol, serialization
 from torchrunx.env import worker_env
+from torchrunx.errors import ProtocolError
 from torchrunx.logs import capture_logging
 from torchrunx.protocol import WorkerException, WorkerHello, WorkerResult, WorkerSpec
 
@@ -83,7 +84,7 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
     """Run one rank; returns the process exit code."""
     rank = spec.rank_offset + local_rank
     for stream in (sys.stdout, sys.stderr):
-        # Whole lines per write: workers share their agent's output pipes.
+        # Whole lines per write: the agent splits the pipe's bytes into lines as they come.
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=False)
     # Forwarded variables and env_file's exports are already in the agent's (inherited) env.
@@ -101,7 +102,11 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
     )
     secret = bytes.fromhex(boot["secret"])
     address = (boot["launcher"][0], int(boot["launcher"][1]))
-    conn = protocol.connect(address, secret, "worker", timeout=float(boot["agent_timeout"]) * 2)
+    try:
+        conn = protocol.connect(address, secret, "worker", timeout=float(boot["agent_timeout"]) * 2)
+    except (OSError, ProtocolError) as exc:
+        sys.stderr.write(f"torchrunx worker: cannot connect to the launcher at {address}: {exc}\n")
+        return 1
     conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid()))
     try:
         func, args, kwargs = serialization.loads(payload)
