@@ -15,11 +15,21 @@ from torchrunx.results import LaunchResult
 
 def test_exports_are_sorted_and_complete():
     assert trx.__all__ == sorted(trx.__all__)
+    assert set(trx._HOME) == set(trx.__all__)
     for name in trx.__all__:
         assert hasattr(trx, name), name
     assert {"Launcher", "launch", "LaunchResult", "AgentFailedError", "WorkerFailedError"} <= set(
         trx.__all__
     )
+
+
+def test_agent_side_does_not_import_the_launcher():
+    import subprocess
+    import sys
+
+    code = "import sys, torchrunx.agent, torchrunx.worker; print(sorted(m for m in sys.modules if m in ('torchrunx.launcher', 'paramiko', 'torch')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_launcher_fields_and_defaults():

@@ -56,12 +56,16 @@ from torchrunx.protocol import (
     WorkerSpec,
     WorkersStarted,
     WorkerStacks,
+    encode_frame_start,
 )
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _DRAIN_WAIT = 1.0
+_SEND_CHUNK = 1 << 20
+_OUTBOX_HIGH = 16 << 20  # stop reading workers' output above this much unsent data
+_OUTBOX_LOW = 1 << 20  # and resume below this
 _STACK_DUMP_WAIT = 0.5
 _STACK_SETTLE = 0.05
 _STACK_BYTES = 16 * 1024
@@ -179,6 +183,8 @@ class Agent:
         self.stopping = False
         self.launcher_alive = True
         self.conn.sock.settimeout(self.agent_timeout)
+        self.outbox = bytearray()
+        self.output_paused = False
         self.selector.register(self.conn.sock, selectors.EVENT_READ, "launcher")
         self.selector.register(0, selectors.EVENT_READ, "stdin")
 
@@ -204,8 +210,10 @@ class Agent:
         try:
             while not self.stopping and (received is None or not preloaded):
                 self._keep_alive(time.monotonic())
-                for key, _ in self.selector.select(self._until_next_timer(time.monotonic())):
-                    if key.data == "launcher":
+                for key, events in self.selector.select(self._until_next_timer(time.monotonic())):
+                    if key.data == "launcher" and events & selectors.EVENT_WRITE:
+                        self._flush_outbox()
+                    if key.data == "launcher" and events & selectors.EVENT_READ:
                         message, payload = self._recv()
                         if isinstance(message, WorkerSpec):
                             received = (message, payload)
@@ -252,7 +260,7 @@ class Agent:
                 os.set_blocking(output.fd, False)
                 self.selector.register(output.fd, selectors.EVENT_READ, (worker, output))
         logger.info("started %d workers: pids %s", spec.num_workers, [w.pid for w in self.workers])
-        self.conn.send(WorkersStarted(tuple(w.pid for w in self.workers)))
+        self._send(WorkersStarted(tuple(w.pid for w in self.workers)))
 
     def _become_worker(
         self, spec: WorkerSpec, payload: list[bytearray], local_rank: int, stack_fd: int
@@ -309,9 +317,12 @@ class Agent:
             wait = self._until_next_timer(time.monotonic())
             if drain_deadline is not None:
                 wait = min(wait, max(drain_deadline - time.monotonic(), 0.0))
-            for key, _ in self.selector.select(wait):
-                self._on_ready(key.data)
-        self._send(AgentDone())
+            for key, events in self.selector.select(wait):
+                if key.data == "launcher" and events & selectors.EVENT_WRITE:
+                    self._flush_outbox()
+                if key.data != "launcher" or events & selectors.EVENT_READ:
+                    self._on_ready(key.data)
+        self.finish()
 
     def _all_done(self) -> bool:
         return all(w.ended and not w.outputs for w in self.workers)
@@ -321,6 +332,9 @@ class Agent:
             self._send(Heartbeat())
             self.next_heartbeat = now + self.heartbeat_interval
         if self.launcher_alive and now - self.last_heard > self.agent_timeout:
+            logger.warning(
+                "no heartbeat from the launcher for %.1f s: stopping", now - self.last_heard
+            )
             self.launcher_alive = False
             self._begin_stop(dump_stacks=False)
 
@@ -338,6 +352,7 @@ class Agent:
             self._read_stacks(source[1])
         elif source == "launcher":
             self._on_message(self._recv()[0])
+            self._update_interest()
         elif source == "stdin":
             self._on_stdin()
 
@@ -354,6 +369,7 @@ class Agent:
 
     def _on_message(self, message: protocol.Message) -> None:
         if isinstance(message, Stop):
+            logger.info("stopping on the launcher's request: %s", message.reason)
             self.grace_period = message.grace_period
             self._begin_stop(dump_stacks=message.dump_stacks)
 
@@ -389,7 +405,8 @@ class Agent:
                 break
             lines += output.splitter.feed(chunk)
             if not chunk:
-                self.selector.unregister(output.fd)
+                with contextlib.suppress(KeyError):  # not registered while output is paused
+                    self.selector.unregister(output.fd)
                 os.close(output.fd)
                 worker.outputs.remove(output)
                 break
@@ -457,13 +474,54 @@ class Agent:
                     os.killpg(worker.pid, signum)
 
     def _send(self, message: protocol.Message) -> None:
+        """Queue a message for the launcher; it goes out as the socket accepts it.
+
+        The loop never blocks on a slow launcher: while the outbox is large, the workers'
+        output pipes are not read, so chatty workers wait (backpressure) and nothing is lost.
+        """
         if not self.launcher_alive:
             return
-        try:
-            self.conn.send(message)
-        except OSError:
-            self.launcher_alive = False
-            self._begin_stop(dump_stacks=False)
+        self.outbox += encode_frame_start(message)
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        while self.outbox and self.launcher_alive:
+            try:
+                # The socket has a timeout, so its descriptor is non-blocking; socket.send
+                # would wait (up to that timeout) for room, os.write does not.
+                sent = os.write(self.conn.sock.fileno(), self.outbox[:_SEND_CHUNK])
+            except BlockingIOError:
+                break
+            except OSError:
+                self.launcher_alive = False
+                self._begin_stop(dump_stacks=False)
+                return
+            del self.outbox[:sent]
+        self._update_interest()
+
+    def _update_interest(self) -> None:
+        if self.conn.sock.fileno() < 0 or not self.launcher_alive:
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.outbox else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.modify(self.conn.sock, events, "launcher")
+        paused = len(self.outbox) > _OUTBOX_HIGH
+        if paused != self.output_paused and (paused or len(self.outbox) < _OUTBOX_LOW):
+            self.output_paused = paused
+            for worker in self.workers:
+                for output in worker.outputs:
+                    if paused:
+                        self.selector.unregister(output.fd)
+                    else:
+                        self.selector.register(output.fd, selectors.EVENT_READ, (worker, output))
+
+    def finish(self) -> None:
+        """Deliver what is still queued (bounded by agent_timeout), then tell the launcher."""
+        self._send(AgentDone())
+        deadline = time.monotonic() + self.agent_timeout
+        while self.outbox and self.launcher_alive and time.monotonic() < deadline:
+            self.selector.select(max(deadline - time.monotonic(), 0.0))
+            self._flush_outbox()
 
     def close(self) -> None:
         """Kill any worker still alive and release every descriptor."""

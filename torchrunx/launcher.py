@@ -325,6 +325,8 @@ class _AgentState:
     last_heard: float = 0.0
     done: bool = False
     ended: bool = False
+    lost: bool = False
+    """Silent for agent_timeout: its host is unreachable; never waited for again."""
 
 
 @dataclass
@@ -459,6 +461,7 @@ class _Launch:
     def _on_agent_line(self, index: int, is_stderr: bool, text: str) -> None:
         line = parse_line(text, is_stderr=is_stderr, default_name="agent")
         self.logs.emit(index, None, None, line, time.time())
+        self.logs.flush()
 
     def _bootstrap(self, index: int, local_address: str) -> bytes:
         state = self.agents[index]
@@ -570,12 +573,13 @@ class _Launch:
 
     def _tick(self, now: float) -> None:
         for state in self.agents:
-            if state.conn is None or state.done or state.ended:
+            if state.conn is None or state.done or state.ended or state.lost:
                 continue
             with contextlib.suppress(OSError):
                 state.conn.send(Heartbeat())
             silent = now - state.last_heard
             if silent > self.launcher.agent_timeout and not self.stopping:
+                state.lost = True
                 self._fail(
                     AgentFailedError(
                         state.slots.hostname,
@@ -662,6 +666,7 @@ class _Launch:
         for local_rank, levelno, name, text, created in message.records:
             line = Line(levelno, name, text)
             self.logs.emit(index, local_rank, offset + local_rank, line, created)
+        self.logs.flush()
 
     def _on_worker_exited(self, agent: _AgentState, message: WorkerExited) -> None:
         assert agent.spec is not None  # noqa: S101 (workers exist only after the spec)
@@ -813,7 +818,10 @@ class _Launch:
                 with contextlib.suppress(OSError):
                     state.conn.send(Stop(reason, _STOP_GRACE, dump_stacks=dump))
         deadline = time.monotonic() + _STOP_GRACE + 5.0
-        self._wait(lambda: all(a.done or a.ended or a.conn is None for a in self.agents), deadline)
+        self._wait(
+            lambda: all(a.done or a.ended or a.lost or a.conn is None for a in self.agents),
+            deadline,
+        )
         while True:  # what arrived together with the last agent's goodbye still counts
             try:
                 event = self.events.get_nowait()
@@ -837,8 +845,11 @@ class _Launch:
                 break
             if isinstance(event, _Started):
                 self.agents[event.host_index].process = event.process
-        processes = [a.process for a in self.agents if a.process is not None]
-        closers = [threading.Thread(target=p.close, name="torchrunx-close") for p in processes]
+        closers = [
+            threading.Thread(target=a.process.close, args=(0.0 if a.lost else 5.0,))
+            for a in self.agents
+            if a.process is not None
+        ]
         for closer in closers:
             closer.start()
         for closer in closers:

@@ -163,6 +163,30 @@ def _add_source_filter(
     handler.addFilter(_SourceFilter(hostname, local_rank, host_index))
 
 
+class _BatchFlush:
+    """Mixin: skip the flush after every record; :class:`LogRouter` flushes once per batch.
+
+    Forwarded lines arrive in batches of up to thousands; one write and flush per line would
+    make the launcher the bottleneck of a chatty worker.
+    """
+
+    def flush(self) -> None:
+        """Deferred: see :meth:`flush_batch`."""
+
+    def flush_batch(self) -> None:
+        """Flush what the records of the last batch wrote."""
+        super().flush()  # type: ignore[misc]  # the handler class this is mixed into
+
+    def close(self) -> None:
+        """Flush, then close."""
+        self.flush_batch()
+        super().close()  # type: ignore[misc]  # the handler class this is mixed into
+
+
+class _StreamHandler(_BatchFlush, logging.StreamHandler):  # type: ignore[type-arg]
+    pass
+
+
 class _PrefixFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         local_rank = getattr(record, "local_rank", None)
@@ -181,13 +205,13 @@ def stream_handler(
         local_rank: Rank of the worker on that host, or ``None`` for the agent.
         log_level: Records below this level are dropped.
     """
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _StreamHandler(sys.stdout)
     handler.setFormatter(_PrefixFormatter())
     add_filter_to_handler(handler, hostname, local_rank, log_level)
     return handler
 
 
-class _PrivateFileHandler(logging.FileHandler):
+class _PrivateFileHandler(_BatchFlush, logging.FileHandler):
     """A FileHandler whose file is created readable and writable by its owner only."""
 
     def _open(self) -> io.TextIOWrapper:
@@ -362,8 +386,17 @@ class LogRouter:
                 except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
                     handler.handleError(record)
 
+    def flush(self) -> None:
+        """Flush the handlers after a batch of records."""
+        with self.lock:
+            handlers = list(self.handlers)
+        for handler in handlers:
+            if isinstance(handler, _BatchFlush):
+                handler.flush_batch()
+
     def close(self) -> None:
         """Flush every handler; close the ones made for this launch (not a list the user gave)."""
+        self.flush()
         for handler in self.handlers:
             handler.flush()
         for handler in self.owned:

@@ -282,6 +282,13 @@ def client_handshake(sock: socket.socket, secret: bytes, role: Role) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def encode_frame_start(message: Message, payload: Sequence[bytes | memoryview] = ()) -> bytes:
+    """The bytes of a frame before its payload parts: lengths and the pickled message."""
+    header = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    sizes = b"".join(_PART.pack(memoryview(part).nbytes) for part in payload)
+    return _FRAME.pack(len(header), len(payload)) + sizes + header
+
+
 class Connection:
     """An authenticated socket that sends and receives framed messages.
 
@@ -303,10 +310,8 @@ class Connection:
         Raises:
             OSError: The connection is broken.
         """
-        header = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes = b"".join(_PART.pack(memoryview(part).nbytes) for part in payload)
         with self._send_lock:
-            self.sock.sendall(_FRAME.pack(len(header), len(payload)) + sizes + header)
+            self.sock.sendall(encode_frame_start(message, payload))
             for part in payload:
                 self.sock.sendall(part)
 

@@ -112,8 +112,13 @@ class AgentProcess(Protocol):
         """Wait for the agent to end; its exit status, or ``None`` if still running."""
         ...
 
-    def close(self) -> None:
-        """End the agent if it still runs and release everything held for it."""
+    def close(self, grace: float = 5.0) -> None:
+        """End the agent if it still runs and release everything held for it.
+
+        Args:
+            grace: Seconds the agent gets to end by itself after its stdin closes. ``0`` for
+                an agent that is lost (its host unreachable): do not wait for it at all.
+        """
         ...
 
 
@@ -215,12 +220,12 @@ class LocalAgent:
         except subprocess.TimeoutExpired:
             return None
 
-    def close(self) -> None:
-        """Close stdin (the agent stops on EOF), then SIGKILL it if it has not ended in 5 s."""
+    def close(self, grace: float = 5.0) -> None:
+        """Close stdin (the agent stops on EOF), then SIGKILL it if it has not ended in time."""
         if self._process.stdin is not None:
             with contextlib.suppress(OSError):
                 self._process.stdin.close()
-        if self.wait(5.0) is None:
+        if self.wait(grace) is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._process.pid, 9)
             self._process.wait()
@@ -467,12 +472,17 @@ class SshAgent:
             return None
         return int(self._channel.recv_exit_status())
 
-    def close(self) -> None:
-        """Close the channel (the agent sees EOF on stdin and stops) and the SSH connection."""
+    def close(self, grace: float = 5.0) -> None:
+        """Close the channel (the agent sees EOF on stdin and stops) and the SSH connection.
+
+        A lost agent (``grace=0``) is not waited for: cut off from the launcher, it stops its
+        workers by itself once ``agent_timeout`` passes without a heartbeat.
+        """
         with contextlib.suppress(Exception):
             self._channel.shutdown_write()
-        self.wait(5.0)
+        if grace > 0:
+            self.wait(grace)
         with contextlib.suppress(Exception):
             self._channel.close()
-        self._pump.join(2.0)
+        self._pump.join(2.0 if grace > 0 else 0.2)
         _close_all(self._clients)
