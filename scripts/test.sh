@@ -12,3 +12,6 @@ ruff check .
 ruff format --check .
 mypy
 python3 -m pytest "$@"
+# The benchmarks once each, small sizes, no targets asserted: they must keep working. This
+# also builds benchmarks/.venv-upstream with the original torchrunx 0.4.0 from PyPI.
+python3 benchmarks/run.py --smoke

@@ -223,9 +223,11 @@ class Agent:
                         self._on_stdin()
                     elif key.data == "preloaded":
                         preloaded = True
+                        self.selector.unregister(done_read)  # else it stays readable: a spin
         finally:
             preload.join()
-            self.selector.unregister(done_read)
+            with contextlib.suppress(KeyError):
+                self.selector.unregister(done_read)
             os.close(done_read)
             os.close(done_write)
         return None if self.stopping else received

@@ -43,6 +43,10 @@ def _init_process_group(backend: str, spec: WorkerSpec, rank: int, local_rank: i
         world_size=spec.world_size,
         timeout=dt.timedelta(seconds=spec.timeout),
     )
+    if backend == "gloo":
+        # gloo connects its full mesh in init: a fast rank that returned and exited could
+        # otherwise close its sockets while a slower peer is still connecting to it.
+        dist.barrier()
 
 
 def _destroy_process_group() -> None:
