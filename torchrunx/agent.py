@@ -31,6 +31,7 @@ import ctypes
 import faulthandler
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
@@ -334,6 +335,10 @@ class Agent:
             self._send(Heartbeat())
             self.next_heartbeat = now + self.heartbeat_interval
         if self.launcher_alive and now - self.last_heard > self.agent_timeout:
+            # After a stall (a long import holding the GIL) heartbeats may be waiting unread.
+            ready = select.select([self.conn.sock], [], [], 0)[0]
+            if ready:
+                return
             logger.warning(
                 "no heartbeat from the launcher for %.1f s: stopping", now - self.last_heard
             )

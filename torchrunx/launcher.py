@@ -578,13 +578,19 @@ class _Launch:
             with contextlib.suppress(OSError):
                 state.conn.send(Heartbeat())
             silent = now - state.last_heard
-            if silent > self.launcher.agent_timeout and not self.stopping:
+            # Until its workers run, an agent may be stalled importing torch (it holds the
+            # GIL for seconds on a busy host): the start phase answers to start_timeout.
+            limit = self.launcher.agent_timeout
+            if not state.pids:
+                limit = max(limit, self.launcher.start_timeout)
+            if silent > limit and not self.stopping:
                 state.lost = True
                 self._fail(
                     AgentFailedError(
                         state.slots.hostname,
-                        f"no heartbeat for {silent:.1f} s "
-                        f"(agent_timeout={self.launcher.agent_timeout:g}); the host is "
+                        f"no heartbeat for {silent:.1f} s (agent_timeout="
+                        f"{self.launcher.agent_timeout:g}, start_timeout="
+                        f"{self.launcher.start_timeout:g} until workers start); the host is "
                         "unreachable, its link is cut, or the agent is frozen",
                     )
                 )
