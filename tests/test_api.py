@@ -146,6 +146,16 @@ def test_unpicklable_argument_is_a_clear_error_before_start():
         trx.launch(print, (lock,), hostnames=["unreachable.invalid"], workers_per_host=1)
 
 
+def test_unpicklable_function_is_a_clear_error_before_start():
+    lock = threading.Lock()
+
+    def uses_lock() -> bool:
+        return lock.locked()
+
+    with pytest.raises(trx.SerializationError, match=r"cannot pickle the function .*uses_lock"):
+        trx.launch(uses_lock, hostnames=["unreachable.invalid"], workers_per_host=1)
+
+
 def test_unknown_launch_field():
     with pytest.raises(TypeError, match="unexpected keyword argument 'hostname'"):
         trx.launch(print, hostname=["localhost"])

@@ -500,7 +500,6 @@ class _Launch:
                 num_workers=state.hello.slots,
                 rank_offset=offset,
                 world_size=world_size,
-                num_hosts=len(self.agents),
                 master_addr=master_addr,
                 master_port=master_port,
                 backend=self.launcher.backend,

@@ -153,14 +153,21 @@ def add_filter_to_handler(
         local_rank: Rank of the worker on that host, or ``None`` for the agent itself.
         log_level: Records below this level are dropped.
     """
-    handler.addFilter(_SourceFilter(hostname, local_rank, None))
-    handler.setLevel(log_level)
+    _filter(handler, hostname, local_rank, log_level, host_index=None)
 
 
-def _add_source_filter(
-    handler: logging.Handler, hostname: str, local_rank: int | None, host_index: int | None
-) -> None:
+def _filter(
+    handler: logging.Handler,
+    hostname: str,
+    local_rank: int | None,
+    log_level: int,
+    *,
+    host_index: int | None,
+) -> logging.Handler:
+    """Route one source's records to ``handler``; ``host_index`` tells repeated names apart."""
     handler.addFilter(_SourceFilter(hostname, local_rank, host_index))
+    handler.setLevel(log_level)
+    return handler
 
 
 class _BatchFlush:
@@ -205,9 +212,12 @@ def stream_handler(
         local_rank: Rank of the worker on that host, or ``None`` for the agent.
         log_level: Records below this level are dropped.
     """
+    return _filter(_console(), hostname, local_rank, log_level, host_index=None)
+
+
+def _console() -> logging.Handler:
     handler = _StreamHandler(sys.stdout)
     handler.setFormatter(_PrefixFormatter())
-    add_filter_to_handler(handler, hostname, local_rank, log_level)
     return handler
 
 
@@ -233,9 +243,12 @@ def file_handler(
         file_path: The log file; its folder must exist.
         log_level: Records below this level are dropped.
     """
+    return _filter(_file(file_path), hostname, local_rank, log_level, host_index=None)
+
+
+def _file(file_path: str | os.PathLike[str]) -> logging.Handler:
     handler = _PrivateFileHandler(file_path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    add_filter_to_handler(handler, hostname, local_rank, log_level)
     return handler
 
 
@@ -259,13 +272,6 @@ def new_log_dir(root: Path) -> Path:
             continue
         return path
     raise FileExistsError(f"cannot create a new log folder under {root}")
-
-
-@dataclass(frozen=True)
-class _Source:
-    host_index: int
-    hostname: str
-    local_rank: int | None
 
 
 class LogRouter:
@@ -306,10 +312,7 @@ class LogRouter:
         root = os.environ.get("TORCHRUNX_LOG_DIR", "./torchrunx_logs")
         if root:
             self.log_dir = new_log_dir(Path(root))
-        console = stream_handler(self.hostnames[0], None, self.level)
-        console.filters.clear()
-        _add_source_filter(console, self.hostnames[0], None, 0)
-        self._own(console)
+        self._own(_filter(_console(), self.hostnames[0], None, self.level, host_index=0))
         for index, hostname in enumerate(self.hostnames):
             self._add_file(index, hostname, None)
 
@@ -319,10 +322,7 @@ class LogRouter:
             return
         hostname = self.hostnames[host_index]
         if host_index == 0 and num_workers > 0:
-            console = stream_handler(hostname, 0, self.level)
-            console.filters.clear()
-            _add_source_filter(console, hostname, 0, 0)
-            self._own(console)
+            self._own(_filter(_console(), hostname, 0, self.level, host_index=0))
         for local_rank in range(num_workers):
             self._add_file(host_index, hostname, local_rank)
 
@@ -330,10 +330,7 @@ class LogRouter:
         if self.log_dir is None:
             return
         path = self.log_dir / self._file_name(host_index, local_rank)
-        handler = file_handler(hostname, local_rank, path, self.level)
-        handler.filters.clear()
-        _add_source_filter(handler, hostname, local_rank, host_index)
-        self._own(handler)
+        self._own(_filter(_file(path), hostname, local_rank, self.level, host_index=host_index))
 
     def _own(self, handler: logging.Handler) -> None:
         with self.lock:

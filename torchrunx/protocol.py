@@ -75,7 +75,6 @@ class WorkerSpec:
     num_workers: int
     rank_offset: int
     world_size: int
-    num_hosts: int
     master_addr: str
     master_port: int
     backend: str | None
