@@ -76,36 +76,6 @@ def test_forwarded_env_patterns():
     assert forwarded_env(("MY_*", "RANK"), environ) == {"MY_VAR": "1"}  # RANK is per worker
 
 
-def test_resolve_slots():
-    assert hosts.resolve_slots(["a", "b"], 2) == [hosts.HostSlots("a", 2), hosts.HostSlots("b", 2)]
-    assert hosts.resolve_slots(["a", "b"], [1, 3]) == [
-        hosts.HostSlots("a", 1),
-        hosts.HostSlots("b", 3),
-    ]
-    assert hosts.resolve_slots(["a"], "auto") == [hosts.HostSlots("a", None)]
-    with pytest.raises(ValueError, match="3 entries but there are 2 hosts"):
-        hosts.resolve_slots(["a", "b"], [1, 2, 3])
-
-
-def test_slurm_outside_an_allocation(monkeypatch):
-    for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
-        monkeypatch.delenv(name, raising=False)
-    assert hosts.resolve_hostnames("auto") == ["localhost"]
-    with pytest.raises(RuntimeError, match="no SLURM allocation was detected"):
-        hosts.resolve_hostnames("slurm")
-    with pytest.raises(RuntimeError, match="no SLURM allocation was detected"):
-        hosts.resolve_slots(["localhost"], "slurm")
-
-
-def test_count_local_slots():
-    assert hosts.count_local_slots({"CUDA_VISIBLE_DEVICES": "0,3"}) == 2
-    import os
-
-    cpus = len(os.sched_getaffinity(0))
-    assert hosts.count_local_slots({"CUDA_VISIBLE_DEVICES": ""}) == cpus
-    assert hosts.count_local_slots({"CUDA_VISIBLE_DEVICES": "-1"}) == cpus
-
-
 def test_is_local_host():
     assert hosts.is_local_host("localhost")
     assert hosts.is_local_host("127.0.0.1")

@@ -44,7 +44,7 @@ from typing import Any, NoReturn
 
 from torchrunx import protocol
 from torchrunx.errors import ProtocolError
-from torchrunx.hosts import count_local_slots
+from torchrunx.hosts import count_local_cpus, count_local_gpus
 from torchrunx.logs import LineSplitter, capture_logging, parse_line
 from torchrunx.protocol import (
     AgentDone,
@@ -566,7 +566,9 @@ def main(boot: dict[str, Any]) -> None:
         sys.stderr.write(f"torchrunx agent: cannot reach the launcher at {address}: {exc}\n")
         guardian.close()
         sys.exit(2)
-    slots = boot["workers"] if boot["workers"] is not None else count_local_slots()
+    boot["gpus"] = count_local_gpus()
+    boot["cpus"] = count_local_cpus()
+    slots = boot["workers"] if boot["workers"] is not None else boot["gpus"] or boot["cpus"]
     conn.send(
         AgentHello(
             host_index=int(boot["host_index"]),

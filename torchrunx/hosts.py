@@ -1,14 +1,25 @@
 """Host and slot resolution: which hosts a launch uses and how many workers each runs.
 
-Pure functions where possible. The number of workers for ``workers_per_host="auto"`` is
-counted by each agent on its own host (:func:`count_local_slots`), so remote hosts are
-probed in parallel, as part of the agents' start, without importing torch anywhere.
+Everything here but the probes of this machine is pure: it reads an environment mapping and
+file text given to it. Sources of hosts:
+
+* a list of names;
+* a SLURM allocation (``SLURM_JOB_ID`` with ``SLURM_JOB_NODELIST``), whose compressed node
+  list (``gpu-[01-04],cpu7``) is expanded by ``scontrol show hostnames`` where it exists and by
+  :func:`expand_nodelist` where it does not;
+* an MPI/DeepSpeed-style hostfile (``node1 slots=4`` lines).
+
+Workers per host come from the user, from SLURM (GPUs per node, else tasks per node), from a
+hostfile's ``slots``, or are counted by each agent on its own host (:func:`count_local_slots`:
+GPUs, else CPU cores). Agents start in parallel, so remote hosts are probed in parallel, and
+never with torch (``CUDA_VISIBLE_DEVICES``, the driver's ``/proc`` entries, ``nvidia-smi -L``).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -19,10 +30,13 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-HostnamesSpec = list[str] | Literal["auto", "slurm"]
-WorkersSpec = int | list[int] | tuple[int, ...] | Literal["auto", "slurm"]
+HostnamesSpec = list[str] | tuple[str, ...] | str | os.PathLike[str]
+"""A list of names, ``"auto"``, ``"slurm"``, or a hostfile path (see :func:`resolve_hosts`)."""
+WorkersSpec = Literal["auto", "slurm"] | int | list[int] | tuple[int, ...]
 
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1", "0.0.0.0"})  # noqa: S104 (a name to recognise, not an address to bind)
+_SCONTROL_TIMEOUT = 30.0
+_NVIDIA_SMI_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -30,7 +44,7 @@ class HostSlots:
     """One entry of the resolved host list.
 
     Attributes:
-        hostname: Name as the user gave it (used for SSH and in results).
+        hostname: Name as the user gave it (used for SSH and srun, and in results).
         workers: Number of workers, or ``None`` to let the agent count its GPUs / CPU cores.
     """
 
@@ -38,101 +52,415 @@ class HostSlots:
     workers: int | None
 
 
+# -- SLURM ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlurmAllocation:
+    """What SLURM tells a process about the allocation it runs in (pure data).
+
+    Attributes:
+        job_id: The job's id.
+        nodes: Node names, expanded, in SLURM's order.
+        tasks_per_node: Tasks per node, one entry per node, if SLURM says.
+        gpus_per_node: GPUs per node if the job asked for GPUs per node (or the batch node
+            has some), else ``None``.
+        cpus_per_node: CPUs allocated per node, one entry per node, if SLURM says.
+    """
+
+    job_id: str
+    nodes: tuple[str, ...]
+    tasks_per_node: tuple[int, ...] | None
+    gpus_per_node: int | None
+    cpus_per_node: tuple[int, ...] | None
+
+    def slots(self, node: str) -> int | None:
+        """Workers for ``node`` when they come from SLURM: GPUs if any, else tasks.
+
+        ``None`` when SLURM says neither, or ``node`` is not in the allocation.
+        """
+        if node not in self.nodes:
+            return None
+        if self.gpus_per_node:
+            return self.gpus_per_node
+        if self.tasks_per_node is not None:
+            return self.tasks_per_node[self.nodes.index(node)]
+        return None
+
+    def cpus(self, node: str) -> int | None:
+        """CPUs allocated on ``node``, if SLURM says."""
+        if self.cpus_per_node is None or node not in self.nodes:
+            return None
+        return self.cpus_per_node[self.nodes.index(node)]
+
+
 def in_slurm_allocation(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process runs inside a SLURM allocation with a node list."""
     env = os.environ if environ is None else environ
-    has_job = "SLURM_JOB_ID" in env or "SLURM_JOBID" in env
-    return has_job and ("SLURM_JOB_NODELIST" in env or "SLURM_NODELIST" in env)
+    has_job = bool(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"))
+    return has_job and bool(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"))
 
 
-def slurm_hostnames(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The hosts of the current SLURM allocation, expanded with ``scontrol show hostnames``.
+def slurm_allocation(
+    environ: Mapping[str, str] | None = None, *, what: str = "hostnames='slurm'"
+) -> SlurmAllocation:
+    """Read the allocation this process runs in from its ``SLURM_*`` variables.
+
+    Args:
+        environ: The environment to read (default: this process's).
+        what: The setting that needs the allocation, named in the error.
 
     Raises:
-        RuntimeError: No allocation was detected, or ``scontrol`` is missing or failed.
+        RuntimeError: No allocation was detected.
+        ValueError: A ``SLURM_*`` variable cannot be parsed.
     """
     env = os.environ if environ is None else environ
     if not in_slurm_allocation(env):
         raise RuntimeError(
-            "hostnames='slurm' but no SLURM allocation was detected "
-            "(SLURM_JOB_ID and SLURM_JOB_NODELIST are not set); run inside sbatch/salloc "
-            "or pass a list of hostnames"
+            f"{what} but no SLURM allocation was detected (SLURM_JOB_ID and "
+            "SLURM_JOB_NODELIST are not set); run inside sbatch or salloc, or give the hosts "
+            "and workers per host explicitly"
         )
-    nodelist = env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]
+    job_id = env.get("SLURM_JOB_ID") or env["SLURM_JOBID"]
+    nodes = tuple(expand_hostnames(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]))
+    tasks = _per_node(env, "SLURM_TASKS_PER_NODE", len(nodes))
+    cpus = _per_node(env, "SLURM_JOB_CPUS_PER_NODE", len(nodes))
+    return SlurmAllocation(job_id, nodes, tasks, _slurm_gpus(env), cpus)
+
+
+def _per_node(env: Mapping[str, str], name: str, nodes: int) -> tuple[int, ...] | None:
+    value = env.get(name)
+    if not value:
+        return None
+    counts = expand_counts(value)
+    if len(counts) != nodes:
+        raise ValueError(
+            f"{name}={value!r} describes {len(counts)} nodes but the allocation has {nodes}"
+        )
+    return tuple(counts)
+
+
+def _slurm_gpus(env: Mapping[str, str]) -> int | None:
+    """GPUs per node: ``SLURM_GPUS_PER_NODE`` (``4``, ``a100:4``), else ``SLURM_GPUS_ON_NODE``."""
+    for name in ("SLURM_GPUS_PER_NODE", "SLURM_GPUS_ON_NODE"):
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        count = value.rsplit(":", 1)[-1]
+        if not count.isdigit():
+            raise ValueError(f"cannot read a GPU count from {name}={value!r}")
+        return int(count) or None
+    return None
+
+
+def expand_counts(value: str) -> list[int]:
+    """Expand SLURM's per-node count syntax: ``"2(x3),1"`` is ``[2, 2, 2, 1]``.
+
+    Raises:
+        ValueError: ``value`` is not in that syntax.
+    """
+    counts: list[int] = []
+    for item in value.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if match is None:
+            raise ValueError(
+                f"cannot parse SLURM count list {value!r}: expected items like 2 or 2(x3)"
+            )
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand SLURM's compressed host list syntax without ``scontrol``.
+
+    ``"node[1-3,7]"`` is ``node1 node2 node3 node7``; ``"gpu-[01-04]"`` keeps the zero
+    padding; ``"a[1-2]-b[3-4]"`` is every combination (``a1-b3 a1-b4 a2-b3 a2-b4``); groups
+    are separated by commas outside brackets (``"cpu1,gpu[1-2]"``) or by whitespace.
+
+    Raises:
+        ValueError: Unbalanced brackets, an empty range, or a range that runs backwards.
+    """
+    names: list[str] = []
+    for group in _split_groups(nodelist):
+        names.extend(_expand_group(group, nodelist))
+    return names
+
+
+def _split_groups(nodelist: str) -> list[str]:
+    groups: list[str] = []
+    depth = 0
+    current: list[str] = []
+    for char in nodelist:
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in SLURM node list {nodelist!r}")
+        if depth == 0 and (char == "," or char.isspace()):
+            if current:
+                groups.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth != 0:
+        raise ValueError(f"unbalanced '[' in SLURM node list {nodelist!r}")
+    if current:
+        groups.append("".join(current))
+    return groups
+
+
+def _expand_group(group: str, nodelist: str) -> list[str]:
+    names = [""]
+    for match in re.finditer(r"([^\[\]]*)(?:\[([^\[\]]*)\])?", group):
+        literal, ranges = match.group(1), match.group(2)
+        suffixes = [""] if ranges is None else _expand_ranges(ranges, nodelist)
+        names = [name + literal + suffix for name in names for suffix in suffixes]
+    return names
+
+
+def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
+    values: list[str] = []
+    for item in ranges.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", item)
+        if match is None:
+            raise ValueError(f"bad range {item!r} in SLURM node list {nodelist!r}")
+        first, last = match.group(1), match.group(2) or match.group(1)
+        if int(last) < int(first):
+            raise ValueError(f"range {item!r} runs backwards in SLURM node list {nodelist!r}")
+        width = len(first) if first.startswith("0") else 0
+        values.extend(str(i).zfill(width) for i in range(int(first), int(last) + 1))
+    return values
+
+
+def expand_hostnames(nodelist: str) -> list[str]:
+    """Expand a SLURM node list with ``scontrol show hostnames``, or our own parser.
+
+    :func:`expand_nodelist` is used where ``scontrol`` is not installed or fails (for example
+    without a readable ``slurm.conf``).
+
+    Raises:
+        ValueError: ``scontrol`` is missing or failed, and the list cannot be parsed either.
+    """
     scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        raise RuntimeError(f"cannot expand SLURM node list {nodelist!r}: scontrol not found")
-    completed = subprocess.run(
-        [scontrol, "show", "hostnames", nodelist],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
-    if completed.returncode != 0:
-        raise RuntimeError(
-            f"scontrol show hostnames {nodelist!r} failed: {completed.stderr.strip()}"
-        )
-    return completed.stdout.split()
+    if scontrol is not None:
+        try:
+            completed = subprocess.run(
+                [scontrol, "show", "hostnames", nodelist],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=_SCONTROL_TIMEOUT,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        else:
+            if completed.returncode == 0 and completed.stdout.split():
+                return completed.stdout.split()
+    return expand_nodelist(nodelist)
+
+
+# -- hostfiles --------------------------------------------------------------------------------
+
+
+def parse_hostfile(text: str, source: str = "<hostfile>") -> list[HostSlots]:
+    """Parse an MPI/DeepSpeed-style hostfile: ``hostname [slots=N]`` per line.
+
+    ``#`` starts a comment; blank lines are skipped; other ``key=value`` options (such as
+    Open MPI's ``max_slots``) are ignored. A host listed twice gets the sum of its slots, as in
+    Open MPI. A host without ``slots=`` has its workers counted by its agent.
+
+    Raises:
+        ValueError: A line that is not in this form, with ``source`` and its line number; or a
+            file with no host.
+    """
+    order: list[str] = []
+    slots: dict[str, int | None] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, *options = line.split()
+        count: int | None = None
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep:
+                raise ValueError(
+                    f"{source}, line {number}: {option!r} is not a key=value option "
+                    f"(expected 'hostname slots=N'): {raw.strip()!r}"
+                )
+            if key == "slots":
+                if not value.isdigit() or int(value) <= 0:
+                    raise ValueError(
+                        f"{source}, line {number}: slots must be a positive integer, got {value!r}"
+                    )
+                count = int(value)
+        if "=" in name or "/" in name:
+            raise ValueError(f"{source}, line {number}: {name!r} is not a host name")
+        if name in slots:
+            previous = slots[name]
+            slots[name] = None if previous is None or count is None else previous + count
+        else:
+            order.append(name)
+            slots[name] = count
+    if not order:
+        raise ValueError(f"{source} lists no host")
+    return [HostSlots(name, slots[name]) for name in order]
+
+
+def read_hostfile(path: str | os.PathLike[str]) -> list[HostSlots]:
+    """Read and parse a hostfile (see :func:`parse_hostfile`).
+
+    Raises:
+        ValueError: The file cannot be read or parsed.
+    """
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read hostfile {str(file)!r}: {exc}") from exc
+    return parse_hostfile(text, str(file))
+
+
+def hostfile_path(hostnames: object) -> Path | None:
+    """The hostfile that ``hostnames`` names, if it names one.
+
+    A path (``str`` other than ``"auto"``/``"slurm"``, or ``os.PathLike``) names a hostfile; so
+    does a one-entry list whose entry contains ``/``, because a host name never does (that is
+    how ``--hostnames ./hostfile`` arrives from the command line).
+    """
+    if isinstance(hostnames, os.PathLike):
+        return Path(hostnames)
+    if isinstance(hostnames, str) and hostnames not in ("auto", "slurm"):
+        return Path(hostnames)
+    if (
+        isinstance(hostnames, list | tuple)
+        and len(hostnames) == 1
+        and isinstance(hostnames[0], str)
+        and "/" in hostnames[0]
+    ):
+        return Path(hostnames[0])
+    return None
+
+
+# -- resolution -------------------------------------------------------------------------------
+
+
+def resolve_hosts(
+    hostnames: HostnamesSpec,
+    workers_per_host: WorkersSpec,
+    environ: Mapping[str, str] | None = None,
+) -> list[HostSlots]:
+    """Resolve the ``hostnames`` and ``workers_per_host`` fields into hosts and their workers.
+
+    ``hostnames``: a list of names; ``"auto"`` (the SLURM allocation inside one, else
+    ``["localhost"]``); ``"slurm"``; or a hostfile path (see :func:`hostfile_path`).
+
+    ``workers_per_host``: an int for every host; a list, one per host; ``"slurm"`` (what SLURM
+    gave each node: GPUs per node, else tasks per node); ``"auto"`` (a hostfile's slots, else
+    SLURM's count inside an allocation, else ``None``: GPUs or CPU cores, counted by each agent).
+
+    Raises:
+        RuntimeError: ``"slurm"`` outside an allocation, or a host that is not in it.
+        ValueError: A list whose length differs from the number of hosts; a bad hostfile.
+    """
+    env = os.environ if environ is None else environ
+    hostfile = hostfile_path(hostnames)
+    if hostfile is not None:
+        hosts = read_hostfile(hostfile)
+    elif hostnames == "slurm" or (hostnames == "auto" and in_slurm_allocation(env)):
+        allocation = slurm_allocation(env)
+        hosts = [HostSlots(node, None) for node in allocation.nodes]
+    elif hostnames == "auto":
+        hosts = [HostSlots("localhost", None)]
+    elif isinstance(hostnames, list | tuple):
+        hosts = [HostSlots(str(name), None) for name in hostnames]
+    else:
+        raise TypeError(f"hostnames must be a list, 'auto', 'slurm' or a path: {hostnames!r}")
+    return _assign_workers(hosts, workers_per_host, env)
+
+
+def _assign_workers(
+    hosts: list[HostSlots], workers_per_host: WorkersSpec, env: Mapping[str, str]
+) -> list[HostSlots]:
+    names = [h.hostname for h in hosts]
+    if isinstance(workers_per_host, list | tuple):
+        if len(workers_per_host) != len(hosts):
+            raise ValueError(
+                f"workers_per_host has {len(workers_per_host)} entries but there are "
+                f"{len(hosts)} hosts ({names}); give one number per host or a single int"
+            )
+        return [HostSlots(h, n) for h, n in zip(names, workers_per_host, strict=True)]
+    if isinstance(workers_per_host, int):
+        return [HostSlots(h, workers_per_host) for h in names]
+    if workers_per_host == "slurm":
+        allocation = slurm_allocation(env, what="workers_per_host='slurm'")
+        missing = [h for h in names if h not in allocation.nodes]
+        if missing:
+            raise RuntimeError(
+                f"workers_per_host='slurm' but {missing} are not nodes of SLURM job "
+                f"{allocation.job_id} ({list(allocation.nodes)})"
+            )
+        return [HostSlots(h, allocation.slots(h)) for h in names]
+    # "auto": a hostfile's slots, else SLURM's, else counted by each agent.
+    if in_slurm_allocation(env):
+        allocation = slurm_allocation(env)
+        return [HostSlots(h.hostname, h.workers or allocation.slots(h.hostname)) for h in hosts]
+    return hosts
 
 
 def resolve_hostnames(hostnames: HostnamesSpec) -> list[str]:
-    """Resolve the ``hostnames`` field into a list of host names.
-
-    ``"auto"`` is the SLURM allocation inside one, else ``["localhost"]``.
-
-    Raises:
-        RuntimeError: ``"slurm"`` outside an allocation.
-        ValueError: An empty list or an empty name.
-    """
-    if hostnames == "auto":
-        return slurm_hostnames() if in_slurm_allocation() else ["localhost"]
-    if hostnames == "slurm":
-        return slurm_hostnames()
-    return list(hostnames)
+    """Only the names of :func:`resolve_hosts` (slots ignored)."""
+    return [h.hostname for h in resolve_hosts(hostnames, "auto")]
 
 
-def resolve_slots(hostnames: list[str], workers_per_host: WorkersSpec) -> list[HostSlots]:
-    """Pair every host with its number of workers (``None``: counted by its agent).
-
-    Raises:
-        ValueError: A list whose length differs from the number of hosts.
-        RuntimeError: ``"slurm"`` outside an allocation.
-    """
-    if isinstance(workers_per_host, list | tuple):
-        if len(workers_per_host) != len(hostnames):
-            raise ValueError(
-                f"workers_per_host has {len(workers_per_host)} entries but there are "
-                f"{len(hostnames)} hosts ({hostnames}); give one number per host or a single int"
-            )
-        return [HostSlots(h, n) for h, n in zip(hostnames, workers_per_host, strict=True)]
-    if isinstance(workers_per_host, int):
-        return [HostSlots(h, workers_per_host) for h in hostnames]
-    if workers_per_host == "slurm" and not in_slurm_allocation():
-        raise RuntimeError(
-            "workers_per_host='slurm' but no SLURM allocation was detected; "
-            "run inside sbatch/salloc or give a number"
-        )
-    return [HostSlots(h, None) for h in hostnames]
+# -- probes of this machine -------------------------------------------------------------------
 
 
-def count_local_slots(environ: Mapping[str, str] | None = None) -> int:
-    """Workers for ``"auto"`` on this host: visible GPUs, else usable CPU cores.
+def count_local_gpus(environ: Mapping[str, str] | None = None) -> int:
+    """GPUs this process may use, without importing torch or initialising CUDA.
 
-    Never imports torch or initialises CUDA: it reads ``CUDA_VISIBLE_DEVICES`` and the
-    NVIDIA driver's ``/proc`` entries.
+    ``CUDA_VISIBLE_DEVICES`` if set; else the NVIDIA driver's ``/proc/driver/nvidia/gpus``;
+    else ``nvidia-smi -L`` if installed; else 0.
     """
     env = os.environ if environ is None else environ
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        devices = [d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")]
-        gpus = len(devices)
-    else:
-        proc = Path("/proc/driver/nvidia/gpus")
-        gpus = len(list(proc.iterdir())) if proc.is_dir() else 0
-    if gpus > 0:
-        return gpus
+        devices = []
+        for device in (d.strip() for d in visible.split(",")):
+            if not device or device.startswith("-"):
+                break  # CUDA stops at the first invalid entry
+            devices.append(device)
+        return len(devices)
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        return len(list(proc.iterdir()))
+    nvidia_smi = shutil.which("nvidia-smi")
+    if nvidia_smi is None:
+        return 0
+    try:
+        listed = subprocess.run(
+            [nvidia_smi, "-L"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=_NVIDIA_SMI_TIMEOUT,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    if listed.returncode != 0:
+        return 0
+    return sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
+
+
+def count_local_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask, as SLURM or taskset set it)."""
     return len(os.sched_getaffinity(0))
+
+
+def count_local_slots(environ: Mapping[str, str] | None = None) -> int:
+    """Workers for ``"auto"`` on this host: usable GPUs, else usable CPU cores."""
+    return count_local_gpus(environ) or count_local_cpus()
 
 
 def _local_addresses() -> set[str]:

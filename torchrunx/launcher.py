@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -27,7 +28,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
+
+import tyro
 
 from torchrunx import protocol, serialization
 from torchrunx.env import DEFAULT_ENV_VARS, forwarded_env
@@ -42,7 +45,14 @@ from torchrunx.errors import (
     WorkerRaisedError,
     describe_exit,
 )
-from torchrunx.hosts import HostSlots, is_local_host, resolve_hostnames, resolve_slots
+from torchrunx.hosts import (
+    HostSlots,
+    hostfile_path,
+    in_slurm_allocation,
+    is_local_host,
+    resolve_hosts,
+    slurm_allocation,
+)
 from torchrunx.logs import Line, LogHandlers, LogRouter, log_level_from_env, parse_line
 from torchrunx.protocol import (
     AgentDone,
@@ -64,9 +74,11 @@ from torchrunx.transport import (
     AgentBootstrap,
     AgentProcess,
     LocalAgent,
+    SrunAgent,
     SshAgent,
     agent_script,
     read_ssh_config,
+    route_address,
 )
 
 if TYPE_CHECKING:
@@ -84,6 +96,9 @@ _UNCONNECTED_SETTLE_TIMEOUT = 1.0
 _STOP_GRACE = 3.0
 _MAX_STACKS_SHOWN = 16
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
+_AGENT_STARTS = ("auto", "ssh", "srun")
+
+StartMethod = Literal["local", "ssh", "srun"]
 
 
 @dataclass(frozen=True)
@@ -94,11 +109,17 @@ class Launcher:
     core) on this machine, or on every node of the SLURM allocation it runs in.
     """
 
-    hostnames: list[str] | Literal["auto", "slurm"] = "auto"
-    """Hosts to run on. "auto": the SLURM allocation if inside one, else localhost."""
+    hostnames: Literal["auto", "slurm"] | list[str] | Path = "auto"
+    """Hosts to run on: a list of names; "auto" (the SLURM allocation if inside one, else
+    localhost); "slurm" (the allocation, or an error); or the path of a hostfile."""
 
-    workers_per_host: int | list[int] | Literal["auto", "slurm"] = "auto"
+    workers_per_host: Literal["auto", "slurm"] | int | list[int] = "auto"
     """Workers per host: one number, one per host, or "auto" (GPUs, else CPU cores, per host)."""
+
+    agent_start: Literal["auto", "ssh", "srun"] = "auto"
+    """How agents start on other hosts. "srun": one SLURM job step per host (inside an
+    allocation); "ssh": over SSH; "auto": srun inside an allocation whose nodes are the hosts,
+    else ssh. An agent on this machine is always a plain subprocess."""
 
     ssh_config_file: str | Path | None = None
     """SSH config for reaching hosts (default: ~/.ssh/config if it exists)."""
@@ -132,7 +153,7 @@ class Launcher:
     launch_timeout: float | None = None
     """Wall-clock limit in seconds for the whole launch (None: no limit)."""
 
-    log_handlers: LogHandlers = "auto"
+    log_handlers: Annotated[LogHandlers, tyro.conf.Suppress] = "auto"
     """Where forwarded logs go. "auto": the first agent and its first worker on stdout, and
     every agent and worker in files under $TORCHRUNX_LOG_DIR; None: nowhere; or
     logging.Handlers (or a function making them) that receive every record."""
@@ -153,10 +174,9 @@ class Launcher:
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
         call = _pickle_call(func, args, kwargs)
-        hosts = resolve_slots(resolve_hostnames(self.hostnames), self.workers_per_host)
-        if not hosts:
-            raise ValueError("hostnames resolved to an empty list; give at least one host")
-        launch = _Launch(self, hosts, call)
+        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
+        methods = start_methods(self.agent_start, [h.hostname for h in hosts])
+        launch = _Launch(self, hosts, methods, call)
         try:
             with _sigterm_raises_system_exit():
                 per_host = launch.execute()
@@ -173,8 +193,8 @@ class Launcher:
         """
         _validate_hostnames(self.hostnames)
         _validate_workers(self.workers_per_host, self.hostnames)
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not one of {list(_BACKENDS)}")
+        _validate_choice("agent_start", self.agent_start, _AGENT_STARTS)
+        _validate_choice("backend", self.backend, _BACKENDS)
         if not isinstance(self.timeout, int) or not _is_positive(self.timeout):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         for name in ("agent_timeout", "start_timeout", "launch_timeout"):
@@ -224,6 +244,11 @@ def _validate_log_handlers(handlers: object) -> None:
         )
 
 
+def _validate_choice(name: str, value: object, choices: tuple[object, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
+
+
 def _is_positive(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
 
@@ -231,11 +256,18 @@ def _is_positive(value: object) -> bool:
 def _validate_hostnames(hostnames: object) -> None:
     if hostnames in ("auto", "slurm"):
         return
-    if isinstance(hostnames, str):
-        raise ValueError(  # noqa: TRY004 (a wrong value of the right field; ValueError as documented)
-            f"hostnames={hostnames!r}: give a list of hostnames (e.g. [{hostnames!r}]), "
-            '"auto" or "slurm"'
-        )
+    hostfile = hostfile_path(hostnames)
+    if hostfile is not None:
+        if not hostfile.expanduser().is_file() and (
+            isinstance(hostnames, os.PathLike) or "/" in str(hostfile)
+        ):
+            raise ValueError(f"hostfile {str(hostfile)!r} does not exist or is not a file")
+        if not hostfile.expanduser().is_file():
+            raise ValueError(
+                f"hostnames={str(hostfile)!r} is neither 'auto', 'slurm' nor an existing "
+                f"hostfile; for a single host give a list: hostnames=[{str(hostfile)!r}]"
+            )
+        return
     if not isinstance(hostnames, list | tuple) or not hostnames:
         raise ValueError(f"hostnames must be a non-empty list of host names, got {hostnames!r}")
     for name in hostnames:
@@ -254,12 +286,51 @@ def _validate_workers(workers: object, hostnames: object) -> None:
         _check_lengths(len(workers), len(hostnames))
 
 
+def start_methods(agent_start: str, hostnames: list[str]) -> list[StartMethod]:
+    """How each host's agent starts: ``"local"`` for this machine, else ssh or srun.
+
+    ``agent_start="auto"`` picks srun when this process runs in a SLURM allocation, ``srun`` is
+    installed and every remote host is a node of the allocation; otherwise ssh.
+
+    Raises:
+        RuntimeError: ``"srun"`` outside an allocation, without ``srun``, or for a host that is
+            not a node of the allocation.
+    """
+    local = [is_local_host(name) for name in hostnames]
+    remote = [name for name, here in zip(hostnames, local, strict=True) if not here]
+    method: StartMethod = "ssh"
+    if agent_start == "srun":
+        allocation = slurm_allocation(what="agent_start='srun'")
+        if shutil.which("srun") is None:
+            raise RuntimeError("agent_start='srun' but srun is not installed on this machine")
+        outside = [name for name in remote if name not in allocation.nodes]
+        if outside:
+            raise RuntimeError(
+                f"agent_start='srun' but {outside} are not nodes of SLURM job "
+                f"{allocation.job_id} ({list(allocation.nodes)}); use agent_start='ssh'"
+            )
+        method = "srun"
+    elif agent_start == "auto" and remote and in_slurm_allocation() and shutil.which("srun"):
+        nodes = set(slurm_allocation().nodes)
+        if all(name in nodes for name in remote):
+            method = "srun"
+    return ["local" if here else method for here in local]
+
+
 def _check_lengths(workers: int, hosts: int) -> None:
     if workers != hosts:
         raise ValueError(
             f"workers_per_host has {workers} entries but hostnames has {hosts}; "
             "give one count per host or a single int"
         )
+
+
+def _slurm_cpus(hostname: str) -> int | None:
+    """CPUs the allocation has on ``hostname``, for the srun step of its agent."""
+    try:
+        return slurm_allocation().cpus(hostname)
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _pickle_call(
@@ -316,6 +387,7 @@ _Event = _Started | _StartFailed | _AgentEnded | _Received | _Closed
 @dataclass
 class _AgentState:
     slots: HostSlots
+    method: StartMethod
     remote: bool
     process: AgentProcess | None = None
     conn: Connection | None = None
@@ -356,14 +428,23 @@ class _Failures:
 class _Launch:
     """One launch in progress; owned by the thread that calls :meth:`execute`."""
 
-    def __init__(self, launcher: Launcher, hosts: list[HostSlots], call: list[memoryview]) -> None:
+    def __init__(
+        self,
+        launcher: Launcher,
+        hosts: list[HostSlots],
+        methods: list[StartMethod],
+        call: list[memoryview],
+    ) -> None:
         self.launcher = launcher
         self.call = call
         # First: it may raise (a bad TORCHRUNX_LOG_LEVEL, a failing handler factory).
         self.logs = LogRouter(launcher.log_handlers, [h.hostname for h in hosts])
         self.secret = protocol.new_secret()
         self.events: queue.Queue[_Event] = queue.Queue()
-        self.agents = [_AgentState(h, remote=not is_local_host(h.hostname)) for h in hosts]
+        self.agents = [
+            _AgentState(h, method, remote=method != "local")
+            for h, method in zip(hosts, methods, strict=True)
+        ]
         self.ranks: list[_RankState] = []
         self.failures = _Failures()
         self.started = time.monotonic()
@@ -422,8 +503,16 @@ class _Launch:
         state = self.agents[index]
         hostname = state.slots.hostname
         try:
-            if state.remote:
-                process: AgentProcess = SshAgent(
+            if state.method == "srun":
+                process: AgentProcess = SrunAgent(
+                    hostname,
+                    script,
+                    self._bootstrap(index, self._srun_address(hostname)),
+                    functools.partial(self._on_agent_line, index),
+                    cpus=_slurm_cpus(hostname),
+                )
+            elif state.method == "ssh":
+                process = SshAgent(
                     hostname,
                     script,
                     lambda local_address: self._bootstrap(index, local_address),
@@ -462,6 +551,20 @@ class _Launch:
         line = parse_line(text, is_stderr=is_stderr, default_name="agent")
         self.logs.emit(index, None, None, line, time.time())
         self.logs.flush()
+
+    def _srun_address(self, hostname: str) -> str:
+        """The address an srun-started agent connects back to (no SSH socket to ask)."""
+        configured = self.launcher.launcher_address or os.environ.get("TORCHRUNX_LAUNCHER_ADDR")
+        if configured:
+            return configured
+        try:
+            return route_address(hostname)
+        except OSError as exc:
+            raise AgentFailedError(
+                hostname,
+                f"cannot find this machine's address on the route to {hostname}: {exc}; "
+                "set launcher_address (or TORCHRUNX_LAUNCHER_ADDR)",
+            ) from exc
 
     def _bootstrap(self, index: int, local_address: str) -> bytes:
         state = self.agents[index]

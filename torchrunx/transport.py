@@ -21,6 +21,9 @@ import json
 import logging
 import os
 import shlex
+import shutil
+import signal
+import socket
 import subprocess
 import threading
 from collections.abc import Callable
@@ -169,28 +172,35 @@ def _login_environment() -> dict[str, str]:
     return {name: os.environ[name] for name in _LOGIN_VARIABLES if name in os.environ}
 
 
-class LocalAgent:
-    """An agent on this machine: a plain subprocess in its own session (no SSH)."""
+AGENT_ARGV = ("bash", "--noprofile", "--norc", "-c", 'IFS= read -r -d "" s && eval "$s"')
+""":data:`AGENT_COMMAND` as an argument vector."""
 
-    def __init__(self, hostname: str, script: bytes, bootstrap: bytes, on_line: OnLine) -> None:
-        """Start the agent and hand it its script and bootstrap on stdin.
 
-        Raises:
-            AgentFailedError: bash cannot be started.
-        """
+class _SubprocessAgent:
+    """An agent behind a local child process: the agent itself, or ``srun`` relaying it."""
+
+    def __init__(  # noqa: PLR0913, PLR0917 (what a start needs)
+        self,
+        hostname: str,
+        argv: list[str],
+        env: dict[str, str],
+        script: bytes,
+        bootstrap: bytes,
+        on_line: OnLine,
+    ) -> None:
         self.hostname = hostname
         self._pump = _OutputPump(hostname, on_line)
         try:
             self._process = subprocess.Popen(
-                ["bash", "--noprofile", "--norc", "-c", 'IFS= read -r -d "" s && eval "$s"'],
+                argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # Ctrl-C in the terminal reaches the launcher only
-                env=_login_environment(),
+                env=env,
             )
         except OSError as exc:
-            raise AgentFailedError(hostname, f"cannot start the agent: {exc}") from exc
+            raise AgentFailedError(hostname, f"cannot start the agent ({argv[0]}): {exc}") from exc
         assert self._process.stdin is not None  # noqa: S101 (Popen with PIPE)
         assert self._process.stdout is not None  # noqa: S101
         assert self._process.stderr is not None  # noqa: S101
@@ -205,7 +215,7 @@ class LocalAgent:
 
     @property
     def pid(self) -> int:
-        """Pid of the agent process."""
+        """Pid of the child process (the agent, or srun)."""
         return self._process.pid
 
     def stderr_tail(self) -> str:
@@ -214,25 +224,140 @@ class LocalAgent:
         return "\n".join(self._pump.tail)
 
     def wait(self, timeout: float) -> int | None:
-        """Wait for the agent to end; its exit status, or ``None`` if still running."""
+        """Wait for the child to end; its exit status, or ``None`` if still running."""
         try:
             return self._process.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
 
-    def close(self, grace: float = 5.0) -> None:
-        """Close stdin (the agent stops on EOF), then SIGKILL it if it has not ended in time."""
+    def _close_stdin(self) -> None:
         if self._process.stdin is not None:
             with contextlib.suppress(OSError):
                 self._process.stdin.close()
-        if self.wait(grace) is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, 9)
-            self._process.wait()
+
+    def _kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGKILL)
+        self._process.wait()
+
+    def _release(self) -> None:
         self._pump.join(2.0)
         for stream in (self._process.stdout, self._process.stderr):
             if stream is not None:
                 stream.close()
+
+
+class LocalAgent(_SubprocessAgent):
+    """An agent on this machine: a plain subprocess in its own session (no SSH)."""
+
+    def __init__(self, hostname: str, script: bytes, bootstrap: bytes, on_line: OnLine) -> None:
+        """Start the agent and hand it its script and bootstrap on stdin.
+
+        Raises:
+            AgentFailedError: bash cannot be started.
+        """
+        super().__init__(
+            hostname, list(AGENT_ARGV), _login_environment(), script, bootstrap, on_line
+        )
+
+    def close(self, grace: float = 5.0) -> None:
+        """Close stdin (the agent stops on EOF), then SIGKILL it if it has not ended in time."""
+        self._close_stdin()
+        if self.wait(grace) is None:
+            self._kill()
+        self._release()
+
+
+def srun_command(hostname: str, *, cpus: int | None, srun: str = "srun") -> list[str]:
+    """The ``srun`` command line that starts the agent of ``hostname`` as a job step.
+
+    One task on that one node, sharing the job's resources with other steps (``--overlap``),
+    unbound (``--cpu-bind=none``) and given the node's CPUs (``cpus``), so that all workers the
+    agent forks can use them. The step's environment is only what a login would have
+    (``--export`` lists names, never values) plus SLURM's own variables; everything else travels
+    on stdin as for every agent.
+    """
+    command = [
+        srun,
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={hostname}",
+        "--cpu-bind=none",
+        "--quiet",
+        "--job-name=torchrunx-agent",
+        f"--export={','.join(_LOGIN_VARIABLES)}",
+    ]
+    if cpus is not None:
+        command.append(f"--cpus-per-task={cpus}")
+    return [*command, *AGENT_ARGV]
+
+
+class SrunAgent(_SubprocessAgent):
+    """An agent on another node of the SLURM allocation, started as a job step by ``srun``.
+
+    ``srun`` relays the agent's stdin, stdout and stderr, so the agent behaves as over SSH; its
+    processes live in SLURM's accounting and are cleaned up with the job.
+    """
+
+    def __init__(  # noqa: PLR0913 (what a start needs)
+        self,
+        hostname: str,
+        script: bytes,
+        bootstrap: bytes,
+        on_line: OnLine,
+        *,
+        cpus: int | None,
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        """Start ``srun`` and hand the agent its script and bootstrap on stdin.
+
+        ``srun`` itself runs with the launcher's environment (it needs the ``SLURM_*``
+        variables of the job); the step gets only login variables (see :func:`srun_command`).
+
+        Raises:
+            AgentFailedError: ``srun`` is not installed or cannot be started.
+        """
+        srun = shutil.which("srun")
+        if srun is None:
+            raise AgentFailedError(hostname, "cannot start the agent with srun: srun not found")
+        env = dict(os.environ if environ is None else environ)
+        super().__init__(
+            hostname, srun_command(hostname, cpus=cpus, srun=srun), env, script, bootstrap, on_line
+        )
+
+    def close(self, grace: float = 5.0) -> None:
+        """Close stdin (the agent stops on EOF); then SIGTERM srun, then SIGKILL it.
+
+        SIGTERM makes srun signal the step's task; both come only if the agent has not ended.
+
+        A lost agent (``grace=0``) is not waited for: it stops its workers by itself once
+        ``agent_timeout`` passes without a heartbeat, and SLURM ends the step with the job.
+        """
+        self._close_stdin()
+        if grace > 0 and self.wait(grace) is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._process.pid, signal.SIGTERM)
+            self.wait(_SRUN_TERM_GRACE)
+        if self.wait(0) is None:
+            self._kill()
+        self._release()
+
+
+_SRUN_TERM_GRACE = 3.0
+
+
+def route_address(hostname: str) -> str:
+    """This machine's address on the route to ``hostname`` (no packet is sent).
+
+    Raises:
+        OSError: ``hostname`` cannot be resolved or there is no route to it.
+    """
+    infos = socket.getaddrinfo(hostname, 9, proto=socket.IPPROTO_UDP)
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return str(probe.getsockname()[0]).removeprefix("::ffff:")
 
 
 @dataclass(frozen=True)

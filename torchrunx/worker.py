@@ -20,7 +20,7 @@ from typing import Any
 import cloudpickle
 
 from torchrunx import protocol, serialization
-from torchrunx.env import worker_env
+from torchrunx.env import device_env, worker_env
 from torchrunx.errors import ProtocolError
 from torchrunx.logs import capture_logging
 from torchrunx.protocol import WorkerException, WorkerHello, WorkerResult, WorkerSpec
@@ -84,6 +84,22 @@ def _exception_message(
     return message, payload
 
 
+def _set_devices(boot: dict[str, Any], spec: WorkerSpec, local_rank: int) -> None:
+    """Give the worker its GPU and its share of the CPU cores (see :func:`device_env`)."""
+    settings = device_env(
+        os.environ,
+        local_rank=local_rank,
+        local_world_size=spec.num_workers,
+        gpus=int(boot.get("gpus", 0)),
+        cpus=int(boot.get("cpus", 1)),
+    )
+    os.environ.update(settings)  # before anything initialises CUDA in this process
+    torch = sys.modules.get("torch")
+    if "OMP_NUM_THREADS" in settings and torch is not None:
+        # torch was imported by the agent before the fork: its thread pool is already sized.
+        torch.set_num_threads(int(settings["OMP_NUM_THREADS"]))
+
+
 def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_rank: int) -> int:
     """Run one rank; returns the process exit code."""
     rank = spec.rank_offset + local_rank
@@ -104,6 +120,7 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
             master_port=spec.master_port,
         )
     )
+    _set_devices(boot, spec, local_rank)
     secret = bytes.fromhex(boot["secret"])
     address = (boot["launcher"][0], int(boot["launcher"][1]))
     try:

@@ -1,0 +1,229 @@
+"""Host and slot resolution: node lists, SLURM variables, hostfiles, lengths (pure logic).
+
+The node-list parser is also checked against the real ``scontrol`` in ``test_slurm.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import torchrunx as trx
+from torchrunx import hosts
+from torchrunx.env import device_env
+from torchrunx.hosts import HostSlots
+
+SLURM_VARIABLES = (
+    "SLURM_JOB_ID",
+    "SLURM_JOBID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_JOB_CPUS_PER_NODE",
+    "SLURM_GPUS_PER_NODE",
+    "SLURM_GPUS_ON_NODE",
+)
+
+
+@pytest.fixture
+def no_slurm(monkeypatch):
+    for name in SLURM_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "expected"),
+    [
+        ("node1", ["node1"]),
+        ("node[1-3,7]", ["node1", "node2", "node3", "node7"]),
+        ("gpu-[01-04]", ["gpu-01", "gpu-02", "gpu-03", "gpu-04"]),
+        ("a[1-2]-b[3-4]", ["a1-b3", "a1-b4", "a2-b3", "a2-b4"]),
+        ("cpu7,gpu[1-2],login", ["cpu7", "gpu1", "gpu2", "login"]),
+        ("n[08-11]", ["n08", "n09", "n10", "n11"]),
+        ("n[9-10]", ["n9", "n10"]),
+        ("rack[1-2]n[1,3]", ["rack1n1", "rack1n3", "rack2n1", "rack2n3"]),
+    ],
+)
+def test_expand_nodelist(nodelist, expected):
+    assert hosts.expand_nodelist(nodelist) == expected
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "message"),
+    [
+        ("node[1-", "unbalanced '\\['"),
+        ("node1]", "unbalanced '\\]'"),
+        ("node[]", "bad range ''"),
+        ("node[3-1]", "runs backwards"),
+        ("node[a-b]", "bad range 'a-b'"),
+    ],
+)
+def test_expand_nodelist_errors_name_the_list(nodelist, message):
+    with pytest.raises(ValueError, match=message) as info:
+        hosts.expand_nodelist(nodelist)
+    assert repr(nodelist) in str(info.value)
+
+
+def test_expand_counts():
+    assert hosts.expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert hosts.expand_counts("4") == [4]
+    assert hosts.expand_counts("1(x2)") == [1, 1]
+    with pytest.raises(ValueError, match="expected items like 2 or 2\\(x3\\)"):
+        hosts.expand_counts("2(3)")
+
+
+def test_slurm_allocation_from_the_environment():
+    environ = {
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "cn[01-03]",
+        "SLURM_TASKS_PER_NODE": "2(x2),1",
+        "SLURM_JOB_CPUS_PER_NODE": "8(x3)",
+    }
+    allocation = hosts.slurm_allocation(environ)
+    assert allocation.nodes == ("cn01", "cn02", "cn03")
+    assert [allocation.slots(n) for n in allocation.nodes] == [2, 2, 1]
+    assert allocation.cpus("cn03") == 8
+    assert allocation.slots("elsewhere") is None
+    # GPUs per node win over tasks per node.
+    with_gpus = hosts.slurm_allocation({**environ, "SLURM_GPUS_PER_NODE": "a100:4"})
+    assert [with_gpus.slots(n) for n in with_gpus.nodes] == [4, 4, 4]
+    on_node = hosts.slurm_allocation({**environ, "SLURM_GPUS_ON_NODE": "2"})
+    assert on_node.gpus_per_node == 2
+    with pytest.raises(ValueError, match="describes 2 nodes but the allocation has 3"):
+        hosts.slurm_allocation({**environ, "SLURM_TASKS_PER_NODE": "2(x2)"})
+
+
+def test_resolve_hosts_inside_an_allocation(monkeypatch):
+    environ = {
+        "SLURM_JOBID": "7",
+        "SLURM_NODELIST": "gpu-[1-2]",
+        "SLURM_TASKS_PER_NODE": "3,1",
+    }
+    expected = [HostSlots("gpu-1", 3), HostSlots("gpu-2", 1)]
+    assert hosts.resolve_hosts("auto", "auto", environ) == expected
+    assert hosts.resolve_hosts("slurm", "slurm", environ) == expected
+    assert hosts.resolve_hosts("auto", 2, environ) == [HostSlots("gpu-1", 2), HostSlots("gpu-2", 2)]
+    # Explicit hosts inside an allocation: SLURM's count where the host is a node.
+    assert hosts.resolve_hosts(["gpu-2", "other"], "auto", environ) == [
+        HostSlots("gpu-2", 1),
+        HostSlots("other", None),
+    ]
+    with pytest.raises(RuntimeError, match=r"\['other'\] are not nodes of SLURM job 7"):
+        hosts.resolve_hosts(["gpu-2", "other"], "slurm", environ)
+
+
+def test_resolve_hosts_outside_an_allocation(no_slurm):
+    assert hosts.resolve_hosts("auto", "auto") == [HostSlots("localhost", None)]
+    assert hosts.resolve_hosts(["a", "b"], 2) == [HostSlots("a", 2), HostSlots("b", 2)]
+    assert hosts.resolve_hosts(["a", "b"], [1, 3]) == [HostSlots("a", 1), HostSlots("b", 3)]
+    with pytest.raises(RuntimeError, match="hostnames='slurm' but no SLURM allocation"):
+        hosts.resolve_hosts("slurm", "auto")
+    with pytest.raises(RuntimeError, match="workers_per_host='slurm' but no SLURM allocation"):
+        hosts.resolve_hosts(["localhost"], "slurm")
+
+
+def test_mismatched_lengths_name_both(no_slurm, tmp_path):
+    with pytest.raises(ValueError, match="3 entries but there are 2 hosts"):
+        hosts.resolve_hosts(["a", "b"], [1, 2, 3])
+    with pytest.raises(ValueError, match="workers_per_host has 1 entries but hostnames has 2"):
+        trx.Launcher(hostnames=["a", "b"], workers_per_host=[1]).validate()
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=1\nb slots=1\nc\n")
+    with pytest.raises(ValueError, match="2 entries but there are 3 hosts"):
+        hosts.resolve_hosts(hostfile, [1, 2])
+
+
+def test_parse_hostfile():
+    text = """
+    # our cluster
+    node1 slots=4
+    node2            # counted by its agent
+    node3 slots=2 max_slots=8
+    node1 slots=2    # Open MPI adds repeated hosts up
+    """
+    assert hosts.parse_hostfile(text) == [
+        HostSlots("node1", 6),
+        HostSlots("node2", None),
+        HostSlots("node3", 2),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("node1 slots=0\n", "line 1: slots must be a positive integer, got '0'"),
+        ("node1\nnode2 slots=x\n", "line 2: slots must be a positive integer, got 'x'"),
+        ("node1 4\n", "line 1: '4' is not a key=value option"),
+        ("# nothing\n\n", "lists no host"),
+    ],
+)
+def test_hostfile_errors_name_file_and_line(text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        hosts.parse_hostfile(text, "/etc/hosts.mpi")
+    assert "/etc/hosts.mpi" in str(info.value)
+
+
+def test_hostfile_as_hostnames(no_slurm, tmp_path, monkeypatch):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=4\nnode2 slots=2\n")
+    expected = [HostSlots("node1", 4), HostSlots("node2", 2)]
+    assert hosts.resolve_hosts(hostfile, "auto") == expected
+    assert hosts.resolve_hosts(str(hostfile), "auto") == expected
+    # As it arrives from the command line: a one-entry list with a slash.
+    assert hosts.resolve_hosts([str(hostfile)], "auto") == expected
+    # A number given by the user overrides the slots.
+    assert hosts.resolve_hosts(hostfile, 1) == [HostSlots("node1", 1), HostSlots("node2", 1)]
+    monkeypatch.chdir(tmp_path)
+    assert hosts.resolve_hosts("hostfile", "auto") == expected
+    trx.Launcher(hostnames=hostfile).validate()
+
+
+def test_hostnames_string_that_is_no_file_is_explained(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"neither 'auto', 'slurm' nor an existing hostfile.*\['node1'\]"
+    ):
+        trx.Launcher(hostnames="node1").validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"hostfile .*missing. does not exist"):
+        trx.Launcher(hostnames=Path(tmp_path / "missing")).validate()
+
+
+def test_count_local_gpus_and_slots(monkeypatch):
+    assert hosts.count_local_gpus({"CUDA_VISIBLE_DEVICES": "0,3"}) == 2
+    assert hosts.count_local_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == 1  # CUDA stops at -1
+    cpus = len(os.sched_getaffinity(0))
+    assert hosts.count_local_slots({"CUDA_VISIBLE_DEVICES": ""}) == cpus
+    assert hosts.count_local_slots({"CUDA_VISIBLE_DEVICES": "-1"}) == cpus
+
+
+def test_count_local_gpus_with_nvidia_smi(tmp_path, monkeypatch):
+    if Path("/proc/driver/nvidia/gpus").is_dir():
+        pytest.skip("this machine has an NVIDIA driver: /proc answers before nvidia-smi")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = -L ] || exit 9\n'
+        "echo 'GPU 0: NVIDIA H100 (UUID: GPU-1)'\n"
+        "echo 'GPU 1: NVIDIA H100 (UUID: GPU-2)'\n"
+        "echo '  MIG 1g.10gb Device 0: (UUID: MIG-3)'\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert hosts.count_local_gpus({}) == 2
+    assert hosts.count_local_slots({}) == 2
+
+
+def test_device_env():
+    base = {"PATH": "/bin"}
+    assert device_env(base, local_rank=3, local_world_size=4, gpus=4, cpus=32) == {
+        "CUDA_VISIBLE_DEVICES": "3",
+        "OMP_NUM_THREADS": "8",
+    }
+    # Set by the user: left alone.
+    user = {"CUDA_VISIBLE_DEVICES": "2,3", "OMP_NUM_THREADS": "2"}
+    assert device_env(user, local_rank=1, local_world_size=2, gpus=2, cpus=32) == {}
+    # No GPU: only threads, never fewer than one.
+    assert device_env(base, local_rank=0, local_world_size=8, gpus=0, cpus=2) == {
+        "OMP_NUM_THREADS": "1"
+    }
