@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import queue
+import shlex
 import shutil
 import signal
 import socket
@@ -71,6 +72,7 @@ from torchrunx.protocol import (
 )
 from torchrunx.results import LaunchResult
 from torchrunx.transport import (
+    AGENT_COMMAND,
     AgentBootstrap,
     AgentProcess,
     LocalAgent,
@@ -78,7 +80,9 @@ from torchrunx.transport import (
     SshAgent,
     agent_script,
     read_ssh_config,
+    resolve_ssh_target,
     route_address,
+    srun_command,
 )
 
 if TYPE_CHECKING:
@@ -214,6 +218,77 @@ class Launcher:
             if not path.is_file() or not os.access(path, os.R_OK):
                 raise ValueError(f"ssh_config_file {str(path)!r} does not exist or is not readable")
             read_ssh_config(path)  # a syntax error is reported now, before any host is touched
+
+
+    def dry_run(self) -> str:
+        """Describe what :meth:`run` would start, without starting or contacting anything.
+
+        The description lists the resolved hosts, workers per host and ranks, the names (never
+        the values) of the forwarded environment variables, and the command line each agent
+        would be started with.
+
+        Raises:
+            ValueError: A field is invalid, as for :meth:`run`.
+            RuntimeError: ``"slurm"`` outside an allocation, as for :meth:`run`.
+        """
+        self.validate()
+        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
+        methods = start_methods(self.agent_start, [h.hostname for h in hosts])
+        env = forwarded_env((*self.default_env_vars, *self.extra_env_vars))
+        return describe_plan(self, hosts, methods, sorted(env))
+
+
+def describe_plan(
+    launcher: Launcher, hosts: list[HostSlots], methods: list[StartMethod], env_names: list[str]
+) -> str:
+    """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more)."""
+    known = all(h.workers is not None for h in hosts)
+    world = sum(h.workers or 0 for h in hosts) if known else None
+    lines = [
+        "torchrunx dry run: nothing was started",
+        f"hosts: {len(hosts)}",
+        f"world size: {world if world is not None else 'known once every agent has counted'}",
+        f"backend: {launcher.backend} (process-group timeout {launcher.timeout} s)",
+        "",
+        "host  name                 workers  ranks      agent start",
+    ]
+    offset: int | None = 0
+    for index, (host, method) in enumerate(zip(hosts, methods, strict=True)):
+        if host.workers is None:
+            workers, ranks = "auto", "-"
+            offset = None
+        else:
+            workers = str(host.workers)
+            if offset is None:
+                ranks = "-"
+            else:
+                last = offset + host.workers - 1
+                ranks = f"{offset}" if last == offset else f"{offset}-{last}"
+                offset += host.workers
+        lines.append(f"{index:<5} {host.hostname:<20} {workers:<8} {ranks:<10} {method}")
+    if not known:
+        lines.append("(auto: the agent counts its GPUs, else CPU cores; ranks follow host order)")
+    lines += ["", f"forwarded environment variables ({len(env_names)}, values not shown):"]
+    lines.append("  " + (" ".join(env_names) or "(none)"))
+    if launcher.env_file is not None:
+        lines.append(f"sourced on every host first: {launcher.env_file}")
+    lines += ["", "agent command lines (the script and secret go on stdin, never here):"]
+    for host, method in zip(hosts, methods, strict=True):
+        lines.append(f"  {host.hostname}: {_agent_command_line(launcher, host.hostname, method)}")
+    return "\n".join(lines)
+
+
+def _agent_command_line(launcher: Launcher, hostname: str, method: StartMethod) -> str:
+    if method == "local":
+        return AGENT_COMMAND
+    if method == "srun":
+        return shlex.join(srun_command(hostname, cpus=_slurm_cpus(hostname)))
+    try:
+        target = resolve_ssh_target(hostname, launcher.ssh_config_file, launcher.start_timeout)
+    except ValueError as exc:
+        return f"ssh (cannot read the SSH config: {exc})"
+    via = f" via {target.proxy_jump}" if target.proxy_jump else ""
+    return f"ssh {target.user}@{target.hostname} -p {target.port}{via} {AGENT_COMMAND}"
 
 
 def launch(
