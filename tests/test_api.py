@@ -159,3 +159,35 @@ def test_unpicklable_function_is_a_clear_error_before_start():
 def test_unknown_launch_field():
     with pytest.raises(TypeError, match="unexpected keyword argument 'hostname'"):
         trx.launch(print, hostname=["localhost"])
+
+
+def test_dry_run_describes_the_plan_and_starts_nothing(monkeypatch, tmp_path):
+    from conftest import torchrunx_processes
+
+    monkeypatch.setenv("TORCHRUNX_DRY_SECRET", "s3cr3t-value")
+    config = tmp_path / "ssh_config"
+    config.write_text("Host far\n  HostName 192.0.2.7\n  User alice\n  Port 2222\n")
+    launcher = trx.Launcher(
+        hostnames=["localhost", "far"],
+        workers_per_host=[2, 3],
+        ssh_config_file=config,
+        extra_env_vars=("TORCHRUNX_DRY_*",),
+        agent_start="ssh",
+    )
+    text = launcher.dry_run()
+    assert torchrunx_processes() == []
+    assert "world size: 5" in text
+    assert "0     localhost            2        0-1        local" in text
+    assert "1     far                  3        2-4        ssh" in text
+    assert "TORCHRUNX_DRY_SECRET" in text
+    assert "s3cr3t-value" not in text
+    assert "ssh alice@192.0.2.7 -p 2222" in text
+    assert "IFS= read -r -d" in text  # the constant agent command
+
+
+def test_dry_run_with_counted_workers_and_bad_fields():
+    text = trx.Launcher(hostnames=["localhost"]).dry_run()
+    assert "auto" in text
+    assert "known once every agent has counted" in text
+    with pytest.raises(ValueError, match="agent_start='rsh' is not one of"):
+        trx.Launcher(agent_start="rsh").dry_run()  # type: ignore[arg-type]
