@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 apt-get update -qq
-apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps >/dev/null
+apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps slurm-wlm munge >/dev/null
 python3 -m pip install -q torch==2.13.0          # CPU build; before the project, so pip keeps it
 python3 -m pip install -q -e ".[dev]"
 ruff check .

@@ -6,12 +6,13 @@ namespaces, so that it has its own hostname (``node1``) and its own ``/etc/hosts
 name resolves to the host's own address. The root ``/etc/hosts`` gets the test host names too, so
 that a launcher in the root namespace can reach them by name.
 
-Every name and address comes from a :class:`Profile`. Two profiles exist, with disjoint names,
+Every name and address comes from a :class:`Profile`. Three profiles exist, with disjoint names,
 links, subnets and ``/etc/hosts`` markers, so that one cluster of each can run at the same time:
-``"test"`` (``node1``... on ``10.200.0``, for the test suite) and ``"bench"`` (``bnode1``... on
-``10.201.0``, for ``benchmarks/``). Only one cluster per profile can exist on a machine at a time.
-Starting a cluster first removes whatever a crashed earlier run of the same profile left behind.
-Requires root (see :func:`cluster_unavailable_reason`).
+``"test"`` (``node1``... on ``10.200.0``, for the test suite), ``"bench"`` (``bnode1``... on
+``10.201.0``, for ``benchmarks/``) and ``"slurm"`` (``snode1``... on ``10.202.0``, the hosts under
+the SLURM cluster of ``slurm_cluster.py``). Only one cluster per profile can exist on a machine at
+a time. Starting a cluster first removes whatever a crashed earlier run of the same profile left
+behind. Requires root (see :func:`cluster_unavailable_reason`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ ETC_HOSTS_LOCK = Path("/run/torchrunx-cluster.lock")
 MAX_HOSTS = 99
 """Host addresses are ``.11`` to ``.109``, clear of the launcher and the unreachable address."""
 
-ProfileName = Literal["test", "bench"]
+ProfileName = Literal["test", "bench", "slurm"]
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,20 @@ PROFILES: dict[str, Profile] = {
         unreachable_name="bunreachable",
         hosts_marker="# torchrunx-bench-cluster",
     ),
+    "slurm": Profile(
+        name="slurm",
+        netns_prefix="trxs-",
+        bridge="trxsbr0",
+        veth_prefix="trxsv",
+        subnet="10.202.0",
+        host_prefix="snode",
+        launcher_name="trxs-launcher",
+        unreachable_name="sunreachable",
+        hosts_marker="# torchrunx-slurm-cluster",
+    ),
 }
-"""Every profile by name: ``"test"`` for the test suite, ``"bench"`` for ``benchmarks/``."""
+"""Every profile by name: ``"test"`` for the test suite, ``"bench"`` for ``benchmarks/``,
+``"slurm"`` for the hosts of the SLURM test cluster (``slurm_cluster.py``)."""
 
 _REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname", "ssh", "ssh-keygen")
 
@@ -158,10 +171,11 @@ class TestCluster:
 
     Attributes:
         profile: The names and addresses this cluster uses.
-        hosts: The test hosts, ``node1`` to ``nodeN`` (``bnode1``... in the bench profile).
+        hosts: The test hosts, ``node1`` to ``nodeN`` (``bnode1``... in the bench profile,
+            ``snode1``... in the slurm profile).
         ssh_config: ``ssh -F`` file with a ``Host`` entry for every node and for ``unreachable``
-            (``bunreachable`` in the bench profile: an address on the test subnet with no host
-            behind it, ``ConnectTimeout 2``).
+            (``bunreachable`` in the bench profile, ``sunreachable`` in the slurm profile: an
+            address on the test subnet with no host behind it, ``ConnectTimeout 2``).
         bad_key_ssh_config: Same as ``ssh_config``, but with an ``IdentityFile`` that the hosts do
             not accept.
         known_hosts: ``known_hosts`` file with every host key under the host's name and address.
@@ -220,6 +234,29 @@ class TestCluster:
             timeout=timeout,
             check=False,
         )
+
+    def enter_argv(self, host: TestHost | str) -> list[str]:
+        """Return an argv prefix that runs a command inside a host, as its ``sshd`` sees it.
+
+        The command joins the network, mount and UTS namespaces of the host's ``sshd``: it has the
+        host's address, ``/etc/hosts`` and hostname, as a command run over SSH would. ``nsenter``
+        execs the command, so a :class:`subprocess.Popen` of the result has the command's pid.
+
+        Args:
+            host: The host or its name.
+
+        Returns:
+            ``["nsenter", "--target", PID, "--net", "--mount", "--uts"]``; append the command.
+
+        Raises:
+            RuntimeError: If the host's ``sshd`` is not running.
+        """
+        name = self._host(host).name
+        daemon = self._daemons.get(name)
+        if daemon is None or daemon.poll() is not None:
+            msg = f"sshd on {name} is not running"
+            raise RuntimeError(msg)
+        return ["nsenter", "--target", str(daemon.pid), "--net", "--mount", "--uts"]
 
     def cut_link(self, host: TestHost | str) -> None:
         """Take a host off the network by setting the root end of its veth pair down.
@@ -468,7 +505,8 @@ def start_cluster(n: int, workdir: Path, profile: ProfileName = "test") -> TestC
         workdir: Existing, empty directory for keys, configs and logs; its path must not contain
             whitespace (it is written unquoted into ssh configs).
         profile: Which names and addresses to use (see :data:`PROFILES`): ``"test"`` (the
-            default: ``node1``... on ``10.200.0``) or ``"bench"`` (``bnode1``... on ``10.201.0``).
+            default: ``node1``... on ``10.200.0``), ``"bench"`` (``bnode1``... on ``10.201.0``)
+            or ``"slurm"`` (``snode1``... on ``10.202.0``).
 
     Returns:
         The running cluster.

@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 from cluster import cluster_unavailable_reason, start_cluster
+from slurm_cluster import slurm_processes, slurm_unavailable_reason, start_slurm_cluster
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
     from cluster import TestCluster
+    from slurm_cluster import SlurmCluster
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +32,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
     test_cluster = start_cluster(2, tmp_path_factory.mktemp("cluster"))
     yield test_cluster
     test_cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A running 2-node SLURM cluster (``snode1``, ``snode2``, also SSH hosts), for the session.
+
+    Skipped where it cannot be made (no root, no ``slurm-wlm`` or ``munge``...), except on CI
+    (``CI`` set), where that is a failure. After the session, no SLURM daemon may be left.
+    """
+    reason = slurm_unavailable_reason()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"SLURM test cluster required on CI: {reason}")
+        pytest.skip(reason)
+    slurm_cluster = start_slurm_cluster(2, tmp_path_factory.mktemp("slurm"))
+    yield slurm_cluster
+    slurm_cluster.stop()
+    assert slurm_processes() == {}
 
 
 # Every launch of this test session carries this variable (it matches the default TORCH*

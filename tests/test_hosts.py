@@ -44,6 +44,13 @@ def no_slurm(monkeypatch):
         ("n[08-11]", ["n08", "n09", "n10", "n11"]),
         ("n[9-10]", ["n9", "n10"]),
         ("rack[1-2]n[1,3]", ["rack1n1", "rack1n3", "rack2n1", "rack2n3"]),
+        # Three brackets: the last varies fastest, then the first (as scontrol orders them).
+        (
+            "a[1-2]b[1-2]c[1-2]",
+            ["a1b1c1", "a1b1c2", "a2b1c1", "a2b1c2", "a1b2c1", "a1b2c2", "a2b2c1", "a2b2c2"],
+        ),
+        ("a[2,1]", ["a2", "a1"]),
+        ("a[1-03]", ["a1", "a2", "a3"]),
     ],
 )
 def test_expand_nodelist(nodelist, expected):

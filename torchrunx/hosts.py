@@ -18,6 +18,7 @@ never with torch (``CUDA_VISIBLE_DEVICES``, the driver's ``/proc`` entries, ``nv
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import re
 import shutil
@@ -174,7 +175,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     """Expand SLURM's compressed host list syntax without ``scontrol``.
 
     ``"node[1-3,7]"`` is ``node1 node2 node3 node7``; ``"gpu-[01-04]"`` keeps the zero
-    padding; ``"a[1-2]-b[3-4]"`` is every combination (``a1-b3 a1-b4 a2-b3 a2-b4``); groups
+    padding; ``"a[1-2]-b[3-4]"`` is every combination (``a1-b3 a1-b4 a2-b3 a2-b4``, in
+    SLURM's order for three or more brackets: the last varies fastest, then the first); groups
     are separated by commas outside brackets (``"cpu1,gpu[1-2]"``) or by whitespace.
 
     Raises:
@@ -211,11 +213,27 @@ def _split_groups(nodelist: str) -> list[str]:
 
 
 def _expand_group(group: str, nodelist: str) -> list[str]:
-    names = [""]
+    literals: list[str] = []
+    dimensions: list[list[str]] = []
     for match in re.finditer(r"([^\[\]]*)(?:\[([^\[\]]*)\])?", group):
         literal, ranges = match.group(1), match.group(2)
-        suffixes = [""] if ranges is None else _expand_ranges(ranges, nodelist)
-        names = [name + literal + suffix for name in names for suffix in suffixes]
+        if ranges is None:
+            if literal:
+                literals.append(literal)
+            continue
+        literals.append(literal)
+        dimensions.append(_expand_ranges(ranges, nodelist))
+    if not dimensions:
+        return ["".join(literals)]
+    suffix = "".join(literals[len(dimensions) :])
+    # SLURM's order: the last bracket varies fastest, then the first, the second, and so on
+    # (for two brackets that is plain lexicographic order).
+    order = [*range(len(dimensions) - 2, -1, -1), len(dimensions) - 1]
+    names: list[str] = []
+    for values in itertools.product(*(dimensions[i] for i in order)):
+        chosen = dict(zip(order, values, strict=True))
+        parts = [literals[i] + chosen[i] for i in range(len(dimensions))]
+        names.append("".join(parts) + suffix)
     return names
 
 

@@ -235,9 +235,12 @@ class _SubprocessAgent:
             with contextlib.suppress(OSError):
                 self._process.stdin.close()
 
-    def _kill(self) -> None:
+    def _kill(self, *, group: bool = True) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._process.pid, signal.SIGKILL)
+            if group:
+                os.killpg(self._process.pid, signal.SIGKILL)
+            else:
+                os.kill(self._process.pid, signal.SIGKILL)
         self._process.wait()
 
     def _release(self) -> None:
@@ -340,7 +343,9 @@ class SrunAgent(_SubprocessAgent):
                 os.kill(self._process.pid, signal.SIGTERM)
             self.wait(_SRUN_TERM_GRACE)
         if self.wait(0) is None:
-            self._kill()
+            # srun alone, not its process group: its helper child then cancels the step.
+            # Killing the whole group would leave the step running until the job ends.
+            self._kill(group=False)
         self._release()
 
 

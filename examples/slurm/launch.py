@@ -36,6 +36,7 @@ def report() -> dict[str, object]:
         "local_rank": int(os.environ["LOCAL_RANK"]),
         "hostname": socket.gethostname(),
         "backend": dist.get_backend(),
+        "slurm_step": os.environ.get("SLURM_STEP_ID"),  # set where srun started the agent
         "rank_sum": int(total.item()),
     }
 
