@@ -48,8 +48,14 @@ def test_launcher_fields_and_defaults():
         "TORCH*",
         "PYTORCH*",
         "NCCL*",
+        "OMP_*",
     )
     assert fields["extra_env_vars"] == ()
+    assert fields["agent_start"] == "auto"
+    assert fields["max_restarts"] == 0
+    assert fields["restart_on"] == ("exceptions", "deaths", "timeouts")
+    assert fields["health_check_port"] is None
+    assert fields["event_handlers"] == ()
     assert fields["env_file"] is None
     hints = typing.get_type_hints(trx.Launcher)
     assert typing.Literal["nccl", "gloo", "mpi", "ucc", "auto"] in typing.get_args(hints["backend"])
@@ -99,7 +105,7 @@ def test_launch_result_errors_name_what_exists():
     ("fields", "error", "match"),
     [
         ({"hostnames": []}, ValueError, "non-empty list"),
-        ({"hostnames": "node1"}, ValueError, "give a list of hostnames"),
+        ({"hostnames": "node1"}, ValueError, "for a single host give a list"),
         ({"hostnames": ["a b"]}, ValueError, "invalid host name"),
         ({"workers_per_host": 0}, ValueError, "positive integers"),
         ({"workers_per_host": -2}, ValueError, "positive integers"),

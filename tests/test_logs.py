@@ -46,6 +46,7 @@ def test_two_hosts_files_layout_content_and_console(cluster, log_dir, capsys):
     )
     folder = launch_dir(log_dir)
     assert sorted(p.name for p in folder.iterdir()) == [
+        "events.jsonl",
         "node1.log",
         "node1[0].log",
         "node1[1].log",

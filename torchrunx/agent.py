@@ -40,9 +40,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from torchrunx import protocol
+from torchrunx import protocol, timer
 from torchrunx.errors import ProtocolError
 from torchrunx.hosts import count_local_cpus, count_local_gpus
 from torchrunx.logs import LineSplitter, capture_logging, parse_line
@@ -54,11 +54,16 @@ from torchrunx.protocol import (
     LogLines,
     Stop,
     WorkerExited,
+    WorkersEnded,
     WorkerSpec,
     WorkersStarted,
     WorkerStacks,
+    WorkerTimedOut,
     encode_frame_start,
 )
+
+if TYPE_CHECKING:
+    import mmap
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +77,7 @@ _STACK_SETTLE = 0.05
 _STACK_BYTES = 16 * 1024
 _DEFAULT_GRACE = 3.0
 _PGID = struct.Struct("!i")
+_TIMER_POLL = 0.1
 
 
 @dataclass
@@ -90,8 +96,13 @@ class _Worker:
     pidfd: int
     stack_fd: int
     outputs: list[_Output]
+    page: mmap.mmap
+    """Shared with the worker: its watchdog deadline (see :mod:`torchrunx.timer`)."""
     stacks: bytearray = field(default_factory=bytearray)
     ended: bool = False
+    hung: tuple[str, float, float] | None = None
+    """A watchdog scope that expired: (scope, limit, report its stack by this time)."""
+    hang_reported: bool = False
 
 
 class _Guardian:
@@ -182,6 +193,9 @@ class Agent:
         self.grace_period = _DEFAULT_GRACE
         self.stop_deadline: float | None = None
         self.stopping = False
+        self.restart_requested = False
+        self.preloaded = False
+        self.next_timer_poll = 0.0
         self.launcher_alive = True
         self.conn.sock.settimeout(self.agent_timeout)
         self.outbox = bytearray()
@@ -201,7 +215,7 @@ class Agent:
         done_read, done_write = os.pipe()
         preload = threading.Thread(
             target=_preload_torch,
-            args=(bool(self.boot["preload_torch"]), done_write),
+            args=(bool(self.boot["preload_torch"]) and not self.preloaded, done_write),
             name="torchrunx-preload",
         )
         preload.start()
@@ -227,6 +241,7 @@ class Agent:
                         self.selector.unregister(done_read)  # else it stays readable: a spin
         finally:
             preload.join()
+            self.preloaded = True
             with contextlib.suppress(KeyError):
                 self.selector.unregister(done_read)
             os.close(done_read)
@@ -241,6 +256,7 @@ class Agent:
             stack_read, stack_write = os.pipe()
             out_read, out_write = os.pipe()
             err_read, err_write = os.pipe()
+            page = timer.new_page()
             pid = os.fork()
             if pid == 0:
                 for fd in (stack_read, out_read, err_read):
@@ -249,12 +265,13 @@ class Agent:
                 os.dup2(err_write, 2)
                 os.close(out_write)
                 os.close(err_write)
+                timer.attach(page)
                 self._become_worker(spec, payload, local_rank, stack_write)
             for fd in (stack_write, out_write, err_write):
                 os.close(fd)
             self.guardian.watch(pid)  # the worker's process group id is its pid (setsid)
             outputs = [_Output(out_read, is_stderr=False), _Output(err_read, is_stderr=True)]
-            worker = _Worker(local_rank, pid, os.pidfd_open(pid), stack_read, outputs)
+            worker = _Worker(local_rank, pid, os.pidfd_open(pid), stack_read, outputs, page)
             self.workers.append(worker)
             self.selector.register(worker.pidfd, selectors.EVENT_READ, worker)
             os.set_blocking(stack_read, False)
@@ -312,6 +329,7 @@ class Agent:
             if drain_deadline is not None and now >= drain_deadline:
                 break
             self._keep_alive(now)
+            self._check_timers(now)
             if self.dump_deadline is not None and now >= self.dump_deadline:
                 self._send_stacks_and_terminate()
             if self.stop_deadline is not None and now >= self.stop_deadline:
@@ -325,7 +343,6 @@ class Agent:
                     self._flush_outbox()
                 if key.data != "launcher" or events & selectors.EVENT_READ:
                     self._on_ready(key.data)
-        self.finish()
 
     def _all_done(self) -> bool:
         return all(w.ended and not w.outputs for w in self.workers)
@@ -348,7 +365,47 @@ class Agent:
     def _until_next_timer(self, now: float) -> float:
         timers = [self.next_heartbeat, self.last_heard + self.agent_timeout]
         timers += [t for t in (self.dump_deadline, self.stop_deadline) if t is not None]
+        if any(not w.ended and timer.page_used(w.page) for w in self.workers):
+            timers.append(self.next_timer_poll)
+        timers += [w.hung[2] for w in self.workers if w.hung is not None and not w.hang_reported]
         return max(min(timers) - now, 0.0)
+
+    def _check_timers(self, now: float) -> None:
+        """Watchdog: a worker past its scope's deadline has its stack dumped, then reported."""
+        if now >= self.next_timer_poll:
+            self.next_timer_poll = now + _TIMER_POLL
+            for worker in self.workers:
+                if worker.ended or worker.hung is not None or self.stopping:
+                    continue
+                armed = timer.read_page(worker.page)
+                if armed is not None and now >= armed[0]:
+                    _, limit, scope = armed
+                    logger.warning(
+                        "worker %d stayed in timer scope %r longer than %g s: dumping its stack",
+                        worker.local_rank,
+                        scope,
+                        limit,
+                    )
+                    worker.stacks.clear()
+                    worker.hung = (scope, limit, now + _STACK_DUMP_WAIT)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(worker.pid, signal.SIGUSR1)
+        for worker in self.workers:
+            if worker.hung is not None and not worker.hang_reported and now >= worker.hung[2]:
+                self._report_hang(worker)
+
+    def _report_hang(self, worker: _Worker) -> None:
+        assert worker.hung is not None  # noqa: S101 (called for hung workers only)
+        if worker.stack_fd >= 0:
+            self._read_stacks(worker)
+        scope, limit, _ = worker.hung
+        worker.hang_reported = True
+        stack = worker.stacks.decode(errors="replace")
+        worker.stacks.clear()
+        self._send(WorkerTimedOut(worker.local_rank, scope, limit, stack))
+        # The launcher decides what happens next (stop, or restart); the worker is of no use.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.pid, signal.SIGKILL)
 
     def _on_ready(self, source: Any) -> None:  # noqa: ANN401 (selector payload)
         if isinstance(source, _Worker):
@@ -376,8 +433,10 @@ class Agent:
 
     def _on_message(self, message: protocol.Message) -> None:
         if isinstance(message, Stop):
-            logger.info("stopping on the launcher's request: %s", message.reason)
+            what = "the workers to restart them" if message.restart else "on request"
+            logger.info("stopping %s: %s", what, message.reason)
             self.grace_period = message.grace_period
+            self.restart_requested = message.restart
             self._begin_stop(dump_stacks=message.dump_stacks)
 
     def _on_stdin(self) -> None:
@@ -398,6 +457,9 @@ class Agent:
             return
         worker.stacks += chunk
         del worker.stacks[:-_STACK_BYTES]
+        if worker.hung is not None and not worker.hang_reported:
+            scope, limit, report_by = worker.hung
+            worker.hung = (scope, limit, min(report_by, time.monotonic() + _STACK_SETTLE))
         if self.dump_deadline is not None and all(w.stacks for w in self.workers if not w.ended):
             # Every live worker has begun its dump; a dump is written in one go.
             self.dump_deadline = min(self.dump_deadline, time.monotonic() + _STACK_SETTLE)
@@ -522,6 +584,22 @@ class Agent:
                     else:
                         self.selector.register(output.fd, selectors.EVENT_READ, (worker, output))
 
+    def prepare_restart(self) -> bool:
+        """After a ``Stop(restart=True)``: release the old workers and say we are ready.
+
+        Returns ``False`` if the launcher is gone (then the agent ends instead).
+        """
+        self._release_workers()
+        self.workers.clear()
+        self.stopping = False
+        self.restart_requested = False
+        self.dump_deadline = None
+        self.stop_deadline = None
+        if not self.launcher_alive:
+            return False
+        self._send(WorkersEnded(_free_port()))
+        return self.launcher_alive
+
     def finish(self) -> None:
         """Deliver what is still queued (bounded by agent_timeout), then tell the launcher."""
         self._send(AgentDone())
@@ -532,22 +610,32 @@ class Agent:
 
     def close(self) -> None:
         """Kill any worker still alive and release every descriptor."""
+        self._release_workers()
+        self.selector.close()
+        self.conn.close()
+        self.guardian.close()
+
+    def _release_workers(self) -> None:
         self._signal_workers(signal.SIGKILL)
         for worker in self.workers:
             if not worker.ended:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(worker.pid, 0)
+                with contextlib.suppress(KeyError, ValueError):
+                    self.selector.unregister(worker.pidfd)
                 os.close(worker.pidfd)
                 worker.ended = True
             if worker.stack_fd >= 0:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.selector.unregister(worker.stack_fd)
                 os.close(worker.stack_fd)
                 worker.stack_fd = -1
             for output in worker.outputs:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.selector.unregister(output.fd)
                 os.close(output.fd)
             worker.outputs.clear()
-        self.selector.close()
-        self.conn.close()
-        self.guardian.close()
+            worker.page.close()
 
 
 def main(boot: dict[str, Any]) -> None:
@@ -588,9 +676,13 @@ def main(boot: dict[str, Any]) -> None:
     code = 0
     try:
         received = agent.receive_spec()
-        if received is not None:
+        while received is not None:
             agent.start_workers(*received)
             agent.monitor()
+            if not (agent.restart_requested and agent.prepare_restart()):
+                break
+            received = agent.receive_spec()
+        agent.finish()
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx agent: lost the launcher: {exc}\n")
     except SystemExit as exc:  # SIGTERM

@@ -39,6 +39,9 @@ _NEVER_FORWARDED = frozenset(
         "GROUP_RANK",
         "MASTER_ADDR",
         "MASTER_PORT",
+        "TORCHRUNX_RESTART_COUNT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
         "TORCHELASTIC_RUN_ID",
     }
 )
@@ -72,9 +75,19 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
     group_rank: int,
     master_addr: str,
     master_port: int,
+    attempt: int = 0,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
-    """The torch.distributed variables of one worker (torchrun's names)."""
+    """The torch.distributed variables of one worker (torchrun's names), and its attempt.
+
+    ``TORCHRUNX_RESTART_COUNT`` is 0 for the first worker group and n after the n-th
+    restart; ``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_MAX_RESTARTS`` carry the same
+    for code written for torchrun.
+    """
     return {
+        "TORCHRUNX_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),
         "WORLD_SIZE": str(world_size),

@@ -7,6 +7,8 @@
     │   ├── AgentFailedError            an agent or its host died, or could not be started
     │   ├── WorkerFailedError           a worker died without raising (exit code or signal)
     │   ├── WorkerRaisedError           a worker raised an exception that cannot travel back
+    │   ├── WorkerTimeoutError          (also a TimeoutError) a worker overran a watchdog
+    │   │                               scope of torchrunx.timer.expires
     │   ├── LaunchTimeoutError          (also a TimeoutError) launch_timeout was hit
     │   ├── SerializationError          (also a TypeError) the function, an argument or a
     │   │                               return value cannot be pickled
@@ -129,6 +131,39 @@ class WorkerRaisedError(TorchrunxError):
     ``Exception.__init__``). The message keeps the original type name and message, and the
     remote traceback is attached as ``__cause__``.
     """
+
+
+class WorkerTimeoutError(TorchrunxError, TimeoutError):
+    """A worker stayed in a ``torchrunx.timer.expires`` block longer than its limit.
+
+    Its agent dumped the worker's Python stack (attached as a note) and killed it.
+
+    Attributes:
+        hostname: Host of the worker.
+        local_rank: Rank of the worker on its host.
+        rank: Global rank of the worker.
+        scope: The ``scope`` name of the block.
+        limit: The block's limit in seconds.
+    """
+
+    def __init__(
+        self, hostname: str, local_rank: int, rank: int, scope: str, limit: float
+    ) -> None:
+        """Describe a worker that overran its watchdog."""
+        self.hostname = hostname
+        self.local_rank = local_rank
+        self.rank = rank
+        self.scope = scope
+        self.limit = limit
+        super().__init__(
+            f"worker rank {rank} (local rank {local_rank} on host {hostname!r}) stayed in "
+            f"timer scope {scope!r} longer than its limit of {limit:g} s; the watchdog "
+            "stopped it"
+        )
+
+    def __reduce__(self) -> tuple[type[WorkerTimeoutError], tuple[str, int, int, str, float]]:
+        """Pickle with the constructor's arguments."""
+        return (type(self), (self.hostname, self.local_rank, self.rank, self.scope, self.limit))
 
 
 class LaunchTimeoutError(TorchrunxError, TimeoutError):

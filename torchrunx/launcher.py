@@ -44,7 +44,28 @@ from torchrunx.errors import (
     TorchrunxError,
     WorkerFailedError,
     WorkerRaisedError,
+    WorkerTimeoutError,
     describe_exit,
+)
+from torchrunx.events import (
+    AgentStarted,
+    AgentState,
+    EventHandler,
+    EventSink,
+    LaunchFinished,
+    LaunchStarted,
+    Restarting,
+    WorkerFailed,
+    WorkerState,
+    WorkerStateChanged,
+)
+from torchrunx.events import WorkersStarted as WorkersStartedEvent
+from torchrunx.health import (
+    AgentHealth,
+    HealthReport,
+    HealthServer,
+    WorkerHealth,
+    health_port_from_env,
 )
 from torchrunx.hosts import (
     HostSlots,
@@ -66,11 +87,13 @@ from torchrunx.protocol import (
     WorkerExited,
     WorkerHello,
     WorkerResult,
+    WorkersEnded,
     WorkerSpec,
     WorkersStarted,
     WorkerStacks,
+    WorkerTimedOut,
 )
-from torchrunx.results import LaunchResult
+from torchrunx.results import LaunchResult, LaunchTimings
 from torchrunx.transport import (
     AGENT_COMMAND,
     AgentBootstrap,
@@ -88,6 +111,8 @@ from torchrunx.transport import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+logger = logging.getLogger(__name__)
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -101,6 +126,7 @@ _STOP_GRACE = 3.0
 _MAX_STACKS_SHOWN = 16
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
 _AGENT_STARTS = ("auto", "ssh", "srun")
+_RESTART_CATEGORIES = ("exceptions", "deaths", "timeouts")
 
 StartMethod = Literal["local", "ssh", "srun"]
 
@@ -157,6 +183,22 @@ class Launcher:
     launch_timeout: float | None = None
     """Wall-clock limit in seconds for the whole launch (None: no limit)."""
 
+    max_restarts: int = 0
+    """Restart the whole worker group, on the same agents, up to this many times after a
+    worker fails; then raise the last failure, with the earlier ones in its notes."""
+
+    restart_on: tuple[str, ...] = _RESTART_CATEGORIES
+    """Failures that restart: "exceptions" (the function raised), "deaths" (a worker exited
+    or was killed), "timeouts" (a torchrunx.timer watchdog expired), or exception type names
+    (e.g. "OSError": those types and their subclasses only). Lost hosts never restart."""
+
+    health_check_port: int | None = None
+    """Serve GET /health (JSON; 200 while healthy, 503 after a failure) on this port while
+    the launch runs; 0 picks a free port. Default: TORCHRUNX_HEALTH_CHECK_PORT, else none."""
+
+    event_handlers: Annotated[tuple[EventHandler, ...], tyro.conf.Suppress] = ()
+    """Functions, or objects with a record(event) method, that receive every launch event."""
+
     log_handlers: Annotated[LogHandlers, tyro.conf.Suppress] = "auto"
     """Where forwarded logs go. "auto": the first agent and its first worker on stdout, and
     every agent and worker in files under $TORCHRUNX_LOG_DIR; None: nowhere; or
@@ -186,7 +228,9 @@ class Launcher:
                 per_host = launch.execute()
         finally:
             launch.close()
-        return LaunchResult(tuple(h.hostname for h in hosts), per_host)
+        return LaunchResult(
+            tuple(h.hostname for h in hosts), per_host, launch.attempt, launch.timings()
+        )
 
     def validate(self) -> None:
         """Check every field; raise a clear error before anything starts.
@@ -210,6 +254,9 @@ class Launcher:
             if isinstance(value, str) or not all(isinstance(p, str) for p in value):
                 raise TypeError(f"{name} must be a tuple of fnmatch patterns, got {value!r}")
         _validate_log_handlers(self.log_handlers)
+        _validate_restarts(self.max_restarts, self.restart_on)
+        _validate_event_handlers(self.event_handlers)
+        health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
         log_level_from_env()  # raises ValueError for a bad TORCHRUNX_LOG_LEVEL
         if self.env_file is not None and not Path(self.env_file).expanduser().is_file():
             raise ValueError(f"env_file {str(self.env_file)!r} does not exist or is not a file")
@@ -218,7 +265,6 @@ class Launcher:
             if not path.is_file() or not os.access(path, os.R_OK):
                 raise ValueError(f"ssh_config_file {str(path)!r} does not exist or is not readable")
             read_ssh_config(path)  # a syntax error is reported now, before any host is touched
-
 
     def dry_run(self) -> str:
         """Describe what :meth:`run` would start, without starting or contacting anything.
@@ -319,6 +365,32 @@ def _validate_log_handlers(handlers: object) -> None:
         )
 
 
+def _validate_restarts(max_restarts: object, restart_on: object) -> None:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    if isinstance(restart_on, str) or not isinstance(restart_on, list | tuple):
+        raise TypeError(
+            f"restart_on must be a tuple of categories {list(_RESTART_CATEGORIES)} and/or "
+            f"exception type names, got {restart_on!r}"
+        )
+    for entry in restart_on:
+        if not isinstance(entry, str) or not entry.replace(".", "").replace("_", "").isalnum():
+            raise ValueError(
+                f"restart_on entry {entry!r} is neither one of {list(_RESTART_CATEGORIES)} "
+                "nor an exception type name"
+            )
+
+
+def _validate_event_handlers(handlers: object) -> None:
+    if not isinstance(handlers, list | tuple) or not all(
+        callable(h) or callable(getattr(h, "record", None)) for h in handlers
+    ):
+        raise TypeError(
+            "event_handlers must be a tuple of functions or of objects with a record(event) "
+            f"method, got {handlers!r}"
+        )
+
+
 def _validate_choice(name: str, value: object, choices: tuple[object, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
@@ -400,6 +472,27 @@ def _check_lengths(workers: int, hosts: int) -> None:
         )
 
 
+def _restarts_for(error: BaseException, wanted: set[str], from_worker: bool) -> bool:
+    """Whether ``restart_on`` (``wanted``) covers ``error``."""
+    if isinstance(error, WorkerTimeoutError):
+        return "timeouts" in wanted
+    if isinstance(error, WorkerFailedError):
+        return "deaths" in wanted
+    if not from_worker or isinstance(error, TorchrunxError | KeyboardInterrupt | SystemExit):
+        return False  # lost hosts, the launch's own timeouts, pickling, protocol errors
+    if "exceptions" in wanted:
+        return True
+    return bool(_type_names(error) & (wanted - set(_RESTART_CATEGORIES)))
+
+
+def _type_names(error: BaseException) -> set[str]:
+    """Names an exception answers to in ``restart_on``: bare and qualified, for its whole MRO."""
+    names: set[str] = set()
+    for cls in type(error).__mro__:
+        names.update({cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"})
+    return names
+
+
 def _slurm_cpus(hostname: str) -> int | None:
     """CPUs the allocation has on ``hostname``, for the srun step of its agent."""
     try:
@@ -449,6 +542,7 @@ class _Received:
     conn: Connection
     message: protocol.Message
     payload: list[bytearray]
+    received_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -474,6 +568,21 @@ class _AgentState:
     ended: bool = False
     lost: bool = False
     """Silent for agent_timeout: its host is unreachable; never waited for again."""
+    failed: bool = False
+    free_port: int = 0
+    restart_ready: bool = False
+    started_after: float = 0.0
+    """Seconds from the launch's start to this agent's hello."""
+
+    @property
+    def lifecycle(self) -> AgentState:
+        if self.lost:
+            return AgentState.LOST
+        if self.failed:
+            return AgentState.FAILED
+        if self.done:
+            return AgentState.DONE
+        return AgentState.STARTING if self.hello is None else AgentState.RUNNING
 
 
 @dataclass
@@ -486,6 +595,9 @@ class _RankState:
     result: list[bytearray] | None = None
     exited: WorkerExited | None = None
     settle_by: float | None = None
+    state: WorkerState = WorkerState.INIT
+    timing: WorkerResult | None = None
+    received_at: float = 0.0
 
 
 @dataclass
@@ -538,6 +650,22 @@ class _Launch:
         self.listener = _listen()
         self.port = int(self.listener.getsockname()[1])
         self.env = forwarded_env((*launcher.default_env_vars, *launcher.extra_env_vars))
+        self.attempt = 0
+        self.history: list[str] = []
+        self.degraded = False
+        self.phase = "starting agents"
+        self.agents_started_after = 0.0
+        self.finished_after = 0.0
+        self.sink = EventSink(
+            launcher.event_handlers,
+            None if self.logs.log_dir is None else self.logs.log_dir / "events.jsonl",
+        )
+        self.health: HealthServer | None = None
+        health_port = health_port_from_env(launcher.health_check_port)
+        if health_port is not None:
+            self.health = HealthServer(health_port, self._health_report)
+            self.health.start()
+            logger.info("health endpoint: http://%s:%d/health", socket.getfqdn(), self.health.port)
         self._spawn(self._accept_loop, "torchrunx-accept")
 
     # -- phases ---------------------------------------------------------------------------
@@ -546,21 +674,223 @@ class _Launch:
         """Run every phase; return the unpickled results per host."""
         limit = self.launcher.launch_timeout
         launch_deadline = None if limit is None else self.started + limit
+        self.sink.emit(
+            LaunchStarted(
+                tuple(a.slots.hostname for a in self.agents),
+                tuple(a.slots.workers for a in self.agents),
+                self.launcher.max_restarts,
+            )
+        )
         try:
             self._start_agents()
             start_deadline = self.started + self.launcher.start_timeout
             if launch_deadline is not None and launch_deadline < start_deadline:
                 start_deadline = launch_deadline
             self._wait(lambda: all(a.hello is not None for a in self.agents), start_deadline)
-            self._send_specs()
-            self._wait(self._finished, launch_deadline)
+            self.agents_started_after = time.monotonic() - self.started
+            while True:
+                self._send_specs()
+                try:
+                    self._wait(self._finished, launch_deadline)
+                    break
+                except _Abort:
+                    if not self._restartable():
+                        raise
+                self._restart(launch_deadline)
+            self.finished_after = time.monotonic() - self.started
+            results = self._collect()
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
             if not isinstance(exc, _Abort):  # _Abort: the failure is already recorded
                 self.failures.add(exc)
+            self.phase = "stopping after a failure"
+            self.degraded = True
             self._stop_all()
             error = self._error()
+            self.phase = "failed"
+            self._emit_finished(error)
             raise error from error.__cause__
-        return self._collect()
+        self.phase = "succeeded"
+        self._emit_finished(None)
+        return results
+
+    def _emit_finished(self, error: BaseException | None) -> None:
+        self.sink.emit(
+            LaunchFinished(
+                succeeded=error is None,
+                attempts=self.attempt + 1,
+                duration=time.monotonic() - self.started,
+                error=None if error is None else _summary(error),
+            )
+        )
+
+    # -- restarts -------------------------------------------------------------------------
+
+    def _restartable(self) -> bool:
+        """Whether the failure just recorded may be answered with a restart."""
+        error = self.failures.first
+        if error is None or self.attempt >= self.launcher.max_restarts:
+            return False
+        return _restarts_for(error, set(self.launcher.restart_on), id(error) in self.failed_rank)
+
+    def _restart(self, launch_deadline: float | None) -> None:
+        """Stop the worker group, keep the agents, and get them ready for the next attempt.
+
+        Raises:
+            _Abort: An agent did not get ready (it died or its host was lost meanwhile).
+        """
+        error = self.failures.first
+        assert error is not None  # noqa: S101 (restarts answer a failure)
+        reason = _summary(error)
+        self.history.append(f"attempt {self.attempt}: {reason}")
+        self.degraded = True
+        self.phase = "restarting"
+        self.stopping = True
+        self.sink.emit(Restarting(self.attempt + 1, self.launcher.max_restarts, reason))
+        logger.warning(
+            "restarting the workers (restart %d of %d) after: %s",
+            self.attempt + 1,
+            self.launcher.max_restarts,
+            reason,
+        )
+        for state in self.agents:
+            state.restart_ready = False
+            if state.conn is not None and not (state.done or state.ended):
+                with contextlib.suppress(OSError):
+                    state.conn.send(Stop(reason, _STOP_GRACE, dump_stacks=False, restart=True))
+        deadline = time.monotonic() + _STOP_GRACE + 10.0
+        if launch_deadline is not None:
+            deadline = min(deadline, launch_deadline)
+        self._wait(
+            lambda: all(a.restart_ready or a.ended or a.lost or a.done for a in self.agents),
+            deadline,
+        )
+        self._drain_events()
+        for rank, rank_state in enumerate(self.ranks):
+            self._set_state(rank, WorkerState.STOPPED)
+            if rank_state.conn is not None:
+                rank_state.conn.close()  # an old worker's connection: nothing more is read
+        unready = [a.slots.hostname for a in self.agents if not a.restart_ready]
+        if unready:
+            self.stopping = False
+            self.failures.others.append(
+                f"cannot restart: the agents of {unready} did not get ready"
+            )
+            raise _Abort
+        self.attempt += 1
+        self.ranks = []
+        self.failures = _Failures()
+        self.failed_rank.clear()
+        self.stacks.clear()
+        self.stopping = False
+        for state in self.agents:
+            state.restart_ready = False
+            state.pids = ()
+
+    def _drain_events(self) -> None:
+        while True:  # what arrived together with the last agent's reply still counts
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(event)
+
+    # -- states, events and health ----------------------------------------------------------
+
+    def _set_state(self, rank: int, new: WorkerState) -> None:
+        state = self.ranks[rank]
+        if state.state == new or state.state.is_final:
+            return
+        old, state.state = state.state, new
+        agent = self.agents[state.host_index]
+        self.sink.emit(
+            WorkerStateChanged(
+                rank,
+                state.host_index,
+                agent.slots.hostname,
+                state.local_rank,
+                self.attempt,
+                old,
+                new,
+            )
+        )
+        if new == WorkerState.HEALTHY and all(r.state == WorkerState.HEALTHY for r in self.ranks):
+            self.degraded = False  # after a restart: healthy again once every worker runs
+            self.phase = "running"
+
+    def _worker_failed(self, rank: int, error: BaseException) -> None:
+        state = self.ranks[rank]
+        if state.state.is_final:
+            return
+        self._set_state(rank, WorkerState.FAILED)
+        agent = self.agents[state.host_index]
+        self.sink.emit(
+            WorkerFailed(
+                rank,
+                state.host_index,
+                agent.slots.hostname,
+                state.local_rank,
+                self.attempt,
+                _summary(error),
+            )
+        )
+
+    def _health_report(self) -> HealthReport:
+        """Called from the health server's threads: reads the state, changes nothing."""
+        now = time.monotonic()
+        agents = tuple(
+            AgentHealth(
+                index,
+                a.slots.hostname,
+                a.lifecycle,
+                None if a.hello is None else round(now - a.last_heard, 3),
+            )
+            for index, a in enumerate(list(self.agents))
+        )
+        ranks = list(self.ranks)
+        workers = tuple(
+            WorkerHealth(
+                rank,
+                r.host_index,
+                self.agents[r.host_index].slots.hostname,
+                r.local_rank,
+                r.pid or None,
+                r.state,
+            )
+            for rank, r in enumerate(ranks)
+        )
+        failures = [*self.history]
+        if self.failures.first is not None:
+            failures.append(f"attempt {self.attempt}: {_summary(self.failures.first)}")
+        unhealthy = self.degraded or any(
+            a.state in (AgentState.FAILED, AgentState.LOST) for a in agents
+        )
+        return HealthReport(
+            healthy=not unhealthy and self.failures.first is None,
+            launch_state=self.phase,
+            attempt=self.attempt,
+            restarts=self.attempt,
+            max_restarts=self.launcher.max_restarts,
+            uptime=now - self.started,
+            agents=agents,
+            workers=workers,
+            failures=tuple(failures),
+        )
+
+    def timings(self) -> LaunchTimings:
+        """Phase durations of the attempt that succeeded (see :class:`LaunchTimings`)."""
+        ranks = [r.timing for r in self.ranks]
+        return LaunchTimings(
+            total=self.finished_after,
+            agents_started=self.agents_started_after,
+            connect=tuple(float(getattr(a.process, "connect_seconds", 0.0)) for a in self.agents),
+            agent_start=tuple(a.started_after for a in self.agents),
+            process_group_init=tuple(t.init_seconds if t else 0.0 for t in ranks),
+            function=tuple(t.function_seconds if t else 0.0 for t in ranks),
+            result_transfer=tuple(
+                (t.pickle_seconds + max(r.received_at - t.sent_at, 0.0)) if t else 0.0
+                for r, t in zip(self.ranks, ranks, strict=True)
+            ),
+        )
 
     def _start_agents(self) -> None:
         script = agent_script(
@@ -668,6 +998,7 @@ class _Launch:
         hellos = [a.hello for a in self.agents]
         world_size = sum(h.slots for h in hellos if h is not None)
         master_addr, master_port = self._master_address()
+        self.phase = "starting workers"
         offset = 0
         for index, state in enumerate(self.agents):
             assert state.hello is not None  # noqa: S101 (all hellos are in)
@@ -683,9 +1014,12 @@ class _Launch:
                 backend=self.launcher.backend,
                 timeout=self.launcher.timeout,
                 log_level=self.logs.level,
+                attempt=self.attempt,
+                max_restarts=self.launcher.max_restarts,
             )
             state.spec = spec
-            self.logs.add_workers(index, spec.num_workers)
+            if self.attempt == 0:
+                self.logs.add_workers(index, spec.num_workers)
             self.ranks.extend(_RankState(index, r) for r in range(spec.num_workers))
             offset += spec.num_workers
             state.conn.send(spec, self.call)
@@ -704,7 +1038,7 @@ class _Launch:
             address = str(remote.conn.sock.getsockname()[0]).removeprefix("::ffff:")
         else:
             address = "127.0.0.1"
-        return address, first.hello.free_port
+        return address, first.free_port
 
     def _finished(self) -> bool:
         agents_done = all(a.done or a.ended for a in self.agents)
@@ -780,11 +1114,12 @@ class _Launch:
             self.agents[event.host_index].process = event.process
         elif isinstance(event, _StartFailed):
             self.agents[event.host_index].ended = True
+            self.agents[event.host_index].failed = True
             self._fail(event.error)
         elif isinstance(event, _AgentEnded):
             self._on_agent_ended(event.host_index, event.status)
         elif isinstance(event, _Received):
-            self._on_message(event.conn, event.message, event.payload)
+            self._on_message(event.conn, event.message, event.payload, event.received_at)
         else:
             self._on_closed(event.conn)
 
@@ -793,6 +1128,7 @@ class _Launch:
         state.ended = True
         if state.done or self.stopping:
             return
+        state.failed = True
         process = state.process
         tail = process.stderr_tail() if process is not None else ""
         if status == 127:
@@ -810,29 +1146,83 @@ class _Launch:
         self._fail(AgentFailedError(state.slots.hostname, reason, tail))
 
     def _on_message(
-        self, conn: Connection, message: protocol.Message, payload: list[bytearray]
+        self,
+        conn: Connection,
+        message: protocol.Message,
+        payload: list[bytearray],
+        received_at: float = 0.0,
     ) -> None:
         if isinstance(message, AgentHello):
             state = self.agents[message.host_index]
             state.conn, state.hello, state.last_heard = conn, message, time.monotonic()
+            state.free_port = message.free_port
+            state.started_after = state.last_heard - self.started
+            self.sink.emit(
+                AgentStarted(
+                    message.host_index,
+                    state.slots.hostname,
+                    message.pid,
+                    message.slots,
+                    state.started_after,
+                )
+            )
             return
         if isinstance(message, WorkerHello):
+            if message.attempt != self.attempt or message.rank >= len(self.ranks):
+                conn.close()  # a worker of an earlier attempt, late: not part of this one
+                return
             rank = self.ranks[message.rank]
             rank.conn, rank.pid = conn, message.pid
+            self._set_state(message.rank, WorkerState.HEALTHY)
             return
-        if isinstance(message, WorkerResult):
-            self.ranks[message.rank].result = payload
+        if isinstance(message, WorkerResult | WorkerException):
+            rank_index = next((i for i, r in enumerate(self.ranks) if r.conn is conn), None)
+            if rank_index is None:
+                return  # from a worker of an earlier attempt
+            if isinstance(message, WorkerResult):
+                self.ranks[rank_index].result = payload
+                self.ranks[rank_index].timing = message
+                self.ranks[rank_index].received_at = received_at
+                self._set_state(rank_index, WorkerState.SUCCEEDED)
+            else:
+                error = self._rebuild_exception(message, payload)
+                self._worker_failed(rank_index, error)
+                self._fail(error)
             return
-        if isinstance(message, WorkerException):
-            self._fail(self._rebuild_exception(message, payload))
-            return
-        self._on_agent_message(next(a for a in self.agents if a.conn is conn), message)
+        agent = next((a for a in self.agents if a.conn is conn), None)
+        if agent is not None:
+            self._on_agent_message(agent, message)
 
     def _on_agent_message(self, state: _AgentState, message: protocol.Message) -> None:
         state.last_heard = time.monotonic()
         if isinstance(message, WorkersStarted):
             state.pids = message.pids
-        elif isinstance(message, WorkerStacks):
+            if state.spec is not None:
+                offset = state.spec.rank_offset
+                self.sink.emit(
+                    WorkersStartedEvent(
+                        state.spec.host_index,
+                        state.slots.hostname,
+                        self.attempt,
+                        tuple(range(offset, offset + len(message.pids))),
+                        message.pids,
+                    )
+                )
+                for local_rank, pid in enumerate(message.pids):
+                    if self.ranks[offset + local_rank].pid == 0:
+                        self.ranks[offset + local_rank].pid = pid
+        elif isinstance(message, WorkersEnded):
+            state.free_port = message.free_port
+            state.restart_ready = True
+        elif isinstance(message, WorkerTimedOut):
+            self._on_worker_timed_out(state, message)
+        elif isinstance(message, AgentDone):
+            state.done = True
+        else:
+            self._on_worker_report(state, message)
+
+    def _on_worker_report(self, state: _AgentState, message: protocol.Message) -> None:
+        if isinstance(message, WorkerStacks):
             assert state.spec is not None  # noqa: S101 (stacks come from started workers)
             for local_rank, text in message.stacks.items():
                 self.stacks[state.spec.rank_offset + local_rank] = text
@@ -840,8 +1230,21 @@ class _Launch:
             self._on_log_lines(state, message)
         elif isinstance(message, WorkerExited):
             self._on_worker_exited(state, message)
-        elif isinstance(message, AgentDone):
-            state.done = True
+
+    def _on_worker_timed_out(self, agent: _AgentState, message: WorkerTimedOut) -> None:
+        assert agent.spec is not None  # noqa: S101 (only started workers time out)
+        rank = agent.spec.rank_offset + message.local_rank
+        error = WorkerTimeoutError(
+            agent.slots.hostname, message.local_rank, rank, message.scope, message.limit
+        )
+        if message.stack.strip():
+            _add_note(
+                error,
+                f"Python stack of rank {rank} when its limit passed:\n{message.stack.rstrip()}",
+            )
+        self.failed_rank[id(error)] = self.ranks[rank]
+        self._worker_failed(rank, error)
+        self._fail(error)
 
     def _on_log_lines(self, agent: _AgentState, message: LogLines) -> None:
         assert agent.spec is not None  # noqa: S101 (lines come from started workers)
@@ -898,6 +1301,7 @@ class _Launch:
             host, state.local_rank, rank, exited.pid, exited.exitcode, exited.signal
         )
         self.failed_rank[id(error)] = state
+        self._worker_failed(rank, error)
         self._fail(error)
 
     def _add_output_tail(self, error: BaseException, state: _RankState) -> None:
@@ -972,6 +1376,13 @@ class _Launch:
         if self.failures.others:
             others = "; ".join(self.failures.others)
             _add_note(error, f"other failures seen while stopping: {others}")
+        if self.history:
+            earlier = "\n".join(f"  {line}" for line in self.history)
+            _add_note(
+                error,
+                f"the workers were restarted {len(self.history)} time(s) "
+                f"(max_restarts={self.launcher.max_restarts}); earlier failures:\n{earlier}",
+            )
         if self.stacks:
             _add_note(error, self._stacks_note())
         return error
@@ -1005,12 +1416,9 @@ class _Launch:
             lambda: all(a.done or a.ended or a.lost or a.conn is None for a in self.agents),
             deadline,
         )
-        while True:  # what arrived together with the last agent's goodbye still counts
-            try:
-                event = self.events.get_nowait()
-            except queue.Empty:
-                return
-            self._handle(event)
+        self._drain_events()
+        for rank in range(len(self.ranks)):
+            self._set_state(rank, WorkerState.STOPPED)
 
     def close(self) -> None:
         """Release everything: agents, connections, the port, and helper threads."""
@@ -1043,6 +1451,9 @@ class _Launch:
             conn.close()
         for thread in self.threads:
             thread.join(2.0)
+        if self.health is not None:
+            self.health.close()
+        self.sink.close()
         self.logs.close()
 
     # -- helper threads -----------------------------------------------------------------------
@@ -1082,7 +1493,7 @@ class _Launch:
             except (OSError, ProtocolError):
                 self.events.put(_Closed(conn))
                 return
-            self.events.put(_Received(conn, message, payload))
+            self.events.put(_Received(conn, message, payload, time.time()))
 
 
 class _Abort(Exception):  # noqa: N818 (internal control flow, never escapes)

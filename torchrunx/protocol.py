@@ -81,6 +81,9 @@ class WorkerSpec:
     timeout: int
     log_level: int = 20
     """Level of the workers' root logger (``TORCHRUNX_LOG_LEVEL``)."""
+    attempt: int = 0
+    """0 for the first worker group, n for the n-th restart."""
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,26 @@ class Stop:
     grace_period: float = 3.0
     dump_stacks: bool = True
     """Send each live worker's Python stacks (:class:`WorkerStacks`) before stopping."""
+    restart: bool = False
+    """Stop only the workers: then send :class:`WorkersEnded` and wait for a new spec."""
+
+
+@dataclass(frozen=True)
+class WorkersEnded:
+    """Agent: after a ``Stop(restart=True)``, every worker ended; ready for a new spec."""
+
+    free_port: int
+    """A port free on this host now, for the next group's ``MASTER_PORT``."""
+
+
+@dataclass(frozen=True)
+class WorkerTimedOut:
+    """Agent: a worker stayed in a watchdog scope (``torchrunx.timer``) past its limit."""
+
+    local_rank: int
+    scope: str
+    limit: float
+    stack: str
 
 
 @dataclass(frozen=True)
@@ -144,6 +167,7 @@ class WorkerHello:
     rank: int
     local_rank: int
     pid: int
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,6 +175,14 @@ class WorkerResult:
     """Worker: the function returned; the payload is the cloudpickled return value."""
 
     rank: int
+    init_seconds: float = 0.0
+    """Time in ``init_process_group`` (and its barrier)."""
+    function_seconds: float = 0.0
+    """Time in the function."""
+    pickle_seconds: float = 0.0
+    """Time to pickle the return value."""
+    sent_at: float = 0.0
+    """Wall-clock time the worker began sending the value."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +210,8 @@ Message = (
     | AgentDone
     | Stop
     | WorkerStacks
+    | WorkersEnded
+    | WorkerTimedOut
     | Heartbeat
     | WorkerHello
     | WorkerResult
@@ -192,6 +226,8 @@ _MESSAGE_TYPES = (
     AgentDone,
     Stop,
     WorkerStacks,
+    WorkersEnded,
+    WorkerTimedOut,
     Heartbeat,
     WorkerHello,
     WorkerResult,

@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class LaunchTimings:
+    """How long each phase of a launch took, in seconds (of the attempt that succeeded).
+
+    Attributes:
+        total: From the call of ``run`` to the last result.
+        agents_started: From the start until every agent had connected back.
+        connect: Per host: SSH connection (0 for local and srun agents, which need none).
+        agent_start: Per host: from the start until its agent connected back (SSH or srun,
+            the interpreter's start and the torchrunx import included).
+        process_group_init: Per rank: in ``init_process_group`` (0 with ``backend=None``).
+        function: Per rank: in the function.
+        result_transfer: Per rank: pickling the return value in the worker, plus receiving it
+            in the launcher.
+    """
+
+    total: float = 0.0
+    agents_started: float = 0.0
+    connect: tuple[float, ...] = ()
+    agent_start: tuple[float, ...] = ()
+    process_group_init: tuple[float, ...] = ()
+    function: tuple[float, ...] = ()
+    result_transfer: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -24,10 +49,14 @@ class LaunchResult(Generic[R]):
     Attributes:
         hostnames: Host of each entry, in launch order (duplicates kept).
         per_host: Return values of each entry's workers, in local-rank order.
+        restarts: How many times the worker group was restarted before it succeeded.
+        timings: How long each phase took.
     """
 
     hostnames: tuple[str, ...]
     per_host: tuple[tuple[R, ...], ...]
+    restarts: int = 0
+    timings: LaunchTimings = field(default_factory=LaunchTimings)
 
     @property
     def ranks(self) -> list[R]:

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -565,7 +566,10 @@ class SshAgent:
         self.hostname = hostname
         self._pump = _OutputPump(hostname, on_line)
         target = resolve_ssh_target(hostname, config_file, connect_timeout)
+        connect_started = time.monotonic()
         self._clients = ssh_connect(target, config_file)
+        self.connect_seconds = time.monotonic() - connect_started
+        """How long the SSH connection (and authentication) took."""
         transport = self._clients[-1].get_transport()
         assert transport is not None  # noqa: S101 (connected)
         try:

@@ -14,6 +14,7 @@ import io
 import os
 import pickle
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -118,6 +119,8 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
             group_rank=spec.host_index,
             master_addr=spec.master_addr,
             master_port=spec.master_port,
+            attempt=spec.attempt,
+            max_restarts=spec.max_restarts,
         )
     )
     _set_devices(boot, spec, local_rank)
@@ -128,13 +131,16 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx worker: cannot connect to the launcher at {address}: {exc}\n")
         return 1
-    conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid()))
+    conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid(), attempt=spec.attempt))
     try:
         func, args, kwargs = serialization.loads(payload)
         del payload
+        init_started = time.perf_counter()
         if spec.backend is not None:
             _init_process_group(spec.backend, spec, rank, local_rank)
+        function_started = time.perf_counter()
         result = func(*args, **kwargs)
+        function_ended = time.perf_counter()
     except SystemExit as exc:  # like the interpreter: a non-int code is printed, status 1
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
@@ -147,6 +153,7 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
         return _EXIT_RAISED
     try:
         parts = serialization.dumps(result)
+        pickled = time.perf_counter()
     except Exception as exc:  # noqa: BLE001 (reported as a SerializationError)
         error = TypeError(
             f"the return value of rank {rank} ({type(result).__qualname__}) cannot be pickled: "
@@ -155,7 +162,14 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
         message, blob = _exception_message(rank, error, unpicklable_result=True)
         conn.send(message, blob)
         return _EXIT_RAISED
-    conn.send(WorkerResult(rank=rank), parts)
+    timings = WorkerResult(
+        rank=rank,
+        init_seconds=function_started - init_started,
+        function_seconds=function_ended - function_started,
+        pickle_seconds=pickled - function_ended,
+        sent_at=time.time(),
+    )
+    conn.send(timings, parts)
     conn.close()
     _destroy_process_group()
     return 0

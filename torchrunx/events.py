@@ -1,0 +1,232 @@
+"""Lifecycle states and typed events of a launch, and where events are delivered.
+
+States::
+
+    WorkerState:  INIT ──▶ HEALTHY ──▶ SUCCEEDED
+                    │         │
+                    │         ├──────▶ FAILED      (raised, exited non-zero, killed, hung)
+                    │         └──────▶ STOPPED     (stopped because another rank failed,
+                    ├──────────────▶ FAILED         for a restart, or by Ctrl-C / timeout)
+                    └──────────────▶ STOPPED
+
+    AgentState:   STARTING ──▶ RUNNING ──▶ DONE
+                     │            ├──────▶ FAILED  (died, or could not start its workers)
+                     │            └──────▶ LOST    (no heartbeat for agent_timeout)
+                     └──────────────────▶ FAILED   (could not be started)
+
+A worker is ``INIT`` from the moment its agent is told to start it until it connects to the
+launcher, ``HEALTHY`` while it runs the function, and ends in exactly one of the three final
+states. A restart starts a new generation of workers, each ``INIT`` again.
+
+Events are frozen dataclasses. Each has ``time`` (seconds since the epoch) and is delivered, in
+order and from the launcher's own thread, to every handler of ``Launcher.event_handlers`` and,
+when the log folder is on, to ``events.jsonl`` there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerState(str, enum.Enum):
+    """Where a worker is in its life; see the module docstring for the transitions."""
+
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+    @property
+    def is_final(self) -> bool:
+        """Whether the worker has ended."""
+        return self in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED)
+
+
+class AgentState(str, enum.Enum):
+    """Where a host's agent is in its life; see the module docstring for the transitions."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    LOST = "LOST"
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True)
+class LaunchStarted:
+    """A launch began: its hosts and (where known) workers per host."""
+
+    hostnames: tuple[str, ...]
+    workers_per_host: tuple[int | None, ...]
+    max_restarts: int
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class AgentStarted:
+    """An agent connected back and reported its host's worker count."""
+
+    host_index: int
+    hostname: str
+    pid: int
+    workers: int
+    start_seconds: float
+    """From the start of the launch to this agent's hello (SSH or srun and Python start)."""
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class WorkersStarted:
+    """An agent forked its workers (one event per host and attempt)."""
+
+    host_index: int
+    hostname: str
+    attempt: int
+    ranks: tuple[int, ...]
+    pids: tuple[int, ...]
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class WorkerStateChanged:
+    """One worker moved from one state to another."""
+
+    rank: int
+    host_index: int
+    hostname: str
+    local_rank: int
+    attempt: int
+    old: WorkerState
+    new: WorkerState
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """A worker failed: what happened, in one line."""
+
+    rank: int
+    host_index: int
+    hostname: str
+    local_rank: int
+    attempt: int
+    reason: str
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class Restarting:
+    """The worker group is being restarted after a failure."""
+
+    attempt: int
+    """The attempt about to start (1 for the first restart)."""
+    max_restarts: int
+    reason: str
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class LaunchFinished:
+    """The launch ended: with every result, or with the error it raises."""
+
+    succeeded: bool
+    attempts: int
+    duration: float
+    error: str | None
+    time: float = field(default_factory=_now)
+
+
+Event = (
+    LaunchStarted
+    | AgentStarted
+    | WorkersStarted
+    | WorkerStateChanged
+    | WorkerFailed
+    | Restarting
+    | LaunchFinished
+)
+
+
+@runtime_checkable
+class EventRecorder(Protocol):
+    """An object that takes events, like TorchElastic's event and metric handlers."""
+
+    def record(self, event: Event) -> None:
+        """Take one event."""
+
+
+EventHandler = Callable[[Event], None] | EventRecorder
+"""A function taking an event, or an object with ``record(event)``."""
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    """The event as plain JSON-ready data, with its type under ``"event"``."""
+    data: dict[str, Any] = {"event": type(event).__name__}
+    for item in dataclasses.fields(event):
+        value = getattr(event, item.name)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, tuple):
+            value = list(value)
+        data[item.name] = value
+    return data
+
+
+class EventSink:
+    """Delivers events to the user's handlers and to a JSON-lines file (owned by the launcher).
+
+    A handler that raises is reported once on the ``torchrunx`` logger and not called again;
+    it never breaks the launch.
+    """
+
+    def __init__(self, handlers: Sequence[object], path: Path | None) -> None:
+        """Keep the handlers; open ``path`` (mode 0600) if given."""
+        self._handlers = list(handlers)
+        self._file = None
+        if path is not None:
+            fd = _open_private(path)
+            self._file = open(fd, "a", encoding="utf-8", buffering=1)  # noqa: SIM115, PTH123 (closed in close())
+
+    def emit(self, event: Event) -> None:
+        """Deliver one event."""
+        if self._file is not None:
+            self._file.write(json.dumps(event_to_dict(event)) + "\n")
+        for handler in list(self._handlers):
+            try:
+                if isinstance(handler, EventRecorder):
+                    handler.record(event)
+                elif callable(handler):
+                    handler(event)
+            except Exception:  # noqa: PERF203 (each handler is isolated from the others)
+                logger.exception("event handler %r failed; it gets no more events", handler)
+                self._handlers.remove(handler)
+
+    def close(self) -> None:
+        """Close the JSON-lines file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _open_private(path: Path) -> int:
+    import os  # noqa: PLC0415
+
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

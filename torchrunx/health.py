@@ -1,0 +1,485 @@
+"""The health endpoint: an HTTP ``GET /health`` that reports a running launch's state.
+
+While a launch runs, the launcher can serve a snapshot of it (:class:`HealthReport`) over HTTP,
+for probes from outside the process (a Kubernetes liveness probe, Nagios, ``curl``)::
+
+    GET  /health   200 + JSON while the launch is healthy, 503 + the same JSON once not
+    HEAD /health   the same status and headers, no body
+    GET  /other    404 {"error": ...}
+    POST /health   405 {"error": ...} (any method but GET and HEAD)
+                   500 {"error": ...} when the snapshot itself fails
+
+The server is the standard library's :class:`http.server.ThreadingHTTPServer`, one daemon thread
+accepting connections and one short-lived daemon thread per request. It listens on all
+interfaces by default, because the probes that use it usually come from another machine (a
+kubelet probes the pod's address, a monitoring server the node's). The report holds host names,
+ranks, pids, states and one-line failure reasons only: never the launch's secret, nor any
+environment value, nor what the function returned.
+
+The port comes from ``Launcher.health_check_port`` or, when that is not set,
+``TORCHRUNX_HEALTH_CHECK_PORT`` (:func:`health_port_from_env`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import http.server
+import json
+import logging
+import os
+import re
+import selectors
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from torchrunx.events import AgentState, WorkerState  # noqa: TC001 (get_type_hints works)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from types import TracebackType
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "TORCHRUNX_HEALTH_CHECK_PORT"
+"""The environment variable that turns the endpoint on when ``health_check_port`` is not set."""
+
+PATH = "/health"
+"""The one path served."""
+
+_REQUEST_TIMEOUT = 10.0
+"""Seconds a connection may take to send its request; a stalled client then loses its thread."""
+
+_CLOSE_JOIN_TIMEOUT = 2.0
+"""Seconds :meth:`HealthServer.close` waits, in all, for requests still being answered."""
+
+_MAX_DISCARDED_BODY = 1 << 16
+"""A rejected request's body is read (and dropped) up to this size, so that closing the
+connection does not reset it before the client has read the answer."""
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentHealth:
+    """One host's agent, as seen by the launcher."""
+
+    host_index: int
+    """Position of the host in the launch's host list."""
+    hostname: str
+    """The host's name, as given to the launcher."""
+    state: AgentState
+    """Where the agent is in its life."""
+    last_heartbeat_age: float | None
+    """Seconds since the launcher last heard from the agent; None before it first did."""
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    """One worker of the current attempt."""
+
+    rank: int | None
+    """Global rank; None while not yet assigned."""
+    host_index: int
+    """Position of the worker's host in the launch's host list."""
+    hostname: str
+    """The worker's host."""
+    local_rank: int
+    """Rank among the workers of its host."""
+    pid: int | None
+    """Process id on its host; None before the agent forked it."""
+    state: WorkerState
+    """Where the worker is in its life."""
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """A snapshot of one launch, as served by ``GET /health``."""
+
+    healthy: bool
+    """False once anything failed (until a restart's workers are all ``HEALTHY``); the status
+    code is 200 when True, 503 when False."""
+    launch_state: str
+    """What the launch as a whole is doing (set by the launcher)."""
+    attempt: int
+    """The current attempt: 0 for the first, 1 after the first restart, ..."""
+    restarts: int
+    """Restarts done so far."""
+    max_restarts: int
+    """Restarts allowed."""
+    uptime: float
+    """Seconds since the launch started."""
+    agents: tuple[AgentHealth, ...]
+    """Every host's agent, by host index."""
+    workers: tuple[WorkerHealth, ...]
+    """Every worker of the current attempt, by host index and local rank."""
+    failures: tuple[str, ...]
+    """One line per failure seen so far in this launch, oldest first."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-ready data.
+
+        Keys are in field order (nested ones too), enums are their values and floats are
+        rounded to the millisecond.
+        """
+        value = _plain(self)
+        assert isinstance(value, dict)  # noqa: S101 (a dataclass always becomes a dict)
+        return value
+
+    def to_json(self) -> bytes:
+        """The report as UTF-8 JSON on one line, the body of ``GET /health``."""
+        return json.dumps(self.to_dict(), allow_nan=False).encode()
+
+
+def _plain(value: object) -> object:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {item.name: _plain(getattr(value, item.name)) for item in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    if isinstance(value, float):
+        return round(value, 3)
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# The port
+# --------------------------------------------------------------------------------------------
+
+
+def health_port_from_env(
+    field_value: int | None, environ: Mapping[str, str] | None = None
+) -> int | None:
+    """The port to serve the health endpoint on, or None for no endpoint.
+
+    Args:
+        field_value: ``Launcher.health_check_port``; when not None it wins.
+        environ: Where to read ``TORCHRUNX_HEALTH_CHECK_PORT`` (default: ``os.environ``). An
+            unset or empty variable means no endpoint.
+
+    Returns:
+        A port number from 0 to 65535 (0: any free port), or None.
+
+    Raises:
+        ValueError: The field or the variable is not a port number from 0 to 65535.
+    """
+    if field_value is not None:
+        if isinstance(field_value, bool) or not isinstance(field_value, int):
+            raise TypeError(f"health_check_port must be an int or None, not {field_value!r}")
+        if not 0 <= field_value <= 65535:
+            raise ValueError(
+                f"health_check_port={field_value} is not a port number (an integer from 0 to "
+                "65535; 0: any free port)"
+            )
+        return field_value
+    raw = (os.environ if environ is None else environ).get(ENV_VAR)
+    if raw is None or not raw.strip():
+        return None
+    text = raw.strip()
+    if re.fullmatch(r"[0-9]{1,5}", text) is None or int(text) > 65535:
+        raise ValueError(
+            f"{ENV_VAR}={raw!r} is not a port number (an integer from 0 to 65535; 0: any free "
+            "port; empty or unset: no health endpoint)"
+        )
+    return int(text)
+
+
+# --------------------------------------------------------------------------------------------
+# The server
+# --------------------------------------------------------------------------------------------
+
+
+class HealthServer:
+    """Serves ``GET /health`` from a snapshot function, in a daemon thread.
+
+    Example::
+
+        server = HealthServer(8080, launch_state.health_report)
+        server.start()  # OSError if the port cannot be bound
+        try:
+            ...  # run the launch
+        finally:
+            server.close()
+
+    It is also a context manager (``with HealthServer(0, snapshot) as server: ...``), which
+    starts it on entry and closes it on exit.
+    """
+
+    def __init__(self, port: int, snapshot: Callable[[], HealthReport], *, host: str = "") -> None:
+        """Prepare the server; nothing is bound before :meth:`start`.
+
+        Args:
+            port: TCP port to listen on; 0 for any free port (see :attr:`port`).
+            snapshot: Makes the report for one request. It is called from the server's request
+                threads, possibly several at once, so it must be thread-safe, and quick.
+            host: Address to listen on. The default ``""`` is every interface (IPv6 and IPv4
+                where the machine has both), so that probes from other machines reach it; the
+                report holds no secret and no environment value. ``"127.0.0.1"``: this machine
+                only.
+
+        Raises:
+            ValueError: ``port`` is not from 0 to 65535.
+        """
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"health check port {port!r} is not an integer from 0 to 65535")
+        self._requested_port = port
+        self._snapshot = snapshot
+        self._host = host
+        self._lock = threading.Lock()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on (the one chosen by the system for port 0).
+
+        Raises:
+            RuntimeError: The server is not started.
+        """
+        if self._server is None:
+            raise RuntimeError("the health server is not started")
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT/health``, with this machine's name for the default host."""
+        host = self._host or socket.gethostname()
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}{PATH}"
+
+    def start(self) -> None:
+        """Bind the port and start serving in a daemon thread.
+
+        Raises:
+            OSError: The port cannot be bound (in use, or a privileged port); the message names
+                the port and how to choose another one.
+            RuntimeError: The server was already started, or closed.
+        """
+        with self._lock:
+            if self._closed or self._server is not None:
+                raise RuntimeError("a HealthServer can be started once")
+            try:
+                server = _Server(self._host, self._requested_port, self._snapshot)
+            except OSError as error:
+                reason = error.strerror or str(error)
+                raise OSError(
+                    f"cannot serve the health check on port {self._requested_port} of "
+                    f"{self._host or 'all interfaces'}: {reason}. Choose another port with "
+                    f"Launcher(health_check_port=...) or {ENV_VAR} (0: any free port)"
+                ) from error
+            self._server = server
+            self._wake = os.pipe()
+            self._thread = threading.Thread(
+                target=self._serve, args=(server, self._wake[0]), name="torchrunx-health"
+            )
+            self._thread.daemon = True
+            self._thread.start()
+        logger.debug("health endpoint listening on port %d", self.port)
+
+    def close(self) -> None:
+        """Stop serving, wait for requests in flight (at most 2 s) and close the socket.
+
+        Calling it again, or on a server never started, does nothing.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            server, thread, wake = self._server, self._thread, self._wake
+        if wake is not None:
+            os.write(wake[1], b"x")
+        if thread is not None:
+            thread.join()
+        if server is not None:
+            server.close_requests(_CLOSE_JOIN_TIMEOUT)
+            server.server_close()
+        if wake is not None:
+            os.close(wake[0])
+            os.close(wake[1])
+
+    def __enter__(self) -> HealthServer:  # noqa: PYI034 (Self needs Python 3.11)
+        """Start the server."""
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Close the server."""
+        self.close()
+
+    @staticmethod
+    def _serve(server: _Server, wake_fd: int) -> None:
+        # serve_forever() polls for shutdown every poll_interval; waiting on a wake-up pipe as
+        # well lets close() end the loop at once, and an idle server never wakes.
+        with selectors.DefaultSelector() as selector:
+            selector.register(server.socket, selectors.EVENT_READ)
+            selector.register(wake_fd, selectors.EVENT_READ)
+            while True:
+                ready = [key.fileobj for key, _ in selector.select()]
+                if wake_fd in ready:
+                    return
+                server.handle_request()  # accepts one connection (timeout 0: never waits)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    allow_reuse_address = True  # SO_REUSEADDR: a port left in TIME_WAIT is usable at once
+    daemon_threads = True
+    block_on_close = False  # close_requests() joins the request threads instead
+    timeout = 0  # handle_request() is only called when a connection is waiting
+
+    def __init__(self, host: str, port: int, snapshot: Callable[[], HealthReport]) -> None:
+        self.snapshot = snapshot
+        self.snapshot_failed = False
+        self._requests: dict[threading.Thread, socket.socket] = {}
+        self._requests_lock = threading.Lock()
+        if host == "" and socket.has_dualstack_ipv6():
+            self.address_family = socket.AF_INET6
+            address = "::"
+        else:
+            self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            address = host
+        super().__init__((address, port), _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind looks up the host's FQDN (a DNS query); the name is not needed.
+        if self.address_family == socket.AF_INET6:
+            with contextlib.suppress(OSError, AttributeError):
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        socketserver.TCPServer.server_bind(self)
+        self.server_name = str(self.server_address[0])
+        self.server_port = int(self.server_address[1])
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        # Non-blocking: a connection reset between select() and accept() must not block.
+        self.socket.setblocking(False)  # noqa: FBT003
+
+    def process_request(
+        self, request: socket.socket | tuple[bytes, socket.socket], client_address: object
+    ) -> None:
+        assert isinstance(request, socket.socket)  # noqa: S101 (a TCP server's request)
+        thread = threading.Thread(
+            target=self._answer, args=(request, client_address), name="torchrunx-health-request"
+        )
+        thread.daemon = True
+        with self._requests_lock:
+            self._requests[thread] = request
+        thread.start()
+
+    def _answer(self, request: socket.socket, client_address: object) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._requests_lock:
+                self._requests.pop(threading.current_thread(), None)
+
+    def close_requests(self, timeout: float) -> None:
+        """End the connections still open and wait up to ``timeout`` s for their threads."""
+        with self._requests_lock:
+            requests = list(self._requests.items())
+        for _, request in requests:
+            with contextlib.suppress(OSError):
+                request.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout
+        for thread, _ in requests:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.debug("a health request is still being answered after close()")
+
+    def handle_error(
+        self, request: socket.socket | tuple[bytes, socket.socket], client_address: object
+    ) -> None:
+        # The default prints a traceback on stderr (for example when a client hangs up early).
+        # Called from socketserver's `except` clause, so exc_info is the request's error.
+        del request
+        logger.debug("health request from %s failed", client_address, exc_info=True)  # noqa: LOG014
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "torchrunx-health"
+    timeout = _REQUEST_TIMEOUT
+
+    def version_string(self) -> str:
+        return self.server_version  # no Python version in the Server header
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if self.command not in ("GET", "HEAD"):
+            self._discard_body()
+            self._send_json(
+                405,
+                {"error": f"method {self.command} is not allowed; use GET or HEAD"},
+                allow="GET, HEAD",
+            )
+            return False
+        return True
+
+    def do_GET(self) -> None:  # the name http.server looks up
+        if urlsplit(self.path).path != PATH:
+            self._send_json(404, {"error": f"not found: {PATH} is the only path served"})
+            return
+        try:
+            report = self.server.snapshot()
+            body = report.to_json()
+        except Exception as error:  # any failure of the snapshot is a 500
+            if not self.server.snapshot_failed:
+                self.server.snapshot_failed = True
+                logger.warning("the health report could not be made", exc_info=True)
+            else:
+                logger.debug("the health report could not be made", exc_info=True)
+            self._send_json(500, {"error": f"{type(error).__name__}: {error}"})
+            return
+        self._send(200 if report.healthy else 503, body)
+
+    def do_HEAD(self) -> None:  # the name http.server looks up
+        self.do_GET()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # Malformed requests (400, 414, 431, 501, ...) get a JSON answer too.
+        del explain
+        default = self.responses.get(code, ("error",))[0]
+        self._send_json(code, {"error": message or default})
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base's name)
+        logger.debug("%s %s", self.address_string(), format % args)
+
+    def _discard_body(self) -> None:
+        length = self.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) <= _MAX_DISCARDED_BODY:
+            with contextlib.suppress(OSError):
+                self.rfile.read(int(length))
+
+    def _send_json(self, code: int, payload: dict[str, str], **headers: str) -> None:
+        self._send(code, json.dumps(payload).encode(), **headers)
+
+    def _send(self, code: int, body: bytes, **headers: str) -> None:
+        self.close_connection = True
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Connection", "close")
+        for name, value in headers.items():
+            self.send_header(name.capitalize(), value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
