@@ -33,7 +33,9 @@ _SCOPE_MAX = PAGE_SIZE - _SCOPE_OFFSET - 1
 _USED_OFFSET = PAGE_SIZE - 1  # 1 once the worker used a timer: the agent starts polling
 
 _page: mmap.mmap | None = None
-_stack: list[tuple[float, float, bytes]] = []
+_stack: list[tuple[float, bytes]] = []  # (deadline, packed limit and scope) of open blocks
+_pack_deadline = _DEADLINE.pack_into
+_monotonic = time.monotonic
 
 
 def new_page() -> mmap.mmap:
@@ -63,12 +65,29 @@ def page_used(page: mmap.mmap) -> bool:
     return page[_USED_OFFSET] == 1
 
 
-def _write(page: mmap.mmap, deadline: float, limit: float, scope: bytes) -> None:
-    # The deadline goes last: the agent reads it first, so it never sees a half-written block.
-    _DEADLINE.pack_into(page, 0, 0.0)
-    _DETAILS.pack_into(page, _DEADLINE.size, limit, len(scope))
-    page[_SCOPE_OFFSET : _SCOPE_OFFSET + len(scope)] = scope
-    _DEADLINE.pack_into(page, 0, deadline)
+def _arm(page: mmap.mmap, deadline: float, details: bytes) -> None:
+    # Details first, the deadline last: the agent reads the deadline first. (A block's scope
+    # seen with the previous block's deadline is the worst a racing read can get.)
+    page[_DEADLINE.size : _DEADLINE.size + len(details)] = details
+    _pack_deadline(page, 0, deadline)
+    page[_USED_OFFSET] = 1
+
+
+_prepared: dict[tuple[float, str], tuple[float, bytes]] = {}
+_PREPARED_MAX = 4096
+
+
+def _prepare(after: float, scope: str) -> tuple[float, bytes]:
+    """Check a limit and pack it with its scope, once per distinct pair (loops reuse it)."""
+    if isinstance(after, bool) or not isinstance(after, int | float) or not after > 0:
+        raise ValueError(f"after must be a positive number of seconds, got {after!r}")
+    if not isinstance(scope, str):
+        raise TypeError(f"scope must be a string, got {scope!r}")
+    encoded = scope.encode()[:_SCOPE_MAX]
+    prepared = (float(after), _DETAILS.pack(float(after), len(encoded)) + encoded)
+    if len(_prepared) < _PREPARED_MAX:
+        _prepared[after, scope] = prepared
+    return prepared
 
 
 class expires:  # noqa: N801 (used like a function: ``with timer.expires(...)``)
@@ -88,24 +107,22 @@ class expires:  # noqa: N801 (used like a function: ``with timer.expires(...)``)
                 train_step(batch)
     """
 
-    __slots__ = ("_limit", "_scope")
+    __slots__ = ("_details", "_limit")
 
     def __init__(self, after: float, scope: str = "step") -> None:
         """Check and keep the limit and the scope name (nothing is armed yet)."""
-        if isinstance(after, bool) or not isinstance(after, int | float) or not after > 0:
-            raise ValueError(f"after must be a positive number of seconds, got {after!r}")
-        self._limit = float(after)
-        self._scope = scope.encode()[:_SCOPE_MAX]
+        cached = _prepared.get((after, scope))
+        if cached is None:
+            cached = _prepare(after, scope)
+        self._limit, self._details = cached
 
     def __enter__(self) -> expires:  # noqa: PYI034 (Self needs Python 3.11)
         """Arm the watchdog for this block."""
         page = _page
         if page is not None:
-            deadline = time.monotonic() + self._limit
-            _stack.append((deadline, self._limit, self._scope))
-            if page[_USED_OFFSET] != 1:
-                page[_USED_OFFSET] = 1
-            _write(page, deadline, self._limit, self._scope)
+            deadline = _monotonic() + self._limit
+            _stack.append((deadline, self._details))
+            _arm(page, deadline, self._details)
         return self
 
     def __exit__(
@@ -120,6 +137,6 @@ class expires:  # noqa: N801 (used like a function: ``with timer.expires(...)``)
             return
         _stack.pop()
         if _stack:
-            _write(page, *_stack[-1])
+            _arm(page, *_stack[-1])
         else:
-            _DEADLINE.pack_into(page, 0, 0.0)
+            _pack_deadline(page, 0, 0.0)
