@@ -230,6 +230,10 @@ def test_device_env():
     # Set by the user: left alone.
     user = {"CUDA_VISIBLE_DEVICES": "2,3", "OMP_NUM_THREADS": "2"}
     assert device_env(user, local_rank=1, local_world_size=2, gpus=2, cpus=32) == {}
+    # isolate_gpus=False: every worker sees every GPU, as under torchrun.
+    assert device_env(
+        base, local_rank=1, local_world_size=2, gpus=2, cpus=4, isolate_gpus=False
+    ) == {"OMP_NUM_THREADS": "2"}
     # No GPU: only threads, never fewer than one.
     assert device_env(base, local_rank=0, local_world_size=8, gpus=0, cpus=2) == {
         "OMP_NUM_THREADS": "1"

@@ -17,6 +17,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torchrunx.cli import add_launcher_arguments, launcher_from_args
     from torchrunx.errors import (
         AgentFailedError,
         LaunchTimeoutError,
@@ -24,23 +25,31 @@ if TYPE_CHECKING:
         TorchrunxError,
         WorkerFailedError,
         WorkerRaisedError,
+        WorkerTimeoutError,
     )
+    from torchrunx.events import AgentState, WorkerState
     from torchrunx.launcher import Launcher, launch
     from torchrunx.logs import add_filter_to_handler, file_handler, stream_handler
-    from torchrunx.results import LaunchResult
+    from torchrunx.results import LaunchResult, LaunchTimings
 
 __all__ = [
     "AgentFailedError",
+    "AgentState",
     "LaunchResult",
     "LaunchTimeoutError",
+    "LaunchTimings",
     "Launcher",
     "SerializationError",
     "TorchrunxError",
     "WorkerFailedError",
     "WorkerRaisedError",
+    "WorkerState",
+    "WorkerTimeoutError",
     "add_filter_to_handler",
+    "add_launcher_arguments",
     "file_handler",
     "launch",
+    "launcher_from_args",
     "stream_handler",
 ]
 
@@ -51,17 +60,28 @@ _HOME = {
     "TorchrunxError": "torchrunx.errors",
     "WorkerFailedError": "torchrunx.errors",
     "WorkerRaisedError": "torchrunx.errors",
+    "WorkerTimeoutError": "torchrunx.errors",
+    "AgentState": "torchrunx.events",
+    "WorkerState": "torchrunx.events",
+    "add_launcher_arguments": "torchrunx.cli",
+    "launcher_from_args": "torchrunx.cli",
     "Launcher": "torchrunx.launcher",
     "launch": "torchrunx.launcher",
     "add_filter_to_handler": "torchrunx.logs",
     "file_handler": "torchrunx.logs",
     "stream_handler": "torchrunx.logs",
     "LaunchResult": "torchrunx.results",
+    "LaunchTimings": "torchrunx.results",
 }
+
+_SUBMODULES = frozenset({"timer", "events", "hosts"})
+"""Modules reachable as attributes (``trx.timer.expires``) without an explicit import."""
 
 
 def __getattr__(name: str) -> object:
     """Import a public name from its module on first use."""
+    if name in _SUBMODULES:
+        return importlib.import_module(f"torchrunx.{name}")
     module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'torchrunx' has no attribute {name!r}")

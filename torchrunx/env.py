@@ -98,18 +98,24 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
     }
 
 
-def device_env(
-    environ: Mapping[str, str], *, local_rank: int, local_world_size: int, gpus: int, cpus: int
+def device_env(  # noqa: PLR0913 (one argument per fact about the host)
+    environ: Mapping[str, str],
+    *,
+    local_rank: int,
+    local_world_size: int,
+    gpus: int,
+    cpus: int,
+    isolate_gpus: bool = True,
 ) -> dict[str, str]:
     """Per-worker device settings, each only where the worker's environment lacks it.
 
-    * ``CUDA_VISIBLE_DEVICES``: on a host with GPUs, the worker's own device
-      (``local_rank % gpus``), so every worker sees one GPU as ``cuda:0``.
+    * ``CUDA_VISIBLE_DEVICES`` (with ``isolate_gpus``): on a host with GPUs, the worker's own
+      device (``local_rank % gpus``), so every worker sees one GPU as ``cuda:0``.
     * ``OMP_NUM_THREADS``: the host's usable CPU cores shared among its workers (at least 1),
       so that workers do not oversubscribe the cores with OpenMP threads.
     """
     settings: dict[str, str] = {}
-    if gpus > 0 and "CUDA_VISIBLE_DEVICES" not in environ:
+    if isolate_gpus and gpus > 0 and "CUDA_VISIBLE_DEVICES" not in environ:
         settings["CUDA_VISIBLE_DEVICES"] = str(local_rank % gpus)
     if "OMP_NUM_THREADS" not in environ:
         settings["OMP_NUM_THREADS"] = str(max(1, cpus // max(1, local_world_size)))

@@ -146,9 +146,7 @@ class WorkerTimeoutError(TorchrunxError, TimeoutError):
         limit: The block's limit in seconds.
     """
 
-    def __init__(
-        self, hostname: str, local_rank: int, rank: int, scope: str, limit: float
-    ) -> None:
+    def __init__(self, hostname: str, local_rank: int, rank: int, scope: str, limit: float) -> None:
         """Describe a worker that overran its watchdog."""
         self.hostname = hostname
         self.local_rank = local_rank

@@ -371,8 +371,10 @@ def resolve_hosts(
 ) -> list[HostSlots]:
     """Resolve the ``hostnames`` and ``workers_per_host`` fields into hosts and their workers.
 
-    ``hostnames``: a list of names; ``"auto"`` (the SLURM allocation inside one, else
-    ``["localhost"]``); ``"slurm"``; or a hostfile path (see :func:`hostfile_path`).
+    ``hostnames``: a list of names; ``"auto"`` (the SLURM allocation inside one, or another
+    detected scheduler's, else ``["localhost"]``); a host provider's name, optionally with an
+    argument (``"slurm"``, ``"pbs"``, ``"lsf"``, ``"hostfile:PATH"``, or a plugin's, see
+    :mod:`torchrunx.plugins`); or a hostfile path (see :func:`hostfile_path`).
 
     ``workers_per_host``: an int for every host; a list, one per host; ``"slurm"`` (what SLURM
     gave each node: GPUs per node, else tasks per node); ``"auto"`` (a hostfile's slots, else
@@ -382,15 +384,18 @@ def resolve_hosts(
         RuntimeError: ``"slurm"`` outside an allocation, or a host that is not in it.
         ValueError: A list whose length differs from the number of hosts; a bad hostfile.
     """
+    from torchrunx import plugins  # noqa: PLC0415 (plugins builds on this module)
+
     env = os.environ if environ is None else environ
+    provider = plugins.provider_spec(hostnames)
     hostfile = hostfile_path(hostnames)
-    if hostfile is not None:
+    if provider is not None:
+        name, argument = provider
+        hosts = plugins.host_provider(name).hosts(argument, env)
+    elif hostfile is not None:
         hosts = read_hostfile(hostfile)
-    elif hostnames == "slurm" or (hostnames == "auto" and in_slurm_allocation(env)):
-        allocation = slurm_allocation(env)
-        hosts = [HostSlots(node, None) for node in allocation.nodes]
     elif hostnames == "auto":
-        hosts = [HostSlots("localhost", None)]
+        hosts = plugins.detected_hosts(env) or [HostSlots("localhost", None)]
     elif isinstance(hostnames, list | tuple):
         hosts = [HostSlots(str(name), None) for name in hostnames]
     else:

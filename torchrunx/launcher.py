@@ -15,6 +15,7 @@ through one queue.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -133,33 +134,40 @@ StartMethod = Literal["local", "ssh", "srun"]
 
 @dataclass(frozen=True)
 class Launcher:
-    """How to run a function on many hosts and workers; :meth:`run` does it.
+    """How to run a function on many hosts and workers; `run` does it.
 
-    Every field has a default, so ``Launcher().run(func)`` runs one worker per GPU (or CPU
+    Every field has a default, so `Launcher().run(func)` runs one worker per GPU (or CPU
     core) on this machine, or on every node of the SLURM allocation it runs in.
     """
 
     hostnames: Literal["auto", "slurm"] | list[str] | Path = "auto"
-    """Hosts to run on: a list of names; "auto" (the SLURM allocation if inside one, else
-    localhost); "slurm" (the allocation, or an error); or the path of a hostfile."""
+    """Hosts to run on: a list of names; "auto" (the SLURM allocation, or another detected
+scheduler's, if inside one, else localhost); a host provider such as "slurm", "pbs", "lsf"
+or "hostfile:PATH"; or the path of a hostfile (with a slash on the command line: ./hostfile)."""
 
     workers_per_host: Literal["auto", "slurm"] | int | list[int] = "auto"
-    """Workers per host: one number, one per host, or "auto" (GPUs, else CPU cores, per host)."""
+    """Workers per host: one number, one per host, "slurm" (what SLURM gave each node), or the
+default "auto" (a hostfile's or scheduler's slots, else GPUs, else CPU cores of each host)."""
 
     agent_start: Literal["auto", "ssh", "srun"] = "auto"
     """How agents start on other hosts. "srun": one SLURM job step per host (inside an
-    allocation); "ssh": over SSH; "auto": srun inside an allocation whose nodes are the hosts,
-    else ssh. An agent on this machine is always a plain subprocess."""
+allocation); "ssh": over SSH; "auto": srun inside an allocation whose nodes are the hosts,
+else ssh. An agent on this machine is always a plain subprocess."""
 
     ssh_config_file: str | Path | None = None
-    """SSH config for reaching hosts (default: ~/.ssh/config if it exists)."""
+    """SSH config for reaching hosts; None: ~/.ssh/config if it exists."""
 
     backend: Backend = "auto"
-    """torch.distributed backend. "auto": nccl where the worker sees CUDA, else gloo.
-    None: no process group."""
+    """torch.distributed backend. "auto": nccl where the worker sees CUDA, else gloo; None: no
+process group."""
 
     timeout: int = 600
     """Process-group timeout in seconds (for collectives and process-group set-up)."""
+
+    isolate_gpus: bool = True
+    """Give each worker on a host with GPUs only its own GPU (CUDA_VISIBLE_DEVICES = local
+rank), unless CUDA_VISIBLE_DEVICES is already set. False: every worker sees every GPU, as
+under torchrun (for code that selects cuda:LOCAL_RANK itself)."""
 
     default_env_vars: tuple[str, ...] = DEFAULT_ENV_VARS
     """Launcher environment variables (fnmatch patterns) copied to agents and workers."""
@@ -171,8 +179,9 @@ class Launcher:
     """A bash file sourced on every host before the agent starts (after copied variables)."""
 
     launcher_address: str | None = None
-    """Address remote agents connect back to. Default: TORCHRUNX_LAUNCHER_ADDR, else the local
-    address of each SSH connection."""
+    """Address remote agents connect back to; None: $TORCHRUNX_LAUNCHER_ADDR if set, else the
+local address of each SSH connection (srun agents: this machine's address on the route to
+their node)."""
 
     agent_timeout: float = 5.0
     """Seconds without a heartbeat after which a host counts as lost (cut link, frozen host)."""
@@ -185,24 +194,51 @@ class Launcher:
 
     max_restarts: int = 0
     """Restart the whole worker group, on the same agents, up to this many times after a
-    worker fails; then raise the last failure, with the earlier ones in its notes."""
+worker fails; then raise the last failure, with the earlier ones in its notes."""
 
     restart_on: tuple[str, ...] = _RESTART_CATEGORIES
     """Failures that restart: "exceptions" (the function raised), "deaths" (a worker exited
-    or was killed), "timeouts" (a torchrunx.timer watchdog expired), or exception type names
-    (e.g. "OSError": those types and their subclasses only). Lost hosts never restart."""
+or was killed), "timeouts" (a torchrunx.timer watchdog expired), or exception type names,
+for example "OSError" (those types and their subclasses only). Lost hosts never restart."""
 
     health_check_port: int | None = None
     """Serve GET /health (JSON; 200 while healthy, 503 after a failure) on this port while
-    the launch runs; 0 picks a free port. Default: TORCHRUNX_HEALTH_CHECK_PORT, else none."""
+the launch runs; 0 picks a free port; None: $TORCHRUNX_HEALTH_CHECK_PORT if set, else none."""
 
     event_handlers: Annotated[tuple[EventHandler, ...], tyro.conf.Suppress] = ()
     """Functions, or objects with a record(event) method, that receive every launch event."""
 
     log_handlers: Annotated[LogHandlers, tyro.conf.Suppress] = "auto"
     """Where forwarded logs go. "auto": the first agent and its first worker on stdout, and
-    every agent and worker in files under $TORCHRUNX_LOG_DIR; None: nowhere; or
-    logging.Handlers (or a function making them) that receive every record."""
+every agent and worker in files under $TORCHRUNX_LOG_DIR; None: nowhere; or logging.Handlers,
+or a function making them, that receive every record."""
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> Launcher:  # noqa: ANN401 (field values)
+        """A launcher from a named preset (entry point group ``torchrunx.presets``).
+
+        Args:
+            name: The preset's name, e.g. ``"gpu_x8"``.
+            **overrides: Fields to set on top of the preset.
+
+        Raises:
+            ValueError: No preset has that name.
+            TypeError: The preset or an override names a field ``Launcher`` does not have.
+        """
+        from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
+
+        values = {**plugins.preset(name), **overrides}
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"preset {name!r} or its overrides set unknown fields {unknown}")
+        for key, value in values.items():
+            if isinstance(value, list) and key in (
+                "default_env_vars",
+                "extra_env_vars",
+                "restart_on",
+            ):
+                values[key] = tuple(value)
+        return cls(**values)
 
     def run(self, func: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> LaunchResult[R]:
         """Run ``func(*args, **kwargs)`` in every worker and return every rank's value.
@@ -243,6 +279,8 @@ class Launcher:
         _validate_workers(self.workers_per_host, self.hostnames)
         _validate_choice("agent_start", self.agent_start, _AGENT_STARTS)
         _validate_choice("backend", self.backend, _BACKENDS)
+        if not isinstance(self.isolate_gpus, bool):
+            raise TypeError(f"isolate_gpus must be True or False, got {self.isolate_gpus!r}")
         if not isinstance(self.timeout, int) or not _is_positive(self.timeout):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         for name in ("agent_timeout", "start_timeout", "launch_timeout"):
@@ -661,11 +699,6 @@ class _Launch:
             None if self.logs.log_dir is None else self.logs.log_dir / "events.jsonl",
         )
         self.health: HealthServer | None = None
-        health_port = health_port_from_env(launcher.health_check_port)
-        if health_port is not None:
-            self.health = HealthServer(health_port, self._health_report)
-            self.health.start()
-            logger.info("health endpoint: http://%s:%d/health", socket.getfqdn(), self.health.port)
         self._spawn(self._accept_loop, "torchrunx-accept")
 
     # -- phases ---------------------------------------------------------------------------
@@ -674,6 +707,11 @@ class _Launch:
         """Run every phase; return the unpickled results per host."""
         limit = self.launcher.launch_timeout
         launch_deadline = None if limit is None else self.started + limit
+        health_port = health_port_from_env(self.launcher.health_check_port)
+        if health_port is not None:  # an OSError (port in use) ends the launch; close() cleans up
+            self.health = HealthServer(health_port, self._health_report)
+            self.health.start()
+            logger.info("health endpoint: %s", self.health.url)
         self.sink.emit(
             LaunchStarted(
                 tuple(a.slots.hostname for a in self.agents),
@@ -1013,6 +1051,7 @@ class _Launch:
                 master_port=master_port,
                 backend=self.launcher.backend,
                 timeout=self.launcher.timeout,
+                isolate_gpus=self.launcher.isolate_gpus,
                 log_level=self.logs.level,
                 attempt=self.attempt,
                 max_restarts=self.launcher.max_restarts,

@@ -79,6 +79,8 @@ class WorkerSpec:
     master_port: int
     backend: str | None
     timeout: int
+    isolate_gpus: bool = True
+    """Set each worker's CUDA_VISIBLE_DEVICES to its own GPU (unless already set)."""
     log_level: int = 20
     """Level of the workers' root logger (``TORCHRUNX_LOG_LEVEL``)."""
     attempt: int = 0

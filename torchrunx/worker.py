@@ -93,6 +93,7 @@ def _set_devices(boot: dict[str, Any], spec: WorkerSpec, local_rank: int) -> Non
         local_world_size=spec.num_workers,
         gpus=int(boot.get("gpus", 0)),
         cpus=int(boot.get("cpus", 1)),
+        isolate_gpus=spec.isolate_gpus,
     )
     os.environ.update(settings)  # before anything initialises CUDA in this process
     torch = sys.modules.get("torch")

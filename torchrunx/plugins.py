@@ -1,0 +1,324 @@
+"""Plugin points, found through Python entry points (``importlib.metadata``).
+
+Three groups; a package declares entries in its ``pyproject.toml``::
+
+    [project.entry-points."torchrunx.hosts"]        # hostnames="NAME" or "NAME:ARGUMENT"
+    pbs = "torchrunx.plugins:PBS"
+
+    [project.entry-points."torchrunx.presets"]      # Launcher.from_preset("NAME"), --preset NAME
+    gpu_x8 = "torchrunx.plugins:GPU_X8"
+
+    [project.entry-points."torchrunx.functions"]    # torchrunx run NAME -- ARGS...
+    allreduce = "torchrunx.plugins:allreduce"
+
+* A **host provider** is an object with ``detect(environ) -> bool`` (used by
+  ``hostnames="auto"``) and ``hosts(argument, environ) -> list[HostSlots]`` (the hosts, with
+  their slots, or ``None`` slots to let each agent count). torchrunx's own SLURM, hostfile,
+  PBS/Torque and LSF providers are registered the same way.
+* A **preset** is a mapping of ``Launcher`` field names to values (or a function returning
+  one), like TorchX's named resources.
+* A **function** is any picklable callable, like a TorchX component; it receives the
+  command line's arguments as strings.
+
+Entry points are read on use, never at import, and a broken plugin is reported by name.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from torchrunx.hosts import HostSlots, in_slurm_allocation, read_hostfile, slurm_allocation
+
+HOSTS_GROUP = "torchrunx.hosts"
+PRESETS_GROUP = "torchrunx.presets"
+FUNCTIONS_GROUP = "torchrunx.functions"
+
+
+@runtime_checkable
+class HostProvider(Protocol):
+    """Where the hosts of a launch come from (a scheduler's allocation, a file, a service)."""
+
+    def detect(self, environ: Mapping[str, str]) -> bool:
+        """Whether this process runs where the provider applies (for ``hostnames="auto"``)."""
+        ...
+
+    def hosts(self, argument: str | None, environ: Mapping[str, str]) -> list[HostSlots]:
+        """The hosts and their slots; ``argument`` is what follows ``NAME:``, if anything.
+
+        Raises:
+            RuntimeError: Not in an environment this provider understands.
+            ValueError: The environment or the argument cannot be parsed.
+        """
+        ...
+
+
+def _entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for entry in importlib.metadata.entry_points(group=group):
+        found.setdefault(entry.name, entry)  # the first installed distribution wins
+    return found
+
+
+def _load(group: str, name: str, what: str) -> object:
+    entries = _entry_points(group)
+    entry = entries.get(name)
+    if entry is None:
+        known = ", ".join(sorted(entries)) or "none installed"
+        raise ValueError(f"no {what} named {name!r} (entry point group {group!r}; known: {known})")
+    try:
+        return entry.load()
+    except Exception as exc:
+        dist = entry.dist.name if entry.dist is not None else "an unknown distribution"
+        raise RuntimeError(
+            f"the {what} {name!r} from {dist} ({entry.value}) failed to load: {exc!r}"
+        ) from exc
+
+
+def host_provider_names() -> list[str]:
+    """Names of every host provider: the installed ones and torchrunx's own."""
+    return sorted({*_entry_points(HOSTS_GROUP), *_BUILTIN_PROVIDERS})
+
+
+def host_provider(name: str) -> HostProvider:
+    """The host provider registered under ``name``.
+
+    torchrunx's own (``slurm``, ``hostfile``, ``pbs``, ``lsf``) are registered as entry points
+    like any plugin, and are also found when torchrunx runs from a source tree that was not
+    installed.
+
+    Raises:
+        ValueError: No provider has that name.
+        RuntimeError: The provider's package failed to import.
+        TypeError: The entry point is not a provider.
+    """
+    if name in _BUILTIN_PROVIDERS and name not in _entry_points(HOSTS_GROUP):
+        return _BUILTIN_PROVIDERS[name]
+    provider = _load(HOSTS_GROUP, name, "host provider")
+    if not isinstance(provider, HostProvider):
+        raise TypeError(
+            f"host provider {name!r} is {provider!r}, which has no detect() and hosts() methods"
+        )
+    return provider
+
+
+def provider_spec(hostnames: object) -> tuple[str, str | None] | None:
+    """The provider that ``hostnames`` names, with its argument, if it names one.
+
+    A string, or a one-entry list (as ``--hostnames pbs`` arrives from the command line),
+    whose part before any ``:`` is a provider's name. ``"auto"`` is not a provider.
+    """
+    spec = hostnames
+    if isinstance(hostnames, list | tuple) and len(hostnames) == 1:
+        spec = hostnames[0]
+    if not isinstance(spec, str) or spec == "auto":
+        return None
+    name, argument = split_provider_spec(spec)
+    return (name, argument) if name in host_provider_names() else None
+
+
+def split_provider_spec(spec: str) -> tuple[str, str | None]:
+    """``"pbs"`` is ``("pbs", None)``; ``"hostfile:/etc/hosts.mpi"`` is ``("hostfile", ...)``."""
+    name, sep, argument = spec.partition(":")
+    return name, (argument if sep else None)
+
+
+def detected_hosts(environ: Mapping[str, str]) -> list[HostSlots] | None:
+    """``hostnames="auto"``: the hosts of the first provider that detects its environment.
+
+    SLURM is asked first, then the other providers by name. ``None`` when none applies.
+    """
+    names = host_provider_names()
+    ordered = ["slurm", *(n for n in names if n != "slurm")] if "slurm" in names else names
+    for name in ordered:
+        provider = host_provider(name)
+        if provider.detect(environ):
+            return provider.hosts(None, environ)
+    return None
+
+
+def preset_names() -> list[str]:
+    """Names of every installed preset."""
+    return sorted(_entry_points(PRESETS_GROUP))
+
+
+def preset(name: str) -> dict[str, Any]:
+    """The ``Launcher`` field values of the preset ``name``.
+
+    Raises:
+        ValueError: No preset has that name, or it is not a mapping of field values.
+        RuntimeError: The preset's package failed to import.
+    """
+    value = _load(PRESETS_GROUP, name, "preset")
+    if callable(value) and not isinstance(value, Mapping):
+        value = value()
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"preset {name!r} is not a mapping of Launcher fields: {value!r}")
+    return dict(value)
+
+
+def function_names() -> dict[str, str]:
+    """Every installed function: name to the first line of its docstring (loaded to read it)."""
+    described: dict[str, str] = {}
+    for name in sorted(_entry_points(FUNCTIONS_GROUP)):
+        try:
+            func = registered_function(name)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            described[name] = f"(cannot be loaded: {exc})"
+            continue
+        doc = (getattr(func, "__doc__", None) or "").strip()
+        described[name] = doc.splitlines()[0] if doc else ""
+    return described
+
+
+def registered_function(name: str) -> Callable[..., Any]:
+    """The function registered under ``name``.
+
+    Raises:
+        ValueError: No function has that name.
+        RuntimeError: Its package failed to import.
+        TypeError: The entry point is not callable.
+    """
+    func = _load(FUNCTIONS_GROUP, name, "function")
+    if not callable(func):
+        raise TypeError(f"function {name!r} is {func!r}, which is not callable")
+    return func
+
+
+# -- built-in host providers ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlurmProvider:
+    """The nodes of the SLURM allocation this process runs in (slots: SLURM's counts)."""
+
+    def detect(self, environ: Mapping[str, str]) -> bool:
+        """Inside an allocation (``SLURM_JOB_ID`` and a node list)."""
+        return in_slurm_allocation(environ)
+
+    def hosts(self, argument: str | None, environ: Mapping[str, str]) -> list[HostSlots]:
+        """The allocation's nodes; workers per node from SLURM (GPUs, else tasks)."""
+        del argument
+        allocation = slurm_allocation(environ)
+        return [HostSlots(node, allocation.slots(node)) for node in allocation.nodes]
+
+
+@dataclass(frozen=True)
+class HostfileProvider:
+    """``hostfile:PATH``, or the file named by ``TORCHRUNX_HOSTFILE`` (MPI/DeepSpeed style)."""
+
+    def detect(self, environ: Mapping[str, str]) -> bool:
+        """When ``TORCHRUNX_HOSTFILE`` names a file."""
+        path = environ.get("TORCHRUNX_HOSTFILE")
+        return bool(path) and Path(str(path)).expanduser().is_file()
+
+    def hosts(self, argument: str | None, environ: Mapping[str, str]) -> list[HostSlots]:
+        """The hosts of the file, with their ``slots=``."""
+        path = argument or environ.get("TORCHRUNX_HOSTFILE")
+        if not path:
+            raise RuntimeError(
+                "hostnames='hostfile' needs a path: 'hostfile:/path/to/file' or TORCHRUNX_HOSTFILE"
+            )
+        return read_hostfile(path)
+
+
+def _count_in_order(names: list[str]) -> list[HostSlots]:
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return [HostSlots(name, count) for name, count in counts.items()]
+
+
+@dataclass(frozen=True)
+class PbsProvider:
+    """PBS/Torque (and PBS Pro, OpenPBS): ``$PBS_NODEFILE`` lists one line per slot."""
+
+    def detect(self, environ: Mapping[str, str]) -> bool:
+        """Inside a PBS job (``PBS_JOBID`` and ``PBS_NODEFILE``)."""
+        return bool(environ.get("PBS_JOBID")) and bool(environ.get("PBS_NODEFILE"))
+
+    def hosts(self, argument: str | None, environ: Mapping[str, str]) -> list[HostSlots]:
+        """Hosts in the order of the node file; slots: how often each is listed."""
+        path = argument or environ.get("PBS_NODEFILE")
+        if not path:
+            raise RuntimeError(
+                "hostnames='pbs' but PBS_NODEFILE is not set: run inside qsub, or give "
+                "'pbs:/path/to/nodefile'"
+            )
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read the PBS node file {path!r}: {exc}") from exc
+        names = [line.split()[0] for line in text.splitlines() if line.strip()]
+        if not names:
+            raise ValueError(f"the PBS node file {path!r} lists no host")
+        return _count_in_order(names)
+
+
+@dataclass(frozen=True)
+class LsfProvider:
+    """IBM Spectrum LSF: ``$LSB_MCPU_HOSTS`` is ``"hostA 4 hostB 4"`` (host, slots pairs)."""
+
+    def detect(self, environ: Mapping[str, str]) -> bool:
+        """Inside an LSF job (``LSB_JOBID`` and ``LSB_MCPU_HOSTS``)."""
+        return bool(environ.get("LSB_JOBID")) and bool(environ.get("LSB_MCPU_HOSTS"))
+
+    def hosts(self, argument: str | None, environ: Mapping[str, str]) -> list[HostSlots]:
+        """The hosts and slots of ``LSB_MCPU_HOSTS`` (or of ``argument``, in its syntax)."""
+        value = argument or environ.get("LSB_MCPU_HOSTS", "")
+        fields = value.split()
+        if not fields or len(fields) % 2 or not all(n.isdigit() for n in fields[1::2]):
+            raise ValueError(
+                f"cannot read hosts from LSB_MCPU_HOSTS={value!r}: expected 'host slots' pairs"
+            )
+        hosts: dict[str, int] = {}
+        for name, slots in zip(fields[::2], fields[1::2], strict=True):
+            hosts[name] = hosts.get(name, 0) + int(slots)
+        return [HostSlots(name, slots) for name, slots in hosts.items()]
+
+
+SLURM = SlurmProvider()
+HOSTFILE = HostfileProvider()
+PBS = PbsProvider()
+LSF = LsfProvider()
+_BUILTIN_PROVIDERS: dict[str, HostProvider] = {
+    "slurm": SLURM,
+    "hostfile": HOSTFILE,
+    "pbs": PBS,
+    "lsf": LSF,
+}
+
+
+# -- built-in presets and functions -----------------------------------------------------------
+
+LOCAL_CPU: dict[str, Any] = {"hostnames": ["localhost"], "backend": "gloo"}
+"""Every CPU core of this machine, one worker each, gloo."""
+
+GPU_X8: dict[str, Any] = {"workers_per_host": 8, "backend": "nccl"}
+"""Eight GPUs per host (one worker each), NCCL."""
+
+
+def allreduce(size: str = "1") -> dict[str, Any]:
+    """Check the process group: all_reduce a tensor of SIZE ones and report what each rank saw."""
+    import torch  # noqa: PLC0415 (runs in workers)
+    import torch.distributed as dist  # noqa: PLC0415
+
+    tensor = torch.ones(int(size))
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+    return {
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+        "hostname": os.uname().nodename,
+        "sum": float(tensor[0]),
+    }
+
+
+def hello(*words: str) -> str:
+    """Say where each rank runs: 'rank R of W on HOST' (and any WORDS given)."""
+    text = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} on {os.uname().nodename}"
+    return " ".join([text, *words])
