@@ -189,7 +189,8 @@ def test_hostfile_as_hostnames(no_slurm, tmp_path, monkeypatch):
 
 def test_hostnames_string_that_is_no_file_is_explained(tmp_path):
     with pytest.raises(
-        ValueError, match=r"neither 'auto', 'slurm' nor an existing hostfile.*\['node1'\]"
+        ValueError,
+        match=r"neither 'auto', a host provider \(.*slurm.*\) nor an existing hostfile.*\['node1'\]",
     ):
         trx.Launcher(hostnames="node1").validate()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"hostfile .*missing. does not exist"):

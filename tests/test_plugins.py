@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,9 +66,14 @@ def _pip(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def plugin_installed():
-    """The example plugin package, installed the way a user would, removed afterwards."""
-    _pip("install", "--no-deps", "--no-build-isolation", "--no-cache-dir", str(PLUGIN))
+def plugin_installed(tmp_path_factory):
+    """The example plugin package, installed the way a user would, removed afterwards.
+
+    Built from a copy, so that the build leaves nothing in the checkout.
+    """
+    source = tmp_path_factory.mktemp("plugin") / "plugin_package"
+    shutil.copytree(PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    _pip("install", "--no-deps", "--no-build-isolation", "--no-cache-dir", str(source))
     yield
     _pip("uninstall", "-y", "trx-example-plugin")
 

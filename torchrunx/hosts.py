@@ -389,11 +389,11 @@ def resolve_hosts(
     env = os.environ if environ is None else environ
     provider = plugins.provider_spec(hostnames)
     hostfile = hostfile_path(hostnames)
-    if provider is not None:
+    if hostfile is not None and (provider is None or hostfile.expanduser().is_file()):
+        hosts = read_hostfile(hostfile)  # an existing file wins over a provider's name
+    elif provider is not None:
         name, argument = provider
         hosts = plugins.host_provider(name).hosts(argument, env)
-    elif hostfile is not None:
-        hosts = read_hostfile(hostfile)
     elif hostnames == "auto":
         hosts = plugins.detected_hosts(env) or [HostSlots("localhost", None)]
     elif isinstance(hostnames, list | tuple):

@@ -441,18 +441,19 @@ def _is_positive(value: object) -> bool:
 def _validate_hostnames(hostnames: object) -> None:
     if hostnames in ("auto", "slurm"):
         return
+    from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
+
     hostfile = hostfile_path(hostnames)
     if hostfile is not None:
-        if not hostfile.expanduser().is_file() and (
-            isinstance(hostnames, os.PathLike) or "/" in str(hostfile)
-        ):
+        if hostfile.expanduser().is_file() or plugins.provider_spec(hostnames) is not None:
+            return  # a hostfile, or a host provider's name ("pbs", "hostfile:/etc/hosts.mpi")
+        if isinstance(hostnames, os.PathLike) or "/" in str(hostfile):
             raise ValueError(f"hostfile {str(hostfile)!r} does not exist or is not a file")
-        if not hostfile.expanduser().is_file():
-            raise ValueError(
-                f"hostnames={str(hostfile)!r} is neither 'auto', 'slurm' nor an existing "
-                f"hostfile; for a single host give a list: hostnames=[{str(hostfile)!r}]"
-            )
-        return
+        raise ValueError(
+            f"hostnames={str(hostfile)!r} is neither 'auto', a host provider "
+            f"({', '.join(plugins.host_provider_names())}) nor an existing hostfile; for a "
+            f"single host give a list: hostnames=[{str(hostfile)!r}]"
+        )
     if not isinstance(hostnames, list | tuple) or not hostnames:
         raise ValueError(f"hostnames must be a non-empty list of host names, got {hostnames!r}")
     for name in hostnames:
