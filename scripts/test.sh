@@ -15,3 +15,5 @@ python3 -m pytest "$@"
 # The benchmarks once each, small sizes, no targets asserted: they must keep working. This
 # also builds benchmarks/.venv-upstream with the original torchrunx 0.4.0 from PyPI.
 python3 benchmarks/run.py --smoke
+python3 benchmarks/log_overhead.py --lines 2000 --runs 1
+python3 benchmarks/timer_overhead.py --uses 20000 --runs 1
