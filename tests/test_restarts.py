@@ -285,3 +285,36 @@ def test_health_endpoint_while_a_launch_runs(tmp_path, monkeypatch):
     # The endpoint lives only as long as the launch.
     with pytest.raises(urllib.error.URLError, match="Connection refused"):
         _get(url)
+
+
+def kill_my_agent_once() -> int:
+    import signal
+
+    if os.environ["TORCHRUNX_RESTART_COUNT"] == "0":
+        os.kill(os.getppid(), signal.SIGKILL)  # the agent dies; this worker dies with it
+        time.sleep(30)
+    return os.getppid()
+
+
+def test_a_dead_agent_is_replaced_only_when_asked():
+    with pytest.raises(trx.AgentFailedError, match="agent on host 'localhost' failed"):
+        trx.launch(
+            kill_my_agent_once,
+            hostnames=["localhost"],
+            workers_per_host=1,
+            backend=None,
+            max_restarts=1,
+        )
+    seen: list[ev.Event] = []
+    result = trx.launch(
+        kill_my_agent_once,
+        hostnames=["localhost"],
+        workers_per_host=1,
+        backend=None,
+        max_restarts=1,
+        restart_on=("hosts",),
+        event_handlers=(seen.append,),
+    )
+    first, second = [e.pid for e in seen if isinstance(e, ev.AgentStarted)]
+    assert first != second
+    assert (result.ranks, result.restarts) == ([second], 1)

@@ -128,6 +128,7 @@ _MAX_STACKS_SHOWN = 16
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
 _AGENT_STARTS = ("auto", "ssh", "srun")
 _RESTART_CATEGORIES = ("exceptions", "deaths", "timeouts")
+_ALL_RESTART_CATEGORIES = (*_RESTART_CATEGORIES, "hosts")
 
 StartMethod = Literal["local", "ssh", "srun"]
 
@@ -198,8 +199,9 @@ worker fails; then raise the last failure, with the earlier ones in its notes.""
 
     restart_on: tuple[str, ...] = _RESTART_CATEGORIES
     """Failures that restart: "exceptions" (the function raised), "deaths" (a worker exited
-or was killed), "timeouts" (a torchrunx.timer watchdog expired), or exception type names,
-for example "OSError" (those types and their subclasses only). Lost hosts never restart."""
+or was killed), "timeouts" (a torchrunx.timer watchdog expired), "hosts" (an agent died or
+its host was lost: a new agent is started there; not in the default), or exception type
+names, for example "OSError" (those types and their subclasses only)."""
 
     health_check_port: int | None = None
     """Serve GET /health (JSON; 200 while healthy, 503 after a failure) on this port while
@@ -408,13 +410,13 @@ def _validate_restarts(max_restarts: object, restart_on: object) -> None:
         raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
     if isinstance(restart_on, str) or not isinstance(restart_on, list | tuple):
         raise TypeError(
-            f"restart_on must be a tuple of categories {list(_RESTART_CATEGORIES)} and/or "
+            f"restart_on must be a tuple of categories {list(_ALL_RESTART_CATEGORIES)} and/or "
             f"exception type names, got {restart_on!r}"
         )
     for entry in restart_on:
         if not isinstance(entry, str) or not entry.replace(".", "").replace("_", "").isalnum():
             raise ValueError(
-                f"restart_on entry {entry!r} is neither one of {list(_RESTART_CATEGORIES)} "
+                f"restart_on entry {entry!r} is neither one of {list(_ALL_RESTART_CATEGORIES)} "
                 "nor an exception type name"
             )
 
@@ -517,11 +519,13 @@ def _restarts_for(error: BaseException, wanted: set[str], from_worker: bool) -> 
         return "timeouts" in wanted
     if isinstance(error, WorkerFailedError):
         return "deaths" in wanted
+    if isinstance(error, AgentFailedError):
+        return "hosts" in wanted
     if not from_worker or isinstance(error, TorchrunxError | KeyboardInterrupt | SystemExit):
         return False  # lost hosts, the launch's own timeouts, pickling, protocol errors
     if "exceptions" in wanted:
         return True
-    return bool(_type_names(error) & (wanted - set(_RESTART_CATEGORIES)))
+    return bool(_type_names(error) & (wanted - set(_ALL_RESTART_CATEGORIES)))
 
 
 def _type_names(error: BaseException) -> set[str]:
@@ -574,6 +578,7 @@ class _StartFailed:
 class _AgentEnded:
     host_index: int
     status: int | None
+    process: AgentProcess
 
 
 @dataclass(frozen=True)
@@ -700,6 +705,9 @@ class _Launch:
             None if self.logs.log_dir is None else self.logs.log_dir / "events.jsonl",
         )
         self.health: HealthServer | None = None
+        self.script = b""
+        self.retired: list[tuple[AgentProcess, bool]] = []
+        """Agents replaced after their host failed (restart_on "hosts"), closed at the end."""
         self._spawn(self._accept_loop, "torchrunx-accept")
 
     # -- phases ---------------------------------------------------------------------------
@@ -808,6 +816,8 @@ class _Launch:
             self._set_state(rank, WorkerState.STOPPED)
             if rank_state.conn is not None:
                 rank_state.conn.close()  # an old worker's connection: nothing more is read
+        if "hosts" in self.launcher.restart_on:
+            self._replace_agents(launch_deadline)
         unready = [a.slots.hostname for a in self.agents if not a.restart_ready]
         if unready:
             self.stopping = False
@@ -824,6 +834,27 @@ class _Launch:
         for state in self.agents:
             state.restart_ready = False
             state.pids = ()
+
+    def _replace_agents(self, launch_deadline: float | None) -> None:
+        """Start a new agent for every host whose agent died or was lost (new SSH or srun)."""
+        replaced = [i for i, a in enumerate(self.agents) if not a.restart_ready]
+        for index in replaced:
+            old = self.agents[index]
+            logger.warning("starting a new agent on %s", old.slots.hostname)
+            if old.process is not None:
+                self.retired.append((old.process, old.lost))
+            self.agents[index] = _AgentState(old.slots, old.method, remote=old.remote)
+            self.start_pool.submit(self._start_agent, index, self.script)
+        deadline = time.monotonic() + self.launcher.start_timeout
+        if launch_deadline is not None:
+            deadline = min(deadline, launch_deadline)
+        self._wait(
+            lambda: all(self.agents[i].hello is not None or self.agents[i].ended for i in replaced),
+            deadline,
+        )
+        for index in replaced:
+            state = self.agents[index]
+            state.restart_ready = state.hello is not None
 
     def _drain_events(self) -> None:
         while True:  # what arrived together with the last agent's reply still counts
@@ -932,7 +963,7 @@ class _Launch:
         )
 
     def _start_agents(self) -> None:
-        script = agent_script(
+        self.script = agent_script(
             env=self.env,
             cwd=str(Path.cwd()),
             python=sys.executable,
@@ -941,7 +972,7 @@ class _Launch:
             else None,
         )
         for index in range(len(self.agents)):
-            self.start_pool.submit(self._start_agent, index, script)
+            self.start_pool.submit(self._start_agent, index, self.script)
 
     def _start_agent(self, index: int, script: bytes) -> None:
         state = self.agents[index]
@@ -987,7 +1018,7 @@ class _Launch:
             process.close()
             return
         self._spawn(
-            lambda: self.events.put(_AgentEnded(index, process.wait(1e9))),
+            lambda: self.events.put(_AgentEnded(index, process.wait(1e9), process)),
             f"torchrunx-wait-{hostname}",
         )
 
@@ -1157,7 +1188,8 @@ class _Launch:
             self.agents[event.host_index].failed = True
             self._fail(event.error)
         elif isinstance(event, _AgentEnded):
-            self._on_agent_ended(event.host_index, event.status)
+            if event.process is self.agents[event.host_index].process:  # not a replaced one
+                self._on_agent_ended(event.host_index, event.status)
         elif isinstance(event, _Received):
             self._on_message(event.conn, event.message, event.payload, event.received_at)
         else:
@@ -1476,10 +1508,10 @@ class _Launch:
                 break
             if isinstance(event, _Started):
                 self.agents[event.host_index].process = event.process
+        processes = [(a.process, a.lost) for a in self.agents if a.process is not None]
         closers = [
-            threading.Thread(target=a.process.close, args=(0.0 if a.lost else 5.0,))
-            for a in self.agents
-            if a.process is not None
+            threading.Thread(target=process.close, args=(0.0 if lost else 5.0,))
+            for process, lost in [*processes, *self.retired]
         ]
         for closer in closers:
             closer.start()
