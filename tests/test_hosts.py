@@ -96,6 +96,8 @@ def test_slurm_allocation_from_the_environment():
     # GPUs per node win over tasks per node.
     with_gpus = hosts.slurm_allocation({**environ, "SLURM_GPUS_PER_NODE": "a100:4"})
     assert [with_gpus.slots(n) for n in with_gpus.nodes] == [4, 4, 4]
+    mixed = hosts.slurm_allocation({**environ, "SLURM_GPUS_PER_NODE": "a100:2,v100:1"})
+    assert mixed.gpus_per_node == 3
     on_node = hosts.slurm_allocation({**environ, "SLURM_GPUS_ON_NODE": "2"})
     assert on_node.gpus_per_node == 2
     with pytest.raises(ValueError, match="describes 2 nodes but the allocation has 3"):

@@ -111,3 +111,42 @@ def test_plugin_package_registers_each_group(plugin_installed, tmp_path, monkeyp
     ran = _torchrunx("run", "rank_sum", "--preset", "two_local_workers", "--", "5", cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
     assert json.loads(ran.stdout.strip().splitlines()[-1]) == 5 + 6
+
+
+def test_run_needs_the_arguments_after_the_separator(tmp_path):
+    ran = _torchrunx("run", "hello", "world", "--hostnames", "localhost", cwd=tmp_path)
+    assert ran.returncode == 2
+    assert "the function's arguments go after `--`" in ran.stderr
+    ran = _torchrunx(
+        "run",
+        "hello",
+        "--hostnames",
+        "localhost",
+        "--workers-per-host",
+        "1",
+        "--backend",
+        "None",
+        "--",
+        "world",
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout.strip().splitlines()[-1]).endswith(" world")
+
+
+SCRIPT = """
+import torch.distributed as dist
+dist.init_process_group("gloo")  # a torchrun script sets up its own group
+print("script rank", dist.get_rank(), "of", dist.get_world_size())
+dist.destroy_process_group()
+"""
+
+
+def test_a_preset_does_not_give_a_script_a_process_group(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    ran = _torchrunx(
+        "--preset", "local_cpu", "--workers-per-host", "2", "--", str(script), cwd=tmp_path
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "script rank 0 of 2" in ran.stdout

@@ -21,8 +21,10 @@ def flaky_until_third_attempt() -> dict[str, object]:
     attempt = int(os.environ["TORCHRUNX_RESTART_COUNT"])
     if dist.get_rank() == 1 and attempt == 0:
         raise RuntimeError("bad luck in attempt 0")
-    if dist.get_rank() == 0 and attempt == 1:
-        os._exit(7)  # a death this time
+    if attempt == 1:
+        if dist.get_rank() == 0:
+            os._exit(7)  # a death this time
+        time.sleep(60)  # no collective: the peer's error must not race the death report
     dist.barrier()
     return {
         "attempt": attempt,
@@ -318,3 +320,47 @@ def test_a_dead_agent_is_replaced_only_when_asked():
     first, second = [e.pid for e in seen if isinstance(e, ev.AgentStarted)]
     assert first != second
     assert (result.ranks, result.restarts) == ([second], 1)
+
+
+def one_host_done_early_the_other_dies() -> int:
+    rank = int(os.environ["RANK"])
+    if os.environ["TORCHRUNX_RESTART_COUNT"] == "0" and rank == 0:
+        time.sleep(1.0)  # the other host's worker has returned and its agent is idle by now
+        os._exit(7)
+    return rank
+
+
+def test_restart_when_another_hosts_workers_already_finished():
+    # Two agents (two names for this machine): host 1's only worker returns at once, host 0's
+    # dies a second later. Host 1's agent must still be there to restart its worker.
+    result = trx.launch(
+        one_host_done_early_the_other_dies,
+        hostnames=["localhost", "127.0.0.1"],
+        workers_per_host=1,
+        backend=None,
+        max_restarts=1,
+    )
+    assert (result.ranks, result.restarts) == ([0, 1], 1)
+
+
+class NeedsTwoArguments(Exception):  # noqa: N818 (a user's exception, as users name them)
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a} and {b}")
+
+
+def raise_unpicklable_once() -> str:
+    if os.environ["TORCHRUNX_RESTART_COUNT"] == "0":
+        raise NeedsTwoArguments(1, 2)
+    return "ok"
+
+
+def test_an_exception_that_cannot_travel_back_still_restarts():
+    result = trx.launch(
+        raise_unpicklable_once,
+        hostnames=["localhost"],
+        workers_per_host=1,
+        backend=None,
+        max_restarts=1,
+        restart_on=("NeedsTwoArguments",),
+    )
+    assert (result.ranks, result.restarts) == (["ok"], 1)

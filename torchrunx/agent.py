@@ -194,6 +194,10 @@ class Agent:
         self.stop_deadline: float | None = None
         self.stopping = False
         self.restart_requested = False
+        self.final_stop = False
+        """Told to stop for good (a Stop without restart, EOF, or a silent launcher)."""
+        self.attempt = -1
+        """The attempt of the workers last started."""
         self.preloaded = False
         self.next_timer_poll = 0.0
         self.launcher_alive = True
@@ -232,6 +236,11 @@ class Agent:
                         message, payload = self._recv()
                         if isinstance(message, WorkerSpec):
                             received = (message, payload)
+                        elif isinstance(message, Stop) and message.restart:
+                            # No workers run here: ready at once. A spec that came before
+                            # this Stop belongs to the attempt being abandoned.
+                            received = None
+                            self._send(WorkersEnded(_free_port(), message.attempt))
                         else:
                             self._on_message(message)
                     elif key.data == "stdin":
@@ -252,6 +261,7 @@ class Agent:
         """Fork ``spec.num_workers`` workers and register their pidfds and stack pipes."""
         sys.stdout.flush()
         sys.stderr.flush()
+        self.attempt = spec.attempt
         for local_rank in range(spec.num_workers):
             stack_read, stack_write = os.pipe()
             out_read, out_write = os.pipe()
@@ -391,7 +401,9 @@ class Agent:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(worker.pid, signal.SIGUSR1)
         for worker in self.workers:
-            if worker.hung is not None and not worker.hang_reported and now >= worker.hung[2]:
+            if worker.ended or worker.hung is None or worker.hang_reported:
+                continue
+            if now >= worker.hung[2]:
                 self._report_hang(worker)
 
     def _report_hang(self, worker: _Worker) -> None:
@@ -403,9 +415,10 @@ class Agent:
         stack = worker.stacks.decode(errors="replace")
         worker.stacks.clear()
         self._send(WorkerTimedOut(worker.local_rank, scope, limit, stack))
-        # The launcher decides what happens next (stop, or restart); the worker is of no use.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(worker.pid, signal.SIGKILL)
+        if not worker.ended:  # never signal a reaped pid: it may belong to someone else now
+            # The launcher decides what happens next (stop, or restart); the worker is no use.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.pid, signal.SIGKILL)
 
     def _on_ready(self, source: Any) -> None:  # noqa: ANN401 (selector payload)
         if isinstance(source, _Worker):
@@ -437,6 +450,7 @@ class Agent:
             logger.info("stopping %s: %s", what, message.reason)
             self.grace_period = message.grace_period
             self.restart_requested = message.restart
+            self.final_stop = self.final_stop or not message.restart
             self._begin_stop(dump_stacks=message.dump_stacks)
 
     def _on_stdin(self) -> None:
@@ -493,6 +507,8 @@ class Agent:
     def _reap(self, worker: _Worker) -> None:
         for output in list(worker.outputs):  # its last words go out before its death notice
             self._read_output(worker, output, until_empty=True)
+        if worker.hung is not None and not worker.hang_reported:
+            self._report_hang(worker)  # it overran its timer, then ended (the dump killed it?)
         _, status = os.waitpid(worker.pid, 0)
         self.selector.unregister(worker.pidfd)
         os.close(worker.pidfd)
@@ -595,9 +611,11 @@ class Agent:
         self.restart_requested = False
         self.dump_deadline = None
         self.stop_deadline = None
+        if self.output_paused:  # the new workers' pipes are registered as they are made
+            self.output_paused = False
         if not self.launcher_alive:
             return False
-        self._send(WorkersEnded(_free_port()))
+        self._send(WorkersEnded(_free_port(), self.attempt))
         return self.launcher_alive
 
     def finish(self) -> None:
@@ -677,9 +695,12 @@ def main(boot: dict[str, Any]) -> None:
     try:
         received = agent.receive_spec()
         while received is not None:
+            spec = received[0]
             agent.start_workers(*received)
             agent.monitor()
-            if not (agent.restart_requested and agent.prepare_restart()):
+            # With restarts left, the agent stays: another host's worker may still fail.
+            may_restart = agent.restart_requested or spec.attempt < spec.max_restarts
+            if agent.final_stop or not may_restart or not agent.prepare_restart():
                 break
             received = agent.receive_spec()
         agent.finish()

@@ -593,8 +593,9 @@ def _target_defaults(namespace: argparse.Namespace, *, function: bool) -> None:
     A function gets the defaults of ``trx.launch``; a script or module gets torchrun's (it sets
     up torch.distributed itself and picks ``cuda:LOCAL_RANK``).
     """
-    namespace.backend_given = namespace.backend is not _BY_TARGET
-    if not namespace.backend_given:
+    # A script's backend=None is part of running a script: a --preset does not change it.
+    namespace.backend_given = namespace.backend is not _BY_TARGET or not function
+    if namespace.backend is _BY_TARGET:
         namespace.backend = "auto" if function else None
     if namespace.isolate_gpus is _ISOLATE_BY_TARGET:
         namespace.isolate_gpus = function
@@ -714,6 +715,11 @@ def _parse_any(
         return _parse(parser, argv)
     split = argv.index("--")
     namespace = parser.parse_args(argv[:split])
+    if namespace.target is not None:
+        parser.error(
+            f"unexpected {shlex.join([namespace.target, *namespace.args])!r}: the function's "
+            f"arguments go after `--` (torchrunx run {registered} [options] -- ARGS...)"
+        )
     _target_defaults(namespace, function=True)
     from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
 

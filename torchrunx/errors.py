@@ -130,7 +130,12 @@ class WorkerRaisedError(TorchrunxError):
     custom exception whose ``__init__`` takes different arguments than it passes to
     ``Exception.__init__``). The message keeps the original type name and message, and the
     remote traceback is attached as ``__cause__``.
+
+    Attributes:
+        type_name: The qualified name of the original exception's type, as raised.
     """
+
+    type_name: str = ""
 
 
 class WorkerTimeoutError(TorchrunxError, TimeoutError):

@@ -142,15 +142,18 @@ def _per_node(env: Mapping[str, str], name: str, nodes: int) -> tuple[int, ...] 
 
 
 def _slurm_gpus(env: Mapping[str, str]) -> int | None:
-    """GPUs per node: ``SLURM_GPUS_PER_NODE`` (``4``, ``a100:4``), else ``SLURM_GPUS_ON_NODE``."""
+    """GPUs per node, from ``SLURM_GPUS_PER_NODE``, else ``SLURM_GPUS_ON_NODE``.
+
+    Forms: ``4``, ``a100:4``, and several types, ``a100:2,v100:1`` (summed).
+    """
     for name in ("SLURM_GPUS_PER_NODE", "SLURM_GPUS_ON_NODE"):
         value = env.get(name, "").strip()
         if not value:
             continue
-        count = value.rsplit(":", 1)[-1]
-        if not count.isdigit():
+        counts = [item.rsplit(":", 1)[-1] for item in value.split(",")]
+        if not all(count.isdigit() for count in counts):
             raise ValueError(f"cannot read a GPU count from {name}={value!r}")
-        return int(count) or None
+        return sum(int(count) for count in counts) or None
     return None
 
 

@@ -513,7 +513,7 @@ def _check_lengths(workers: int, hosts: int) -> None:
         )
 
 
-def _restarts_for(error: BaseException, wanted: set[str], from_worker: bool) -> bool:
+def _restarts_for(error: BaseException, wanted: set[str], from_worker: bool) -> bool:  # noqa: PLR0911 (one answer per kind of failure)
     """Whether ``restart_on`` (``wanted``) covers ``error``."""
     if isinstance(error, WorkerTimeoutError):
         return "timeouts" in wanted
@@ -521,6 +521,9 @@ def _restarts_for(error: BaseException, wanted: set[str], from_worker: bool) -> 
         return "deaths" in wanted
     if isinstance(error, AgentFailedError):
         return "hosts" in wanted
+    if isinstance(error, WorkerRaisedError) and from_worker:  # its type could not travel back
+        type_name = error.type_name
+        return "exceptions" in wanted or bool({type_name, type_name.rsplit(".", 1)[-1]} & wanted)
     if not from_worker or isinstance(error, TorchrunxError | KeyboardInterrupt | SystemExit):
         return False  # lost hosts, the launch's own timeouts, pickling, protocol errors
     if "exceptions" in wanted:
@@ -747,7 +750,12 @@ class _Launch:
             self.finished_after = time.monotonic() - self.started
             results = self._collect()
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
-            if not isinstance(exc, _Abort):  # _Abort: the failure is already recorded
+            if isinstance(exc, KeyboardInterrupt | SystemExit | LaunchTimeoutError):
+                # Even in the middle of a restart, what the user did (or the limit) comes first.
+                if self.failures.first is not None:
+                    self.failures.others.insert(0, _summary(self.failures.first))
+                self.failures.first = exc
+            elif not isinstance(exc, _Abort):  # _Abort: the failure is already recorded
                 self.failures.add(exc)
             self.phase = "stopping after a failure"
             self.degraded = True
@@ -800,10 +808,12 @@ class _Launch:
             reason,
         )
         for state in self.agents:
-            state.restart_ready = False
-            if state.conn is not None and not (state.done or state.ended):
+            if state.conn is not None and not (state.done or state.ended or state.restart_ready):
+                stop = Stop(
+                    reason, _STOP_GRACE, dump_stacks=False, restart=True, attempt=self.attempt
+                )
                 with contextlib.suppress(OSError):
-                    state.conn.send(Stop(reason, _STOP_GRACE, dump_stacks=False, restart=True))
+                    state.conn.send(stop)
         deadline = time.monotonic() + _STOP_GRACE + 10.0
         if launch_deadline is not None:
             deadline = min(deadline, launch_deadline)
@@ -811,6 +821,9 @@ class _Launch:
             lambda: all(a.restart_ready or a.ended or a.lost or a.done for a in self.agents),
             deadline,
         )
+        if launch_deadline is not None and time.monotonic() >= launch_deadline:
+            self.stopping = False
+            raise self._timeout_error(time.monotonic())
         self._drain_events()
         for rank, rank_state in enumerate(self.ranks):
             self._set_state(rank, WorkerState.STOPPED)
@@ -821,8 +834,9 @@ class _Launch:
         unready = [a.slots.hostname for a in self.agents if not a.restart_ready]
         if unready:
             self.stopping = False
+            self.history.pop()  # this failure is the one raised, not an earlier one
             self.failures.others.append(
-                f"cannot restart: the agents of {unready} did not get ready"
+                f"a restart was attempted, but the agents of {unready} did not get ready"
             )
             raise _Abort
         self.attempt += 1
@@ -883,7 +897,8 @@ class _Launch:
                 new,
             )
         )
-        if new == WorkerState.HEALTHY and all(r.state == WorkerState.HEALTHY for r in self.ranks):
+        running = (WorkerState.HEALTHY, WorkerState.SUCCEEDED)
+        if new in running and all(r.state in running for r in self.ranks):
             self.degraded = False  # after a restart: healthy again once every worker runs
             self.phase = "running"
 
@@ -929,13 +944,14 @@ class _Launch:
             for rank, r in enumerate(ranks)
         )
         failures = [*self.history]
-        if self.failures.first is not None:
-            failures.append(f"attempt {self.attempt}: {_summary(self.failures.first)}")
+        first = self.failures.first
+        if first is not None and self.phase != "restarting":  # else it is in the history
+            failures.append(f"attempt {self.attempt}: {_summary(first)}")
         unhealthy = self.degraded or any(
             a.state in (AgentState.FAILED, AgentState.LOST) for a in agents
         )
         return HealthReport(
-            healthy=not unhealthy and self.failures.first is None,
+            healthy=not unhealthy and first is None,
             launch_state=self.phase,
             attempt=self.attempt,
             restarts=self.attempt,
@@ -1112,7 +1128,8 @@ class _Launch:
         return address, first.free_port
 
     def _finished(self) -> bool:
-        agents_done = all(a.done or a.ended for a in self.agents)
+        # With restarts left, agents whose workers ended stay (restart_ready) until the end.
+        agents_done = all(a.done or a.ended or a.restart_ready for a in self.agents)
         return agents_done and all(r.result is not None for r in self.ranks)
 
     def _collect(self) -> tuple[tuple[Any, ...], ...]:
@@ -1198,9 +1215,9 @@ class _Launch:
     def _on_agent_ended(self, index: int, status: int | None) -> None:
         state = self.agents[index]
         state.ended = True
+        state.failed = not state.done  # also while stopping: the health report shows it
         if state.done or self.stopping:
             return
-        state.failed = True
         process = state.process
         tail = process.stderr_tail() if process is not None else ""
         if status == 127:
@@ -1284,8 +1301,9 @@ class _Launch:
                     if self.ranks[offset + local_rank].pid == 0:
                         self.ranks[offset + local_rank].pid = pid
         elif isinstance(message, WorkersEnded):
-            state.free_port = message.free_port
-            state.restart_ready = True
+            if message.attempt == self.attempt:  # else a late reply about an earlier attempt
+                state.free_port = message.free_port
+                state.restart_ready = True
         elif isinstance(message, WorkerTimedOut):
             self._on_worker_timed_out(state, message)
         elif isinstance(message, AgentDone):
@@ -1306,6 +1324,8 @@ class _Launch:
     def _on_worker_timed_out(self, agent: _AgentState, message: WorkerTimedOut) -> None:
         assert agent.spec is not None  # noqa: S101 (only started workers time out)
         rank = agent.spec.rank_offset + message.local_rank
+        if rank >= len(self.ranks) or self.ranks[rank].state.is_final:
+            return  # it ended (or the attempt did) before its report arrived
         error = WorkerTimeoutError(
             agent.slots.hostname, message.local_rank, rank, message.scope, message.limit
         )
@@ -1407,6 +1427,7 @@ class _Launch:
                 f"{message.type_name}: {message.message} (raised in {where}; the exception "
                 "object could not be sent back, so its type is not kept)"
             )
+            error.type_name = message.type_name
         error.__cause__ = RemoteTraceback(message.traceback)
         error.__suppress_context__ = True
         _add_note(error, f"raised in {where}")

@@ -26,6 +26,7 @@ Entry points are read on use, never at import, and a broken plugin is reported b
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from torchrunx.hosts import HostSlots, in_slurm_allocation, read_hostfile, slurm_allocation
+
+logger = logging.getLogger(__name__)
 
 HOSTS_GROUP = "torchrunx.hosts"
 PRESETS_GROUP = "torchrunx.presets"
@@ -135,8 +138,13 @@ def detected_hosts(environ: Mapping[str, str]) -> list[HostSlots] | None:
     names = host_provider_names()
     ordered = ["slurm", *(n for n in names if n != "slurm")] if "slurm" in names else names
     for name in ordered:
-        provider = host_provider(name)
-        if provider.detect(environ):
+        try:
+            provider = host_provider(name)
+            detected = provider.detect(environ)
+        except Exception:
+            logger.warning("host provider %r is skipped: it failed", name, exc_info=True)
+            continue
+        if detected:
             return provider.hosts(None, environ)
     return None
 
@@ -296,7 +304,7 @@ _BUILTIN_PROVIDERS: dict[str, HostProvider] = {
 # -- built-in presets and functions -----------------------------------------------------------
 
 LOCAL_CPU: dict[str, Any] = {"hostnames": ["localhost"], "backend": "gloo"}
-"""Every CPU core of this machine, one worker each, gloo."""
+"""This machine, gloo (workers: one per GPU, else per CPU core, as "auto" counts)."""
 
 GPU_X8: dict[str, Any] = {"workers_per_host": 8, "backend": "nccl"}
 """Eight GPUs per host (one worker each), NCCL."""

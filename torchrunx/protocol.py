@@ -130,14 +130,23 @@ class Stop:
     """Send each live worker's Python stacks (:class:`WorkerStacks`) before stopping."""
     restart: bool = False
     """Stop only the workers: then send :class:`WorkersEnded` and wait for a new spec."""
+    attempt: int = 0
+    """The launcher's attempt being stopped (echoed in :class:`WorkersEnded`)."""
 
 
 @dataclass(frozen=True)
 class WorkersEnded:
-    """Agent: after a ``Stop(restart=True)``, every worker ended; ready for a new spec."""
+    """Agent: every worker of ``attempt`` ended, and the agent waits for the launcher.
+
+    Sent after a ``Stop(restart=True)``, and also unasked when restarts are possible
+    (``attempt < max_restarts``): then the agent stays until the launcher sends a new
+    :class:`WorkerSpec` (a restart) or a :class:`Stop` (the launch is over).
+    """
 
     free_port: int
     """A port free on this host now, for the next group's ``MASTER_PORT``."""
+    attempt: int = -1
+    """The attempt whose workers ended (-1: none had started)."""
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,14 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class LaunchTimings:
-    """How long each phase of a launch took, in seconds (of the attempt that succeeded).
+    """How long each phase of a launch took, in seconds.
+
+    Per-rank figures are those of the attempt that succeeded; ``total`` and
+    ``agents_started`` count from the start of the launch (after its fields are checked and
+    its hosts resolved), restarts included.
 
     Attributes:
-        total: From the call of ``run`` to the last result.
+        total: From the start of the launch to the last result.
         agents_started: From the start until every agent had connected back.
         connect: Per host: SSH connection (0 for local and srun agents, which need none).
         agent_start: Per host: from the start until its agent connected back (SSH or srun,

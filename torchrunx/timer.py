@@ -111,7 +111,7 @@ class expires:  # noqa: N801 (used like a function: ``with timer.expires(...)``)
 
     def __init__(self, after: float, scope: str = "step") -> None:
         """Check and keep the limit and the scope name (nothing is armed yet)."""
-        cached = _prepared.get((after, scope))
+        cached = None if isinstance(after, bool) else _prepared.get((after, scope))
         if cached is None:
             cached = _prepare(after, scope)
         self._limit, self._details = cached
