@@ -673,6 +673,14 @@ class _Launch:
         self.call = call
         # First: it may raise (a bad TORCHRUNX_LOG_LEVEL, a failing handler factory).
         self.logs = LogRouter(launcher.log_handlers, [h.hostname for h in hosts])
+        try:  # an unwritable log folder fails here, before any socket or thread exists
+            self.sink = EventSink(
+                launcher.event_handlers,
+                None if self.logs.log_dir is None else self.logs.log_dir / "events.jsonl",
+            )
+        except BaseException:
+            self.logs.close()
+            raise
         self.secret = protocol.new_secret()
         self.events: queue.Queue[_Event] = queue.Queue()
         self.agents = [
@@ -685,7 +693,7 @@ class _Launch:
         self.stacks: dict[int, str] = {}
         # The worker behind a failure: its output tail is added when the error is raised,
         # once the agents have forwarded everything (output travels apart from exceptions).
-        self.failed_rank: dict[int, _RankState] = {}
+        self.failed_rank: dict[int, tuple[BaseException, _RankState]] = {}
         self.stopping = False
         self.closing = False
         self.threads: list[threading.Thread] = []
@@ -703,10 +711,6 @@ class _Launch:
         self.phase = "starting agents"
         self.agents_started_after = 0.0
         self.finished_after = 0.0
-        self.sink = EventSink(
-            launcher.event_handlers,
-            None if self.logs.log_dir is None else self.logs.log_dir / "events.jsonl",
-        )
         self.health: HealthServer | None = None
         self.script = b""
         self.retired: list[tuple[AgentProcess, bool]] = []
@@ -785,7 +789,9 @@ class _Launch:
         error = self.failures.first
         if error is None or self.attempt >= self.launcher.max_restarts:
             return False
-        return _restarts_for(error, set(self.launcher.restart_on), id(error) in self.failed_rank)
+        return _restarts_for(
+            error, set(self.launcher.restart_on), self._rank_behind(error) is not None
+        )
 
     def _restart(self, launch_deadline: float | None) -> None:
         """Stop the worker group, keep the agents, and get them ready for the next attempt.
@@ -869,6 +875,11 @@ class _Launch:
         for index in replaced:
             state = self.agents[index]
             state.restart_ready = state.hello is not None
+
+    def _rank_behind(self, error: BaseException) -> _RankState | None:
+        """The worker whose failure ``error`` is (``None`` for other failures)."""
+        entry = self.failed_rank.get(id(error))
+        return entry[1] if entry is not None and entry[0] is error else None
 
     def _drain_events(self) -> None:
         while True:  # what arrived together with the last agent's reply still counts
@@ -1334,7 +1345,7 @@ class _Launch:
                 error,
                 f"Python stack of rank {rank} when its limit passed:\n{message.stack.rstrip()}",
             )
-        self.failed_rank[id(error)] = self.ranks[rank]
+        self.failed_rank[id(error)] = (error, self.ranks[rank])
         self._worker_failed(rank, error)
         self._fail(error)
 
@@ -1392,7 +1403,7 @@ class _Launch:
         error = WorkerFailedError(
             host, state.local_rank, rank, exited.pid, exited.exitcode, exited.signal
         )
-        self.failed_rank[id(error)] = state
+        self.failed_rank[id(error)] = (error, state)
         self._worker_failed(rank, error)
         self._fail(error)
 
@@ -1431,7 +1442,7 @@ class _Launch:
         error.__cause__ = RemoteTraceback(message.traceback)
         error.__suppress_context__ = True
         _add_note(error, f"raised in {where}")
-        self.failed_rank[id(error)] = state
+        self.failed_rank[id(error)] = (error, state)
         return error
 
     def _fail(self, error: BaseException) -> None:
@@ -1464,8 +1475,9 @@ class _Launch:
     def _error(self) -> BaseException:
         error = self.failures.first
         assert error is not None  # noqa: S101 (only called after a failure)
-        if id(error) in self.failed_rank:
-            self._add_output_tail(error, self.failed_rank[id(error)])
+        behind = self._rank_behind(error)
+        if behind is not None:
+            self._add_output_tail(error, behind)
         if self.failures.others:
             others = "; ".join(self.failures.others)
             _add_note(error, f"other failures seen while stopping: {others}")
