@@ -3,7 +3,7 @@
 Usage::
 
     python examples/01_train_ddp.py                # 2 workers on localhost, gloo (CPU)
-    python examples/01_train_ddp.py --steps 50     # more steps
+    python examples/01_train_ddp.py --steps 50     # fewer steps (default 200)
 
 Every worker trains on its own shard of a synthetic regression problem; DDP averages the
 gradients, so all ranks end with the same weights. Rank 0 returns its final loss and weights.

@@ -364,3 +364,20 @@ def test_an_exception_that_cannot_travel_back_still_restarts():
         restart_on=("NeedsTwoArguments",),
     )
     assert (result.ranks, result.restarts) == (["ok"], 1)
+
+
+def test_health_port_zero_is_announced_in_the_first_event(monkeypatch):
+    monkeypatch.setenv("TORCHRUNX_HEALTH_CHECK_PORT", "0")
+    seen: list[ev.Event] = []
+    trx.launch(
+        os.getpid,
+        hostnames=["localhost"],
+        workers_per_host=1,
+        backend=None,
+        event_handlers=(seen.append,),
+    )
+    started = seen[0]
+    assert isinstance(started, ev.LaunchStarted)
+    assert started.health_url is not None
+    assert started.health_url.endswith("/health")
+    assert int(started.health_url.rsplit(":", 1)[1].split("/")[0]) > 0

@@ -682,10 +682,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         # launcher's sys.path, so this reaches them too.
         sys.path.insert(0, os.getcwd())  # noqa: PTH109
     if argv[:1] == ["builtins"]:
+        if {"-h", "--help"} & set(argv[1:]):
+            text = (
+                "usage: torchrunx builtins\n\nList the functions, presets and host providers "
+                "that installed packages registered (entry point groups torchrunx.functions, "
+                "torchrunx.presets and torchrunx.hosts)."
+            )
+            print(text)  # noqa: T201 (the command's output)
+            return EXIT_OK
         return _builtins()
     parser = _command_parser()
     registered: str | None = None
     if argv[:1] == ["run"]:
+        if argv[1:2] in (["-h"], ["--help"]):
+            parser.prog = "torchrunx run NAME"
+            parser.epilog = (
+                "Runs the function registered as NAME: torchrunx run NAME [options] -- ARGS..."
+            )
+            parser.print_help()
+            return EXIT_OK
         if len(argv) < 2 or argv[1].startswith("-"):
             parser.error("run needs the name of a registered function (see `torchrunx builtins`)")
         registered = argv[1]

@@ -77,6 +77,8 @@ class LaunchStarted:
     hostnames: tuple[str, ...]
     workers_per_host: tuple[int | None, ...]
     max_restarts: int
+    health_url: str | None = None
+    """Where ``GET /health`` is served, if the endpoint is on (the port 0 picked, too)."""
     time: float = field(default_factory=_now)
 
 

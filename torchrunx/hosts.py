@@ -392,6 +392,9 @@ def resolve_hosts(
     env = os.environ if environ is None else environ
     provider = plugins.provider_spec(hostnames)
     hostfile = hostfile_path(hostnames)
+    if provider is not None and hostfile is None and isinstance(hostnames, list | tuple):
+        named = Path(str(hostnames[0])).expanduser()
+        hostfile = named if named.is_file() else None  # --hostnames hostfile, a file here
     if hostfile is not None and (provider is None or hostfile.expanduser().is_file()):
         hosts = read_hostfile(hostfile)  # an existing file wins over a provider's name
     elif provider is not None:

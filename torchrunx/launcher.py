@@ -110,7 +110,7 @@ from torchrunx.transport import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -733,6 +733,7 @@ class _Launch:
                 tuple(a.slots.hostname for a in self.agents),
                 tuple(a.slots.workers for a in self.agents),
                 self.launcher.max_restarts,
+                None if self.health is None else self.health.url,
             )
         )
         try:
@@ -1243,6 +1244,11 @@ class _Launch:
             reason = f"the agent process ended with {describe_exit(None, -status)}"
         else:
             reason = f"the agent process ended unexpectedly (exit status {status})"
+            if state.hello is None and self.launcher.env_file is not None:
+                reason += (
+                    f" before it connected; env_file {str(self.launcher.env_file)!r} is sourced "
+                    "first: did it fail? (its output, if any, is below)"
+                )
         self._fail(AgentFailedError(state.slots.hostname, reason, tail))
 
     def _on_message(
@@ -1478,9 +1484,9 @@ class _Launch:
         behind = self._rank_behind(error)
         if behind is not None:
             self._add_output_tail(error, behind)
-        if self.failures.others:
-            others = "; ".join(self.failures.others)
-            _add_note(error, f"other failures seen while stopping: {others}")
+        others = _count_repeats(s for s in self.failures.others if s != _summary(error))
+        if others:
+            _add_note(error, f"other failures seen while stopping: {'; '.join(others)}")
         if self.history:
             earlier = "\n".join(f"  {line}" for line in self.history)
             _add_note(
@@ -1509,7 +1515,10 @@ class _Launch:
         """Tell every agent to stop its workers and wait (bounded) until they did."""
         self.stopping = True
         first = self.failures.first
-        reason = (str(first).splitlines() or [type(first).__name__])[0]
+        if isinstance(first, SystemExit) and first.code == 128 + signal.SIGTERM:
+            reason = "the launcher received SIGTERM"
+        else:
+            reason = (str(first).splitlines() or [type(first).__name__])[0]
         # Stacks tell where the survivors were stuck; after a Ctrl-C the user knows why.
         dump = not isinstance(first, KeyboardInterrupt | SystemExit)
         for state in self.agents:
@@ -1633,6 +1642,14 @@ def _listen() -> socket.socket:
     if socket.has_dualstack_ipv6():
         return socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
     return socket.create_server(("0.0.0.0", 0))  # noqa: S104 (agents on other hosts connect here)
+
+
+def _count_repeats(lines: Iterable[str]) -> list[str]:
+    """Each distinct line once, in first-seen order, with ``(xN)`` when it came N > 1 times."""
+    counts: dict[str, int] = {}
+    for line in lines:
+        counts[line] = counts.get(line, 0) + 1
+    return [line if n == 1 else f"{line} (x{n})" for line, n in counts.items()]
 
 
 def _summary(error: BaseException) -> str:

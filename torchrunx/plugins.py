@@ -229,7 +229,9 @@ class HostfileProvider:
         path = argument or environ.get("TORCHRUNX_HOSTFILE")
         if not path:
             raise RuntimeError(
-                "hostnames='hostfile' needs a path: 'hostfile:/path/to/file' or TORCHRUNX_HOSTFILE"
+                "hostnames='hostfile' names the hostfile provider, which needs a path: "
+                "'hostfile:/path/to/file', TORCHRUNX_HOSTFILE, or the file's path with a "
+                "slash, such as ./hostfile"
             )
         return read_hostfile(path)
 
