@@ -285,3 +285,17 @@ def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(
     assert not marker.exists()
     assert "FORGED" not in capsys.readouterr().out
     assert "FORGED" not in "".join(p.read_text() for p in log_dir.rglob("*.log"))
+
+
+def init_group_again() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+
+
+def test_a_second_init_process_group_says_what_to_do():
+    with pytest.raises(ValueError, match="twice") as info:
+        trx.launch(init_group_again, hostnames=["localhost"], workers_per_host=1, backend="gloo")
+    notes = "\n".join(info.value.__notes__)
+    assert "torchrunx had already initialised the process group (backend='gloo')" in notes
+    assert "backend=None" in notes

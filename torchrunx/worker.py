@@ -61,6 +61,19 @@ def _looks_like_timeout(exc: BaseException) -> bool:
     return "timeout" in text or "timed out" in text
 
 
+def _add_hints(exc: BaseException, spec: WorkerSpec) -> None:
+    """Notes for failures that come from the process group torchrunx set up."""
+    if _looks_like_timeout(exc):
+        _add_note(exc, f"the process-group timeout is Launcher.timeout={spec.timeout} s")
+    if "initialize the default process group twice" in str(exc):
+        _add_note(
+            exc,
+            f"torchrunx had already initialised the process group (backend={spec.backend!r}); "
+            "a function that calls init_process_group itself needs backend=None "
+            "(--backend None on the command line)",
+        )
+
+
 def _add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
@@ -148,8 +161,8 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
         sys.stderr.write(f"{exc.code}\n")
         return 1
     except BaseException as exc:  # noqa: BLE001 (every failure goes back to the launcher)
-        if spec.backend is not None and _looks_like_timeout(exc):
-            _add_note(exc, f"the process-group timeout is Launcher.timeout={spec.timeout} s")
+        if spec.backend is not None:
+            _add_hints(exc, spec)
         conn.send(*_exception_message(rank, exc))
         return _EXIT_RAISED
     try:
