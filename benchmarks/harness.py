@@ -86,6 +86,7 @@ def measure(tool: Tool, spec: Measure, ctx: Context) -> Outcome:
     scratch = Path(ctx.runs_root, f"{time.monotonic_ns()}")
     scratch.mkdir(parents=True)
     cap = ctx.cap_for(spec)
+    semaphores_before = shared_semaphores()
     cpu_before = machine_cpu_seconds()
     try:
         if tool == "floor":
@@ -102,6 +103,11 @@ def measure(tool: Tool, spec: Measure, ctx: Context) -> Outcome:
         if spec.cut and ctx.cluster is not None:
             ctx.cluster.restore_link(ctx.cluster.hosts[spec.hosts - 1])
         leftovers = kill_leftovers(ctx.runs_root)
+        # The peers' own leftovers of a killed run: multiprocessing semaphores (their temp
+        # files went to the scratch directory through TMPDIR).
+        for name in shared_semaphores() - semaphores_before:
+            with contextlib.suppress(OSError):
+                (SHM / name).unlink()
         shutil.rmtree(scratch, ignore_errors=True)
     outcome.leftovers = leftovers
     if outcome.capped and spec.expect_error:
@@ -217,12 +223,24 @@ def run_floor(scratch: Path, cap: float) -> Outcome:
     return outcome
 
 
+SHM = Path("/dev/shm")
+
+
+def shared_semaphores() -> set[str]:
+    """Names of the multiprocessing semaphores in /dev/shm (torchrun's workers make them)."""
+    return {p.name for p in SHM.glob("sem.mp-*")} if SHM.is_dir() else set()
+
+
 def run_process(argv: list[str], cwd: Path, cap: float) -> tuple[str, str, bool, int]:
     """Run a command in its own session; kill the session after ``cap`` seconds.
+
+    Its temporary files (``TMPDIR``) go to ``cwd/tmp``, which is removed with ``cwd``.
 
     Returns:
         stdout, stderr, whether it was killed at the cap, and the exit status.
     """
+    tmp = cwd / "tmp"
+    tmp.mkdir(exist_ok=True)
     proc = subprocess.Popen(
         argv,
         cwd=cwd,
@@ -232,7 +250,7 @@ def run_process(argv: list[str], cwd: Path, cap: float) -> tuple[str, str, bool,
         text=True,
         errors="replace",
         start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)},
     )
     try:
         stdout, stderr = proc.communicate(timeout=cap)
