@@ -266,7 +266,7 @@ class TestCluster:
         Args:
             host: The host or its name.
         """
-        _run(["ip", "link", "set", self._host(host).veth, "down"])
+        run_command(["ip", "link", "set", self._host(host).veth, "down"])
 
     def restore_link(self, host: TestHost | str) -> None:
         """Undo :meth:`cut_link`.
@@ -274,7 +274,7 @@ class TestCluster:
         Args:
             host: The host or its name.
         """
-        _run(["ip", "link", "set", self._host(host).veth, "up"])
+        run_command(["ip", "link", "set", self._host(host).veth, "up"])
 
     def wait_ssh_ready(self, timeout: float = 10) -> None:
         """Wait until every host's ``sshd`` accepts a TCP connection and sends its banner.
@@ -306,13 +306,13 @@ class TestCluster:
         for daemon in self._daemons.values():
             daemon.terminate()
         for daemon in self._daemons.values():
-            _reap(daemon, timeout=5)
+            reap_process(daemon, timeout=5)
         self._daemons.clear()
         for host in self.hosts:
             _kill_netns_processes(host.netns)
-            _run(["ip", "link", "del", host.veth], check=False)
-            _run(["ip", "netns", "del", host.netns], check=False)
-        _run(["ip", "link", "del", self.profile.bridge], check=False)
+            run_command(["ip", "link", "del", host.veth], check=False)
+            run_command(["ip", "netns", "del", host.netns], check=False)
+        run_command(["ip", "link", "del", self.profile.bridge], check=False)
         if self._saved_etc_hosts is not None:
             self._restore_etc_hosts(self._saved_etc_hosts)
             self._saved_etc_hosts = None
@@ -406,17 +406,19 @@ class TestCluster:
 
     def _make_network(self) -> None:
         bridge = self.profile.bridge
-        _run(["ip", "link", "add", bridge, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{self.profile.launcher_address}/24", "dev", bridge])
-        _run(["ip", "link", "set", bridge, "up"])
+        run_command(["ip", "link", "add", bridge, "type", "bridge"])
+        run_command(["ip", "addr", "add", f"{self.profile.launcher_address}/24", "dev", bridge])
+        run_command(["ip", "link", "set", bridge, "up"])
         for host in self.hosts:
-            _run(["ip", "netns", "add", host.netns])
+            run_command(["ip", "netns", "add", host.netns])
             peer = ["peer", "name", "eth0", "netns", host.netns]
-            _run(["ip", "link", "add", host.veth, "type", "veth", *peer])
-            _run(["ip", "link", "set", host.veth, "master", bridge, "up"])
-            _run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0"])
-            _run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
-            _run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
+            run_command(["ip", "link", "add", host.veth, "type", "veth", *peer])
+            run_command(["ip", "link", "set", host.veth, "master", bridge, "up"])
+            run_command(
+                ["ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0"]
+            )
+            run_command(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
+            run_command(["ip", "-n", host.netns, "link", "set", "lo", "up"])
 
     def _edit_etc_hosts(self) -> None:
         marker = self.profile.hosts_marker
@@ -539,15 +541,15 @@ def start_cluster(n: int, workdir: Path, profile: ProfileName = "test") -> TestC
 
 def _remove_stale_cluster(profile: Profile) -> None:
     """Remove the profile's namespaces with their processes, its links and marked hosts lines."""
-    netns_list = _run(["ip", "netns", "list"]).stdout.splitlines()
+    netns_list = run_command(["ip", "netns", "list"]).stdout.splitlines()
     for netns in (line.split()[0] for line in netns_list if line.strip()):
         if netns.startswith(profile.netns_prefix):
             _kill_netns_processes(netns)
-            _run(["ip", "netns", "del", netns])
-    links = _run(["ip", "-o", "link", "show"]).stdout.splitlines()
+            run_command(["ip", "netns", "del", netns])
+    links = run_command(["ip", "-o", "link", "show"]).stdout.splitlines()
     for link in (line.split(": ")[1].split("@")[0] for line in links):
         if profile.owns_link(link):
-            _run(["ip", "link", "del", link], check=False)  # a veth may go with its peer
+            run_command(["ip", "link", "del", link], check=False)  # a veth may go with its peer
     with _etc_hosts_lock():
         _drop_marked_lines(profile)
 
@@ -580,7 +582,7 @@ def _name_lines(profile: Profile, hosts: list[TestHost]) -> list[str]:
     )
 
 
-def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_command(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run a command; if ``check``, raise :class:`RuntimeError` with its stderr when it fails."""
     result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     if check and result.returncode != 0:
@@ -622,7 +624,7 @@ def _sshd_answers(address: str) -> bool:
         return False
 
 
-def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
+def reap_process(proc: subprocess.Popen[bytes], timeout: float) -> None:
     """Wait for ``proc`` to exit, SIGKILLing it after ``timeout`` seconds."""
     try:
         proc.wait(timeout=timeout)
@@ -633,7 +635,7 @@ def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
 
 def _netns_pids(netns: str) -> list[int]:
     """Pids of live (non-zombie) processes in a network namespace."""
-    result = _run(["ip", "netns", "pids", netns], check=False)
+    result = run_command(["ip", "netns", "pids", netns], check=False)
     return [int(pid) for pid in result.stdout.split()]
 
 

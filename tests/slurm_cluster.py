@@ -56,7 +56,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from cluster import TestCluster, cluster_unavailable_reason, start_cluster
+from cluster import (
+    TestCluster,
+    cluster_unavailable_reason,
+    reap_process,
+    run_command,
+    start_cluster,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -326,7 +332,7 @@ class SlurmCluster:
         for name in order:
             daemon = self._daemons[name]
             daemon.terminate()
-            _reap(daemon, timeout=5)
+            reap_process(daemon, timeout=5)
         self._daemons.clear()
         self.ssh.stop()  # kills whatever is left in the hosts: slurmstepd, job processes
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -396,7 +402,7 @@ class SlurmCluster:
         self._munge_dir.mkdir(mode=0o755)
         self._munge_dir.chmod(0o755)  # mkdir's mode is masked by the umask
         key = self._munge_dir / "munge.key"
-        _run(["mungekey", "--create", f"--keyfile={key}"])
+        run_command(["mungekey", "--create", f"--keyfile={key}"])
         argv = [
             "munged",
             "--foreground",
@@ -591,18 +597,3 @@ def _read(path: Path) -> str:
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
-
-
-def _run(argv: list[str]) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    if result.returncode != 0:
-        msg = f"{shlex.join(argv)} failed ({result.returncode}): {result.stderr.strip()}"
-        raise RuntimeError(msg)
-
-
-def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

@@ -17,6 +17,7 @@ never with torch (``CUDA_VISIBLE_DEVICES``, the driver's ``/proc`` entries, ``nv
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import itertools
 import os
@@ -254,7 +255,17 @@ def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
     return values
 
 
+@functools.lru_cache(maxsize=64)
+def _expand_hostnames_cached(nodelist: str) -> tuple[str, ...]:
+    return tuple(_expand_hostnames(nodelist))
+
+
 def expand_hostnames(nodelist: str) -> list[str]:
+    """Expand a SLURM node list (see :func:`_expand_hostnames`), once per process and list."""
+    return list(_expand_hostnames_cached(nodelist))
+
+
+def _expand_hostnames(nodelist: str) -> list[str]:
     """Expand a SLURM node list with ``scontrol show hostnames``, or our own parser.
 
     :func:`expand_nodelist` is used where ``scontrol`` is not installed or fails (for example
@@ -367,6 +378,50 @@ def hostfile_path(hostnames: object) -> Path | None:
 # -- resolution -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class HostsSource:
+    """What the ``hostnames`` field names; one attribute is set (none for ``"auto"``).
+
+    Attributes:
+        hostfile: A hostfile path (it may not exist: validation says so).
+        provider: A host provider's name and its argument (``"pbs"``, ``"hostfile:PATH"``).
+        names: The host names of a plain list.
+    """
+
+    hostfile: Path | None = None
+    provider: tuple[str, str | None] | None = None
+    names: tuple[str, ...] = ()
+
+
+def hostnames_source(hostnames: object) -> HostsSource:
+    """Tell a hostfile, a host provider and a list of names apart (``"auto"``: all unset).
+
+    A string or path is a hostfile, unless it names a provider and no such file exists; a
+    one-entry list naming a provider is that provider, unless a file of that name exists (as
+    ``--hostnames hostfile`` arrives from the command line); a one-entry list with a slash is
+    a hostfile (see :func:`hostfile_path`).
+
+    Raises:
+        TypeError: ``hostnames`` is none of these.
+    """
+    from torchrunx import plugins  # noqa: PLC0415 (plugins builds on this module)
+
+    if hostnames == "auto":
+        return HostsSource()
+    provider = plugins.provider_spec(hostnames)
+    hostfile = hostfile_path(hostnames)
+    if provider is not None and hostfile is None and isinstance(hostnames, list | tuple):
+        named = Path(str(hostnames[0])).expanduser()
+        hostfile = named if named.is_file() else None
+    if hostfile is not None and (provider is None or hostfile.expanduser().is_file()):
+        return HostsSource(hostfile=hostfile)
+    if provider is not None:
+        return HostsSource(provider=provider)
+    if isinstance(hostnames, list | tuple):
+        return HostsSource(names=tuple(hostnames))
+    raise TypeError(f"hostnames must be a list, 'auto', 'slurm' or a path: {hostnames!r}")
+
+
 def resolve_hosts(
     hostnames: HostnamesSpec,
     workers_per_host: WorkersSpec,
@@ -390,22 +445,16 @@ def resolve_hosts(
     from torchrunx import plugins  # noqa: PLC0415 (plugins builds on this module)
 
     env = os.environ if environ is None else environ
-    provider = plugins.provider_spec(hostnames)
-    hostfile = hostfile_path(hostnames)
-    if provider is not None and hostfile is None and isinstance(hostnames, list | tuple):
-        named = Path(str(hostnames[0])).expanduser()
-        hostfile = named if named.is_file() else None  # --hostnames hostfile, a file here
-    if hostfile is not None and (provider is None or hostfile.expanduser().is_file()):
-        hosts = read_hostfile(hostfile)  # an existing file wins over a provider's name
-    elif provider is not None:
-        name, argument = provider
+    source = hostnames_source(hostnames)
+    if source.hostfile is not None:
+        hosts = read_hostfile(source.hostfile)
+    elif source.provider is not None:
+        name, argument = source.provider
         hosts = plugins.host_provider(name).hosts(argument, env)
     elif hostnames == "auto":
         hosts = plugins.detected_hosts(env) or [HostSlots("localhost", None)]
-    elif isinstance(hostnames, list | tuple):
-        hosts = [HostSlots(str(name), None) for name in hostnames]
     else:
-        raise TypeError(f"hostnames must be a list, 'auto', 'slurm' or a path: {hostnames!r}")
+        hosts = [HostSlots(str(name), None) for name in source.names]
     return _assign_workers(hosts, workers_per_host, env)
 
 

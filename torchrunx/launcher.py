@@ -70,7 +70,7 @@ from torchrunx.health import (
 )
 from torchrunx.hosts import (
     HostSlots,
-    hostfile_path,
+    hostnames_source,
     in_slurm_allocation,
     is_local_host,
     resolve_hosts,
@@ -441,14 +441,18 @@ def _is_positive(value: object) -> bool:
 
 
 def _validate_hostnames(hostnames: object) -> None:
-    if hostnames in ("auto", "slurm"):
+    if hostnames == "auto":
         return
     from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
 
-    hostfile = hostfile_path(hostnames)
-    if hostfile is not None:
-        if hostfile.expanduser().is_file() or plugins.provider_spec(hostnames) is not None:
-            return  # a hostfile, or a host provider's name ("pbs", "hostfile:/etc/hosts.mpi")
+    try:
+        source = hostnames_source(hostnames)
+    except TypeError:
+        source = None
+    if source is not None and source.hostfile is not None:
+        hostfile = source.hostfile
+        if hostfile.expanduser().is_file():
+            return
         if isinstance(hostnames, os.PathLike) or "/" in str(hostfile):
             raise ValueError(f"hostfile {str(hostfile)!r} does not exist or is not a file")
         raise ValueError(
@@ -456,9 +460,11 @@ def _validate_hostnames(hostnames: object) -> None:
             f"({', '.join(plugins.host_provider_names())}) nor an existing hostfile; for a "
             f"single host give a list: hostnames=[{str(hostfile)!r}]"
         )
-    if not isinstance(hostnames, list | tuple) or not hostnames:
+    if source is not None and source.provider is not None:
+        return
+    if source is None or not source.names:
         raise ValueError(f"hostnames must be a non-empty list of host names, got {hostnames!r}")
-    for name in hostnames:
+    for name in source.names:
         if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
             raise ValueError(f"hostnames contains an invalid host name: {name!r}")
 
@@ -617,7 +623,8 @@ class _AgentState:
     """Silent for agent_timeout: its host is unreachable; never waited for again."""
     failed: bool = False
     free_port: int = 0
-    restart_ready: bool = False
+    idle: bool = False
+    """Its workers of this attempt ended; it waits for a new spec or a Stop (WorkersEnded)."""
     started_after: float = 0.0
     """Seconds from the launch's start to this agent's hello."""
 
@@ -815,7 +822,7 @@ class _Launch:
             reason,
         )
         for state in self.agents:
-            if state.conn is not None and not (state.done or state.ended or state.restart_ready):
+            if state.conn is not None and not (state.done or state.ended or state.idle):
                 stop = Stop(
                     reason, _STOP_GRACE, dump_stacks=False, restart=True, attempt=self.attempt
                 )
@@ -825,7 +832,7 @@ class _Launch:
         if launch_deadline is not None:
             deadline = min(deadline, launch_deadline)
         self._wait(
-            lambda: all(a.restart_ready or a.ended or a.lost or a.done for a in self.agents),
+            lambda: all(a.idle or a.ended or a.lost or a.done for a in self.agents),
             deadline,
         )
         if launch_deadline is not None and time.monotonic() >= launch_deadline:
@@ -838,7 +845,7 @@ class _Launch:
                 rank_state.conn.close()  # an old worker's connection: nothing more is read
         if "hosts" in self.launcher.restart_on:
             self._replace_agents(launch_deadline)
-        unready = [a.slots.hostname for a in self.agents if not a.restart_ready]
+        unready = [a.slots.hostname for a in self.agents if not a.idle]
         if unready:
             self.stopping = False
             self.history.pop()  # this failure is the one raised, not an earlier one
@@ -853,12 +860,12 @@ class _Launch:
         self.stacks.clear()
         self.stopping = False
         for state in self.agents:
-            state.restart_ready = False
+            state.idle = False
             state.pids = ()
 
     def _replace_agents(self, launch_deadline: float | None) -> None:
         """Start a new agent for every host whose agent died or was lost (new SSH or srun)."""
-        replaced = [i for i, a in enumerate(self.agents) if not a.restart_ready]
+        replaced = [i for i, a in enumerate(self.agents) if not a.idle]
         for index in replaced:
             old = self.agents[index]
             logger.warning("starting a new agent on %s", old.slots.hostname)
@@ -875,7 +882,7 @@ class _Launch:
         )
         for index in replaced:
             state = self.agents[index]
-            state.restart_ready = state.hello is not None
+            state.idle = state.hello is not None
 
     def _rank_behind(self, error: BaseException) -> _RankState | None:
         """The worker whose failure ``error`` is (``None`` for other failures)."""
@@ -1140,8 +1147,8 @@ class _Launch:
         return address, first.free_port
 
     def _finished(self) -> bool:
-        # With restarts left, agents whose workers ended stay (restart_ready) until the end.
-        agents_done = all(a.done or a.ended or a.restart_ready for a in self.agents)
+        # With restarts left, agents whose workers ended stay (idle) until the end.
+        agents_done = all(a.done or a.ended or a.idle for a in self.agents)
         return agents_done and all(r.result is not None for r in self.ranks)
 
     def _collect(self) -> tuple[tuple[Any, ...], ...]:
@@ -1320,7 +1327,7 @@ class _Launch:
         elif isinstance(message, WorkersEnded):
             if message.attempt == self.attempt:  # else a late reply about an earlier attempt
                 state.free_port = message.free_port
-                state.restart_ready = True
+                state.idle = True
         elif isinstance(message, WorkerTimedOut):
             self._on_worker_timed_out(state, message)
         elif isinstance(message, AgentDone):
