@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,7 @@ def measure(tool: Tool, spec: Measure, ctx: Context) -> Outcome:
     scratch.mkdir(parents=True)
     cap = ctx.cap_for(spec)
     semaphores_before = shared_semaphores()
+    elastic_before = elastic_temp_dirs()
     cpu_before = machine_cpu_seconds()
     try:
         if tool == "floor":
@@ -108,6 +110,10 @@ def measure(tool: Tool, spec: Measure, ctx: Context) -> Outcome:
         for name in shared_semaphores() - semaphores_before:
             with contextlib.suppress(OSError):
                 (SHM / name).unlink()
+        # torch.distributed.elastic's run folders: torchrunx 0.4's agents start over SSH and
+        # do not get our TMPDIR, so theirs land in the system temp folder.
+        for path in elastic_temp_dirs() - elastic_before:
+            shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
     outcome.leftovers = leftovers
     if outcome.capped and spec.expect_error:
@@ -229,6 +235,20 @@ SHM = Path("/dev/shm")
 def shared_semaphores() -> set[str]:
     """Names of the multiprocessing semaphores in /dev/shm (torchrun's workers make them)."""
     return {p.name for p in SHM.glob("sem.mp-*")} if SHM.is_dir() else set()
+
+
+def elastic_temp_dirs() -> set[Path]:
+    """Folders torch.distributed.elastic made in the system temp folder.
+
+    They are ``tmp*/`` folders that hold only ``test_run_id_*`` entries.
+    """
+    found = set()
+    for path in Path(tempfile.gettempdir()).glob("tmp*"):
+        with contextlib.suppress(OSError):
+            entries = list(path.iterdir()) if path.is_dir() else [path]
+            if entries and all(e.name.startswith("test_run_id_") for e in entries):
+                found.add(path)
+    return found
 
 
 def run_process(argv: list[str], cwd: Path, cap: float) -> tuple[str, str, bool, int]:
