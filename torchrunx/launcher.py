@@ -1053,7 +1053,7 @@ class _Launch:
             process.close()
             return
         self._spawn(
-            lambda: self.events.put(_AgentEnded(index, process.wait(1e9), process)),
+            lambda: self.events.put(_AgentEnded(index, process.wait(None), process)),
             f"torchrunx-wait-{hostname}",
         )
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,10 +61,36 @@ class HostProvider(Protocol):
         ...
 
 
+_CACHE: dict[str, tuple[tuple[object, ...], dict[str, importlib.metadata.EntryPoint]]] = {}
+"""Entry points per group, with the :func:`_install_state` they were read in."""
+
+
+def _install_state() -> tuple[object, ...]:
+    """What changes when a distribution is installed or removed: the path and its folders.
+
+    Installing or removing a package adds or removes its ``.dist-info`` folder, which changes
+    the modification time of the ``sys.path`` folder that holds it.
+    """
+    return tuple((entry, _mtime(Path(entry or "."))) for entry in sys.path)
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 def _entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
+    # Scanning every installed distribution takes 10-30 ms; a launch asks several times.
+    state = _install_state()
+    cached = _CACHE.get(group)
+    if cached is not None and cached[0] == state:
+        return cached[1]
     found: dict[str, importlib.metadata.EntryPoint] = {}
     for entry in importlib.metadata.entry_points(group=group):
         found.setdefault(entry.name, entry)  # the first installed distribution wins
+    _CACHE[group] = (state, found)
     return found
 
 

@@ -19,7 +19,9 @@ import contextlib
 import getpass
 import json
 import logging
+import math
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -112,8 +114,12 @@ class AgentProcess(Protocol):
         """The last lines the agent (or ssh) wrote to stderr."""
         ...
 
-    def wait(self, timeout: float) -> int | None:
-        """Wait for the agent to end; its exit status, or ``None`` if still running."""
+    def wait(self, timeout: float | None) -> int | None:
+        """Wait for the agent to end (``None``: for as long as it takes).
+
+        Returns:
+            Its exit status, or ``None`` if it still runs.
+        """
         ...
 
     def close(self, grace: float = 5.0) -> None:
@@ -202,6 +208,10 @@ class _SubprocessAgent:
             )
         except OSError as exc:
             raise AgentFailedError(hostname, f"cannot start the agent ({argv[0]}): {exc}") from exc
+        # Readable once the child has ended: waits wake at its exit, not at the next poll
+        # (Popen.wait with a timeout polls, up to 50 ms late).
+        self._pidfd = os.pidfd_open(self._process.pid)
+        self._pidfd_lock = threading.Lock()
         assert self._process.stdin is not None  # noqa: S101 (Popen with PIPE)
         assert self._process.stdout is not None  # noqa: S101
         assert self._process.stderr is not None  # noqa: S101
@@ -224,12 +234,17 @@ class _SubprocessAgent:
         self._pump.join(0.5)
         return "\n".join(self._pump.tail)
 
-    def wait(self, timeout: float) -> int | None:
+    def wait(self, timeout: float | None) -> int | None:
         """Wait for the child to end; its exit status, or ``None`` if still running."""
+        with self._pidfd_lock:  # a waiter polls its own copy: _release may close the original
+            pidfd = os.dup(self._pidfd) if self._pidfd >= 0 else -1
         try:
-            return self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+            if self._process.returncode is None and pidfd >= 0 and not _readable(pidfd, timeout):
+                return None
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        return self._process.wait()  # it has ended: returns at once
 
     def _close_stdin(self) -> None:
         if self._process.stdin is not None:
@@ -249,6 +264,25 @@ class _SubprocessAgent:
         for stream in (self._process.stdout, self._process.stderr):
             if stream is not None:
                 stream.close()
+        with self._pidfd_lock:
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    """Whether ``fd`` becomes readable within ``timeout`` seconds (``None``: no limit)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if timeout is None:
+        return bool(poller.poll())
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if poller.poll(max(0, math.ceil(left * 1000))):
+            return True
+        if left <= 0:
+            return False
 
 
 class LocalAgent(_SubprocessAgent):
@@ -600,7 +634,7 @@ class SshAgent:
         self._pump.join(0.5)
         return "\n".join(self._pump.tail)
 
-    def wait(self, timeout: float) -> int | None:
+    def wait(self, timeout: float | None) -> int | None:
         """Wait for the remote command to end; its exit status, or ``None`` if still running."""
         if not self._channel.status_event.wait(timeout):
             return None
