@@ -504,6 +504,20 @@ def test_dry_run_without_a_target_reads_a_hostfile(torchrunx_command, tmp_path):
     assert re.search(r"(?m)^backend: None\b", done.stdout), done.stdout
 
 
+def test_options_given_on_the_command_line_beat_the_preset(torchrunx_command, tmp_path):
+    """Even an option given with the field's default value: the user typed it."""
+    base = [*torchrunx_command, "--preset", "gpu_x8", "--hostnames", "node1.invalid"]
+    target = ["--dry-run", "--", "json:dumps", "1"]
+    preset = _run([*base, *target], tmp_path)
+    assert preset.returncode == 0, preset.stderr
+    assert re.search(r"(?m)^backend: nccl\b", preset.stdout), preset.stdout
+    assert re.search(r"(?m)^0\s+node1\.invalid\s+8\s+0-7\b", preset.stdout), preset.stdout
+    given = _run([*base, "--workers-per-host", "auto", "--backend", "auto", *target], tmp_path)
+    assert given.returncode == 0, given.stderr
+    assert re.search(r"(?m)^backend: auto\b", given.stdout), given.stdout
+    assert re.search(r"(?m)^0\s+node1\.invalid\s+auto\s+-", given.stdout), given.stdout
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

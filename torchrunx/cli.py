@@ -200,7 +200,6 @@ class _FieldAction(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         """Convert the option's words and store the value."""
-        del parser
         if self.field_type is bool:
             value: object = not (option_string or "").startswith("--no-")
         else:
@@ -213,6 +212,8 @@ class _FieldAction(argparse.Action):
                     self, f"invalid value {shown}: expected {self.metavar}"
                 ) from None
         setattr(namespace, self.dest, value)
+        if isinstance(parser, _Parser):  # the torchrunx command: --preset needs to know
+            parser.given.add(self.dest)
 
 
 def _cli_fields(cls: type[Any]) -> dict[str, object]:
@@ -491,6 +492,12 @@ class _Parser(argparse.ArgumentParser):
     separated = True
     """Whether the command line has ``--`` between torchrunx's options and the target."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 (argparse's)
+        """An argparse parser that also records which launcher fields were given."""
+        super().__init__(*args, **kwargs)
+        self.given: set[str] = set()
+        """The launcher fields whose option appeared on the command line."""
+
     def error(self, message: str) -> NoReturn:
         """Print the usage and the error, and exit with status 2."""
         hint = ""
@@ -595,6 +602,7 @@ def _target_defaults(namespace: argparse.Namespace, *, function: bool) -> None:
     """
     # A script's backend=None is part of running a script: a --preset does not change it.
     namespace.backend_given = namespace.backend is not _BY_TARGET or not function
+    namespace.isolate_given = namespace.isolate_gpus is not _ISOLATE_BY_TARGET or not function
     if namespace.backend is _BY_TARGET:
         namespace.backend = "auto" if function else None
     if namespace.isolate_gpus is _ISOLATE_BY_TARGET:
@@ -712,7 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.prog = f"torchrunx run {registered}"
     namespace, target = _parse_any(parser, argv, registered)
     try:
-        launcher = _with_preset(launcher_from_args(namespace), namespace)
+        launcher = _with_preset(launcher_from_args(namespace), namespace, parser.given)
         launcher.validate()
     except (ValueError, TypeError, RuntimeError) as exc:
         parser.error(str(exc))
@@ -745,23 +753,23 @@ def _parse_any(
     return namespace, _Target("registered", registered, tuple(argv[split + 2 :]))
 
 
-def _with_preset(launcher: Launcher, namespace: argparse.Namespace) -> Launcher:
-    """Apply ``--preset``: its values, except where an option was given on the command line."""
+def _with_preset(launcher: Launcher, namespace: argparse.Namespace, given: set[str]) -> Launcher:
+    """Apply ``--preset``: its values, except where an option was given on the command line.
+
+    An option given with the field's default value (``--max-restarts 0``) still wins. A
+    script's ``backend`` and ``isolate_gpus`` (see :func:`_target_defaults`) count as given.
+    """
     from torchrunx.launcher import Launcher  # noqa: PLC0415 (workers import this module)
 
     if namespace.preset is None:
         return launcher
-    given = {}
-    for field in dataclasses.fields(Launcher):
-        if field.name not in _cli_fields(Launcher):
-            continue
-        value = getattr(launcher, field.name)
-        if field.name == "backend":
-            if namespace.backend_given:
-                given["backend"] = value
-        elif value != _field_default(field):
-            given[field.name] = value
-    return Launcher.from_preset(namespace.preset, **given)
+    names = set(given)
+    if namespace.backend_given:
+        names.add("backend")
+    if namespace.isolate_given:
+        names.add("isolate_gpus")
+    overrides = {name: getattr(launcher, name) for name in names & set(_cli_fields(Launcher))}
+    return Launcher.from_preset(namespace.preset, **overrides)
 
 
 def _builtins() -> int:
