@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import json
 import math
@@ -52,6 +53,19 @@ class Context:
     def cap_for(self, spec: Measure) -> float:
         """The cap of a measurement."""
         return self.failure_cap if spec.expect_error else self.cap
+
+
+def compile_ours() -> None:
+    """Compile this checkout's package to bytecode, as ``pip install`` does for 0.4's.
+
+    The editable install used for development compiles nothing, and where
+    ``PYTHONDONTWRITEBYTECODE`` is set (it is on the machine the tests run on) imports never
+    write the caches either: every launcher, agent and worker would compile torchrunx from
+    source, which 0.4 (compiled at install) never does.
+    """
+    package = HERE.parent / "torchrunx"
+    if not compileall.compile_dir(package, quiet=1):
+        raise RuntimeError(f"cannot compile {package} to bytecode")
 
 
 def ensure_upstream_venv() -> Path:

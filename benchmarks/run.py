@@ -17,6 +17,7 @@ import importlib.metadata
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,7 @@ from cases import (
     build_cases,
     median,
 )
-from harness import Context, ensure_upstream_venv, log, measure
+from harness import Context, compile_ours, ensure_upstream_venv, log, measure
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -79,7 +80,7 @@ class Results:
     load: float
     cells: dict[tuple[str, Tool], Cell] = field(default_factory=dict)
     leftovers: dict[Tool, int] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     harness_errors: int = 0
     minutes: float = 0.0
 
@@ -117,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     tools: list[Tool] = [tool for tool in TOOLS if tool in args.tools]
     began = time.monotonic()
     results = Results(args.runs, os.getloadavg()[0])
+    # A kill (SIGTERM) unwinds like Ctrl-C, so that the test hosts are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if "ours" in tools:
+        compile_ours()
+        results.notes.append(
+            "ours: this checkout's package was compiled to bytecode first, as pip compiles "
+            "0.4's at install (an editable install under PYTHONDONTWRITEBYTECODE has none)."
+        )
     with tempfile.TemporaryDirectory(prefix="trxbench-") as tmp:
         cluster = start_bench_cluster(cases, Path(tmp) / "cluster", results)
         try:
@@ -146,7 +155,7 @@ def start_bench_cluster(cases: list[Case], workdir: Path, results: Results) -> T
         return None
     reason = cluster_unavailable_reason()
     if reason is not None:
-        results.skipped.append(f"setups on test hosts skipped: {reason}")
+        results.notes.append(f"setups on test hosts skipped: {reason}")
         return None
     workdir.mkdir()
     log(f"starting {needed} bench test hosts")
@@ -243,7 +252,7 @@ def render(cases: list[Case], tools: list[Tool], results: Results) -> str:
             "launcher and agent are one process). -: not measured in this invocation."
         ),
         f"Leftover processes killed after the runs: {leftovers}.",
-        *results.skipped,
+        *results.notes,
         *error_notes(results),
     ]
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {note}" for note in notes)
