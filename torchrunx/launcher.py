@@ -123,6 +123,7 @@ _HEARTBEAT_INTERVAL = 1.0
 _HANDSHAKE_TIMEOUT = 10.0
 _SETTLE_TIMEOUT = 2.0
 _UNCONNECTED_SETTLE_TIMEOUT = 1.0
+_AGENT_END_SETTLE_TIMEOUT = 2.0
 _STOP_GRACE = 3.0
 _MAX_STACKS_SHOWN = 16
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
@@ -627,6 +628,11 @@ class _AgentState:
     """Its workers of this attempt ended; it waits for a new spec or a Stop (WorkersEnded)."""
     started_after: float = 0.0
     """Seconds from the launch's start to this agent's hello."""
+    conn_closed: bool = False
+    exit_status: int | None = None
+    end_settle_by: float | None = None
+    """Its process ended before its connection did: judged when the connection ends (its
+    last messages, such as AgentDone, travel on it and may still be queued) or by then."""
 
     @property
     def lifecycle(self) -> AgentState:
@@ -1212,6 +1218,9 @@ class _Launch:
                         "unreachable, its link is cut, or the agent is frozen",
                     )
                 )
+        for state in self.agents:
+            if state.end_settle_by is not None and now >= state.end_settle_by:
+                self._agent_end_settled(state)
         for rank, rank_state in enumerate(self.ranks):
             if rank_state.settle_by is not None and now >= rank_state.settle_by:
                 self._settle(rank)
@@ -1233,6 +1242,18 @@ class _Launch:
 
     def _on_agent_ended(self, index: int, status: int | None) -> None:
         state = self.agents[index]
+        state.exit_status = status
+        if state.conn is not None and not state.conn_closed and not (state.done or self.stopping):
+            # The news of its exit (a pidfd, SSH's exit status) can overtake the messages it
+            # sent just before, AgentDone among them: its connection's end, after them, decides.
+            state.end_settle_by = time.monotonic() + _AGENT_END_SETTLE_TIMEOUT
+            return
+        self._agent_end_settled(state)
+
+    def _agent_end_settled(self, state: _AgentState) -> None:
+        """Decide about an agent whose process ended: fine after AgentDone, else it failed."""
+        state.end_settle_by = None
+        status = state.exit_status
         state.ended = True
         state.failed = not state.done  # also while stopping: the health report shows it
         if state.done or self.stopping:
@@ -1387,6 +1408,10 @@ class _Launch:
     def _on_closed(self, conn: Connection) -> None:
         for state in self.agents:
             if state.conn is conn:
+                state.conn_closed = True
+                if state.end_settle_by is not None:
+                    self._agent_end_settled(state)
+                    return
                 if not (state.done or state.ended or self.stopping):
                     self._fail(
                         AgentFailedError(
