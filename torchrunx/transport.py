@@ -272,17 +272,10 @@ class _SubprocessAgent:
 
 def _readable(fd: int, timeout: float | None) -> bool:
     """Whether ``fd`` becomes readable within ``timeout`` seconds (``None``: no limit)."""
-    poller = select.poll()
+    poller = select.poll()  # not select(): the launcher may hold more than 1024 descriptors
     poller.register(fd, select.POLLIN)
-    if timeout is None:
-        return bool(poller.poll())
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if poller.poll(max(0, math.ceil(left * 1000))):
-            return True
-        if left <= 0:
-            return False
+    # Python retries a poll interrupted by a signal with the time left (PEP 475).
+    return bool(poller.poll(None if timeout is None else math.ceil(max(timeout, 0.0) * 1000)))
 
 
 class LocalAgent(_SubprocessAgent):
