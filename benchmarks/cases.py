@@ -205,6 +205,7 @@ def launch_overhead() -> Case:
     local = tools_for(Measure("return_at_once"), torchrun=True)
     local["floor"] = Measure("floor")
     remote = tools_for(Measure("return_at_once", hosts=2), torchrun=False)
+    remote["floor"] = Measure("ssh_floor", hosts=2)
     no_backend = tools_for(Measure("return_at_once", backend=None), torchrun=True)
     return Case(
         "launch-overhead",
@@ -345,10 +346,12 @@ def scale(sizes: Sizes) -> Case:
             measure = Measure("return_at_once", hosts, 1, backend)
             if backend and hosts >= 8:
                 measure = replace(measure, max_runs=3)
+            measures = tools_for(measure, torchrun=False, upstream_runs=3 if hosts == 1 else 1)
+            measures["floor"] = replace(measure, workload="ssh_floor")
             setups.append(
                 Setup(
                     f"scale, {name}, {hosts} test host{'s' if hosts > 1 else ''} x 1",
-                    tools_for(measure, torchrun=False, upstream_runs=3 if hosts == 1 else 1),
+                    measures,
                     (WALL, *cpu) if hosts in (first, last) else (WALL,),
                 )
             )

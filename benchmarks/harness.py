@@ -105,12 +105,7 @@ def measure(tool: Tool, spec: Measure, ctx: Context) -> Outcome:
     elastic_before = elastic_temp_dirs()
     cpu_before = machine_cpu_seconds()
     try:
-        if tool == "floor":
-            outcome = run_floor(scratch, cap)
-        elif tool == "torchrun":
-            outcome = run_torchrun(spec, scratch, cap)
-        else:
-            outcome = run_driver(tool, spec, scratch, ctx)
+        outcome = launch(tool, spec, scratch, ctx)
         outcome.cpu_s = machine_cpu_seconds() - cpu_before
         read_rank_files(outcome, spec, scratch)
         if tool == "torchrun":  # its launcher is its agent
@@ -139,8 +134,21 @@ def measure(tool: Tool, spec: Measure, ctx: Context) -> Outcome:
     return outcome
 
 
-def run_driver(tool: Tool, spec: Measure, scratch: Path, ctx: Context) -> Outcome:
-    """Launch with ours or 0.4 through ``driver.py``."""
+def launch(tool: Tool, spec: Measure, scratch: Path, ctx: Context) -> Outcome:
+    """The measured process of ``tool``: a driver, torchrun, or one of the floors."""
+    if tool == "floor" and spec.hosts:
+        return run_driver(tool, spec, scratch, ctx, script="ssh_floor.py")
+    if tool == "floor":
+        return run_floor(scratch, ctx.cap_for(spec))
+    if tool == "torchrun":
+        return run_torchrun(spec, scratch, ctx.cap_for(spec))
+    return run_driver(tool, spec, scratch, ctx)
+
+
+def run_driver(
+    tool: Tool, spec: Measure, scratch: Path, ctx: Context, script: str = "driver.py"
+) -> Outcome:
+    """Launch with ours or 0.4 through ``driver.py`` (or the SSH floor through ``ssh_floor.py``)."""
     python = ctx.upstream_python if tool == "upstream" else Path(sys.executable)
     if python is None:
         raise RuntimeError("torchrunx 0.4 is measured without its virtual environment")
@@ -165,7 +173,7 @@ def run_driver(tool: Tool, spec: Measure, scratch: Path, ctx: Context) -> Outcom
         "ssh_config": str(cluster.ssh_config) if cluster else None,
         "launcher_name": cluster.profile.launcher_name if cluster else None,
     }
-    argv = [str(python), str(HERE / "driver.py"), json.dumps(payload)]
+    argv = [str(python), str(HERE / script), json.dumps(payload)]
     stdout, stderr, capped, _ = run_process(argv, scratch, ctx.cap_for(spec))
     outcome = Outcome(capped=capped, lines=stdout.count(LINE_MARKER))
     report = parse_report(stdout)

@@ -1,0 +1,104 @@
+"""The scale floor: one bare Python started over SSH on every test host, all hosts at once.
+
+Run by ``run.py`` in a fresh process in the measurement's scratch directory, like ``driver.py``::
+
+    python ssh_floor.py SPEC_JSON
+
+This is the least that any launcher which starts Python processes on each host over SSH has to
+do: open an SSH connection to every host (paramiko, one thread per host, the bench cluster's SSH
+config), start one ``floor.py`` per worker there (with gloo: import torch and join one group of
+all ranks, rank 0 on the first host; with ``backend=None``: start and record the start), and
+wait until every command has exited. No agent, no function to send, no results. The last line
+printed is the same ``BENCH-RESULT {json}`` report as ``driver.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import shlex
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import paramiko
+from driver import RESULT_PREFIX, cpu_seconds
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_on(host: str, command: str, config: paramiko.SSHConfig, errors: list[str]) -> None:
+    """Connect to ``host`` as the SSH config says, run ``command``, wait for it to exit."""
+    options = config.lookup(host)
+    client = paramiko.SSHClient()
+    client.load_host_keys(options["userknownhostsfile"].split()[0])
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    try:
+        client.connect(
+            options["hostname"],
+            port=int(options.get("port", 22)),
+            username=options.get("user"),
+            key_filename=options["identityfile"],
+            look_for_keys=False,
+            allow_agent=False,
+        )
+        _, stdout, stderr = client.exec_command(command)
+        status = stdout.channel.recv_exit_status()
+        if status != 0:
+            errors.append(f"{host}: exit status {status}: {stderr.read().decode()[-300:]}")
+    except Exception as exc:  # noqa: BLE001 (reported as the measurement's error)
+        errors.append(f"{host}: {type(exc).__name__}: {exc}")
+    finally:
+        client.close()
+
+
+def main() -> None:
+    spec: dict[str, Any] = json.loads(sys.argv[1])
+    config = paramiko.SSHConfig.from_path(spec["ssh_config"])
+    hosts: list[str] = spec["hosts"]
+    backend = spec["backend"] or "none"
+    address = config.lookup(hosts[0])["hostname"]
+    port = random.randint(20000, 60000)  # in the first host's own network namespace
+    workers: int = spec["workers"]
+    world_size = len(hosts) * workers
+    floor = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'floor.py'))}"
+    commands = []
+    for host_index in range(len(hosts)):
+        # All of a host's processes at once, then wait for each (any failure fails the host).
+        ranks = range(host_index * workers, (host_index + 1) * workers)
+        starts = "".join(
+            f"{floor} {rank} {port} {world_size} {address} {backend} & p{rank}=$!; "
+            for rank in ranks
+        )
+        waits = " && ".join(f"wait $p{rank}" for rank in ranks)
+        commands.append(f"cd {shlex.quote(str(Path.cwd()))} || exit 1; {starts}{waits}")
+    errors: list[str] = []
+    cpu_before = cpu_seconds()
+    called = time.time()
+    threads = [
+        threading.Thread(target=run_on, args=(host, command, config, errors))
+        for host, command in zip(hosts, commands, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    done = time.time()
+    report: dict[str, Any] = {
+        "calls": [] if errors else [called],
+        "results": [] if errors else [done],
+        "error": "; ".join(errors) or None,
+        "error_at": done if errors else None,
+        "value": None,
+        "launcher_cpu_s": cpu_seconds() - cpu_before,
+        "launcher_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "log_lines_in_files": 0,
+    }
+    print(RESULT_PREFIX + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
