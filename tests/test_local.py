@@ -171,6 +171,31 @@ def test_worker_death_is_a_worker_failed_error(how, described):
     assert time.monotonic() - started < 60  # rank 0 sleeps 120 s: it was stopped, not waited for
 
 
+def kill_rank_one_while_rank_zero_waits_in_barrier() -> None:
+    import signal
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.3)  # rank 0 is inside the barrier by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_worker_killed_during_a_collective_is_reported_not_its_peers_echo():
+    # Rank 0's barrier fails with gloo's "Connection closed by peer" at the same moment as rank
+    # 1 dies; the death is the cause and must be what is raised, every time.
+    launcher = trx.Launcher(**LOCAL)
+    for _ in range(3):
+        with pytest.raises(trx.WorkerFailedError) as info:
+            launcher.run(kill_rank_one_while_rank_zero_waits_in_barrier)
+        error = info.value
+        assert (error.rank, error.signal_name) == (1, "SIGKILL")
+        notes = "\n".join(getattr(error, "__notes__", []))
+        if "Connection closed by peer" in notes:  # the echo, when rank 0 got to report it
+            assert "other failures seen while stopping" in notes
+
+
 def test_unpicklable_return_value_is_a_serialization_error():
     with pytest.raises(trx.SerializationError, match=r"return value of rank 0 .*cannot be pickled"):
         trx.launch(threading.Lock, hostnames=["localhost"], workers_per_host=1, backend=None)

@@ -10,7 +10,7 @@ import pytest
 
 from torchrunx import hosts, protocol
 from torchrunx.env import forwarded_env
-from torchrunx.errors import ProtocolError, WorkerFailedError
+from torchrunx.errors import ProtocolError, WorkerFailedError, is_collective_error
 from torchrunx.transport import AGENT_COMMAND, agent_script
 
 HOSTILE = [
@@ -158,3 +158,28 @@ def test_serialization_round_trips_tensors_out_of_band():
             assert restored[key].shape == value.shape
             assert torch.equal(restored[key].detach(), value.detach())
     assert restored["grad"].requires_grad
+
+
+GLOO_PEER_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+    "peer [127.0.0.1]:18864. This is typically caused by a remote worker crashing."
+)
+
+
+def test_collective_errors_are_told_from_causes():
+    import torch.distributed as dist
+
+    assert is_collective_error(RuntimeError(GLOO_PEER_CLOSED))  # what gloo raised in torch 2.13
+    assert is_collective_error(dist.DistBackendError("NCCL communicator was aborted"))
+    assert is_collective_error(dist.DistStoreError("wait timeout after 30000ms"))
+    # Wrapped by the user's code (raise ... from, or raised while handling): the chain shows it.
+    wrapped = ValueError("training step 12 failed")
+    wrapped.__cause__ = RuntimeError(GLOO_PEER_CLOSED)
+    assert is_collective_error(wrapped)
+    handling = KeyError("batch")
+    handling.__context__ = dist.DistNetworkError("Connection reset by peer")
+    assert is_collective_error(handling)
+    # Causes: the user's own errors, and unrelated runtime errors.
+    assert not is_collective_error(ValueError("rank zero failed"))
+    assert not is_collective_error(RuntimeError("CUDA out of memory"))
+    assert not is_collective_error(KeyboardInterrupt())

@@ -200,3 +200,43 @@ class RemoteTraceback(Exception):  # noqa: N818 (mirrors concurrent.futures' nam
     def __str__(self) -> str:
         """Show the traceback as it was printed in the worker."""
         return "\n\n" + self.text.rstrip()
+
+
+_COLLECTIVE_ERROR_TYPES = frozenset(
+    {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}
+)
+_COLLECTIVE_ERROR_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "third_party/gloo/",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "NCCL error",
+)
+_MAX_CHAIN = 8
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like the echo of another process's failure in ``torch.distributed``.
+
+    When one rank dies, its peers that wait in a collective (or on the store) raise an error of
+    their own, such as gloo's "Connection closed by peer". Such an error names a symptom, not
+    the cause, so the launcher waits a moment for the cause before reporting it (see
+    ``docs/failures.md``). Recognised: ``torch.distributed``'s ``DistError`` family, and a
+    ``RuntimeError`` or ``OSError`` whose message comes from gloo or NCCL, anywhere in the
+    chain of ``__cause__`` / ``__context__``. Pure: it reads names and messages, and never
+    imports torch.
+    """
+    current: BaseException | None = exc
+    for _ in range(_MAX_CHAIN):
+        if current is None:
+            return False
+        for cls in type(current).__mro__:
+            if cls.__module__.startswith("torch") and cls.__name__ in _COLLECTIVE_ERROR_TYPES:
+                return True
+        if isinstance(current, RuntimeError | OSError):
+            text = str(current)
+            if any(marker in text for marker in _COLLECTIVE_ERROR_MARKERS):
+                return True
+        current = current.__cause__ or current.__context__
+    return False

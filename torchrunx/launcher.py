@@ -124,6 +124,8 @@ _HANDSHAKE_TIMEOUT = 10.0
 _SETTLE_TIMEOUT = 2.0
 _UNCONNECTED_SETTLE_TIMEOUT = 1.0
 _AGENT_END_SETTLE_TIMEOUT = 2.0
+_CAUSE_WINDOW = 0.5
+"""Seconds a collective error (a peer's echo of a failure) waits for the failure behind it."""
 _STOP_GRACE = 3.0
 _MAX_STACKS_SHOWN = 16
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
@@ -662,14 +664,40 @@ class _RankState:
 
 @dataclass
 class _Failures:
+    """The failure to raise, and one-line summaries of the others.
+
+    A collective error (a rank's "Connection closed by peer" when another rank died) is only
+    provisionally first: until ``provisional_until`` a failure that is not one takes its place,
+    because it names the cause rather than the symptom.
+    """
+
     first: BaseException | None = None
     others: list[str] = field(default_factory=list)
+    provisional_until: float | None = None
 
-    def add(self, error: BaseException) -> None:
+    def add(self, error: BaseException, *, collective: bool = False) -> None:
         if self.first is None:
             self.first = error
+            if collective:
+                self.provisional_until = time.monotonic() + _CAUSE_WINDOW
+        elif self.provisional_until is not None and not collective:
+            self.others.insert(0, _summary(self.first))
+            self.first = error
+            self.provisional_until = None
         else:
             self.others.append(_summary(error))
+
+    def settled(self, now: float) -> bool:
+        """Whether there is a failure, and it is no longer waiting for its cause."""
+        until = self.provisional_until
+        return self.first is not None and (until is None or now >= until)
+
+    def replace_first(self, error: BaseException) -> None:
+        """Make ``error`` (a Ctrl-C, a timeout) the failure to raise; the old one is a summary."""
+        if self.first is not None:
+            self.others.insert(0, _summary(self.first))
+        self.first = error
+        self.provisional_until = None
 
 
 class _Launch:
@@ -770,9 +798,7 @@ class _Launch:
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
             if isinstance(exc, KeyboardInterrupt | SystemExit | LaunchTimeoutError):
                 # Even in the middle of a restart, what the user did (or the limit) comes first.
-                if self.failures.first is not None:
-                    self.failures.others.insert(0, _summary(self.failures.first))
-                self.failures.first = exc
+                self.failures.replace_first(exc)
             elif not isinstance(exc, _Abort):  # _Abort: the failure is already recorded
                 self.failures.add(exc)
             self.phase = "stopping after a failure"
@@ -1177,9 +1203,9 @@ class _Launch:
     def _wait(self, done: Callable[[], bool], deadline: float | None) -> None:
         next_tick = time.monotonic()
         while not done():
-            if self.failures.first is not None and not self.stopping:
-                raise _Abort
             now = time.monotonic()
+            if not self.stopping and self.failures.settled(now):
+                raise _Abort
             if deadline is not None and now >= deadline:
                 if self.stopping:
                     return
@@ -1188,7 +1214,10 @@ class _Launch:
                 self._tick(now)
                 next_tick = now + _HEARTBEAT_INTERVAL / 2
                 continue
-            wait = next_tick - now if deadline is None else min(next_tick, deadline) - now
+            wake = next_tick if deadline is None else min(next_tick, deadline)
+            if self.failures.provisional_until is not None and not self.stopping:
+                wake = min(wake, self.failures.provisional_until)
+            wait = wake - now
             try:
                 event = self.events.get(timeout=max(wait, 0.0))
             except queue.Empty:
@@ -1321,7 +1350,7 @@ class _Launch:
             else:
                 error = self._rebuild_exception(message, payload)
                 self._worker_failed(rank_index, error)
-                self._fail(error)
+                self._fail(error, collective=message.collective)
             return
         agent = next((a for a in self.agents if a.conn is conn), None)
         if agent is not None:
@@ -1436,6 +1465,8 @@ class _Launch:
         state.settle_by = None
         if state.result is not None or self.stopping or state.exited is None:
             return
+        if state.state is WorkerState.FAILED:
+            return  # it raised (or overran a watchdog) before it exited: already reported
         host = self.agents[state.host_index].slots.hostname
         exited = state.exited
         error = WorkerFailedError(
@@ -1483,11 +1514,11 @@ class _Launch:
         self.failed_rank[id(error)] = (error, state)
         return error
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, *, collective: bool = False) -> None:
         if self.stopping:
             self.failures.others.append(_summary(error))
         else:
-            self.failures.add(error)
+            self.failures.add(error, collective=collective)
 
     def _timeout_error(self, now: float) -> TorchrunxError:
         limit = self.launcher.launch_timeout

@@ -210,6 +210,9 @@ class WorkerException:
     traceback: str
     unpicklable_result: bool = False
     """True when the function returned but its value could not be pickled."""
+    collective: bool = False
+    """True when the exception looks like the echo of another rank's failure in a collective
+    (:func:`torchrunx.errors.is_collective_error`)."""
 
 
 Message = (

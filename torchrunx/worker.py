@@ -22,7 +22,7 @@ import cloudpickle
 
 from torchrunx import protocol, serialization
 from torchrunx.env import device_env, worker_env
-from torchrunx.errors import ProtocolError
+from torchrunx.errors import ProtocolError, is_collective_error
 from torchrunx.logs import capture_logging
 from torchrunx.protocol import WorkerException, WorkerHello, WorkerResult, WorkerSpec
 
@@ -94,6 +94,7 @@ def _exception_message(
         message=str(exc),
         traceback=text,
         unpicklable_result=unpicklable_result,
+        collective=is_collective_error(exc),
     )
     return message, payload
 
