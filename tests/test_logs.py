@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from typing import TYPE_CHECKING
 
@@ -163,6 +164,53 @@ def test_custom_handlers_list_factory_and_filter(log_dir, capsys):
         log_handlers=lambda: made.append(Collect()) or made,
     )
     assert any(r.getMessage() == "print from rank 0" for r in made[0].records)
+
+
+def timed_lines() -> list[float]:
+    import time
+
+    stamps = []
+    for i in range(3):
+        stamps.append(time.time())
+        print(f"line {i}", flush=True)
+        time.sleep(1.1)  # one line per second: each needs its own date and time text
+    return stamps
+
+
+def test_records_are_whole_log_records_with_the_workers_times(log_dir):
+    # Every standard LogRecord attribute must be there for a user's formatter, and each record
+    # must carry its own line and the time the worker wrote it (file lines show that time too).
+    names = ["asctime", "created", "filename", "funcName", "levelname", "levelno", "lineno"]
+    names += ["module", "msecs", "name", "pathname", "process", "processName"]
+    names += ["relativeCreated", "thread", "threadName", "message"]
+    every_field = " ".join(f"%({name})s" for name in names)
+    collect = Collect()
+    collect.setFormatter(logging.Formatter(every_field))
+    path = log_dir / "rank0.log"
+    file_handler = trx.file_handler("localhost", 0, path)
+    result = trx.launch(
+        timed_lines,
+        hostnames=["localhost"],
+        workers_per_host=1,
+        backend=None,
+        log_handlers=[collect, file_handler],
+    )
+    file_handler.close()
+    stamps = result.rank(0)
+    records = [r for r in collect.records if r.local_rank == 0]
+    assert [r.getMessage() for r in records] == ["line 0", "line 1", "line 2"]
+    formatted = [collect.format(r) for r in records]
+    assert all(f.endswith(f" line {i}") and "%(" not in f for i, f in enumerate(formatted))
+    assert [r.created for r in records] == pytest.approx(stamps, abs=0.05)
+    # relativeCreated counts from the same moment (logging's load) in every record.
+    assert len({round(r.created - r.relativeCreated / 1000, 3) for r in records}) == 1
+    file_lines = path.read_text().splitlines()
+    assert [line.rsplit(": ", 1)[1] for line in file_lines] == ["line 0", "line 1", "line 2"]
+    for stamp, line in zip(stamps, file_lines, strict=True):
+        written = (
+            time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+        )
+        assert abs(written - stamp) < 0.05, (line, stamp)
 
 
 def test_helpers_file_and_stream_handler(tmp_path, capsys):

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -132,11 +133,19 @@ class _SourceFilter(logging.Filter):
         self.host_index = host_index
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "hostname", None) != self.hostname:
+        return self.accepts(
+            getattr(record, "hostname", None),
+            getattr(record, "host_index", None),
+            getattr(record, "local_rank", None),
+        )
+
+    def accepts(self, hostname: object, host_index: object, local_rank: object) -> bool:
+        """Whether records of this source pass."""
+        if hostname != self.hostname:
             return False
-        if self.host_index is not None and getattr(record, "host_index", None) != self.host_index:
+        if self.host_index is not None and host_index != self.host_index:
             return False
-        return getattr(record, "local_rank", None) == self.local_rank
+        return local_rank == self.local_rank
 
 
 def add_filter_to_handler(
@@ -246,9 +255,29 @@ def file_handler(
     return _filter(_file(file_path), hostname, local_rank, log_level, host_index=None)
 
 
+class _FileFormatter(logging.Formatter):
+    """``asctime level name: message``; the date and time text is made once per second."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._second: tuple[int, str | None] | None = None
+        self._second_text = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 (logging's name)
+        """As :meth:`logging.Formatter.formatTime`, with one ``strftime`` per second."""
+        key = (int(record.created), datefmt)
+        if key != self._second:
+            when = self.converter(record.created)
+            self._second_text = time.strftime(datefmt or self.default_time_format, when)
+            self._second = key
+        if datefmt or not self.default_msec_format:
+            return self._second_text
+        return self.default_msec_format % (self._second_text, record.msecs)
+
+
 def _file(file_path: str | os.PathLike[str]) -> logging.Handler:
     handler = _PrivateFileHandler(file_path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(_FileFormatter())
     return handler
 
 
@@ -274,6 +303,10 @@ def new_log_dir(root: Path) -> Path:
     raise FileExistsError(f"cannot create a new log folder under {root}")
 
 
+_Template = tuple[dict[str, object], float]
+"""A source's shared LogRecord attributes, and when ``logging`` was loaded (``time.time()``)."""
+
+
 class LogRouter:
     """Receives every forwarded line of one launch and hands records to the handlers.
 
@@ -294,6 +327,12 @@ class LogRouter:
         self.owned: list[logging.Handler] = []
         self.tails: dict[tuple[int, int | None], deque[str]] = {}
         self.lock = threading.Lock()
+        # Per source: the handlers whose source filters let it through (see _handlers_for),
+        # and the attributes its records share (see _record).
+        self._routes: dict[tuple[int, int | None], tuple[int, list[logging.Handler]]] = {}
+        self._templates: dict[
+            tuple[int, int | None, str, int], tuple[dict[str, object], float]
+        ] = {}
         if spec == "auto":
             self._add_defaults_for_agents()
         elif callable(spec):
@@ -336,6 +375,7 @@ class LogRouter:
         with self.lock:
             self.handlers.append(handler)
             self.owned.append(handler)
+            self._routes.clear()
 
     def log_file(self, host_index: int, local_rank: int | None) -> Path | None:
         """The default log file of an agent or worker, if files are written."""
@@ -355,33 +395,75 @@ class LogRouter:
         line: Line,
         created: float,
     ) -> None:
-        """Hand one line to every handler as a LogRecord."""
-        hostname = self.hostnames[host_index]
+        """Hand one line to every handler that may want it, as a LogRecord."""
         tail = self.tails.setdefault((host_index, local_rank), deque(maxlen=TAIL_LINES))
         tail.append(line.text)
-        record = logging.LogRecord(
-            name=line.name,
-            level=line.levelno,
-            pathname=hostname,
-            lineno=0,
-            msg=line.text,
-            args=None,
-            exc_info=None,
-        )
-        record.created = created
-        record.msecs = (created - int(created)) * 1000
-        record.hostname = hostname
-        record.host_index = host_index
-        record.local_rank = local_rank
-        record.rank = rank
-        with self.lock:
-            handlers = list(self.handlers)
-        for handler in handlers:
+        record = self._record(host_index, local_rank, rank, line, created)
+        for handler in self._handlers_for(host_index, local_rank):
             if record.levelno >= handler.level:
                 try:
                     handler.handle(record)
                 except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
                     handler.handleError(record)
+
+    def _handlers_for(self, host_index: int, local_rank: int | None) -> list[logging.Handler]:
+        """The handlers that a source filter of torchrunx does not shut to this source.
+
+        A chatty worker sends tens of thousands of lines a second, and the default handlers are
+        one per agent and worker, each filtered to its source: handing every record to all of
+        them (each taking its lock and running its filters) would make the launcher the
+        bottleneck. Handlers are only skipped for a :func:`add_filter_to_handler` filter that
+        rejects the source; everything else is still decided by ``handler.handle``, with all
+        of its filters. Worked out on a source's first line, again after handlers are added.
+        """
+        key = (host_index, local_rank)
+        with self.lock:
+            route = self._routes.get(key)
+            if route is None or route[0] != len(self.handlers):
+                hostname = self.hostnames[host_index]
+                chosen = [
+                    handler
+                    for handler in self.handlers
+                    if all(
+                        f.accepts(hostname, host_index, local_rank)
+                        for f in handler.filters
+                        if isinstance(f, _SourceFilter)
+                    )
+                ]
+                route = (len(self.handlers), chosen)
+                self._routes[key] = route
+        return route[1]
+
+    def _record(
+        self, host_index: int, local_rank: int | None, rank: int | None, line: Line, created: float
+    ) -> logging.LogRecord:
+        """A LogRecord of one line, with the worker's time as its creation time.
+
+        The attributes that are the same for every line of a source (the launcher's process
+        and thread, the ``pathname`` standing for the host, torchrunx's ``hostname``,
+        ``host_index``, ``local_rank`` and ``rank``) are made once per source, logger name and
+        level, and copied into each record: ``LogRecord()`` itself costs more than the rest of
+        a line's way to a file.
+        """
+        key = (host_index, local_rank, line.name, line.levelno)
+        cached = self._templates.get(key)
+        if cached is None:
+            hostname = self.hostnames[host_index]
+            first = logging.LogRecord(line.name, line.levelno, hostname, 0, "", None, None)
+            template = dict(vars(first))
+            template.update(hostname=hostname, host_index=host_index, local_rank=local_rank)
+            template["rank"] = rank
+            # relativeCreated counts from when logging was loaded: that moment, in time.time().
+            logging_loaded = first.created - first.relativeCreated / 1000
+            cached = self._templates[key] = (template, logging_loaded)
+        template, logging_loaded = cached
+        record = logging.LogRecord.__new__(logging.LogRecord)
+        vars(record).update(template)
+        record.msg = line.text
+        record.created = created
+        record.msecs = (created - int(created)) * 1000
+        record.relativeCreated = (created - logging_loaded) * 1000
+        return record
 
     def flush(self) -> None:
         """Flush the handlers after a batch of records."""
