@@ -196,6 +196,22 @@ def test_worker_killed_during_a_collective_is_reported_not_its_peers_echo():
             assert "other failures seen while stopping" in notes
 
 
+def raise_an_echo_just_before(deadline: float) -> None:
+    time.sleep(max(deadline - time.time(), 0.0))
+    raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1234")
+
+
+def test_launch_timeout_during_a_collective_errors_wait_raises_that_error():
+    # The error arrives 0.25 s before launch_timeout, and waits up to 0.5 s for a cause; the
+    # timeout passing meanwhile must not turn a worker's failure into a LaunchTimeoutError.
+    limit = 3.0
+    launcher = trx.Launcher(
+        hostnames=["localhost"], workers_per_host=1, backend=None, launch_timeout=limit
+    )
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        launcher.run(raise_an_echo_just_before, time.time() + limit - 0.25)
+
+
 def test_unpicklable_return_value_is_a_serialization_error():
     with pytest.raises(trx.SerializationError, match=r"return value of rank 0 .*cannot be pickled"):
         trx.launch(threading.Lock, hostnames=["localhost"], workers_per_host=1, backend=None)

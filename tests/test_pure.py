@@ -180,6 +180,13 @@ def test_collective_errors_are_told_from_causes():
     handling.__context__ = dist.DistNetworkError("Connection reset by peer")
     assert is_collective_error(handling)
     # Causes: the user's own errors, and unrelated runtime errors.
+    assert not is_collective_error(ConnectionResetError(104, "Connection reset by peer"))  # S3?
     assert not is_collective_error(ValueError("rank zero failed"))
     assert not is_collective_error(RuntimeError("CUDA out of memory"))
     assert not is_collective_error(KeyboardInterrupt())
+
+    class UnprintableError(RuntimeError):
+        def __str__(self) -> str:
+            raise ValueError("no text")
+
+    assert not is_collective_error(UnprintableError())  # and no exception from the check itself

@@ -206,13 +206,14 @@ _COLLECTIVE_ERROR_TYPES = frozenset(
     {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}
 )
 _COLLECTIVE_ERROR_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
     "third_party/gloo/",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
     "NCCL error",
 )
+_PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer")
+"""Also collective errors in a ``RuntimeError`` (gloo raises those), not in a plain ``OSError``,
+where they are the usual text of a user's own failed connection."""
 _MAX_CHAIN = 8
 
 
@@ -223,8 +224,9 @@ def is_collective_error(exc: BaseException) -> bool:
     their own, such as gloo's "Connection closed by peer". Such an error names a symptom, not
     the cause, so the launcher waits a moment for the cause before reporting it (see
     ``docs/failures.md``). Recognised: ``torch.distributed``'s ``DistError`` family, and a
-    ``RuntimeError`` or ``OSError`` whose message comes from gloo or NCCL, anywhere in the
-    chain of ``__cause__`` / ``__context__``. Pure: it reads names and messages, and never
+    ``RuntimeError`` or ``OSError`` whose message comes from gloo or NCCL (for a
+    ``RuntimeError`` also "Connection closed/reset by peer"), anywhere in the chain of
+    ``__cause__`` / ``__context__``. Pure: it reads names and messages, and never
     imports torch.
     """
     current: BaseException | None = exc
@@ -235,8 +237,14 @@ def is_collective_error(exc: BaseException) -> bool:
             if cls.__module__.startswith("torch") and cls.__name__ in _COLLECTIVE_ERROR_TYPES:
                 return True
         if isinstance(current, RuntimeError | OSError):
-            text = str(current)
-            if any(marker in text for marker in _COLLECTIVE_ERROR_MARKERS):
+            try:
+                text = str(current)
+            except Exception:  # noqa: BLE001 (a broken __str__: not recognisable, not fatal)
+                text = ""
+            markers: tuple[str, ...] = _COLLECTIVE_ERROR_MARKERS
+            if isinstance(current, RuntimeError):
+                markers += _PEER_GONE_MARKERS
+            if any(marker in text for marker in markers):
                 return True
         current = current.__cause__ or current.__context__
     return False

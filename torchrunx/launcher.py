@@ -1205,10 +1205,13 @@ class _Launch:
         while not done():
             now = time.monotonic()
             if not self.stopping and self.failures.settled(now):
+                self._settle_deaths_now()  # a collective error's window is over
                 raise _Abort
             if deadline is not None and now >= deadline:
                 if self.stopping:
                     return
+                if self.failures.first is not None:
+                    raise _Abort  # a collective error waiting for its cause is what happened
                 raise self._timeout_error(now)
             if now >= next_tick:
                 self._tick(now)
@@ -1475,6 +1478,22 @@ class _Launch:
         self.failed_rank[id(error)] = (error, state)
         self._worker_failed(rank, error)
         self._fail(error)
+
+    def _settle_deaths_now(self) -> None:
+        """Decide now about workers killed by a signal or exited non-zero, still settling.
+
+        Called when a collective error is about to be raised: a death whose connection has
+        not closed yet (a forked child may hold it open) is the likelier cause, and a signal or
+        an error status is a failure whatever may still be in flight.
+        """
+        if self.failures.provisional_until is None:
+            return
+        for rank, state in enumerate(self.ranks):
+            exited = state.exited
+            if state.settle_by is None or exited is None:
+                continue
+            if exited.signal is not None or exited.exitcode not in (0, None):
+                self._settle(rank)
 
     def _add_output_tail(self, error: BaseException, state: _RankState) -> None:
         tail = self.logs.tail(state.host_index, state.local_rank)

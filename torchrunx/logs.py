@@ -260,19 +260,19 @@ class _FileFormatter(logging.Formatter):
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self._second: tuple[int, str | None] | None = None
-        self._second_text = ""
+        self._second: tuple[int, str | None, str] | None = None  # (second, datefmt, text)
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 (logging's name)
         """As :meth:`logging.Formatter.formatTime`, with one ``strftime`` per second."""
-        key = (int(record.created), datefmt)
-        if key != self._second:
+        second = int(record.created)
+        cached = self._second  # one tuple: consistent even if a user shares this formatter
+        if cached is None or cached[0] != second or cached[1] != datefmt:
             when = self.converter(record.created)
-            self._second_text = time.strftime(datefmt or self.default_time_format, when)
-            self._second = key
+            text = time.strftime(datefmt or self.default_time_format, when)
+            cached = self._second = (second, datefmt, text)
         if datefmt or not self.default_msec_format:
-            return self._second_text
-        return self.default_msec_format % (self._second_text, record.msecs)
+            return cached[2]
+        return self.default_msec_format % (cached[2], record.msecs)
 
 
 def _file(file_path: str | os.PathLike[str]) -> logging.Handler:
@@ -330,9 +330,7 @@ class LogRouter:
         # Per source: the handlers whose source filters let it through (see _handlers_for),
         # and the attributes its records share (see _record).
         self._routes: dict[tuple[int, int | None], tuple[int, list[logging.Handler]]] = {}
-        self._templates: dict[
-            tuple[int, int | None, str, int], tuple[dict[str, object], float]
-        ] = {}
+        self._templates: dict[tuple[int, int | None, str, int], _Template] = {}
         if spec == "auto":
             self._add_defaults_for_agents()
         elif callable(spec):
@@ -441,8 +439,8 @@ class LogRouter:
 
         The attributes that are the same for every line of a source (the launcher's process
         and thread, the ``pathname`` standing for the host, torchrunx's ``hostname``,
-        ``host_index``, ``local_rank`` and ``rank``) are made once per source, logger name and
-        level, and copied into each record: ``LogRecord()`` itself costs more than the rest of
+        ``host_index`` and ``local_rank``) are made once per source, logger name and level,
+        and copied into each record: ``LogRecord()`` itself costs more than the rest of
         a line's way to a file.
         """
         key = (host_index, local_rank, line.name, line.levelno)
@@ -452,7 +450,6 @@ class LogRouter:
             first = logging.LogRecord(line.name, line.levelno, hostname, 0, "", None, None)
             template = dict(vars(first))
             template.update(hostname=hostname, host_index=host_index, local_rank=local_rank)
-            template["rank"] = rank
             # relativeCreated counts from when logging was loaded: that moment, in time.time().
             logging_loaded = first.created - first.relativeCreated / 1000
             cached = self._templates[key] = (template, logging_loaded)
@@ -460,6 +457,7 @@ class LogRouter:
         record = logging.LogRecord.__new__(logging.LogRecord)
         vars(record).update(template)
         record.msg = line.text
+        record.rank = rank  # not in the template: ranks can move on a restart
         record.created = created
         record.msecs = (created - int(created)) * 1000
         record.relativeCreated = (created - logging_loaded) * 1000
