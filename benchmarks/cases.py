@@ -40,7 +40,8 @@ class Measure:
     """One launch to measure, in a fresh process.
 
     Attributes:
-        workload: Name of a function in ``workloads.py``.
+        workload: Name of a function in ``workloads.py``; for the floor column, ``"floor"``
+            (``floor.py``, on this machine) or ``"ssh_floor"`` (``ssh_floor.py``, over SSH).
         hosts: 0 for ``localhost``, else the first ``hosts`` bench hosts (over SSH).
         workers: Workers per host.
         backend: Process-group backend, or ``None`` for none.

@@ -64,6 +64,13 @@ def main() -> None:
         report["results"].append(time.time())
         report["calls"].append(called)
         report["value"] = summarize(result, spec["world_size"])
+    finish_report(report, cpu_before)
+
+
+def finish_report(report: dict[str, Any], cpu_before: float) -> None:
+    """Add this process's CPU time since ``cpu_before``, its peak RSS and the log lines in
+    files to ``report``, and print it as the last line (``ssh_floor.py`` reports this way too).
+    """
     report["launcher_cpu_s"] = cpu_seconds() - cpu_before
     report["launcher_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     report["log_lines_in_files"] = count_lines_in_log_files(Path.cwd())

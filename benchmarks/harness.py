@@ -101,8 +101,9 @@ def measure(tool: Tool, spec: Measure, ctx: Context) -> Outcome:
     scratch = Path(ctx.runs_root, f"{time.monotonic_ns()}")
     scratch.mkdir(parents=True)
     cap = ctx.cap_for(spec)
-    semaphores_before = shared_semaphores()
-    elastic_before = elastic_temp_dirs()
+    peer = tool in ("torchrun", "upstream")  # only they leave semaphores and elastic folders
+    semaphores_before = shared_semaphores() if peer else set()
+    elastic_before = elastic_temp_dirs() if peer else set()
     cpu_before = machine_cpu_seconds()
     try:
         outcome = launch(tool, spec, scratch, ctx)
@@ -114,15 +115,8 @@ def measure(tool: Tool, spec: Measure, ctx: Context) -> Outcome:
         if spec.cut and ctx.cluster is not None:
             ctx.cluster.restore_link(ctx.cluster.hosts[spec.hosts - 1])
         leftovers = kill_leftovers(ctx.runs_root)
-        # The peers' own leftovers of a killed run: multiprocessing semaphores (their temp
-        # files went to the scratch directory through TMPDIR).
-        for name in shared_semaphores() - semaphores_before:
-            with contextlib.suppress(OSError):
-                (SHM / name).unlink()
-        # torch.distributed.elastic's run folders: torchrunx 0.4's agents start over SSH and
-        # do not get our TMPDIR, so theirs land in the system temp folder.
-        for path in elastic_temp_dirs() - elastic_before:
-            shutil.rmtree(path, ignore_errors=True)
+        if peer:
+            remove_peer_leftovers(semaphores_before, elastic_before)
         shutil.rmtree(scratch, ignore_errors=True)
     outcome.leftovers = leftovers
     if outcome.capped and spec.expect_error:
@@ -134,11 +128,27 @@ def measure(tool: Tool, spec: Measure, ctx: Context) -> Outcome:
     return outcome
 
 
+def remove_peer_leftovers(semaphores_before: set[str], elastic_before: set[Path]) -> None:
+    """What torchrun and 0.4 made during a measurement and left behind.
+
+    Multiprocessing semaphores (their temp files went to the scratch directory through
+    ``TMPDIR``), and torch.distributed.elastic's run folders: torchrunx 0.4's agents start over
+    SSH and do not get our ``TMPDIR``, so theirs land in the system temp folder.
+    """
+    for name in shared_semaphores() - semaphores_before:
+        with contextlib.suppress(OSError):
+            (SHM / name).unlink()
+    for path in elastic_temp_dirs() - elastic_before:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def launch(tool: Tool, spec: Measure, scratch: Path, ctx: Context) -> Outcome:
     """The measured process of ``tool``: a driver, torchrun, or one of the floors."""
-    if tool == "floor" and spec.hosts:
-        return run_driver(tool, spec, scratch, ctx, script="ssh_floor.py")
-    if tool == "floor":
+    if spec.workload == "ssh_floor":
+        outcome = run_driver(tool, spec, scratch, ctx, script="ssh_floor.py")
+        outcome.harness_error = outcome.harness_error or outcome.error is not None
+        return outcome
+    if spec.workload == "floor":
         return run_floor(scratch, ctx.cap_for(spec))
     if tool == "torchrun":
         return run_torchrun(spec, scratch, ctx.cap_for(spec))

@@ -5,18 +5,18 @@ Run by ``run.py`` in a fresh process in the measurement's scratch directory, lik
     python ssh_floor.py SPEC_JSON
 
 This is the least that any launcher which starts Python processes on each host over SSH has to
-do: open an SSH connection to every host (paramiko, one thread per host, the bench cluster's SSH
-config), start one ``floor.py`` per worker there (with gloo: import torch and join one group of
-all ranks, rank 0 on the first host; with ``backend=None``: start and record the start), and
-wait until every command has exited. No agent, no function to send, no results. The last line
-printed is the same ``BENCH-RESULT {json}`` report as ``driver.py``'s.
+do: open an SSH connection to every host (one thread per host, with torchrunx's own paramiko
+connect and the bench cluster's SSH config), start one ``floor.py`` per worker there (with
+gloo: import torch and join one group of all ranks, rank 0 on the first host; with
+``backend=None``: start and record the start), and wait until every command has exited. No
+agent, no function to send, no results. The last line printed is the same ``BENCH-RESULT
+{json}`` report as ``driver.py``'s.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import resource
 import shlex
 import sys
 import threading
@@ -24,40 +24,34 @@ import time
 from pathlib import Path
 from typing import Any
 
-import paramiko
-from driver import RESULT_PREFIX, cpu_seconds
+import paramiko  # imported before the timer, as 0.4 does (ours imports it in the call)
+from driver import cpu_seconds, finish_report
+
+from torchrunx.transport import resolve_ssh_target, ssh_connect
 
 HERE = Path(__file__).resolve().parent
 
 
-def run_on(host: str, command: str, config: paramiko.SSHConfig, errors: list[str]) -> None:
+def run_on(host: str, command: str, config_file: str, errors: list[str]) -> None:
     """Connect to ``host`` as the SSH config says, run ``command``, wait for it to exit."""
-    options = config.lookup(host)
-    client = paramiko.SSHClient()
-    client.load_host_keys(options["userknownhostsfile"].split()[0])
-    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    clients: list[paramiko.SSHClient] = []
     try:
-        client.connect(
-            options["hostname"],
-            port=int(options.get("port", 22)),
-            username=options.get("user"),
-            key_filename=options["identityfile"],
-            look_for_keys=False,
-            allow_agent=False,
-        )
-        _, stdout, stderr = client.exec_command(command)
+        clients = ssh_connect(resolve_ssh_target(host, config_file, 10.0), config_file)
+        _, stdout, stderr = clients[-1].exec_command(command)
         status = stdout.channel.recv_exit_status()
         if status != 0:
             errors.append(f"{host}: exit status {status}: {stderr.read().decode()[-300:]}")
     except Exception as exc:  # noqa: BLE001 (reported as the measurement's error)
         errors.append(f"{host}: {type(exc).__name__}: {exc}")
     finally:
-        client.close()
+        for client in reversed(clients):
+            client.close()
 
 
 def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
-    config = paramiko.SSHConfig.from_path(spec["ssh_config"])
+    config_file: str = spec["ssh_config"]
+    config = paramiko.SSHConfig.from_path(config_file)
     hosts: list[str] = spec["hosts"]
     backend = spec["backend"] or "none"
     address = config.lookup(hosts[0])["hostname"]
@@ -79,7 +73,7 @@ def main() -> None:
     cpu_before = cpu_seconds()
     called = time.time()
     threads = [
-        threading.Thread(target=run_on, args=(host, command, config, errors))
+        threading.Thread(target=run_on, args=(host, command, config_file, errors))
         for host, command in zip(hosts, commands, strict=True)
     ]
     for thread in threads:
@@ -93,11 +87,8 @@ def main() -> None:
         "error": "; ".join(errors) or None,
         "error_at": done if errors else None,
         "value": None,
-        "launcher_cpu_s": cpu_seconds() - cpu_before,
-        "launcher_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        "log_lines_in_files": 0,
     }
-    print(RESULT_PREFIX + json.dumps(report), flush=True)
+    finish_report(report, cpu_before)
 
 
 if __name__ == "__main__":

@@ -200,10 +200,12 @@ def test_records_are_whole_log_records_with_the_workers_times(log_dir):
     records = [r for r in collect.records if r.local_rank == 0]
     assert [r.getMessage() for r in records] == ["line 0", "line 1", "line 2"]
     formatted = [collect.format(r) for r in records]
-    assert all(f.endswith(f" line {i}") and "%(" not in f for i, f in enumerate(formatted))
+    assert all(f.endswith(f" line {i}") for i, f in enumerate(formatted))  # format() raised not
     assert [r.created for r in records] == pytest.approx(stamps, abs=0.05)
-    # relativeCreated counts from the same moment (logging's load) in every record.
-    assert len({round(r.created - r.relativeCreated / 1000, 3) for r in records}) == 1
+    # relativeCreated counts from when logging was loaded, as in a record made here.
+    loaded = logging._startTime  # what LogRecord itself counts from
+    for record in records:
+        assert record.relativeCreated == pytest.approx((record.created - loaded) * 1000, abs=1)
     file_lines = path.read_text().splitlines()
     assert [line.rsplit(": ", 1)[1] for line in file_lines] == ["line 0", "line 1", "line 2"]
     for stamp, line in zip(stamps, file_lines, strict=True):

@@ -155,11 +155,13 @@ def test_a_preset_does_not_give_a_script_a_process_group(tmp_path):
 
 def test_entry_points_are_read_again_after_an_install(tmp_path, monkeypatch):
     """Entry points are cached per process, but a distribution installed later is seen."""
-    assert "late_preset" not in plugins.preset_names()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "late_preset" not in plugins.preset_names()  # read, with the folder on the path
+    time.sleep(0.05)  # file times tick with the kernel's coarse clock (a few ms)
+    # Installed into a folder already on the path: only that folder's modification time tells.
     dist = tmp_path / "late_plugin-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: late-plugin\nVersion: 1.0\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
     (dist / "entry_points.txt").write_text(
         "[torchrunx.presets]\nlate_preset = torchrunx.plugins:LOCAL_CPU\n"
     )

@@ -681,9 +681,7 @@ class _Failures:
             if collective:
                 self.provisional_until = time.monotonic() + _CAUSE_WINDOW
         elif self.provisional_until is not None and not collective:
-            self.others.insert(0, _summary(self.first))
-            self.first = error
-            self.provisional_until = None
+            self.replace_first(error)
         else:
             self.others.append(_summary(error))
 
@@ -1204,14 +1202,16 @@ class _Launch:
         next_tick = time.monotonic()
         while not done():
             now = time.monotonic()
-            if not self.stopping and self.failures.settled(now):
-                self._settle_deaths_now()  # a collective error's window is over
+            past_deadline = deadline is not None and now >= deadline
+            # A collective error waiting for its cause stops at the deadline too: it happened.
+            if not self.stopping and (
+                self.failures.settled(now) or (past_deadline and self.failures.first is not None)
+            ):
+                self._settle_deaths_now()  # the wait for a collective error's cause is over
                 raise _Abort
-            if deadline is not None and now >= deadline:
+            if past_deadline:
                 if self.stopping:
                     return
-                if self.failures.first is not None:
-                    raise _Abort  # a collective error waiting for its cause is what happened
                 raise self._timeout_error(now)
             if now >= next_tick:
                 self._tick(now)

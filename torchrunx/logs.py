@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -303,8 +303,20 @@ def new_log_dir(root: Path) -> Path:
     raise FileExistsError(f"cannot create a new log folder under {root}")
 
 
-_Template = tuple[dict[str, object], float]
-"""A source's shared LogRecord attributes, and when ``logging`` was loaded (``time.time()``)."""
+@dataclass
+class _Source:
+    """What :class:`LogRouter` keeps per agent or worker: one lookup per forwarded line.
+
+    Attributes:
+        tail: Its last lines, for failure notes.
+        handlers: The handlers a source filter does not shut to it; ``None`` until worked out
+            (again after handlers are added).
+        templates: Per logger name and level, the LogRecord attributes all its lines share.
+    """
+
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    handlers: list[logging.Handler] | None = None
+    templates: dict[tuple[str, int], dict[str, object]] = field(default_factory=dict)
 
 
 class LogRouter:
@@ -325,12 +337,8 @@ class LogRouter:
         self.log_dir: Path | None = None
         self.handlers: list[logging.Handler] = []
         self.owned: list[logging.Handler] = []
-        self.tails: dict[tuple[int, int | None], deque[str]] = {}
+        self.sources: dict[tuple[int, int | None], _Source] = {}
         self.lock = threading.Lock()
-        # Per source: the handlers whose source filters let it through (see _handlers_for),
-        # and the attributes its records share (see _record).
-        self._routes: dict[tuple[int, int | None], tuple[int, list[logging.Handler]]] = {}
-        self._templates: dict[tuple[int, int | None, str, int], _Template] = {}
         if spec == "auto":
             self._add_defaults_for_agents()
         elif callable(spec):
@@ -373,7 +381,8 @@ class LogRouter:
         with self.lock:
             self.handlers.append(handler)
             self.owned.append(handler)
-            self._routes.clear()
+            for source in self.sources.values():
+                source.handlers = None
 
     def log_file(self, host_index: int, local_rank: int | None) -> Path | None:
         """The default log file of an agent or worker, if files are written."""
@@ -383,7 +392,8 @@ class LogRouter:
 
     def tail(self, host_index: int, local_rank: int | None) -> list[str]:
         """The last lines of an agent's or worker's output."""
-        return list(self.tails.get((host_index, local_rank), ()))
+        source = self.sources.get((host_index, local_rank))
+        return [] if source is None else list(source.tail)
 
     def emit(
         self,
@@ -394,17 +404,26 @@ class LogRouter:
         created: float,
     ) -> None:
         """Hand one line to every handler that may want it, as a LogRecord."""
-        tail = self.tails.setdefault((host_index, local_rank), deque(maxlen=TAIL_LINES))
-        tail.append(line.text)
-        record = self._record(host_index, local_rank, rank, line, created)
-        for handler in self._handlers_for(host_index, local_rank):
+        key = (host_index, local_rank)
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources.setdefault(key, _Source())
+        source.tail.append(line.text)
+        record = self._record(source, host_index, local_rank, line, created)
+        record.rank = rank  # not in the template: ranks can move on a restart
+        handlers = source.handlers
+        if handlers is None:
+            handlers = self._handlers_for(source, host_index, local_rank)
+        for handler in handlers:
             if record.levelno >= handler.level:
                 try:
                     handler.handle(record)
                 except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
                     handler.handleError(record)
 
-    def _handlers_for(self, host_index: int, local_rank: int | None) -> list[logging.Handler]:
+    def _handlers_for(
+        self, source: _Source, host_index: int, local_rank: int | None
+    ) -> list[logging.Handler]:
         """The handlers that a source filter of torchrunx does not shut to this source.
 
         A chatty worker sends tens of thousands of lines a second, and the default handlers are
@@ -414,53 +433,53 @@ class LogRouter:
         rejects the source; everything else is still decided by ``handler.handle``, with all
         of its filters. Worked out on a source's first line, again after handlers are added.
         """
-        key = (host_index, local_rank)
+        hostname = self.hostnames[host_index]
         with self.lock:
-            route = self._routes.get(key)
-            if route is None or route[0] != len(self.handlers):
-                hostname = self.hostnames[host_index]
-                chosen = [
-                    handler
-                    for handler in self.handlers
-                    if all(
-                        f.accepts(hostname, host_index, local_rank)
-                        for f in handler.filters
-                        if isinstance(f, _SourceFilter)
-                    )
-                ]
-                route = (len(self.handlers), chosen)
-                self._routes[key] = route
-        return route[1]
+            chosen = [
+                handler
+                for handler in self.handlers
+                if all(
+                    f.accepts(hostname, host_index, local_rank)
+                    for f in handler.filters
+                    if isinstance(f, _SourceFilter)
+                )
+            ]
+            source.handlers = chosen
+        return chosen
 
     def _record(
-        self, host_index: int, local_rank: int | None, rank: int | None, line: Line, created: float
+        self, source: _Source, host_index: int, local_rank: int | None, line: Line, created: float
     ) -> logging.LogRecord:
         """A LogRecord of one line, with the worker's time as its creation time.
 
-        The attributes that are the same for every line of a source (the launcher's process
-        and thread, the ``pathname`` standing for the host, torchrunx's ``hostname``,
-        ``host_index`` and ``local_rank``) are made once per source, logger name and level,
-        and copied into each record: ``LogRecord()`` itself costs more than the rest of
-        a line's way to a file.
+        The attributes that are the same for every line of a source, logger name and level
+        (the launcher's process, the ``pathname`` standing for the host, torchrunx's
+        ``hostname``, ``host_index`` and ``local_rank``) are made once and copied into each
+        record: ``LogRecord()`` itself costs more than the rest of a line's way to a file. The
+        message, thread and times are each record's own.
         """
-        key = (host_index, local_rank, line.name, line.levelno)
-        cached = self._templates.get(key)
-        if cached is None:
+        template = source.templates.get((line.name, line.levelno))
+        if template is None:
             hostname = self.hostnames[host_index]
             first = logging.LogRecord(line.name, line.levelno, hostname, 0, "", None, None)
             template = dict(vars(first))
             template.update(hostname=hostname, host_index=host_index, local_rank=local_rank)
-            # relativeCreated counts from when logging was loaded: that moment, in time.time().
-            logging_loaded = first.created - first.relativeCreated / 1000
-            cached = self._templates[key] = (template, logging_loaded)
-        template, logging_loaded = cached
+            source.templates[line.name, line.levelno] = template
         record = logging.LogRecord.__new__(logging.LogRecord)
-        vars(record).update(template)
-        record.msg = line.text
-        record.rank = rank  # not in the template: ranks can move on a restart
-        record.created = created
-        record.msecs = (created - int(created)) * 1000
-        record.relativeCreated = (created - logging_loaded) * 1000
+        attributes = vars(record)
+        attributes.update(template)
+        # relativeCreated counts from when logging was loaded: the template's own record says
+        # when that was.
+        loaded = float(template["created"]) - float(template["relativeCreated"]) / 1000  # type: ignore[arg-type]
+        thread = threading.current_thread()
+        attributes.update(
+            msg=line.text,
+            thread=thread.ident,
+            threadName=thread.name,
+            created=created,
+            msecs=(created - int(created)) * 1000,
+            relativeCreated=(created - loaded) * 1000,
+        )
         return record
 
     def flush(self) -> None:

@@ -61,8 +61,8 @@ class HostProvider(Protocol):
         ...
 
 
-_CACHE: dict[str, tuple[tuple[object, ...], dict[str, importlib.metadata.EntryPoint]]] = {}
-"""Entry points per group, with the :func:`_install_state` they were read in."""
+_SCANNED: list[tuple[tuple[object, ...], dict[str, dict[str, importlib.metadata.EntryPoint]]]] = []
+"""The last scan: the :func:`_install_state` it was made in, and our groups' entry points."""
 
 
 def _install_state() -> tuple[object, ...]:
@@ -82,16 +82,18 @@ def _mtime(path: Path) -> int | None:
 
 
 def _entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
-    # Scanning every installed distribution takes 10-30 ms; a launch asks several times.
+    # Scanning every installed distribution takes 10-30 ms: once for all three groups, again
+    # only after something was installed or removed.
     state = _install_state()
-    cached = _CACHE.get(group)
-    if cached is not None and cached[0] == state:
-        return cached[1]
-    found: dict[str, importlib.metadata.EntryPoint] = {}
-    for entry in importlib.metadata.entry_points(group=group):
-        found.setdefault(entry.name, entry)  # the first installed distribution wins
-    _CACHE[group] = (state, found)
-    return found
+    if not _SCANNED or _SCANNED[0][0] != state:
+        installed = importlib.metadata.entry_points()
+        groups: dict[str, dict[str, importlib.metadata.EntryPoint]] = {}
+        for name in (HOSTS_GROUP, PRESETS_GROUP, FUNCTIONS_GROUP):
+            found = groups[name] = {}
+            for entry in installed.select(group=name):
+                found.setdefault(entry.name, entry)  # the first installed distribution wins
+        _SCANNED[:] = [(state, groups)]
+    return _SCANNED[0][1][group]
 
 
 def _load(group: str, name: str, what: str) -> object:

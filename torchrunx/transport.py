@@ -210,7 +210,10 @@ class _SubprocessAgent:
             raise AgentFailedError(hostname, f"cannot start the agent ({argv[0]}): {exc}") from exc
         # Readable once the child has ended: waits wake at its exit, not at the next poll
         # (Popen.wait with a timeout polls, up to 50 ms late).
-        self._pidfd = os.pidfd_open(self._process.pid)
+        try:
+            self._pidfd = os.pidfd_open(self._process.pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3, or out of descriptors: wait polls
+            self._pidfd = -1
         self._pidfd_lock = threading.Lock()
         assert self._process.stdin is not None  # noqa: S101 (Popen with PIPE)
         assert self._process.stdout is not None  # noqa: S101
@@ -238,12 +241,16 @@ class _SubprocessAgent:
         """Wait for the child to end; its exit status, or ``None`` if still running."""
         with self._pidfd_lock:  # a waiter polls its own copy: _release may close the original
             pidfd = os.dup(self._pidfd) if self._pidfd >= 0 else -1
+        if pidfd < 0:
+            try:
+                return self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
         try:
-            if self._process.returncode is None and pidfd >= 0 and not _readable(pidfd, timeout):
+            if self._process.returncode is None and not _readable(pidfd, timeout):
                 return None
         finally:
-            if pidfd >= 0:
-                os.close(pidfd)
+            os.close(pidfd)
         return self._process.wait()  # it has ended: returns at once
 
     def _close_stdin(self) -> None:
