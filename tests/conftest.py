@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,18 @@ if TYPE_CHECKING:
 
     from cluster import TestCluster
     from slurm_cluster import SlurmCluster
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_reaches_started_commands() -> None:
+    """Commands the tests start get SIGINT's default action, as in a terminal.
+
+    A suite started as a background job (``cmd &`` in a script) inherits SIGINT ignored, and so
+    would every launcher it starts: Python then never raises KeyboardInterrupt, rightly, and the
+    Ctrl-C tests would wait for nothing. A handled signal is reset to its default at exec.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
