@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Install everything a fresh Debian machine needs (system packages too), then run the linters,
 # the type checker and the whole test suite. Run as root (the tests build network namespaces).
+#
+# Python packages go into a virtual environment of its own (.venv, without system
+# site-packages), rebuilt on every run: a dependency missing from pyproject.toml fails here on
+# every machine, not only on a new one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 apt-get update -qq
 apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps slurm-wlm munge >/dev/null
-python3 -m pip install -q torch==2.13.0          # CPU build; before the project, so pip keeps it
-python3 -m pip install -q -e ".[dev]"
+rm -rf .venv
+python3 -m venv .venv
+source .venv/bin/activate
+python -m pip install -q torch==2.13.0          # CPU build; before the project, so pip keeps it
+python -m pip install -q -e ".[dev]"
 ruff check .
 ruff format --check .
 mypy
-python3 -m pytest "$@"
+python -m pytest "$@"
 # The benchmarks once each, small sizes, no targets asserted: they must keep working. This
 # also builds benchmarks/.venv-upstream with the original torchrunx 0.4.0 from PyPI.
-python3 benchmarks/run.py --smoke
-python3 benchmarks/log_overhead.py --lines 2000 --runs 1
-python3 benchmarks/timer_overhead.py --uses 20000 --runs 1
+python benchmarks/run.py --smoke
+python benchmarks/log_overhead.py --lines 2000 --runs 1
+python benchmarks/timer_overhead.py --uses 20000 --runs 1

@@ -5,10 +5,14 @@ raw bytes, no copy) instead of through ``torch.save``, so a 400 MB tensor costs 
 transfer and no (de)serialisation pass. The result is a list of buffers: the pickle stream
 first, then one buffer per tensor; :class:`torchrunx.protocol.Connection` sends them as the
 parts of one frame.
+
+A tensor's bytes are exposed through :mod:`ctypes` over its data pointer, not through
+``Tensor.numpy()``: torch does not install numpy, and torchrunx does not depend on it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 import sys
@@ -27,6 +31,16 @@ def _rebuild_tensor(buffer: Any, dtype_name: str, shape: tuple[int, ...]) -> Any
     return flat.view(dtype).reshape(shape)
 
 
+def _raw_bytes(tensor: Any) -> ctypes.Array[ctypes.c_ubyte] | bytes:  # noqa: ANN401 (a torch.Tensor)
+    """The bytes of a contiguous CPU tensor, without a copy; they keep the tensor alive."""
+    size = int(tensor.numel() * tensor.element_size())
+    if size == 0:
+        return b""
+    raw = (ctypes.c_ubyte * size).from_address(int(tensor.data_ptr()))
+    raw.owner = tensor  # type: ignore[attr-defined]  # the memory's owner lives as long as raw
+    return raw
+
+
 def _tensor_reduction(obj: Any) -> tuple[Any, ...] | None:  # noqa: ANN401
     torch = sys.modules.get("torch")
     if torch is None or type(obj) is not torch.Tensor:
@@ -42,8 +56,7 @@ def _tensor_reduction(obj: Any) -> tuple[Any, ...] | None:  # noqa: ANN401
     )
     if not plain:
         return None
-    contiguous = tensor.contiguous()
-    raw = contiguous.reshape(-1).view(torch.uint8).numpy()
+    raw = _raw_bytes(tensor.contiguous())
     dtype_name = str(tensor.dtype).removeprefix("torch.")
     return (_rebuild_tensor, (pickle.PickleBuffer(raw), dtype_name, tuple(tensor.shape)))
 
