@@ -397,4 +397,41 @@ def build_cases(sizes: Sizes) -> tuple[Case, ...]:
     )
 
 
+def with_backend(cases: tuple[Case, ...], backend: str) -> tuple[Case, ...]:
+    """The cases with every gloo launch on ``backend`` instead (``nccl`` on a GPU machine).
+
+    Launches without a process group stay so, and the floor stays a bare gloo group.
+    """
+
+    def label(text: str) -> str:
+        return text.replace("gloo", backend)
+
+    def measures(setup: Setup) -> dict[Tool, Measure]:
+        return {
+            tool: m
+            if m.backend != "gloo" or m.workload in ("floor", "ssh_floor")
+            else replace(m, backend=backend)
+            for tool, m in setup.measures.items()
+        }
+
+    return tuple(
+        replace(
+            case,
+            setups=tuple(
+                replace(s, label=label(s.label), measures=measures(s)) for s in case.setups
+            ),
+            ratios=tuple(
+                replace(
+                    r,
+                    label=label(r.label),
+                    numerator=label(r.numerator),
+                    denominator=label(r.denominator),
+                )
+                for r in case.ratios
+            ),
+        )
+        for case in cases
+    )
+
+
 CASE_NAMES = tuple(case.name for case in build_cases(FULL))

@@ -1,7 +1,7 @@
 """Benchmarks: torchrunx against the original torchrunx 0.4 (PyPI) and torchrun.
 
     python benchmarks/run.py [--runs N] [--smoke] [--only CASE ...] [--tools TOOL ...]
-                             [--results-file benchmarks/RESULTS.md]
+                             [--backend gloo|nccl] [--results-file benchmarks/RESULTS.md]
 
 Sets up what it needs (the bench-profile namespace test hosts, a virtual environment with
 torchrunx 0.4.0 in ``benchmarks/.venv-upstream``), runs every measured launch in a fresh process,
@@ -40,6 +40,7 @@ from cases import (
     Tool,
     build_cases,
     median,
+    with_backend,
 )
 from harness import Context, compile_ours, ensure_upstream_venv, log, measure
 
@@ -103,6 +104,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tools", nargs="+", choices=TOOLS, default=list(TOOLS), help="columns to measure"
     )
     parser.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default="gloo",
+        help="backend of the cases that start a process group (nccl: one GPU per worker)",
+    )
+    parser.add_argument(
         "--results-file", type=Path, help=f"also write the table between {BEGIN} and {END} here"
     )
     args = parser.parse_args(argv)
@@ -113,11 +120,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    every_case = build_cases(SMOKE if args.smoke else FULL)
+    every_case = with_backend(build_cases(SMOKE if args.smoke else FULL), args.backend)
     cases = [case for case in every_case if not args.only or case.name in args.only]
     tools: list[Tool] = [tool for tool in TOOLS if tool in args.tools]
     began = time.monotonic()
     results = Results(args.runs, os.getloadavg()[0])
+    if args.backend != "gloo":
+        results.notes.append(
+            f"--backend {args.backend}: the cases labelled {args.backend} ran on it; the floor "
+            "stays a bare gloo group."
+        )
     # A kill (SIGTERM) unwinds like Ctrl-C, so that the test hosts are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if "ours" in tools:

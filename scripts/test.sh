@@ -9,12 +9,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 apt-get update -qq
-apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps slurm-wlm munge >/dev/null
+# g++: DeepSpeed compiles a C++ op the first time an engine starts on a CPU.
+apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps slurm-wlm munge \
+    g++ >/dev/null
 rm -rf .venv
 python3 -m venv .venv
 source .venv/bin/activate
 python -m pip install -q torch==2.13.0          # CPU build; before the project, so pip keeps it
 python -m pip install -q -e ".[dev]"
+# The training frameworks, for tests/test_frameworks.py (which fails on CI without them).
+# DeepSpeed builds from source and imports torch to do it: without build isolation it uses
+# the torch above (an isolated build would download a CUDA torch of several GB).
+python -m pip install -q --no-build-isolation -e ".[frameworks]"
 ruff check .
 ruff format --check .
 mypy

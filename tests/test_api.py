@@ -116,6 +116,18 @@ def test_launch_result_errors_name_what_exists():
         ),
         ({"backend": "tcp"}, ValueError, "backend='tcp'"),
         ({"timeout": 0}, ValueError, "timeout must be a positive"),
+        ({"agent_timeout": float("inf")}, ValueError, "agent_timeout must be a finite number"),
+        ({"agent_timeout": float("nan")}, ValueError, "agent_timeout must be a finite number"),
+        ({"timeout": float("inf")}, ValueError, "^timeout must be a finite number"),
+        ({"start_timeout": float("-inf")}, ValueError, "start_timeout must be a finite number"),
+        ({"launch_timeout": float("inf")}, ValueError, r"finite .*use launch_timeout=None"),
+        (
+            {"hostnames": ["localhost", "/tmp/x"]},
+            ValueError,
+            r"invalid host name '/tmp/x': a host name cannot contain '/'",
+        ),
+        ({"hostnames": ["localhost", "../../x"]}, ValueError, "invalid host name '../../x'"),
+        ({"hostnames": ["a", "-oProxyCommand=x"]}, ValueError, "cannot start with '-'"),
         (
             {"env_file": "/nonexistent/env.sh"},
             ValueError,

@@ -128,7 +128,7 @@ def test_tyro_help_shows_the_forms_of_each_value(tyro_help):
     blocks = _help_blocks(tyro_help, [f.name for f in _cli_fields()])
     assert blocks["hostnames"].startswith("--hostnames {auto,slurm}|{[STR [STR ...]]}|PATH")
     assert blocks["workers_per_host"].startswith(
-        "--workers-per-host {auto,slurm}|INT|{[INT [INT ...]]}"
+        "--workers-per-host {auto,slurm,gpu,cpu}|INT|{[INT [INT ...]]}"
     )
     assert blocks["agent_start"].startswith("--agent-start {auto,ssh,srun}")
     assert blocks["backend"].startswith("--backend {None,nccl,gloo,mpi,ucc,auto}")
@@ -165,13 +165,18 @@ PARSE_FORMS = [
     (["--workers-per-host", "8", "4"], {"workers_per_host": [8, 4]}),
     (["--workers-per-host", "auto"], {"workers_per_host": "auto"}),
     (["--workers-per-host", "slurm"], {"workers_per_host": "slurm"}),
+    (["--workers-per-host", "gpu"], {"workers_per_host": "gpu"}),
+    (["--workers-per-host", "cpu"], {"workers_per_host": "cpu"}),
     (["--agent-start", "srun"], {"agent_start": "srun"}),
     (["--backend", "None"], {"backend": None}),
     (["--backend", "gloo"], {"backend": "gloo"}),
-    (["--timeout", "30"], {"timeout": 30}),
+    (["--timeout", "30"], {"timeout": 30.0}),
+    (["--timeout", "1.5"], {"timeout": 1.5}),
     (["--extra-env-vars", "WANDB_*", "HF_TOKEN"], {"extra_env_vars": ("WANDB_*", "HF_TOKEN")}),
     (["--default-env-vars", "PATH"], {"default_env_vars": ("PATH",)}),
     (["--default-env-vars"], {"default_env_vars": ()}),
+    (["--copy-env-vars", "PATH", "HF_*"], {"copy_env_vars": ("PATH", "HF_*")}),
+    (["--extra-env-vars", "A_*", "B=x y"], {"extra_env_vars": ("A_*", "B=x y")}),
     (["--ssh-config-file", "None"], {"ssh_config_file": None}),
     (["--ssh-config-file", "cfg"], {"ssh_config_file": "cfg"}),
     (["--env-file", "env.sh"], {"env_file": "env.sh"}),
@@ -268,7 +273,7 @@ def test_argparse_defaults_can_be_changed_and_show_in_help():
     [
         (["--workers-per-host", "two"], "argument --workers-per-host: invalid value two"),
         (["--backend", "tcp"], "argument --backend: invalid value tcp: expected {None,nccl"),
-        (["--timeout", "1.5"], "argument --timeout: invalid value 1.5: expected INT"),
+        (["--timeout", "soon"], "argument --timeout: invalid value soon: expected FLOAT"),
         (["--agent-start", "rsh"], "argument --agent-start: invalid value rsh"),
     ],
 )

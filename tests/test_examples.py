@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_frameworks import EXAMPLES as FRAMEWORK_EXAMPLES
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
+# Examples that train with Transformers, Lightning...: tests/test_frameworks.py runs them.
+FRAMEWORK_SCRIPTS = sorted(example.script for example in FRAMEWORK_EXAMPLES.values())
 
 # Per example: small arguments, and patterns its output must match (in order, one line each).
 RUNS: dict[str, tuple[list[str], list[str]]] = {
@@ -50,7 +53,7 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
 
 
 def test_every_example_is_run_here():
-    assert sorted(RUNS) == [path.name for path in EXAMPLES]
+    assert sorted([*RUNS, *FRAMEWORK_SCRIPTS]) == [path.name for path in EXAMPLES]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -60,7 +63,7 @@ def test_example_has_a_usage_docstring(path):
     assert f"python examples/{path.name}" in docstring
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name in RUNS], ids=lambda p: p.name)
 def test_example_runs(path, tmp_path):
     args, patterns = RUNS[path.name]
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

@@ -6,13 +6,14 @@ The node-list parser is also checked against the real ``scontrol`` in ``test_slu
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 import torchrunx as trx
 from torchrunx import hosts
-from torchrunx.env import device_env
+from torchrunx.devices import device_env
 from torchrunx.hosts import HostSlots
 
 SLURM_VARIABLES = (
@@ -199,6 +200,35 @@ def test_hostnames_string_that_is_no_file_is_explained(tmp_path):
         trx.Launcher(hostnames=Path(tmp_path / "missing")).validate()
 
 
+@pytest.mark.parametrize(
+    "name", ["/tmp/x", "../../x", "a/b", "-oProxyCommand=x", "..", "", "a\x00b", "a b"]
+)
+def test_what_is_no_host_name_is_refused_up_front(name, no_slurm, log_dir):
+    # "/tmp/x" wrote its log to /tmp/x.log, "../../x" raised a raw UnicodeError from socket.
+    message = re.escape(f"invalid host name {name!r}")
+    with pytest.raises(ValueError, match=message):
+        trx.Launcher(hostnames=["localhost", name], workers_per_host=1).run(print)
+    with pytest.raises(ValueError, match=message):
+        hosts.resolve_hosts(["localhost", name], 1)
+    assert list(log_dir.iterdir()) == []  # refused before anything was made
+
+
+def test_host_names_addresses_aliases_and_hostfiles_still_pass(no_slurm, tmp_path):
+    names = ["user@node1", "::1", "fe80::1%eth0", "10.0.0.7", "gpu_box", "node-1.example.com"]
+    trx.Launcher(hostnames=names, workers_per_host=1).validate()
+    assert [h.hostname for h in hosts.resolve_hosts(names, 1)] == names
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=2\n")
+    for spec in ([str(hostfile)], f"hostfile:{hostfile}", hostfile):
+        trx.Launcher(hostnames=spec).validate()  # type: ignore[arg-type]
+        assert hosts.resolve_hosts(spec, "auto") == [HostSlots("node1", 2)]
+    # Resolved names are checked whatever their source.
+    hostfile.write_text("-x slots=2\n")
+    with pytest.raises(ValueError, match="invalid host name '-x'"):
+        hosts.resolve_hosts(hostfile, "auto")
+    assert not hosts.is_local_host("a..b")  # socket's IDNA codec refuses it: not this machine
+
+
 def test_count_local_gpus_and_slots(monkeypatch):
     assert hosts.count_local_gpus({"CUDA_VISIBLE_DEVICES": "0,3"}) == 2
     assert hosts.count_local_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == 1  # CUDA stops at -1
@@ -226,17 +256,18 @@ def test_count_local_gpus_with_nvidia_smi(tmp_path, monkeypatch):
 
 def test_device_env():
     base = {"PATH": "/bin"}
-    assert device_env(base, local_rank=3, local_world_size=4, gpus=4, cpus=32) == {
-        "CUDA_VISIBLE_DEVICES": "3",
-        "OMP_NUM_THREADS": "8",
-    }
+    assert device_env(
+        base, local_rank=3, local_world_size=4, gpus=4, cpus=32, isolate_gpus=True
+    ) == {"CUDA_VISIBLE_DEVICES": "3", "OMP_NUM_THREADS": "8"}
     # Set by the user: left alone.
     user = {"CUDA_VISIBLE_DEVICES": "2,3", "OMP_NUM_THREADS": "2"}
-    assert device_env(user, local_rank=1, local_world_size=2, gpus=2, cpus=32) == {}
-    # isolate_gpus=False: every worker sees every GPU, as under torchrun.
-    assert device_env(
-        base, local_rank=1, local_world_size=2, gpus=2, cpus=4, isolate_gpus=False
-    ) == {"OMP_NUM_THREADS": "2"}
+    assert (
+        device_env(user, local_rank=1, local_world_size=2, gpus=2, cpus=32, isolate_gpus=True) == {}
+    )
+    # By default every worker sees every GPU, as under torchrun.
+    assert device_env(base, local_rank=1, local_world_size=2, gpus=2, cpus=4) == {
+        "OMP_NUM_THREADS": "2"
+    }
     # No GPU: only threads, never fewer than one.
     assert device_env(base, local_rank=0, local_world_size=8, gpus=0, cpus=2) == {
         "OMP_NUM_THREADS": "1"

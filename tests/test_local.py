@@ -116,6 +116,40 @@ def test_worker_exception_keeps_its_type_and_remote_traceback():
     assert any("rank 1" in note and "localhost" in note for note in info.value.__notes__)
 
 
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this exception has no text")
+
+
+def raise_unprintable() -> None:
+    print("about to fail")
+    raise UnprintableError("x")
+
+
+def test_exception_whose_str_raises_keeps_its_type_and_traceback():
+    with pytest.raises(UnprintableError) as info:
+        trx.launch(raise_unprintable, hostnames=["localhost"], workers_per_host=1, backend=None)
+    assert info.value.args == ("x",)
+    cause = info.value.__cause__
+    assert type(cause).__name__ == "RemoteTraceback"
+    assert 'raise UnprintableError("x")' in cause.text
+    assert "UnprintableError: <exception str() failed>" in cause.text
+    notes = "\n".join(info.value.__notes__)
+    assert "raised in worker rank 0 (local rank 0 on host 'localhost'" in notes
+    assert "about to fail" in notes
+
+
+def group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+def test_a_fractional_process_group_timeout_is_accepted():
+    result = trx.launch(group_size, hostnames=["localhost"], workers_per_host=1, timeout=1.5)
+    assert result.ranks == [1]
+
+
 def rank_zero_fails_while_one_waits() -> None:
     import torch.distributed as dist
 
@@ -241,7 +275,7 @@ def test_environment_forwarding_extra_vars_and_env_file(tmp_path, monkeypatch):
     assert result.rank(0) == {
         "MY_EXTRA_VAR": "extra value; with $(specials)",
         "TORCH_TEST_VAR": "default pattern",
-        "NOT_FORWARDED": None,
+        "NOT_FORWARDED": "nope",  # the launcher's own machine: its whole environment
         "FROM_ENV_FILE": "sourced extra value; with $(specials)",
     }
 

@@ -14,9 +14,20 @@ from typing import TYPE_CHECKING
 import pytest
 
 import torchrunx as trx
-from torchrunx.logs import LineSplitter, log_level_from_env, parse_line
+from torchrunx.logs import (
+    TAIL_BYTES,
+    TAIL_LINE_BYTES,
+    TAIL_LINES,
+    Line,
+    LineSplitter,
+    LogRouter,
+    cut_line,
+    log_level_from_env,
+    parse_line,
+)
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from pathlib import Path
 
 
@@ -33,11 +44,21 @@ def chatty() -> int:
 
 
 def launch_dir(log_dir: Path) -> Path:
-    (folder,) = log_dir.iterdir()
+    (folder,) = (path for path in log_dir.iterdir() if path.is_dir())
     return folder
 
 
-def test_two_hosts_files_layout_content_and_console(cluster, log_dir, capsys):
+@pytest.fixture
+def torchrunx_info() -> Iterator[None]:
+    """The launcher's ``torchrunx`` logger at INFO: the console shows the agents' lifecycle."""
+    logger = logging.getLogger("torchrunx")
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    yield
+    logger.setLevel(old)
+
+
+def test_two_hosts_files_layout_content_and_console(cluster, log_dir, capsys, torchrunx_info):
     trx.launch(
         chatty,
         hostnames=cluster.names(),
@@ -47,7 +68,6 @@ def test_two_hosts_files_layout_content_and_console(cluster, log_dir, capsys):
     )
     folder = launch_dir(log_dir)
     assert sorted(p.name for p in folder.iterdir()) == [
-        "events.jsonl",
         "node1.log",
         "node1[0].log",
         "node1[1].log",
@@ -104,10 +124,13 @@ def test_default_log_dir_and_unique_folders(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
         trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None)
-    folders = sorted((tmp_path / "torchrunx_logs").iterdir())
+    entries = sorted((tmp_path / "torchrunx_logs").iterdir())
+    folders = [entry for entry in entries if entry.is_dir()]
     assert len(folders) == 2
-    for folder in folders:  # ISO 8601 names that sort by time
+    for folder in folders:  # ISO 8601 names that sort by time, each with its events beside it
         assert folder.name[:4].isdigit() and "T" in folder.name
+        assert (folder.parent / f"{folder.name}.events.jsonl").is_file()
+    assert len(entries) == 4
 
 
 def test_log_level_from_environment(log_dir, monkeypatch):
@@ -259,3 +282,104 @@ def test_line_splitter_and_parser():
     plain = parse_line("hello", is_stderr=False, default_name="worker.0.stdout")
     assert (plain.levelno, plain.name) == (logging.INFO, "worker.0.stdout")
     assert parse_line("oops", is_stderr=True, default_name="e").levelno == logging.WARNING
+
+
+def test_console_shows_agent_lifecycle_only_at_torchrunx_info(log_dir, capsys):
+    # By default: rank 0's output and what went wrong; the files keep the lifecycle.
+    trx.launch(chatty, hostnames=["localhost"], workers_per_host=1, backend=None)
+    out = capsys.readouterr().out
+    assert "[localhost:0] print from rank 0" in out
+    assert "[localhost] " not in out, out
+    agent_file = (launch_dir(log_dir) / "localhost.log").read_text()
+    assert "INFO torchrunx.agent: started 1 workers: pids [" in agent_file
+    assert "INFO torchrunx.agent: worker 0 (pid " in agent_file
+
+    logger = logging.getLogger("torchrunx")
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        trx.launch(chatty, hostnames=["localhost"], workers_per_host=1, backend=None)
+    finally:
+        logger.setLevel(old)
+    out = capsys.readouterr().out
+    assert "[localhost] started 1 workers: pids [" in out
+    assert "[localhost] worker 0 (pid " in out and ") exited with status 0" in out
+
+
+def test_console_level_of_agent_records_follows_the_launchers_logger(monkeypatch, capsys):
+    monkeypatch.setenv("TORCHRUNX_LOG_DIR", "")
+    router = LogRouter("auto", ["node1"])
+    router.add_workers(0, 1)
+    router.emit(0, None, None, Line(logging.INFO, "torchrunx.agent", "started 1 workers"), 0.0)
+    router.emit(0, None, None, Line(logging.WARNING, "agent", "bash: oops"), 0.0)
+    router.emit(0, 0, 0, Line(logging.INFO, "worker.0.stdout", "rank 0 says hi"), 0.0)
+    logger = logging.getLogger("torchrunx.agent")
+    old = logger.level
+    logger.setLevel(logging.ERROR)  # per logger, the standard way
+    try:
+        router.emit(0, None, None, Line(logging.WARNING, "agent", "hidden warning"), 0.0)
+    finally:
+        logger.setLevel(old)
+    router.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "[node1] bash: oops",  # warnings pass under Python's default WARNING
+        "[node1:0] rank 0 says hi",
+    ]
+
+
+def print_then_exit() -> None:
+    for i in range(3000):
+        print(f"line {i}")
+
+
+def test_a_workers_output_comes_before_its_exit():
+    # The agent's "worker N exited" must not overtake the worker's last lines (it used to travel
+    # on the agent's stderr, apart from the workers' lines: out of order in most of these runs).
+    for _ in range(4):
+        collect = Collect()
+        trx.launch(
+            print_then_exit,
+            hostnames=["localhost"],
+            workers_per_host=1,
+            backend=None,
+            log_handlers=[collect],
+        )
+        records = collect.records
+        exited = next(
+            i
+            for i, r in enumerate(records)
+            if r.local_rank is None and "exited with status" in r.getMessage()
+        )
+        last_line = max(i for i, r in enumerate(records) if r.local_rank == 0)
+        assert records[last_line].getMessage() == "line 2999"
+        assert last_line < exited, f"worker's line {last_line} after its exit {exited}"
+        assert records[exited].created >= records[last_line].created
+
+
+def test_failure_tail_is_capped_in_bytes(log_dir):
+    def flood_then_fail() -> None:
+        os.write(1, b"x" * 10_000_000)  # 10 MB without a newline
+        print("\nlast words")
+        raise RuntimeError("diverged")
+
+    with pytest.raises(RuntimeError, match="diverged") as info:
+        trx.launch(flood_then_fail, hostnames=["localhost"], workers_per_host=1, backend=None)
+    note = next(n for n in info.value.__notes__ if "of its output" in n)
+    assert len(note.encode()) < 40 * 1024
+    assert "more bytes cut]" in note
+    assert note.endswith("    last words")
+    assert (launch_dir(log_dir) / "localhost[0].log").read_text().count("x") == 10_000_000
+
+
+def test_cut_line_and_tail_budget(monkeypatch):
+    assert cut_line("short") == "short"
+    cut = cut_line("é" * 5000, limit=4096)  # 2 bytes each: never half a character
+    assert cut == "é" * 2048 + " [... 5904 more bytes cut]"
+    monkeypatch.setenv("TORCHRUNX_LOG_DIR", "")
+    router = LogRouter(None, ["node1"])
+    for i in range(TAIL_LINES):
+        router.emit(0, 0, 0, Line(logging.INFO, "w", f"{i:02d}" + "y" * 10_000), 0.0)
+    tail = router.tail(0, 0)
+    assert all(len(line.encode()) <= TAIL_LINE_BYTES + 40 for line in tail)
+    assert sum(len(line.encode()) + 1 for line in tail) <= TAIL_BYTES
+    assert tail[-1].startswith(f"{TAIL_LINES - 1:02d}")  # the newest lines are kept

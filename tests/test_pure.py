@@ -220,3 +220,24 @@ print("ok")
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_an_exception_whose_str_raises_is_reported_with_its_type_and_traceback():
+    from torchrunx.errors import exception_text
+    from torchrunx.worker import _exception_message
+
+    class UnprintableError(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    try:
+        raise UnprintableError("x")  # noqa: TRY301 (a traceback to format)
+    except UnprintableError as caught:
+        error = caught
+    assert exception_text(error) == "<exception str() failed>"
+    assert exception_text(ValueError("fine")) == "fine"
+    message, _ = _exception_message(3, error)
+    assert message.rank == 3
+    assert message.type_name.endswith("UnprintableError")
+    assert message.message == "<exception str() failed>"
+    assert 'raise UnprintableError("x")' in message.traceback

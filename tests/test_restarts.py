@@ -76,9 +76,10 @@ def test_fails_twice_then_succeeds_on_the_same_agents(log_dir):
         (2, 0, trx.WorkerState.SUCCEEDED),
         (2, 1, trx.WorkerState.SUCCEEDED),
     ]
-    # The same events, as JSON lines, in the launch's log folder.
-    (folder,) = log_dir.iterdir()
-    lines = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    # The same events, as JSON lines, beside the launch's log folder.
+    (folder,) = (path for path in log_dir.iterdir() if path.is_dir())
+    events = log_dir / f"{folder.name}.events.jsonl"
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
     assert [line["event"] for line in lines] == [type(e).__name__ for e in seen]
     assert lines[-1]["succeeded"] is True
     timings = result.timings

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torchrunx.cli import add_launcher_arguments, launcher_from_args
+    from torchrunx.env import DEFAULT_ENV_VARS_FOR_COPY
     from torchrunx.errors import (
         AgentFailedError,
         LaunchTimeoutError,
@@ -32,9 +33,13 @@ if TYPE_CHECKING:
     from torchrunx.logs import add_filter_to_handler, file_handler, stream_handler
     from torchrunx.results import LaunchResult, LaunchTimings
 
-__all__ = [
+__version__ = "0.5.0"
+"""The release: the successor of the original torchrunx 0.4 (pyproject.toml reads it here)."""
+
+__all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not isort's order)
     "AgentFailedError",
     "AgentState",
+    "DEFAULT_ENV_VARS_FOR_COPY",
     "LaunchResult",
     "LaunchTimeoutError",
     "LaunchTimings",
@@ -63,6 +68,7 @@ _HOME = {
     "WorkerTimeoutError": "torchrunx.errors",
     "AgentState": "torchrunx.events",
     "WorkerState": "torchrunx.events",
+    "DEFAULT_ENV_VARS_FOR_COPY": "torchrunx.env",
     "add_launcher_arguments": "torchrunx.cli",
     "launcher_from_args": "torchrunx.cli",
     "Launcher": "torchrunx.launcher",

@@ -9,13 +9,15 @@ Process tree on one host::
     └── ...
 
 Sequence: fork the guardian; connect to the launcher and authenticate; send
-:class:`AgentHello` (slots, a free port); import torch in a background thread meanwhile (once
-per host, never touching CUDA) while heartbeats go on; receive the :class:`WorkerSpec` with
+:class:`AgentHello` (slots, GPUs, a free port); import torch in a background thread meanwhile
+(once per host, never touching CUDA) while heartbeats go on; receive the :class:`WorkerSpec` with
 the pickled call as payload; fork the workers; then loop on one selector over the launcher
 connection, stdin, one pidfd per worker (so a death is reported the moment it happens), the
 worker's stdout and stderr pipes (forwarded as :class:`LogLines`, see :mod:`torchrunx.logs`)
-and one stack pipe per worker. The agent is single-threaded when it forks (the preload thread
-has been joined) and ends when its workers have ended.
+and one stack pipe per worker. The agent's own ``logging`` records go on the launcher
+connection too (:class:`_ToLauncher`), so "worker N exited" never overtakes that worker's
+output. The agent is single-threaded when it forks (the preload thread has been joined) and
+ends when its workers have ended.
 
 Stopping: on :class:`Stop` (or when the launcher connection or stdin closes, or no heartbeat
 arrived for ``agent_timeout`` seconds) the agent optionally asks each live worker for its
@@ -39,10 +41,12 @@ import struct
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from torchrunx import protocol, timer
+from torchrunx.env import FORK_SAFE_ENV
 from torchrunx.errors import ProtocolError
 from torchrunx.hosts import count_local_cpus, count_local_gpus
 from torchrunx.logs import LineSplitter, capture_logging, parse_line
@@ -159,6 +163,39 @@ def _guard(fd: int) -> NoReturn:
         os._exit(0)
 
 
+class _ToLauncher(logging.Handler):
+    """Sends the agent's own records on its connection, in order with its workers' output.
+
+    On stderr they would travel apart from the workers' lines (a pipe or SSH channel read
+    by another thread of the launcher), so "worker 0 exited" could overtake the worker's last
+    lines. Records of other threads, of forked children, or after the launcher is gone go
+    to ``fallback`` (stderr) instead.
+    """
+
+    def __init__(self, agent: Agent, fallback: logging.Handler) -> None:
+        super().__init__()
+        self.agent = agent
+        self.fallback = fallback
+        self.pid = os.getpid()
+        self.setFormatter(logging.Formatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Queue the record as a :class:`LogLines` entry with no local rank (the agent's)."""
+        agent = self.agent
+        if (
+            os.getpid() != self.pid
+            or threading.current_thread() is not threading.main_thread()
+            or not agent.launcher_alive
+            or agent.closed
+        ):
+            self.fallback.handle(record)
+            return
+        try:
+            agent.send_record(record.levelno, record.name, self.format(record), record.created)
+        except Exception:  # noqa: BLE001 (logging's contract: a handler reports, never raises)
+            self.handleError(record)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
@@ -169,7 +206,10 @@ def _preload_torch(enabled: bool, done_fd: int) -> None:
     # Importing torch.distributed does not initialise CUDA; forked workers inherit the modules.
     try:
         if enabled:
-            with contextlib.suppress(ImportError):
+            with contextlib.suppress(ImportError), warnings.catch_warnings():
+                # torch's import warns where numpy is missing; torchrunx does not need it,
+                # and the agent's import is ours, not the user's.
+                warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
                 import torch.distributed  # noqa: F401, PLC0415
     finally:
         os.write(done_fd, b"1")
@@ -201,11 +241,22 @@ class Agent:
         self.preloaded = False
         self.next_timer_poll = 0.0
         self.launcher_alive = True
+        self.closed = False
         self.conn.sock.settimeout(self.agent_timeout)
         self.outbox = bytearray()
         self.output_paused = False
         self.selector.register(self.conn.sock, selectors.EVENT_READ, "launcher")
         self.selector.register(0, selectors.EVENT_READ, "stdin")
+
+    def forward_logging(self) -> None:
+        """From now on, send this process's ``logging`` records on the launcher connection."""
+        root = logging.getLogger()
+        fallback = root.handlers[0] if root.handlers else logging.StreamHandler(sys.stderr)
+        root.handlers[:] = [_ToLauncher(self, fallback)]
+
+    def send_record(self, levelno: int, name: str, text: str, created: float) -> None:
+        """Send one of the agent's own records (no local rank) after what is already queued."""
+        self._send(LogLines(((None, levelno, name, text, created),)))
 
     # -- start ---------------------------------------------------------------------------
 
@@ -424,7 +475,10 @@ class Agent:
         if isinstance(source, _Worker):
             self._reap(source)
         elif isinstance(source, tuple) and isinstance(source[1], _Output):
-            self._read_output(source[0], source[1])
+            # Its worker may have been reaped earlier in this round: then the pipe was read
+            # to its end and closed.
+            if any(output is source[1] for output in source[0].outputs):
+                self._read_output(source[0], source[1])
         elif isinstance(source, tuple):
             self._read_stacks(source[1])
         elif source == "launcher":
@@ -623,11 +677,14 @@ class Agent:
         self._send(AgentDone())
         deadline = time.monotonic() + self.agent_timeout
         while self.outbox and self.launcher_alive and time.monotonic() < deadline:
-            self.selector.select(max(deadline - time.monotonic(), 0.0))
+            # In steps: epoll refuses a timeout of more than about 24 days.
+            wait = min(deadline - time.monotonic(), self.heartbeat_interval)
+            self.selector.select(max(wait, 0.0))
             self._flush_outbox()
 
     def close(self) -> None:
         """Kill any worker still alive and release every descriptor."""
+        self.closed = True  # records logged from now on go to stderr
         self._release_workers()
         self.selector.close()
         self.conn.close()
@@ -656,12 +713,26 @@ class Agent:
             worker.page.close()
 
 
+def _slots(workers: int | None, count: str, gpus: int, cpus: int) -> int:
+    """Workers this host runs: the given number, else what ``count`` counts (0: no GPU)."""
+    if workers is not None:
+        return int(workers)
+    if count == "gpu":
+        return gpus  # 0 tells the launcher that workers_per_host="gpu" found none here
+    if count == "cpu":
+        return cpus
+    return gpus or cpus
+
+
 def main(boot: dict[str, Any]) -> None:
     """Entry point of the agent process (called by the boot code with the bootstrap line)."""
     boot["agent_pid"] = os.getpid()
     # A Ctrl-C meant for the launcher must not kill the agent before it cleans up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Before torch is imported: forked workers inherit these (see FORK_SAFE_ENV).
+    for name, value in FORK_SAFE_ENV.items():
+        os.environ.setdefault(name, value)
     capture_logging(int(boot["log_level"]))
     guardian = _Guardian()
     secret = bytes.fromhex(boot["secret"])
@@ -674,7 +745,7 @@ def main(boot: dict[str, Any]) -> None:
         sys.exit(2)
     boot["gpus"] = count_local_gpus()
     boot["cpus"] = count_local_cpus()
-    slots = boot["workers"] if boot["workers"] is not None else boot["gpus"] or boot["cpus"]
+    slots = _slots(boot["workers"], boot.get("count", "auto"), boot["gpus"], boot["cpus"])
     conn.send(
         AgentHello(
             host_index=int(boot["host_index"]),
@@ -682,9 +753,11 @@ def main(boot: dict[str, Any]) -> None:
             pid=os.getpid(),
             slots=int(slots),
             free_port=_free_port(),
+            gpus=int(boot["gpus"]),
         )
     )
     agent = Agent(boot, conn, guardian)
+    agent.forward_logging()
     logger.info(
         "agent of host %d started on %s (pid %d)",
         boot["host_index"],

@@ -275,11 +275,17 @@ def _unwrap_annotated(hint: object) -> tuple[object, tuple[object, ...]]:
 
 
 def _members(tp: object) -> list[object]:
-    """Members of a union in the order tyro tries them: ``None``, literals, then the rest."""
+    """Members of a union in the order tyro tries them: ``None``, literals, then the rest.
+
+    ``dict`` members of a union with other members are left out: they are for Python callers
+    (``extra_env_vars`` as in torchrunx 0.4); tyro tries the ``tuple`` member before them, so a
+    command line never produces one.
+    """
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         members = [_unwrap_annotated(m)[0] for m in typing.get_args(tp)]
     else:
         members = [tp]
+    members = [m for m in members if typing.get_origin(m) is not dict] or members
     first = [m for m in members if m is type(None)]
     literals = [m for m in members if typing.get_origin(m) is Literal]
     return first + literals + [m for m in members if m not in first and m not in literals]
@@ -451,9 +457,9 @@ them. Put `--` between torchrunx's options and what to run:
   torchrunx builtins
       list the registered functions, presets and host providers
 
-A script or module initialises torch.distributed itself (--backend defaults to None) and sees
-every GPU of its host (--isolate-gpus defaults to False), as under torchrun; a function finds
-the process group initialised (--backend defaults to auto) and sees only its own GPU."""
+A script or module initialises torch.distributed itself (--backend defaults to None), as
+under torchrun; a function finds the process group initialised (--backend defaults to auto).
+Every worker sees every GPU of its host and LOCAL_RANK picks one (--isolate-gpus: only its own)."""
 
 _EPILOG = """\
 examples:
@@ -474,16 +480,6 @@ class _BackendDefault:
 
 
 _BY_TARGET = _BackendDefault()
-
-
-class _IsolateDefault:
-    """The ``--isolate-gpus`` default of the command: decided by what is run."""
-
-    def __str__(self) -> str:
-        return "False for a script or module, as under torchrun; True for a function"
-
-
-_ISOLATE_BY_TARGET = _IsolateDefault()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -533,7 +529,7 @@ def _command_parser() -> _Parser:
         help="run the target as a module, like python -m (also written `-- -m module`)",
     )
     add_launcher_arguments(parser)
-    parser.set_defaults(backend=_BY_TARGET, isolate_gpus=_ISOLATE_BY_TARGET)
+    parser.set_defaults(backend=_BY_TARGET)
     parser.add_argument(
         "target",
         nargs="?",
@@ -566,7 +562,6 @@ def _parse(parser: _Parser, argv: list[str]) -> tuple[argparse.Namespace, _Targe
     """The launcher options and what to run (``None`` only with ``--dry-run``)."""
     namespace, rest = _split(parser, argv)
     backend_given = namespace.backend is not _BY_TARGET
-    isolate_given = namespace.isolate_gpus is not _ISOLATE_BY_TARGET
     _target_defaults(namespace, function=False)
     module = namespace.module
     if rest[:1] == ["-m"]:
@@ -589,24 +584,20 @@ def _parse(parser: _Parser, argv: list[str]) -> tuple[argparse.Namespace, _Targe
         parser.error(problem)
     if target.kind == "function":
         namespace.backend = _BY_TARGET if not backend_given else namespace.backend
-        namespace.isolate_gpus = _ISOLATE_BY_TARGET if not isolate_given else namespace.isolate_gpus
         _target_defaults(namespace, function=True)
     return namespace, target
 
 
 def _target_defaults(namespace: argparse.Namespace, *, function: bool) -> None:
-    """Fill ``--backend`` and ``--isolate-gpus`` where they were not given.
+    """Fill ``--backend`` where it was not given.
 
-    A function gets the defaults of ``trx.launch``; a script or module gets torchrun's (it sets
-    up torch.distributed itself and picks ``cuda:LOCAL_RANK``).
+    A function gets the default of ``trx.launch``; a script or module gets torchrun's (it sets
+    up torch.distributed itself).
     """
     # A script's backend=None is part of running a script: a --preset does not change it.
     namespace.backend_given = namespace.backend is not _BY_TARGET or not function
-    namespace.isolate_given = namespace.isolate_gpus is not _ISOLATE_BY_TARGET or not function
     if namespace.backend is _BY_TARGET:
         namespace.backend = "auto" if function else None
-    if namespace.isolate_gpus is _ISOLATE_BY_TARGET:
-        namespace.isolate_gpus = function
 
 
 def _split(parser: _Parser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -652,12 +643,12 @@ def _describe_failure(error: BaseException, headline: str = "the launch failed")
     Returns:
         The text to print (ends with a newline).
     """
-    from torchrunx.errors import RemoteTraceback  # noqa: PLC0415 (workers import this module)
+    from torchrunx.errors import RemoteTraceback, exception_text  # noqa: PLC0415 (workers import this module)
 
     parts: list[str] = []
     if isinstance(error.__cause__, RemoteTraceback):
         parts.append(error.__cause__.text.rstrip())
-    message = str(error).strip()
+    message = exception_text(error).strip()
     parts.append(
         f"torchrunx: {headline}: {type(error).__name__}" + (f": {message}" if message else "")
     )
@@ -757,7 +748,7 @@ def _with_preset(launcher: Launcher, namespace: argparse.Namespace, given: set[s
     """Apply ``--preset``: its values, except where an option was given on the command line.
 
     An option given with the field's default value (``--max-restarts 0``) still wins. A
-    script's ``backend`` and ``isolate_gpus`` (see :func:`_target_defaults`) count as given.
+    script's ``backend`` (see :func:`_target_defaults`) counts as given.
     """
     from torchrunx.launcher import Launcher  # noqa: PLC0415 (workers import this module)
 
@@ -766,8 +757,6 @@ def _with_preset(launcher: Launcher, namespace: argparse.Namespace, given: set[s
     names = set(given)
     if namespace.backend_given:
         names.add("backend")
-    if namespace.isolate_given:
-        names.add("isolate_gpus")
     overrides = {name: getattr(launcher, name) for name in names & set(_cli_fields(Launcher))}
     return Launcher.from_preset(namespace.preset, **overrides)
 

@@ -1,7 +1,10 @@
 """Environment forwarding: which launcher variables reach agents and workers.
 
-Values never appear on a command line: they travel on the agent's stdin (see
-:mod:`torchrunx.transport`), are exported by the agent's shell, and workers inherit them.
+An agent on the launcher's own machine starts from the launcher's whole environment (less
+per-process variables); every agent, local or remote, then exports the launcher's variables
+that match the forwarded patterns and the values given in ``extra_env_vars``. Values never
+appear on a command line: they travel on the agent's stdin (see :mod:`torchrunx.transport`),
+are exported by the agent's shell, and workers inherit them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ DEFAULT_ENV_VARS: tuple[str, ...] = (
 )
 """``fnmatch`` patterns of the launcher's variables that are copied by default."""
 
+DEFAULT_ENV_VARS_FOR_COPY = DEFAULT_ENV_VARS
+"""torchrunx 0.4's name for :data:`DEFAULT_ENV_VARS` (the default of ``copy_env_vars``)."""
+
+FORK_SAFE_ENV: dict[str, str] = {"MKL_DISABLE_FAST_MM": "1"}
+"""Set in every agent before it imports torch (unless already set), so its forked workers inherit
+them. MKL's own memory manager is not safe across the agent's fork: a worker's first matrix
+product could spin forever in ``mkl_serv_allocate`` (seen about once in 50 launches on a loaded
+machine); with it off, MKL allocates with ``malloc``."""
+
 _SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # Variables that describe one process and must never be copied to another one.
@@ -43,6 +55,10 @@ _NEVER_FORWARDED = frozenset(
         "TORCHELASTIC_RESTART_COUNT",
         "TORCHELASTIC_MAX_RESTARTS",
         "TORCHELASTIC_RUN_ID",
+        # Set by torchrun for the processes it starts: a launcher started under torchrun must
+        # not hand its elastic agent's store or error file to workers of its own.
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
     }
 )
 
@@ -66,6 +82,73 @@ def forwarded_env(
     }
 
 
+def split_extra_env_vars(extra: object) -> tuple[tuple[str, ...], dict[str, str]]:
+    """``extra_env_vars`` as (patterns of launcher variables to copy, values to set).
+
+    A dict (torchrunx 0.4's form) holds names and values. In a tuple or list, an entry
+    ``NAME=VALUE`` is a value and every other entry an ``fnmatch`` pattern (a variable's name
+    cannot contain ``=``). ``None`` (0.4's default) is neither.
+
+    Raises:
+        TypeError: None of these forms, or a name or value that is not a string.
+        ValueError: A name that bash cannot export or that torchrunx sets for each worker, or
+            a value holding a NUL byte (no environment can hold one).
+    """
+    if extra is None:
+        return (), {}
+    if isinstance(extra, dict):
+        patterns: tuple[str, ...] = ()
+        items: list[tuple[object, object]] = list(extra.items())
+    elif isinstance(extra, list | tuple) and all(isinstance(entry, str) for entry in extra):
+        patterns = tuple(entry for entry in extra if "=" not in entry)
+        items = [tuple(entry.split("=", 1)) for entry in extra if "=" in entry]
+    else:
+        raise TypeError(
+            "extra_env_vars must be a tuple of fnmatch patterns and NAME=VALUE entries, or a "
+            f"dict of names and values, got {extra!r}"
+        )
+    values: dict[str, str] = {}
+    for name, value in items:
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(
+                f"extra_env_vars: names and values must be strings, got {name!r}: {value!r}"
+            )
+        if not _SHELL_NAME.fullmatch(name):
+            raise ValueError(
+                f"extra_env_vars: {name!r} is not a variable name bash can export (letters, "
+                "digits and _, not starting with a digit)"
+            )
+        if name in _NEVER_FORWARDED:
+            raise ValueError(
+                f"extra_env_vars: {name} is set by torchrunx for each worker and cannot be "
+                "given for all of them"
+            )
+        if "\0" in value:
+            raise ValueError(f"extra_env_vars: the value of {name} contains a NUL byte")
+        values[name] = value
+    return patterns, values
+
+
+def exported_env(
+    patterns: Iterable[str], values: Mapping[str, str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """What every agent's shell exports: launcher variables matching ``patterns``, then ``values``.
+
+    A name in ``values`` wins over a launcher variable of the same name.
+    """
+    return {**forwarded_env(patterns, environ), **values}
+
+
+def local_agent_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment an agent on the launcher's own machine starts with.
+
+    The launcher's whole environment, as ``torchrun`` passes it on, less the per-process
+    variables (``RANK``, ``MASTER_PORT``, ...) that every worker gets its own of.
+    """
+    env = os.environ if environ is None else environ
+    return {name: value for name, value in env.items() if name not in _NEVER_FORWARDED}
+
+
 def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one argument each)
     *,
     rank: int,
@@ -82,10 +165,13 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
 
     ``TORCHRUNX_RESTART_COUNT`` is 0 for the first worker group and n after the n-th
     restart; ``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_MAX_RESTARTS`` carry the same
-    for code written for torchrun.
+    for code written for torchrun. ``TORCHELASTIC_RUN_ID`` makes
+    ``torch.distributed.is_torchelastic_launched()`` true, as under torchrun: Lightning then
+    reads the ranks from these variables (see ``torchrunx.integrations``).
     """
     return {
         "TORCHRUNX_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_RUN_ID": "torchrunx",
         "TORCHELASTIC_RESTART_COUNT": str(attempt),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "RANK": str(rank),
@@ -96,27 +182,3 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
     }
-
-
-def device_env(  # noqa: PLR0913 (one argument per fact about the host)
-    environ: Mapping[str, str],
-    *,
-    local_rank: int,
-    local_world_size: int,
-    gpus: int,
-    cpus: int,
-    isolate_gpus: bool = True,
-) -> dict[str, str]:
-    """Per-worker device settings, each only where the worker's environment lacks it.
-
-    * ``CUDA_VISIBLE_DEVICES`` (with ``isolate_gpus``): on a host with GPUs, the worker's own
-      device (``local_rank % gpus``), so every worker sees one GPU as ``cuda:0``.
-    * ``OMP_NUM_THREADS``: the host's usable CPU cores shared among its workers (at least 1),
-      so that workers do not oversubscribe the cores with OpenMP threads.
-    """
-    settings: dict[str, str] = {}
-    if isolate_gpus and gpus > 0 and "CUDA_VISIBLE_DEVICES" not in environ:
-        settings["CUDA_VISIBLE_DEVICES"] = str(local_rank % gpus)
-    if "OMP_NUM_THREADS" not in environ:
-        settings["OMP_NUM_THREADS"] = str(max(1, cpus // max(1, local_world_size)))
-    return settings

@@ -202,6 +202,18 @@ class RemoteTraceback(Exception):  # noqa: N818 (mirrors concurrent.futures' nam
         return "\n\n" + self.text.rstrip()
 
 
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or Python's own placeholder when the exception's ``__str__`` raises.
+
+    A user's exception with a broken ``__str__`` must still be reported with its type and
+    traceback, not replaced by the error its ``__str__`` raised.
+    """
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 (whatever a broken __str__ raises)
+        return "<exception str() failed>"
+
+
 _COLLECTIVE_ERROR_TYPES = frozenset(
     {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"}
 )

@@ -20,7 +20,7 @@ states. A restart starts a new generation of workers, each ``INIT`` again.
 
 Events are frozen dataclasses. Each has ``time`` (seconds since the epoch) and is delivered, in
 order and from the launcher's own thread, to every handler of ``Launcher.event_handlers`` and,
-when the log folder is on, to ``events.jsonl`` there.
+when the log folder is on, to ``<log folder>.events.jsonl`` beside it.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class LaunchStarted:
 
 @dataclass(frozen=True)
 class AgentStarted:
-    """An agent connected back and reported its host's worker count."""
+    """An agent connected back and reported its host's worker and GPU counts."""
 
     host_index: int
     hostname: str
@@ -92,6 +92,8 @@ class AgentStarted:
     workers: int
     start_seconds: float
     """From the start of the launch to this agent's hello (SSH or srun and Python start)."""
+    gpus: int = 0
+    """GPUs the agent counted on its host (``CUDA_VISIBLE_DEVICES``, the driver, nvidia-smi)."""
     time: float = field(default_factory=_now)
 
 
@@ -104,6 +106,8 @@ class WorkersStarted:
     attempt: int
     ranks: tuple[int, ...]
     pids: tuple[int, ...]
+    backend: str | None = None
+    """The workers' process-group backend (``"auto"`` resolved: ``"nccl"`` or ``"gloo"``)."""
     time: float = field(default_factory=_now)
 
 

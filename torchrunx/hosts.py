@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 HostnamesSpec = list[str] | tuple[str, ...] | str | os.PathLike[str]
 """A list of names, ``"auto"``, ``"slurm"``, or a hostfile path (see :func:`resolve_hosts`)."""
-WorkersSpec = Literal["auto", "slurm"] | int | list[int] | tuple[int, ...]
+WorkersSpec = Literal["auto", "slurm", "gpu", "cpu"] | int | list[int] | tuple[int, ...]
 
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1", "0.0.0.0"})  # noqa: S104 (a name to recognise, not an address to bind)
 _SCONTROL_TIMEOUT = 30.0
@@ -378,6 +378,35 @@ def hostfile_path(hostnames: object) -> Path | None:
 # -- resolution -------------------------------------------------------------------------------
 
 
+def check_hostname(name: object) -> None:
+    """Refuse what cannot be a host name, before it reaches DNS, SSH or a log file's name.
+
+    Accepted: DNS names, ``~/.ssh/config`` aliases, ``user@host``, IPv4 and IPv6 literals
+    (``fe80::1%eth0`` too). Refused: an empty name, whitespace or control characters, a
+    ``/`` (the name is also its log file's name: ``/tmp/x`` would write outside the launch's
+    folder), a leading ``-`` (it would read as an option), and ``.`` or ``..``.
+
+    Raises:
+        ValueError: ``name`` is not a usable host name; the message says why and what to do.
+    """
+    if not isinstance(name, str) or not name:
+        reason = "give each host as a non-empty string (a name or an address)"
+    elif any(c.isspace() or not c.isprintable() for c in name):
+        reason = "it contains whitespace or control characters; give one host per entry"
+    elif "/" in name:
+        reason = (
+            "a host name cannot contain '/' (it also names the host's log file); to read hosts "
+            "from a hostfile, give its path alone: hostnames='PATH' or ['PATH']"
+        )
+    elif name.startswith("-"):
+        reason = "a host name cannot start with '-'"
+    elif name.strip(".") == "":
+        reason = "it is not a host name"
+    else:
+        return
+    raise ValueError(f"hostnames contains an invalid host name {name!r}: {reason}")
+
+
 @dataclass(frozen=True)
 class HostsSource:
     """What the ``hostnames`` field names; one attribute is set (none for ``"auto"``).
@@ -436,11 +465,13 @@ def resolve_hosts(
 
     ``workers_per_host``: an int for every host; a list, one per host; ``"slurm"`` (what SLURM
     gave each node: GPUs per node, else tasks per node); ``"auto"`` (a hostfile's slots, else
-    SLURM's count inside an allocation, else ``None``: GPUs or CPU cores, counted by each agent).
+    SLURM's count inside an allocation, else ``None``: GPUs or CPU cores, counted by each agent);
+    ``"gpu"`` or ``"cpu"`` (``None``: each agent counts its GPUs, or its CPU cores).
 
     Raises:
         RuntimeError: ``"slurm"`` outside an allocation, or a host that is not in it.
-        ValueError: A list whose length differs from the number of hosts; a bad hostfile.
+        ValueError: A list whose length differs from the number of hosts; a bad hostfile; a
+            resolved name that is not a host name (see :func:`check_hostname`).
     """
     from torchrunx import plugins  # noqa: PLC0415 (plugins builds on this module)
 
@@ -455,6 +486,8 @@ def resolve_hosts(
         hosts = plugins.detected_hosts(env) or [HostSlots("localhost", None)]
     else:
         hosts = [HostSlots(str(name), None) for name in source.names]
+    for host in hosts:  # whatever the source: a provider's or a scheduler's names too
+        check_hostname(host.hostname)
     return _assign_workers(hosts, workers_per_host, env)
 
 
@@ -471,6 +504,8 @@ def _assign_workers(
         return [HostSlots(h, n) for h, n in zip(names, workers_per_host, strict=True)]
     if isinstance(workers_per_host, int):
         return [HostSlots(h, workers_per_host) for h in names]
+    if workers_per_host in ("gpu", "cpu"):  # torchrunx 0.4's values: counted by each agent
+        return [HostSlots(h, None) for h in names]
     if workers_per_host == "slurm":
         allocation = slurm_allocation(env, what="workers_per_host='slurm'")
         missing = [h for h in names if h not in allocation.nodes]
@@ -575,7 +610,7 @@ def is_local_host(hostname: str) -> bool:
         return True
     try:
         infos = socket.getaddrinfo(hostname, None, proto=socket.IPPROTO_TCP)
-    except OSError:
+    except (OSError, UnicodeError):  # UnicodeError: not a DNS name ("a..b"), maybe an SSH alias
         return False
     for info in infos:
         address = str(info[4][0])

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import queue
 import shlex
@@ -35,7 +36,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 import tyro
 
 from torchrunx import protocol, serialization
-from torchrunx.env import DEFAULT_ENV_VARS, forwarded_env
+from torchrunx.devices import AUTO_BACKEND_RULE, resolve_backend
+from torchrunx.env import DEFAULT_ENV_VARS, exported_env, local_agent_env, split_extra_env_vars
 from torchrunx.errors import (
     AgentFailedError,
     LaunchTimeoutError,
@@ -47,6 +49,7 @@ from torchrunx.errors import (
     WorkerRaisedError,
     WorkerTimeoutError,
     describe_exit,
+    exception_text,
 )
 from torchrunx.events import (
     AgentStarted,
@@ -70,13 +73,22 @@ from torchrunx.health import (
 )
 from torchrunx.hosts import (
     HostSlots,
+    check_hostname,
+    count_local_gpus,
     hostnames_source,
     in_slurm_allocation,
     is_local_host,
     resolve_hosts,
     slurm_allocation,
 )
-from torchrunx.logs import Line, LogHandlers, LogRouter, log_level_from_env, parse_line
+from torchrunx.logs import (
+    Line,
+    LogHandlers,
+    LogRouter,
+    events_file,
+    log_level_from_env,
+    parse_line,
+)
 from torchrunx.protocol import (
     AgentDone,
     AgentHello,
@@ -110,7 +122,7 @@ from torchrunx.transport import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator
+    from collections.abc import Callable, Iterable, Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +147,46 @@ _ALL_RESTART_CATEGORIES = (*_RESTART_CATEGORIES, "hosts")
 
 StartMethod = Literal["local", "ssh", "srun"]
 
+_RENAMED = {
+    "worker_timeout": "renamed in torchrunx 0.5: use timeout=SECONDS (the process-group timeout)",
+    "handler_factory": (
+        "renamed in torchrunx 0.5: use log_handlers=... (or launcher.set_logging_handlers(...))"
+    ),
+    "env_vars": "renamed: use default_env_vars=(patterns, ...)",
+    "log_dir": "removed: set the TORCHRUNX_LOG_DIR environment variable instead",
+}
+"""Keywords of earlier torchrunx releases (0.1 to 0.4) that no longer exist, and what replaces
+them. Kept apart from unknown keywords so that a migrating script is told what to write."""
 
+
+def _refuse_renamed(caller: str, keywords: Iterable[str]) -> None:
+    """Raise a TypeError naming the replacement of a keyword of an earlier release."""
+    for name in keywords:
+        if name in _RENAMED:
+            raise TypeError(f"{caller} got {name}=..., which was {_RENAMED[name]}")
+
+
+_C = TypeVar("_C")
+
+
+def _refuses_renamed_keywords(cls: type[_C]) -> type[_C]:
+    """Make the dataclass's ``__init__`` name the replacement of an earlier release's keyword.
+
+    Without it, ``Launcher(worker_timeout=60)`` fails with Python's bare "unexpected keyword
+    argument". The wrapper keeps the generated signature (``inspect.signature``, tyro).
+    """
+    init: Callable[..., None] = cls.__init__
+
+    @functools.wraps(init)
+    def checked_init(self: object, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 (the fields)
+        _refuse_renamed(f"{cls.__name__}()", kwargs)
+        init(self, *args, **kwargs)
+
+    setattr(cls, "__init__", checked_init)  # noqa: B010 (replacing a method mypy knows)
+    return cls
+
+
+@_refuses_renamed_keywords
 @dataclass(frozen=True)
 class Launcher:
     """How to run a function on many hosts and workers; `run` does it.
@@ -149,9 +200,10 @@ class Launcher:
 scheduler's, if inside one, else localhost); a host provider such as "slurm", "pbs", "lsf"
 or "hostfile:PATH"; or the path of a hostfile (with a slash on the command line: ./hostfile)."""
 
-    workers_per_host: Literal["auto", "slurm"] | int | list[int] = "auto"
-    """Workers per host: one number, one per host, "slurm" (what SLURM gave each node), or the
-default "auto" (a hostfile's or scheduler's slots, else GPUs, else CPU cores of each host)."""
+    workers_per_host: Literal["auto", "slurm", "gpu", "cpu"] | int | list[int] = "auto"
+    """Workers per host: one number, one per host, "slurm" (what SLURM gave each node), or
+the GPUs of each host with "gpu" (an error for a host without any), its CPU cores with "cpu",
+or the default "auto" (a hostfile's or scheduler's slots, else GPUs, else CPU cores)."""
 
     agent_start: Literal["auto", "ssh", "srun"] = "auto"
     """How agents start on other hosts. "srun": one SLURM job step per host (inside an
@@ -162,22 +214,30 @@ else ssh. An agent on this machine is always a plain subprocess."""
     """SSH config for reaching hosts; None: ~/.ssh/config if it exists."""
 
     backend: Backend = "auto"
-    """torch.distributed backend. "auto": nccl where the worker sees CUDA, else gloo; None: no
-process group."""
+    """torch.distributed backend. "auto": nccl if every host has a GPU for each of its workers,
+else gloo (one choice for the whole launch, from the GPUs each agent counts); None: no process
+group. With nccl each worker's current CUDA device is LOCAL_RANK's GPU, bound to the group."""
 
-    timeout: int = 600
-    """Process-group timeout in seconds (for collectives and process-group set-up)."""
+    timeout: float = 600
+    """Process-group timeout in seconds (for collectives and process-group set-up); a
+fraction such as 1.5 is fine."""
 
-    isolate_gpus: bool = True
-    """Give each worker on a host with GPUs only its own GPU (CUDA_VISIBLE_DEVICES = local
-rank), unless CUDA_VISIBLE_DEVICES is already set. False: every worker sees every GPU, as
-under torchrun (for code that selects cuda:LOCAL_RANK itself)."""
+    isolate_gpus: bool = False
+    """False: every worker sees every GPU of its host and LOCAL_RANK picks one, as under
+torchrun. True: each worker sees only its own GPU, as cuda:0 (CUDA_VISIBLE_DEVICES = local
+rank modulo the host's GPUs, unless CUDA_VISIBLE_DEVICES is already set)."""
 
     default_env_vars: tuple[str, ...] = DEFAULT_ENV_VARS
-    """Launcher environment variables (fnmatch patterns) copied to agents and workers."""
+    """Launcher environment variables (fnmatch patterns) copied to agents and workers on every
+host. Workers on this machine see the launcher's whole environment anyway."""
 
-    extra_env_vars: tuple[str, ...] = ()
-    """More fnmatch patterns of environment variables to copy, on top of default_env_vars."""
+    copy_env_vars: tuple[str, ...] | None = None
+    """torchrunx 0.4's name for default_env_vars: give one or the other (None: not given)."""
+
+    extra_env_vars: tuple[str, ...] | dict[str, str] | None = ()
+    """More variables for every agent and worker on every host: fnmatch patterns of launcher
+variables to copy, on top of default_env_vars, and NAME=VALUE entries to set (in Python also a
+dict of names and values, as in torchrunx 0.4)."""
 
     env_file: str | Path | None = None
     """A bash file sourced on every host before the agent starts (after copied variables)."""
@@ -214,9 +274,10 @@ the launch runs; 0 picks a free port; None: $TORCHRUNX_HEALTH_CHECK_PORT if set,
     """Functions, or objects with a record(event) method, that receive every launch event."""
 
     log_handlers: Annotated[LogHandlers, tyro.conf.Suppress] = "auto"
-    """Where forwarded logs go. "auto": the first agent and its first worker on stdout, and
-every agent and worker in files under $TORCHRUNX_LOG_DIR; None: nowhere; or logging.Handlers,
-or a function making them, that receive every record."""
+    """Where forwarded logs go. "auto": the first worker on stdout, with its agent's warnings
+(its INFO lines too where the torchrunx.agent logger allows INFO), and every agent and worker
+in files under $TORCHRUNX_LOG_DIR; None: nowhere; or logging.Handlers, or a function making
+them, that receive every record."""
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> Launcher:  # noqa: ANN401 (field values)
@@ -233,12 +294,14 @@ or a function making them, that receive every record."""
         from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
 
         values = {**plugins.preset(name), **overrides}
+        _refuse_renamed(f"Launcher.from_preset({name!r})", values)
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"preset {name!r} or its overrides set unknown fields {unknown}")
         for key, value in values.items():
             if isinstance(value, list) and key in (
                 "default_env_vars",
+                "copy_env_vars",
                 "extra_env_vars",
                 "restart_on",
             ):
@@ -286,16 +349,11 @@ or a function making them, that receive every record."""
         _validate_choice("backend", self.backend, _BACKENDS)
         if not isinstance(self.isolate_gpus, bool):
             raise TypeError(f"isolate_gpus must be True or False, got {self.isolate_gpus!r}")
-        if not isinstance(self.timeout, int) or not _is_positive(self.timeout):
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        for name in ("agent_timeout", "start_timeout", "launch_timeout"):
+        for name in ("timeout", "agent_timeout", "start_timeout", "launch_timeout"):
             value = getattr(self, name)
-            if (value is not None or name != "launch_timeout") and not _is_positive(value):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        for name in ("default_env_vars", "extra_env_vars"):
-            value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
-                raise TypeError(f"{name} must be a tuple of fnmatch patterns, got {value!r}")
+            if value is not None or name != "launch_timeout":
+                _validate_seconds(name, value)
+        _validate_env_vars(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
         _validate_log_handlers(self.log_handlers)
         _validate_restarts(self.max_restarts, self.restart_on)
         _validate_event_handlers(self.event_handlers)
@@ -308,6 +366,40 @@ or a function making them, that receive every record."""
             if not path.is_file() or not os.access(path, os.R_OK):
                 raise ValueError(f"ssh_config_file {str(path)!r} does not exist or is not readable")
             read_ssh_config(path)  # a syntax error is reported now, before any host is touched
+
+    def set_logging_handlers(self, handler_factory: LogHandlers) -> Launcher:
+        """Set :attr:`log_handlers` as torchrunx 0.4 did; returns this launcher.
+
+        Sets ``log_handlers`` on this launcher itself, as 0.4 did, so that both
+        ``Launcher(...).set_logging_handlers(f).run(g)`` and a separate call before ``run``
+        work. Prefer ``Launcher(log_handlers=f)``.
+
+        Args:
+            handler_factory: A function returning ``logging.Handler`` objects, a list of them,
+                ``"auto"`` or ``None`` (see ``log_handlers``).
+
+        Raises:
+            TypeError: ``handler_factory`` is none of these.
+        """
+        _validate_log_handlers(handler_factory)
+        # Launcher is frozen, but 0.4's method changed the launcher it was called on, and
+        # scripts call it without using the return value.
+        object.__setattr__(self, "log_handlers", handler_factory)
+        return self
+
+    def exported_env(self) -> dict[str, str]:
+        """The variables every agent exports, on every host (values as the launcher has them).
+
+        The launcher's variables matching ``default_env_vars`` (or ``copy_env_vars``) and the
+        patterns of ``extra_env_vars``, then the values given in ``extra_env_vars``.
+
+        Raises:
+            TypeError: ``extra_env_vars`` has the wrong type.
+            ValueError: ``extra_env_vars`` sets a name that cannot be exported.
+        """
+        patterns, values = split_extra_env_vars(self.extra_env_vars)
+        defaults = self.default_env_vars if self.copy_env_vars is None else self.copy_env_vars
+        return exported_env((*defaults, *patterns), values)
 
     def dry_run(self) -> str:
         """Describe what :meth:`run` would start, without starting or contacting anything.
@@ -323,28 +415,39 @@ or a function making them, that receive every record."""
         self.validate()
         hosts = resolve_hosts(self.hostnames, self.workers_per_host)
         methods = start_methods(self.agent_start, [h.hostname for h in hosts])
-        env = forwarded_env((*self.default_env_vars, *self.extra_env_vars))
-        return describe_plan(self, hosts, methods, sorted(env))
+        env = self.exported_env()
+        counts_gpus = self.backend == "auto" or self.workers_per_host == "gpu"
+        here = count_local_gpus() if counts_gpus and "local" in methods else None
+        gpus = [here if method == "local" else None for method in methods]
+        return describe_plan(self, hosts, methods, sorted(env), gpus)
 
 
 def describe_plan(
-    launcher: Launcher, hosts: list[HostSlots], methods: list[StartMethod], env_names: list[str]
+    launcher: Launcher,
+    hosts: list[HostSlots],
+    methods: list[StartMethod],
+    env_names: list[str],
+    gpus: Sequence[int | None] | None = None,
 ) -> str:
-    """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more)."""
+    """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more).
+
+    ``gpus``: each host's GPU count where known (hosts that are this machine), else None.
+    """
     known = all(h.workers is not None for h in hosts)
     world = sum(h.workers or 0 for h in hosts) if known else None
     lines = [
         "torchrunx dry run: nothing was started",
         f"hosts: {len(hosts)}",
         f"world size: {world if world is not None else 'known once every agent has counted'}",
-        f"backend: {launcher.backend} (process-group timeout {launcher.timeout} s)",
+        *_backend_lines(launcher, hosts, gpus or [None] * len(hosts)),
         "",
         "host  name                 workers  ranks      agent start",
     ]
     offset: int | None = 0
+    count = _count_mode(launcher.workers_per_host)
     for index, (host, method) in enumerate(zip(hosts, methods, strict=True)):
         if host.workers is None:
-            workers, ranks = "auto", "-"
+            workers, ranks = count, "-"
             offset = None
         else:
             workers = str(host.workers)
@@ -356,15 +459,47 @@ def describe_plan(
                 offset += host.workers
         lines.append(f"{index:<5} {host.hostname:<20} {workers:<8} {ranks:<10} {method}")
     if not known:
-        lines.append("(auto: the agent counts its GPUs, else CPU cores; ranks follow host order)")
+        counted = {"gpu": "GPUs", "cpu": "CPU cores"}.get(count, "GPUs, else CPU cores")
+        lines.append(f"({count}: the agent counts its {counted}; ranks follow host order)")
+    if count == "gpu":
+        without = [h.hostname for h, g in zip(hosts, gpus or [], strict=False) if g == 0]
+        if without:
+            lines.append(f"workers_per_host='gpu' would fail: no GPU on {', '.join(without)}")
     lines += ["", f"forwarded environment variables ({len(env_names)}, values not shown):"]
     lines.append("  " + (" ".join(env_names) or "(none)"))
+    if "local" in methods:
+        lines.append("  (workers on this machine also see the rest of the launcher's environment)")
     if launcher.env_file is not None:
         lines.append(f"sourced on every host first: {launcher.env_file}")
     lines += ["", "agent command lines (the script and secret go on stdin, never here):"]
     for host, method in zip(hosts, methods, strict=True):
         lines.append(f"  {host.hostname}: {_agent_command_line(launcher, host.hostname, method)}")
     return "\n".join(lines)
+
+
+def _count_mode(workers_per_host: object) -> str:
+    """What agents count for a host without a worker count: "gpu", "cpu" or "auto"."""
+    return str(workers_per_host) if workers_per_host in ("gpu", "cpu") else "auto"
+
+
+def _backend_lines(
+    launcher: Launcher, hosts: list[HostSlots], gpus: Sequence[int | None]
+) -> list[str]:
+    """The dry run's backend: ``"auto"`` resolved where the GPU counts allow it."""
+    line = f"(process-group timeout {launcher.timeout:g} s)"
+    if launcher.backend != "auto":
+        return [f"backend: {launcher.backend} {line}"]
+    pairs = list(zip(hosts, gpus, strict=True))
+    backend = resolve_backend("auto", [(h.workers, g) for h, g in pairs])
+    counted = ", ".join(f"{h.hostname} {g}" for h, g in pairs if g is not None)
+    seen = f" (GPUs counted here: {counted})" if counted else ""
+    if backend == "auto":
+        why = f"auto: decided when the agents report their GPUs: {AUTO_BACKEND_RULE}{seen}"
+    elif backend == "nccl":
+        why = f"auto resolves to nccl: every worker has a GPU{seen}"
+    else:
+        why = f"auto resolves to gloo: not every worker has a GPU{seen}"
+    return [f"backend: {backend} {line}", f"  {why}"]
 
 
 def _agent_command_line(launcher: Launcher, hostname: str, method: StartMethod) -> str:
@@ -389,9 +524,11 @@ def launch(
     """Run ``func(*func_args, **func_kwargs)`` on every worker: ``Launcher(**fields).run(...)``.
 
     Raises:
-        TypeError: An unknown launcher field.
+        TypeError: An unknown launcher field (for one of an earlier release, it names what
+            replaces it).
         Exception: Whatever :meth:`Launcher.run` raises.
     """
+    _refuse_renamed("launch()", launcher_fields)
     launcher = Launcher(**launcher_fields)
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
 
@@ -439,8 +576,13 @@ def _validate_choice(name: str, value: object, choices: tuple[object, ...]) -> N
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
 
 
-def _is_positive(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
+def _validate_seconds(name: str, value: object) -> None:
+    """A timeout must be a finite number of seconds above 0 (an int or a float)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and not math.isfinite(value):
+        no_limit = " (for no limit, use launch_timeout=None)" if name == "launch_timeout" else ""
+        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}{no_limit}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 def _validate_hostnames(hostnames: object) -> None:
@@ -457,7 +599,10 @@ def _validate_hostnames(hostnames: object) -> None:
         if hostfile.expanduser().is_file():
             return
         if isinstance(hostnames, os.PathLike) or "/" in str(hostfile):
-            raise ValueError(f"hostfile {str(hostfile)!r} does not exist or is not a file")
+            hint = ""
+            if isinstance(hostnames, list | tuple):  # ["a/b"]: a path, as from the CLI
+                hint = " (a one-entry list with '/' names a hostfile: host names have no '/')"
+            raise ValueError(f"hostfile {str(hostfile)!r} does not exist or is not a file{hint}")
         raise ValueError(
             f"hostnames={str(hostfile)!r} is neither 'auto', a host provider "
             f"({', '.join(plugins.host_provider_names())}) nor an existing hostfile; for a "
@@ -468,17 +613,33 @@ def _validate_hostnames(hostnames: object) -> None:
     if source is None or not source.names:
         raise ValueError(f"hostnames must be a non-empty list of host names, got {hostnames!r}")
     for name in source.names:
-        if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
-            raise ValueError(f"hostnames contains an invalid host name: {name!r}")
+        check_hostname(name)
+
+
+def _validate_env_vars(default: object, copy: object, extra: object) -> None:
+    for name, value in (("default_env_vars", default), ("copy_env_vars", copy)):
+        if value is None and name == "copy_env_vars":
+            continue
+        if not isinstance(value, list | tuple) or not all(isinstance(p, str) for p in value):
+            raise TypeError(f"{name} must be a tuple of fnmatch patterns, got {value!r}")
+    if copy is not None and tuple(default) != DEFAULT_ENV_VARS:  # type: ignore[arg-type]  # checked above
+        raise ValueError(
+            "copy_env_vars (torchrunx 0.4's name) and default_env_vars are the same setting: "
+            "give only one of them"
+        )
+    split_extra_env_vars(extra)  # raises TypeError or ValueError
 
 
 def _validate_workers(workers: object, hostnames: object) -> None:
-    if workers in ("auto", "slurm"):
+    if workers in ("auto", "slurm", "gpu", "cpu"):
         return
     counts = workers if isinstance(workers, list | tuple) else [workers]
     for count in counts:
         if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            raise ValueError(f"workers_per_host must be positive integers, got {workers!r}")
+            raise ValueError(
+                "workers_per_host must be positive integers (one, or one per host), 'auto', "
+                f"'slurm', 'gpu' or 'cpu', got {workers!r}"
+            )
     if isinstance(workers, list | tuple) and isinstance(hostnames, list | tuple):
         _check_lengths(len(workers), len(hostnames))
 
@@ -715,7 +876,7 @@ class _Launch:
         try:  # an unwritable log folder fails here, before any socket or thread exists
             self.sink = EventSink(
                 launcher.event_handlers,
-                None if self.logs.log_dir is None else self.logs.log_dir / "events.jsonl",
+                None if self.logs.log_dir is None else events_file(self.logs.log_dir),
             )
         except BaseException:
             self.logs.close()
@@ -743,7 +904,8 @@ class _Launch:
         )
         self.listener = _listen()
         self.port = int(self.listener.getsockname()[1])
-        self.env = forwarded_env((*launcher.default_env_vars, *launcher.extra_env_vars))
+        self.env = launcher.exported_env()
+        self.local_env = local_agent_env()  # this machine's agents: the launcher's environment
         self.attempt = 0
         self.history: list[str] = []
         self.degraded = False
@@ -1066,6 +1228,7 @@ class _Launch:
                     script,
                     self._bootstrap(index, "127.0.0.1"),
                     functools.partial(self._on_agent_line, index),
+                    environ=self.local_env,
                 )
         except AgentFailedError as exc:
             self.events.put(_StartFailed(index, exc))
@@ -1127,11 +1290,16 @@ class _Launch:
             agent_timeout=float(self.launcher.agent_timeout),
             log_level=self.logs.level,
             sys_path=tuple(sys.path),
+            count=_count_mode(self.launcher.workers_per_host),
         ).to_json_line()
 
     def _send_specs(self) -> None:
         hellos = [a.hello for a in self.agents]
         world_size = sum(h.slots for h in hellos if h is not None)
+        # Decided once for every worker of every host: a group that mixes backends hangs.
+        backend = resolve_backend(
+            self.launcher.backend, [(h.slots, h.gpus) for h in hellos if h is not None]
+        )
         master_addr, master_port = self._master_address()
         self.phase = "starting workers"
         offset = 0
@@ -1146,7 +1314,7 @@ class _Launch:
                 world_size=world_size,
                 master_addr=master_addr,
                 master_port=master_port,
-                backend=self.launcher.backend,
+                backend=backend,
                 timeout=self.launcher.timeout,
                 isolate_gpus=self.launcher.isolate_gpus,
                 log_level=self.logs.level,
@@ -1330,8 +1498,18 @@ class _Launch:
                     message.pid,
                     message.slots,
                     state.started_after,
+                    gpus=message.gpus,
                 )
             )
+            if message.slots == 0:  # only workers_per_host="gpu" counts 0
+                self._fail(
+                    AgentFailedError(
+                        state.slots.hostname,
+                        "workers_per_host='gpu' but this host has no GPU (its agent looked at "
+                        "CUDA_VISIBLE_DEVICES, the NVIDIA driver and nvidia-smi); give a number "
+                        "of workers, or 'auto' (GPUs, else CPU cores)",
+                    )
+                )
             return
         if isinstance(message, WorkerHello):
             if message.attempt != self.attempt or message.rank >= len(self.ranks):
@@ -1372,6 +1550,7 @@ class _Launch:
                         self.attempt,
                         tuple(range(offset, offset + len(message.pids))),
                         message.pids,
+                        backend=state.spec.backend,
                     )
                 )
                 for local_rank, pid in enumerate(message.pids):
@@ -1416,11 +1595,13 @@ class _Launch:
         self._fail(error)
 
     def _on_log_lines(self, agent: _AgentState, message: LogLines) -> None:
-        assert agent.spec is not None  # noqa: S101 (lines come from started workers)
-        index, offset = agent.spec.host_index, agent.spec.rank_offset
+        assert agent.hello is not None  # noqa: S101 (lines come after the agent's hello)
+        index = agent.hello.host_index
+        offset = 0 if agent.spec is None else agent.spec.rank_offset  # agent records: no spec
         for local_rank, levelno, name, text, created in message.records:
             line = Line(levelno, name, text)
-            self.logs.emit(index, local_rank, offset + local_rank, line, created)
+            rank = None if local_rank is None else offset + local_rank
+            self.logs.emit(index, local_rank, rank, line, created)
         self.logs.flush()
 
     def _on_worker_exited(self, agent: _AgentState, message: WorkerExited) -> None:
@@ -1600,7 +1781,8 @@ class _Launch:
         if isinstance(first, SystemExit) and first.code == 128 + signal.SIGTERM:
             reason = "the launcher received SIGTERM"
         else:
-            reason = (str(first).splitlines() or [type(first).__name__])[0]
+            text = "" if first is None else exception_text(first)
+            reason = (text.splitlines() or [type(first).__name__])[0]
         # Stacks tell where the survivors were stuck; after a Ctrl-C the user knows why.
         dump = not isinstance(first, KeyboardInterrupt | SystemExit)
         for state in self.agents:
@@ -1736,7 +1918,7 @@ def _count_repeats(lines: Iterable[str]) -> list[str]:
 
 def _summary(error: BaseException) -> str:
     """``Type: first line of the message`` (just the type for an empty message)."""
-    lines = str(error).splitlines()
+    lines = exception_text(error).splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 

@@ -9,8 +9,10 @@ agents are written to stderr as *marked lines* that keep their level and logger 
 
 Forwarding. The agent splits its workers' output into whole lines (never mid-line) and sends
 them in batches (:class:`torchrunx.protocol.LogLines`) over its authenticated connection, as
-it reads them, and always before it reports that worker's exit. The agent's own output comes
-to the launcher on its stdout/stderr (SSH channel or pipe) and is parsed the same way.
+it reads them, and always before it reports that worker's exit. Once connected, the agent's
+own ``logging`` records go in the same stream (local rank ``None``), so they keep their order
+with its workers' lines; the rest of the agent's output comes to the launcher on its
+stdout/stderr (SSH channel or pipe) and is parsed the same way.
 
 Records. In the launcher every line becomes a :class:`logging.LogRecord` with the extra
 attributes ``hostname``, ``host_index``, ``local_rank`` (``None`` for the agent) and ``rank``.
@@ -26,7 +28,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -40,6 +42,10 @@ NEWLINE = "\x1d"
 STDOUT_LEVEL = logging.INFO
 STDERR_LEVEL = logging.WARNING
 TAIL_LINES = 20
+TAIL_LINE_BYTES = 4 * 1024
+"""A line kept for a failure note is cut to this many UTF-8 bytes (the log files keep it all)."""
+TAIL_BYTES = 32 * 1024
+"""At most this many bytes of lines in one failure note: older lines are left out."""
 MAX_LINE_BYTES = 1 << 20
 
 LogHandlers = list[logging.Handler] | Callable[[], list[logging.Handler]] | Literal["auto"] | None
@@ -83,7 +89,14 @@ def parse_line(raw: str, *, is_stderr: bool, default_name: str) -> Line:
 
 
 class LineSplitter:
-    """Turns chunks of bytes into whole lines; keeps an unfinished line until its end."""
+    r"""Turns chunks of bytes into whole lines; keeps an unfinished line until its end.
+
+    A carriage return ends a line too: a progress bar (tqdm) redraws itself with ``\r`` and
+    ends with ``\n`` only when it closes, so each redraw becomes a line of its own, as it
+    comes, instead of one line at the end of training. ``\r\n`` is one line end, and blank
+    pieces between carriage returns (a bar clearing itself) are dropped. A marked record
+    written after an unfinished line (a bar) starts a line of its own.
+    """
 
     def __init__(self) -> None:
         """Start with nothing pending."""
@@ -93,13 +106,46 @@ class LineSplitter:
         """Whole lines completed by ``chunk`` (an empty chunk means EOF: flush the rest)."""
         if not chunk:
             rest, self.pending = self.pending, b""
-            return [rest.decode(errors="replace")] if rest else []
+            return [line.decode(errors="replace") for line in _redraws(rest)]
         data = self.pending + chunk
-        *lines, self.pending = data.split(b"\n")
-        if len(self.pending) > MAX_LINE_BYTES:  # a line without end: pass it on in pieces
-            lines.append(self.pending)
-            self.pending = b""
-        return [line.decode(errors="replace") for line in lines]
+        *done, pending = data.split(b"\n")
+        # Most chunks hold plain lines and records that start lines: no piece to look at.
+        inner = data.count(_RECORD_START) - data.count(b"\n" + _RECORD_START)
+        if b"\r" in data or inner > data.startswith(_RECORD_START):
+            done = [piece for line in done for piece in _redraws(line, keep_blank=True)]
+            if b"\r" in pending and _RECORD_START not in pending:  # a record: wait for its end
+                *drawn, pending = pending.split(b"\r")
+                done += [piece for piece in drawn if piece.strip()]
+                pending = pending or b"\r"  # so that a "\n" coming next ends no empty line
+        if len(pending) > MAX_LINE_BYTES:  # a line without end: pass it on in pieces
+            done.append(pending)
+            pending = b""
+        self.pending = pending
+        return [line.decode(errors="replace") for line in done]
+
+
+_RECORD_START = RECORD_START.encode()
+
+
+def _redraws(line: bytes, *, keep_blank: bool = False) -> list[bytes]:
+    r"""The non-blank pieces of ``line`` between ``\r``; a marked record or plain line as it is."""
+    start = line.find(_RECORD_START)
+    if start > 0:  # a record written after an unfinished line: a line of its own, kept whole
+        return [*_redraws(line[:start]), line[start:]]
+    if start == 0 or b"\r" not in line:
+        return [line] if line or keep_blank else []
+    return [piece for piece in line.split(b"\r") if piece.strip()]
+
+
+def cut_line(text: str, limit: int = TAIL_LINE_BYTES) -> str:
+    """``text`` cut to ``limit`` UTF-8 bytes, with a marker saying how many bytes were cut."""
+    if len(text) * 4 <= limit:  # no character takes more than 4 bytes: short enough
+        return text
+    data = text.encode(errors="replace")
+    if len(data) <= limit:
+        return text
+    kept = data[:limit].decode(errors="ignore")  # never half a character
+    return f"{kept} [... {len(data) - len(kept.encode())} more bytes cut]"
 
 
 def log_level_from_env(environ: dict[str, str] | None = None) -> int:
@@ -230,6 +276,26 @@ def _console() -> logging.Handler:
     return handler
 
 
+AGENT_CONSOLE_LOGGER = "torchrunx.agent"
+"""The launcher-side logger whose level decides which agent records the default console shows."""
+
+
+class _LauncherLevelFilter(logging.Filter):
+    """Passes a record only if a logger of the launcher is enabled for its level.
+
+    The standard switch for a library's chatter: the agents' lifecycle lines (INFO) stay off
+    the console until ``logging.getLogger("torchrunx").setLevel(logging.INFO)`` (or a root
+    logger at INFO), while their warnings and errors pass under Python's default WARNING.
+    """
+
+    def __init__(self, logger_name: str) -> None:
+        super().__init__()
+        self.logger = logging.getLogger(logger_name)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.logger.isEnabledFor(record.levelno)
+
+
 class _PrivateFileHandler(_BatchFlush, logging.FileHandler):
     """A FileHandler whose file is created readable and writable by its owner only."""
 
@@ -286,21 +352,47 @@ def _file(file_path: str | os.PathLike[str]) -> logging.Handler:
 # --------------------------------------------------------------------------------------------
 
 
-def new_log_dir(root: Path) -> Path:
-    """A new folder under ``root`` named by the current time in ISO 8601 (mode 0700).
+_FRESH_STAMPS = 10
+"""Fresh clock readings tried for a folder name before a ``-N`` suffix is added."""
 
-    Unique even for two launches in the same microsecond (a ``-N`` suffix is added).
+
+def new_log_dir(root: Path, now: Callable[[], dt.datetime] = dt.datetime.now) -> Path:
+    """A new folder under ``root`` named by the local time of the launch (mode 0700).
+
+    The name is naive local time to the second (``2025-06-01T14:03:27``), as torchrunx 0.4
+    named it, so ``datetime.fromisoformat`` reads it back. If a folder of that second exists
+    (two launches in one second), the time is read again with microseconds
+    (``2025-06-01T14:03:27.512345``, which ``fromisoformat`` reads too); only if that keeps
+    clashing is ``-N`` appended. The names sort by time.
     """
-    stamp = dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="microseconds")
     root.mkdir(parents=True, exist_ok=True)
-    for attempt in range(1000):
-        path = root / (stamp if attempt == 0 else f"{stamp}-{attempt}")
+    for name in _log_dir_names(now):
+        path = root / name
         try:
             path.mkdir(mode=0o700)
         except FileExistsError:
             continue
         return path
     raise FileExistsError(f"cannot create a new log folder under {root}")
+
+
+def _log_dir_names(now: Callable[[], dt.datetime]) -> Iterator[str]:
+    """Names for a new log folder, to try in order (the clock is read when each is needed)."""
+    yield now().isoformat(timespec="seconds")
+    stamp = ""
+    for _ in range(_FRESH_STAMPS):
+        stamp = now().isoformat(timespec="microseconds")
+        yield stamp
+    for n in range(1, 1000):
+        yield f"{stamp}-{n}"
+
+
+def events_file(log_dir: Path) -> Path:
+    """Where the events of the launch logging to ``log_dir`` go: beside it, ``<name>.events.jsonl``.
+
+    Not inside: the folder holds one log file per agent and worker, and nothing else.
+    """
+    return log_dir.with_name(f"{log_dir.name}.events.jsonl")
 
 
 @dataclass
@@ -357,7 +449,9 @@ class LogRouter:
         root = os.environ.get("TORCHRUNX_LOG_DIR", "./torchrunx_logs")
         if root:
             self.log_dir = new_log_dir(Path(root))
-        self._own(_filter(_console(), self.hostnames[0], None, self.level, host_index=0))
+        console = _filter(_console(), self.hostnames[0], None, self.level, host_index=0)
+        console.addFilter(_LauncherLevelFilter(AGENT_CONSOLE_LOGGER))
+        self._own(console)
         for index, hostname in enumerate(self.hostnames):
             self._add_file(index, hostname, None)
 
@@ -391,9 +485,18 @@ class LogRouter:
         return self.log_dir / self._file_name(host_index, local_rank)
 
     def tail(self, host_index: int, local_rank: int | None) -> list[str]:
-        """The last lines of an agent's or worker's output."""
+        """The last lines of an agent's or worker's output, at most :data:`TAIL_BYTES` of them."""
         source = self.sources.get((host_index, local_rank))
-        return [] if source is None else list(source.tail)
+        if source is None:
+            return []
+        kept: list[str] = []
+        size = 0
+        for text in reversed(source.tail):
+            size += len(text.encode(errors="replace")) + 1
+            if size > TAIL_BYTES and kept:
+                break
+            kept.append(text)
+        return kept[::-1]
 
     def emit(
         self,
@@ -408,7 +511,7 @@ class LogRouter:
         source = self.sources.get(key)
         if source is None:
             source = self.sources.setdefault(key, _Source())
-        source.tail.append(line.text)
+        source.tail.append(cut_line(line.text))
         record = self._record(source, host_index, local_rank, line, created)
         record.rank = rank  # not in the template: ranks can move on a restart
         handlers = source.handlers

@@ -64,6 +64,8 @@ class AgentHello:
     """Workers this host would run for ``workers_per_host="auto"`` (GPUs, else CPU cores)."""
     free_port: int
     """A port that was free on this host, used as ``MASTER_PORT`` if it runs rank 0."""
+    gpus: int = 0
+    """GPUs the agent counted on its host (``hosts.count_local_gpus``), for ``backend="auto"``."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,10 @@ class WorkerSpec:
     master_addr: str
     master_port: int
     backend: str | None
-    timeout: int
-    isolate_gpus: bool = True
+    """The process-group backend, never ``"auto"``: the launcher resolved it for every host."""
+    timeout: float
+    """The process-group timeout in seconds."""
+    isolate_gpus: bool = False
     """Set each worker's CUDA_VISIBLE_DEVICES to its own GPU (unless already set)."""
     log_level: int = 20
     """Level of the workers' root logger (``TORCHRUNX_LOG_LEVEL``)."""
@@ -107,12 +111,14 @@ class WorkerExited:
 
 @dataclass(frozen=True)
 class LogLines:
-    """Agent: whole lines its workers wrote, in order per worker and stream.
+    """Agent: whole lines its workers wrote, in order per worker and stream, and its own records.
 
-    Each record is ``(local_rank, levelno, logger name, text, unix time read)``.
+    Each record is ``(local_rank, levelno, logger name, text, unix time read)``; ``local_rank``
+    is ``None`` for a ``logging`` record of the agent itself (sent on the same connection, so
+    "worker N exited" never overtakes that worker's last lines).
     """
 
-    records: tuple[tuple[int, int, str, str, float], ...]
+    records: tuple[tuple[int | None, int, str, str, float], ...]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.logs import LineSplitter, parse_line
+from torchrunx.logs import LineSplitter, cut_line, parse_line
 
 if TYPE_CHECKING:
     import paramiko
@@ -69,6 +69,9 @@ class AgentBootstrap:
     agent_timeout: float
     log_level: int
     sys_path: tuple[str, ...]
+    count: str = "auto"
+    """What the agent counts when ``workers`` is None: "auto" (GPUs, else CPU cores), "gpu"
+    or "cpu" (``workers_per_host`` of that name)."""
 
     def to_json_line(self) -> bytes:
         """Encode as one line of JSON (the secret as hex)."""
@@ -78,6 +81,7 @@ class AgentBootstrap:
             "launcher": [self.launcher_address, self.launcher_port],
             "secret": self.secret.hex(),
             "workers": self.workers,
+            "count": self.count,
             "preload_torch": self.preload_torch,
             "heartbeat_interval": self.heartbeat_interval,
             "agent_timeout": self.agent_timeout,
@@ -160,7 +164,8 @@ class _OutputPump:
                 chunk = b""
             for line in splitter.feed(chunk):
                 if is_stderr:
-                    self.tail.append(parse_line(line, is_stderr=True, default_name="agent").text)
+                    text = parse_line(line, is_stderr=True, default_name="agent").text
+                    self.tail.append(cut_line(text))  # the error keeps a bounded tail
                 self.on_line(is_stderr, line)
             if not chunk:
                 return
@@ -170,13 +175,9 @@ class _OutputPump:
             thread.join(timeout)
 
 
-# What a fresh SSH login would have; everything else must be forwarded explicitly, so a
-# local agent sees the same environment as a remote one.
+# What a fresh SSH login would have: an srun step gets these (and SLURM's own) like a remote
+# agent over SSH; everything else travels on stdin.
 _LOGIN_VARIABLES = ("HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "PATH")
-
-
-def _login_environment() -> dict[str, str]:
-    return {name: os.environ[name] for name in _LOGIN_VARIABLES if name in os.environ}
 
 
 AGENT_ARGV = ("bash", "--noprofile", "--norc", "-c", 'IFS= read -r -d "" s && eval "$s"')
@@ -288,15 +289,24 @@ def _readable(fd: int, timeout: float | None) -> bool:
 class LocalAgent(_SubprocessAgent):
     """An agent on this machine: a plain subprocess in its own session (no SSH)."""
 
-    def __init__(self, hostname: str, script: bytes, bootstrap: bytes, on_line: OnLine) -> None:
+    def __init__(
+        self,
+        hostname: str,
+        script: bytes,
+        bootstrap: bytes,
+        on_line: OnLine,
+        *,
+        environ: dict[str, str],
+    ) -> None:
         """Start the agent and hand it its script and bootstrap on stdin.
+
+        ``environ`` is the agent's environment before its script runs (the launcher's own,
+        see :func:`torchrunx.env.local_agent_env`).
 
         Raises:
             AgentFailedError: bash cannot be started.
         """
-        super().__init__(
-            hostname, list(AGENT_ARGV), _login_environment(), script, bootstrap, on_line
-        )
+        super().__init__(hostname, list(AGENT_ARGV), environ, script, bootstrap, on_line)
 
     def close(self, grace: float = 5.0) -> None:
         """Close stdin (the agent stops on EOF), then SIGKILL it if it has not ended in time."""
@@ -529,7 +539,8 @@ def ssh_connect(
             channel_timeout=target.connect_timeout,
             sock=sock,
         )
-    except (paramiko.SSHException, OSError, EOFError) as exc:
+    except (paramiko.SSHException, OSError, EOFError, UnicodeError) as exc:
+        # UnicodeError: socket's IDNA encoding refused the name ("a..b", a label over 63).
         _close_all([client, *chain])
         raise _ssh_error(target, exc) from exc
     return [*chain, client]

@@ -9,7 +9,7 @@ function ends the worker with code ``n`` and no message; the agent reports that 
 
 from __future__ import annotations
 
-import datetime as dt
+import inspect
 import io
 import os
 import pickle
@@ -21,29 +21,29 @@ from typing import Any
 import cloudpickle
 
 from torchrunx import protocol, serialization
-from torchrunx.env import device_env, worker_env
-from torchrunx.errors import ProtocolError, is_collective_error
+from torchrunx.devices import cuda_device, device_env, process_group_options
+from torchrunx.env import worker_env
+from torchrunx.errors import ProtocolError, exception_text, is_collective_error
+from torchrunx.integrations import framework_env
 from torchrunx.logs import capture_logging
 from torchrunx.protocol import WorkerException, WorkerHello, WorkerResult, WorkerSpec
 
 _EXIT_RAISED = 1
 
 
-def _init_process_group(backend: str, spec: WorkerSpec, rank: int, local_rank: int) -> None:
+def _init_process_group(backend: str, spec: WorkerSpec, rank: int, device: int | None) -> None:
     import torch  # noqa: PLC0415 (workers with backend=None never import torch)
     import torch.distributed as dist  # noqa: PLC0415
 
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=rank,
-        world_size=spec.world_size,
-        timeout=dt.timedelta(seconds=spec.timeout),
+    options = process_group_options(
+        backend, rank=rank, world_size=spec.world_size, timeout=spec.timeout, device=device
     )
+    if "device_id" in options:
+        # LOCAL_RANK's GPU is current before NCCL creates anything on a device.
+        torch.cuda.set_device(options["device_id"])
+        if "device_id" not in inspect.signature(dist.init_process_group).parameters:
+            del options["device_id"]  # torch < 2.3: set_device alone selects the device
+    dist.init_process_group(**options)
     if backend == "gloo":
         # gloo connects its full mesh in init: a fast rank that returned and exited could
         # otherwise close its sockets while a slower peer is still connecting to it.
@@ -57,15 +57,15 @@ def _destroy_process_group() -> None:
 
 
 def _looks_like_timeout(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}".lower()
+    text = f"{type(exc).__name__} {exception_text(exc)}".lower()
     return "timeout" in text or "timed out" in text
 
 
 def _add_hints(exc: BaseException, spec: WorkerSpec) -> None:
     """Notes for failures that come from the process group torchrunx set up."""
     if _looks_like_timeout(exc):
-        _add_note(exc, f"the process-group timeout is Launcher.timeout={spec.timeout} s")
-    if "initialize the default process group twice" in str(exc):
+        _add_note(exc, f"the process-group timeout is Launcher.timeout={spec.timeout:g} s")
+    if "initialize the default process group twice" in exception_text(exc):
         _add_note(
             exc,
             f"torchrunx had already initialised the process group (backend={spec.backend!r}); "
@@ -91,7 +91,7 @@ def _exception_message(
     message = WorkerException(
         rank=rank,
         type_name=type(exc).__qualname__,
-        message=str(exc),
+        message=exception_text(exc),  # a broken __str__ must not hide it
         traceback=text,
         unpicklable_result=unpicklable_result,
         collective=is_collective_error(exc),
@@ -99,13 +99,14 @@ def _exception_message(
     return message, payload
 
 
-def _set_devices(boot: dict[str, Any], spec: WorkerSpec, local_rank: int) -> None:
-    """Give the worker its GPU and its share of the CPU cores (see :func:`device_env`)."""
+def _set_devices(boot: dict[str, Any], spec: WorkerSpec, local_rank: int) -> int | None:
+    """Set the worker's GPU and CPU variables (:func:`device_env`); return its CUDA device."""
+    gpus = int(boot.get("gpus", 0))
     settings = device_env(
         os.environ,
         local_rank=local_rank,
         local_world_size=spec.num_workers,
-        gpus=int(boot.get("gpus", 0)),
+        gpus=gpus,
         cpus=int(boot.get("cpus", 1)),
         isolate_gpus=spec.isolate_gpus,
     )
@@ -114,6 +115,9 @@ def _set_devices(boot: dict[str, Any], spec: WorkerSpec, local_rank: int) -> Non
     if "OMP_NUM_THREADS" in settings and torch is not None:
         # torch was imported by the agent before the fork: its thread pool is already sized.
         torch.set_num_threads(int(settings["OMP_NUM_THREADS"]))
+    isolated = "CUDA_VISIBLE_DEVICES" in settings
+    os.environ.update(framework_env(os.environ, gpus=gpus))  # e.g. Accelerate on CPU hosts
+    return cuda_device(local_rank=local_rank, gpus=gpus, isolated=isolated)
 
 
 def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_rank: int) -> int:
@@ -138,7 +142,7 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
             max_restarts=spec.max_restarts,
         )
     )
-    _set_devices(boot, spec, local_rank)
+    device = _set_devices(boot, spec, local_rank)
     secret = bytes.fromhex(boot["secret"])
     address = (boot["launcher"][0], int(boot["launcher"][1]))
     try:
@@ -152,7 +156,7 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
         del payload
         init_started = time.perf_counter()
         if spec.backend is not None:
-            _init_process_group(spec.backend, spec, rank, local_rank)
+            _init_process_group(spec.backend, spec, rank, device)
         function_started = time.perf_counter()
         result = func(*args, **kwargs)
         function_ended = time.perf_counter()
@@ -172,7 +176,7 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
     except Exception as exc:  # noqa: BLE001 (reported as a SerializationError)
         error = TypeError(
             f"the return value of rank {rank} ({type(result).__qualname__}) cannot be pickled: "
-            f"{exc}"
+            f"{exception_text(exc)}"
         )
         message, blob = _exception_message(rank, error, unpicklable_result=True)
         conn.send(message, blob)

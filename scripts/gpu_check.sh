@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU path, on a machine with NVIDIA GPUs (CI has none): real NCCL DDP launches on this
+# host and the launch benchmarks on NCCL. Needs 2 or more GPUs for the full check; with 1 GPU
+# it runs the example on 1 worker, checks that "auto" falls back to gloo for 2 workers, and
+# skips the benchmarks (their cases run 2 workers, each needs a GPU of its own).
+#
+#   bash scripts/gpu_check.sh            # prints the benchmark table at the end
+#
+# It makes its own virtual environment (GPU_CHECK_VENV, default /tmp/torchrunx-gpu-venv) that
+# sees this machine's Python packages, so the CUDA build of torch installed here is used (else
+# `pip install torch`). Offline, point pip at wheels of torchrunx's other dependencies:
+# PIP_NO_INDEX=1 PIP_FIND_LINKS=/path/to/wheels bash scripts/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${GPU_CHECK_VENV:-/tmp/torchrunx-gpu-venv}"
+python3 -m venv --system-site-packages "$venv"
+py="$venv/bin/python"
+"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q torch
+"$py" -m pip install -q -e .
+gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
+echo "torch $("$py" -c 'import torch; print(torch.__version__)'), $gpus GPU(s)"
+[ "$gpus" -ge 1 ] || { echo "gpu_check: torch sees no CUDA GPU" >&2; exit 1; }
+export TORCHRUNX_LOG_DIR="${TORCHRUNX_LOG_DIR:-$(mktemp -d)}"
+workers=$((gpus >= 2 ? 2 : 1))
+
+expect() {  # expect DEVICES ARGS...: run the DDP example, check the devices every rank used
+    local want=$1 out
+    shift
+    out=$("$py" examples/01_train_ddp.py --steps 50 "$@")
+    echo "$out"
+    grep -qxF "devices: $want" <<<"$out" || { echo "gpu_check: expected devices: $want" >&2; exit 1; }
+    grep -qxF "all ranks hold the same weights: True" <<<"$out"
+}
+cuda=$("$py" -c "print([f'cuda:{i}' for i in range($workers)])")
+# Every worker sees every GPU, and cuda:LOCAL_RANK is current (the example checks it too).
+expect "$cuda" --backend nccl --workers "$workers"
+expect "$cuda" --backend auto --workers "$workers"       # auto: every worker has a GPU
+cpus=$("$py" -c "print(['cpu'] * ($gpus + 1))")
+expect "$cpus" --backend auto --workers $((gpus + 1))    # one worker too many: gloo for all
+
+# isolate_gpus=True: each worker sees its own GPU only, as cuda:0, and NCCL still works.
+"$py" - "$workers" <<'EOF'
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import torchrunx as trx
+
+
+def probe():
+    total = torch.ones(1, device="cuda")
+    dist.all_reduce(total)
+    visible = os.environ["CUDA_VISIBLE_DEVICES"]
+    return visible, torch.cuda.device_count(), torch.cuda.current_device(), total.item()
+
+
+if "CUDA_VISIBLE_DEVICES" in os.environ:
+    print("isolate_gpus check skipped: CUDA_VISIBLE_DEVICES is set here, so it is left alone")
+    sys.exit(0)
+n = int(sys.argv[1])
+launcher = trx.Launcher(hostnames=["localhost"], workers_per_host=n, isolate_gpus=True)
+got = launcher.run(probe).ranks  # backend "auto": nccl, one GPU per worker
+assert got == [(str(i), 1, 0, float(n)) for i in range(n)], got
+print("isolate_gpus=True (CUDA_VISIBLE_DEVICES, device_count, current_device, sum):", got)
+EOF
+
+if [ "$gpus" -ge 2 ]; then
+    "$py" benchmarks/run.py --backend nccl --tools ours torchrun floor --runs 3 \
+        --only launch-overhead back-to-back failure-latency
+else
+    echo "gpu_check: 1 GPU: the NCCL benchmarks need 2 (2 workers per host, one GPU each); skipped"
+fi
+echo "gpu_check: all checks passed"
+
+# ----------------------------------------------------------------------------------------------
+# Training frameworks on GPUs (docs/frameworks.md). CI runs examples/06 to 10 on CPU with gloo;
+# here each runs with NCCL, one GPU per worker: every rank must report its own cuda:LOCAL_RANK
+# and the launcher must load back what rank 0 saved. For DeepSpeed this is its GPU path (CUDA
+# accelerator, ZeRO 2 over NCCL, bf16), which no CPU machine can run. DeepSpeed builds from
+# source against the torch above, hence --no-build-isolation.
+"$py" -m pip install -q --no-build-isolation -e ".[frameworks]"
+fw_gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
+fw_workers=$((fw_gpus >= 2 ? 2 : 1))
+fw_devices=$("$py" -c "print([f'cuda:{i}' for i in range($fw_workers)])")
+fw_out=$(mktemp -d)
+for example in 06_transformers 07_accelerate 08_lightning_trainer 09_lightning_fabric 10_deepspeed; do
+    flags=(--steps 20 --backend nccl --workers-per-host "$fw_workers" --out-dir "$fw_out/$example")
+    [ "$example" = 10_deepspeed ] && flags+=(--bf16)
+    out=$("$py" "examples/$example.py" "${flags[@]}") || { echo "$out"; exit 1; }
+    echo "$out"
+    grep -qxF "devices: $fw_devices" <<<"$out" ||
+        { echo "gpu_check: $example: expected devices: $fw_devices" >&2; exit 1; }
+    grep -q "^loaded back: eval loss" <<<"$out" ||
+        { echo "gpu_check: $example: the checkpoint was not loaded back" >&2; exit 1; }
+done
+echo "gpu_check: the framework examples passed on $fw_workers GPU(s)"

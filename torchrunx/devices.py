@@ -1,0 +1,109 @@
+"""Devices: which GPUs a worker sees and uses, its CPU threads, and what ``backend="auto"`` is.
+
+Pure functions; the agent counts its host's GPUs without torch (:func:`hosts.count_local_gpus`)
+and reports the count in its hello, so the launcher decides the backend once for the whole
+launch, and each worker derives its device from that count and its ``LOCAL_RANK``::
+
+    agent hello (workers, gpus) per host ──▶ resolve_backend ──▶ WorkerSpec.backend (concrete)
+    worker: device_env (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS) ──▶ cuda_device
+            ──▶ torch.cuda.set_device, init_process_group(..., device_id=cuda:index)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+AUTO_BACKEND_RULE = "nccl if every host has a GPU for each of its workers, else gloo"
+"""What ``backend="auto"`` resolves to, in words (for docs, help and the dry run)."""
+
+
+def device_env(  # noqa: PLR0913 (one argument per fact about the host)
+    environ: Mapping[str, str],
+    *,
+    local_rank: int,
+    local_world_size: int,
+    gpus: int,
+    cpus: int,
+    isolate_gpus: bool = False,
+) -> dict[str, str]:
+    """Per-worker device settings, each only where the worker's environment lacks it.
+
+    * ``CUDA_VISIBLE_DEVICES`` (only with ``isolate_gpus``): on a host with GPUs, the worker's
+      own device (``local_rank % gpus``), so every worker sees one GPU as ``cuda:0``. Without
+      it every worker sees every GPU of its host, as under torchrun.
+    * ``OMP_NUM_THREADS``: the host's usable CPU cores shared among its workers (at least 1),
+      so that workers do not oversubscribe the cores with OpenMP threads.
+    """
+    settings: dict[str, str] = {}
+    if isolate_gpus and gpus > 0 and "CUDA_VISIBLE_DEVICES" not in environ:
+        settings["CUDA_VISIBLE_DEVICES"] = str(local_rank % gpus)
+    if "OMP_NUM_THREADS" not in environ:
+        settings["OMP_NUM_THREADS"] = str(max(1, cpus // max(1, local_world_size)))
+    return settings
+
+
+def cuda_device(*, local_rank: int, gpus: int, isolated: bool) -> int | None:
+    """The index of the CUDA device a worker uses, as its process numbers them; None: no GPU.
+
+    Args:
+        local_rank: The worker's ``LOCAL_RANK``.
+        gpus: GPUs its host's agent counted (before any isolation).
+        isolated: Whether :func:`device_env` gave the worker a ``CUDA_VISIBLE_DEVICES`` of
+            its own (then its one device is ``cuda:0``).
+    """
+    if gpus <= 0:
+        return None
+    return 0 if isolated else local_rank % gpus
+
+
+def resolve_backend(
+    backend: str | None, hosts: Sequence[tuple[int | None, int | None]]
+) -> str | None:
+    """The backend every worker uses: ``backend`` itself, unless it is ``"auto"``.
+
+    ``"auto"`` is ``"nccl"`` when every host has at least one GPU per worker, else ``"gloo"``
+    (decided once for all workers: a group that mixes backends would hang). It stays
+    ``"auto"`` while the answer depends on a count not known yet (the dry run of a remote host).
+
+    Args:
+        backend: The launcher's ``backend``.
+        hosts: ``(workers, gpus)`` per host; ``workers`` None: as many as its GPUs (else CPU
+            cores), ``gpus`` None: not counted yet.
+    """
+    if backend != "auto":
+        return backend
+    undecided = False
+    for workers, gpus in hosts:
+        if gpus is None:
+            undecided = True
+        elif gpus == 0 or (workers is not None and workers > gpus):
+            return "gloo"
+    if undecided:
+        return "auto"
+    return "nccl" if hosts else "gloo"
+
+
+def process_group_options(
+    backend: str, *, rank: int, world_size: int, timeout: float, device: int | None
+) -> dict[str, Any]:
+    """Keyword arguments of ``torch.distributed.init_process_group`` for one worker.
+
+    With NCCL and a GPU, ``device_id`` binds the group to the worker's own device, so that
+    barriers and collectives do not all land on ``cuda:0``.
+    """
+    options: dict[str, Any] = {
+        "backend": backend,
+        "init_method": "env://",
+        "rank": rank,
+        "world_size": world_size,
+        "timeout": dt.timedelta(seconds=timeout),
+    }
+    if backend == "nccl" and device is not None:
+        import torch  # noqa: PLC0415 (only workers with a backend import torch)
+
+        options["device_id"] = torch.device("cuda", device)
+    return options
