@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -241,3 +242,17 @@ def test_an_exception_whose_str_raises_is_reported_with_its_type_and_traceback()
     assert message.type_name.endswith("UnprintableError")
     assert message.message == "<exception str() failed>"
     assert 'raise UnprintableError("x")' in message.traceback
+
+
+def test_the_agent_forks_only_once_its_preload_thread_has_left_the_kernel():
+    # Thread.join returns before the OS thread's destructors have run (MKL's take a lock that
+    # a worker forked meanwhile would inherit held); the agent waits for /proc/self/task.
+    from torchrunx.agent import _wait_for_thread_exit
+
+    for _ in range(20):
+        tid: list[int] = []
+        thread = threading.Thread(target=lambda ids=tid: ids.append(threading.get_native_id()))
+        thread.start()
+        thread.join()
+        _wait_for_thread_exit(tid)
+        assert not os.path.exists(f"/proc/self/task/{tid[0]}")

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from torchrunx import protocol, timer
-from torchrunx.env import FORK_SAFE_ENV
 from torchrunx.errors import ProtocolError
 from torchrunx.hosts import count_local_cpus, count_local_gpus
 from torchrunx.logs import LineSplitter, capture_logging, parse_line
@@ -202,8 +201,9 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _preload_torch(enabled: bool, done_fd: int) -> None:
+def _preload_torch(enabled: bool, done_fd: int, tid: list[int]) -> None:
     # Importing torch.distributed does not initialise CUDA; forked workers inherit the modules.
+    tid.append(threading.get_native_id())
     try:
         if enabled:
             with contextlib.suppress(ImportError), warnings.catch_warnings():
@@ -213,6 +213,23 @@ def _preload_torch(enabled: bool, done_fd: int) -> None:
                 import torch.distributed  # noqa: F401, PLC0415
     finally:
         os.write(done_fd, b"1")
+
+
+def _wait_for_thread_exit(tid: list[int], limit: float = 2.0) -> None:
+    """Wait until the preload thread's OS thread is gone, not only its Python side.
+
+    ``Thread.join`` returns before the thread's C-level destructors have run; MKL's run under
+    a lock of its own. A worker forked meanwhile inherits that lock held, and its first matrix
+    product spins forever in ``mm_account_ptr_by_tid`` (seen with gdb, about once in 20
+    launches). No event tells when a thread has left the kernel, so this looks at
+    ``/proc/self/task`` every millisecond, for at most ``limit`` seconds.
+    """
+    if not tid:
+        return
+    task = f"/proc/self/task/{tid[0]}"
+    deadline = time.monotonic() + limit
+    while os.path.exists(task) and time.monotonic() < deadline:  # noqa: PTH110 (hot, tiny)
+        time.sleep(0.001)
 
 
 class Agent:
@@ -268,9 +285,10 @@ class Agent:
         # The preload thread writes to this pipe when done, so one selector waits for it,
         # the launcher and stdin alike.
         done_read, done_write = os.pipe()
+        tid: list[int] = []
         preload = threading.Thread(
             target=_preload_torch,
-            args=(bool(self.boot["preload_torch"]) and not self.preloaded, done_write),
+            args=(bool(self.boot["preload_torch"]) and not self.preloaded, done_write, tid),
             name="torchrunx-preload",
         )
         preload.start()
@@ -301,6 +319,7 @@ class Agent:
                         self.selector.unregister(done_read)  # else it stays readable: a spin
         finally:
             preload.join()
+            _wait_for_thread_exit(tid)
             self.preloaded = True
             with contextlib.suppress(KeyError):
                 self.selector.unregister(done_read)
@@ -730,9 +749,6 @@ def main(boot: dict[str, Any]) -> None:
     # A Ctrl-C meant for the launcher must not kill the agent before it cleans up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    # Before torch is imported: forked workers inherit these (see FORK_SAFE_ENV).
-    for name, value in FORK_SAFE_ENV.items():
-        os.environ.setdefault(name, value)
     capture_logging(int(boot["log_level"]))
     guardian = _Guardian()
     secret = bytes.fromhex(boot["secret"])

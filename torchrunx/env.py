@@ -33,12 +33,6 @@ DEFAULT_ENV_VARS: tuple[str, ...] = (
 DEFAULT_ENV_VARS_FOR_COPY = DEFAULT_ENV_VARS
 """torchrunx 0.4's name for :data:`DEFAULT_ENV_VARS` (the default of ``copy_env_vars``)."""
 
-FORK_SAFE_ENV: dict[str, str] = {"MKL_DISABLE_FAST_MM": "1"}
-"""Set in every agent before it imports torch (unless already set), so its forked workers inherit
-them. MKL's own memory manager is not safe across the agent's fork: a worker's first matrix
-product could spin forever in ``mkl_serv_allocate`` (seen about once in 50 launches on a loaded
-machine); with it off, MKL allocates with ``malloc``."""
-
 _SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # Variables that describe one process and must never be copied to another one.
