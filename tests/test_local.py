@@ -12,12 +12,19 @@ import sys
 import textwrap
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
 import torchrunx as trx
-from torchrunx import launcher as launcher_module
-from torchrunx.protocol import AgentDone, Connection, LogLines
+from torchrunx import listener as listener_module
+from torchrunx.orchestrator import Launch
+from torchrunx.protocol import AgentDone, LogLines
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torchrunx.listener import FrameReceived
 
 LOCAL = {"hostnames": ["localhost"], "workers_per_host": 2, "backend": "gloo"}
 
@@ -321,13 +328,13 @@ def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(
     tmp_path, monkeypatch, capsys, log_dir
 ):
     listeners: list[socket.socket] = []
-    real_listen = launcher_module._listen
+    real_listen = listener_module.listen_socket
 
     def spy_listen() -> socket.socket:
         listeners.append(real_listen())
         return listeners[-1]
 
-    monkeypatch.setattr(launcher_module, "_listen", spy_listen)
+    monkeypatch.setattr(listener_module, "listen_socket", spy_listen)
     marker = tmp_path / "unpickled"
 
     class Evil:
@@ -386,19 +393,34 @@ def test_a_second_init_process_group_says_what_to_do():
 def test_agent_exit_noticed_before_its_last_message_is_not_a_failure(monkeypatch):
     """The agent's exit (seen through its pidfd) may overtake its AgentDone on the socket.
 
-    The launcher's connection thread is made slow to hand on AgentDone, as on a busy machine
-    with many hosts (seen with 16 test hosts: "the agent process ended unexpectedly (exit
-    status 0)"); the launch must still succeed.
+    The launcher is made to hand on AgentDone 0.5 s late, as on a busy machine with many
+    hosts (seen with 16 test hosts: "the agent process ended unexpectedly (exit status 0)");
+    the launch must still succeed.
     """
-    received = Connection.recv
+    on_frame, on_closed = Launch._on_frame, Launch._on_closed
+    held: dict[object, list[Callable[[], None]]] = {}  # per connection, in order
 
-    def late_agent_done(self: Connection) -> tuple[object, list[bytearray]]:
-        message, payload = received(self)
-        if isinstance(message, AgentDone):
-            time.sleep(0.5)  # the agent has exited meanwhile
-        return message, payload
+    def release(peer: object) -> None:
+        for handle in held.pop(peer):
+            handle()
 
-    monkeypatch.setattr(Connection, "recv", late_agent_done)
+    def late_agent_done(self: Launch, event: FrameReceived) -> None:
+        if event.peer in held:
+            held[event.peer].append(lambda: on_frame(self, event))
+        elif isinstance(event.message, AgentDone):  # it and what follows come 0.5 s late
+            held[event.peer] = [lambda: on_frame(self, event)]
+            threading.Timer(0.5, self.loop.post, (lambda: release(event.peer),)).start()
+        else:
+            on_frame(self, event)
+
+    def late_close(self: Launch, peer: object) -> None:
+        if peer in held:
+            held[peer].append(lambda: on_closed(self, peer))
+        else:
+            on_closed(self, peer)
+
+    monkeypatch.setattr(Launch, "_on_frame", late_agent_done)
+    monkeypatch.setattr(Launch, "_on_closed", late_close)
     # The first agent ends while the second one's worker still runs.
     hosts = ["localhost", "localhost"]
     result = trx.launch(_slow_rank_1, hostnames=hosts, workers_per_host=1, backend=None)

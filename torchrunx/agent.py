@@ -106,6 +106,8 @@ class _Worker:
     hung: tuple[str, float, float] | None = None
     """A watchdog scope that expired: (scope, limit, report its stack by this time)."""
     hang_reported: bool = False
+    signalled: bool = False
+    """The agent sent it SIGTERM or SIGKILL (a stop): its end is not a failure of its own."""
 
 
 class _Guardian:
@@ -595,7 +597,16 @@ class Agent:
         logger.info(
             "worker %d (pid %d) exited with status %d", worker.local_rank, worker.pid, exitcode
         )
-        self._send(WorkerExited(worker.local_rank, worker.pid, None if sig else exitcode, sig))
+        self._send(
+            WorkerExited(
+                worker.local_rank,
+                worker.pid,
+                None if sig else exitcode,
+                sig,
+                stopped=worker.signalled,
+                at=time.time(),
+            )
+        )
 
     def _begin_stop(self, *, dump_stacks: bool) -> None:
         if self.stopping:
@@ -628,6 +639,7 @@ class Agent:
     def _signal_workers(self, signum: int) -> None:
         for worker in self.workers:
             if not worker.ended:
+                worker.signalled = True
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(worker.pid, signum)
 

@@ -107,6 +107,11 @@ class WorkerExited:
     pid: int
     exitcode: int | None
     signal: int | None
+    stopped: bool = False
+    """The agent had signalled it (a Stop, a restart, the end of the launch): its end is not a
+    failure of its own."""
+    at: float = 0.0
+    """Unix time the agent saw it end."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,8 @@ class WorkerException:
     collective: bool = False
     """True when the exception looks like the echo of another rank's failure in a collective
     (:func:`torchrunx.errors.is_collective_error`)."""
+    at: float = 0.0
+    """Unix time the worker caught it."""
 
 
 Message = (
@@ -283,6 +290,35 @@ def _recv_exact(sock: socket.socket, size: int) -> bytearray:
     return buffer
 
 
+CLIENT_REPLY_BYTES = len(MAGIC) + 1 + NONCE_BYTES + MAC_BYTES
+"""Size of a client's handshake reply (fixed, so a server can read it without parsing)."""
+
+
+def server_greeting(server_nonce: bytes) -> bytes:
+    """The first bytes a server sends: the protocol magic and its fresh nonce."""
+    return MAGIC + server_nonce
+
+
+def check_client_reply(secret: bytes, server_nonce: bytes, reply: bytes) -> tuple[Role, bytes]:
+    """Verify a client's handshake reply; return its role and the server's proof to send back.
+
+    Raises:
+        ProtocolError: The peer does not speak the protocol or does not know the secret.
+    """
+    magic, rest = reply[: len(MAGIC)], reply[len(MAGIC) :]
+    if magic != MAGIC or len(reply) != CLIENT_REPLY_BYTES:
+        raise ProtocolError(f"peer does not speak torchrunx protocol version {PROTOCOL_VERSION}")
+    role_byte, client_nonce, client_mac = (
+        rest[:1],
+        rest[1 : 1 + NONCE_BYTES],
+        rest[1 + NONCE_BYTES :],
+    )
+    expected = _mac(secret, b"client", role_byte, server_nonce, client_nonce)
+    if role_byte not in _ROLES or not hmac.compare_digest(expected, client_mac):
+        raise ProtocolError("peer failed to authenticate (wrong or missing launch secret)")
+    return _ROLES[role_byte], _mac(secret, b"server", client_nonce, server_nonce)
+
+
 def server_handshake(sock: socket.socket, secret: bytes) -> Role:
     """Authenticate a client that connected to the launcher; return its role.
 
@@ -293,21 +329,34 @@ def server_handshake(sock: socket.socket, secret: bytes) -> Role:
         OSError: The connection failed or timed out.
     """
     server_nonce = os.urandom(NONCE_BYTES)
-    sock.sendall(MAGIC + server_nonce)
-    reply = bytes(_recv_exact(sock, len(MAGIC) + 1 + NONCE_BYTES + MAC_BYTES))
-    magic, rest = reply[: len(MAGIC)], reply[len(MAGIC) :]
-    if magic != MAGIC:
-        raise ProtocolError(f"peer does not speak torchrunx protocol version {PROTOCOL_VERSION}")
-    role_byte, client_nonce, client_mac = (
-        rest[:1],
-        rest[1 : 1 + NONCE_BYTES],
-        rest[1 + NONCE_BYTES :],
+    sock.sendall(server_greeting(server_nonce))
+    reply = bytes(_recv_exact(sock, CLIENT_REPLY_BYTES))
+    role, proof = check_client_reply(secret, server_nonce, reply)
+    sock.sendall(proof)
+    return role
+
+
+GREETING_BYTES = len(MAGIC) + NONCE_BYTES
+"""Size of a server's greeting."""
+
+
+def client_reply(secret: bytes, greeting: bytes, role: Role) -> tuple[bytes, bytes]:
+    """A client's answer to the server's greeting, and the proof it expects back.
+
+    Raises:
+        ProtocolError: The greeting is not a torchrunx launcher's.
+    """
+    if greeting[: len(MAGIC)] != MAGIC or len(greeting) != GREETING_BYTES:
+        raise ProtocolError(
+            f"launcher does not speak torchrunx protocol version {PROTOCOL_VERSION}"
+        )
+    server_nonce = greeting[len(MAGIC) :]
+    client_nonce = os.urandom(NONCE_BYTES)
+    role_byte = b"A" if role == "agent" else b"W"
+    mac = _mac(secret, b"client", role_byte, server_nonce, client_nonce)
+    return MAGIC + role_byte + client_nonce + mac, _mac(
+        secret, b"server", client_nonce, server_nonce
     )
-    expected = _mac(secret, b"client", role_byte, server_nonce, client_nonce)
-    if role_byte not in _ROLES or not hmac.compare_digest(expected, client_mac):
-        raise ProtocolError("peer failed to authenticate (wrong or missing launch secret)")
-    sock.sendall(_mac(secret, b"server", client_nonce, server_nonce))
-    return _ROLES[role_byte]
 
 
 def client_handshake(sock: socket.socket, secret: bytes, role: Role) -> None:
@@ -317,18 +366,9 @@ def client_handshake(sock: socket.socket, secret: bytes, role: Role) -> None:
         ProtocolError: The server is not a torchrunx launcher of this launch.
         OSError: The connection failed or timed out.
     """
-    greeting = bytes(_recv_exact(sock, len(MAGIC) + NONCE_BYTES))
-    if greeting[: len(MAGIC)] != MAGIC:
-        raise ProtocolError(
-            f"launcher does not speak torchrunx protocol version {PROTOCOL_VERSION}"
-        )
-    server_nonce = greeting[len(MAGIC) :]
-    client_nonce = os.urandom(NONCE_BYTES)
-    role_byte = b"A" if role == "agent" else b"W"
-    mac = _mac(secret, b"client", role_byte, server_nonce, client_nonce)
-    sock.sendall(MAGIC + role_byte + client_nonce + mac)
-    server_mac = bytes(_recv_exact(sock, MAC_BYTES))
-    if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce)):
+    reply, expected = client_reply(secret, bytes(_recv_exact(sock, GREETING_BYTES)), role)
+    sock.sendall(reply)
+    if not hmac.compare_digest(bytes(_recv_exact(sock, MAC_BYTES)), expected):
         raise ProtocolError("launcher failed to authenticate (wrong launch secret)")
 
 
@@ -382,9 +422,7 @@ class Connection:
         if header_size > _MAX_HEADER or count > _MAX_PARTS:
             raise ProtocolError(f"frame of {header_size} header bytes, {count} parts is too large")
         sizes = [_PART.unpack_from(_recv_exact(self.sock, _PART.size))[0] for _ in range(count)]
-        message = pickle.loads(_recv_exact(self.sock, header_size))  # noqa: S301 (peer authenticated)
-        if not isinstance(message, _MESSAGE_TYPES):
-            raise ProtocolError(f"unexpected message type {type(message).__name__}")
+        message = _load_message(_recv_exact(self.sock, header_size))
         return message, [_recv_exact(self.sock, size) for size in sizes]
 
     def close(self) -> None:
@@ -392,6 +430,120 @@ class Connection:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+Frame = tuple["Message", list[bytearray]]
+"""One received message and its payload parts."""
+
+_DIRECT = 1 << 20
+"""A frame with at least this much payload is received straight into its parts' buffers."""
+_CHUNK = 1 << 18
+
+
+def _load_message(header: memoryview | bytes | bytearray) -> Message:
+    message = pickle.loads(header)  # noqa: S301 (peer authenticated)
+    if not isinstance(message, _MESSAGE_TYPES):
+        raise ProtocolError(f"unexpected message type {type(message).__name__}")
+    return message
+
+
+class FrameReader:
+    """Decodes the frames of one non-blocking socket as its bytes arrive (for an I/O loop).
+
+    Small frames are cut out of one buffer, many per ``recv``; a frame with a large payload
+    (a result of hundreds of MB) is received straight into its parts' buffers, never copied.
+    """
+
+    def __init__(self) -> None:
+        """A reader at the start of a frame."""
+        self._buffer = bytearray()
+        self._message: Message | None = None
+        """The large frame being received into ``_parts`` (``None``: none)."""
+        self._parts: list[bytearray] = []
+        self._part = 0
+        self._filled = 0
+
+    def read(self, sock: socket.socket, budget: int = 16 << 20) -> tuple[list[Frame], bool]:
+        """Read what ``sock`` holds now (about ``budget`` bytes at most); return whole frames.
+
+        Returns:
+            The frames completed, and whether the peer has closed the connection.
+
+        Raises:
+            ProtocolError: A frame is not a torchrunx message, or is too large.
+            OSError: The connection is broken.
+        """
+        frames: list[Frame] = []
+        received = 0
+        while received < budget:
+            try:
+                if self._message is not None:
+                    part = self._parts[self._part]
+                    count = sock.recv_into(memoryview(part)[self._filled :])
+                    self._filled += count
+                else:
+                    chunk = sock.recv(_CHUNK)
+                    count = len(chunk)
+                    self._buffer += chunk
+            except (BlockingIOError, InterruptedError):
+                return frames, False
+            if count == 0:
+                return frames, True
+            received += count
+            if self._message is not None:
+                self._finish_large(frames)
+            else:
+                self._cut(frames)
+        return frames, False
+
+    def _finish_large(self, frames: list[Frame]) -> None:
+        while self._part < len(self._parts) and self._filled == len(self._parts[self._part]):
+            self._part, self._filled = self._part + 1, 0
+        if self._part == len(self._parts):
+            assert self._message is not None  # noqa: S101 (in a large frame)
+            frames.append((self._message, self._parts))
+            self._message, self._parts, self._part, self._filled = None, [], 0, 0
+
+    def _cut(self, frames: list[Frame]) -> None:
+        """Cut every whole frame out of the buffer; start a large frame's direct read."""
+        buffer, start = self._buffer, 0
+        view = memoryview(buffer)
+        try:
+            while len(buffer) - start >= _FRAME.size:
+                header_size, count = _FRAME.unpack_from(buffer, start)
+                if header_size > _MAX_HEADER or count > _MAX_PARTS:
+                    raise ProtocolError(
+                        f"frame of {header_size} header bytes, {count} parts is too large"
+                    )
+                body = start + _FRAME.size + _PART.size * count
+                end = body + header_size
+                if len(buffer) < end:
+                    break
+                sizes = [
+                    _PART.unpack_from(buffer, start + _FRAME.size + _PART.size * index)[0]
+                    for index in range(count)
+                ]
+                total = sum(sizes)
+                if len(buffer) - end < total < _DIRECT:
+                    break  # the rest comes later; the (small) header is parsed again then
+                message = _load_message(view[body:end])
+                parts = [bytearray(size) for size in sizes]
+                for index, part in enumerate(parts):  # a large frame's rest is read in place
+                    have = min(len(part), len(buffer) - end)
+                    part[:have] = view[end : end + have]
+                    end += have
+                    if have < len(part):
+                        self._message, self._parts = message, parts
+                        self._part, self._filled = index, have
+                        break
+                start = end
+                if self._message is not None:
+                    self._finish_large(frames)
+                    break
+                frames.append((message, parts))
+        finally:
+            view.release()
+        del buffer[:start]
 
 
 def connect(address: tuple[str, int], secret: bytes, role: Role, timeout: float) -> Connection:

@@ -114,6 +114,11 @@ class AgentProcess(Protocol):
 
     hostname: str
 
+    @property
+    def exit_fd(self) -> int:
+        """A descriptor readable once the agent has ended (-1: none; :meth:`wait` polls)."""
+        ...
+
     def stderr_tail(self) -> str:
         """The last lines the agent (or ssh) wrote to stderr."""
         ...
@@ -232,6 +237,11 @@ class _SubprocessAgent:
     def pid(self) -> int:
         """Pid of the child process (the agent, or srun)."""
         return self._process.pid
+
+    @property
+    def exit_fd(self) -> int:
+        """The child's pidfd (readable once it has ended), or -1 without one."""
+        return self._pidfd
 
     def stderr_tail(self) -> str:
         """The last lines the agent wrote to stderr."""
@@ -639,6 +649,11 @@ class SshAgent:
             address = str(sock.getsockname()[0])
             return address.removeprefix("::ffff:")
         return "127.0.0.1"
+
+    @property
+    def exit_fd(self) -> int:
+        """None: the channel's exit status is polled (:meth:`wait` with ``0``)."""
+        return -1
 
     def stderr_tail(self) -> str:
         """The last lines the agent (or the remote shell) wrote to stderr."""

@@ -95,6 +95,7 @@ def _exception_message(
         traceback=text,
         unpicklable_result=unpicklable_result,
         collective=is_collective_error(exc),
+        at=time.time(),
     )
     return message, payload
 

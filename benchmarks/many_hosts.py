@@ -1,0 +1,258 @@
+"""The launcher at scale: 1,000 hosts x 8 workers, with simulated agents and workers.
+
+Usage::
+
+    python benchmarks/many_hosts.py [--hosts 1000] [--workers 8] [--simulators 4]
+
+The launcher is the real one (:class:`torchrunx.orchestrator.Launch`: its listener, handshakes,
+frames, launch state, heartbeats and result collection); only the agents and workers are
+simulated. They speak the real protocol (:mod:`torchrunx.protocol`) without torch, from a few
+processes (``--simulators``, each an asyncio loop holding a share of the hosts), so that this
+machine can hold 9,000 connections: per host one agent connection (hello, spec, workers
+started, worker exits, done) and one connection per worker (hello, the result of a no-op
+function).
+
+Prints: the time from the call to the result; the launcher's own CPU time, in total and per
+host; its threads at their peak (which must not grow with hosts and workers); and its memory
+growth per connection (peak RSS over the baseline, divided by the connections). A second,
+smaller run (``--hosts / 10``) is printed beside it so the per-host figures can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import resource
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torchrunx as trx
+from torchrunx import protocol, serialization
+from torchrunx.hosts import HostSlots
+from torchrunx.orchestrator import Launch
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+NOOP_RESULT = [bytes(part) for part in serialization.dumps(None)]
+
+
+# -- the simulated side -----------------------------------------------------------------------
+
+
+async def _connect(
+    address: tuple[str, int], secret: bytes, role: protocol.Role
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection(*address)
+    greeting = await reader.readexactly(protocol.GREETING_BYTES)
+    reply, expected = protocol.client_reply(secret, greeting, role)
+    writer.write(reply)
+    if await reader.readexactly(protocol.MAC_BYTES) != expected:
+        raise RuntimeError("launcher failed to authenticate")
+    return reader, writer
+
+
+def _send(writer: asyncio.StreamWriter, message: protocol.Message, payload: list[bytes]) -> None:
+    writer.write(protocol.encode_frame_start(message, payload))
+    for part in payload:
+        writer.write(part)
+
+
+async def _recv(reader: asyncio.StreamReader) -> tuple[protocol.Message, list[bytes]]:
+    head = await reader.readexactly(12)
+    header_size, count = int.from_bytes(head[:8], "big"), int.from_bytes(head[8:], "big")
+    sizes = [int.from_bytes(await reader.readexactly(8), "big") for _ in range(count)]
+    message = protocol._load_message(await reader.readexactly(header_size))  # noqa: SLF001
+    return message, [await reader.readexactly(size) for size in sizes]
+
+
+async def _worker(address: tuple[str, int], secret: bytes, spec: protocol.WorkerSpec, local: int) -> None:
+    reader, writer = await _connect(address, secret, "worker")
+    rank = spec.rank_offset + local
+    _send(writer, protocol.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
+    _send(writer, protocol.WorkerResult(rank, sent_at=time.time()), NOOP_RESULT)
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    del reader
+
+
+async def _agent(boot: dict[str, Any]) -> None:
+    address = (boot["launcher"][0], int(boot["launcher"][1]))
+    secret = bytes.fromhex(boot["secret"])
+    reader, writer = await _connect(address, secret, "agent")
+    index = int(boot["host_index"])
+    workers = int(boot["workers"] or 1)
+    _send(writer, protocol.AgentHello(index, boot["hostname"], 50000 + index, workers, 0), [])
+
+    async def heartbeats() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            _send(writer, protocol.Heartbeat(), [])
+
+    beating = asyncio.create_task(heartbeats())
+    while True:
+        message, _payload = await _recv(reader)
+        if isinstance(message, protocol.WorkerSpec):
+            spec = message
+            break
+    pids = tuple(100000 + spec.rank_offset + i for i in range(spec.num_workers))
+    _send(writer, protocol.WorkersStarted(pids), [])
+    await asyncio.gather(*(_worker(address, secret, spec, i) for i in range(spec.num_workers)))
+    for local, pid in enumerate(pids):
+        _send(writer, protocol.WorkerExited(local, pid, 0, None, at=time.time()), [])
+    _send(writer, protocol.AgentDone(), [])
+    beating.cancel()
+    await writer.drain()
+    writer.close()
+
+
+def _simulator(inbox: Connection) -> None:
+    """One simulator process: an asyncio loop running the agents handed to it."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Task[None]] = []
+        while True:
+            line = await loop.run_in_executor(None, inbox.recv)
+            if line is None:
+                break
+            tasks.append(asyncio.create_task(_agent(json.loads(line))))
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+class _SimulatedAgent:
+    """What the launcher holds for a simulated agent: no process, so nothing to wait for."""
+
+    def __init__(self, hostname: str) -> None:
+        self.hostname = hostname
+        self.exit_fd = -1
+
+    def stderr_tail(self) -> str:
+        return ""
+
+    def wait(self, timeout: float | None) -> int | None:
+        del timeout
+        return None
+
+    def close(self, grace: float = 5.0) -> None:
+        del grace
+
+
+# -- the measurement --------------------------------------------------------------------------
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:  # noqa: PTH123
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
+    """One launch of ``hosts`` x ``workers`` simulated ranks; the launcher's figures."""
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(simulators)]
+    processes = [
+        multiprocessing.Process(target=_simulator, args=(receiver,), daemon=True)
+        for receiver, _ in pipes
+    ]
+    for process in processes:
+        process.start()
+    launcher = trx.Launcher(
+        hostnames=[f"sim{i}" for i in range(hosts)],
+        workers_per_host=workers,
+        backend=None,
+        log_handlers=[],
+        start_timeout=300,
+        agent_timeout=120,
+    )
+    slots = [HostSlots(f"sim{i}", workers) for i in range(hosts)]
+    call = serialization.dumps((print, (), {}))
+    peak_threads = threading.active_count()
+    baseline = _rss_kib()
+    peak_rss = baseline
+    launch: Launch
+
+    def start(index: int) -> _SimulatedAgent:
+        agent = launch.state.agents[index]
+        line = launch._bootstrap(agent, "127.0.0.1")  # noqa: SLF001 (what a real start sends)
+        pipes[index % simulators][1].send(line.decode())
+        return _SimulatedAgent(agent.slots.hostname)
+
+    cpu_before = time.process_time()
+    started = time.perf_counter()
+    launch = Launch(launcher, slots, ["ssh"] * hosts, call, starter=start)
+    sampler_stop = threading.Event()
+
+    def sample() -> None:  # the measuring thread itself is not counted
+        nonlocal peak_threads, peak_rss
+        while not sampler_stop.wait(0.05):
+            peak_threads = max(peak_threads, threading.active_count() - 1)
+            peak_rss = max(peak_rss, _rss_kib())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        results = launch.execute()
+    finally:
+        elapsed = time.perf_counter() - started
+        launch.close()
+        sampler_stop.set()
+        sampler.join()
+    cpu = time.process_time() - cpu_before
+    for _, sender in pipes:
+        sender.send(None)
+    for process in processes:
+        process.join(30)
+    ranks = sum(len(per_host) for per_host in results)
+    assert ranks == hosts * workers, ranks  # noqa: S101 (the benchmark checks its launch)
+    connections = hosts * (workers + 1)
+    return {
+        "hosts": hosts,
+        "ranks": ranks,
+        "seconds": elapsed,
+        "cpu_seconds": cpu,
+        "cpu_ms_per_host": cpu / hosts * 1000,
+        "peak_threads": peak_threads,
+        "kib_per_connection": max(peak_rss - baseline, 0) / connections,
+    }
+
+
+def main() -> None:
+    """Run the small and the large launch and print their figures side by side."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--simulators", type=int, default=4)
+    args = parser.parse_args()
+    _raise_fd_limit()
+    os.environ.setdefault("TORCHRUNX_LOG_LEVEL", "WARNING")
+    small = measure(max(args.hosts // 10, 1), args.workers, args.simulators)
+    large = measure(args.hosts, args.workers, args.simulators)
+    print(f"{'':24}{'small':>12}{'large':>12}")
+    for key in small:
+        print(f"{key:24}{small[key]:12.3f}{large[key]:12.3f}")
+    print(
+        f"launcher threads: {small['peak_threads']:.0f} at {small['hosts']:.0f} hosts, "
+        f"{large['peak_threads']:.0f} at {large['hosts']:.0f} hosts"
+    )
+    print(
+        f"launcher CPU per host: {large['cpu_ms_per_host']:.2f} ms "
+        f"({large['cpu_ms_per_host'] / small['cpu_ms_per_host']:.2f}x the small launch's)"
+    )
+
+
+if __name__ == "__main__":
+    main()

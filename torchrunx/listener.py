@@ -1,0 +1,327 @@
+"""The launcher's listening socket: accept, authenticate, and turn bytes into frames.
+
+Agents and workers connect here. Each connection is non-blocking and lives in the launch's
+:class:`~torchrunx.ioloop.IOLoop`: the handshake (:mod:`torchrunx.protocol`) is read as its bytes
+come, under one deadline for the whole of it, and nothing is unpickled before it succeeds.
+An authenticated connection becomes a :class:`Peer`, whose frames go, as
+:class:`FrameReceived` and :class:`PeerClosed`, to the one queue the launch reads. Sending is
+buffered (:meth:`Peer.send`), so a slow peer never blocks the loop.
+
+Failures to accept (out of descriptors, a connection reset before it was accepted) make the
+listener pause briefly and go on; connections still authenticating are capped.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torchrunx import protocol
+from torchrunx.errors import ProtocolError
+from torchrunx.protocol import FrameReader, Role, encode_frame_start
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from torchrunx.ioloop import IOLoop
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a new connection has to complete the whole handshake."""
+MAX_PENDING = 512
+"""Connections still authenticating at once; more are closed at once."""
+_ACCEPT_PAUSE = 0.1
+"""Seconds the listener rests after a failed ``accept`` (out of descriptors, say)."""
+_ACCEPTS_PER_ROUND = 64
+
+
+@dataclass(frozen=True)
+class FrameReceived:
+    """A peer sent a message (and its payload parts); ``at``: Unix time it was read."""
+
+    peer: Peer
+    message: protocol.Message
+    payload: list[bytearray]
+    at: float
+
+
+@dataclass(frozen=True)
+class PeerClosed:
+    """A peer's connection ended (closed, broken, or a frame it sent was not valid)."""
+
+    peer: Peer
+
+
+NetEvent = FrameReceived | PeerClosed
+
+
+class Peer:
+    """One authenticated connection (an agent's or a worker's), as the launcher holds it."""
+
+    def __init__(self, ident: int, role: Role, sock: socket.socket, listener: Listener) -> None:
+        """Wrap an authenticated non-blocking socket; the listener registers it."""
+        self.ident = ident
+        self.role: Role = role
+        self.sock = sock
+        self.closed = False
+        self._reader = FrameReader()
+        self._outbox: collections.deque[memoryview] = collections.deque()
+        self._listener = listener
+
+    def __repr__(self) -> str:
+        """``Peer(ident, role)``."""
+        return f"Peer({self.ident}, {self.role})"
+
+    @property
+    def peer_address(self) -> str:
+        """The address the peer connected from (IPv4-mapped IPv6 unmapped)."""
+        with contextlib.suppress(OSError):
+            return str(self.sock.getpeername()[0]).removeprefix("::ffff:")
+        return ""
+
+    @property
+    def local_address(self) -> str:
+        """This machine's address the peer reached (IPv4-mapped IPv6 unmapped)."""
+        with contextlib.suppress(OSError):
+            return str(self.sock.getsockname()[0]).removeprefix("::ffff:")
+        return ""
+
+    @property
+    def unsent(self) -> int:
+        """Bytes queued but not yet accepted by the kernel."""
+        return sum(part.nbytes for part in self._outbox)
+
+    def send(self, message: protocol.Message, payload: Sequence[bytes | memoryview] = ()) -> None:
+        """Queue one message and its payload (not copied) and send what the socket takes now.
+
+        A broken connection is not an error here: its end arrives as :class:`PeerClosed`.
+        """
+        if self.closed:
+            return
+        was_empty = not self._outbox
+        self._outbox.append(memoryview(encode_frame_start(message, payload)))
+        self._outbox.extend(memoryview(part).cast("B") for part in payload)
+        if was_empty:
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._outbox:
+            head = self._outbox[0]
+            try:
+                sent = self.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._outbox.clear()
+                self._listener.drop(self)
+                return
+            if sent < head.nbytes:
+                self._outbox[0] = head[sent:]
+            else:
+                self._outbox.popleft()
+        if self._outbox:
+            self._listener.loop.add_writer(self.sock.fileno(), self._flush)
+        else:
+            self._listener.loop.remove_writer(self.sock.fileno())
+
+    def _on_readable(self) -> None:
+        try:
+            frames, eof = self._reader.read(self.sock)
+        except (OSError, ProtocolError) as exc:
+            logger.debug("connection %s dropped: %s", self, exc)
+            frames, eof = [], True
+        now = time.time()
+        for message, payload in frames:
+            self._listener.emit(FrameReceived(self, message, payload, now))
+        if eof:
+            self._listener.drop(self)
+
+    def close(self) -> None:
+        """Close the connection now (unsent data is dropped); no event follows."""
+        if self.closed:
+            return
+        self.closed = True
+        self._outbox.clear()
+        self._listener.forget(self)
+
+
+class _Pending:
+    """A connection in its handshake: the greeting is sent, the reply is being read."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.nonce = os.urandom(protocol.NONCE_BYTES)
+        self.reply = bytearray()
+
+
+def listen_socket(host: str | None = None) -> socket.socket:
+    """A listening TCP socket on an ephemeral port: every interface, or ``host`` only."""
+    if host is not None:
+        sock = socket.create_server((host, 0), backlog=1024)
+    elif socket.has_dualstack_ipv6():
+        sock = socket.create_server(
+            ("::", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=1024
+        )
+    else:
+        sock = socket.create_server(("0.0.0.0", 0), backlog=1024)  # noqa: S104 (remote agents)
+    sock.settimeout(0.0)  # non-blocking
+    return sock
+
+
+class Listener:
+    """Accepts and authenticates connections in ``loop``; their frames go to ``events``."""
+
+    def __init__(
+        self,
+        loop: IOLoop,
+        secret: bytes,
+        sock: socket.socket,
+        emit: Callable[[NetEvent], None],
+    ) -> None:
+        """Start accepting on ``sock`` (see :func:`listen_socket`); hand events to ``emit``.
+
+        ``emit`` puts them on the launch's one queue, in the order they were read.
+        """
+        self.loop = loop
+        self.secret = secret
+        self.sock = sock
+        self.port = int(sock.getsockname()[1])
+        self.emit = emit
+        self.peers: dict[int, Peer] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count()
+        self._paused_until = 0.0
+        self._accepting = False
+        self.rejected = 0
+        """Connections closed without authenticating (wrong secret, too slow, over the cap)."""
+        self._resume()
+
+    def _resume(self) -> None:
+        if not self._accepting and self.sock.fileno() >= 0:
+            self.loop.add_reader(self.sock.fileno(), self._accept)
+            self._accepting = True
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_ROUND):
+            try:
+                sock, _address = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno == errno.ECONNABORTED:
+                    continue
+                # EMFILE, ENFILE, ENOBUFS, ENOMEM: rest, then go on (connections wait queued).
+                logger.warning("cannot accept a connection (%s); retrying shortly", exc)
+                self.loop.remove_reader(self.sock.fileno())
+                self._accepting = False
+                self._paused_until = time.monotonic() + _ACCEPT_PAUSE
+                return
+            if len(self._pending) >= MAX_PENDING:
+                self.rejected += 1
+                sock.close()
+                continue
+            self._begin_handshake(sock)
+
+    def _begin_handshake(self, sock: socket.socket) -> None:
+        pending = _Pending(sock, time.monotonic() + HANDSHAKE_TIMEOUT)
+        try:
+            sock.settimeout(0.0)  # non-blocking
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.send(protocol.server_greeting(pending.nonce))  # small: fits any fresh buffer
+        except OSError:
+            sock.close()
+            return
+        fd = sock.fileno()
+        self._pending[fd] = pending
+        self.loop.add_reader(fd, lambda: self._on_handshake(fd))
+
+    def _on_handshake(self, fd: int) -> None:
+        pending = self._pending[fd]
+        try:
+            chunk = pending.sock.recv(protocol.CLIENT_REPLY_BYTES - len(pending.reply))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._reject(fd)
+            return
+        pending.reply += chunk
+        if len(pending.reply) < protocol.CLIENT_REPLY_BYTES:
+            return
+        try:
+            role, proof = protocol.check_client_reply(
+                self.secret, pending.nonce, bytes(pending.reply)
+            )
+            pending.sock.send(proof)  # 32 bytes: fits the buffer the greeting left
+        except (OSError, ProtocolError):
+            self._reject(fd)
+            return
+        del self._pending[fd]
+        peer = Peer(next(self._ids), role, pending.sock, self)
+        self.peers[fd] = peer
+        self.loop.add_reader(fd, peer._on_readable)  # noqa: SLF001 (the peer's own reader)
+        peer._on_readable()  # noqa: SLF001 (frames may have come with the reply)
+
+    def _reject(self, fd: int) -> None:
+        pending = self._pending.pop(fd)
+        self.loop.remove(fd)
+        pending.sock.close()  # dropped without reading anything more
+        self.rejected += 1
+
+    def tick(self, now: float) -> None:
+        """Drop handshakes past their deadline; resume accepting after a pause."""
+        for fd in [fd for fd, p in self._pending.items() if now >= p.deadline]:
+            self._reject(fd)
+        if not self._accepting and now >= self._paused_until:
+            self._resume()
+
+    @property
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` next has something to do (``None``: nothing pending)."""
+        times = [p.deadline for p in self._pending.values()]
+        if not self._accepting:
+            times.append(self._paused_until)
+        return min(times, default=None)
+
+    def drop(self, peer: Peer) -> None:
+        """End ``peer``'s connection and queue its :class:`PeerClosed`."""
+        if peer.closed:
+            return
+        peer.close()
+        self.emit(PeerClosed(peer))
+
+    def forget(self, peer: Peer) -> None:
+        """Unregister and close a peer's socket (from :meth:`Peer.close`)."""
+        fd = peer.sock.fileno()
+        if fd >= 0:
+            self.loop.remove(fd)
+            self.peers.pop(fd, None)
+        with contextlib.suppress(OSError):
+            peer.sock.shutdown(socket.SHUT_RDWR)
+        peer.sock.close()
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket and every connection still authenticating."""
+        if self.sock.fileno() >= 0:
+            self.loop.remove(self.sock.fileno())
+            self.sock.close()
+        self._accepting = False
+        for fd in list(self._pending):
+            self._reject(fd)
+
+    def close(self) -> None:
+        """Close everything: the listening socket, handshakes in progress, and every peer."""
+        self.stop_accepting()
+        for peer in list(self.peers.values()):
+            peer.close()

@@ -1,0 +1,169 @@
+"""Error reports: remote exceptions rebuilt, and the notes that say where and what else happened.
+
+Pure functions of the launch's facts: the exception a worker raised comes back with its own
+type (or as :class:`~torchrunx.errors.WorkerRaisedError` when its type cannot travel), the
+remote traceback as ``__cause__`` and where it ran in a note; the raised error then gets the
+worker's output tail, the other failures, the restart history and the stacks of the ranks
+that were still running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import TYPE_CHECKING
+
+from torchrunx import serialization
+from torchrunx.errors import (
+    AgentFailedError,
+    RemoteTraceback,
+    SerializationError,
+    WorkerRaisedError,
+    WorkerTimeoutError,
+    describe_exit,
+    exception_text,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+    from torchrunx.protocol import WorkerException, WorkerTimedOut
+
+MAX_STACKS_SHOWN = 16
+
+
+def summary(error: BaseException) -> str:
+    """``Type: first line of the message`` (just the type for an empty message)."""
+    lines = exception_text(error).splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def count_repeats(lines: Iterable[str]) -> list[str]:
+    """Each distinct line once, in first-seen order, with ``(xN)`` when it came N > 1 times."""
+    counts: dict[str, int] = {}
+    for line in lines:
+        counts[line] = counts.get(line, 0) + 1
+    return [line if n == 1 else f"{line} (x{n})" for line, n in counts.items()]
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``, also on Python 3.10 (where the note is kept the same way)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: keep the note where 3.11+ would
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def worker_where(rank: int, local_rank: int, hostname: str, pid: int) -> str:
+    """``worker rank R (local rank L on host 'H', pid P)``."""
+    return f"worker rank {rank} (local rank {local_rank} on host {hostname!r}, pid {pid})"
+
+
+def rebuild_exception(
+    message: WorkerException, payload: list[bytearray], where: str
+) -> BaseException:
+    """The exception a worker raised, with its remote traceback and where it ran."""
+    error: BaseException | None = None
+    if message.unpicklable_result:
+        error = SerializationError(f"{message.message} (in {where})")
+    elif payload:
+        with contextlib.suppress(Exception):
+            loaded = serialization.loads(payload)
+            error = loaded if isinstance(loaded, BaseException) else None
+    if error is None:
+        error = WorkerRaisedError(
+            f"{message.type_name}: {message.message} (raised in {where}; the exception "
+            "object could not be sent back, so its type is not kept)"
+        )
+        error.type_name = message.type_name
+    error.__cause__ = RemoteTraceback(message.traceback)
+    error.__suppress_context__ = True
+    add_note(error, f"raised in {where}")
+    return error
+
+
+def watchdog_error(hostname: str, rank: int, message: WorkerTimedOut) -> WorkerTimeoutError:
+    """A worker's watchdog report as the error to raise, with its stack at that moment."""
+    error = WorkerTimeoutError(hostname, message.local_rank, rank, message.scope, message.limit)
+    if message.stack.strip():
+        add_note(
+            error, f"Python stack of rank {rank} when its limit passed:\n{message.stack.rstrip()}"
+        )
+    return error
+
+
+def agent_exit_error(  # noqa: PLR0913 (what is known about the end)
+    hostname: str,
+    status: int | None,
+    *,
+    remote: bool,
+    connected: bool,
+    env_file: str | None,
+    stderr_tail: str,
+) -> AgentFailedError:
+    """An agent that ended without saying it was done."""
+    if status == 127:
+        reason = (
+            f"the agent could not start (exit status 127): is {sys.executable} present on "
+            "that host? torchrunx runs the launcher's interpreter on every host and assumes a "
+            "shared filesystem"
+        )
+    elif status is not None and status < 0 and remote:
+        reason = "the agent ended without an exit status (killed by a signal, or SSH dropped)"
+    elif status is not None and status < 0:
+        reason = f"the agent process ended with {describe_exit(None, -status)}"
+    else:
+        reason = f"the agent process ended unexpectedly (exit status {status})"
+        if not connected and env_file is not None:
+            reason += (
+                f" before it connected; env_file {env_file!r} is sourced first: did it fail? "
+                "(its output, if any, is below)"
+            )
+    return AgentFailedError(hostname, reason, stderr_tail)
+
+
+def output_tail_note(tail: Sequence[str], path: object | None) -> str | None:
+    """The note with a failed worker's last lines of output (and where its full log is)."""
+    where = f" (full log: {path})" if path is not None else ""
+    if tail:
+        body = "\n".join("    " + line.replace("\n", "\n    ") for line in tail)
+        return f"last {len(tail)} lines of its output{where}:\n{body}"
+    if path is not None:
+        return f"it wrote no output{where}"
+    return None
+
+
+def stacks_note(stacks: dict[int, str], where: dict[int, tuple[int, str]]) -> str:
+    """The note with the Python stacks of ranks still running when the launch stopped.
+
+    ``where`` maps a rank to its local rank and host name.
+    """
+    lines = ["Python stacks of the workers that were still running when the launch stopped:"]
+    for rank in sorted(stacks)[:MAX_STACKS_SHOWN]:
+        local_rank, host = where[rank]
+        lines.append(f"--- rank {rank} (local rank {local_rank} on host {host!r}) ---")
+        lines.append(stacks[rank].rstrip())
+    if len(stacks) > MAX_STACKS_SHOWN:
+        lines.append(f"... and {len(stacks) - MAX_STACKS_SHOWN} more workers")
+    return "\n".join(lines)
+
+
+def finish_report(
+    error: BaseException,
+    *,
+    others: Sequence[str],
+    history: Sequence[str],
+    max_restarts: int,
+) -> BaseException:
+    """Add the other failures and the restart history to the error about to be raised."""
+    repeats = count_repeats(s for s in others if s != summary(error))
+    if repeats:
+        add_note(error, f"other failures seen while stopping: {'; '.join(repeats)}")
+    if history:
+        earlier = "\n".join(f"  {line}" for line in history)
+        add_note(
+            error,
+            f"the workers were restarted {len(history)} time(s) "
+            f"(max_restarts={max_restarts}); earlier failures:\n{earlier}",
+        )
+    return error
