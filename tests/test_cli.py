@@ -20,6 +20,7 @@ import tyro
 
 import torchrunx as trx
 from torchrunx.cli import add_launcher_arguments, launcher_from_args
+from torchrunx.launcher import _RENAMED
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -348,6 +349,35 @@ def test_exports():
     assert trx.launcher_from_args is launcher_from_args
 
 
+def test_argparse_reports_a_bad_value_once_without_tyros_own_message(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--workers-per-host", "two"])
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "train.py: error: argument --workers-per-host: invalid value two: "
+        "expected {auto,slurm,gpu,cpu}|INT"
+    )
+    assert err.startswith("usage: train.py") and "Value error" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["--max-restarts", "-1"], ["--timeout", "-1.5"]])
+def test_argparse_negative_numbers_are_read_as_tyro_reads_them(argv):
+    parsed = launcher_from_args(_parser().parse_args(argv))
+    assert repr(parsed) == repr(tyro.cli(trx.Launcher, args=argv))
+
+
+def test_a_dict_field_with_a_non_empty_default_is_refused_too():
+    @dataclasses.dataclass
+    class Table:
+        table: dict[str, int] = dataclasses.field(default_factory=lambda: {"a": 1})
+
+    from torchrunx.cli import _add_dataclass_arguments
+
+    parser = argparse.ArgumentParser()
+    with pytest.raises(TypeError, match="field 'table' has a type the command line cannot read"):
+        _add_dataclass_arguments(parser.add_argument_group("fields"), Table)
+
+
 # ------------------------------------------------------------------------------------------
 # The torchrunx command
 # ------------------------------------------------------------------------------------------
@@ -542,6 +572,62 @@ def test_bad_command_lines_exit_2_before_anything_starts(
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("usage: torchrunx")
     assert message in done.stderr
+
+
+def _main(argv: list[str], tmp_path: Path, monkeypatch) -> SystemExit:
+    """Run the command in this process, in ``tmp_path``; what it exited with."""
+    from torchrunx.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the current folder on it
+    (tmp_path / "ok.py").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value
+
+
+@pytest.mark.parametrize("name", sorted(_RENAMED))
+def test_an_option_of_an_earlier_release_is_named_with_its_replacement(
+    name, tmp_path, monkeypatch, capsys
+):
+    option = "--" + name.replace("_", "-")
+    assert _main([*LOCAL, option, "x", "--", "ok.py"], tmp_path, monkeypatch).code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: torchrunx")
+    assert f"torchrunx: error: argument {option}: {_RENAMED[name]}" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--worker-timeout", "60", "--", "ok.py"],
+        ["--worker-timeout", "60", "ok.py"],
+        ["run", "hello", "--worker-timeout", "60", "--", "x"],
+    ],
+)
+def test_worker_timeout_points_to_timeout(argv, tmp_path, monkeypatch, capsys):
+    assert _main(argv, tmp_path, monkeypatch).code == 2
+    err = capsys.readouterr().err
+    assert "argument --worker-timeout: renamed in torchrunx 0.5" in err, err
+    assert "on the command line: --timeout" in err, err
+
+
+def test_renamed_options_without_a_command_line_replacement_say_so(tmp_path, monkeypatch, capsys):
+    assert _main(["--handler-factory", "f", "--", "ok.py"], tmp_path, monkeypatch).code == 2
+    assert "(no command-line option)" in capsys.readouterr().err
+
+
+def test_sub_commands_have_argparse_help_and_errors(tmp_path, monkeypatch, capsys):
+    assert _main(["run", "--help"], tmp_path, monkeypatch).code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: torchrunx run NAME [options] -- ARGS...\n"), out
+    _help_blocks(out, [f.name for f in _cli_fields()])  # every launcher option is there
+    assert _main(["builtins", "--help"], tmp_path, monkeypatch).code == 0
+    assert capsys.readouterr().out.startswith("usage: torchrunx builtins")
+    assert _main(["run"], tmp_path, monkeypatch).code == 2
+    assert "the following arguments are required: NAME" in capsys.readouterr().err
+    assert _main(["run", "hello", "world"], tmp_path, monkeypatch).code == 2
+    assert "the function's arguments go after `--`" in capsys.readouterr().err
 
 
 def test_ctrl_c_stops_everything_and_exits_130(torchrunx_command, tmp_path):

@@ -11,28 +11,28 @@ Three ways to put a launcher on a command line:
       torchrunx [launcher options] -- -m package.module args   # a module, like python -m
       torchrunx [launcher options] -- package.module:func args # a function; prints rank 0's value
 
-The options are made from ``Launcher``'s fields, their types and their docstrings, so a new
-field appears on every command line by itself. Values are read as tyro reads them.
+All three are tyro's: the argparse options are the ones tyro makes from ``Launcher``'s fields
+(their names, value forms and docstrings), and each option's words are read by tyro. So a new
+field appears on every command line by itself, read the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
-import inspect
-import itertools
+import io
 import json
 import os
 import re
 import runpy
 import shlex
 import sys
-import textwrap
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
@@ -44,14 +44,13 @@ if TYPE_CHECKING:
 
 __all__ = ["add_launcher_arguments", "launcher_from_args", "main"]
 
-_SCALARS: dict[object, str] = {int: "INT", float: "FLOAT", str: "STR", Path: "PATH"}
-
 EXIT_OK = 0
 """The launch succeeded (or ``--dry-run`` printed the plan)."""
 EXIT_FAILED = 1
 """The launch failed: a worker raised or died, an agent failed, or a timeout was hit."""
 EXIT_USAGE = 2
-"""Bad command line: an unknown option, an invalid value, or a missing script or module."""
+"""Bad command line: an unknown option, an invalid value, or a missing script or module
+(argparse's own status for an error, which :class:`_Parser` keeps)."""
 EXIT_INTERRUPTED = 130
 """Interrupted with Ctrl-C (128 + SIGINT); everything was stopped first."""
 
@@ -66,8 +65,8 @@ def add_launcher_arguments(
 ) -> argparse._ArgumentGroup:
     """Add one option per field of :class:`~torchrunx.Launcher` to ``parser``, in a group.
 
-    Options are named as tyro names them (``--hostnames``, ``--workers-per-host``, ...) and
-    read values the same way: ``--hostnames node1 node2``, ``--hostnames auto``,
+    The options are those of ``tyro.cli(Launcher)`` (``--hostnames``, ``--workers-per-host``,
+    ...), and tyro reads their values: ``--hostnames node1 node2``, ``--hostnames auto``,
     ``--workers-per-host 4``, ``--workers-per-host 8 4``, ``--backend None``,
     ``--extra-env-vars 'WANDB_*' HF_TOKEN``. Each one's help is the field's docstring and its
     default. Fields that tyro suppresses (``log_handlers``) get no option.
@@ -124,46 +123,82 @@ def launcher_from_args(namespace: argparse.Namespace) -> Launcher:
 
 
 def _add_dataclass_arguments(group: argparse._ArgumentGroup, cls: type[Any]) -> None:
-    docs = _field_docs(cls)
-    for name, hint in _cli_fields(cls).items():
-        field = next(f for f in dataclasses.fields(cls) if f.name == name)
-        default = _field_default(field)
-        base, _ = _unwrap_annotated(hint)
-        option = "--" + name.replace("_", "-")
-        doc = docs.get(name, "")
-        if base is bool:
-            group.add_argument(
-                option,
-                "--no-" + name.replace("_", "-"),
-                action=_FieldAction,
-                nargs=0,
-                dest=name,
-                default=default,
-                field_type=base,
-                doc=doc,
+    """Add to ``group`` the options tyro makes for the fields of the dataclass ``cls``.
+
+    tyro's own parser for ``cls`` (``tyro.extras.get_parser``) gives each option's names,
+    ``nargs``, metavar and help; the option is added again with :class:`_FieldAction`, which
+    stores the value as tyro reads it under the field's name (tyro's parser stores the words).
+
+    Raises:
+        TypeError: A field that tyro does not read as one option: a dict or a dataclass (tyro
+            makes one option per key or field of its default), or a type it cannot read at all.
+    """
+    import tyro  # noqa: PLC0415 (only the launcher's side needs tyro)
+
+    with warnings.catch_warnings():  # deprecated in tyro 1.0, yet its only argparse view
+        warnings.simplefilter("ignore", DeprecationWarning)
+        tyro_parser = tyro.extras.get_parser(cls)
+    tyro_options = {name: a for a in tyro_parser._actions for name in a.option_strings}  # noqa: SLF001
+    hints = typing.get_type_hints(cls, include_extras=True)
+    bases = typing.get_type_hints(cls)  # without Annotated's markers
+    for field in dataclasses.fields(cls):
+        option = "--" + field.name.replace("_", "-")
+        tyro_action = tyro_options.get(option)
+        expanded = any(name.startswith(option + ".") for name in tyro_options)
+        if tyro_action is None and not expanded:
+            continue  # suppressed (tyro.conf.Suppress) or not an __init__ argument
+        base = bases[field.name]
+        if (
+            tyro_action is None
+            or tyro_action.metavar == "{fixed}"
+            or dict in (base, typing.get_origin(base))
+        ):
+            raise TypeError(
+                f"field {field.name!r} has a type the command line cannot read ({base!r}) as one "
+                "option; mark it with Annotated[..., tyro.conf.Suppress]"
             )
-            continue
-        _check_supported(base, name)
+        head, found, _ = (tyro_action.help or "").rpartition("(default: ")
         group.add_argument(
-            option,
+            *tyro_action.option_strings,
             action=_FieldAction,
-            nargs="*" if _takes_many(base) else None,
-            dest=name,
-            default=default,
-            metavar=_metavar(base),
-            field_type=base,
-            doc=doc,
+            nargs=tyro_action.nargs,
+            dest=field.name,
+            default=_field_default(field),
+            metavar=_word_metavar(tyro_action),
+            field_type=hints[field.name],
+            doc=head.rstrip() if found else tyro_action.help or "",
         )
 
 
 def _dataclass_from_namespace(cls: type[Any], namespace: argparse.Namespace) -> Any:  # noqa: ANN401 (an instance of cls)
-    names = [name for name in _cli_fields(cls) if hasattr(namespace, name)]
-    values = {name: getattr(namespace, name) for name in names}
-    return cls(**values)
+    names = [f.name for f in dataclasses.fields(cls) if f.init and f.name in namespace]
+    return cls(**{name: getattr(namespace, name) for name in names})
+
+
+def _field_default(field: dataclasses.Field[Any]) -> object:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def _word_metavar(action: argparse.Action) -> str | None:
+    """The metavar tyro gives an option; for a list option, the forms of one word.
+
+    argparse writes a ``nargs="*"`` option as ``[METAVAR ...]``, so tyro's list forms
+    (``{[STR [STR ...]]}``) become their item and each form is listed once:
+    ``{auto,slurm}|{[STR [STR ...]]}|PATH`` becomes ``{auto,slurm}|STR|PATH``.
+    """
+    metavar = action.metavar
+    if not isinstance(metavar, str) or action.nargs not in ("*", "+"):
+        return metavar if isinstance(metavar, str) else None
+    items = re.sub(r"\{?\[(.+?) \[\1 \.\.\.\]\]\}?", r"\1", metavar)
+    return "|".join(dict.fromkeys(items.replace(" ", "|").split("|")))
 
 
 class _FieldAction(argparse.Action):
-    """Stores one dataclass field, converted from its words as tyro would.
+    """Stores one dataclass field: a flag's ``True``/``False``, or the value tyro reads.
 
     Its help is the field's docstring followed by the current default, so a default changed
     with ``parser.set_defaults`` shows in ``--help`` too.
@@ -184,9 +219,8 @@ class _FieldAction(argparse.Action):
 
     @property
     def help(self) -> str:
-        """The field's docstring and its default, escaped for argparse's ``%`` formatting."""
-        text = f"{self.doc} (default: {_show_default(self.default)})".strip()
-        return text.replace("%", "%%")
+        """The field's docstring (escaped by tyro for argparse) and the current default."""
+        return f"{self.doc} (default: {_show_default(self.default).replace('%', '%%')})".strip()
 
     @help.setter  # noqa: A003 (argparse reads and writes action.help)
     def help(self, value: str | None) -> None:
@@ -194,182 +228,25 @@ class _FieldAction(argparse.Action):
 
     def __call__(
         self,
-        parser: argparse.ArgumentParser,
+        _parser: argparse.ArgumentParser,
         namespace: argparse.Namespace,
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
-        """Convert the option's words and store the value."""
-        if self.field_type is bool:
-            value: object = not (option_string or "").startswith("--no-")
-        else:
+        """Store the flag's value, or the value tyro reads from the option's words."""
+        import tyro  # noqa: PLC0415 (only the launcher's side needs tyro)
+
+        value: object = not (option_string or "").startswith("--no-")
+        if self.nargs != 0:
             words = [values] if isinstance(values, str) else list(values or [])
-            try:
-                value = _convert(self.field_type, words)
-            except ValueError:
+            try:  # "--": every word is a value, even "-1"; tyro prints some errors regardless
+                with contextlib.redirect_stderr(io.StringIO()):
+                    value = tyro.cli(self.field_type, args=["--", *words], console_outputs=False)  # type: ignore[call-overload]
+            except SystemExit:
                 shown = " ".join(shlex.quote(w) for w in words) or "nothing"
-                raise argparse.ArgumentError(
-                    self, f"invalid value {shown}: expected {self.metavar}"
-                ) from None
+                message = f"invalid value {shown}: expected {self.metavar}"
+                raise argparse.ArgumentError(self, message) from None
         setattr(namespace, self.dest, value)
-        if isinstance(parser, _Parser):  # the torchrunx command: --preset needs to know
-            parser.given.add(self.dest)
-
-
-def _cli_fields(cls: type[Any]) -> dict[str, object]:
-    """The fields that get an option (all but tyro-suppressed ones), with their type hints."""
-    import tyro  # noqa: PLC0415 (only the launcher's side needs tyro)
-
-    hints = typing.get_type_hints(cls, include_extras=True)
-    fields: dict[str, object] = {}
-    for field in dataclasses.fields(cls):
-        if not field.init:
-            continue
-        hint = hints[field.name]
-        _, extras = _unwrap_annotated(hint)
-        if any(extra is tyro.conf.Suppress for extra in extras):
-            continue
-        fields[field.name] = hint
-    return fields
-
-
-def _field_default(field: dataclasses.Field[Any]) -> object:
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return None
-
-
-def _field_docs(cls: type[Any]) -> dict[str, str]:
-    """Attribute docstrings of a class's fields, as single paragraphs of plain text.
-
-    A docstring is the string literal right after the field's annotated assignment (the
-    convention tyro, Sphinx and mkdocstrings read). Lines are joined; blank lines are kept.
-    """
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):  # no source (a frozen app): no help text, options still work
-        return {}
-    tree = ast.parse(textwrap.dedent(source))
-    body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef)), [])
-    docs: dict[str, str] = {}
-    for node, following in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            text = inspect.cleandoc(following.value.value)
-            docs[node.target.id] = re.sub(r"(?<!\n)\n(?!\n)", " ", text)
-    return docs
-
-
-def _unwrap_annotated(hint: object) -> tuple[object, tuple[object, ...]]:
-    if typing.get_origin(hint) is typing.Annotated:
-        base, *extras = typing.get_args(hint)
-        return base, tuple(extras)
-    return hint, ()
-
-
-def _members(tp: object) -> list[object]:
-    """Members of a union in the order tyro tries them: ``None``, literals, then the rest.
-
-    ``dict`` members of a union with other members are left out: they are for Python callers
-    (``extra_env_vars`` as in torchrunx 0.4); tyro tries the ``tuple`` member before them, so a
-    command line never produces one.
-    """
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        members = [_unwrap_annotated(m)[0] for m in typing.get_args(tp)]
-    else:
-        members = [tp]
-    members = [m for m in members if typing.get_origin(m) is not dict] or members
-    first = [m for m in members if m is type(None)]
-    literals = [m for m in members if typing.get_origin(m) is Literal]
-    return first + literals + [m for m in members if m not in first and m not in literals]
-
-
-def _sequence_item(tp: object) -> object | None:
-    """The item type of ``list[T]`` or ``tuple[T, ...]``; ``None`` for other types."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    item: object = None
-    if (origin is list and len(args) == 1) or (
-        origin is tuple and len(args) == 2 and args[1] is Ellipsis
-    ):
-        item = args[0]
-    return item
-
-
-def _takes_many(tp: object) -> bool:
-    return any(_sequence_item(m) is not None for m in _members(tp))
-
-
-def _check_supported(tp: object, name: str) -> None:
-    for member in _members(tp):
-        item = _sequence_item(member)
-        scalar = member if item is None else _unwrap_annotated(item)[0]
-        if scalar is type(None) or typing.get_origin(scalar) is Literal or scalar in _SCALARS:
-            continue
-        raise TypeError(
-            f"field {name!r} has a type the command line cannot read ({member!r}); "
-            "mark it with Annotated[..., tyro.conf.Suppress] or use str, int, float, Path, "
-            "Literal, None, list or tuple of these"
-        )
-
-
-def _convert(tp: object, words: list[str]) -> object:
-    """The first member of ``tp`` (tried as tyro tries them) that reads ``words``.
-
-    Raises:
-        ValueError: No member reads them.
-    """
-    for member in _members(tp):
-        item = _sequence_item(member)
-        try:
-            if item is not None:
-                values = [_convert_one(_unwrap_annotated(item)[0], w) for w in words]
-                return tuple(values) if typing.get_origin(member) is tuple else values
-            if len(words) == 1:
-                return _convert_one(member, words[0])
-        except ValueError:
-            continue
-    raise ValueError(f"{words!r} is not a {tp!r}")
-
-
-def _convert_one(tp: object, word: str) -> object:
-    if tp is type(None):
-        if word == "None":
-            return None
-    elif typing.get_origin(tp) is Literal:
-        for choice in typing.get_args(tp):
-            if str(choice) == word:
-                return choice
-    elif tp is Path:
-        return Path(word)
-    elif tp in (int, float, str):
-        value: object = typing.cast("type[Any]", tp)(word)
-        return value
-    raise ValueError(f"{word!r} is not a {tp!r}")
-
-
-def _metavar(tp: object) -> str:
-    """Like tyro's: ``{auto,slurm}|INT`` (the choices first, then each type once)."""
-    choices: list[str] = []
-    types_: list[str] = []
-    for member in _members(tp):
-        item = _sequence_item(member)
-        scalar = member if item is None else _unwrap_annotated(item)[0]
-        if scalar is type(None):
-            choices.append("None")
-        elif typing.get_origin(scalar) is Literal:
-            choices.extend(str(c) for c in typing.get_args(scalar))
-        elif _SCALARS.get(scalar, "") not in types_:
-            types_.append(_SCALARS[scalar])
-    parts = (["{" + ",".join(choices) + "}"] if choices else []) + types_
-    return "|".join(parts)
 
 
 def _show_default(value: object) -> str:
@@ -472,44 +349,71 @@ exit status: 0 success; 1 the launch failed (the error is printed once, with the
 traceback); 2 bad command line; 130 Ctrl-C; 143 SIGTERM (everything is stopped first)."""
 
 
+_RUN_DESCRIPTION = """\
+Call the function that a plugin registered as NAME (entry point group torchrunx.functions;
+`torchrunx builtins` lists them) on every worker, with the words after `--` as its arguments
+(strings), and print rank 0's return value. --backend defaults to auto, as for any function."""
+
+_BUILTINS_DESCRIPTION = """\
+List the functions, presets and host providers that installed packages registered (entry point
+groups torchrunx.functions, torchrunx.presets and torchrunx.hosts)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class _BackendDefault:
     """The ``--backend`` default of the command: decided by what is run."""
 
+    function: str | None = "auto"
+    """A function's backend: the default of ``trx.launch``, or the one of ``--preset``."""
+
     def __str__(self) -> str:
-        return "None for a script or module, auto for a function"
-
-
-_BY_TARGET = _BackendDefault()
+        return f"None for a script or module, {self.function} for a function"
 
 
 class _Parser(argparse.ArgumentParser):
-    """Exits with :data:`EXIT_USAGE`; hints at ``--`` when an option swallowed the script."""
+    """An argparse parser whose error messages may end with a hint about the command's layout."""
 
-    separated = True
-    """Whether the command line has ``--`` between torchrunx's options and the target."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 (argparse's)
-        """An argparse parser that also records which launcher fields were given."""
-        super().__init__(*args, **kwargs)
-        self.given: set[str] = set()
-        """The launcher fields whose option appeared on the command line."""
+    hints: typing.Mapping[str, str] = types.MappingProxyType({})
+    """Hints to append to an error message, each where its key is part of the message."""
 
     def error(self, message: str) -> NoReturn:
-        """Print the usage and the error, and exit with status 2."""
-        hint = ""
-        if not self.separated and "invalid value" in message:
-            hint = "\n(put `--` between torchrunx's options and the script, module or function)"
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}{hint}\n")
+        """Print the usage and the error (with its hints), and exit with :data:`EXIT_USAGE`."""
+        super().error("\n".join([message, *(v for k, v in self.hints.items() if k in message)]))
 
 
-def _command_parser() -> _Parser:
-    parser = _Parser(
-        prog="torchrunx",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+class _Renamed(argparse.Action):
+    """An option of an earlier torchrunx (``--worker-timeout``): its error names the new one."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object, **__: object) -> NoReturn:
+        """Refuse the option, with what replaced it (``Launcher``'s message for the keyword)."""
+        from torchrunx.launcher import _RENAMED  # noqa: PLC0415 (workers import this module)
+
+        message = _RENAMED[self.dest]
+        if new := re.search(r"use (\w+)=", message):
+            option = "--" + new[1].replace("_", "-")
+            known = option in parser._option_string_actions  # noqa: SLF001
+            message += f"; on the command line: {option}" if known else " (no command-line option)"
+        raise argparse.ArgumentError(self, message)
+
+
+def _command_parser(command: str | None) -> _Parser:
+    """The parser of ``torchrunx``, of ``torchrunx run`` or of ``torchrunx builtins``."""
+    from torchrunx.launcher import _RENAMED  # noqa: PLC0415 (workers import this module)
+
+    if command == "builtins":
+        return _Parser(prog="torchrunx builtins", description=_BUILTINS_DESCRIPTION)
+    if command == "run":
+        usage = "torchrunx run NAME [options] -- ARGS..."
+        parser = _Parser(prog="torchrunx run", usage=usage, description=_RUN_DESCRIPTION)
+        parser.hints = {"unrecognized": f"(the function's arguments go after `--`: {usage})"}
+        parser.add_argument("name", metavar="NAME", help="the function (see `torchrunx builtins`)")
+    else:
+        parser = _Parser(
+            prog="torchrunx",
+            description=_DESCRIPTION,
+            epilog=_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -522,23 +426,133 @@ def _command_parser() -> _Parser:
         help="start from a named launcher preset (entry point group torchrunx.presets); "
         "options given here override it",
     )
-    parser.add_argument(
-        "-m",
-        "--module",
-        action="store_true",
-        help="run the target as a module, like python -m (also written `-- -m module`)",
-    )
+    if command is None:
+        parser.add_argument(
+            "-m",
+            "--module",
+            action="store_true",
+            help="run the target as a module, like python -m (also written `-- -m module`)",
+        )
     add_launcher_arguments(parser)
-    parser.set_defaults(backend=_BY_TARGET)
-    parser.add_argument(
-        "target",
-        nargs="?",
-        help="what to run: a script (path), a module (with -m) or module:function",
-    )
-    parser.add_argument(
-        "args", nargs=argparse.REMAINDER, help="arguments of the script or function"
-    )
+    parser.set_defaults(backend=_BackendDefault())
+    for name in _RENAMED:  # keywords of earlier releases, for a clear error
+        option = "--" + name.replace("_", "-")
+        parser.add_argument(option, action=_Renamed, nargs="*", dest=name, help=argparse.SUPPRESS)
+    if command is None:
+        parser.add_argument(
+            "target",
+            nargs="?",
+            help="what to run: a script (path), a module (with -m) or module:function",
+        )
+        parser.add_argument(
+            "args", nargs=argparse.REMAINDER, help="arguments of the script or function"
+        )
     return parser
+
+
+def _parse_options(parser: _Parser, options: list[str]) -> argparse.Namespace:
+    """Parse the options; with ``--preset``, parse again with the preset's fields as defaults.
+
+    So an option given on the command line wins over the preset, even one given with the
+    field's default value (``--max-restarts 0``), and a script's backend stays ``None``.
+    """
+    namespace = parser.parse_args(options)
+    if namespace.preset is None:
+        return namespace
+    from torchrunx.launcher import Launcher  # noqa: PLC0415 (workers import this module)
+
+    try:
+        preset = Launcher.from_preset(namespace.preset)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        parser.error(str(exc))
+    parser.set_defaults(
+        **{field.name: getattr(preset, field.name) for field in dataclasses.fields(preset)}
+    )
+    parser.set_defaults(backend=_BackendDefault(preset.backend))
+    return parser.parse_args(options)
+
+
+def _target(
+    parser: _Parser, namespace: argparse.Namespace, rest: list[str] | None
+) -> _Target | None:
+    """What to run; ``None`` only with ``--dry-run``.
+
+    ``torchrunx run``'s function, or what ``rest`` names: the words after ``--``, or without
+    ``--`` (``rest`` is ``None``) argparse's ``target`` and ``args``.
+    """
+    if "name" in namespace:  # torchrunx run NAME
+        from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
+
+        try:
+            plugins.registered_function(namespace.name)
+        except (ValueError, RuntimeError, TypeError) as exc:
+            parser.error(str(exc))
+        return _Target("registered", namespace.name, tuple(rest or ()))
+    if rest is None:
+        rest = [namespace.target, *namespace.args] if namespace.target is not None else []
+    elif namespace.target is not None:
+        parser.error(
+            f"unexpected {namespace.target!r} before `--`: options go before `--`, "
+            "what to run after it"
+        )
+    module = namespace.module
+    if rest[:1] == ["-m"]:
+        module, rest = True, rest[1:]
+    if not rest:
+        if module:
+            parser.error("-m needs a module name")
+        if not namespace.dry_run:
+            parser.error("nothing to run: give a script, -m module or module:function")
+        return None
+    name, args = rest[0], tuple(rest[1:])
+    function = ":" in name and not name.endswith(".py") and not Path(name).exists()
+    target = _Target("module" if module else "function" if function else "script", name, args)
+    problem = _target_problem(target)
+    if problem is not None:
+        parser.error(problem)
+    return target
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``torchrunx`` command (also ``python -m torchrunx``); see ``torchrunx --help``.
+
+    Args:
+        argv: The arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 success, 1 the launch failed, 2 bad command line, 130 interrupted.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if os.getcwd() not in sys.path:  # noqa: PTH109
+        # As with python -m, modules in the current folder can be imported; workers get the
+        # launcher's sys.path, so this reaches them too.
+        sys.path.insert(0, os.getcwd())  # noqa: PTH109
+    command = argv[0] if argv[:1] in (["run"], ["builtins"]) else None
+    words = argv[1:] if command else argv
+    parser = _command_parser(command)
+    if command == "builtins":
+        parser.parse_args(words)
+        return _builtins()
+    # torchrunx's options, then `--`, then what to run (or a registered function's arguments).
+    split = words.index("--") if "--" in words else None
+    options, rest = (words, None) if split is None else (words[:split], words[split + 1 :])
+    if command is None and split is None:
+        hint = "(put `--` between torchrunx's options and the script, module or function)"
+        parser.hints = {"invalid value": hint}
+    namespace = _parse_options(parser, options)
+    target = _target(parser, namespace, rest)
+    if isinstance(namespace.backend, _BackendDefault):
+        function = target is not None and target.kind in ("function", "registered")
+        namespace.backend = namespace.backend.function if function else None
+    try:
+        launcher = launcher_from_args(namespace)
+        launcher.validate()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        parser.error(str(exc))
+    if namespace.dry_run:
+        return _dry_run(launcher, target)
+    assert target is not None  # noqa: S101 (_target requires one without --dry-run)
+    return _launch(launcher, target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -556,65 +570,6 @@ class _Target:
         if self.kind == "registered":
             return f"registered function {self.name}({', '.join(map(repr, self.args))})"
         return f"function: {self.name}({', '.join(map(repr, self.args))})"
-
-
-def _parse(parser: _Parser, argv: list[str]) -> tuple[argparse.Namespace, _Target | None]:
-    """The launcher options and what to run (``None`` only with ``--dry-run``)."""
-    namespace, rest = _split(parser, argv)
-    backend_given = namespace.backend is not _BY_TARGET
-    _target_defaults(namespace, function=False)
-    module = namespace.module
-    if rest[:1] == ["-m"]:
-        module, rest = True, rest[1:]
-    if not rest:
-        if module:
-            parser.error("-m needs a module name")
-        if not namespace.dry_run:
-            parser.error("nothing to run: give a script, -m module or module:function")
-        return namespace, None
-    name, args = rest[0], tuple(rest[1:])
-    if module:
-        target = _Target("module", name, args)
-    elif ":" in name and not name.endswith(".py") and not Path(name).exists():
-        target = _Target("function", name, args)
-    else:
-        target = _Target("script", name, args)
-    problem = _target_problem(target)
-    if problem is not None:
-        parser.error(problem)
-    if target.kind == "function":
-        namespace.backend = _BY_TARGET if not backend_given else namespace.backend
-        _target_defaults(namespace, function=True)
-    return namespace, target
-
-
-def _target_defaults(namespace: argparse.Namespace, *, function: bool) -> None:
-    """Fill ``--backend`` where it was not given.
-
-    A function gets the default of ``trx.launch``; a script or module gets torchrun's (it sets
-    up torch.distributed itself).
-    """
-    # A script's backend=None is part of running a script: a --preset does not change it.
-    namespace.backend_given = namespace.backend is not _BY_TARGET or not function
-    if namespace.backend is _BY_TARGET:
-        namespace.backend = "auto" if function else None
-
-
-def _split(parser: _Parser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Parse torchrunx's options; the rest is what to run and its arguments."""
-    parser.separated = "--" in argv
-    if not parser.separated:
-        namespace = parser.parse_args(argv)
-        rest = [namespace.target, *namespace.args] if namespace.target is not None else []
-        return namespace, rest
-    split = argv.index("--")
-    namespace = parser.parse_args(argv[:split])
-    if namespace.target is not None:
-        parser.error(
-            f"unexpected {namespace.target!r} before `--`: options go before `--`, "
-            "what to run after it"
-        )
-    return namespace, argv[split + 1 :]
 
 
 def _target_problem(target: _Target) -> str | None:
@@ -664,101 +619,6 @@ def _show_result(value: object) -> str | None:
         return json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
         return repr(value)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``torchrunx`` command (also ``python -m torchrunx``); see ``torchrunx --help``.
-
-    Args:
-        argv: The arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status: 0 success, 1 the launch failed, 2 bad command line, 130 interrupted.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if os.getcwd() not in sys.path:  # noqa: PTH109
-        # As with python -m, modules in the current folder can be imported; workers get the
-        # launcher's sys.path, so this reaches them too.
-        sys.path.insert(0, os.getcwd())  # noqa: PTH109
-    if argv[:1] == ["builtins"]:
-        if {"-h", "--help"} & set(argv[1:]):
-            text = (
-                "usage: torchrunx builtins\n\nList the functions, presets and host providers "
-                "that installed packages registered (entry point groups torchrunx.functions, "
-                "torchrunx.presets and torchrunx.hosts)."
-            )
-            print(text)  # noqa: T201 (the command's output)
-            return EXIT_OK
-        return _builtins()
-    parser = _command_parser()
-    registered: str | None = None
-    if argv[:1] == ["run"]:
-        if argv[1:2] in (["-h"], ["--help"]):
-            parser.prog = "torchrunx run NAME"
-            parser.epilog = (
-                "Runs the function registered as NAME: torchrunx run NAME [options] -- ARGS..."
-            )
-            parser.print_help()
-            return EXIT_OK
-        if len(argv) < 2 or argv[1].startswith("-"):
-            parser.error("run needs the name of a registered function (see `torchrunx builtins`)")
-        registered = argv[1]
-        rest = argv[2:]
-        options, args = (
-            (rest[: rest.index("--")], rest[rest.index("--") + 1 :]) if "--" in rest else (rest, [])
-        )
-        argv = [*options, "--", f"{registered}:registered", *args]
-        parser.prog = f"torchrunx run {registered}"
-    namespace, target = _parse_any(parser, argv, registered)
-    try:
-        launcher = _with_preset(launcher_from_args(namespace), namespace, parser.given)
-        launcher.validate()
-    except (ValueError, TypeError, RuntimeError) as exc:
-        parser.error(str(exc))
-    if namespace.dry_run:
-        return _dry_run(launcher, target)
-    assert target is not None  # noqa: S101 (_parse requires one without --dry-run)
-    return _launch(launcher, target)
-
-
-def _parse_any(
-    parser: _Parser, argv: list[str], registered: str | None
-) -> tuple[argparse.Namespace, _Target | None]:
-    """:func:`_parse`, or for ``run NAME`` the registered function as the target."""
-    if registered is None:
-        return _parse(parser, argv)
-    split = argv.index("--")
-    namespace = parser.parse_args(argv[:split])
-    if namespace.target is not None:
-        parser.error(
-            f"unexpected {shlex.join([namespace.target, *namespace.args])!r}: the function's "
-            f"arguments go after `--` (torchrunx run {registered} [options] -- ARGS...)"
-        )
-    _target_defaults(namespace, function=True)
-    from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
-
-    try:
-        plugins.registered_function(registered)
-    except (ValueError, RuntimeError, TypeError) as exc:
-        parser.error(str(exc))
-    return namespace, _Target("registered", registered, tuple(argv[split + 2 :]))
-
-
-def _with_preset(launcher: Launcher, namespace: argparse.Namespace, given: set[str]) -> Launcher:
-    """Apply ``--preset``: its values, except where an option was given on the command line.
-
-    An option given with the field's default value (``--max-restarts 0``) still wins. A
-    script's ``backend`` (see :func:`_target_defaults`) counts as given.
-    """
-    from torchrunx.launcher import Launcher  # noqa: PLC0415 (workers import this module)
-
-    if namespace.preset is None:
-        return launcher
-    names = set(given)
-    if namespace.backend_given:
-        names.add("backend")
-    overrides = {name: getattr(launcher, name) for name in names & set(_cli_fields(Launcher))}
-    return Launcher.from_preset(namespace.preset, **overrides)
 
 
 def _builtins() -> int:
