@@ -418,3 +418,36 @@ def test_default_host_is_every_interface(snapshot):
         assert health._server is not None
         assert health._server.server_address[0] in ("::", "0.0.0.0")  # noqa: S104
         assert get(health)[0] == 200  # reached over 127.0.0.1
+
+
+def test_close_does_not_wait_for_a_stuck_snapshot_past_its_deadline(snapshot, monkeypatch):
+    monkeypatch.setattr("torchrunx.health._CLOSE_JOIN_TIMEOUT", 0.2)
+    release = threading.Event()
+    entered = threading.Event()
+
+    def stuck() -> HealthReport:
+        entered.set()
+        release.wait(10)
+        return HEALTHY
+
+    health = HealthServer(0, stuck, host=LOCAL)
+    health.start()
+    outcome: list[object] = []
+
+    def probe() -> None:
+        try:
+            outcome.append(request(health, "GET")[0])
+        except OSError as error:  # http.client.RemoteDisconnected: the connection was ended
+            outcome.append(error)
+
+    client = threading.Thread(target=probe, daemon=True)
+    client.start()
+    assert entered.wait(5)
+    started = time.monotonic()
+    health.close()
+    assert time.monotonic() - started < 1.0  # the poll interval and the 0.2 s deadline
+    release.set()
+    client.join(5)
+    assert not client.is_alive()
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], OSError)  # close() ended the connection, not the snapshot

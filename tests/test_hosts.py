@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import torchrunx as trx
-from torchrunx import hosts
+from torchrunx import hostlists, hosts
 from torchrunx.devices import device_env
 from torchrunx.hosts import HostSlots
 
@@ -55,7 +55,7 @@ def no_slurm(monkeypatch):
     ],
 )
 def test_expand_nodelist(nodelist, expected):
-    assert hosts.expand_nodelist(nodelist) == expected
+    assert hostlists.expand_nodelist(nodelist) == expected
 
 
 @pytest.mark.parametrize(
@@ -70,16 +70,16 @@ def test_expand_nodelist(nodelist, expected):
 )
 def test_expand_nodelist_errors_name_the_list(nodelist, message):
     with pytest.raises(ValueError, match=message) as info:
-        hosts.expand_nodelist(nodelist)
+        hostlists.expand_nodelist(nodelist)
     assert repr(nodelist) in str(info.value)
 
 
 def test_expand_counts():
-    assert hosts.expand_counts("2(x3),1") == [2, 2, 2, 1]
-    assert hosts.expand_counts("4") == [4]
-    assert hosts.expand_counts("1(x2)") == [1, 1]
+    assert hostlists.expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert hostlists.expand_counts("4") == [4]
+    assert hostlists.expand_counts("1(x2)") == [1, 1]
     with pytest.raises(ValueError, match="expected items like 2 or 2\\(x3\\)"):
-        hosts.expand_counts("2(3)")
+        hostlists.expand_counts("2(3)")
 
 
 def test_slurm_allocation_from_the_environment():
@@ -153,7 +153,7 @@ def test_parse_hostfile():
     node3 slots=2 max_slots=8
     node1 slots=2    # Open MPI adds repeated hosts up
     """
-    assert hosts.parse_hostfile(text) == [
+    assert hostlists.parse_hostfile(text) == [
         HostSlots("node1", 6),
         HostSlots("node2", None),
         HostSlots("node3", 2),
@@ -171,7 +171,7 @@ def test_parse_hostfile():
 )
 def test_hostfile_errors_name_file_and_line(text, message):
     with pytest.raises(ValueError, match=message) as info:
-        hosts.parse_hostfile(text, "/etc/hosts.mpi")
+        hostlists.parse_hostfile(text, "/etc/hosts.mpi")
     assert "/etc/hosts.mpi" in str(info.value)
 
 
@@ -198,6 +198,60 @@ def test_hostnames_string_that_is_no_file_is_explained(tmp_path):
         trx.Launcher(hostnames="node1").validate()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"hostfile .*missing. does not exist"):
         trx.Launcher(hostnames=Path(tmp_path / "missing")).validate()
+
+
+def test_hostnames_source_is_the_one_answer(tmp_path, monkeypatch):
+    source = hosts.hostnames_source
+    monkeypatch.chdir(tmp_path)
+    assert source("auto") == hosts.HostsSource()
+    assert source(Path("pbs")) == hosts.HostsSource(hostfile=Path("pbs"))  # a path is a file
+    assert source("pbs") == hosts.HostsSource(provider=("pbs", None))
+    assert source(["lsf"]) == hosts.HostsSource(provider=("lsf", None))
+    assert source("hostfile:/etc/h") == hosts.HostsSource(provider=("hostfile", "/etc/h"))
+    assert source(["hostfile:/etc/h"]) == hosts.HostsSource(provider=("hostfile", "/etc/h"))
+    assert source("node1") == hosts.HostsSource(hostfile=Path("node1"))  # a string: a file
+    assert source(["node1"]) == hosts.HostsSource(names=("node1",))
+    assert source(["./hosts"]) == hosts.HostsSource(hostfile=Path("./hosts"))
+    assert source(("a", "b")) == hosts.HostsSource(names=("a", "b"))
+    assert source([]) == hosts.HostsSource()
+    # A file named like a provider is that file, as a string and from the command line.
+    for name in ("pbs", "slurm"):
+        (tmp_path / name).write_text("n1\n")
+        assert source(name) == hosts.HostsSource(hostfile=Path(name))
+        assert source([name]) == hosts.HostsSource(hostfile=Path(name))
+    for wrong in (None, 3, {"a": 1}):
+        with pytest.raises(TypeError, match="hostnames must be"):
+            source(wrong)
+
+
+def test_check_hostnames(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("n1\n")
+    for good in ("auto", "pbs", "hostfile:/nowhere", hostfile, str(hostfile), [str(hostfile)]):
+        hosts.check_hostnames(good)
+    hosts.check_hostnames(["node1", "user@node2", "::1"])
+    with pytest.raises(ValueError, match=r"'node1' is neither 'auto', a host provider \(.*pbs"):
+        hosts.check_hostnames("node1")
+    missing = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"hostfile .*missing' does not exist or is not a file$"):
+        hosts.check_hostnames(Path(missing))
+    with pytest.raises(ValueError, match=r"does not exist.*one-entry list with '/'"):
+        hosts.check_hostnames([missing])
+    for empty in ([], (), None, 3):
+        with pytest.raises(ValueError, match="must be a non-empty list of host names"):
+            hosts.check_hostnames(empty)
+    with pytest.raises(ValueError, match="invalid host name 'a b'"):
+        hosts.check_hostnames(["node1", "a b"])
+
+
+def test_combine_slots_keeps_the_first_order_and_sums():
+    entries = [("b", 1), ("a", 2), ("b", 3), ("c", None), ("c", 1)]
+    assert hostlists.combine_slots(entries) == [
+        HostSlots("b", 4),
+        HostSlots("a", 2),
+        HostSlots("c", None),  # one entry without slots: counted by its agent
+    ]
+    assert hostlists.combine_slots([]) == []
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,21 @@ def test_builtin_providers_are_registered_as_entry_points():
     assert {"allreduce", "hello"} <= set(plugins.function_names())
 
 
+def test_imports_go_one_way():
+    """hostlists <- plugins <- hosts; agents import hosts without reading entry points."""
+    code = (
+        "import sys\n"
+        "metadata_before = 'importlib.metadata' in sys.modules\n"
+        "import torchrunx.plugins\n"
+        "assert 'torchrunx.hostlists' in sys.modules\n"
+        "assert 'torchrunx.hosts' not in sys.modules\n"
+        "import torchrunx.hosts\n"
+        "assert metadata_before or 'importlib.metadata' not in sys.modules\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert ran.returncode == 0, ran.stderr
+
+
 def test_pbs_provider(tmp_path):
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("cn1\ncn1\ncn2\ncn1\n")

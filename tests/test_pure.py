@@ -7,12 +7,20 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 
 import pytest
 
 from torchrunx import hosts, protocol
 from torchrunx.env import forwarded_env
 from torchrunx.errors import ProtocolError, WorkerFailedError, is_collective_error
+from torchrunx.events import (
+    AgentState,
+    Restarting,
+    WorkersStarted,
+    dataclass_to_dict,
+    event_to_dict,
+)
 from torchrunx.transport import AGENT_COMMAND, agent_script
 
 HOSTILE = [
@@ -256,3 +264,56 @@ def test_the_agent_forks_only_once_its_preload_thread_has_left_the_kernel():
         thread.join()
         _wait_for_thread_exit(tid)
         assert not os.path.exists(f"/proc/self/task/{tid[0]}")
+
+
+@dataclass(frozen=True)
+class _Inner:
+    state: AgentState
+    ratio: float
+
+
+@dataclass(frozen=True)
+class _Outer:
+    name: str
+    inner: _Inner
+    items: tuple[_Inner, ...]
+    counts: list[int | None]
+    flag: bool
+
+
+def test_dataclass_to_dict_is_plain_json_data_in_field_order():
+    value = _Outer(
+        name="x",
+        inner=_Inner(AgentState.LOST, 1.23456),
+        items=(_Inner(AgentState.DONE, 2.0),),
+        counts=[1, None],
+        flag=True,
+    )
+    expected = {
+        "name": "x",
+        "inner": {"state": "LOST", "ratio": 1.23456},
+        "items": [{"state": "DONE", "ratio": 2.0}],
+        "counts": [1, None],
+        "flag": True,
+    }
+    assert dataclass_to_dict(value) == expected
+    assert list(dataclass_to_dict(value)) == ["name", "inner", "items", "counts", "flag"]
+    rounded = dataclass_to_dict(value, ndigits=3)
+    assert rounded["inner"] == {"state": "LOST", "ratio": 1.235}
+    assert rounded["flag"] is True  # a bool is no float
+    for wrong in (_Outer, {"name": "x"}, 3):
+        with pytest.raises(TypeError, match="not a dataclass instance"):
+            dataclass_to_dict(wrong)
+
+
+def test_event_to_dict_has_the_type_first_and_full_precision():
+    event = Restarting(attempt=1, max_restarts=2, reason="boom", time=1795274134.123456)
+    assert event_to_dict(event) == {
+        "event": "Restarting",
+        "attempt": 1,
+        "max_restarts": 2,
+        "reason": "boom",
+        "time": 1795274134.123456,
+    }
+    started = WorkersStarted(0, "node1", 0, ranks=(0, 1), pids=(10, 11), time=1.0)
+    assert event_to_dict(started)["ranks"] == [0, 1]

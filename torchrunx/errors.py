@@ -57,12 +57,15 @@ class AgentFailedError(TorchrunxError):
 def describe_exit(exitcode: int | None, signal_number: int | None) -> str:
     """Describe how a process ended, e.g. ``exit code 3`` or ``signal 9 (SIGKILL)``."""
     if signal_number is not None:
-        try:
-            name = _signal.Signals(signal_number).name
-        except ValueError:
-            name = "unknown signal"
-        return f"signal {signal_number} ({name})"
+        return f"signal {signal_number} ({_signal_name(signal_number) or 'unknown signal'})"
     return f"exit code {exitcode}"
+
+
+def _signal_name(number: int) -> str | None:
+    try:
+        return _signal.Signals(number).name
+    except ValueError:
+        return None
 
 
 class WorkerFailedError(TorchrunxError):
@@ -106,12 +109,7 @@ class WorkerFailedError(TorchrunxError):
     @property
     def signal_name(self) -> str | None:
         """Name of the signal that ended the worker (``"SIGKILL"``), or ``None``."""
-        if self.signal is None:
-            return None
-        try:
-            return _signal.Signals(self.signal).name
-        except ValueError:
-            return None
+        return None if self.signal is None else _signal_name(self.signal)
 
     def __reduce__(
         self,
@@ -249,10 +247,7 @@ def is_collective_error(exc: BaseException) -> bool:
             if cls.__module__.startswith("torch") and cls.__name__ in _COLLECTIVE_ERROR_TYPES:
                 return True
         if isinstance(current, RuntimeError | OSError):
-            try:
-                text = str(current)
-            except Exception:  # noqa: BLE001 (a broken __str__: not recognisable, not fatal)
-                text = ""
+            text = exception_text(current)  # a broken __str__: not recognisable, not fatal
             markers: tuple[str, ...] = _COLLECTIVE_ERROR_MARKERS
             if isinstance(current, RuntimeError):
                 markers += _PEER_GONE_MARKERS

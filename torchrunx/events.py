@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -183,17 +184,39 @@ EventHandler = Callable[[Event], None] | EventRecorder
 """A function taking an event, or an object with ``record(event)``."""
 
 
+def dataclass_to_dict(instance: object, *, ndigits: int | None = None) -> dict[str, Any]:
+    """A dataclass instance as plain JSON-ready data, in field order.
+
+    Nested dataclasses become dicts, enums their values, and tuples and lists lists, at any
+    depth; with ``ndigits``, floats are rounded to that many decimals. The events file and the
+    health report (:mod:`torchrunx.health`) are both written with it.
+
+    Raises:
+        TypeError: ``instance`` is not a dataclass instance.
+    """
+    if not dataclasses.is_dataclass(instance) or isinstance(instance, type):
+        raise TypeError(f"not a dataclass instance: {instance!r}")
+    return {
+        item.name: _plain(getattr(instance, item.name), ndigits)
+        for item in dataclasses.fields(instance)
+    }
+
+
+def _plain(value: object, ndigits: int | None) -> object:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclass_to_dict(value, ndigits=ndigits)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple | list):
+        return [_plain(item, ndigits) for item in value]
+    if isinstance(value, float) and ndigits is not None:
+        return round(value, ndigits)
+    return value
+
+
 def event_to_dict(event: Event) -> dict[str, Any]:
     """The event as plain JSON-ready data, with its type under ``"event"``."""
-    data: dict[str, Any] = {"event": type(event).__name__}
-    for item in dataclasses.fields(event):
-        value = getattr(event, item.name)
-        if isinstance(value, enum.Enum):
-            value = value.value
-        elif isinstance(value, tuple):
-            value = list(value)
-        data[item.name] = value
-    return data
+    return {"event": type(event).__name__, **dataclass_to_dict(event)}
 
 
 class EventSink:
@@ -233,6 +256,4 @@ class EventSink:
 
 
 def _open_private(path: Path) -> int:
-    import os  # noqa: PLC0415
-
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -9,12 +9,15 @@ for probes from outside the process (a Kubernetes liveness probe, Nagios, ``curl
     POST /health   405 {"error": ...} (any method but GET and HEAD)
                    500 {"error": ...} when the snapshot itself fails
 
-The server is the standard library's :class:`http.server.ThreadingHTTPServer`, one daemon thread
-accepting connections and one short-lived daemon thread per request. It listens on all
-interfaces by default, because the probes that use it usually come from another machine (a
-kubelet probes the pod's address, a monitoring server the node's). The report holds host names,
-ranks, pids, states and one-line failure reasons only: never the launch's secret, nor any
-environment value, nor what the function returned.
+The server is the standard library's :class:`http.server.ThreadingHTTPServer`: one daemon
+thread runs its ``serve_forever()`` loop and each request gets a short-lived daemon thread of
+its own (a client has 10 s to send its request). :meth:`HealthServer.close` stops the loop
+with ``shutdown()``, ends the connections still open and waits at most 2 s for their threads.
+
+It listens on all interfaces by default, because the probes that use it usually come from
+another machine (a kubelet probes the pod's address, a monitoring server the node's). The
+report holds host names, ranks, pids, states and one-line failure reasons only: never the
+launch's secret, nor any environment value, nor what the function returned.
 
 The port comes from ``Launcher.health_check_port`` or, when that is not set,
 ``TORCHRUNX_HEALTH_CHECK_PORT`` (:func:`health_port_from_env`).
@@ -23,14 +26,11 @@ The port comes from ``Launcher.health_check_port`` or, when that is not set,
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import http.server
 import json
 import logging
 import os
 import re
-import selectors
 import socket
 import socketserver
 import threading
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from torchrunx.events import AgentState, WorkerState  # noqa: TC001 (get_type_hints works)
+from torchrunx.events import AgentState, WorkerState, dataclass_to_dict
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -52,6 +52,9 @@ ENV_VAR = "TORCHRUNX_HEALTH_CHECK_PORT"
 
 PATH = "/health"
 """The one path served."""
+
+_POLL_INTERVAL = 0.1
+"""Seconds between the serving thread's checks for :meth:`HealthServer.close`."""
 
 _REQUEST_TIMEOUT = 10.0
 """Seconds a connection may take to send its request; a stalled client then loses its thread."""
@@ -131,25 +134,11 @@ class HealthReport:
         Keys are in field order (nested ones too), enums are their values and floats are
         rounded to the millisecond.
         """
-        value = _plain(self)
-        assert isinstance(value, dict)  # noqa: S101 (a dataclass always becomes a dict)
-        return value
+        return dataclass_to_dict(self, ndigits=3)
 
     def to_json(self) -> bytes:
         """The report as UTF-8 JSON on one line, the body of ``GET /health``."""
         return json.dumps(self.to_dict(), allow_nan=False).encode()
-
-
-def _plain(value: object) -> object:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {item.name: _plain(getattr(value, item.name)) for item in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, (tuple, list)):
-        return [_plain(item) for item in value]
-    if isinstance(value, float):
-        return round(value, 3)
-    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,7 +227,6 @@ class HealthServer:
         self._lock = threading.Lock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
-        self._wake: tuple[int, int] | None = None
         self._closed = False
 
     @property
@@ -280,17 +268,18 @@ class HealthServer:
                     f"{self._host or 'all interfaces'}: {reason}. Choose another port with "
                     f"Launcher(health_check_port=...) or {ENV_VAR} (0: any free port)"
                 ) from error
-            self._server = server
-            self._wake = os.pipe()
-            self._thread = threading.Thread(
-                target=self._serve, args=(server, self._wake[0]), name="torchrunx-health"
+            thread = threading.Thread(
+                target=server.serve_forever,
+                args=(_POLL_INTERVAL,),
+                name="torchrunx-health",
+                daemon=True,
             )
-            self._thread.daemon = True
-            self._thread.start()
+            thread.start()
+            self._server, self._thread = server, thread
         logger.debug("health endpoint listening on port %d", self.port)
 
     def close(self) -> None:
-        """Stop serving, wait for requests in flight (at most 2 s) and close the socket.
+        """Stop serving, end the requests in flight (waiting at most 2 s), close the socket.
 
         Calling it again, or on a server never started, does nothing.
         """
@@ -298,17 +287,13 @@ class HealthServer:
             if self._closed:
                 return
             self._closed = True
-            server, thread, wake = self._server, self._thread, self._wake
-        if wake is not None:
-            os.write(wake[1], b"x")
-        if thread is not None:
-            thread.join()
-        if server is not None:
-            server.close_requests(_CLOSE_JOIN_TIMEOUT)
-            server.server_close()
-        if wake is not None:
-            os.close(wake[0])
-            os.close(wake[1])
+            server, thread = self._server, self._thread
+        if server is None or thread is None:
+            return
+        server.shutdown()  # serve_forever() returns within one poll interval
+        thread.join()
+        server.end_requests(_CLOSE_JOIN_TIMEOUT)
+        server.server_close()
 
     def __enter__(self) -> HealthServer:  # noqa: PYI034 (Self needs Python 3.11)
         """Start the server."""
@@ -324,25 +309,9 @@ class HealthServer:
         """Close the server."""
         self.close()
 
-    @staticmethod
-    def _serve(server: _Server, wake_fd: int) -> None:
-        # serve_forever() polls for shutdown every poll_interval; waiting on a wake-up pipe as
-        # well lets close() end the loop at once, and an idle server never wakes.
-        with selectors.DefaultSelector() as selector:
-            selector.register(server.socket, selectors.EVENT_READ)
-            selector.register(wake_fd, selectors.EVENT_READ)
-            while True:
-                ready = [key.fileobj for key, _ in selector.select()]
-                if wake_fd in ready:
-                    return
-                server.handle_request()  # accepts one connection (timeout 0: never waits)
-
 
 class _Server(http.server.ThreadingHTTPServer):
     allow_reuse_address = True  # SO_REUSEADDR: a port left in TIME_WAIT is usable at once
-    daemon_threads = True
-    block_on_close = False  # close_requests() joins the request threads instead
-    timeout = 0  # handle_request() is only called when a connection is waiting
 
     def __init__(self, host: str, port: int, snapshot: Callable[[], HealthReport]) -> None:
         self.snapshot = snapshot
@@ -366,19 +335,17 @@ class _Server(http.server.ThreadingHTTPServer):
         self.server_name = str(self.server_address[0])
         self.server_port = int(self.server_address[1])
 
-    def server_activate(self) -> None:
-        super().server_activate()
-        # Non-blocking: a connection reset between select() and accept() must not block.
-        self.socket.setblocking(False)  # noqa: FBT003
-
     def process_request(
         self, request: socket.socket | tuple[bytes, socket.socket], client_address: object
     ) -> None:
+        # ThreadingMixIn's: one daemon thread per connection, which end_requests() can find.
         assert isinstance(request, socket.socket)  # noqa: S101 (a TCP server's request)
         thread = threading.Thread(
-            target=self._answer, args=(request, client_address), name="torchrunx-health-request"
+            target=self._answer,
+            args=(request, client_address),
+            name="torchrunx-health-request",
+            daemon=True,
         )
-        thread.daemon = True
         with self._requests_lock:
             self._requests[thread] = request
         thread.start()
@@ -388,15 +355,15 @@ class _Server(http.server.ThreadingHTTPServer):
             self.process_request_thread(request, client_address)
         finally:
             with self._requests_lock:
-                self._requests.pop(threading.current_thread(), None)
+                del self._requests[threading.current_thread()]
 
-    def close_requests(self, timeout: float) -> None:
+    def end_requests(self, timeout: float) -> None:
         """End the connections still open and wait up to ``timeout`` s for their threads."""
         with self._requests_lock:
             requests = list(self._requests.items())
         for _, request in requests:
             with contextlib.suppress(OSError):
-                request.shutdown(socket.SHUT_RDWR)
+                request.shutdown(socket.SHUT_RDWR)  # a client still sending gets EOF at once
         deadline = time.monotonic() + timeout
         for thread, _ in requests:
             thread.join(max(0.0, deadline - time.monotonic()))

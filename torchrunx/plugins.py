@@ -25,16 +25,23 @@ Entry points are read on use, never at import, and a broken plugin is reported b
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from torchrunx.hosts import HostSlots, in_slurm_allocation, read_hostfile, slurm_allocation
+from torchrunx.hostlists import (
+    HostSlots,
+    combine_slots,
+    in_slurm_allocation,
+    read_hostfile,
+    slurm_allocation,
+)
+
+if TYPE_CHECKING:
+    import importlib.metadata
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +93,10 @@ def _entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
     # only after something was installed or removed.
     state = _install_state()
     if not _SCANNED or _SCANNED[0][0] != state:
+        # Imported here: it takes 15-30 ms, and agents import this module (through hosts)
+        # without reading any entry point.
+        import importlib.metadata  # noqa: PLC0415
+
         installed = importlib.metadata.entry_points()
         groups: dict[str, dict[str, importlib.metadata.EntryPoint]] = {}
         for name in (HOSTS_GROUP, PRESETS_GROUP, FUNCTIONS_GROUP):
@@ -138,24 +149,17 @@ def host_provider(name: str) -> HostProvider:
     return provider
 
 
-def provider_spec(hostnames: object) -> tuple[str, str | None] | None:
-    """The provider that ``hostnames`` names, with its argument, if it names one.
+def provider_spec(spec: str) -> tuple[str, str | None] | None:
+    """The provider that ``spec`` names, and its argument, if it names one.
 
-    A string, or a one-entry list (as ``--hostnames pbs`` arrives from the command line),
-    whose part before any ``:`` is a provider's name. ``"auto"`` is not a provider.
+    ``"pbs"`` is ``("pbs", None)``, ``"hostfile:/etc/hosts.mpi"`` is
+    ``("hostfile", "/etc/hosts.mpi")``; ``"auto"`` and any other name are None. Whether a
+    ``hostnames`` value names a provider, a hostfile or hosts is for
+    :func:`torchrunx.hosts.hostnames_source` to say.
     """
-    spec = hostnames
-    if isinstance(hostnames, list | tuple) and len(hostnames) == 1:
-        spec = hostnames[0]
-    if not isinstance(spec, str) or spec == "auto":
-        return None
-    name, argument = split_provider_spec(spec)
-    return (name, argument) if name in host_provider_names() else None
-
-
-def split_provider_spec(spec: str) -> tuple[str, str | None]:
-    """``"pbs"`` is ``("pbs", None)``; ``"hostfile:/etc/hosts.mpi"`` is ``("hostfile", ...)``."""
     name, sep, argument = spec.partition(":")
+    if spec == "auto" or name not in host_provider_names():
+        return None
     return name, (argument if sep else None)
 
 
@@ -227,9 +231,10 @@ def registered_function(name: str) -> Callable[..., Any]:
 
 
 # -- built-in host providers ------------------------------------------------------------------
+# Plain classes without state: agents import this module, and each dataclass would cost them
+# half a millisecond.
 
 
-@dataclass(frozen=True)
 class SlurmProvider:
     """The nodes of the SLURM allocation this process runs in (slots: SLURM's counts)."""
 
@@ -244,7 +249,6 @@ class SlurmProvider:
         return [HostSlots(node, allocation.slots(node)) for node in allocation.nodes]
 
 
-@dataclass(frozen=True)
 class HostfileProvider:
     """``hostfile:PATH``, or the file named by ``TORCHRUNX_HOSTFILE`` (MPI/DeepSpeed style)."""
 
@@ -265,14 +269,6 @@ class HostfileProvider:
         return read_hostfile(path)
 
 
-def _count_in_order(names: list[str]) -> list[HostSlots]:
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
-    return [HostSlots(name, count) for name, count in counts.items()]
-
-
-@dataclass(frozen=True)
 class PbsProvider:
     """PBS/Torque (and PBS Pro, OpenPBS): ``$PBS_NODEFILE`` lists one line per slot."""
 
@@ -295,10 +291,9 @@ class PbsProvider:
         names = [line.split()[0] for line in text.splitlines() if line.strip()]
         if not names:
             raise ValueError(f"the PBS node file {path!r} lists no host")
-        return _count_in_order(names)
+        return combine_slots((name, 1) for name in names)
 
 
-@dataclass(frozen=True)
 class LsfProvider:
     """IBM Spectrum LSF: ``$LSB_MCPU_HOSTS`` is ``"hostA 4 hostB 4"`` (host, slots pairs)."""
 
@@ -314,10 +309,8 @@ class LsfProvider:
             raise ValueError(
                 f"cannot read hosts from LSB_MCPU_HOSTS={value!r}: expected 'host slots' pairs"
             )
-        hosts: dict[str, int] = {}
-        for name, slots in zip(fields[::2], fields[1::2], strict=True):
-            hosts[name] = hosts.get(name, 0) + int(slots)
-        return [HostSlots(name, slots) for name, slots in hosts.items()]
+        pairs = zip(fields[::2], fields[1::2], strict=True)
+        return combine_slots((name, int(slots)) for name, slots in pairs)
 
 
 SLURM = SlurmProvider()
