@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 
 import tyro
 
-from torchrunx import serialization
+from torchrunx import plugins, serialization
 from torchrunx.devices import AUTO_BACKEND_RULE, resolve_backend
 from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
 from torchrunx.errors import SerializationError
@@ -41,9 +41,8 @@ from torchrunx.health import (
 )
 from torchrunx.hosts import (
     HostSlots,
-    check_hostname,
+    check_hostnames,
     count_local_gpus,
-    hostnames_source,
     in_slurm_allocation,
     is_local_host,
     resolve_hosts,
@@ -221,8 +220,6 @@ them, that receive every record."""
             ValueError: No preset has that name.
             TypeError: The preset or an override names a field ``Launcher`` does not have.
         """
-        from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
-
         values = {**plugins.preset(name), **overrides}
         _refuse_renamed(f"Launcher.from_preset({name!r})", values)
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
@@ -273,7 +270,7 @@ them, that receive every record."""
             ValueError: A field has an invalid value.
             TypeError: A field has the wrong type.
         """
-        _validate_hostnames(self.hostnames)
+        check_hostnames(self.hostnames)
         _validate_workers(self.workers_per_host, self.hostnames)
         _validate_choice("agent_start", self.agent_start, _AGENT_STARTS)
         _validate_choice("backend", self.backend, _BACKENDS)
@@ -508,37 +505,6 @@ def _validate_seconds(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a finite number of seconds, got {value!r}{no_limit}")
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-
-
-def _validate_hostnames(hostnames: object) -> None:
-    if hostnames == "auto":
-        return
-    from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
-
-    try:
-        source = hostnames_source(hostnames)
-    except TypeError:
-        source = None
-    if source is not None and source.hostfile is not None:
-        hostfile = source.hostfile
-        if hostfile.expanduser().is_file():
-            return
-        if isinstance(hostnames, os.PathLike) or "/" in str(hostfile):
-            hint = ""
-            if isinstance(hostnames, list | tuple):  # ["a/b"]: a path, as from the CLI
-                hint = " (a one-entry list with '/' names a hostfile: host names have no '/')"
-            raise ValueError(f"hostfile {str(hostfile)!r} does not exist or is not a file{hint}")
-        raise ValueError(
-            f"hostnames={str(hostfile)!r} is neither 'auto', a host provider "
-            f"({', '.join(plugins.host_provider_names())}) nor an existing hostfile; for a "
-            f"single host give a list: hostnames=[{str(hostfile)!r}]"
-        )
-    if source is not None and source.provider is not None:
-        return
-    if source is None or not source.names:
-        raise ValueError(f"hostnames must be a non-empty list of host names, got {hostnames!r}")
-    for name in source.names:
-        check_hostname(name)
 
 
 def _validate_env_vars(default: object, copy: object, extra: object) -> None:
