@@ -70,7 +70,9 @@ async def _recv(reader: asyncio.StreamReader) -> tuple[protocol.Message, list[by
     return message, [await reader.readexactly(size) for size in sizes]
 
 
-async def _worker(address: tuple[str, int], secret: bytes, spec: protocol.WorkerSpec, local: int) -> None:
+async def _worker(
+    address: tuple[str, int], secret: bytes, spec: protocol.WorkerSpec, local: int
+) -> None:
     reader, writer = await _connect(address, secret, "worker")
     rank = spec.rank_offset + local
     _send(writer, protocol.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
@@ -137,6 +139,9 @@ class _SimulatedAgent:
     def stderr_tail(self) -> str:
         return ""
 
+    def readers(self) -> list[tuple[int, Any]]:
+        return []
+
     def wait(self, timeout: float | None) -> int | None:
         del timeout
         return None
@@ -149,7 +154,7 @@ class _SimulatedAgent:
 
 
 def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
@@ -217,7 +222,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
     for process in processes:
         process.join(30)
     ranks = sum(len(per_host) for per_host in results)
-    assert ranks == hosts * workers, ranks  # noqa: S101 (the benchmark checks its launch)
+    assert ranks == hosts * workers, ranks
     connections = hosts * (workers + 1)
     return {
         "hosts": hosts,

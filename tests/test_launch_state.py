@@ -101,8 +101,11 @@ def test_a_peers_collective_error_arriving_before_the_real_death_is_not_the_caus
     agent = state.agents[0]
     rank1 = state.rank_of(agent, 1)
     assert rank1 is not None
-    assert state.worker_exited(rank1, exited(1, code=None, sig=9, at=10.0), now=11.0)
+    assert not state.worker_exited(rank1, exited(1, code=None, sig=9, at=10.0), now=11.0)
+    assert state.alarm  # an abnormal exit stops the launch before it is judged
+    assert state.worker_conn_closed(rank1)
     state.settle(rank1)
+    assert not state.alarm
     cause = choose_cause(state.faults)
     assert isinstance(cause.error, WorkerFailedError)
     assert (cause.error.rank, cause.error.signal) == (1, 9)
@@ -133,8 +136,9 @@ def test_a_rank_that_raised_then_exited_non_zero_failed_once_by_its_exception():
     state = running_launch(1, 2)
     rank = state.ranks[1]
     # Its exit (status 1) overtakes its exception, which travels on its own connection.
-    assert state.worker_exited(rank, exited(1, code=1, at=10.1), now=11.0) is True
+    assert state.worker_exited(rank, exited(1, code=1, at=10.1), now=11.0) is False
     assert rank.settle_by == 11.0 + OUTCOME_WAIT  # it waits for the connection
+    assert state.alarm and not state.faults
     error = ValueError("x")
     rank.error = error
     state.add_fault("exception", error, at=10.0, rank=rank)

@@ -85,6 +85,7 @@ class AgentPool:
             thread_name_prefix="torchrunx-start",
         )
         self._exit_fds: dict[int, int] = {}
+        self._output_fds: dict[int, list[int]] = {}
         self._exited: set[int] = set()
 
     def start(self, host_index: int) -> None:
@@ -96,9 +97,7 @@ class AgentPool:
         old = self.processes.pop(host_index, None)
         if old is not None:
             self.retired.append((old, lost))
-        fd = self._exit_fds.pop(host_index, -1)
-        if fd >= 0:
-            self.loop.remove(fd)
+        self._forget_fds(host_index)
         self._exited.discard(host_index)
         self.start(host_index)
 
@@ -124,10 +123,17 @@ class AgentPool:
     def _started(self, host_index: int, process: AgentProcess) -> None:
         self.processes[host_index] = process
         self.emit(AgentStarted(host_index, process))
+        for fd, read in process.readers():  # its own stdout and stderr, read in the loop
+            self._output_fds.setdefault(host_index, []).append(fd)
+            self.loop.add_reader(fd, functools.partial(self._read_output, fd, read))
         fd = process.exit_fd
         if fd >= 0:  # a local child: its pidfd wakes the loop the moment it ends
             self._exit_fds[host_index] = fd
             self.loop.add_reader(fd, functools.partial(self._check_exit, host_index, process))
+
+    def _read_output(self, fd: int, read: Callable[[], bool]) -> None:
+        if not read():  # the stream ended
+            self.loop.remove(fd)
 
     def _check_exit(self, host_index: int, process: AgentProcess) -> None:
         if host_index in self._exited or self.processes.get(host_index) is not process:
@@ -136,10 +142,17 @@ class AgentPool:
         if status is None:
             return
         self._exited.add(host_index)
+        for _fd, read in process.readers():  # what it wrote last comes before its end
+            read()
         fd = self._exit_fds.pop(host_index, -1)
         if fd >= 0:
             self.loop.remove(fd)
         self.emit(AgentExited(host_index, status, process))
+
+    def _forget_fds(self, host_index: int) -> None:
+        for fd in [self._exit_fds.pop(host_index, -1), *self._output_fds.pop(host_index, [])]:
+            if fd >= 0:
+                self.loop.remove(fd)  # before the process closes it
 
     def poll(self) -> None:
         """Report agents that ended (for those without an exit descriptor: SSH; once a tick)."""
@@ -159,9 +172,8 @@ class AgentPool:
             self._closing = True
         self._starts.shutdown(wait=True, cancel_futures=True)
         self.loop.run_once(0)  # agents whose start finished meanwhile
-        for fd in self._exit_fds.values():
-            self.loop.remove(fd)  # the processes close them
-        self._exit_fds.clear()
+        for host_index in list(self.processes):
+            self._forget_fds(host_index)
         processes = [(p, index in lost) for index, p in self.processes.items()]
         everything = [*processes, *self.retired]
         with ThreadPoolExecutor(

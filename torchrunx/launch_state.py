@@ -395,7 +395,23 @@ class LaunchState:
             return True
         # Its outcome may still be on its own connection (or its hello, if it never got one).
         rank.settle_by = now + OUTCOME_WAIT
-        return message.signal is not None or message.exitcode not in (0, None)
+        return False
+
+    @property
+    def alarm(self) -> bool:
+        """A rank exited abnormally (signal, non-zero status) and is not judged yet.
+
+        The launch stops on it at once; what it failed with is decided once its connection
+        ends (an exception may still be on the way) or :data:`OUTCOME_WAIT` has passed.
+        """
+        return any(
+            r.exited is not None
+            and not r.settled
+            and not r.exited.stopped
+            and not r.has_outcome
+            and (r.exited.signal is not None or r.exited.exitcode not in (0, None))
+            for r in self.ranks
+        )
 
     def worker_conn_closed(self, rank: RankRecord) -> bool:
         """Its connection ended; ``True`` if it settles now (its exit is known)."""

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import itertools
 import logging
+import math
 import os
 import socket
 import time
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to complete the whole handshake."""
 MAX_PENDING = 512
-"""Connections still authenticating at once; more are closed at once."""
+"""Connections authenticating at once; at the cap, accepting pauses (others wait queued)."""
 _ACCEPT_PAUSE = 0.1
 """Seconds the listener rests after a failed ``accept`` (out of descriptors, say)."""
 _ACCEPTS_PER_ROUND = 64
@@ -207,12 +208,15 @@ class Listener:
         self._resume()
 
     def _resume(self) -> None:
-        if not self._accepting and self.sock.fileno() >= 0:
+        if not self._accepting and self.sock.fileno() >= 0 and self._paused_until != math.inf:
             self.loop.add_reader(self.sock.fileno(), self._accept)
             self._accepting = True
 
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_ROUND):
+            if len(self._pending) >= MAX_PENDING:
+                self._pause()  # the rest wait in the kernel's queue until one is done
+                return
             try:
                 sock, _address = self.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -222,15 +226,16 @@ class Listener:
                     continue
                 # EMFILE, ENFILE, ENOBUFS, ENOMEM: rest, then go on (connections wait queued).
                 logger.warning("cannot accept a connection (%s); retrying shortly", exc)
-                self.loop.remove_reader(self.sock.fileno())
-                self._accepting = False
-                self._paused_until = time.monotonic() + _ACCEPT_PAUSE
+                self._pause(_ACCEPT_PAUSE)
                 return
-            if len(self._pending) >= MAX_PENDING:
-                self.rejected += 1
-                sock.close()
-                continue
             self._begin_handshake(sock)
+
+    def _pause(self, seconds: float | None = None) -> None:
+        """Stop accepting: for ``seconds``, or (``None``) until a handshake ends."""
+        if self._accepting:
+            self.loop.remove_reader(self.sock.fileno())
+            self._accepting = False
+        self._paused_until = math.inf if seconds is None else time.monotonic() + seconds
 
     def _begin_handshake(self, sock: socket.socket) -> None:
         pending = _Pending(sock, time.monotonic() + HANDSHAKE_TIMEOUT)
@@ -268,6 +273,7 @@ class Listener:
             self._reject(fd)
             return
         del self._pending[fd]
+        self._handshake_ended()
         peer = Peer(next(self._ids), role, pending.sock, self)
         self.peers[fd] = peer
         self.loop.add_reader(fd, peer._on_readable)  # noqa: SLF001 (the peer's own reader)
@@ -278,6 +284,12 @@ class Listener:
         self.loop.remove(fd)
         pending.sock.close()  # dropped without reading anything more
         self.rejected += 1
+        self._handshake_ended()
+
+    def _handshake_ended(self) -> None:
+        if self._paused_until == math.inf:  # paused at the cap: there is room again
+            self._paused_until = 0.0
+            self._resume()
 
     def tick(self, now: float) -> None:
         """Drop handshakes past their deadline; resume accepting after a pause."""
@@ -290,7 +302,7 @@ class Listener:
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (``None``: nothing pending)."""
         times = [p.deadline for p in self._pending.values()]
-        if not self._accepting:
+        if not self._accepting and self._paused_until != math.inf:
             times.append(self._paused_until)
         return min(times, default=None)
 

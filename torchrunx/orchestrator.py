@@ -173,6 +173,7 @@ class Launch:
         self.local_env = local_agent_env()  # this machine's agents: the launcher's environment
         self.script = b""
         self._next_tick = 0.0
+        self._final_stop: Stop | None = None
 
     # -- the launch, in order ------------------------------------------------------------
 
@@ -194,15 +195,18 @@ class Launch:
             self._start_agents()
             start_by = st.started + self.launcher.start_timeout
             self._run_until(lambda: st.all_hellos, _earliest(start_by, deadline))
-            if not st.all_hellos:
-                self._start_timed_out()
+            if not st.all_hellos and not st.failed:
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._launch_timed_out()
+                else:
+                    self._start_timed_out()
             if st.failed:
                 raise _Failed  # noqa: TRY301 (stopped and reported below, like every failure)
             st.agents_started_after = time.monotonic() - st.started
             while True:
                 self._send_specs()
                 self._run_until(lambda: st.finished, deadline)
-                if not st.finished and not st.failed and not self._alarm():
+                if not st.finished and not st.failed and not st.alarm:
                     self._launch_timed_out()
                 if st.finished and not st.failed:
                     break
@@ -411,7 +415,7 @@ class Launch:
         """Run the loop until ``done()``, a failure (unless stopping), or ``deadline``."""
         st = self.state
         while not done():
-            if not st.stopping and (st.failed or self._alarm()):
+            if not st.stopping and (st.failed or st.alarm):
                 return
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -423,16 +427,6 @@ class Launch:
             wake = _earliest(self._next_tick, deadline, st.next_due(), self.listener.next_deadline)
             self.loop.run_once(max(0.0, (wake or now) - now))
             self._apply_queue()
-
-    def _alarm(self) -> bool:
-        """A rank exited abnormally: stop, though its outcome may still be on the way."""
-        return any(
-            r.exited is not None
-            and not r.exited.stopped
-            and not r.has_outcome
-            and (r.exited.signal is not None or r.exited.exitcode not in (0, None))
-            for r in self.state.ranks
-        )
 
     def _tick(self, now: float) -> None:
         st = self.state
@@ -514,6 +508,8 @@ class Launch:
             agent = st.agents[index]
             self.owners[peer.ident], self.peers[peer.ident] = ("agent", index), peer
             self._emit(st.agent_hello(agent, peer.ident, message, time.monotonic()))
+            if self._final_stop is not None:  # it started while the launch was stopping
+                peer.send(self._final_stop)
             if message.slots == 0:  # only workers_per_host="gpu" counts 0
                 st.move_agent(agent, AgentState.FAILED)
                 self._fault(
@@ -693,6 +689,7 @@ class Launch:
         """Tell the agents to stop their workers; wait (bounded) until every end is known."""
         st = self.state
         st.stopping = True
+        st.phase = Phase.RESTARTING if restart else Phase.STOPPING
         first = choose_cause(st.faults) if st.faults else None
         error = None if first is None else first.error
         if isinstance(error, SystemExit) and error.code == 128 + signal.SIGTERM:
@@ -704,6 +701,8 @@ class Launch:
         # Stacks tell where the survivors were stuck; after a Ctrl-C the user knows why.
         dump = not isinstance(error, KeyboardInterrupt | SystemExit) and not restart
         stop = Stop(reason, STOP_GRACE, dump_stacks=dump, restart=restart, attempt=st.attempt)
+        if not restart:
+            self._final_stop = stop  # also for an agent whose start completes meanwhile
         for agent in st.agents:
             if agent.conn is not None and not agent.over and not (restart and agent.ready):
                 self.peers[agent.conn].send(stop)

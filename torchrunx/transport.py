@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import getpass
 import json
 import logging
@@ -119,6 +120,14 @@ class AgentProcess(Protocol):
         """A descriptor readable once the agent has ended (-1: none; :meth:`wait` polls)."""
         ...
 
+    def readers(self) -> list[Reader]:
+        """The descriptors of the agent's output, each with what reads it when it is readable.
+
+        A reader takes what is there without blocking and returns ``False`` once its stream
+        has ended. The launcher's loop calls them; lines go to the ``on_line`` of the start.
+        """
+        ...
+
     def stderr_tail(self) -> str:
         """The last lines the agent (or ssh) wrote to stderr."""
         ...
@@ -145,39 +154,54 @@ OnLine = Callable[[bool, str], None]
 """Receives each whole line an agent writes: ``(is_stderr, text)``."""
 
 
-class _OutputPump:
-    """Reads an agent's stdout/stderr as whole lines, hands them on, keeps the stderr tail."""
+Reader = tuple[int, Callable[[], bool]]
+"""A descriptor and the function that reads it when it is readable (``False``: it ended)."""
 
-    def __init__(self, hostname: str, on_line: OnLine) -> None:
-        self.hostname = hostname
+_READS_PER_CALL = 16
+"""Reads one reader call does at most, so that one chatty agent cannot hold up the loop."""
+
+
+class _AgentOutput:
+    """An agent's stdout and stderr as whole lines, handed on; keeps the stderr tail."""
+
+    def __init__(self, on_line: OnLine) -> None:
         self.on_line = on_line
+        self.splitters = {False: LineSplitter(), True: LineSplitter()}
         self.tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
-        self.threads: list[threading.Thread] = []
+        self.ended = {False: False, True: False}
 
-    def start(self, read: Callable[[], bytes], *, is_stderr: bool) -> None:
-        name = f"torchrunx-{'stderr' if is_stderr else 'stdout'}-{self.hostname}"
-        thread = threading.Thread(target=self._pump, args=(read, is_stderr), name=name, daemon=True)
-        thread.start()
-        self.threads.append(thread)
+    def feed(self, chunk: bytes, *, is_stderr: bool) -> None:
+        """Hand on the whole lines in ``chunk``; ``b""`` ends the stream (and its last line)."""
+        if self.ended[is_stderr]:
+            return
+        for line in self.splitters[is_stderr].feed(chunk):
+            if is_stderr:
+                text = parse_line(line, is_stderr=True, default_name="agent").text
+                self.tail.append(cut_line(text))  # the error keeps a bounded tail
+            self.on_line(is_stderr, line)
+        if not chunk:
+            self.ended[is_stderr] = True
 
-    def _pump(self, read: Callable[[], bytes], is_stderr: bool) -> None:
-        splitter = LineSplitter()
-        while True:
-            try:
-                chunk = read()
-            except OSError:
-                chunk = b""
-            for line in splitter.feed(chunk):
-                if is_stderr:
-                    text = parse_line(line, is_stderr=True, default_name="agent").text
-                    self.tail.append(cut_line(text))  # the error keeps a bounded tail
-                self.on_line(is_stderr, line)
-            if not chunk:
-                return
+    @property
+    def done(self) -> bool:
+        """Whether both streams have ended."""
+        return self.ended[False] and self.ended[True]
 
-    def join(self, timeout: float) -> None:
-        for thread in self.threads:
-            thread.join(timeout)
+
+def _drain(readers: list[Reader], timeout: float) -> None:
+    """Read ``readers`` until each has ended, or for ``timeout`` seconds at most."""
+    deadline = time.monotonic() + timeout
+    live = dict(readers)
+    while live:
+        for fd in [fd for fd, read in live.items() if not read()]:
+            del live[fd]
+        left = deadline - time.monotonic()
+        if not live or left <= 0:
+            return
+        poller = select.poll()
+        for fd in live:
+            poller.register(fd, select.POLLIN)
+        poller.poll(math.ceil(min(left, 0.05) * 1000))
 
 
 # What a fresh SSH login would have: an srun step gets these (and SLURM's own) like a remote
@@ -202,7 +226,7 @@ class _SubprocessAgent:
         on_line: OnLine,
     ) -> None:
         self.hostname = hostname
-        self._pump = _OutputPump(hostname, on_line)
+        self._output = _AgentOutput(on_line)
         try:
             self._process = subprocess.Popen(
                 argv,
@@ -224,9 +248,9 @@ class _SubprocessAgent:
         assert self._process.stdin is not None  # noqa: S101 (Popen with PIPE)
         assert self._process.stdout is not None  # noqa: S101
         assert self._process.stderr is not None  # noqa: S101
-        stdout, stderr = self._process.stdout, self._process.stderr
-        self._pump.start(lambda: os.read(stdout.fileno(), 65536), is_stderr=False)
-        self._pump.start(lambda: os.read(stderr.fileno(), 65536), is_stderr=True)
+        self._streams = {False: self._process.stdout.fileno(), True: self._process.stderr.fileno()}
+        for fd in self._streams.values():
+            os.set_blocking(fd, False)
         try:
             self._process.stdin.write(script + bootstrap)
             self._process.stdin.flush()
@@ -243,10 +267,31 @@ class _SubprocessAgent:
         """The child's pidfd (readable once it has ended), or -1 without one."""
         return self._pidfd
 
+    def readers(self) -> list[Reader]:
+        """The agent's stdout and stderr pipes, while they are open."""
+        return [
+            (fd, functools.partial(self._read, fd, is_stderr=is_stderr))
+            for is_stderr, fd in self._streams.items()
+            if not self._output.ended[is_stderr]
+        ]
+
+    def _read(self, fd: int, *, is_stderr: bool) -> bool:
+        for _ in range(_READS_PER_CALL):
+            try:
+                chunk = os.read(fd, 65536)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                chunk = b""
+            self._output.feed(chunk, is_stderr=is_stderr)
+            if not chunk:
+                return False
+        return True
+
     def stderr_tail(self) -> str:
-        """The last lines the agent wrote to stderr."""
-        self._pump.join(0.5)
-        return "\n".join(self._pump.tail)
+        """The last lines the agent wrote to stderr (read for up to 0.5 s more)."""
+        _drain(self.readers(), 0.5)
+        return "\n".join(self._output.tail)
 
     def wait(self, timeout: float | None) -> int | None:
         """Wait for the child to end; its exit status, or ``None`` if still running."""
@@ -278,7 +323,7 @@ class _SubprocessAgent:
         self._process.wait()
 
     def _release(self) -> None:
-        self._pump.join(2.0)
+        _drain(self.readers(), 2.0)  # its last lines (a child it left may keep a pipe open)
         for stream in (self._process.stdout, self._process.stderr):
             if stream is not None:
                 stream.close()
@@ -619,7 +664,7 @@ class SshAgent:
         import paramiko  # noqa: PLC0415
 
         self.hostname = hostname
-        self._pump = _OutputPump(hostname, on_line)
+        self._output = _AgentOutput(on_line)
         target = resolve_ssh_target(hostname, config_file, connect_timeout)
         connect_started = time.monotonic()
         self._clients = ssh_connect(target, config_file)
@@ -630,8 +675,7 @@ class SshAgent:
         try:
             self._channel = transport.open_session(timeout=connect_timeout)
             self._channel.exec_command(AGENT_COMMAND)
-            self._pump.start(lambda: self._channel.recv(65536), is_stderr=False)
-            self._pump.start(lambda: self._channel.recv_stderr(65536), is_stderr=True)
+            self._channel_fd = self._channel.fileno()  # readable when output or the end comes
             self._channel.sendall(script + bootstrap_for(self._local_address(transport)))
         except (paramiko.SSHException, OSError) as exc:
             _close_all(self._clients)
@@ -655,10 +699,29 @@ class SshAgent:
         """None: the channel's exit status is polled (:meth:`wait` with ``0``)."""
         return -1
 
+    def readers(self) -> list[Reader]:
+        """The channel (one descriptor for both streams), until both have ended."""
+        return [] if self._output.done else [(self._channel_fd, self._read)]
+
+    def _read(self) -> bool:
+        channel = self._channel
+        for _ in range(_READS_PER_CALL):
+            if channel.recv_ready():
+                self._output.feed(channel.recv(65536), is_stderr=False)
+            elif channel.recv_stderr_ready():
+                self._output.feed(channel.recv_stderr(65536), is_stderr=True)
+            elif channel.eof_received or channel.closed:
+                self._output.feed(b"", is_stderr=False)
+                self._output.feed(b"", is_stderr=True)
+                return False
+            else:
+                return True
+        return True
+
     def stderr_tail(self) -> str:
         """The last lines the agent (or the remote shell) wrote to stderr."""
-        self._pump.join(0.5)
-        return "\n".join(self._pump.tail)
+        _drain(self.readers(), 0.5)
+        return "\n".join(self._output.tail)
 
     def wait(self, timeout: float | None) -> int | None:
         """Wait for the remote command to end; its exit status, or ``None`` if still running."""
@@ -676,7 +739,7 @@ class SshAgent:
             self._channel.shutdown_write()
         if grace > 0:
             self.wait(grace)
+        _drain(self.readers(), 2.0 if grace > 0 else 0.2)
         with contextlib.suppress(Exception):
             self._channel.close()
-        self._pump.join(2.0 if grace > 0 else 0.2)
         _close_all(self._clients)
