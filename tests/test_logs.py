@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from torchrunx.logs import (
     LineSplitter,
     LogRouter,
     cut_line,
+    line_records,
     log_level_from_env,
     parse_line,
 )
@@ -383,3 +386,184 @@ def test_cut_line_and_tail_budget(monkeypatch):
     assert all(len(line.encode()) <= TAIL_LINE_BYTES + 40 for line in tail)
     assert sum(len(line.encode()) + 1 for line in tail) <= TAIL_BYTES
     assert tail[-1].startswith(f"{TAIL_LINES - 1:02d}")  # the newest lines are kept
+
+
+class _Pass(logging.Filter):
+    """A filter of the user's own: the handler then gets LogRecords, as ``logging`` makes them."""
+
+
+BATCH = (
+    (0, logging.INFO, "worker.0.stdout", "plain 100% line", 1_700_000_000.25),
+    (0, logging.INFO, "worker.0.stdout", "same read, same time", 1_700_000_000.25),
+    (0, logging.WARNING, "worker.0.stderr", "a warning", 1_700_000_000.9996),
+    (0, logging.ERROR, "mylib", "boom\nTraceback (most recent call last):\n  x", 1_700_000_001.5),
+    (0, 25, "mylib", "a level of its own", 1_700_000_001.5),
+    (0, logging.DEBUG, "mylib", "below the level", 1_700_000_002.0),
+    (None, logging.INFO, "torchrunx.agent", "started 2 workers", 1_700_000_002.0),
+    (None, logging.WARNING, "agent", "bash: oops", 1_700_000_002.0),
+    (1, logging.INFO, "worker.1.stdout", "rank 1 line\nits second line", 1_700_000_002.0),
+    (0, logging.INFO, "worker.0.stdout", "back to rank 0", 1_700_000_003.0),
+)
+
+
+def test_emit_batch_writes_what_logging_would(tmp_path, monkeypatch):
+    # The handlers of torchrunx are written to directly (no LogRecord per line): their text
+    # must be what the same handlers write through logging, record by record.
+    console = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", console)
+    written = {}
+    for way in ("direct", "records"):
+        console.seek(0)
+        console.truncate()
+        handlers = [
+            trx.file_handler("node1", 0, tmp_path / f"{way}-0.log", logging.INFO),
+            trx.file_handler("node1", 1, tmp_path / f"{way}-1.log"),
+            trx.file_handler("node1", None, tmp_path / f"{way}-agent.log"),
+            trx.stream_handler("node1", 0),
+            trx.stream_handler("node1", None, logging.WARNING),
+        ]
+        handled: list[logging.LogRecord] = []
+        for handler in handlers:
+            if way == "records":
+                handler.addFilter(_Pass())
+            else:
+                handler.handle = handled.append  # type: ignore[method-assign]
+        router = LogRouter(handlers, ["node1"])
+        router.emit_batch(0, 4, BATCH)
+        # Flushed after the batch: all there before any close.
+        written[way] = [(tmp_path / f"{way}-{n}.log").read_text() for n in ("0", "1", "agent")]
+        written[way].append(console.getvalue())
+        assert handled == []  # written directly, without a LogRecord
+        for handler in handlers:
+            handler.close()
+    assert written["direct"] == written["records"]
+    rank0, rank1, agent, out = written["direct"]
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1_700_000_000))
+    assert rank0.splitlines()[:3] == [
+        f"{stamp},250 INFO worker.0.stdout: plain 100% line",
+        f"{stamp},250 INFO worker.0.stdout: same read, same time",
+        f"{stamp},999 WARNING worker.0.stderr: a warning",
+    ]
+    assert "ERROR mylib: boom\nTraceback (most recent call last):\n  x\n" in rank0
+    assert "Level 25 mylib: a level of its own" in rank0
+    assert "below the level" not in rank0
+    assert rank0.endswith("INFO worker.0.stdout: back to rank 0\n")
+    assert rank1.endswith("INFO worker.1.stdout: rank 1 line\nits second line\n")
+    assert agent.count("\n") == 2
+    assert out == (
+        "[node1:0] plain 100% line\n[node1:0] same read, same time\n[node1:0] a warning\n"
+        "[node1:0] boom\n[node1:0] Traceback (most recent call last):\n[node1:0]   x\n"
+        "[node1:0] a level of its own\n[node1:0] below the level\n"
+        "[node1] bash: oops\n"
+        "[node1:0] back to rank 0\n"
+    )
+
+
+def test_emit_batch_gives_user_handlers_whole_records_in_order():
+    collect = Collect()
+    collect.setFormatter(logging.Formatter("%(asctime)s %(rank)s %(message)s"))
+    router = LogRouter([collect], ["node1", "node2"])
+    router.emit_batch(1, 4, BATCH)
+    records = collect.records
+    assert [r.getMessage() for r in records] == [text for *_, text, _ in BATCH]
+    assert [(r.local_rank, r.rank) for r in records] == [
+        (local_rank, None if local_rank is None else 4 + local_rank) for local_rank, *_ in BATCH
+    ]
+    assert {(r.hostname, r.host_index) for r in records} == {("node2", 1)}
+    assert [(r.levelno, r.levelname, r.name) for r in records] == [
+        (levelno, logging.getLevelName(levelno), name) for _, levelno, name, _, _ in BATCH
+    ]
+    assert [r.created for r in records] == [created for *_, created in BATCH]
+    assert records[0].msecs == 250 and records[2].msecs == 999
+    assert all(collect.format(r) for r in records)
+    assert router.tail(1, 0)[-1] == "back to rank 0"
+    assert router.tail(1, None) == ["started 2 workers", "bash: oops"]
+
+
+def test_emit_batch_console_follows_the_launchers_logger(monkeypatch):
+    monkeypatch.setenv("TORCHRUNX_LOG_DIR", "")
+    console = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", console)
+    router = LogRouter("auto", ["node1"])
+    router.add_workers(0, 2)
+    router.emit_batch(0, 0, BATCH)
+    logger = logging.getLogger("torchrunx.agent")
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        router.emit_batch(0, 0, BATCH[6:8])
+    finally:
+        logger.setLevel(old)
+    router.close()
+    lines = console.getvalue().splitlines()
+    assert lines.count("[node1] bash: oops") == 2  # a warning: shown under Python's default
+    assert lines.count("[node1] started 2 workers") == 1  # INFO: only once the logger says so
+    assert "[node1:0] below the level" not in lines  # TORCHRUNX_LOG_LEVEL is INFO
+    assert not any("rank 1" in line for line in lines)
+
+
+def test_a_broken_handler_does_not_stop_the_others(tmp_path, capsys):
+    broken = trx.file_handler("node1", 0, tmp_path / "broken.log")
+    broken.stream.close()  # writing to it, and flushing it, raise
+    kept = trx.file_handler("node1", 0, tmp_path / "kept.log")
+    router = LogRouter([broken, kept], ["node1"])
+    for text in ("one", "two"):
+        router.emit(0, 0, 0, Line(logging.INFO, "w", text), 0.0)  # written, not yet flushed
+    router.emit_batch(0, 0, BATCH[:2])  # written and flushed
+    assert capsys.readouterr().err.count("--- Logging error ---") == 4  # 3 writes, 1 flush
+    assert (tmp_path / "kept.log").read_text().count("\n") == 4
+    kept.close()
+
+
+def test_line_splitter_decodes_whole_lines_as_each_alone():
+    # Many lines are decoded at once: invalid UTF-8 must come out as if each line were decoded
+    # on its own, whatever the chunks.
+    rng = random.Random(16)  # noqa: S311 (test data)
+    alphabet = [b"a", b"\n", b"\xc3\xa9", b"\xe2\x82\xac", b"\xe2\x82", b"\xff", b"\xc3", b" "]
+    for _ in range(200):
+        data = b"".join(rng.choice(alphabet) for _ in range(rng.randrange(200))) + b"\n"
+        splitter = LineSplitter()
+        lines: list[str] = []
+        position = 0
+        while position < len(data):
+            step = rng.randrange(1, 20)
+            lines += splitter.feed(data[position : position + step])
+            position += step
+        lines += splitter.feed(b"")
+        assert lines == [line.decode(errors="replace") for line in data.split(b"\n")[:-1]]
+
+
+def test_line_splitter_carriage_return_ends_a_line():
+    splitter = LineSplitter()
+    assert splitter.feed(b" 10%\r 20%\r") == [" 10%", " 20%"]
+    assert splitter.feed(b"\r\n") == []  # a bar clearing itself, then its end: nothing blank
+    assert splitter.feed(b"done\r\nnext\n") == ["done", "next"]
+    assert splitter.feed(b"bar\r\x1e30\x1fmylib\x1fhello\n") == ["bar", "\x1e30\x1fmylib\x1fhello"]
+
+
+def test_line_records_parse_as_parse_line():
+    lines = ["plain", "\x1e40\x1fpkg.mod\x1fboom\x1dtraceback", "\x1enot a record", ""]
+    for is_stderr in (False, True):
+        records = line_records(
+            lines, is_stderr=is_stderr, default_name="worker.2.x", local_rank=2, created=5.0
+        )
+        expected = []
+        for raw in lines:
+            line = parse_line(raw, is_stderr=is_stderr, default_name="worker.2.x")
+            expected.append((2, line.levelno, line.name, line.text, 5.0))
+        assert records == expected
+
+
+def test_a_handler_changed_during_a_launch_is_followed(tmp_path):
+    handler = trx.file_handler("node1", 0, tmp_path / "rank0.log")
+    router = LogRouter([handler], ["node1"])
+    line = (0, logging.INFO, "worker.0.stdout", "as made", 1_700_000_000.0)
+    router.emit_batch(0, 0, (line,))
+    handler.setLevel(logging.WARNING)
+    router.emit_batch(0, 0, ((*line[:3], "below its new level", line[4]),))
+    handler.setLevel(logging.NOTSET)
+    handler.setFormatter(logging.Formatter("%(rank)s %(message)s!"))
+    router.emit_batch(0, 3, ((*line[:3], "its new format", line[4]),))
+    handler.close()
+    text = (tmp_path / "rank0.log").read_text()
+    assert text.endswith(" INFO worker.0.stdout: as made\n3 its new format!\n")

@@ -17,6 +17,9 @@ stdout/stderr (SSH channel or pipe) and is parsed the same way.
 Records. In the launcher every line becomes a :class:`logging.LogRecord` with the extra
 attributes ``hostname``, ``host_index``, ``local_rank`` (``None`` for the agent) and ``rank``.
 Plain stdout lines are INFO, plain stderr lines WARNING; marked lines keep their own level.
+The handlers made here get, instead, the text such records would give them, a message's lines
+in one write (:meth:`LogRouter.emit_batch`): a ``LogRecord`` per line would cost more than all
+the rest of a line's way from a worker's ``print`` to its file.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -79,6 +84,12 @@ class Line:
     text: str
 
 
+Record = tuple[int | None, int, str, str, float]
+"""One forwarded line, as a :class:`~torchrunx.protocol.LogLines` message holds it:
+``(local_rank, levelno, logger name, text, unix time)``; ``local_rank`` is ``None`` for the
+agent."""
+
+
 def parse_line(raw: str, *, is_stderr: bool, default_name: str) -> Line:
     """Parse a marked line, or classify a plain one by its stream."""
     if raw.startswith(RECORD_START):
@@ -86,6 +97,29 @@ def parse_line(raw: str, *, is_stderr: bool, default_name: str) -> Line:
         if len(fields) == 3 and fields[0].isdigit():
             return Line(int(fields[0]), fields[1], fields[2].replace(NEWLINE, "\n"))
     return Line(STDERR_LEVEL if is_stderr else STDOUT_LEVEL, default_name, raw)
+
+
+def line_records(
+    lines: Sequence[str],
+    *,
+    is_stderr: bool,
+    default_name: str,
+    local_rank: int | None,
+    created: float,
+) -> list[Record]:
+    """:class:`~torchrunx.protocol.LogLines` records of whole lines read from one stream.
+
+    Each line as :func:`parse_line` parses it, without making a :class:`Line` of each.
+    """
+    level = STDERR_LEVEL if is_stderr else STDOUT_LEVEL
+    records: list[Record] = []
+    for raw in lines:
+        if raw.startswith(RECORD_START):
+            line = parse_line(raw, is_stderr=is_stderr, default_name=default_name)
+            records.append((local_rank, line.levelno, line.name, line.text, created))
+        else:
+            records.append((local_rank, level, default_name, raw, created))
+    return records
 
 
 class LineSplitter:
@@ -108,15 +142,24 @@ class LineSplitter:
             rest, self.pending = self.pending, b""
             return [line.decode(errors="replace") for line in _redraws(rest)]
         data = self.pending + chunk
-        *done, pending = data.split(b"\n")
         # Most chunks hold plain lines and records that start lines: no piece to look at.
         inner = data.count(_RECORD_START) - data.count(b"\n" + _RECORD_START)
-        if b"\r" in data or inner > data.startswith(_RECORD_START):
-            done = [piece for line in done for piece in _redraws(line, keep_blank=True)]
-            if b"\r" in pending and _RECORD_START not in pending:  # a record: wait for its end
-                *drawn, pending = pending.split(b"\r")
-                done += [piece for piece in drawn if piece.strip()]
-                pending = pending or b"\r"  # so that a "\n" coming next ends no empty line
+        if b"\r" not in data and inner <= data.startswith(_RECORD_START):
+            # Decoded in one go: no UTF-8 sequence holds a "\n" byte, so the lines come out
+            # as if each were decoded alone, invalid bytes replaced alike.
+            end = data.rfind(b"\n") + 1
+            text = data[: end - 1].decode(errors="replace").split("\n") if end else []
+            self.pending = data[end:]
+            if len(self.pending) > MAX_LINE_BYTES:  # a line without end: pass it on in pieces
+                text.append(self.pending.decode(errors="replace"))
+                self.pending = b""
+            return text
+        *done, pending = data.split(b"\n")
+        done = [piece for line in done for piece in _redraws(line, keep_blank=True)]
+        if b"\r" in pending and _RECORD_START not in pending:  # a record: wait for its end
+            *drawn, pending = pending.split(b"\r")
+            done += [piece for piece in drawn if piece.strip()]
+            pending = pending or b"\r"  # so that a "\n" coming next ends no empty line
         if len(pending) > MAX_LINE_BYTES:  # a line without end: pass it on in pieces
             done.append(pending)
             pending = b""
@@ -256,6 +299,20 @@ class _PrefixFormatter(logging.Formatter):
         prefix = f"[{source}]" if local_rank is None else f"[{source}:{local_rank}]"
         return "\n".join(f"{prefix} {line}" for line in record.getMessage().split("\n"))
 
+    @staticmethod
+    def format_run(
+        run: Sequence[Record], hostname: str, local_rank: int | None, admitted: _Admitted, end: str
+    ) -> str:
+        """What :meth:`format` makes of each admitted line of a run, each followed by ``end``."""
+        prefix = f"[{hostname}] " if local_rank is None else f"[{hostname}:{local_rank}] "
+        parts = []
+        for _, levelno, _, text, _ in run:
+            if admitted[levelno]:
+                if "\n" in text:
+                    text = text.replace("\n", "\n" + prefix)  # noqa: PLW2901 (its lines, prefixed)
+                parts.append(f"{prefix}{text}{end}")
+        return "".join(parts)
+
 
 def stream_handler(
     hostname: str, local_rank: int | None, log_level: int = logging.NOTSET
@@ -321,11 +378,14 @@ def file_handler(
     return _filter(_file(file_path), hostname, local_rank, log_level, host_index=None)
 
 
+_FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 class _FileFormatter(logging.Formatter):
     """``asctime level name: message``; the date and time text is made once per second."""
 
     def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        super().__init__(_FILE_FORMAT)
         self._second: tuple[int, str | None, str] | None = None  # (second, datefmt, text)
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 (logging's name)
@@ -340,11 +400,135 @@ class _FileFormatter(logging.Formatter):
             return cached[2]
         return self.default_msec_format % (cached[2], record.msecs)
 
+    def is_default(self) -> bool:
+        """Whether it still formats as made (no other format, date format or milliseconds)."""
+        return (
+            self._fmt == _FILE_FORMAT
+            and self.datefmt is None
+            and self.default_time_format == logging.Formatter.default_time_format
+            and self.default_msec_format == logging.Formatter.default_msec_format
+        )
+
+    def format_run(self, run: Sequence[Record], admitted: _Admitted, end: str) -> str:
+        """What :meth:`format` makes of each admitted line of a run, each followed by ``end``."""
+        parts = []
+        cached = self._second
+        stamp = head = ""
+        stamped: float | None = None  # the lines of one read share their time
+        headed: tuple[int, str] | None = None  # and, mostly, their level and logger
+        for _, levelno, name, text, created in run:
+            if not admitted[levelno]:
+                continue
+            if created != stamped:
+                stamped = created
+                second = int(created)
+                if cached is None or cached[0] != second or cached[1] is not None:
+                    when = time.strftime(self.default_time_format, self.converter(created))
+                    cached = self._second = (second, None, when)
+                stamp = f"{cached[2]},{int((created - second) * 1000):03d} "
+            if headed is None or headed[0] != levelno or headed[1] != name:
+                headed = (levelno, name)
+                head = f"{logging.getLevelName(levelno)} {name}: "
+            parts.append(f"{stamp}{head}{text}{end}")
+        return "".join(parts)
+
 
 def _file(file_path: str | os.PathLike[str]) -> logging.Handler:
     handler = _PrivateFileHandler(file_path, encoding="utf-8")
     handler.setFormatter(_FileFormatter())
     return handler
+
+
+class _Admitted(dict[int, bool]):
+    """Per level: whether a handler's level and level filters let a line of it pass.
+
+    Kept per level only for a handler without a :class:`_LauncherLevelFilter`: a logger's
+    level can change at any time (``logging`` itself keeps each logger's answers until then).
+    """
+
+    def __init__(self, level: int, loggers: list[logging.Logger]) -> None:
+        super().__init__()
+        self.level = level
+        self.loggers = loggers
+
+    def __missing__(self, levelno: int) -> bool:
+        passes = levelno >= self.level and all(
+            logger.isEnabledFor(levelno) for logger in self.loggers
+        )
+        if not self.loggers:
+            self[levelno] = passes
+        return passes
+
+
+def _direct(handler: logging.Handler) -> _Direct | None:
+    """How to write lines to one of torchrunx's handlers directly, as its formatter would.
+
+    ``None`` where the handler needs LogRecords: not one of ours, or one of ours given another
+    formatter or a filter that is not ours (the user's filter must see every record).
+    """
+    formatter = handler.formatter
+    kind = (type(handler), type(formatter))
+    if kind == (_PrivateFileHandler, _FileFormatter):
+        ours = isinstance(formatter, _FileFormatter) and formatter.is_default()
+    else:
+        ours = kind == (_StreamHandler, _PrefixFormatter)
+    if not ours or getattr(handler, "stream", None) is None:  # closed: emit would reopen it
+        return None
+    loggers = []
+    for each in handler.filters:
+        if type(each) is _LauncherLevelFilter:
+            loggers.append(each.logger)
+        elif type(each) is not _SourceFilter:
+            return None
+    assert formatter is not None  # noqa: S101 (one of ours, above)
+    return _Direct(handler, formatter, loggers)
+
+
+class _Direct:
+    """Writes runs of one source's lines to a handler of torchrunx: one formatted string each.
+
+    Made for the handler as it is; :meth:`fits` tells whether it still is (its level, filters,
+    formatter and stream unchanged), so that it can be kept from line to line.
+    """
+
+    def __init__(
+        self, handler: logging.Handler, formatter: logging.Formatter, loggers: list[logging.Logger]
+    ) -> None:
+        self.handler = handler
+        self.formatter = formatter
+        self.level = handler.level
+        self.filters = list(handler.filters)
+        self.stream = getattr(handler, "stream", None)
+        self.end: str = getattr(handler, "terminator", "\n")
+        self.admitted = _Admitted(handler.level, loggers)
+
+    def fits(self) -> bool:
+        """Whether the handler is still as it was when this was made for it."""
+        handler = self.handler
+        formatter = self.formatter
+        return (
+            handler.level == self.level
+            and handler.formatter is formatter
+            and getattr(handler, "stream", None) is self.stream
+            and getattr(handler, "terminator", "\n") == self.end
+            and handler.filters == self.filters
+            and (not isinstance(formatter, _FileFormatter) or formatter.is_default())
+        )
+
+    def write(self, run: Sequence[Record], hostname: str, local_rank: int | None) -> None:
+        """Format the lines the handler admits, and write them in one call (not flushed)."""
+        formatter = self.formatter
+        if isinstance(formatter, _FileFormatter):
+            text = formatter.format_run(run, self.admitted, self.end)
+        else:
+            text = _PrefixFormatter.format_run(run, hostname, local_rank, self.admitted, self.end)
+        if text:
+            handler = self.handler
+            handler.acquire()
+            try:
+                handler.stream.write(text)  # type: ignore[attr-defined]  # a stream handler
+            finally:
+                handler.release()
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,24 +581,34 @@ def events_file(log_dir: Path) -> Path:
 
 @dataclass
 class _Source:
-    """What :class:`LogRouter` keeps per agent or worker: one lookup per forwarded line.
+    """What :class:`LogRouter` keeps per agent or worker: one lookup per run of its lines.
 
     Attributes:
         tail: Its last lines, for failure notes.
-        handlers: The handlers a source filter does not shut to it; ``None`` until worked out
-            (again after handlers are added).
+        handlers: The handlers a source filter does not shut to it, each with how to write to
+            it directly (``None``: it gets LogRecords); ``None`` until worked out (again after
+            handlers are added).
         templates: Per logger name and level, the LogRecord attributes all its lines share.
     """
 
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    handlers: list[logging.Handler] | None = None
+    handlers: list[tuple[logging.Handler, _Direct | None]] | None = None
     templates: dict[tuple[str, int], dict[str, object]] = field(default_factory=dict)
 
 
 class LogRouter:
-    """Receives every forwarded line of one launch and hands records to the handlers.
+    """Receives every forwarded line of one launch and hands it to the handlers.
 
-    Thread-safe: agent output pumps and connection readers call :meth:`emit` concurrently.
+    Thread-safe: agent output pumps and connection readers call :meth:`emit` and
+    :meth:`emit_batch` concurrently.
+
+    The handlers of torchrunx (the ``"auto"`` console and files, :func:`file_handler`,
+    :func:`stream_handler`), as long as their formatter and filters are still their own, are
+    written to directly: a run of lines becomes one string, written in one call, flushed once
+    per batch, without a ``LogRecord`` per line (that alone cost more than all the rest of a
+    line's way to its file). The result is the same text. Every other handler, and one of ours
+    that was given another formatter or a filter of its own, gets a ``LogRecord`` per line
+    through ``handler.handle``, as ``logging`` does it.
     """
 
     def __init__(self, spec: LogHandlers, hostnames: Sequence[str]) -> None:
@@ -431,6 +625,9 @@ class LogRouter:
         self.owned: list[logging.Handler] = []
         self.sources: dict[tuple[int, int | None], _Source] = {}
         self.lock = threading.Lock()
+        # relativeCreated counts from when logging was loaded: a record made here says when.
+        probe = logging.LogRecord("", logging.INFO, "", 0, "", None, None)
+        self.logging_loaded = probe.created - probe.relativeCreated / 1000
         if spec == "auto":
             self._add_defaults_for_agents()
         elif callable(spec):
@@ -506,27 +703,65 @@ class LogRouter:
         line: Line,
         created: float,
     ) -> None:
-        """Hand one line to every handler that may want it, as a LogRecord."""
+        """Hand one line to every handler that may want it; :meth:`flush` flushes them."""
+        record = (local_rank, line.levelno, line.name, line.text, created)
+        self._emit_run(host_index, local_rank, rank, (record,), None)
+
+    def emit_batch(self, host_index: int, rank_offset: int, records: Sequence[Record]) -> None:
+        """Hand the lines of one :class:`~torchrunx.protocol.LogLines` message to the handlers.
+
+        In order; then flushes the handlers they were written to, once. A worker's rank is
+        ``rank_offset + local_rank``; the agent's records (``local_rank`` ``None``) have none.
+        """
+        flushed: dict[int, _BatchFlush] = {}
+        for local_rank, run in groupby(records, key=itemgetter(0)):
+            rank = None if local_rank is None else rank_offset + local_rank
+            self._emit_run(host_index, local_rank, rank, tuple(run), flushed)
+        for handler in flushed.values():
+            _flush(handler)
+
+    def _emit_run(
+        self,
+        host_index: int,
+        local_rank: int | None,
+        rank: int | None,
+        run: Sequence[Record],
+        flushed: dict[int, _BatchFlush] | None,
+    ) -> None:
+        """Hand lines of one source to its handlers; note in ``flushed`` those to flush."""
         key = (host_index, local_rank)
         source = self.sources.get(key)
         if source is None:
             source = self.sources.setdefault(key, _Source())
-        source.tail.append(cut_line(line.text))
-        record = self._record(source, host_index, local_rank, line, created)
-        record.rank = rank  # not in the template: ranks can move on a restart
+        if len(run) == 1:
+            source.tail.append(cut_line(run[0][3]))
+        else:
+            source.tail.extend([cut_line(record[3]) for record in run[-TAIL_LINES:]])
         handlers = source.handlers
         if handlers is None:
             handlers = self._handlers_for(source, host_index, local_rank)
-        for handler in handlers:
-            if record.levelno >= handler.level:
+        records: list[logging.LogRecord] | None = None
+        for index, (handler, known) in enumerate(handlers):
+            direct = known
+            if direct is not None and not direct.fits():  # changed since: look again
+                direct = _direct(handler)
+                handlers[index] = (handler, direct)
+            if direct is None:
+                if records is None:
+                    records = self._records(source, host_index, local_rank, rank, run)
+                _handle(handler, records)
+            else:
                 try:
-                    handler.handle(record)
+                    direct.write(run, self.hostnames[host_index], local_rank)
                 except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
-                    handler.handleError(record)
+                    first = self._records(source, host_index, local_rank, rank, run[:1])[0]
+                    handler.handleError(first)
+            if flushed is not None and isinstance(handler, _BatchFlush):
+                flushed[id(handler)] = handler
 
     def _handlers_for(
         self, source: _Source, host_index: int, local_rank: int | None
-    ) -> list[logging.Handler]:
+    ) -> list[tuple[logging.Handler, _Direct | None]]:
         """The handlers that a source filter of torchrunx does not shut to this source.
 
         A chatty worker sends tens of thousands of lines a second, and the default handlers are
@@ -539,7 +774,7 @@ class LogRouter:
         hostname = self.hostnames[host_index]
         with self.lock:
             chosen = [
-                handler
+                (handler, _direct(handler))
                 for handler in self.handlers
                 if all(
                     f.accepts(hostname, host_index, local_rank)
@@ -550,48 +785,58 @@ class LogRouter:
             source.handlers = chosen
         return chosen
 
-    def _record(
-        self, source: _Source, host_index: int, local_rank: int | None, line: Line, created: float
-    ) -> logging.LogRecord:
-        """A LogRecord of one line, with the worker's time as its creation time.
+    def _records(
+        self,
+        source: _Source,
+        host_index: int,
+        local_rank: int | None,
+        rank: int | None,
+        run: Sequence[Record],
+    ) -> list[logging.LogRecord]:
+        """LogRecords of a run of one source's lines, with the worker's times as creation times.
 
         The attributes that are the same for every line of a source, logger name and level
         (the launcher's process, the ``pathname`` standing for the host, torchrunx's
         ``hostname``, ``host_index`` and ``local_rank``) are made once and copied into each
         record: ``LogRecord()`` itself costs more than the rest of a line's way to a file. The
-        message, thread and times are each record's own.
+        message, rank, thread and times are each record's own.
         """
-        template = source.templates.get((line.name, line.levelno))
-        if template is None:
-            hostname = self.hostnames[host_index]
-            first = logging.LogRecord(line.name, line.levelno, hostname, 0, "", None, None)
-            template = dict(vars(first))
-            template.update(hostname=hostname, host_index=host_index, local_rank=local_rank)
-            source.templates[line.name, line.levelno] = template
-        record = logging.LogRecord.__new__(logging.LogRecord)
-        attributes = vars(record)
-        attributes.update(template)
-        # relativeCreated counts from when logging was loaded: the template's own record says
-        # when that was.
-        loaded = float(template["created"]) - float(template["relativeCreated"]) / 1000  # type: ignore[arg-type]
         thread = threading.current_thread()
-        attributes.update(
-            msg=line.text,
-            thread=thread.ident,
-            threadName=thread.name,
-            created=created,
-            msecs=(created - int(created)) * 1000,
-            relativeCreated=(created - loaded) * 1000,
-        )
-        return record
+        ident, thread_name = thread.ident, thread.name
+        loaded = self.logging_loaded
+        templates = source.templates
+        new = logging.LogRecord.__new__
+        made = []
+        for _, levelno, name, text, created in run:
+            template = templates.get((name, levelno))
+            if template is None:
+                hostname = self.hostnames[host_index]
+                first = logging.LogRecord(name, levelno, hostname, 0, "", None, None)
+                template = dict(vars(first))
+                template.update(hostname=hostname, host_index=host_index, local_rank=local_rank)
+                templates[name, levelno] = template
+            record = new(logging.LogRecord)
+            attributes = vars(record)
+            attributes.update(template)
+            attributes.update(
+                msg=text,
+                rank=rank,
+                thread=ident,
+                threadName=thread_name,
+                created=created,
+                msecs=int((created - int(created)) * 1000) + 0.0,
+                relativeCreated=(created - loaded) * 1000,
+            )
+            made.append(record)
+        return made
 
     def flush(self) -> None:
-        """Flush the handlers after a batch of records."""
+        """Flush the handlers after lines given to :meth:`emit`."""
         with self.lock:
             handlers = list(self.handlers)
         for handler in handlers:
             if isinstance(handler, _BatchFlush):
-                handler.flush_batch()
+                _flush(handler)
 
     def close(self) -> None:
         """Flush every handler; close the ones made for this launch (not a list the user gave)."""
@@ -600,3 +845,23 @@ class LogRouter:
             handler.flush()
         for handler in self.owned:
             handler.close()
+
+
+def _flush(handler: _BatchFlush) -> None:
+    """Flush what a batch wrote; a failure is the handler's to report, as one in ``emit``."""
+    try:
+        handler.flush_batch()
+    except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
+        failed = logging.LogRecord("torchrunx", logging.ERROR, "", 0, "flush failed", None, None)
+        handler.handleError(failed)  # type: ignore[attr-defined]  # mixed into a Handler
+
+
+def _handle(handler: logging.Handler, records: list[logging.LogRecord]) -> None:
+    """Hand records to a handler as ``logging`` does: its level, then ``handle`` (filters)."""
+    level = handler.level
+    for record in records:
+        if record.levelno >= level:
+            try:
+                handler.handle(record)
+            except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
+                handler.handleError(record)

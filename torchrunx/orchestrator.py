@@ -56,7 +56,7 @@ from torchrunx.hosts import slurm_allocation
 from torchrunx.ioloop import IOLoop
 from torchrunx.launch_state import AgentRecord, Fault, LaunchState, Phase, RankRecord, StartMethod
 from torchrunx.listener import FrameReceived, Listener, NetEvent, Peer, PeerClosed
-from torchrunx.logs import Line, LogRouter, events_file, parse_line
+from torchrunx.logs import LogRouter, events_file, parse_line
 from torchrunx.protocol import (
     AgentDone,
     AgentHello,
@@ -278,8 +278,9 @@ class Launch:
 
         def on_line(is_stderr: bool, text: str) -> None:
             line = parse_line(text, is_stderr=is_stderr, default_name="agent")
-            self.logs.emit(index, None, None, line, time.time())
-            self.logs.flush()
+            self.logs.emit_batch(
+                index, 0, ((None, line.levelno, line.name, line.text, time.time()),)
+            )
 
         if agent.method == "srun":
             return SrunAgent(
@@ -580,10 +581,7 @@ class Launch:
 
     def _on_log_lines(self, agent: AgentRecord, message: LogLines) -> None:
         offset = 0 if agent.spec is None else agent.spec.rank_offset  # agent records: no spec
-        for local_rank, levelno, name, text, created in message.records:
-            rank = None if local_rank is None else offset + local_rank
-            self.logs.emit(agent.index, local_rank, rank, Line(levelno, name, text), created)
-        self.logs.flush()
+        self.logs.emit_batch(agent.index, offset, message.records)
 
     def _on_worker_message(
         self, index: int, message: protocol.Message, payload: list[bytearray], at: float
