@@ -100,6 +100,7 @@ if TYPE_CHECKING:
     from torchrunx.agent_pool import Starter
     from torchrunx.hosts import HostSlots
     from torchrunx.launcher import Launcher
+    from torchrunx.results import LaunchTimings
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -144,12 +145,20 @@ class Launch:
             self.logs.close()
             raise
         self.secret = protocol.new_secret()
-        self.loop = IOLoop()
         self.queue: collections.deque[NetEvent | PoolEvent] = collections.deque()
         """The one queue: what the listener read and what the pool saw, in order."""
-        self.listener = Listener(
-            self.loop, self.secret, listener_module.listen_socket(), self.queue.append
-        )
+        loop = None
+        try:  # out of descriptors, say: nothing made so far is left open
+            self.loop = loop = IOLoop()
+            self.listener = Listener(
+                self.loop, self.secret, listener_module.listen_socket(), self.queue.append
+            )
+        except BaseException:
+            if loop is not None:
+                loop.close()
+            self.sink.close()
+            self.logs.close()
+            raise
         self.port = self.listener.port
         self.state = LaunchState(
             [AgentRecord(i, h, m) for i, (h, m) in enumerate(zip(hosts, methods, strict=True))],
@@ -849,7 +858,7 @@ class Launch:
         cause = summary(choose_cause(faults).error) if faults else None
         return st.health(time.monotonic(), max_restarts=self.launcher.max_restarts, cause=cause)
 
-    def timings(self) -> Any:  # noqa: ANN401 (LaunchTimings)
+    def timings(self) -> LaunchTimings:
         """Phase durations of the attempt that succeeded."""
         processes = self.pool.processes
         connect = tuple(
