@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import resource
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -77,10 +78,12 @@ async def _worker(
     rank = spec.rank_offset + local
     _send(writer, protocol.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
     _send(writer, protocol.WorkerResult(rank, sent_at=time.time()), NOOP_RESULT)
+    writer.write_eof()
     await writer.drain()
+    while await reader.read(65536):  # until the launcher closes: never close with unread data
+        pass
     writer.close()
     await writer.wait_closed()
-    del reader
 
 
 async def _agent(boot: dict[str, Any]) -> None:
@@ -109,7 +112,12 @@ async def _agent(boot: dict[str, Any]) -> None:
         _send(writer, protocol.WorkerExited(local, pid, 0, None, at=time.time()), [])
     _send(writer, protocol.AgentDone(), [])
     beating.cancel()
+    # As the real agent: half-close, then read (heartbeats) until the launcher closes. A socket
+    # closed with unread data is reset, and a reset may drop what was still being sent.
+    writer.write_eof()
     await writer.drain()
+    while await reader.read(65536):
+        pass
     writer.close()
 
 
@@ -124,7 +132,9 @@ def _simulator(inbox: Connection) -> None:
             if line is None:
                 break
             tasks.append(asyncio.create_task(_agent(json.loads(line))))
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(outcome, BaseException):  # a simulated agent failed: say why
+                print(f"simulated agent failed: {outcome!r}", file=sys.stderr)
 
     asyncio.run(main())
 

@@ -28,7 +28,7 @@ from torchrunx.env import (
     split_extra_env_vars,
 )
 from torchrunx.hosts import HostSlots, resolve_hosts
-from torchrunx.transport import AgentBootstrap
+from torchrunx.protocol import AgentBootstrap
 
 REPO = Path(__file__).resolve().parent.parent
 

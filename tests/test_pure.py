@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from torchrunx.events import (
     dataclass_to_dict,
     event_to_dict,
 )
+from torchrunx.protocol import AgentBootstrap
 from torchrunx.transport import AGENT_COMMAND, agent_script
 
 HOSTILE = [
@@ -255,14 +257,14 @@ def test_an_exception_whose_str_raises_is_reported_with_its_type_and_traceback()
 def test_the_agent_forks_only_once_its_preload_thread_has_left_the_kernel():
     # Thread.join returns before the OS thread's destructors have run (MKL's take a lock that
     # a worker forked meanwhile would inherit held); the agent waits for /proc/self/task.
-    from torchrunx.agent import _wait_for_thread_exit
+    from torchrunx.preload import wait_for_thread_exit
 
     for _ in range(20):
         tid: list[int] = []
         thread = threading.Thread(target=lambda ids=tid: ids.append(threading.get_native_id()))
         thread.start()
         thread.join()
-        _wait_for_thread_exit(tid)
+        wait_for_thread_exit(tid)
         assert not os.path.exists(f"/proc/self/task/{tid[0]}")
 
 
@@ -317,3 +319,68 @@ def test_event_to_dict_has_the_type_first_and_full_precision():
     }
     started = WorkersStarted(0, "node1", 0, ranks=(0, 1), pids=(10, 11), time=1.0)
     assert event_to_dict(started)["ranks"] == [0, 1]
+
+
+def _bootstrap(**changes: object) -> AgentBootstrap:
+    fields: dict[str, object] = {
+        "host_index": 1,
+        "hostname": "node1",
+        "launcher_address": "10.0.0.1",
+        "launcher_port": 29500,
+        "secret": bytes(range(32)),
+        "workers": None,
+        "preload_torch": True,
+        "heartbeat_interval": 1.0,
+        "agent_timeout": 5.0,
+        "log_level": 20,
+        "sys_path": ("/a", "/b c"),
+        "count": "gpu",
+    }
+    return AgentBootstrap(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def test_the_agent_bootstrap_is_one_json_line_that_decodes_to_the_same_object():
+    boot = _bootstrap()
+    line = boot.to_json_line()
+    assert line.endswith(b"\n")
+    assert line.count(b"\n") == 1
+    assert AgentBootstrap.from_json_line(line) == boot
+    assert AgentBootstrap.from_json_line(line.decode()) == boot
+    assert AgentBootstrap.from_json_line(_bootstrap(workers=3).to_json_line()).workers == 3
+    data = json.loads(line)
+    assert data["secret"] == bytes(range(32)).hex()  # hex, never pickled
+    del data["count"]  # "auto" when absent
+    assert AgentBootstrap.from_json_line(json.dumps(data)).count == "auto"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda _: "{", "not a line of JSON"),
+        (lambda _: "[1, 2]", "a JSON object expected, got list"),
+        (lambda _: b"\xff\n", "not a line of JSON"),
+        (lambda d: {k: v for k, v in d.items() if k != "secret"}, "field 'secret' is missing"),
+        (lambda d: {**d, "secret": "zz"}, "field 'secret' must be a non-empty hex string"),
+        (lambda d: {**d, "secret": ""}, "field 'secret' must be a non-empty hex string"),
+        (lambda d: {**d, "host_index": -1}, "field 'host_index' must be an integer of at least 0"),
+        (lambda d: {**d, "host_index": True}, "field 'host_index' must be an integer"),
+        (lambda d: {**d, "hostname": 3}, "field 'hostname' must be a non-empty string"),
+        (lambda d: {**d, "launcher": ["h"]}, r"field 'launcher' must be \[address, port\]"),
+        (lambda d: {**d, "launcher": ["h", 70000]}, r"field 'launcher' must be \[address, port\]"),
+        (lambda d: {**d, "workers": 0}, "field 'workers' must be a positive integer or null"),
+        (lambda d: {**d, "workers": "2"}, "field 'workers' must be a positive integer or null"),
+        (lambda d: {**d, "preload_torch": "yes"}, "field 'preload_torch' must be true or false"),
+        (lambda d: {**d, "agent_timeout": "5"}, "field 'agent_timeout' must be a finite number"),
+        (lambda d: {**d, "agent_timeout": float("inf")}, "field 'agent_timeout' must be a finite"),
+        (lambda d: {**d, "heartbeat_interval": 0}, "field 'heartbeat_interval' must be a finite"),
+        (lambda d: {**d, "log_level": "INFO"}, "field 'log_level' must be an integer"),
+        (lambda d: {**d, "sys_path": ["/a", 1]}, "field 'sys_path' must be a list of strings"),
+        (lambda d: {**d, "count": "gpus"}, "field 'count' must be 'auto' or 'gpu' or 'cpu'"),
+        (lambda d: {**d, "secret_key": "00"}, r"unknown field\(s\) \['secret_key'\]"),
+    ],
+)
+def test_a_malformed_agent_bootstrap_is_refused_naming_the_field(change, message):
+    changed = change(json.loads(_bootstrap().to_json_line()))
+    line = changed if isinstance(changed, str | bytes) else json.dumps(changed)
+    with pytest.raises(ProtocolError, match=f"^malformed agent bootstrap: {message}"):
+        AgentBootstrap.from_json_line(line)

@@ -200,6 +200,18 @@ class RemoteTraceback(Exception):  # noqa: N818 (mirrors concurrent.futures' nam
         return "\n\n" + self.text.rstrip()
 
 
+def add_note(error: BaseException, note: str) -> None:
+    """Add ``note`` to ``error``'s notes, which Python prints after its message.
+
+    ``BaseException.add_note`` where it exists (Python 3.11+); on Python 3.10 the note is kept
+    in ``__notes__`` all the same, where 3.11+ would keep it, but is not printed.
+    """
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
 def exception_text(exc: BaseException) -> str:
     """``str(exc)``, or Python's own placeholder when the exception's ``__str__`` raises.
 

@@ -38,6 +38,7 @@ from torchrunx.errors import (
     AgentFailedError,
     LaunchTimeoutError,
     SerializationError,
+    add_note,
     exception_text,
     is_collective_error,
 )
@@ -58,6 +59,7 @@ from torchrunx.launch_state import AgentRecord, Fault, LaunchState, Phase, RankR
 from torchrunx.listener import FrameReceived, Listener, NetEvent, Peer, PeerClosed
 from torchrunx.logs import LogRouter, events_file, parse_line
 from torchrunx.protocol import (
+    AgentBootstrap,
     AgentDone,
     AgentHello,
     Heartbeat,
@@ -74,7 +76,6 @@ from torchrunx.protocol import (
     WorkerTimedOut,
 )
 from torchrunx.reports import (
-    add_note,
     agent_exit_error,
     finish_report,
     output_tail_note,
@@ -85,7 +86,6 @@ from torchrunx.reports import (
     worker_where,
 )
 from torchrunx.transport import (
-    AgentBootstrap,
     AgentProcess,
     LocalAgent,
     SrunAgent,

@@ -20,6 +20,7 @@ from torchrunx.errors import (
     SerializationError,
     WorkerRaisedError,
     WorkerTimeoutError,
+    add_note,
     describe_exit,
     exception_text,
 )
@@ -44,14 +45,6 @@ def count_repeats(lines: Iterable[str]) -> list[str]:
     for line in lines:
         counts[line] = counts.get(line, 0) + 1
     return [line if n == 1 else f"{line} (x{n})" for line, n in counts.items()]
-
-
-def add_note(error: BaseException, note: str) -> None:
-    """``error.add_note(note)``, also on Python 3.10 (where the note is kept the same way)."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python 3.10: keep the note where 3.11+ would
-        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 def worker_where(rank: int, local_rank: int, hostname: str, pid: int) -> str:

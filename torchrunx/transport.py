@@ -18,7 +18,6 @@ import collections
 import contextlib
 import functools
 import getpass
-import json
 import logging
 import math
 import os
@@ -46,50 +45,15 @@ logger = logging.getLogger(__name__)
 AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'"""
 """The only command line an agent is started with (constant, holds no values)."""
 
-# Runs inside the agent's interpreter: reads the bootstrap line, then hands over to the agent.
+# Runs inside the agent's interpreter: reads the bootstrap line (an AgentBootstrap), takes the
+# launcher's sys.path from it so that torchrunx can be imported, and hands the whole line to
+# the agent, which decodes and checks it (AgentBootstrap.from_json_line).
 BOOT_CODE = (
-    "import sys,json;b=json.loads(sys.stdin.buffer.readline());sys.path[:]=b['sys_path'];"
+    "import sys,json;b=sys.stdin.buffer.readline();sys.path[:]=json.loads(b)['sys_path'];"
     "import torchrunx.agent as a;a.main(b)"
 )
 
 _STDERR_TAIL_LINES = 40
-
-
-@dataclass(frozen=True)
-class AgentBootstrap:
-    """What an agent needs to find and join its launch; sent as one JSON line on stdin."""
-
-    host_index: int
-    hostname: str
-    launcher_address: str
-    launcher_port: int
-    secret: bytes
-    workers: int | None
-    preload_torch: bool
-    heartbeat_interval: float
-    agent_timeout: float
-    log_level: int
-    sys_path: tuple[str, ...]
-    count: str = "auto"
-    """What the agent counts when ``workers`` is None: "auto" (GPUs, else CPU cores), "gpu"
-    or "cpu" (``workers_per_host`` of that name)."""
-
-    def to_json_line(self) -> bytes:
-        """Encode as one line of JSON (the secret as hex)."""
-        data: dict[str, Any] = {
-            "host_index": self.host_index,
-            "hostname": self.hostname,
-            "launcher": [self.launcher_address, self.launcher_port],
-            "secret": self.secret.hex(),
-            "workers": self.workers,
-            "count": self.count,
-            "preload_torch": self.preload_torch,
-            "heartbeat_interval": self.heartbeat_interval,
-            "agent_timeout": self.agent_timeout,
-            "log_level": self.log_level,
-            "sys_path": list(self.sys_path),
-        }
-        return json.dumps(data).encode() + b"\n"
 
 
 def agent_script(*, env: dict[str, str], cwd: str, python: str, env_file: str | None) -> bytes:

@@ -16,17 +16,20 @@ import pickle
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING
 
 import cloudpickle
 
 from torchrunx import protocol, serialization
 from torchrunx.devices import cuda_device, device_env, process_group_options
 from torchrunx.env import worker_env
-from torchrunx.errors import ProtocolError, exception_text, is_collective_error
+from torchrunx.errors import ProtocolError, add_note, exception_text, is_collective_error
 from torchrunx.integrations import framework_env
 from torchrunx.logs import capture_logging
 from torchrunx.protocol import WorkerException, WorkerHello, WorkerResult, WorkerSpec
+
+if TYPE_CHECKING:
+    from torchrunx.protocol import AgentBootstrap
 
 _EXIT_RAISED = 1
 
@@ -64,19 +67,14 @@ def _looks_like_timeout(exc: BaseException) -> bool:
 def _add_hints(exc: BaseException, spec: WorkerSpec) -> None:
     """Notes for failures that come from the process group torchrunx set up."""
     if _looks_like_timeout(exc):
-        _add_note(exc, f"the process-group timeout is Launcher.timeout={spec.timeout:g} s")
+        add_note(exc, f"the process-group timeout is Launcher.timeout={spec.timeout:g} s")
     if "initialize the default process group twice" in exception_text(exc):
-        _add_note(
+        add_note(
             exc,
             f"torchrunx had already initialised the process group (backend={spec.backend!r}); "
             "a function that calls init_process_group itself needs backend=None "
             "(--backend None on the command line)",
         )
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
 
 
 def _exception_message(
@@ -100,15 +98,14 @@ def _exception_message(
     return message, payload
 
 
-def _set_devices(boot: dict[str, Any], spec: WorkerSpec, local_rank: int) -> int | None:
+def _set_devices(spec: WorkerSpec, local_rank: int, *, gpus: int, cpus: int) -> int | None:
     """Set the worker's GPU and CPU variables (:func:`device_env`); return its CUDA device."""
-    gpus = int(boot.get("gpus", 0))
     settings = device_env(
         os.environ,
         local_rank=local_rank,
         local_world_size=spec.num_workers,
         gpus=gpus,
-        cpus=int(boot.get("cpus", 1)),
+        cpus=cpus,
         isolate_gpus=spec.isolate_gpus,
     )
     os.environ.update(settings)  # before anything initialises CUDA in this process
@@ -121,8 +118,25 @@ def _set_devices(boot: dict[str, Any], spec: WorkerSpec, local_rank: int) -> int
     return cuda_device(local_rank=local_rank, gpus=gpus, isolated=isolated)
 
 
-def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_rank: int) -> int:
-    """Run one rank; returns the process exit code."""
+def run(  # noqa: PLR0913 (what one rank needs)
+    boot: AgentBootstrap,
+    spec: WorkerSpec,
+    payload: list[bytearray],
+    local_rank: int,
+    *,
+    gpus: int,
+    cpus: int,
+) -> int:
+    """Run one rank; returns the process exit code.
+
+    Args:
+        boot: The agent's bootstrap: where the launcher listens, and the launch secret.
+        spec: The worker group this rank belongs to.
+        payload: The pickled call (``func, args, kwargs``); released once loaded.
+        local_rank: This worker's index on its host.
+        gpus: GPUs the agent counted on this host.
+        cpus: CPU cores the agent may use on this host.
+    """
     rank = spec.rank_offset + local_rank
     for stream in (sys.stdout, sys.stderr):
         # Whole lines per write: the agent splits the pipe's bytes into lines as they come.
@@ -143,11 +157,10 @@ def run(boot: dict[str, Any], spec: WorkerSpec, payload: list[bytearray], local_
             max_restarts=spec.max_restarts,
         )
     )
-    device = _set_devices(boot, spec, local_rank)
-    secret = bytes.fromhex(boot["secret"])
-    address = (boot["launcher"][0], int(boot["launcher"][1]))
+    device = _set_devices(spec, local_rank, gpus=gpus, cpus=cpus)
+    address = (boot.launcher_address, boot.launcher_port)
     try:
-        conn = protocol.connect(address, secret, "worker", timeout=float(boot["agent_timeout"]) * 2)
+        conn = protocol.connect(address, boot.secret, "worker", timeout=boot.agent_timeout * 2)
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx worker: cannot connect to the launcher at {address}: {exc}\n")
         return 1

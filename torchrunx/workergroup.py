@@ -1,0 +1,330 @@
+"""The worker group: the workers of one attempt on one host, as processes of the agent.
+
+The group forks the workers (each with its stdout, stderr and stack pipes and its watchdog
+page, see :mod:`torchrunx.timer`), registers their descriptors on the agent's selector,
+reads those descriptors when the agent's loop says they are ready, reaps each worker once its
+pidfd tells it ended, signals workers, and ends them all with one :meth:`WorkerGroup.close`:
+SIGTERM to every live worker's process group, a wait until the grace period is over, then
+SIGKILL. That one path serves a ``Stop``, a restart and the agent's final cleanup.
+
+What the forked child does before it runs the function is in :mod:`torchrunx.workerprocess`;
+what is sent to the launcher is decided by the agent (:mod:`torchrunx.agent`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import selectors
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, NoReturn
+
+from torchrunx import timer
+from torchrunx.logs import LineSplitter
+
+if TYPE_CHECKING:
+    import mmap
+    from collections.abc import Callable
+
+    from torchrunx.guardian import Guardian
+
+STACK_DUMP_WAIT = 0.5
+"""Seconds a worker gets to write its stacks after SIGUSR1 (:meth:`WorkerGroup.dump_stacks`)."""
+STACK_SETTLE = 0.05
+"""Once a dump has begun, it is complete this soon after (faulthandler writes it in one go)."""
+_STACK_BYTES = 16 * 1024  # the tail of a worker's stacks that is kept
+_READ_SIZE = 65536
+
+
+@dataclass(eq=False)
+class Output:
+    """One of a worker's output pipes (stdout or stderr), read by the agent."""
+
+    fd: int
+    is_stderr: bool
+    splitter: LineSplitter = field(default_factory=LineSplitter)
+
+
+@dataclass(eq=False)
+class Worker:
+    """A forked worker and the agent's ends of its descriptors (compared by identity)."""
+
+    local_rank: int
+    pid: int
+    pidfd: int
+    stack_fd: int
+    """Read end of the pipe the worker's ``faulthandler`` writes its stacks to; -1 once closed."""
+    outputs: list[Output]
+    """Its stdout and stderr pipes still open (a pipe leaves the list at its end)."""
+    page: mmap.mmap
+    """Shared with the worker: its watchdog deadline (see :mod:`torchrunx.timer`)."""
+    stacks: bytearray = field(default_factory=bytearray)
+    """What its stack pipe has brought so far (the last 16 KiB)."""
+    ended: bool = False
+    """Reaped: its pid may belong to another process now, never signal it."""
+    signalled: bool = False
+    """The agent sent it SIGTERM or SIGKILL: its end is not a failure of its own."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The ``data`` of a group descriptor on the selector: what became ready, and whose."""
+
+    kind: Literal["exited", "output", "stacks"]
+    worker: Worker
+    output: Output | None = None
+
+
+@dataclass(frozen=True)
+class Fork:
+    """What the group hands a forked child: the descriptors it keeps, and those it must close.
+
+    Descriptors 1 and 2 of the child are not set yet: :func:`torchrunx.workerprocess.become_worker`
+    makes ``stdout`` and ``stderr`` its 1 and 2.
+    """
+
+    local_rank: int
+    stdout: int
+    stderr: int
+    stack: int
+    """Write end of its stack pipe, for ``faulthandler``."""
+    page: mmap.mmap
+    inherited: tuple[int, ...]
+    """The agent's descriptors of this group (its siblings' and its own read ends, the
+    guardian's pipe): the child closes them."""
+
+
+class WorkerGroup:
+    """The workers of one attempt on this host (see the module's description)."""
+
+    def __init__(self, selector: selectors.BaseSelector, guardian: Guardian) -> None:
+        """A group whose descriptors go on ``selector``; ``guardian`` learns its process groups."""
+        self.selector = selector
+        self.guardian = guardian
+        self.workers: list[Worker] = []
+        self.output_paused = False
+        self.closed = False
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self, count: int, become_worker: Callable[[Fork], NoReturn]) -> None:
+        """Fork ``count`` workers; each child calls ``become_worker`` and never returns here.
+
+        The agent must be single-threaded now (see :mod:`torchrunx.preload`).
+        """
+        sys.stdout.flush()  # else a child would write the agent's buffered text again
+        sys.stderr.flush()
+        for local_rank in range(count):
+            stack_read, stack_write = os.pipe()
+            out_read, out_write = os.pipe()
+            err_read, err_write = os.pipe()
+            page = timer.new_page()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    inherited = (stack_read, out_read, err_read, self.guardian.fd, *self._fds())
+                    become_worker(
+                        Fork(local_rank, out_write, err_write, stack_write, page, inherited)
+                    )
+                finally:
+                    os._exit(1)  # never back into the agent's code
+            for fd in (stack_write, out_write, err_write):
+                os.close(fd)
+            self.guardian.watch(pid)  # the worker's process group id is its pid (setsid)
+            outputs = [Output(out_read, is_stderr=False), Output(err_read, is_stderr=True)]
+            worker = Worker(local_rank, pid, os.pidfd_open(pid), stack_read, outputs, page)
+            self.workers.append(worker)
+            self.selector.register(worker.pidfd, selectors.EVENT_READ, Ready("exited", worker))
+            os.set_blocking(stack_read, False)
+            self.selector.register(stack_read, selectors.EVENT_READ, Ready("stacks", worker))
+            for output in outputs:
+                os.set_blocking(output.fd, False)
+                if not self.output_paused:
+                    self.selector.register(
+                        output.fd, selectors.EVENT_READ, Ready("output", worker, output)
+                    )
+
+    def _fds(self) -> list[int]:
+        fds = []
+        for worker in self.workers:
+            fds += [worker.pidfd, worker.stack_fd, *(output.fd for output in worker.outputs)]
+        return [fd for fd in fds if fd >= 0]
+
+    # -- state ------------------------------------------------------------------------------
+
+    def live(self) -> list[Worker]:
+        """The workers not reaped yet."""
+        return [worker for worker in self.workers if not worker.ended]
+
+    def all_ended(self) -> bool:
+        """Whether every worker was reaped."""
+        return all(worker.ended for worker in self.workers)
+
+    def done(self) -> bool:
+        """Whether every worker was reaped and each of its output pipes read to its end."""
+        return all(worker.ended and not worker.outputs for worker in self.workers)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def read_output(
+        self, worker: Worker, output: Output, *, until_empty: bool = False
+    ) -> list[str]:
+        """The whole lines now available on one output pipe (the rest too at its end).
+
+        Reads once, or until nothing is left with ``until_empty``. At its end the pipe is
+        closed and leaves ``worker.outputs``; a pipe that already left gives nothing.
+        """
+        if output not in worker.outputs:
+            # Its worker was reaped earlier in this round of the loop: read to its end, closed.
+            return []
+        lines: list[str] = []
+        while True:
+            try:
+                chunk = os.read(output.fd, _READ_SIZE)
+            except BlockingIOError:
+                break
+            lines += output.splitter.feed(chunk)
+            if not chunk:
+                with contextlib.suppress(KeyError):  # not registered while output is paused
+                    self.selector.unregister(output.fd)
+                os.close(output.fd)
+                worker.outputs.remove(output)
+                break
+            if not until_empty:
+                break
+        return lines
+
+    def read_stacks(self, worker: Worker) -> bool:
+        """Add what the worker's stack pipe holds to ``worker.stacks``; whether anything came."""
+        if worker.stack_fd < 0:
+            return False
+        try:
+            chunk = os.read(worker.stack_fd, _READ_SIZE)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            self.selector.unregister(worker.stack_fd)
+            os.close(worker.stack_fd)
+            worker.stack_fd = -1
+            return False
+        worker.stacks += chunk
+        del worker.stacks[:-_STACK_BYTES]
+        return True
+
+    def pause_output(self, paused: bool) -> None:
+        """Stop (or resume) watching the workers' output pipes: backpressure."""
+        if paused == self.output_paused:
+            return
+        self.output_paused = paused
+        for worker in self.workers:
+            for output in worker.outputs:
+                if paused:
+                    self.selector.unregister(output.fd)
+                else:
+                    self.selector.register(
+                        output.fd, selectors.EVENT_READ, Ready("output", worker, output)
+                    )
+
+    # -- ending -----------------------------------------------------------------------------
+
+    def reap(self, worker: Worker) -> int:
+        """Collect an ended worker (its pidfd is readable); return its exit code.
+
+        A negative code is the signal that ended it. What the worker left running in its
+        process group is killed with it.
+        """
+        _, status = os.waitpid(worker.pid, 0)
+        self.selector.unregister(worker.pidfd)
+        os.close(worker.pidfd)
+        worker.pidfd = -1
+        worker.ended = True
+        # Whatever the worker started in its own process group goes with it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        self.guardian.forget(worker.pid)
+        return os.waitstatus_to_exitcode(status)
+
+    def dump_stacks(self, worker: Worker) -> None:
+        """Ask a live worker for its Python stacks (SIGUSR1: ``faulthandler`` writes them)."""
+        if not worker.ended:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGUSR1)
+
+    def kill(self, worker: Worker) -> None:
+        """SIGKILL a live worker's process group."""
+        _signal_group(worker, signal.SIGKILL)
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to every live worker's process group."""
+        for worker in self.live():
+            _signal_group(worker, signum)
+
+    def close(self, grace: float, wait: Callable[[float | None], None] | None = None) -> None:
+        """End every worker still running, wait until each is reaped, release every descriptor.
+
+        SIGTERM to every live worker's process group, then ``wait(now + grace)``; SIGKILL to
+        the groups of those still running; then ``wait(None)``. ``wait(deadline)`` must return
+        when every worker was reaped (:meth:`reap`) or ``deadline`` (monotonic; ``None``: no
+        limit) passed: the agent passes its loop, which goes on forwarding output and
+        reporting exits meanwhile. Without it the group reaps by itself and reports nothing.
+        With no grace, SIGKILL comes at once. Safe to call again: then it does nothing.
+        """
+        if self.closed:
+            return
+        wait = wait or self._wait
+        if grace > 0 and self.live():
+            self.signal(signal.SIGTERM)
+            wait(time.monotonic() + grace)
+        self.signal(signal.SIGKILL)
+        wait(None)
+        self._release()
+
+    def _wait(self, deadline: float | None) -> None:
+        """Reap workers as they end, reporting nothing, until all ended or ``deadline``."""
+        while live := self.live():
+            poller = select.poll()
+            for worker in live:
+                poller.register(worker.pidfd, select.POLLIN)
+            if deadline is None:
+                ready = poller.poll()
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                ready = poller.poll(max(int(left * 1000), 1))
+            for worker in live:
+                if any(fd == worker.pidfd for fd, _ in ready):
+                    self.reap(worker)
+
+    def _release(self) -> None:
+        """Close every descriptor and page of the group (all workers were reaped)."""
+        self.closed = True
+        for worker in self.workers:
+            if worker.stack_fd >= 0:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.selector.unregister(worker.stack_fd)
+                os.close(worker.stack_fd)
+                worker.stack_fd = -1
+            for output in worker.outputs:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.selector.unregister(output.fd)
+                os.close(output.fd)
+            worker.outputs.clear()
+            worker.page.close()
+
+
+def _signal_group(worker: Worker, signum: int) -> None:
+    """Send ``signum`` to a live worker's process group, or to the worker if it has none yet."""
+    if worker.ended:  # never signal a reaped pid: it may belong to someone else now
+        return
+    worker.signalled = worker.signalled or signum in (signal.SIGTERM, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
+            os.killpg(worker.pid, signum)
+        except ProcessLookupError:
+            # Just forked, it has not made its own group yet (setsid): the worker alone.
+            os.kill(worker.pid, signum)
