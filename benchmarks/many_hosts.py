@@ -121,6 +121,11 @@ async def _agent(boot: dict[str, Any]) -> None:
     writer.close()
 
 
+def _report_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:  # say why, at once
+        print(f"simulated agent failed: {task.exception()!r}", file=sys.stderr)
+
+
 def _simulator(inbox: Connection) -> None:
     """One simulator process: an asyncio loop running the agents handed to it."""
 
@@ -131,10 +136,10 @@ def _simulator(inbox: Connection) -> None:
             line = await loop.run_in_executor(None, inbox.recv)
             if line is None:
                 break
-            tasks.append(asyncio.create_task(_agent(json.loads(line))))
-        for outcome in await asyncio.gather(*tasks, return_exceptions=True):
-            if isinstance(outcome, BaseException):  # a simulated agent failed: say why
-                print(f"simulated agent failed: {outcome!r}", file=sys.stderr)
+            task = asyncio.create_task(_agent(json.loads(line)))
+            task.add_done_callback(_report_failure)
+            tasks.append(task)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
 

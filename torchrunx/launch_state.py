@@ -83,6 +83,9 @@ WORKER_MOVES: dict[WorkerState, frozenset[WorkerState]] = {
 """The worker states each state may move to."""
 
 
+_RUNNING = (WorkerState.HEALTHY, WorkerState.SUCCEEDED)
+
+
 class Phase(str, enum.Enum):
     """What the launch as a whole is doing (``launch_state`` in ``GET /health``)."""
 
@@ -208,6 +211,17 @@ class LaunchState:
     """Something failed; healthy again once a restart's workers all run."""
     agents_started_after: float = 0.0
     finished_after: float = 0.0
+    # Kept as they change, so that the loop's checks do not walk every rank at every wake-up.
+    _results: int = 0
+    _running: int = 0
+    """Ranks that are HEALTHY or SUCCEEDED."""
+    _alarmed: set[int] = field(default_factory=set)
+    _waiting_ranks: set[int] = field(default_factory=set)
+    _waiting_agents: set[int] = field(default_factory=set)
+    _agents_seen: int = 0
+    """Agents before this index said hello (the start phase only: replacements come later)."""
+    _agents_ended: int = 0
+    """Agents before this index are over or ready (within one attempt)."""
 
     # -- moves --------------------------------------------------------------------------
 
@@ -237,8 +251,8 @@ class LaunchState:
         if new not in WORKER_MOVES[rank.state]:
             raise ValueError(f"rank {rank.rank}: {rank.state.value} -> {new.value}")
         old, rank.state = rank.state, new
-        running = (WorkerState.HEALTHY, WorkerState.SUCCEEDED)
-        if new in running and all(r.state in running for r in self.ranks):
+        self._running += (new in _RUNNING) - (old in _RUNNING)
+        if new in _RUNNING and self._running == len(self.ranks):
             self.degraded = False  # after a restart: healthy again once every worker runs
             self.phase = Phase.RUNNING
         return [
@@ -351,6 +365,7 @@ class LaunchState:
         agent.exited, agent.exit_status = True, status
         if agent.conn is not None and not agent.conn_closed and not agent.over:
             agent.judge_by = now + OUTCOME_WAIT  # its last messages may still be on the way
+            self._waiting_agents.add(agent.index)
             return False
         return True
 
@@ -385,6 +400,8 @@ class LaunchState:
         self, rank: RankRecord, timing: WorkerResult, payload: list[bytearray], now: float
     ) -> list[Event]:
         """A worker's function returned; ``payload`` is its pickled value."""
+        if rank.result is None:
+            self._results += 1
         rank.result, rank.timing, rank.received_at = payload, timing, now
         return self.move_rank(rank, WorkerState.SUCCEEDED)
 
@@ -395,6 +412,9 @@ class LaunchState:
             return True
         # Its outcome may still be on its own connection (or its hello, if it never got one).
         rank.settle_by = now + OUTCOME_WAIT
+        self._waiting_ranks.add(rank.rank)
+        if message.signal is not None or message.exitcode not in (0, None):
+            self._alarmed.add(rank.rank)
         return False
 
     @property
@@ -405,12 +425,7 @@ class LaunchState:
         ends (an exception may still be on the way) or :data:`OUTCOME_WAIT` has passed.
         """
         return any(
-            r.exited is not None
-            and not r.settled
-            and not r.exited.stopped
-            and not r.has_outcome
-            and (r.exited.signal is not None or r.exited.exitcode not in (0, None))
-            for r in self.ranks
+            not self.ranks[i].settled and not self.ranks[i].has_outcome for i in self._alarmed
         )
 
     def worker_conn_closed(self, rank: RankRecord) -> bool:
@@ -425,6 +440,8 @@ class LaunchState:
         had signalled it; else it died: a ``death`` fault with its exit status or signal.
         """
         rank.settle_by = None
+        self._waiting_ranks.discard(rank.rank)
+        self._alarmed.discard(rank.rank)
         exited = rank.exited
         if exited is None or rank.settled:
             return []
@@ -450,15 +467,19 @@ class LaunchState:
 
     def due(self, now: float) -> tuple[list[AgentRecord], list[RankRecord]]:
         """Agents and ranks whose wait for their connection's end is over."""
-        agents = [a for a in self.agents if a.judge_by is not None and now >= a.judge_by]
-        ranks = [r for r in self.ranks if r.settle_by is not None and now >= r.settle_by]
-        return agents, ranks
+        self._waiting_agents = {i for i in self._waiting_agents if self.agents[i].judge_by}
+        agents = [self.agents[i] for i in sorted(self._waiting_agents)]
+        ranks = [self.ranks[i] for i in sorted(self._waiting_ranks) if i < len(self.ranks)]
+        return (
+            [a for a in agents if a.judge_by is not None and now >= a.judge_by],
+            [r for r in ranks if r.settle_by is not None and now >= r.settle_by],
+        )
 
     def next_due(self) -> float | None:
         """When :meth:`due` next has something."""
-        times = [a.judge_by for a in self.agents if a.judge_by is not None]
-        times += [r.settle_by for r in self.ranks if r.settle_by is not None]
-        return min(times, default=None)
+        times = [self.agents[i].judge_by for i in self._waiting_agents]
+        times += [self.ranks[i].settle_by for i in self._waiting_ranks if i < len(self.ranks)]
+        return min((t for t in times if t is not None), default=None)
 
     def silent_agents(self, now: float) -> list[tuple[AgentRecord, float]]:
         """Agents silent for longer than they may be, with how long (none while stopping).
@@ -483,14 +504,22 @@ class LaunchState:
 
     @property
     def all_hellos(self) -> bool:
-        """Whether every agent has connected back."""
-        return all(a.hello is not None for a in self.agents)
+        """Whether every agent has connected back (in the start phase)."""
+        while self._agents_seen < len(self.agents) and self.agents[self._agents_seen].hello:
+            self._agents_seen += 1
+        return self._agents_seen == len(self.agents)
 
     @property
     def finished(self) -> bool:
         """Whether every rank returned and every agent is done (or waits, with restarts left)."""
-        agents = all(a.over or a.ready for a in self.agents)
-        return agents and bool(self.ranks) and all(r.result is not None for r in self.ranks)
+        if not self.ranks or self._results < len(self.ranks):
+            return False
+        agents = self.agents
+        while self._agents_ended < len(agents) and (
+            agents[self._agents_ended].over or agents[self._agents_ended].ready
+        ):
+            self._agents_ended += 1
+        return self._agents_ended == len(agents)
 
     @property
     def stopped(self) -> bool:
@@ -513,6 +542,8 @@ class LaunchState:
         self.faults = []
         self.stacks = {}
         self.stopping = False
+        self._results, self._agents_ended, self._running = 0, 0, 0
+        self._alarmed, self._waiting_ranks = set(), set()
         for agent in self.agents:
             agent.ready = False
             agent.pids = ()

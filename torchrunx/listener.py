@@ -38,8 +38,11 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to complete the whole handshake."""
-MAX_PENDING = 512
+MAX_PENDING = 1024
 """Connections authenticating at once; at the cap, accepting pauses (others wait queued)."""
+BACKLOG = 4096
+"""Connections the kernel queues before they are accepted (capped by ``net.core.somaxconn``):
+every worker of a large launch connects within the same second."""
 _ACCEPT_PAUSE = 0.1
 """Seconds the listener rests after a failed ``accept`` (out of descriptors, say)."""
 _ACCEPTS_PER_ROUND = 64
@@ -168,13 +171,13 @@ class _Pending:
 def listen_socket(host: str | None = None) -> socket.socket:
     """A listening TCP socket on an ephemeral port: every interface, or ``host`` only."""
     if host is not None:
-        sock = socket.create_server((host, 0), backlog=1024)
+        sock = socket.create_server((host, 0), backlog=BACKLOG)
     elif socket.has_dualstack_ipv6():
         sock = socket.create_server(
-            ("::", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=1024
+            ("::", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=BACKLOG
         )
     else:
-        sock = socket.create_server(("0.0.0.0", 0), backlog=1024)  # noqa: S104 (remote agents)
+        sock = socket.create_server(("0.0.0.0", 0), backlog=BACKLOG)  # noqa: S104 (remote agents)
     sock.settimeout(0.0)  # non-blocking
     return sock
 
@@ -293,7 +296,13 @@ class Listener:
 
     def tick(self, now: float) -> None:
         """Drop handshakes past their deadline; resume accepting after a pause."""
-        for fd in [fd for fd, p in self._pending.items() if now >= p.deadline]:
+        # Deadlines are in the order connections came (one timeout for all): oldest first.
+        expired = []
+        for fd, pending in self._pending.items():
+            if now < pending.deadline:
+                break
+            expired.append(fd)
+        for fd in expired:
             self._reject(fd)
         if not self._accepting and now >= self._paused_until:
             self._resume()
@@ -301,7 +310,8 @@ class Listener:
     @property
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (``None``: nothing pending)."""
-        times = [p.deadline for p in self._pending.values()]
+        oldest = next(iter(self._pending.values()), None)
+        times = [] if oldest is None else [oldest.deadline]
         if not self._accepting and self._paused_until != math.inf:
             times.append(self._paused_until)
         return min(times, default=None)
