@@ -20,7 +20,14 @@ from torchrunx.launch_state import (
     LaunchState,
     Phase,
 )
-from torchrunx.protocol import AgentHello, WorkerExited, WorkerResult, WorkerSpec
+from torchrunx.protocol import (
+    AgentHello,
+    WorkerExited,
+    WorkerHello,
+    WorkerResult,
+    WorkersEnded,
+    WorkerSpec,
+)
 
 ECHO = "[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1234"
 
@@ -267,3 +274,34 @@ def test_a_new_attempt_forgets_ranks_and_faults_but_keeps_the_history():
     assert (state.attempt, state.ranks, state.faults) == (1, [], [])
     assert state.history == ["attempt 0: ValueError: x"]
     assert not state.agents[0].ready
+
+
+def test_an_exit_reported_before_the_worker_connected_waits_for_its_hello():
+    state = running_launch(1, 1)
+    rank = state.ranks[0]
+    rank.conn, rank.state = None, WorkerState.INIT  # its hello is still on its way
+    assert not state.worker_exited(rank, exited(0, at=10.0), now=11.0)
+    assert state.hello_rank(WorkerHello(0, 0, 2000)) is rank  # ... and here it is
+    state.worker_hello(rank, conn=7, pid=2000)
+    state.worker_result(rank, WorkerResult(0), [bytearray(b"v")], now=11.2)
+    assert state.worker_conn_closed(rank)
+    assert state.settle(rank) == []
+    assert rank.state is WorkerState.SUCCEEDED
+
+
+def test_replies_that_cross_a_restart_change_nothing():
+    state = running_launch(1, 2)
+    agent = state.agents[0]
+    state.next_attempt()  # attempt 1: the old workers' last words may still come
+    assert not state.workers_ended(agent, WorkersEnded(29501, attempt=0))
+    assert not agent.ready
+    assert state.hello_rank(WorkerHello(0, 0, 3000, attempt=0)) is None
+    assert state.workers_ended(agent, WorkersEnded(29502, attempt=1))
+    assert (agent.ready, agent.free_port) == (True, 29502)
+
+
+def test_a_rank_has_one_connection():
+    state = running_launch(1, 1)
+    assert state.ranks[0].conn is not None
+    assert state.hello_rank(WorkerHello(0, 0, 4000)) is None
+    assert state.hello_rank(WorkerHello(5, 0, 4000)) is None  # no such rank

@@ -51,7 +51,9 @@ if TYPE_CHECKING:
     from torchrunx.protocol import (
         AgentHello,
         WorkerExited,
+        WorkerHello,
         WorkerResult,
+        WorkersEnded,
         WorkerSpec,
         WorkersStarted,
         WorkerTimedOut,
@@ -356,6 +358,16 @@ class LaunchState:
             )
         ]
 
+    def workers_ended(self, agent: AgentRecord, message: WorkersEnded) -> bool:
+        """The agent's workers of an attempt ended and it waits; ``False`` for a late reply.
+
+        A reply about an earlier attempt (it crossed a restart) changes nothing.
+        """
+        if message.attempt != self.attempt:
+            return False
+        agent.free_port, agent.ready = message.free_port, True
+        return True
+
     def agent_done(self, agent: AgentRecord) -> None:
         """The agent's workers all ended and were reaped; it exits next."""
         self.move_agent(agent, AgentState.DONE)
@@ -390,6 +402,17 @@ class LaunchState:
             return None
         index = agent.spec.rank_offset + local_rank
         return self.ranks[index] if index < len(self.ranks) else None
+
+    def hello_rank(self, message: WorkerHello) -> RankRecord | None:
+        """The rank a worker's hello is for; ``None`` if it is not one of this attempt's.
+
+        A worker of an earlier attempt may connect late (after a restart), and a rank has one
+        connection: a second hello for it is refused.
+        """
+        if message.attempt != self.attempt or not 0 <= message.rank < len(self.ranks):
+            return None
+        rank = self.ranks[message.rank]
+        return rank if rank.conn is None else None
 
     def worker_hello(self, rank: RankRecord, conn: int, pid: int) -> list[Event]:
         """A worker connected (its own connection)."""

@@ -535,14 +535,11 @@ class Launch:
                 )
             return
         if peer.role == "worker" and isinstance(message, WorkerHello):
-            if message.attempt != st.attempt or message.rank >= len(st.ranks):
-                peer.close()  # a worker of an earlier attempt, late: not part of this one
+            rank = st.hello_rank(message)
+            if rank is None:
+                peer.close()  # of an earlier attempt (late), or a second one for that rank
                 return
-            rank = st.ranks[message.rank]
-            if rank.conn is not None:
-                peer.close()
-                return
-            self.owners[peer.ident], self.peers[peer.ident] = ("rank", message.rank), peer
+            self.owners[peer.ident], self.peers[peer.ident] = ("rank", rank.rank), peer
             self._emit(st.worker_hello(rank, peer.ident, message.pid))
             return
         peer.close()  # a peer that does not say who it is first, or claims another role
@@ -560,8 +557,7 @@ class Launch:
         elif isinstance(message, WorkersStarted):
             self._emit(st.workers_forked(agent, message))
         elif isinstance(message, WorkersEnded):
-            if message.attempt == st.attempt:  # else a late reply about an earlier attempt
-                agent.free_port, agent.ready = message.free_port, True
+            st.workers_ended(agent, message)
         elif isinstance(message, AgentDone):
             st.agent_done(agent)
         elif not isinstance(message, Heartbeat):  # a worker's message on an agent's connection
