@@ -721,9 +721,16 @@ class Launch:
         return self._all_over() and self._ranks_known()
 
     def _ranks_known(self) -> bool:
+        """Whether every rank's end is in: its exit and its connection's end.
+
+        Not waited for: the ranks of an agent that failed or was lost (nothing more comes
+        from it, and a cut link keeps their connections open).
+        """
+        agents = self.state.agents
         return all(
             r.settle_by is None and (r.exited is not None or r.conn is None or r.conn_closed)
             for r in self.state.ranks
+            if agents[r.host_index].state not in (AgentState.FAILED, AgentState.LOST)
         )
 
     def _restart(self, cause: Fault, deadline: float | None) -> None:
@@ -868,6 +875,9 @@ class Launch:
     def close(self) -> None:
         """Release everything: agents, connections, the port, the loop, and helper threads."""
         self.listener.stop_accepting()
+        for agent in self.state.agents:
+            if agent.state is AgentState.DONE:  # it reads until this end closes, then exits
+                self._drop(agent.conn)
         lost = {a.index for a in self.state.agents if a.state is AgentState.LOST}
         self.pool.close(lost)
         self.listener.close()
