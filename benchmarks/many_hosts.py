@@ -207,7 +207,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
 
     def start(index: int) -> _SimulatedAgent:
         agent = launch.state.agents[index]
-        line = launch._bootstrap(agent, "127.0.0.1")  # noqa: SLF001 (what a real start sends)
+        line = launch.starts.bootstrap(agent, "127.0.0.1")  # what a real start sends
         pipes[index % simulators][1].send(line.decode())
         return _SimulatedAgent(agent.slots.hostname)
 

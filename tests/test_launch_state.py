@@ -305,3 +305,13 @@ def test_a_rank_has_one_connection():
     assert state.ranks[0].conn is not None
     assert state.hello_rank(WorkerHello(0, 0, 4000)) is None
     assert state.hello_rank(WorkerHello(5, 0, 4000)) is None  # no such rank
+
+
+def test_a_stop_does_not_wait_for_the_ranks_of_a_lost_agent():
+    state = running_launch(2, 1)
+    state.stopping = True
+    assert not state.ranks_known  # both ranks still run
+    state.worker_exited(state.ranks[0], exited(0, sig=15, stopped=True), now=5.0)
+    assert not state.ranks_known  # the lost host's rank: its link is cut, it never says
+    state.move_agent(state.agents[1], AgentState.LOST)
+    assert state.ranks_known

@@ -550,12 +550,17 @@ class LaunchState:
         return all(a.over or a.ready or a.conn is None for a in self.agents)
 
     @property
-    def facts_in(self) -> bool:
-        """After a Stop: whether every rank's end is known (its exit and its connection's)."""
-        return self.stopped and all(
+    def ranks_known(self) -> bool:
+        """After a Stop: whether every rank's end is in (its exit and its connection's end).
+
+        Not waited for: the ranks of an agent that failed or was lost (nothing more comes
+        from it, and a cut link keeps their connections open).
+        """
+        gone = (AgentState.FAILED, AgentState.LOST)
+        return all(
             r.settle_by is None and (r.exited is not None or r.conn is None or r.conn_closed)
             for r in self.ranks
-            if not self.agents[r.host_index].over or r.conn is not None
+            if self.agents[r.host_index].state not in gone
         )
 
     def next_attempt(self) -> None:

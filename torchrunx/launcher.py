@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 import tyro
 
 from torchrunx import plugins, serialization
+from torchrunx.agent_starts import count_mode, slurm_cpus
 from torchrunx.devices import AUTO_BACKEND_RULE, resolve_backend
 from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
 from torchrunx.errors import SerializationError
@@ -52,7 +53,7 @@ from torchrunx.logs import (
     LogHandlers,
     log_level_from_env,
 )
-from torchrunx.orchestrator import Launch, count_mode, slurm_cpus
+from torchrunx.orchestrator import Launch
 from torchrunx.results import LaunchResult
 from torchrunx.transport import (
     AGENT_COMMAND,

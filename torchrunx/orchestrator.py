@@ -5,23 +5,21 @@ The parts it drives each own one thing:
 - :mod:`torchrunx.ioloop`: the one selector loop for every connection of the launch;
 - :mod:`torchrunx.listener`: accepting, authenticating and framing connections;
 - :mod:`torchrunx.agent_pool`: starting, replacing and closing agent processes;
+- :mod:`torchrunx.agent_starts`: how one host's agent is started, and its bootstrap line;
 - :mod:`torchrunx.launch_state`: what every agent and rank is (pure);
 - :mod:`torchrunx.failures`: which failure is the cause, and whether to restart (pure);
 - :mod:`torchrunx.reports`: the error raised, with its notes (pure).
 
-One thread (the caller's) runs it all; the only other threads start agents (a bounded pool),
-wait for agent processes, and copy their stdout/stderr.
+One thread (the caller's) runs it all, agents' output and ends included; the only other
+threads start agents (a pool of at most 32) and, for SSH agents, are paramiko's own.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import signal
-import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchrunx import listener as listener_module
@@ -32,8 +30,8 @@ from torchrunx.agent_pool import (
     AgentStartFailed,
     PoolEvent,
 )
+from torchrunx.agent_starts import AgentStarts
 from torchrunx.devices import resolve_backend
-from torchrunx.env import local_agent_env
 from torchrunx.errors import (
     AgentFailedError,
     LaunchTimeoutError,
@@ -53,13 +51,20 @@ from torchrunx.events import (
 )
 from torchrunx.failures import choose_cause, others, restartable, restarts_for
 from torchrunx.health import HealthReport, HealthServer, health_port_from_env
-from torchrunx.hosts import slurm_allocation
 from torchrunx.ioloop import IOLoop
-from torchrunx.launch_state import AgentRecord, Fault, LaunchState, Phase, RankRecord, StartMethod
+from torchrunx.launch_state import (
+    AgentRecord,
+    Fault,
+    FaultKind,
+    LaunchState,
+    Phase,
+    RankRecord,
+    StartMethod,
+)
 from torchrunx.listener import FrameReceived, Listener, NetEvent, Peer, PeerClosed
-from torchrunx.logs import LogRouter, events_file, parse_line
+from torchrunx.logs import LogRouter, events_file
 from torchrunx.protocol import (
-    AgentBootstrap,
+    HEARTBEAT_INTERVAL,
     AgentDone,
     AgentHello,
     Heartbeat,
@@ -85,14 +90,6 @@ from torchrunx.reports import (
     watchdog_error,
     worker_where,
 )
-from torchrunx.transport import (
-    AgentProcess,
-    LocalAgent,
-    SrunAgent,
-    SshAgent,
-    agent_script,
-    route_address,
-)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -104,7 +101,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("torchrunx.launcher")
 
-HEARTBEAT_INTERVAL = 1.0
 STOP_GRACE = 3.0
 """Seconds workers get between SIGTERM and SIGKILL when the launch stops them."""
 _STOP_WAIT = STOP_GRACE + 5.0
@@ -167,10 +163,18 @@ class Launch:
             agent_timeout=float(launcher.agent_timeout),
             start_timeout=float(launcher.start_timeout),
         )
+        self.starts = AgentStarts(
+            launcher,
+            self.state.agents,
+            self.port,
+            self.secret,
+            self.logs.level,
+            lambda index, record: self.logs.emit_batch(index, 0, (record,)),
+        )
         self.pool = AgentPool(
             self.loop,
             self.queue.append,
-            starter or self._start_agent,
+            starter or self.starts,
             [h.hostname for h in hosts],
         )
         self.owners: dict[int, tuple[str, int]] = {}
@@ -178,9 +182,6 @@ class Launch:
         self.peers: dict[int, Peer] = {}
         self.extra_failures: list[str] = []
         self.health: HealthServer | None = None
-        self.env = launcher.exported_env()
-        self.local_env = local_agent_env()  # this machine's agents: the launcher's environment
-        self.script = b""
         self._next_tick = 0.0
         self._final_stop: Stop | None = None
 
@@ -270,86 +271,9 @@ class Launch:
     # -- agents ---------------------------------------------------------------------------
 
     def _start_agents(self) -> None:
-        env_file = self.launcher.env_file
-        self.script = agent_script(
-            env=self.env,
-            cwd=str(Path.cwd()),
-            python=sys.executable,
-            env_file=None if env_file is None else str(Path(env_file).expanduser().resolve()),
-        )
+        self.starts.prepare()
         for agent in self.state.agents:
             self.pool.start(agent.index)
-
-    def _start_agent(self, index: int) -> AgentProcess:
-        """Start the agent of host ``index`` (in a start thread)."""
-        agent = self.state.agents[index]
-        hostname = agent.slots.hostname
-
-        def on_line(is_stderr: bool, text: str) -> None:
-            line = parse_line(text, is_stderr=is_stderr, default_name="agent")
-            self.logs.emit_batch(
-                index, 0, ((None, line.levelno, line.name, line.text, time.time()),)
-            )
-
-        if agent.method == "srun":
-            return SrunAgent(
-                hostname,
-                self.script,
-                self._bootstrap(agent, self._srun_address(hostname)),
-                on_line,
-                cpus=slurm_cpus(hostname),
-            )
-        if agent.method == "ssh":
-            return SshAgent(
-                hostname,
-                self.script,
-                lambda local_address: self._bootstrap(agent, local_address),
-                self.launcher.ssh_config_file,
-                connect_timeout=min(self.launcher.start_timeout, 30.0),
-                on_line=on_line,
-            )
-        return LocalAgent(
-            hostname,
-            self.script,
-            self._bootstrap(agent, "127.0.0.1"),
-            on_line,
-            environ=self.local_env,
-        )
-
-    def _configured_address(self) -> str | None:
-        """The launcher address the user set (field or environment), if any."""
-        return self.launcher.launcher_address or os.environ.get("TORCHRUNX_LAUNCHER_ADDR") or None
-
-    def _srun_address(self, hostname: str) -> str:
-        """The address an srun-started agent connects back to (no SSH socket to ask)."""
-        configured = self._configured_address()
-        if configured:
-            return configured
-        try:
-            return route_address(hostname)
-        except OSError as exc:
-            raise AgentFailedError(
-                hostname,
-                f"cannot find this machine's address on the route to {hostname}: {exc}; "
-                "set launcher_address (or TORCHRUNX_LAUNCHER_ADDR)",
-            ) from exc
-
-    def _bootstrap(self, agent: AgentRecord, local_address: str) -> bytes:
-        address = (self._configured_address() or local_address) if agent.remote else local_address
-        return AgentBootstrap(
-            host_index=agent.index,
-            hostname=agent.slots.hostname,
-            launcher_address=address,
-            launcher_port=self.port,
-            secret=self.secret,
-            workers=agent.slots.workers,
-            preload_torch=self.launcher.backend is not None,
-            heartbeat_interval=HEARTBEAT_INTERVAL,
-            agent_timeout=float(self.launcher.agent_timeout),
-            log_level=self.logs.level,
-            sys_path=tuple(sys.path),
-            count=count_mode(self.launcher.workers_per_host),
-        ).to_json_line()
 
     # -- workers --------------------------------------------------------------------------
 
@@ -487,7 +411,7 @@ class Launch:
 
     def _fault(
         self,
-        kind: Any,  # noqa: ANN401 (a FaultKind)
+        kind: FaultKind,
         error: BaseException,
         at: float,
         *,
@@ -709,7 +633,7 @@ class Launch:
         for agent in st.agents:
             if agent.conn is not None and not agent.over and not (restart and agent.ready):
                 self.peers[agent.conn].send(stop)
-        done = (lambda: st.stopped and self._ranks_known()) if restart else self._ends_known
+        done = (lambda: st.stopped and st.ranks_known) if restart else self._ends_known
         self._run_until(done, time.monotonic() + _STOP_WAIT)
         self._apply_queue()
         for rank in st.ranks:  # what is still unsettled is judged on what arrived
@@ -718,20 +642,7 @@ class Launch:
             self._emit(st.move_rank(rank, WorkerState.STOPPED))
 
     def _ends_known(self) -> bool:
-        return self._all_over() and self._ranks_known()
-
-    def _ranks_known(self) -> bool:
-        """Whether every rank's end is in: its exit and its connection's end.
-
-        Not waited for: the ranks of an agent that failed or was lost (nothing more comes
-        from it, and a cut link keeps their connections open).
-        """
-        agents = self.state.agents
-        return all(
-            r.settle_by is None and (r.exited is not None or r.conn is None or r.conn_closed)
-            for r in self.state.ranks
-            if agents[r.host_index].state not in (AgentState.FAILED, AgentState.LOST)
-        )
+        return self._all_over() and self.state.ranks_known
 
     def _restart(self, cause: Fault, deadline: float | None) -> None:
         """Restart the worker group on the agents, replacing lost ones if asked to."""
@@ -782,7 +693,7 @@ class Launch:
 
     def _start_timed_out(self) -> None:
         missing = next(a for a in self.state.agents if a.hello is None)
-        address = self._configured_address()
+        address = self.starts.configured_address()
         self._fault(
             "agent",
             AgentFailedError(
@@ -891,16 +802,3 @@ class Launch:
 def _earliest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return min(known) if known else None
-
-
-def slurm_cpus(hostname: str) -> int | None:
-    """CPUs the allocation has on ``hostname``, for the srun step of its agent."""
-    try:
-        return slurm_allocation().cpus(hostname)
-    except (RuntimeError, ValueError):
-        return None
-
-
-def count_mode(workers_per_host: object) -> str:
-    """How an agent counts its workers when none is given: ``"gpu"``, ``"cpu"`` or ``"auto"``."""
-    return workers_per_host if isinstance(workers_per_host, str) else "auto"

@@ -43,6 +43,8 @@ MAGIC = b"TORCHRUNX/%03d\n" % PROTOCOL_VERSION
 NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
 SECRET_BYTES = 32
+HEARTBEAT_INTERVAL = 1.0
+"""Seconds between an agent's heartbeats (the launcher sends its own twice as often)."""
 _FRAME = struct.Struct("!QI")
 _PART = struct.Struct("!Q")
 _MAX_PARTS = 1 << 20
