@@ -18,7 +18,7 @@ import pytest
 
 import torchrunx as trx
 from torchrunx import listener as listener_module
-from torchrunx.orchestrator import Launch
+from torchrunx.inbox import Inbox
 from torchrunx.protocol import AgentDone, LogLines
 
 if TYPE_CHECKING:
@@ -397,30 +397,30 @@ def test_agent_exit_noticed_before_its_last_message_is_not_a_failure(monkeypatch
     hosts (seen with 16 test hosts: "the agent process ended unexpectedly (exit status 0)");
     the launch must still succeed.
     """
-    on_frame, on_closed = Launch._on_frame, Launch._on_closed
+    on_frame, on_closed = Inbox._on_frame, Inbox._on_closed
     held: dict[object, list[Callable[[], None]]] = {}  # per connection, in order
 
     def release(peer: object) -> None:
         for handle in held.pop(peer):
             handle()
 
-    def late_agent_done(self: Launch, event: FrameReceived) -> None:
+    def late_agent_done(self: Inbox, event: FrameReceived) -> None:
         if event.peer in held:
             held[event.peer].append(lambda: on_frame(self, event))
         elif isinstance(event.message, AgentDone):  # it and what follows come 0.5 s late
             held[event.peer] = [lambda: on_frame(self, event)]
-            threading.Timer(0.5, self.loop.post, (lambda: release(event.peer),)).start()
+            threading.Timer(0.5, self.listener.loop.post, (lambda: release(event.peer),)).start()
         else:
             on_frame(self, event)
 
-    def late_close(self: Launch, peer: object) -> None:
+    def late_close(self: Inbox, peer: object) -> None:
         if peer in held:
             held[peer].append(lambda: on_closed(self, peer))
         else:
             on_closed(self, peer)
 
-    monkeypatch.setattr(Launch, "_on_frame", late_agent_done)
-    monkeypatch.setattr(Launch, "_on_closed", late_close)
+    monkeypatch.setattr(Inbox, "_on_frame", late_agent_done)
+    monkeypatch.setattr(Inbox, "_on_closed", late_close)
     # The first agent ends while the second one's worker still runs.
     hosts = ["localhost", "localhost"]
     result = trx.launch(_slow_rank_1, hostnames=hosts, workers_per_host=1, backend=None)

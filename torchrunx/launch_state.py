@@ -56,7 +56,6 @@ if TYPE_CHECKING:
         WorkersEnded,
         WorkerSpec,
         WorkersStarted,
-        WorkerTimedOut,
     )
 
 OUTCOME_WAIT = 2.0
@@ -483,9 +482,8 @@ class LaunchState:
         )
         return self.add_fault("death", error, exited.at, rank=rank)
 
-    def worker_timed_out(self, rank: RankRecord, message: WorkerTimedOut) -> bool:
+    def worker_timed_out(self, rank: RankRecord) -> bool:
         """Its watchdog fired; ``False`` if it had already ended."""
-        del message
         return not rank.state.is_final
 
     def due(self, now: float) -> tuple[list[AgentRecord], list[RankRecord]]:

@@ -6,6 +6,8 @@ The parts it drives each own one thing:
 - :mod:`torchrunx.listener`: accepting, authenticating and framing connections;
 - :mod:`torchrunx.agent_pool`: starting, replacing and closing agent processes;
 - :mod:`torchrunx.agent_starts`: how one host's agent is started, and its bootstrap line;
+- :mod:`torchrunx.inbox`: what arrives (frames, closed connections, agents' ends), applied
+  to the launch state;
 - :mod:`torchrunx.launch_state`: what every agent and rank is (pure);
 - :mod:`torchrunx.failures`: which failure is the cause, and whether to restart (pure);
 - :mod:`torchrunx.reports`: the error raised, with its notes (pure).
@@ -26,8 +28,6 @@ from torchrunx import listener as listener_module
 from torchrunx import protocol, serialization
 from torchrunx.agent_pool import (
     AgentPool,
-    AgentStarted,
-    AgentStartFailed,
     PoolEvent,
 )
 from torchrunx.agent_starts import AgentStarts
@@ -38,11 +38,9 @@ from torchrunx.errors import (
     SerializationError,
     add_note,
     exception_text,
-    is_collective_error,
 )
 from torchrunx.events import (
     AgentState,
-    Event,
     EventSink,
     LaunchFinished,
     LaunchStarted,
@@ -51,44 +49,28 @@ from torchrunx.events import (
 )
 from torchrunx.failures import choose_cause, others, restartable, restarts_for
 from torchrunx.health import HealthReport, HealthServer, health_port_from_env
+from torchrunx.inbox import Inbox
 from torchrunx.ioloop import IOLoop
 from torchrunx.launch_state import (
     AgentRecord,
     Fault,
-    FaultKind,
     LaunchState,
     Phase,
-    RankRecord,
     StartMethod,
 )
-from torchrunx.listener import FrameReceived, Listener, NetEvent, Peer, PeerClosed
+from torchrunx.listener import Listener, NetEvent
 from torchrunx.logs import LogRouter, events_file
 from torchrunx.protocol import (
     HEARTBEAT_INTERVAL,
-    AgentDone,
-    AgentHello,
     Heartbeat,
-    LogLines,
     Stop,
-    WorkerException,
-    WorkerExited,
-    WorkerHello,
-    WorkerResult,
-    WorkersEnded,
     WorkerSpec,
-    WorkersStarted,
-    WorkerStacks,
-    WorkerTimedOut,
 )
 from torchrunx.reports import (
-    agent_exit_error,
     finish_report,
     output_tail_note,
-    rebuild_exception,
     stacks_note,
     summary,
-    watchdog_error,
-    worker_where,
 )
 
 if TYPE_CHECKING:
@@ -177,13 +159,17 @@ class Launch:
             starter or self.starts,
             [h.hostname for h in hosts],
         )
-        self.owners: dict[int, tuple[str, int]] = {}
-        """Connection ident -> ("agent", host index) or ("rank", rank)."""
-        self.peers: dict[int, Peer] = {}
+        self.inbox = Inbox(
+            launcher,
+            self.state,
+            listener=self.listener,
+            pool=self.pool,
+            logs=self.logs,
+            sink=self.sink,
+        )
         self.extra_failures: list[str] = []
         self.health: HealthServer | None = None
         self._next_tick = 0.0
-        self._final_stop: Stop | None = None
 
     # -- the launch, in order ------------------------------------------------------------
 
@@ -236,14 +222,14 @@ class Launch:
         if not isinstance(exc, _Failed):
             # Ctrl-C, SIGTERM, or a failure of the launcher itself: it comes first, even in the
             # middle of a restart (see torchrunx.failures).
-            self._fault("launch", exc, time.time())
+            self.inbox.fault("launch", exc, time.time())
         st.phase = Phase.STOPPING
         st.degraded = True
         try:
             if not self._all_over():
                 self._stop(restart=False)
         except (KeyboardInterrupt, SystemExit) as again:  # a second Ctrl-C: stop waiting
-            self._fault("launch", again, time.time())
+            self.inbox.fault("launch", again, time.time())
         cause = choose_cause(st.faults)
         error = self._report(cause)
         st.phase = Phase.FAILED
@@ -309,24 +295,20 @@ class Launch:
             if st.attempt == 0:
                 self.logs.add_workers(agent.index, spec.num_workers)
             offset += spec.num_workers
-            self._peer_of(agent).send(spec, self.call)
+            self.inbox.peer_of(agent).send(spec, self.call)
 
     def _master_address(self) -> tuple[str, int]:
         """Rank 0 runs on host 0: its address as the other hosts can reach it, and its port."""
         agents = self.state.agents
         first = agents[0]
         if first.remote:
-            address = self._peer_of(first).peer_address
+            address = self.inbox.peer_of(first).peer_address
         elif any(a.remote for a in agents):
             # Host 0 is this machine: use the address the remote agents reached us on.
-            address = self._peer_of(next(a for a in agents if a.remote)).local_address
+            address = self.inbox.peer_of(next(a for a in agents if a.remote)).local_address
         else:
             address = "127.0.0.1"
         return address, first.free_port
-
-    def _peer_of(self, agent: AgentRecord) -> Peer:
-        assert agent.conn is not None  # noqa: S101 (it said hello)
-        return self.peers[agent.conn]
 
     def _collect(self) -> tuple[tuple[Any, ...], ...]:
         per_host: list[list[Any]] = [[] for _ in self.state.agents]
@@ -366,237 +348,20 @@ class Launch:
         st = self.state
         for agent in st.agents:
             if agent.conn is not None and not agent.over:
-                self.peers[agent.conn].send(Heartbeat())
+                self.inbox.peer_of(agent).send(Heartbeat())
         for agent, silent in st.silent_agents(now):
-            st.move_agent(agent, AgentState.LOST)
-            self._fault(
-                "lost",
-                AgentFailedError(
-                    agent.slots.hostname,
-                    f"no heartbeat for {silent:.1f} s (agent_timeout="
-                    f"{self.launcher.agent_timeout:g}, start_timeout="
-                    f"{self.launcher.start_timeout:g} until workers start); the host is "
-                    "unreachable, its link is cut, or the agent is frozen",
-                ),
-                time.time(),
-                host_index=agent.index,
-            )
+            self.inbox.agent_silent(agent, silent)
         self.listener.tick(now)
         self.pool.poll()
         agents, ranks = st.due(now)
         for agent in agents:
-            self._judge_agent(agent)
+            self.inbox.judge_agent(agent)
         for rank in ranks:
-            self._settle(rank)
+            self.inbox.settle(rank)
 
     def _apply_queue(self) -> None:
         while self.queue:
-            event = self.queue.popleft()
-            if isinstance(event, FrameReceived):
-                self._on_frame(event)
-            elif isinstance(event, PeerClosed):
-                self._on_closed(event.peer)
-            elif isinstance(event, AgentStarted):
-                pass  # the pool keeps the process; the agent announces itself on its connection
-            elif isinstance(event, AgentStartFailed):
-                agent = self.state.agents[event.host_index]
-                self.state.move_agent(agent, AgentState.FAILED)
-                self._fault("agent", event.error, time.time(), host_index=agent.index)
-            elif self.pool.processes.get(event.host_index) is event.process:  # not replaced
-                self._on_agent_exited(self.state.agents[event.host_index], event.status)
-
-    def _emit(self, events: list[Event]) -> None:
-        for event in events:
-            self.sink.emit(event)
-
-    def _fault(
-        self,
-        kind: FaultKind,
-        error: BaseException,
-        at: float,
-        *,
-        rank: RankRecord | None = None,
-        host_index: int | None = None,
-    ) -> None:
-        self._emit(self.state.add_fault(kind, error, at, rank=rank, host_index=host_index))
-
-    # -- what arrives ---------------------------------------------------------------------
-
-    def _on_frame(self, event: FrameReceived) -> None:
-        peer, message = event.peer, event.message
-        owner = self.owners.get(peer.ident)
-        if owner is None:
-            self._on_first_frame(peer, message)
-        elif owner[0] == "agent":
-            self._on_agent_message(self.state.agents[owner[1]], message, event.payload)
-        else:
-            self._on_worker_message(owner[1], message, event.payload, event.at)
-
-    def _on_first_frame(self, peer: Peer, message: protocol.Message) -> None:
-        st = self.state
-        if peer.role == "agent" and isinstance(message, AgentHello):
-            index = message.host_index
-            if not 0 <= index < len(st.agents) or st.agents[index].conn is not None:
-                peer.close()
-                return
-            agent = st.agents[index]
-            self.owners[peer.ident], self.peers[peer.ident] = ("agent", index), peer
-            self._emit(st.agent_hello(agent, peer.ident, message, time.monotonic()))
-            if self._final_stop is not None:  # it started while the launch was stopping
-                peer.send(self._final_stop)
-            if message.slots == 0:  # only workers_per_host="gpu" counts 0
-                st.move_agent(agent, AgentState.FAILED)
-                self._fault(
-                    "agent",
-                    AgentFailedError(
-                        agent.slots.hostname,
-                        "workers_per_host='gpu' but this host has no GPU (its agent looked at "
-                        "CUDA_VISIBLE_DEVICES, the NVIDIA driver and nvidia-smi); give a number "
-                        "of workers, or 'auto' (GPUs, else CPU cores)",
-                    ),
-                    time.time(),
-                    host_index=index,
-                )
-            return
-        if peer.role == "worker" and isinstance(message, WorkerHello):
-            rank = st.hello_rank(message)
-            if rank is None:
-                peer.close()  # of an earlier attempt (late), or a second one for that rank
-                return
-            self.owners[peer.ident], self.peers[peer.ident] = ("rank", rank.rank), peer
-            self._emit(st.worker_hello(rank, peer.ident, message.pid))
-            return
-        peer.close()  # a peer that does not say who it is first, or claims another role
-
-    def _on_agent_message(
-        self, agent: AgentRecord, message: protocol.Message, payload: list[bytearray]
-    ) -> None:
-        st = self.state
-        agent.last_heard = time.monotonic()
-        del payload
-        if isinstance(message, LogLines):
-            self._on_log_lines(agent, message)
-        elif isinstance(message, WorkerExited | WorkerTimedOut | WorkerStacks):
-            self._on_worker_report(agent, message)
-        elif isinstance(message, WorkersStarted):
-            self._emit(st.workers_forked(agent, message))
-        elif isinstance(message, WorkersEnded):
-            st.workers_ended(agent, message)
-        elif isinstance(message, AgentDone):
-            st.agent_done(agent)
-        elif not isinstance(message, Heartbeat):  # a worker's message on an agent's connection
-            self._drop(agent.conn)
-
-    def _on_worker_report(
-        self, agent: AgentRecord, message: WorkerExited | WorkerTimedOut | WorkerStacks
-    ) -> None:
-        """What an agent says about its workers: an exit, a watchdog, the stacks."""
-        st = self.state
-        if isinstance(message, WorkerStacks):
-            if agent.spec is not None:
-                for local_rank, text in message.stacks.items():
-                    st.stacks[agent.spec.rank_offset + local_rank] = text
-            return
-        rank = st.rank_of(agent, message.local_rank)
-        if rank is None:
-            return
-        if isinstance(message, WorkerExited):
-            if st.worker_exited(rank, message, time.monotonic()):
-                self._settle(rank)
-        elif st.worker_timed_out(rank, message):
-            error = watchdog_error(agent.slots.hostname, rank.rank, message)
-            rank.error = error
-            self._fault("hang", error, time.time(), rank=rank)
-
-    def _on_log_lines(self, agent: AgentRecord, message: LogLines) -> None:
-        offset = 0 if agent.spec is None else agent.spec.rank_offset  # agent records: no spec
-        self.logs.emit_batch(agent.index, offset, message.records)
-
-    def _on_worker_message(
-        self, index: int, message: protocol.Message, payload: list[bytearray], at: float
-    ) -> None:
-        st = self.state
-        rank = st.ranks[index]
-        if isinstance(message, WorkerResult) and not rank.has_outcome:
-            self._emit(st.worker_result(rank, message, payload, at))
-        elif isinstance(message, WorkerException) and not rank.has_outcome:
-            where = worker_where(rank.rank, rank.local_rank, st.hostname(rank), rank.pid)
-            error = rebuild_exception(message, payload, where)
-            rank.error = error
-            collective = message.collective or is_collective_error(error)
-            self._fault(
-                "collective" if collective else "exception", error, message.at or at, rank=rank
-            )
-        else:
-            self._drop(rank.conn)  # agents' messages, or a second outcome: not a worker's
-
-    def _drop(self, conn: int | None) -> None:
-        peer = None if conn is None else self.peers.get(conn)
-        if peer is not None:
-            self.listener.drop(peer)
-
-    def _on_closed(self, peer: Peer) -> None:
-        owner = self.owners.get(peer.ident)
-        if owner is None:
-            return
-        st = self.state
-        if owner[0] == "rank":
-            if owner[1] < len(st.ranks) and st.ranks[owner[1]].conn == peer.ident:
-                rank = st.ranks[owner[1]]
-                if st.worker_conn_closed(rank):
-                    self._settle(rank)
-            return
-        agent = st.agents[owner[1]]
-        if agent.conn != peer.ident or not st.agent_conn_closed(agent):
-            return
-        if agent.exited:
-            self._judge_agent(agent)
-            return
-        st.move_agent(agent, AgentState.FAILED)
-        if not st.stopping:
-            self._fault(
-                "agent",
-                AgentFailedError(
-                    agent.slots.hostname,
-                    "the connection to the agent closed unexpectedly (the agent process died "
-                    "or was killed)",
-                    self._stderr_tail(agent.index),
-                ),
-                time.time(),
-                host_index=agent.index,
-            )
-
-    def _on_agent_exited(self, agent: AgentRecord, status: int | None) -> None:
-        if self.state.agent_exited(agent, status, time.monotonic()):
-            self._judge_agent(agent)
-
-    def _judge_agent(self, agent: AgentRecord) -> None:
-        """An agent's process ended: fine after AgentDone, else it failed."""
-        st = self.state
-        agent.judge_by = None
-        if agent.over:
-            return
-        st.move_agent(agent, AgentState.FAILED)
-        if st.stopping:
-            return
-        env_file = self.launcher.env_file
-        error = agent_exit_error(
-            agent.slots.hostname,
-            agent.exit_status,
-            remote=agent.remote,
-            connected=agent.hello is not None,
-            env_file=None if env_file is None else str(env_file),
-            stderr_tail=self._stderr_tail(agent.index),
-        )
-        self._fault("agent", error, time.time(), host_index=agent.index)
-
-    def _stderr_tail(self, index: int) -> str:
-        process = self.pool.processes.get(index)
-        return process.stderr_tail() if process is not None else ""
-
-    def _settle(self, rank: RankRecord) -> None:
-        """A rank exited and its outcome had its chance to arrive: judge it."""
-        self._emit(self.state.settle(rank))
+            self.inbox.apply(self.queue.popleft())
 
     # -- stopping, restarting, failing ------------------------------------------------------
 
@@ -629,17 +394,17 @@ class Launch:
         dump = not isinstance(error, KeyboardInterrupt | SystemExit) and not restart
         stop = Stop(reason, STOP_GRACE, dump_stacks=dump, restart=restart, attempt=st.attempt)
         if not restart:
-            self._final_stop = stop  # also for an agent whose start completes meanwhile
+            self.inbox.final_stop = stop  # also for an agent whose start completes meanwhile
         for agent in st.agents:
             if agent.conn is not None and not agent.over and not (restart and agent.ready):
-                self.peers[agent.conn].send(stop)
+                self.inbox.peer_of(agent).send(stop)
         done = (lambda: st.stopped and st.ranks_known) if restart else self._ends_known
         self._run_until(done, time.monotonic() + _STOP_WAIT)
         self._apply_queue()
         for rank in st.ranks:  # what is still unsettled is judged on what arrived
             if rank.exited is not None:
-                self._settle(rank)
-            self._emit(st.move_rank(rank, WorkerState.STOPPED))
+                self.inbox.settle(rank)
+            self.inbox.emit(st.move_rank(rank, WorkerState.STOPPED))
 
     def _ends_known(self) -> bool:
         return self._all_over() and self.state.ranks_known
@@ -658,8 +423,7 @@ class Launch:
             reason,
         )
         for rank in st.ranks:
-            self._drop(rank.conn)  # an old worker's connection: nothing more is read
-            self.owners.pop(rank.conn if rank.conn is not None else -1, None)
+            self.inbox.forget_rank(rank)  # an old worker's connection: nothing more is read
         if "hosts" in self.launcher.restart_on:
             self._replace_agents(deadline)
         unready = [a.slots.hostname for a in st.agents if not a.ready]
@@ -679,7 +443,7 @@ class Launch:
             old = st.agents[index]
             logger.warning("starting a new agent on %s", old.slots.hostname)
             if old.conn is not None:
-                self._drop(old.conn)
+                self.inbox.drop(old.conn)
             st.agents[index] = AgentRecord(index, old.slots, old.method)
             self.pool.replace(index, lost=old.state is AgentState.LOST)
         stopping, st.stopping = st.stopping, True  # their failures now are the restart's
@@ -694,7 +458,7 @@ class Launch:
     def _start_timed_out(self) -> None:
         missing = next(a for a in self.state.agents if a.hello is None)
         address = self.starts.configured_address()
-        self._fault(
+        self.inbox.fault(
             "agent",
             AgentFailedError(
                 missing.slots.hostname,
@@ -703,7 +467,7 @@ class Launch:
                 f"can that host reach this machine on port {self.port}"
                 + (f" at {address}" if address else "")
                 + "? Set launcher_address / TORCHRUNX_LAUNCHER_ADDR to an address it can reach",
-                self._stderr_tail(missing.index),
+                self.inbox.stderr_tail(missing.index),
             ),
             time.time(),
             host_index=missing.index,
@@ -714,7 +478,7 @@ class Launch:
         now = time.monotonic()
         limit = self.launcher.launch_timeout
         running = [r.rank for r in st.ranks if r.result is None]
-        self._fault(
+        self.inbox.fault(
             "launch",
             LaunchTimeoutError(
                 f"launch_timeout={limit:g} s was hit: the launch was stopped after "
@@ -788,7 +552,7 @@ class Launch:
         self.listener.stop_accepting()
         for agent in self.state.agents:
             if agent.state is AgentState.DONE:  # it reads until this end closes, then exits
-                self._drop(agent.conn)
+                self.inbox.drop(agent.conn)
         lost = {a.index for a in self.state.agents if a.state is AgentState.LOST}
         self.pool.close(lost)
         self.listener.close()

@@ -1,0 +1,303 @@
+"""What arrives during a launch, applied to the launch state.
+
+Frames from agents and workers, closed connections, agents' starts and ends, silences: each is
+applied to :class:`~torchrunx.launch_state.LaunchState`, and what follows from it is done here
+(an event to the sinks, a fault recorded, a connection dropped, log lines routed). Nothing here
+decides what the launch does next; :mod:`torchrunx.orchestrator` reads the state for that.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from torchrunx.agent_pool import AgentStarted, AgentStartFailed
+from torchrunx.errors import AgentFailedError, is_collective_error
+from torchrunx.events import AgentState
+from torchrunx.listener import FrameReceived, PeerClosed
+from torchrunx.protocol import (
+    AgentDone,
+    AgentHello,
+    Heartbeat,
+    LogLines,
+    Stop,
+    WorkerException,
+    WorkerExited,
+    WorkerHello,
+    WorkerResult,
+    WorkersEnded,
+    WorkersStarted,
+    WorkerStacks,
+    WorkerTimedOut,
+)
+from torchrunx.reports import agent_exit_error, rebuild_exception, watchdog_error, worker_where
+
+if TYPE_CHECKING:
+    from torchrunx import protocol
+    from torchrunx.agent_pool import AgentPool, PoolEvent
+    from torchrunx.events import Event, EventSink
+    from torchrunx.launch_state import AgentRecord, FaultKind, LaunchState, RankRecord
+    from torchrunx.launcher import Launcher
+    from torchrunx.listener import Listener, NetEvent, Peer
+    from torchrunx.logs import LogRouter
+
+
+class Inbox:
+    """Applies every event of the launch's queue to its state; owned by the launch's thread."""
+
+    def __init__(  # noqa: PLR0913 (every part a message may touch)
+        self,
+        launcher: Launcher,
+        state: LaunchState,
+        *,
+        listener: Listener,
+        pool: AgentPool,
+        logs: LogRouter,
+        sink: EventSink,
+    ) -> None:
+        """Bind the parts a message may touch; no connection is known yet."""
+        self.launcher = launcher
+        self.state = state
+        self.listener = listener
+        self.pool = pool
+        self.logs = logs
+        self.sink = sink
+        self.owners: dict[int, tuple[str, int]] = {}
+        """Connection ident -> ("agent", host index) or ("rank", rank)."""
+        self.peers: dict[int, Peer] = {}
+        self.final_stop: Stop | None = None
+        """The launch's last Stop, also sent to an agent that says hello after it."""
+
+    # -- what the orchestrator asks for -------------------------------------------------------
+
+    def apply(self, event: NetEvent | PoolEvent) -> None:
+        """One event from the listener or the agent pool."""
+        if isinstance(event, FrameReceived):
+            self._on_frame(event)
+        elif isinstance(event, PeerClosed):
+            self._on_closed(event.peer)
+        elif isinstance(event, AgentStarted):
+            pass  # the pool keeps the process; the agent announces itself on its connection
+        elif isinstance(event, AgentStartFailed):
+            agent = self.state.agents[event.host_index]
+            self.state.move_agent(agent, AgentState.FAILED)
+            self.fault("agent", event.error, time.time(), host_index=agent.index)
+        elif self.pool.processes.get(event.host_index) is event.process:  # not replaced
+            agent = self.state.agents[event.host_index]
+            if self.state.agent_exited(agent, event.status, time.monotonic()):
+                self.judge_agent(agent)
+
+    def emit(self, events: list[Event]) -> None:
+        """Hand events to the sinks, in order."""
+        for event in events:
+            self.sink.emit(event)
+
+    def fault(
+        self,
+        kind: FaultKind,
+        error: BaseException,
+        at: float,
+        *,
+        rank: RankRecord | None = None,
+        host_index: int | None = None,
+    ) -> None:
+        """Record a failure (``at`` is wall-clock time where it happened)."""
+        self.emit(self.state.add_fault(kind, error, at, rank=rank, host_index=host_index))
+
+    def peer_of(self, agent: AgentRecord) -> Peer:
+        """The connection of an agent that said hello."""
+        assert agent.conn is not None  # noqa: S101 (it said hello)
+        return self.peers[agent.conn]
+
+    def drop(self, conn: int | None) -> None:
+        """Close a connection; nothing more is read from it."""
+        peer = None if conn is None else self.peers.get(conn)
+        if peer is not None:
+            self.listener.drop(peer)
+
+    def forget_rank(self, rank: RankRecord) -> None:
+        """Drop a rank's connection before a restart; its late frames are not this attempt's."""
+        self.drop(rank.conn)
+        self.owners.pop(rank.conn if rank.conn is not None else -1, None)
+
+    def agent_silent(self, agent: AgentRecord, silent: float) -> None:
+        """No heartbeat from an agent for too long: it is lost."""
+        self.state.move_agent(agent, AgentState.LOST)
+        self.fault(
+            "lost",
+            AgentFailedError(
+                agent.slots.hostname,
+                f"no heartbeat for {silent:.1f} s (agent_timeout="
+                f"{self.launcher.agent_timeout:g}, start_timeout="
+                f"{self.launcher.start_timeout:g} until workers start); the host is "
+                "unreachable, its link is cut, or the agent is frozen",
+            ),
+            time.time(),
+            host_index=agent.index,
+        )
+
+    def judge_agent(self, agent: AgentRecord) -> None:
+        """An agent's process ended: fine after AgentDone, else it failed."""
+        st = self.state
+        agent.judge_by = None
+        if agent.over:
+            return
+        st.move_agent(agent, AgentState.FAILED)
+        if st.stopping:
+            return
+        env_file = self.launcher.env_file
+        error = agent_exit_error(
+            agent.slots.hostname,
+            agent.exit_status,
+            remote=agent.remote,
+            connected=agent.hello is not None,
+            env_file=None if env_file is None else str(env_file),
+            stderr_tail=self.stderr_tail(agent.index),
+        )
+        self.fault("agent", error, time.time(), host_index=agent.index)
+
+    def settle(self, rank: RankRecord) -> None:
+        """A rank exited and its outcome had its chance to arrive: judge it."""
+        self.emit(self.state.settle(rank))
+
+    def stderr_tail(self, index: int) -> str:
+        """The last lines an agent process wrote to its stderr."""
+        process = self.pool.processes.get(index)
+        return process.stderr_tail() if process is not None else ""
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def _on_frame(self, event: FrameReceived) -> None:
+        peer, message = event.peer, event.message
+        owner = self.owners.get(peer.ident)
+        if owner is None:
+            self._on_first_frame(peer, message)
+        elif owner[0] == "agent":
+            self._on_agent_message(self.state.agents[owner[1]], message)
+        else:
+            self._on_worker_message(owner[1], message, event.payload, event.at)
+
+    def _on_first_frame(self, peer: Peer, message: protocol.Message) -> None:
+        st = self.state
+        if peer.role == "agent" and isinstance(message, AgentHello):
+            index = message.host_index
+            if not 0 <= index < len(st.agents) or st.agents[index].conn is not None:
+                peer.close()
+                return
+            agent = st.agents[index]
+            self.owners[peer.ident], self.peers[peer.ident] = ("agent", index), peer
+            self.emit(st.agent_hello(agent, peer.ident, message, time.monotonic()))
+            if self.final_stop is not None:  # it started while the launch was stopping
+                peer.send(self.final_stop)
+            if message.slots == 0:  # only workers_per_host="gpu" counts 0
+                st.move_agent(agent, AgentState.FAILED)
+                self.fault(
+                    "agent",
+                    AgentFailedError(
+                        agent.slots.hostname,
+                        "workers_per_host='gpu' but this host has no GPU (its agent looked at "
+                        "CUDA_VISIBLE_DEVICES, the NVIDIA driver and nvidia-smi); give a number "
+                        "of workers, or 'auto' (GPUs, else CPU cores)",
+                    ),
+                    time.time(),
+                    host_index=index,
+                )
+            return
+        if peer.role == "worker" and isinstance(message, WorkerHello):
+            rank = st.hello_rank(message)
+            if rank is None:
+                peer.close()  # of an earlier attempt (late), or a second one for that rank
+                return
+            self.owners[peer.ident], self.peers[peer.ident] = ("rank", rank.rank), peer
+            self.emit(st.worker_hello(rank, peer.ident, message.pid))
+            return
+        peer.close()  # a peer that does not say who it is first, or claims another role
+
+    def _on_agent_message(self, agent: AgentRecord, message: protocol.Message) -> None:
+        st = self.state
+        agent.last_heard = time.monotonic()
+        if isinstance(message, LogLines):
+            offset = 0 if agent.spec is None else agent.spec.rank_offset  # agent records: none
+            self.logs.emit_batch(agent.index, offset, message.records)
+        elif isinstance(message, WorkerExited | WorkerTimedOut | WorkerStacks):
+            self._on_worker_report(agent, message)
+        elif isinstance(message, WorkersStarted):
+            self.emit(st.workers_forked(agent, message))
+        elif isinstance(message, WorkersEnded):
+            st.workers_ended(agent, message)
+        elif isinstance(message, AgentDone):
+            st.agent_done(agent)
+        elif not isinstance(message, Heartbeat):  # a worker's message on an agent's connection
+            self.drop(agent.conn)
+
+    def _on_worker_report(
+        self, agent: AgentRecord, message: WorkerExited | WorkerTimedOut | WorkerStacks
+    ) -> None:
+        """What an agent says about its workers: an exit, a watchdog, the stacks."""
+        st = self.state
+        if isinstance(message, WorkerStacks):
+            if agent.spec is not None:
+                for local_rank, text in message.stacks.items():
+                    st.stacks[agent.spec.rank_offset + local_rank] = text
+            return
+        rank = st.rank_of(agent, message.local_rank)
+        if rank is None:
+            return
+        if isinstance(message, WorkerExited):
+            if st.worker_exited(rank, message, time.monotonic()):
+                self.settle(rank)
+        elif st.worker_timed_out(rank):
+            error = watchdog_error(agent.slots.hostname, rank.rank, message)
+            rank.error = error
+            self.fault("hang", error, time.time(), rank=rank)
+
+    def _on_worker_message(
+        self, index: int, message: protocol.Message, payload: list[bytearray], at: float
+    ) -> None:
+        st = self.state
+        rank = st.ranks[index]
+        if isinstance(message, WorkerResult) and not rank.has_outcome:
+            self.emit(st.worker_result(rank, message, payload, at))
+        elif isinstance(message, WorkerException) and not rank.has_outcome:
+            where = worker_where(rank.rank, rank.local_rank, st.hostname(rank), rank.pid)
+            error = rebuild_exception(message, payload, where)
+            rank.error = error
+            collective = message.collective or is_collective_error(error)
+            self.fault(
+                "collective" if collective else "exception", error, message.at or at, rank=rank
+            )
+        else:
+            self.drop(rank.conn)  # agents' messages, or a second outcome: not a worker's
+
+    # -- ends ------------------------------------------------------------------------------
+
+    def _on_closed(self, peer: Peer) -> None:
+        owner = self.owners.get(peer.ident)
+        if owner is None:
+            return
+        st = self.state
+        if owner[0] == "rank":
+            if owner[1] < len(st.ranks) and st.ranks[owner[1]].conn == peer.ident:
+                rank = st.ranks[owner[1]]
+                if st.worker_conn_closed(rank):
+                    self.settle(rank)
+            return
+        agent = st.agents[owner[1]]
+        if agent.conn != peer.ident or not st.agent_conn_closed(agent):
+            return
+        if agent.exited:
+            self.judge_agent(agent)
+            return
+        st.move_agent(agent, AgentState.FAILED)
+        if not st.stopping:
+            self.fault(
+                "agent",
+                AgentFailedError(
+                    agent.slots.hostname,
+                    "the connection to the agent closed unexpectedly (the agent process died "
+                    "or was killed)",
+                    self.stderr_tail(agent.index),
+                ),
+                time.time(),
+                host_index=agent.index,
+            )
