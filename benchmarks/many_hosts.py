@@ -45,39 +45,50 @@ NOOP_RESULT = [bytes(part) for part in serialization.dumps(None)]
 # -- the simulated side -----------------------------------------------------------------------
 
 
-async def _connect(
-    address: tuple[str, int], secret: bytes, role: protocol.Role
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+class _Link:
+    """A simulated end of one connection: the real handshake and sealed records, on asyncio."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        keys: protocol.SessionKeys,
+    ) -> None:
+        self.reader, self.writer = reader, writer
+        self.sealer = protocol.Sealer(keys.send)
+        self.opener = protocol.FrameReader(keys.receive)
+        self.frames: list[tuple[protocol.Message, list[bytearray]]] = []
+
+    def send(self, message: protocol.Message, payload: list[bytes]) -> None:
+        for record in self.sealer.seal_frame(message, payload):
+            self.writer.write(record)
+
+    async def recv(self) -> tuple[protocol.Message, list[bytearray]]:
+        while not self.frames:
+            head = await self.reader.readexactly(4)
+            body = await self.reader.readexactly(int.from_bytes(head, "big"))
+            self.frames += self.opener.open_record(head + body)
+        return self.frames.pop(0)
+
+
+async def _connect(address: tuple[str, int], secret: bytes, role: protocol.Role) -> _Link:
     reader, writer = await asyncio.open_connection(*address)
     greeting = await reader.readexactly(protocol.GREETING_BYTES)
-    reply, expected = protocol.client_reply(secret, greeting, role)
+    reply, expected, keys = protocol.client_reply(secret, greeting, role)
     writer.write(reply)
     if await reader.readexactly(protocol.MAC_BYTES) != expected:
         raise RuntimeError("launcher failed to authenticate")
-    return reader, writer
-
-
-def _send(writer: asyncio.StreamWriter, message: protocol.Message, payload: list[bytes]) -> None:
-    writer.write(protocol.encode_frame_start(message, payload))
-    for part in payload:
-        writer.write(part)
-
-
-async def _recv(reader: asyncio.StreamReader) -> tuple[protocol.Message, list[bytes]]:
-    head = await reader.readexactly(12)
-    header_size, count = int.from_bytes(head[:8], "big"), int.from_bytes(head[8:], "big")
-    sizes = [int.from_bytes(await reader.readexactly(8), "big") for _ in range(count)]
-    message = protocol._load_message(await reader.readexactly(header_size))  # noqa: SLF001
-    return message, [await reader.readexactly(size) for size in sizes]
+    return _Link(reader, writer, keys)
 
 
 async def _worker(
     address: tuple[str, int], secret: bytes, spec: protocol.WorkerSpec, local: int
 ) -> None:
-    reader, writer = await _connect(address, secret, "worker")
+    link = await _connect(address, secret, "worker")
+    reader, writer = link.reader, link.writer
     rank = spec.rank_offset + local
-    _send(writer, protocol.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
-    _send(writer, protocol.WorkerResult(rank, sent_at=time.time()), NOOP_RESULT)
+    link.send(protocol.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
+    link.send(protocol.WorkerResult(rank, sent_at=time.time()), NOOP_RESULT)
     writer.write_eof()
     await writer.drain()
     while await reader.read(65536):  # until the launcher closes: never close with unread data
@@ -89,28 +100,29 @@ async def _worker(
 async def _agent(boot: dict[str, Any]) -> None:
     address = (boot["launcher"][0], int(boot["launcher"][1]))
     secret = bytes.fromhex(boot["secret"])
-    reader, writer = await _connect(address, secret, "agent")
+    link = await _connect(address, secret, "agent")
+    reader, writer = link.reader, link.writer
     index = int(boot["host_index"])
     workers = int(boot["workers"] or 1)
-    _send(writer, protocol.AgentHello(index, boot["hostname"], 50000 + index, workers, 0), [])
+    link.send(protocol.AgentHello(index, boot["hostname"], 50000 + index, workers, 0), [])
 
     async def heartbeats() -> None:
         while True:
             await asyncio.sleep(1.0)
-            _send(writer, protocol.Heartbeat(), [])
+            link.send(protocol.Heartbeat(), [])
 
     beating = asyncio.create_task(heartbeats())
     while True:
-        message, _payload = await _recv(reader)
+        message, _payload = await link.recv()
         if isinstance(message, protocol.WorkerSpec):
             spec = message
             break
     pids = tuple(100000 + spec.rank_offset + i for i in range(spec.num_workers))
-    _send(writer, protocol.WorkersStarted(pids), [])
+    link.send(protocol.WorkersStarted(pids), [])
     await asyncio.gather(*(_worker(address, secret, spec, i) for i in range(spec.num_workers)))
     for local, pid in enumerate(pids):
-        _send(writer, protocol.WorkerExited(local, pid, 0, None, at=time.time()), [])
-    _send(writer, protocol.AgentDone(), [])
+        link.send(protocol.WorkerExited(local, pid, 0, None, at=time.time()), [])
+    link.send(protocol.AgentDone(), [])
     beating.cancel()
     # As the real agent: half-close, then read (heartbeats) until the launcher closes. A socket
     # closed with unread data is reset, and a reset may drop what was still being sent.

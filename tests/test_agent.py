@@ -17,7 +17,14 @@ import pytest
 
 from torchrunx.guardian import Guardian
 from torchrunx.outbox import Outbox
-from torchrunx.protocol import AgentBootstrap, Connection, Heartbeat, LogLines
+from torchrunx.protocol import (
+    AgentBootstrap,
+    Connection,
+    Heartbeat,
+    LogLines,
+    Sealer,
+    SessionKeys,
+)
 from torchrunx.transport import BOOT_CODE
 from torchrunx.workergroup import WorkerGroup
 
@@ -52,6 +59,11 @@ def test_an_agent_given_a_malformed_bootstrap_names_the_field_and_exits_with_2()
     )
 
 
+OURS = SessionKeys(send=b"a" * 32, receive=b"b" * 32)
+"""The agent's end of a made-up connection; :data:`THEIRS` is the launcher's."""
+THEIRS = SessionKeys(send=OURS.receive, receive=OURS.send)
+
+
 def _lines(count: int, size: int) -> LogLines:
     return LogLines(
         tuple((0, 20, "worker.0.stdout", f"{i} " + "x" * size, 0.0) for i in range(count))
@@ -61,7 +73,7 @@ def _lines(count: int, size: int) -> LogLines:
 def test_the_outbox_never_blocks_pauses_above_its_high_watermark_and_keeps_the_order():
     ours, theirs = socket.socketpair()
     ours.settimeout(5.0)
-    outbox = Outbox(ours, high=256 << 10, low=32 << 10)
+    outbox = Outbox(ours, Sealer(OURS.send), high=256 << 10, low=32 << 10)
     sent = 0
     started = time.monotonic()
     while not outbox.paused:  # nobody reads: the socket fills, then the outbox
@@ -73,7 +85,7 @@ def test_the_outbox_never_blocks_pauses_above_its_high_watermark_and_keeps_the_o
     received: list[str] = []
 
     def read() -> None:
-        connection = Connection(theirs)
+        connection = Connection(theirs, THEIRS)
         for _ in range(2 * sent):
             message, _ = connection.recv()
             assert isinstance(message, LogLines)
@@ -95,14 +107,14 @@ def test_the_outbox_never_blocks_pauses_above_its_high_watermark_and_keeps_the_o
     assert len(outbox) == 0
     ours.close()
     with socket.socket() as plain, pytest.raises(ValueError, match="a socket with a timeout"):
-        Outbox(plain)
+        Outbox(plain, Sealer(OURS.send))
 
 
 def test_the_outbox_resumes_output_only_below_its_low_watermark():
     ours, theirs = socket.socketpair()
     ours.settimeout(5.0)
     theirs.settimeout(0.0)
-    outbox = Outbox(ours, high=256 << 10, low=32 << 10)
+    outbox = Outbox(ours, Sealer(OURS.send), high=256 << 10, low=32 << 10)
     while not outbox.paused:
         outbox.put(_lines(4, 4096))
     seen_between = False

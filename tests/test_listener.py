@@ -123,7 +123,8 @@ def test_sends_are_buffered_so_a_peer_that_does_not_read_never_blocks_the_loop(s
     listener, _events, pump = served
     sock = socket.create_connection(("127.0.0.1", listener.port))
     pump(lambda: listener.next_deadline is not None)  # accepted: the greeting is out
-    reply, expected = protocol.client_reply(SECRET, sock.recv(protocol.GREETING_BYTES), "agent")
+    greeting = sock.recv(protocol.GREETING_BYTES)
+    reply, expected, keys = protocol.client_reply(SECRET, greeting, "agent")
     sock.sendall(reply)
     pump(lambda: bool(listener.peers))
     assert sock.recv(protocol.MAC_BYTES) == expected
@@ -134,7 +135,7 @@ def test_sends_are_buffered_so_a_peer_that_does_not_read_never_blocks_the_loop(s
     assert time.monotonic() - started < 1
     assert peer.unsent > 0
     # The peer reads now: everything arrives, in one frame.
-    reader, frames = FrameReader(), []
+    reader, frames = FrameReader(keys.receive), []
     sock.settimeout(0.0)  # non-blocking
     deadline = time.monotonic() + 30
     while not frames and time.monotonic() < deadline:

@@ -19,7 +19,7 @@ import pytest
 import torchrunx as trx
 from torchrunx import listener as listener_module
 from torchrunx.inbox import Inbox
-from torchrunx.protocol import AgentDone, LogLines
+from torchrunx.protocol import MAGIC, AgentDone, LogLines
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -359,8 +359,8 @@ def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(
     frame = struct.pack("!QI", len(forged_log), 0) + forged_log
     for attempt in (
         evil,
-        b"TORCHRUNX/001\n" + b"A" + b"\0" * 64 + frame,
-        b"TORCHRUNX/001\n" + b"W" + b"\0" * 64 + evil,
+        MAGIC + b"A" + b"\0" * 64 + frame,
+        MAGIC + b"W" + b"\0" * 64 + evil,
     ):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.recv(64)  # the launcher's greeting

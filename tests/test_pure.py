@@ -131,10 +131,13 @@ def test_handshake_accepts_the_right_secret_both_ways():
     outcome: list[object] = []
     thread = threading.Thread(target=_serve, args=(server, b"s" * 32, outcome))
     thread.start()
-    protocol.client_handshake(client, b"s" * 32, "agent")
+    client_keys = protocol.client_handshake(client, b"s" * 32, "agent")
     thread.join()
-    assert outcome == ["agent"]
-    sender, receiver = protocol.Connection(server), protocol.Connection(client)
+    role, server_keys = outcome[0]
+    assert role == "agent"
+    assert server_keys.send == client_keys.receive != server_keys.receive == client_keys.send
+    sender = protocol.Connection(server, server_keys)
+    receiver = protocol.Connection(client, client_keys)
     sender.send(protocol.WorkerResult(rank=3), [b"stream", memoryview(b"tensor bytes"), b""])
     message, payload = receiver.recv()
     assert message == protocol.WorkerResult(rank=3)

@@ -149,7 +149,7 @@ class Agent:
         self.selector = selectors.DefaultSelector()
         # A timeout also makes the socket's descriptor non-blocking, which the outbox needs.
         self.conn.sock.settimeout(boot.agent_timeout)
-        self.outbox = Outbox(self.conn.sock)
+        self.outbox = Outbox(self.conn.sock, self.conn.sealer)
         self.heartbeats = Heartbeats(boot.heartbeat_interval, boot.agent_timeout)
         self.launcher_events = selectors.EVENT_READ
         self.selector.register(self.conn.sock, self.launcher_events, "launcher")

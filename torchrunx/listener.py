@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from torchrunx import protocol
 from torchrunx.errors import ProtocolError
-from torchrunx.protocol import FrameReader, Role, encode_frame_start
+from torchrunx.protocol import FrameReader, Role, Sealer, SessionKeys, frame_pieces
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -71,14 +71,26 @@ NetEvent = FrameReceived | PeerClosed
 class Peer:
     """One authenticated connection (an agent's or a worker's), as the launcher holds it."""
 
-    def __init__(self, ident: int, role: Role, sock: socket.socket, listener: Listener) -> None:
+    def __init__(
+        self,
+        ident: int,
+        role: Role,
+        sock: socket.socket,
+        keys: SessionKeys,
+        listener: Listener,
+    ) -> None:
         """Wrap an authenticated non-blocking socket; the listener registers it."""
         self.ident = ident
         self.role: Role = role
         self.sock = sock
         self.closed = False
-        self._reader = FrameReader()
-        self._outbox: collections.deque[memoryview] = collections.deque()
+        self._reader = FrameReader(keys.receive)
+        self._sealer = Sealer(keys.send)
+        self._pieces: collections.deque[memoryview | bytes] = collections.deque()
+        """Plaintext queued, in order; each piece is sealed into a record when its turn comes."""
+        self._record: memoryview | None = None
+        """The sealed record being sent (``None``: none)."""
+        self._unsent = 0
         self._listener = listener
 
     def __repr__(self) -> str:
@@ -101,38 +113,42 @@ class Peer:
 
     @property
     def unsent(self) -> int:
-        """Bytes queued but not yet accepted by the kernel."""
-        return sum(part.nbytes for part in self._outbox)
+        """Plaintext bytes queued but not yet accepted by the kernel (about)."""
+        return self._unsent
 
     def send(self, message: protocol.Message, payload: Sequence[bytes | memoryview] = ()) -> None:
         """Queue one message and its payload (not copied) and send what the socket takes now.
 
-        A broken connection is not an error here: its end arrives as :class:`PeerClosed`.
+        Records are sealed one at a time as the socket takes them, so a large payload sent to
+        many peers is never held encrypted all at once. A broken connection is not an error
+        here: its end arrives as :class:`PeerClosed`.
         """
         if self.closed:
             return
-        was_empty = not self._outbox
-        self._outbox.append(memoryview(encode_frame_start(message, payload)))
-        self._outbox.extend(memoryview(part).cast("B") for part in payload)
+        was_empty = self._record is None and not self._pieces
+        for piece in frame_pieces(message, payload):
+            self._pieces.append(piece)
+            self._unsent += len(piece)
         if was_empty:
             self._flush()
 
     def _flush(self) -> None:
-        while self._outbox:
-            head = self._outbox[0]
+        while self._record is not None or self._pieces:
+            if self._record is None:
+                piece = self._pieces.popleft()
+                self._unsent -= len(piece)
+                self._record = memoryview(self._sealer.seal(piece))
             try:
-                sent = self.sock.send(head)
+                sent = self.sock.send(self._record)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
-                self._outbox.clear()
+                self._pieces.clear()
+                self._record, self._unsent = None, 0
                 self._listener.drop(self)
                 return
-            if sent < head.nbytes:
-                self._outbox[0] = head[sent:]
-            else:
-                self._outbox.popleft()
-        if self._outbox:
+            self._record = self._record[sent:] if sent < self._record.nbytes else None
+        if self._record is not None:
             self._listener.loop.add_writer(self.sock.fileno(), self._flush)
         else:
             self._listener.loop.remove_writer(self.sock.fileno())
@@ -154,7 +170,8 @@ class Peer:
         if self.closed:
             return
         self.closed = True
-        self._outbox.clear()
+        self._pieces.clear()
+        self._record, self._unsent = None, 0
         self._listener.forget(self)
 
 
@@ -268,7 +285,7 @@ class Listener:
         if len(pending.reply) < protocol.CLIENT_REPLY_BYTES:
             return
         try:
-            role, proof = protocol.check_client_reply(
+            role, proof, keys = protocol.check_client_reply(
                 self.secret, pending.nonce, bytes(pending.reply)
             )
             pending.sock.send(proof)  # 32 bytes: fits the buffer the greeting left
@@ -277,7 +294,7 @@ class Listener:
             return
         del self._pending[fd]
         self._handshake_ended()
-        peer = Peer(next(self._ids), role, pending.sock, self)
+        peer = Peer(next(self._ids), role, pending.sock, keys, self)
         self.peers[fd] = peer
         self.loop.add_reader(fd, peer._on_readable)  # noqa: SLF001 (the peer's own reader)
         peer._on_readable()  # noqa: SLF001 (frames may have come with the reply)

@@ -18,12 +18,10 @@ import select
 import time
 from typing import TYPE_CHECKING
 
-from torchrunx.protocol import encode_frame_start
-
 if TYPE_CHECKING:
     import socket
 
-    from torchrunx.protocol import Message
+    from torchrunx.protocol import Message, Sealer
 
 HIGH_WATERMARK = 16 << 20
 """Unsent bytes above which the agent stops reading its workers' output."""
@@ -37,9 +35,17 @@ class Outbox:
     """Messages queued for the launcher on one socket (see the module's description)."""
 
     def __init__(
-        self, sock: socket.socket, *, high: int = HIGH_WATERMARK, low: int = LOW_WATERMARK
+        self,
+        sock: socket.socket,
+        sealer: Sealer,
+        *,
+        high: int = HIGH_WATERMARK,
+        low: int = LOW_WATERMARK,
     ) -> None:
-        """Queue for ``sock``, which must have a timeout.
+        """Queue for ``sock``, which must have a timeout; ``sealer`` seals each record.
+
+        Records are sealed when queued, in order, with the connection's one
+        :class:`~torchrunx.protocol.Sealer` (:attr:`Connection.sealer`).
 
         Python keeps the descriptor of a socket with a timeout non-blocking (``socket.send``
         would still wait up to that timeout for room; the outbox writes to the descriptor).
@@ -50,6 +56,7 @@ class Outbox:
         if sock.gettimeout() is None:
             raise ValueError("the outbox needs a socket with a timeout (a non-blocking fd)")
         self._fd = sock.fileno()
+        self._sealer = sealer
         self._buffer = bytearray()
         self._high = high
         self._low = low
@@ -69,7 +76,8 @@ class Outbox:
         """
         if not self.alive:
             return
-        self._buffer += encode_frame_start(message)
+        for record in self._sealer.seal_frame(message):
+            self._buffer += record
         self.flush()
 
     def flush(self) -> None:

@@ -10,16 +10,26 @@ nothing is unpickled from a peer before it has proved it knows that secret::
       accept  ── MAGIC | server nonce ──────────────▶
               ◀── MAGIC | role | client nonce | HMAC(secret, "client", role, ns, nc) ──
       verify  ── HMAC(secret, "server", nc, ns) ────▶ verify
-              ◀════════════ frames (both ways) ════════════▶
+              ◀════════════ sealed records (both ways) ════════════▶
 
-A frame is ``!QI`` (header length, number of payload parts), one ``!Q`` length per part, a
-pickled message dataclass from this module, then the raw parts (user data from
-:mod:`torchrunx.serialization`: the pickle stream and one buffer per tensor), so large
-payloads are written and read without extra copies.
+After the handshake every byte travels in records sealed with AES-256-GCM. Each direction
+has its own key, derived with HKDF-SHA256 from the secret and both nonces (so every
+connection's keys are new), and its own sequence number, which is the record's nonce: a
+record that was altered, injected, replayed, reordered or dropped fails authentication, and
+the connection is dropped before anything in it is unpickled. A record is ``!I`` (length of
+what follows, also authenticated) and the ciphertext of at most :data:`RECORD_BYTES` of
+plaintext with its 16-byte tag.
+
+The plaintext is a stream of frames. A frame is ``!QI`` (header length, number of payload
+parts), one ``!Q`` length per part, a pickled message dataclass from this module, then the
+raw parts (user data from :mod:`torchrunx.serialization`: the pickle stream and one buffer
+per tensor). Each part starts a new record, so a receiver decrypts a large part straight into
+its own buffer.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -30,21 +40,35 @@ import pickle
 import socket
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from torchrunx.errors import ProtocolError
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterator, Sequence
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"TORCHRUNX/%03d\n" % PROTOCOL_VERSION
 NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
 SECRET_BYTES = 32
 HEARTBEAT_INTERVAL = 1.0
 """Seconds between an agent's heartbeats (the launcher sends its own twice as often)."""
+KEY_BYTES = 32
+"""AES-256-GCM keys, one per direction of a connection."""
+TAG_BYTES = 16
+RECORD_BYTES = 1 << 20
+"""Plaintext bytes in one record at most."""
+
+_RECORD = struct.Struct("!I")
+_MAX_RECORD = RECORD_BYTES + TAG_BYTES
+_NONCE = struct.Struct("!IQ")
 _FRAME = struct.Struct("!QI")
 _PART = struct.Struct("!Q")
 _MAX_PARTS = 1 << 20
@@ -480,15 +504,8 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
 
 def _recv_exact(sock: socket.socket, size: int) -> bytearray:
     buffer = bytearray(size)
-    view = memoryview(buffer)
-    received = 0
-    # On blocking sockets, MSG_WAITALL reads large payloads in few syscalls (and GIL hand-offs).
-    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
-    while received < size:
-        count = sock.recv_into(view[received:], size - received, flags)
-        if count == 0:
-            raise ConnectionError("connection closed by peer")
-        received += count
+    with memoryview(buffer) as view:
+        _recv_exact_into(sock, view)
     return buffer
 
 
@@ -501,8 +518,43 @@ def server_greeting(server_nonce: bytes) -> bytes:
     return MAGIC + server_nonce
 
 
-def check_client_reply(secret: bytes, server_nonce: bytes, reply: bytes) -> tuple[Role, bytes]:
-    """Verify a client's handshake reply; return its role and the server's proof to send back.
+@dataclass(frozen=True)
+class SessionKeys:
+    """One connection's keys, as one end holds them."""
+
+    send: bytes = field(repr=False)
+    receive: bytes = field(repr=False)
+
+
+def session_keys(
+    secret: bytes, server_nonce: bytes, client_nonce: bytes, role_byte: bytes, *, server: bool
+) -> SessionKeys:
+    """Derive a connection's two keys (HKDF-SHA256) from the secret and both nonces.
+
+    Both nonces are fresh, so every connection has keys of its own; the role is bound in too.
+    """
+
+    def derive(direction: bytes) -> bytes:
+        return HKDF(
+            algorithm=SHA256(),
+            length=KEY_BYTES,
+            salt=server_nonce + client_nonce,
+            info=b"torchrunx %d %s %s" % (PROTOCOL_VERSION, role_byte, direction),
+        ).derive(secret)
+
+    to_server, to_client = derive(b"client->server"), derive(b"server->client")
+    if server:
+        return SessionKeys(send=to_client, receive=to_server)
+    return SessionKeys(send=to_server, receive=to_client)
+
+
+def check_client_reply(
+    secret: bytes, server_nonce: bytes, reply: bytes
+) -> tuple[Role, bytes, SessionKeys]:
+    """Verify a client's handshake reply.
+
+    Returns:
+        The client's role, the server's proof to send back, and the server's keys.
 
     Raises:
         ProtocolError: The peer does not speak the protocol or does not know the secret.
@@ -518,11 +570,12 @@ def check_client_reply(secret: bytes, server_nonce: bytes, reply: bytes) -> tupl
     expected = _mac(secret, b"client", role_byte, server_nonce, client_nonce)
     if role_byte not in _ROLES or not hmac.compare_digest(expected, client_mac):
         raise ProtocolError("peer failed to authenticate (wrong or missing launch secret)")
-    return _ROLES[role_byte], _mac(secret, b"server", client_nonce, server_nonce)
+    keys = session_keys(secret, server_nonce, client_nonce, role_byte, server=True)
+    return _ROLES[role_byte], _mac(secret, b"server", client_nonce, server_nonce), keys
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> Role:
-    """Authenticate a client that connected to the launcher; return its role.
+def server_handshake(sock: socket.socket, secret: bytes) -> tuple[Role, SessionKeys]:
+    """Authenticate a client that connected to the launcher; return its role and the keys.
 
     Only fixed-size byte strings are read here: nothing is unpickled.
 
@@ -533,17 +586,17 @@ def server_handshake(sock: socket.socket, secret: bytes) -> Role:
     server_nonce = os.urandom(NONCE_BYTES)
     sock.sendall(server_greeting(server_nonce))
     reply = bytes(_recv_exact(sock, CLIENT_REPLY_BYTES))
-    role, proof = check_client_reply(secret, server_nonce, reply)
+    role, proof, keys = check_client_reply(secret, server_nonce, reply)
     sock.sendall(proof)
-    return role
+    return role, keys
 
 
 GREETING_BYTES = len(MAGIC) + NONCE_BYTES
 """Size of a server's greeting."""
 
 
-def client_reply(secret: bytes, greeting: bytes, role: Role) -> tuple[bytes, bytes]:
-    """A client's answer to the server's greeting, and the proof it expects back.
+def client_reply(secret: bytes, greeting: bytes, role: Role) -> tuple[bytes, bytes, SessionKeys]:
+    """A client's answer to the server's greeting, the proof it expects back, and its keys.
 
     Raises:
         ProtocolError: The greeting is not a torchrunx launcher's.
@@ -556,22 +609,23 @@ def client_reply(secret: bytes, greeting: bytes, role: Role) -> tuple[bytes, byt
     client_nonce = os.urandom(NONCE_BYTES)
     role_byte = b"A" if role == "agent" else b"W"
     mac = _mac(secret, b"client", role_byte, server_nonce, client_nonce)
-    return MAGIC + role_byte + client_nonce + mac, _mac(
-        secret, b"server", client_nonce, server_nonce
-    )
+    expected = _mac(secret, b"server", client_nonce, server_nonce)
+    keys = session_keys(secret, server_nonce, client_nonce, role_byte, server=False)
+    return MAGIC + role_byte + client_nonce + mac, expected, keys
 
 
-def client_handshake(sock: socket.socket, secret: bytes, role: Role) -> None:
-    """Authenticate to the launcher and check that the launcher knows the secret too.
+def client_handshake(sock: socket.socket, secret: bytes, role: Role) -> SessionKeys:
+    """Authenticate to the launcher, check that it knows the secret too; return the keys.
 
     Raises:
         ProtocolError: The server is not a torchrunx launcher of this launch.
         OSError: The connection failed or timed out.
     """
-    reply, expected = client_reply(secret, bytes(_recv_exact(sock, GREETING_BYTES)), role)
+    reply, expected, keys = client_reply(secret, bytes(_recv_exact(sock, GREETING_BYTES)), role)
     sock.sendall(reply)
     if not hmac.compare_digest(bytes(_recv_exact(sock, MAC_BYTES)), expected):
         raise ProtocolError("launcher failed to authenticate (wrong launch secret)")
+    return keys
 
 
 # --------------------------------------------------------------------------------------------
@@ -580,21 +634,74 @@ def client_handshake(sock: socket.socket, secret: bytes, role: Role) -> None:
 
 
 def encode_frame_start(message: Message, payload: Sequence[bytes | memoryview] = ()) -> bytes:
-    """The bytes of a frame before its payload parts: lengths and the pickled message."""
+    """The plaintext of a frame before its payload parts: lengths and the pickled message."""
     header = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     sizes = b"".join(_PART.pack(memoryview(part).nbytes) for part in payload)
     return _FRAME.pack(len(header), len(payload)) + sizes + header
 
 
+def frame_pieces(
+    message: Message, payload: Sequence[bytes | memoryview]
+) -> Iterator[memoryview | bytes]:
+    """A frame's plaintext in pieces of at most RECORD_BYTES, each to be sealed as one record.
+
+    The frame start is one piece (or more if it is large) and each payload part starts a new
+    piece, so a receiver decrypts a large part straight into its own buffer.
+    """
+    start = encode_frame_start(message, payload)
+    parts = [memoryview(start), *(memoryview(part).cast("B") for part in payload)]
+    for part in parts:
+        for offset in range(0, part.nbytes, RECORD_BYTES):
+            yield part[offset : offset + RECORD_BYTES]
+
+
+class Sealer:
+    """Seals one direction of a connection: each record encrypted and authenticated."""
+
+    def __init__(self, key: bytes) -> None:
+        """Seal with ``key`` (this direction's key of :class:`SessionKeys`)."""
+        self._aead = AESGCM(key)
+        self._sequence = 0
+
+    def seal(self, piece: bytes | bytearray | memoryview) -> bytearray:
+        """One record: its length (also authenticated), then the piece encrypted, then the tag.
+
+        The nonce is this direction's sequence number, so no record can be replayed, reordered
+        or dropped without the next one failing.
+        """
+        size = len(piece) + TAG_BYTES
+        record = bytearray(_RECORD.size + size)
+        header = _RECORD.pack(size)
+        record[: _RECORD.size] = header
+        with memoryview(record) as view:
+            self._aead.encrypt_into(self._next_nonce(), piece, header, view[_RECORD.size :])
+        return record
+
+    def seal_frame(
+        self, message: Message, payload: Sequence[bytes | memoryview] = ()
+    ) -> Iterator[bytearray]:
+        """The records of one frame, sealed one by one as they are taken (lazily)."""
+        return (self.seal(piece) for piece in frame_pieces(message, payload))
+
+    def _next_nonce(self) -> bytes:
+        nonce = _NONCE.pack(0, self._sequence)  # struct.error at 2**64 records: never reused
+        self._sequence += 1
+        return nonce
+
+
 class Connection:
-    """An authenticated socket that sends and receives framed messages.
+    """An authenticated socket that sends and receives framed, sealed messages.
 
     Sending is safe from several threads; receiving belongs to one reader.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
-        """Wrap an already authenticated socket."""
+    def __init__(self, sock: socket.socket, keys: SessionKeys) -> None:
+        """Wrap a socket that has completed the handshake that gave ``keys``."""
         self.sock = sock
+        self.sealer = Sealer(keys.send)
+        """Seals what this end sends; an :class:`~torchrunx.outbox.Outbox` may share it."""
+        self._reader = FrameReader(keys.receive)
+        self._frames: collections.deque[Frame] = collections.deque()
         self._send_lock = threading.Lock()
 
     def fileno(self) -> int:
@@ -608,24 +715,21 @@ class Connection:
             OSError: The connection is broken.
         """
         with self._send_lock:
-            self.sock.sendall(encode_frame_start(message, payload))
-            for part in payload:
-                self.sock.sendall(part)
+            for record in self.sealer.seal_frame(message, payload):
+                self.sock.sendall(record)
 
     def recv(self) -> tuple[Message, list[bytearray]]:
         """Receive one message and its payload parts (blocking, honouring the socket timeout).
 
         Raises:
             ConnectionError: The peer closed the connection.
-            ProtocolError: The frame is not a torchrunx message.
+            ProtocolError: A record failed authentication, or the frame is not a torchrunx
+                message; nothing of it was unpickled.
             OSError: The connection is broken or timed out.
         """
-        header_size, count = _FRAME.unpack(_recv_exact(self.sock, _FRAME.size))
-        if header_size > _MAX_HEADER or count > _MAX_PARTS:
-            raise ProtocolError(f"frame of {header_size} header bytes, {count} parts is too large")
-        sizes = [_PART.unpack_from(_recv_exact(self.sock, _PART.size))[0] for _ in range(count)]
-        message = _load_message(_recv_exact(self.sock, header_size))
-        return message, [_recv_exact(self.sock, size) for size in sizes]
+        while not self._frames:
+            self._frames.extend(self._reader.read_record(self.sock))
+        return self._frames.popleft()
 
     def close(self) -> None:
         """Close the socket; safe to call twice."""
@@ -637,81 +741,69 @@ class Connection:
 Frame = tuple["Message", list[bytearray]]
 """One received message and its payload parts."""
 
-_DIRECT = 1 << 20
-"""A frame with at least this much payload is received straight into its parts' buffers."""
-_CHUNK = 1 << 18
-
 
 def _load_message(header: memoryview | bytes | bytearray) -> Message:
-    message = pickle.loads(header)  # noqa: S301 (peer authenticated)
+    message = pickle.loads(header)  # noqa: S301 (authenticated: see Opener)
     if not isinstance(message, _MESSAGE_TYPES):
         raise ProtocolError(f"unexpected message type {type(message).__name__}")
     return message
 
 
-class FrameReader:
-    """Decodes the frames of one non-blocking socket as its bytes arrive (for an I/O loop).
-
-    Small frames are cut out of one buffer, many per ``recv``; a frame with a large payload
-    (a result of hundreds of MB) is received straight into its parts' buffers, never copied.
-    """
+class _FrameParser:
+    """Cuts authenticated plaintext into frames; a large part is filled in place."""
 
     def __init__(self) -> None:
-        """A reader at the start of a frame."""
         self._buffer = bytearray()
         self._message: Message | None = None
-        """The large frame being received into ``_parts`` (``None``: none)."""
+        """The frame whose parts are being filled (``None``: between frames)."""
         self._parts: list[bytearray] = []
         self._part = 0
         self._filled = 0
 
-    def read(self, sock: socket.socket, budget: int = 16 << 20) -> tuple[list[Frame], bool]:
-        """Read what ``sock`` holds now (about ``budget`` bytes at most); return whole frames.
+    def target(self, size: int) -> memoryview | None:
+        """Where ``size`` bytes of the current part go, if they all fit in it."""
+        if self._message is None:
+            return None
+        part = self._parts[self._part]
+        if len(part) - self._filled < size:
+            return None
+        return memoryview(part)[self._filled : self._filled + size]
 
-        Returns:
-            The frames completed, and whether the peer has closed the connection.
+    def filled(self, size: int, frames: list[Frame]) -> None:
+        """``size`` bytes were written to :meth:`target`."""
+        self._filled += size
+        self._finish(frames)
 
-        Raises:
-            ProtocolError: A frame is not a torchrunx message, or is too large.
-            OSError: The connection is broken.
-        """
-        frames: list[Frame] = []
-        received = 0
-        while received < budget:
-            try:
-                if self._message is not None:
-                    part = self._parts[self._part]
-                    count = sock.recv_into(memoryview(part)[self._filled :])
-                    self._filled += count
-                else:
-                    chunk = sock.recv(_CHUNK)
-                    count = len(chunk)
-                    self._buffer += chunk
-            except (BlockingIOError, InterruptedError):
-                return frames, False
-            if count == 0:
-                return frames, True
-            received += count
-            if self._message is not None:
-                self._finish_large(frames)
-            else:
+    def feed(self, data: bytes | bytearray, frames: list[Frame]) -> None:
+        """Take plaintext; append every frame it completes to ``frames``."""
+        with memoryview(data) as view:
+            position = self._fill(view, 0, frames)
+            if position < len(view):
+                self._buffer += view[position:]
                 self._cut(frames)
-        return frames, False
 
-    def _finish_large(self, frames: list[Frame]) -> None:
+    def _fill(self, view: memoryview, position: int, frames: list[Frame]) -> int:
+        """Copy from ``view[position:]`` into the current frame's parts; the new position."""
+        while self._message is not None and position < len(view):
+            part = self._parts[self._part]
+            take = min(len(part) - self._filled, len(view) - position)
+            part[self._filled : self._filled + take] = view[position : position + take]
+            self._filled += take
+            position += take
+            self._finish(frames)
+        return position
+
+    def _finish(self, frames: list[Frame]) -> None:
         while self._part < len(self._parts) and self._filled == len(self._parts[self._part]):
             self._part, self._filled = self._part + 1, 0
-        if self._part == len(self._parts):
-            assert self._message is not None  # noqa: S101 (in a large frame)
+        if self._message is not None and self._part == len(self._parts):
             frames.append((self._message, self._parts))
             self._message, self._parts, self._part, self._filled = None, [], 0, 0
 
     def _cut(self, frames: list[Frame]) -> None:
-        """Cut every whole frame out of the buffer; start a large frame's direct read."""
         buffer, start = self._buffer, 0
-        view = memoryview(buffer)
-        try:
-            while len(buffer) - start >= _FRAME.size:
+        with memoryview(buffer) as view:
+            while self._message is None and len(buffer) - start >= _FRAME.size:
                 header_size, count = _FRAME.unpack_from(buffer, start)
                 if header_size > _MAX_HEADER or count > _MAX_PARTS:
                     raise ProtocolError(
@@ -725,27 +817,138 @@ class FrameReader:
                     _PART.unpack_from(buffer, start + _FRAME.size + _PART.size * index)[0]
                     for index in range(count)
                 ]
-                total = sum(sizes)
-                if len(buffer) - end < total < _DIRECT:
-                    break  # the rest comes later; the (small) header is parsed again then
-                message = _load_message(view[body:end])
-                parts = [bytearray(size) for size in sizes]
-                for index, part in enumerate(parts):  # a large frame's rest is read in place
-                    have = min(len(part), len(buffer) - end)
-                    part[:have] = view[end : end + have]
-                    end += have
-                    if have < len(part):
-                        self._message, self._parts = message, parts
-                        self._part, self._filled = index, have
-                        break
-                start = end
-                if self._message is not None:
-                    self._finish_large(frames)
-                    break
-                frames.append((message, parts))
-        finally:
-            view.release()
+                self._message = _load_message(view[body:end])
+                self._parts = [bytearray(size) for size in sizes]
+                self._finish(frames)  # a frame without parts (or empty ones) is complete
+                start = self._fill(view, end, frames)
         del buffer[:start]
+
+
+class FrameReader:
+    """Opens the records of one direction of a connection and decodes the frames in them.
+
+    A record is opened (decrypted and its tag checked) before any byte of it is looked at:
+    one that fails raises :class:`ProtocolError`, and nothing of it, or after it, is ever
+    unpickled. Records are read as they come on a non-blocking socket (:meth:`read`, for an
+    I/O loop) or one at a time on a blocking one (:meth:`read_record`). A large payload
+    part is decrypted straight into its own buffer.
+    """
+
+    def __init__(self, key: bytes) -> None:
+        """Open with ``key`` (the peer's sending key)."""
+        self._aead = AESGCM(key)
+        self._sequence = 0
+        self._raw = bytearray(_RECORD.size + _MAX_RECORD)
+        self._have = 0
+        self._parser = _FrameParser()
+
+    def read(self, sock: socket.socket, budget: int = 16 << 20) -> tuple[list[Frame], bool]:
+        """Read what ``sock`` holds now (about ``budget`` bytes at most); return whole frames.
+
+        Returns:
+            The frames completed, and whether the peer has closed the connection.
+
+        Raises:
+            ProtocolError: A record failed authentication, or a frame is not a torchrunx
+                message, or is too large.
+            OSError: The connection is broken.
+        """
+        frames: list[Frame] = []
+        received = 0
+        while received < budget:
+            try:
+                with memoryview(self._raw) as view:
+                    count = sock.recv_into(view[self._have :])
+            except (BlockingIOError, InterruptedError):
+                return frames, False
+            if count == 0:
+                return frames, True
+            received += count
+            self._have += count
+            self._open_all(frames)
+        return frames, False
+
+    def read_record(self, sock: socket.socket) -> list[Frame]:
+        """Read and open exactly one record from a blocking ``sock``; the frames it completed.
+
+        Raises:
+            ConnectionError: The peer closed the connection.
+            ProtocolError: As for :meth:`read`.
+            OSError: The connection is broken or timed out.
+        """
+        if self._have:
+            raise ProtocolError("read_record after read: one reading style per connection")
+        with memoryview(self._raw) as view:
+            _recv_exact_into(sock, view[: _RECORD.size])
+            size = self._record_size(0)
+            _recv_exact_into(sock, view[_RECORD.size : _RECORD.size + size])
+            frames: list[Frame] = []
+            self._open(view[: _RECORD.size + size], frames)
+        return frames
+
+    def open_record(self, record: bytes | bytearray) -> list[Frame]:
+        """Open one whole record (its length header included); the frames it completed."""
+        frames: list[Frame] = []
+        with memoryview(record) as view:
+            if len(view) < _RECORD.size or self._record_size_of(view) != len(view) - 4:
+                raise ProtocolError("a record's length does not match its header")
+            self._open(view, frames)
+        return frames
+
+    def _record_size(self, start: int) -> int:
+        with memoryview(self._raw) as view:
+            return self._record_size_of(view[start:])
+
+    @staticmethod
+    def _record_size_of(view: memoryview) -> int:
+        (size,) = _RECORD.unpack_from(view)
+        if not TAG_BYTES <= size <= _MAX_RECORD:
+            raise ProtocolError(f"record of {size} bytes: not a torchrunx record")
+        return int(size)
+
+    def _open_all(self, frames: list[Frame]) -> None:
+        start = 0
+        with memoryview(self._raw) as view:
+            while self._have - start >= _RECORD.size:
+                end = start + _RECORD.size + self._record_size(start)
+                if end > self._have:
+                    break
+                self._open(view[start:end], frames)
+                start = end
+            if start:
+                view[: self._have - start] = view[start : self._have]
+                self._have -= start
+
+    def _open(self, record: memoryview, frames: list[Frame]) -> None:
+        header, sealed = record[: _RECORD.size], record[_RECORD.size :]
+        nonce = _NONCE.pack(0, self._sequence)
+        self._sequence += 1
+        size = len(sealed) - TAG_BYTES
+        try:
+            target = self._parser.target(size)
+            if target is not None:
+                with target:
+                    self._aead.decrypt_into(nonce, sealed, header, target)
+                self._parser.filled(size, frames)
+            else:
+                self._parser.feed(self._aead.decrypt(nonce, sealed, header), frames)
+        except InvalidTag:
+            raise ProtocolError(
+                "a record failed authentication (altered, injected, replayed, reordered or "
+                "dropped on the way, or sealed with another key): the connection is dropped"
+            ) from None
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    received = 0
+    size = len(view)
+    # On blocking sockets, MSG_WAITALL reads large records in few syscalls (and GIL hand-offs).
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
+    while received < size:
+        count = sock.recv_into(view[received:], size - received, flags)
+        if count == 0:
+            raise ConnectionError("connection closed by peer")
+        received += count
 
 
 def connect(address: tuple[str, int], secret: bytes, role: Role, timeout: float) -> Connection:
@@ -758,9 +961,9 @@ def connect(address: tuple[str, int], secret: bytes, role: Role, timeout: float)
     sock = socket.create_connection(address, timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_handshake(sock, secret, role)
+        keys = client_handshake(sock, secret, role)
     except BaseException:
         sock.close()
         raise
     sock.settimeout(None)
-    return Connection(sock)
+    return Connection(sock, keys)
