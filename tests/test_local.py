@@ -18,8 +18,9 @@ import pytest
 
 import torchrunx as trx
 from torchrunx import listener as listener_module
+from torchrunx import protocol
 from torchrunx.inbox import Inbox
-from torchrunx.protocol import MAGIC, AgentDone, LogLines
+from torchrunx.protocol import MAGIC, AgentDone, AgentHello, LogLines, WorkerHello, WorkerResult
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -322,6 +323,59 @@ def test_main_module_exception_class_and_function_round_trip(tmp_path):
     assert "caught MainError: defined in __main__ | cause: RemoteTraceback" in out.stdout, (
         out.stderr
     )
+
+
+def test_a_peer_with_the_secret_cannot_speak_for_another_role(monkeypatch, capsys, log_dir):
+    """Roles are enforced: a worker's connection cannot send an agent's messages, and back."""
+    secrets: list[bytes] = []
+    real_secret = protocol.new_secret
+
+    def spy_secret() -> bytes:
+        secrets.append(real_secret())
+        return secrets[-1]
+
+    monkeypatch.setattr(protocol, "new_secret", spy_secret)
+    listeners: list[socket.socket] = []
+    real_listen = listener_module.listen_socket
+
+    def spy_listen(*args: object, **kwargs: object) -> socket.socket:
+        listeners.append(real_listen(*args, **kwargs))  # type: ignore[arg-type]
+        return listeners[-1]
+
+    monkeypatch.setattr(listener_module, "listen_socket", spy_listen)
+    outcome: dict[str, object] = {}
+
+    def run_launch() -> None:
+        outcome["result"] = trx.launch(
+            time.sleep, (4,), hostnames=["localhost"], workers_per_host=1, backend=None
+        )
+
+    thread = threading.Thread(target=run_launch)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not listeners and time.monotonic() < deadline:
+        time.sleep(0.05)
+    address = ("127.0.0.1", listeners[0].getsockname()[1])
+    forged = LogLines(((0, 50, "forged", "FORGED LOG LINE", 0.0),))
+    attempts: list[tuple[protocol.Role, list[protocol.Message]]] = [
+        ("worker", [AgentHello(0, "localhost", 1, 1, 1)]),  # a worker claiming to be an agent
+        ("worker", [forged]),  # an agent's message as a worker's first
+        ("worker", [WorkerHello(rank=99, local_rank=0, pid=1, attempt=0), forged]),
+        ("agent", [WorkerResult(rank=0), forged]),  # a worker's message as an agent's first
+    ]
+    for role, messages in attempts:
+        conn = protocol.connect(address, secrets[0], role, timeout=10)
+        for message in messages:
+            with contextlib.suppress(OSError):
+                conn.send(message)
+        conn.sock.settimeout(10)
+        with pytest.raises(ConnectionError):  # dropped: EOF, or a reset (not a timeout)
+            conn.recv()
+        conn.close()
+    thread.join(60)
+    assert outcome["result"].ranks == [None]  # the launch itself was not disturbed
+    assert "FORGED" not in capsys.readouterr().out
+    assert "FORGED" not in "".join(p.read_text() for p in log_dir.rglob("*.log"))
 
 
 def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(
