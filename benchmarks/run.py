@@ -40,6 +40,7 @@ from cases import (
     Tool,
     build_cases,
     median,
+    throughput,
     with_backend,
 )
 from harness import Context, compile_ours, ensure_upstream_venv, log, measure
@@ -225,6 +226,9 @@ def summary(outcome: Outcome) -> str:
         parts.append("walls " + ", ".join(f"{w:.2f}" for w in outcome.walls))
     if outcome.latency is not None:
         parts.append(f"latency {outcome.latency:.2f}")
+    rate = throughput(outcome)
+    if rate is not None:
+        parts.append(f"tensor ready to result {outcome.transfer:.2f} s, {rate:,.0f} MB/s")
     if outcome.error:
         parts.append(f"error {outcome.error[:160]}")
     if outcome.capped:
