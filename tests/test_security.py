@@ -54,8 +54,8 @@ TIMEOUT = 5.0
 
 def accepted_connection(sock: socket.socket, secret: bytes) -> protocol.Connection:
     """The launcher's side of a connection: the handshake on an accepted socket, then frames."""
-    protocol.server_handshake(sock, secret)
-    return protocol.Connection(sock)
+    _role, keys = protocol.server_handshake(sock, secret)
+    return protocol.Connection(sock, keys)
 
 
 def client_connection(address: tuple[str, int], secret: bytes) -> protocol.Connection:
