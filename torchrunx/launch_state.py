@@ -97,6 +97,8 @@ class Phase(str, enum.Enum):
     STOPPING = "stopping after a failure"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    IDLE = "idle"
+    """Warm agents between runs."""
 
 
 FaultKind = Literal[
@@ -362,7 +364,9 @@ class LaunchState:
 
         A reply about an earlier attempt (it crossed a restart) changes nothing.
         """
-        if message.attempt != self.attempt:
+        # Before this attempt's specs are out, any earlier attempt's reply means the same: the
+        # agent waits for a spec (warm agents between runs; an agent slow to stop).
+        if message.attempt != self.attempt and (self.ranks or message.attempt > self.attempt):
             return False
         agent.free_port, agent.ready = message.free_port, True
         return True
