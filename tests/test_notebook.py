@@ -115,7 +115,7 @@ def test_the_warm_agents_notebook_runs_twice_on_the_same_agents(tmp_path, monkey
 
 def test_killing_the_kernel_ends_its_warm_agents(tmp_path, monkeypatch):
     """The kernel dies without closing them: the agents see it and end by themselves."""
-    from tests.conftest import torchrunx_processes
+    from conftest import torchrunx_processes
 
     nbclient, nbformat = _notebook_modules()
     monkeypatch.setenv(

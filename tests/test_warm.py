@@ -13,9 +13,9 @@ import threading
 import time
 
 import pytest
+from conftest import torchrunx_processes
 
 import torchrunx as trx
-from tests.conftest import torchrunx_processes
 
 
 def who() -> tuple[int, int, int]:

@@ -337,6 +337,7 @@ class Launch:
         st.history = []
         self.extra_failures = []
         st.degraded = False
+        st.between_runs = True
         st.phase = Phase.IDLE
 
     def idle(self, stop: Callable[[], bool]) -> None:
