@@ -49,6 +49,15 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
             r"loaded after 30 steps: weights \[1\.0, 2\.0, 3\.0\]",
         ],
     ),
+    "11_warm_sweep.py": (
+        ["--lrs", "0.05", "1000", "0.2", "--steps", "20"],
+        [
+            r"lr=0\.05: loss [\d.]+, call to result [\d.]+ s, of which training [\d.]+ s",
+            r"lr=1000\.0: failed \(lr=1000\.0 diverged: loss (nan|inf)\); the agents stay .+",
+            r"lr=0\.2: loss [\d.]+, call to result [\d.]+ s, of which training [\d.]+ s",
+            r"best lr 0\.2 of 3 runs on the same agents",
+        ],
+    ),
 }
 
 

@@ -315,3 +315,19 @@ def test_a_stop_does_not_wait_for_the_ranks_of_a_lost_agent():
     assert not state.ranks_known  # the lost host's rank: its link is cut, it never says
     state.move_agent(state.agents[1], AgentState.LOST)
     assert state.ranks_known
+
+
+def test_between_warm_runs_a_late_reply_of_the_last_run_means_the_agent_waits():
+    state = running_launch(1, 1)
+    agent = state.agents[0]
+    state.next_attempt()  # the run failed; the agent was slow to stop its workers
+    state.between_runs = True
+    assert not state.workers_ended(agent, WorkersEnded(29501, attempt=2))  # not from the future
+    assert state.workers_ended(agent, WorkersEnded(29501, attempt=0))  # late, but it waits now
+    assert agent.ready
+    spec = state.agents[0].spec
+    assert spec is not None
+    state.assign(agent, spec)  # the next run's spec is out: late replies are stale again
+    assert not state.between_runs
+    assert not state.workers_ended(agent, WorkersEnded(29502, attempt=0))
+    assert not agent.ready

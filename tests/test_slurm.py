@@ -159,3 +159,40 @@ def test_nodelist_parser_agrees_with_scontrol(slurm):
         completed = slurm.run(["scontrol", "show", "hostnames", form])
         assert completed.returncode == 0, completed.stderr
         assert expand_nodelist(form) == completed.stdout.split(), form
+
+
+WARM_SCRIPT = r"""
+import os, subprocess, sys
+import torchrunx as trx
+
+def where():
+    return os.environ["SLURMD_NODENAME"], os.getppid()
+
+def steps():
+    out = subprocess.run(["squeue", "-h", "-s", "-j", sys.argv[1], "-o", "%i %j"],
+                         capture_output=True, text=True, check=True).stdout
+    return sorted(line.split()[1] for line in out.splitlines())
+
+with trx.Launcher(agent_start="srun").warm() as warm:
+    first, second = warm.run(where).ranks, warm.run(where).ranks
+    print("nodes", [node for node, _ in first])
+    print("same agents", first == second)
+    print("steps during", len(steps()))
+print("steps after", steps())
+"""
+
+
+def test_warm_agents_in_an_allocation_are_srun_steps_that_end_with_the_block(slurm, tmp_path):
+    script = tmp_path / "warm.py"
+    script.write_text(WARM_SCRIPT)
+    result = slurm.sbatch(
+        f'{shlex.quote(sys.executable)} {shlex.quote(str(script))} "$SLURM_JOB_ID"\n',
+        nodes=2,
+        extra_args=["--ntasks-per-node=1"],
+    )
+    assert result.exit_code == 0, result
+    lines = result.stdout.splitlines()
+    assert "nodes ['snode1', 'snode2']" in lines, result
+    assert "same agents True" in lines, result
+    assert "steps during 2" in lines, result  # the batch step and snode2's agent step
+    assert "steps after ['batch']" in lines, result

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher import Launcher, launch
     from torchrunx.logs import add_filter_to_handler, file_handler, stream_handler
     from torchrunx.results import LaunchResult, LaunchTimings
+    from torchrunx.warm import WarmLauncher
 
 __version__ = "0.5.0"
 """The release: the successor of the original torchrunx 0.4 (pyproject.toml reads it here)."""
@@ -46,6 +47,7 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "Launcher",
     "SerializationError",
     "TorchrunxError",
+    "WarmLauncher",
     "WorkerFailedError",
     "WorkerRaisedError",
     "WorkerState",
@@ -78,6 +80,7 @@ _HOME = {
     "stream_handler": "torchrunx.logs",
     "LaunchResult": "torchrunx.results",
     "LaunchTimings": "torchrunx.results",
+    "WarmLauncher": "torchrunx.warm",
 }
 
 _SUBMODULES = frozenset({"timer", "events", "hosts"})

@@ -197,8 +197,11 @@ class Agent:
         while received is not None:
             spec, payload = received
             self.run_workers(spec, payload)
-            # With restarts left, the agent stays: another host's worker may still fail.
-            may_restart = self.restart_requested or spec.attempt < spec.max_restarts
+            # With restarts left, the agent stays: another host's worker may still fail. Warm
+            # agents stay for the next run until told to stop for good.
+            may_restart = (
+                self.boot.warm or self.restart_requested or spec.attempt < spec.max_restarts
+            )
             if self.final_stop or not may_restart or not self.prepare_restart():
                 break
             received = self.receive_spec()

@@ -10,6 +10,7 @@ in :mod:`torchrunx.transport`; what a started agent says comes on its connection
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 from collections.abc import Callable
@@ -176,9 +177,16 @@ class AgentPool:
             self._forget_fds(host_index)
         processes = [(p, index in lost) for index, p in self.processes.items()]
         everything = [*processes, *self.retired]
-        with ThreadPoolExecutor(
-            max_workers=max(1, min(START_THREADS, len(everything))),
-            thread_name_prefix="torchrunx-close",
-        ) as closers:
-            for process, was_lost in everything:
-                closers.submit(process.close, 0.0 if was_lost else 5.0)
+        pending = collections.deque(everything)
+        try:
+            with ThreadPoolExecutor(
+                max_workers=max(1, min(START_THREADS, len(everything))),
+                thread_name_prefix="torchrunx-close",
+            ) as closers:
+                while pending:
+                    process, was_lost = pending[0]
+                    closers.submit(process.close, 0.0 if was_lost else 5.0)
+                    pending.popleft()
+        except RuntimeError:  # at interpreter exit (warm agents) no thread starts: in turn
+            for process, was_lost in pending:
+                process.close(0.0 if was_lost else 5.0)

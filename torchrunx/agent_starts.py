@@ -49,6 +49,8 @@ class AgentStarts:
     log_level: int
     emit: Callable[[int, Record], None]
     """Where an agent's own stdout and stderr lines go: ``(host index, log record)``."""
+    warm: bool = False
+    """Warm agents: they stay after each run for the next (see :mod:`torchrunx.warm`)."""
     script: bytes = b""
     local_env: dict[str, str] = field(default_factory=local_agent_env)
     """This machine's agents start with the launcher's environment."""
@@ -139,6 +141,7 @@ class AgentStarts:
             log_level=self.log_level,
             sys_path=tuple(sys.path),
             count=count_mode(self.launcher.workers_per_host),
+            warm=self.warm,
         ).to_json_line()
 
 

@@ -97,6 +97,8 @@ class Phase(str, enum.Enum):
     STOPPING = "stopping after a failure"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    IDLE = "idle"
+    """Warm agents between runs."""
 
 
 FaultKind = Literal[
@@ -208,6 +210,8 @@ class LaunchState:
     phase: Phase = Phase.STARTING_AGENTS
     attempt: int = 0
     stopping: bool = False
+    between_runs: bool = False
+    """Warm agents after a run, until the next run's specs are sent."""
     degraded: bool = False
     """Something failed; healthy again once a restart's workers all run."""
     agents_started_after: float = 0.0
@@ -362,7 +366,10 @@ class LaunchState:
 
         A reply about an earlier attempt (it crossed a restart) changes nothing.
         """
-        if message.attempt != self.attempt:
+        # Between warm runs, an earlier attempt's reply means the same (an agent that was slow
+        # to stop the last run's workers): the agent waits for a spec.
+        late = self.between_runs and message.attempt < self.attempt
+        if message.attempt != self.attempt and not late:
             return False
         agent.free_port, agent.ready = message.free_port, True
         return True
@@ -389,6 +396,7 @@ class LaunchState:
 
     def assign(self, agent: AgentRecord, spec: WorkerSpec) -> None:
         """Give ``agent`` its workers of this attempt (ranks ``rank_offset`` onwards)."""
+        self.between_runs = False
         agent.spec, agent.ready, agent.pids = spec, False, ()
         self.ranks.extend(
             RankRecord(spec.rank_offset + local, agent.index, local)

@@ -61,6 +61,7 @@ from torchrunx.transport import (
     resolve_ssh_target,
     srun_command,
 )
+from torchrunx.warm import WarmLauncher
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -261,8 +262,30 @@ them, that receive every record."""
         finally:
             launch.close()
         return LaunchResult(
-            tuple(h.hostname for h in hosts), per_host, launch.state.attempt, launch.timings()
+            tuple(h.hostname for h in hosts), per_host, launch.restarts, launch.timings()
         )
+
+    def warm(self) -> WarmLauncher:
+        """Start the agents now and keep them for many runs, each on fresh workers.
+
+        Use the result as a context manager (the agents end with the block), or call its
+        ``close()``; see :mod:`torchrunx.warm` for what persists between runs.
+
+        Raises:
+            ValueError: A field is invalid (raised before any host is touched).
+            AgentFailedError: An agent could not be started or did not connect.
+        """
+        self.validate()
+        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
+        methods = start_methods(self.agent_start, [h.hostname for h in hosts])
+        launch = Launch(self, hosts, methods, [], warm=True)
+        try:
+            with _sigterm_raises_system_exit():
+                launch.open()
+        except BaseException:
+            launch.close()
+            raise
+        return WarmLauncher(self, launch)
 
     def validate(self) -> None:
         """Check every field; raise a clear error before anything starts.

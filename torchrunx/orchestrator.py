@@ -97,7 +97,7 @@ class _Failed(Exception):  # noqa: N818 (control flow inside this module)
 class Launch:
     """One launch in progress; owned by the thread that calls :meth:`execute`."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a launch's inputs, and how agents start)
         self,
         launcher: Launcher,
         hosts: list[HostSlots],
@@ -105,6 +105,7 @@ class Launch:
         call: list[memoryview],
         *,
         starter: Starter | None = None,
+        warm: bool = False,
     ) -> None:
         """Open the logs, the listening socket and the loop; nothing is started yet.
 
@@ -152,6 +153,7 @@ class Launch:
             self.secret,
             self.logs.level,
             lambda index, record: self.logs.emit_batch(index, 0, (record,)),
+            warm=warm,
         )
         self.pool = AgentPool(
             self.loop,
@@ -170,14 +172,31 @@ class Launch:
         self.extra_failures: list[str] = []
         self.health: HealthServer | None = None
         self._next_tick = 0.0
+        self.warm = warm
+        """Warm agents: they stay after each run for the next, until :meth:`close`."""
+        self.run_started = 0.0
+        self.first_attempt = 0
+        """The attempt the current run started with (runs of warm agents go on counting)."""
+        self.restarts = 0
+        """Restarts the last successful run needed."""
+        self.timings_of_run: LaunchTimings | None = None
+        """The last successful warm run's timings (its ranks are forgotten after it)."""
 
     # -- the launch, in order ------------------------------------------------------------
 
     def execute(self) -> tuple[tuple[Any, ...], ...]:
-        """Run every phase; return the unpickled results per host."""
+        """Run every phase of a one-shot launch; return the unpickled results per host."""
+        self.open()
+        return self.run_call(self.call)
+
+    def open(self) -> None:
+        """Start the agents and wait until every one has said hello.
+
+        Raises:
+            AgentFailedError: An agent could not start or connect (the others are stopped).
+        """
         st = self.state
-        limit = self.launcher.launch_timeout
-        deadline = None if limit is None else st.started + limit
+        deadline = self._deadline(st.started)
         self._open_health()
         self.sink.emit(
             LaunchStarted(
@@ -198,7 +217,28 @@ class Launch:
                     self._start_timed_out()
             if st.failed:
                 raise _Failed  # noqa: TRY301 (stopped and reported below, like every failure)
-            st.agents_started_after = time.monotonic() - st.started
+        except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
+            error = self._end_with_failure(exc, final=True)
+            raise error from error.__cause__
+        st.agents_started_after = time.monotonic() - st.started
+        for agent in st.agents:  # each waits for its first spec
+            agent.ready = True
+
+    def run_call(self, call: list[memoryview]) -> tuple[tuple[Any, ...], ...]:
+        """Run one call on fresh workers of the started agents; the results per host.
+
+        A one-shot launch runs one call and its failure stops the agents. Warm agents stay
+        after a failure (this run's workers stopped), ready for the next call.
+        """
+        st = self.state
+        self.call = call
+        self.run_started = time.monotonic()
+        self.first_attempt = st.attempt
+        deadline = self._deadline(self.run_started if self.warm else st.started)
+        try:
+            if self.warm:
+                self._prepare_run(deadline)
+                self.first_attempt = st.attempt
             while True:
                 self._send_specs()
                 self._run_until(lambda: st.finished, deadline)
@@ -207,17 +247,30 @@ class Launch:
                 if st.finished and not st.failed:
                     break
                 self._restart_or_raise(deadline)
-            st.finished_after = time.monotonic() - st.started
+            st.finished_after = time.monotonic() - (self.run_started if self.warm else st.started)
             results = self._collect()
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
-            error = self._end_with_failure(exc)
+            error = self._end_with_failure(exc, final=not self.warm)
+            if self.warm:
+                self._next_run()
             raise error from error.__cause__
         st.phase = Phase.SUCCEEDED
         self._emit_finished(None)
+        self.restarts = st.attempt - self.first_attempt
+        if self.warm:
+            self.timings_of_run = self.timings()
+            self._next_run()
         return results
 
-    def _end_with_failure(self, exc: BaseException) -> BaseException:
-        """Record what ended the launch, stop everything (bounded), and build the error."""
+    def _deadline(self, start: float) -> float | None:
+        limit = self.launcher.launch_timeout
+        return None if limit is None else start + limit
+
+    def _end_with_failure(self, exc: BaseException, *, final: bool) -> BaseException:
+        """Record what ended the run, stop the workers (bounded), and build the error.
+
+        ``final``: stop the agents too (warm agents stay for the next run otherwise).
+        """
         st = self.state
         if not isinstance(exc, _Failed):
             # Ctrl-C, SIGTERM, or a failure of the launcher itself: it comes first, even in the
@@ -226,7 +279,9 @@ class Launch:
         st.phase = Phase.STOPPING
         st.degraded = True
         try:
-            if not self._all_over():
+            if not final:
+                self._stop(restart=True, dump=True)
+            elif not self._all_over():
                 self._stop(restart=False)
         except (KeyboardInterrupt, SystemExit) as again:  # a second Ctrl-C: stop waiting
             self.inbox.fault("launch", again, time.time())
@@ -236,18 +291,85 @@ class Launch:
         self._emit_finished(error)
         return error
 
+    # -- warm agents: between runs ------------------------------------------------------------
+
+    def _prepare_run(self, deadline: float | None) -> None:
+        """Before a warm run: wait for agents still stopping; replace those that ended."""
+        st = self.state
+        since_last = st.faults  # agents lost or dead while idle: no run's failure
+        st.faults = []
+        st.stopping = True  # an agent's end now is this preparation's, not the run's
+        try:
+            self._run_until(
+                lambda: all(a.ready or a.over or a.conn is None for a in st.agents),
+                _earliest(time.monotonic() + _STOP_WAIT, deadline),
+            )
+        finally:
+            st.stopping = False
+        gone = [a for a in st.agents if not a.ready]
+        if not gone:
+            return
+        names = [a.slots.hostname for a in gone]
+        if "hosts" not in self.launcher.restart_on:
+            why = "; ".join(dict.fromkeys(summary(f.error) for f in since_last))
+            raise AgentFailedError(
+                names[0],
+                f"the warm agents of {names} ended or stopped answering since the last run"
+                + (f" ({why})" if why else "")
+                + "; add 'hosts' to restart_on to start new ones at the next run, or open "
+                "new warm agents",
+            )
+        logger.warning("starting new agents on %s before this run", names)
+        self._replace_agents(deadline)
+        unready = [a.slots.hostname for a in st.agents if not a.ready]
+        if unready:
+            self.extra_failures.append(f"new agents were started, but those of {unready} did not")
+            raise _Failed
+        st.next_attempt()
+
+    def _next_run(self) -> None:
+        """After a warm run: forget its ranks and failures; the agents stay."""
+        st = self.state
+        ready = [a.ready for a in st.agents]
+        st.next_attempt()
+        for agent, was_ready in zip(st.agents, ready, strict=True):
+            agent.ready = was_ready  # waiting for a spec (the next run checks)
+        st.history = []
+        self.extra_failures = []
+        st.degraded = False
+        st.between_runs = True
+        st.phase = Phase.IDLE
+
+    def idle(self, stop: Callable[[], bool]) -> None:
+        """Between warm runs: heartbeats, and noting agents that end, until ``stop()``."""
+        st = self.state
+        stopping, st.stopping = st.stopping, True  # an agent's end now is no run's failure
+        try:
+            while not stop():
+                now = time.monotonic()
+                if now >= self._next_tick:
+                    self._tick(now)
+                    self._next_tick = now + _TICK
+                wake = _earliest(self._next_tick, st.next_due(), self.listener.next_deadline)
+                self.loop.run_once(max(0.0, (wake or now) - now))
+                self._apply_queue()
+        finally:
+            st.stopping = stopping
+
     def _restart_or_raise(self, deadline: float | None) -> None:
         """After a failure: stop the workers, find the cause, then restart or raise it."""
         st = self.state
-        may_restart = st.attempt < self.launcher.max_restarts and self._provisionally_restartable()
-        self._stop(restart=may_restart)
+        restarts = st.attempt - self.first_attempt
+        may_restart = restarts < self.launcher.max_restarts and self._provisionally_restartable()
+        # Warm agents stay either way: only this run's workers are stopped.
+        self._stop(restart=may_restart or self.warm, dump=not may_restart)
         cause = choose_cause(st.faults)
         if not (
             may_restart
             and restartable(
                 cause,
                 self.launcher.restart_on,
-                attempt=st.attempt,
+                attempt=restarts,
                 max_restarts=self.launcher.max_restarts,
             )
         ):
@@ -290,6 +412,7 @@ class Launch:
                 log_level=self.logs.level,
                 attempt=st.attempt,
                 max_restarts=self.launcher.max_restarts,
+                restarts=st.attempt - self.first_attempt,
             )
             st.assign(agent, spec)
             if st.attempt == 0:
@@ -377,7 +500,7 @@ class Launch:
     def _all_over(self) -> bool:
         return all(a.over or a.conn is None for a in self.state.agents)
 
-    def _stop(self, *, restart: bool) -> None:
+    def _stop(self, *, restart: bool, dump: bool | None = None) -> None:
         """Tell the agents to stop their workers; wait (bounded) until every end is known."""
         st = self.state
         st.stopping = True
@@ -391,7 +514,9 @@ class Launch:
         else:
             reason = (exception_text(error).splitlines() or [type(error).__name__])[0]
         # Stacks tell where the survivors were stuck; after a Ctrl-C the user knows why.
-        dump = not isinstance(error, KeyboardInterrupt | SystemExit) and not restart
+        if dump is None:
+            dump = not restart
+        dump = dump and not isinstance(error, KeyboardInterrupt | SystemExit)
         stop = Stop(reason, STOP_GRACE, dump_stacks=dump, restart=restart, attempt=st.attempt)
         if not restart:
             self.inbox.final_stop = stop  # also for an agent whose start completes meanwhile
@@ -413,12 +538,13 @@ class Launch:
         """Restart the worker group on the agents, replacing lost ones if asked to."""
         st = self.state
         reason = summary(cause.error)
-        st.history.append(f"attempt {st.attempt}: {reason}")
+        restarts = st.attempt - self.first_attempt
+        st.history.append(f"attempt {restarts}: {reason}")
         st.phase = Phase.RESTARTING
-        self.sink.emit(Restarting(st.attempt + 1, self.launcher.max_restarts, reason))
+        self.sink.emit(Restarting(restarts + 1, self.launcher.max_restarts, reason))
         logger.warning(
             "restarting the workers (restart %d of %d) after: %s",
-            st.attempt + 1,
+            restarts + 1,
             self.launcher.max_restarts,
             reason,
         )
@@ -514,7 +640,7 @@ class Launch:
         self.sink.emit(
             LaunchFinished(
                 succeeded=error is None,
-                attempts=self.state.attempt + 1,
+                attempts=self.state.attempt - self.first_attempt + 1,
                 duration=time.monotonic() - self.state.started,
                 error=None if error is None else summary(error),
             )
@@ -546,6 +672,18 @@ class Launch:
         return self.state.timings(connect)
 
     # -- the end ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """End warm agents that wait between runs: a final Stop, then their AgentDone (bounded)."""
+        st = self.state
+        stop = Stop("the warm agents were closed", STOP_GRACE, restart=False, attempt=st.attempt)
+        self.inbox.final_stop = stop
+        st.stopping = True
+        for agent in st.agents:
+            if agent.conn is not None and not agent.over:
+                self.inbox.peer_of(agent).send(stop)
+        self._run_until(self._all_over, time.monotonic() + _STOP_WAIT)
+        self._apply_queue()
 
     def close(self) -> None:
         """Release everything: agents, connections, the port, the loop, and helper threads."""

@@ -119,6 +119,8 @@ class AgentBootstrap:
     count: str = "auto"
     """What the agent counts when ``workers`` is None: "auto" (GPUs, else CPU cores), "gpu"
     or "cpu" (``workers_per_host`` of that name)."""
+    warm: bool = False
+    """Stay after each run's workers end, for the next run, until a final Stop (warm agents)."""
 
     def to_json_line(self) -> bytes:
         """Encode as one line of JSON (the secret as hex), ending with a newline."""
@@ -134,6 +136,7 @@ class AgentBootstrap:
             "agent_timeout": self.agent_timeout,
             "log_level": self.log_level,
             "sys_path": list(self.sys_path),
+            "warm": self.warm,
         }
         return json.dumps(data).encode() + b"\n"
 
@@ -168,6 +171,7 @@ class AgentBootstrap:
             log_level=fields.integer("log_level", minimum=0),
             sys_path=fields.paths("sys_path"),
             count=fields.choice("count", COUNT_MODES, default="auto"),
+            warm=fields.boolean("warm"),
         )
         fields.no_others()
         return bootstrap
@@ -314,8 +318,11 @@ class WorkerSpec:
     log_level: int = 20
     """Level of the workers' root logger (``TORCHRUNX_LOG_LEVEL``)."""
     attempt: int = 0
-    """0 for the first worker group, n for the n-th restart."""
+    """Numbers every worker group of the agents' life: 0 first, then one more for each
+    restart and (warm agents) each run. Replies name it, so a late one is told apart."""
     max_restarts: int = 0
+    restarts: int = 0
+    """Restarts so far in this run (``TORCHELASTIC_RESTART_COUNT``); ``attempt`` in a launch."""
 
 
 @dataclass(frozen=True)

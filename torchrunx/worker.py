@@ -153,7 +153,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
             group_rank=spec.host_index,
             master_addr=spec.master_addr,
             master_port=spec.master_port,
-            attempt=spec.attempt,
+            attempt=spec.restarts,
             max_restarts=spec.max_restarts,
         )
     )
