@@ -60,6 +60,18 @@ def return_at_once(scratch: str) -> int:
     return rank()
 
 
+def start_time(scratch: str) -> tuple[float, int]:
+    """Return when the function began, and the parent's pid (the agent, in every launcher).
+
+    The time is also appended to ``starts-<rank>``: over launches back to back in one process
+    (``driver.py``, whose report keeps only rank 0's value), line ``i`` is launch ``i``'s.
+    """
+    now = time.time()
+    with Path(scratch, f"starts-{rank()}").open("a") as f:
+        f.write(f"{now!r}\n")
+    return now, os.getppid()
+
+
 def raise_in_rank0(scratch: str) -> None:
     """Rank 0 raises while the others wait in ``barrier()``."""
     started(scratch)
