@@ -1,7 +1,8 @@
 """Warm agents: start the agents once, then run many functions on fresh workers.
 
 :meth:`torchrunx.Launcher.warm` starts one agent per host (over SSH, ``srun`` or locally, as a
-launch does) and waits until each has connected back and imported torch. Every
+launch does) and waits until each has connected back; each agent then imports torch in the
+background, which the first run waits for if it is not done yet. Every
 :meth:`WarmLauncher.run` then only sends the call: each agent forks fresh workers for it, and
 they end with it, so runs are as isolated as separate launches. Between runs, a thread of the
 launcher exchanges heartbeats with the agents and notices any that ends; during a run, the
