@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from cluster import cluster_unavailable_reason, start_cluster
-from slurm_cluster import slurm_processes, slurm_unavailable_reason, start_slurm_cluster
+from slurm_cluster import DAEMONS, slurm_processes, slurm_unavailable_reason, start_slurm_cluster
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -96,6 +96,48 @@ def torchrunx_processes() -> list[str]:
     return found
 
 
+def escaped_processes() -> list[str]:
+    """Live processes of this test session that left the test session's process tree.
+
+    Whatever a test starts stays below pytest while it runs: launchers, the test hosts'
+    ``sshd`` and what it starts (agents, workers), and what workers start, daemons included
+    (the agent and its guardian adopt orphans). A process that carries the session's marker
+    but has neither pytest nor a SLURM daemon (which runs its job steps' processes itself)
+    above it escaped: it outlived the launch that started it.
+    """
+    me = os.getpid()
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    ours: dict[int, str] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields[0] == "Z":
+            continue
+        parents[pid] = int(fields[1])
+        names[pid] = os.path.basename(cmdline.split(" ", 1)[0])
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if SESSION_MARKER.encode() in f.read().split(b"\0"):
+                    ours[pid] = cmdline
+        except OSError:
+            continue
+    escaped = []
+    for pid, cmdline in ours.items():
+        above = pid
+        while above > 1 and above != me and names.get(above) not in DAEMONS:
+            above = parents.get(above, 0)
+        if above != me and names.get(above) not in DAEMONS:
+            escaped.append(f"{pid}: {cmdline[:120]}")
+    return escaped
+
+
 @pytest.fixture(autouse=True)
 def log_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Default log files of each test go to a temporary folder, not into the checkout."""
@@ -106,6 +148,7 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monkey
 
 @pytest.fixture(autouse=True)
 def no_leftover_processes() -> Iterator[None]:
-    """After every test: no agent or worker may be left on any host."""
+    """After every test: no agent or worker may be left on any host, nor what they started."""
     yield
     assert torchrunx_processes() == []
+    assert escaped_processes() == []

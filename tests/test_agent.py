@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from torchrunx.guardian import Guardian
 from torchrunx.outbox import Outbox
 from torchrunx.protocol import (
     AgentBootstrap,
@@ -131,8 +130,7 @@ def test_the_outbox_resumes_output_only_below_its_low_watermark():
 
 def test_closing_a_worker_group_sends_sigterm_then_sigkill_once_the_grace_period_is_over():
     selector = selectors.DefaultSelector()
-    guardian = Guardian()
-    group = WorkerGroup(selector, guardian)
+    group = WorkerGroup(selector)
 
     def child(fork):  # rank 0 ends on SIGTERM; rank 1 ignores it
         try:
@@ -180,14 +178,12 @@ def test_closing_a_worker_group_sends_sigterm_then_sigkill_once_the_grace_period
         assert selector.get_map() == {}
     finally:
         group.close(0.0)
-        guardian.close()
         selector.close()
 
 
 def test_closing_a_worker_group_without_grace_kills_at_once_and_reaps_by_itself():
     selector = selectors.DefaultSelector()
-    guardian = Guardian()
-    group = WorkerGroup(selector, guardian)
+    group = WorkerGroup(selector)
 
     def child(fork):
         try:
@@ -205,5 +201,4 @@ def test_closing_a_worker_group_without_grace_kills_at_once_and_reaps_by_itself(
         assert all(worker.ended for worker in group.workers)
         assert selector.get_map() == {}
     finally:
-        guardian.close()
         selector.close()

@@ -2,24 +2,29 @@
 
 Process tree on one host::
 
-    agent  (python -c BOOT, started by bash over SSH or as a local subprocess)
-    ├── guardian              (forked first; kills the workers' process groups if the agent dies)
-    ├── worker local_rank 0   (forked; own session and process group; PDEATHSIG=SIGKILL)
-    ├── worker local_rank 1
-    └── ...
+    guardian  (python -c BOOT, started by bash over SSH or as a local subprocess; subreaper)
+    └── agent (forked first; own process group; PDEATHSIG=SIGTERM; subreaper)
+        ├── worker local_rank 0   (forked; own session and process group; PDEATHSIG=SIGKILL)
+        ├── worker local_rank 1
+        ├── ...
+        └── (orphans the workers' children left, adopted: daemons too)
 
 The agent's parts, one module each:
 
 - this module: :func:`main` (the entry point) and :class:`Agent`, its loop and what it does
   with each message and event;
-- :mod:`torchrunx.guardian`: the process that kills the workers' groups if the agent dies;
+- :mod:`torchrunx.guardian`: the agent's parent, which ends everything below it once the
+  agent has ended, however;
+- :mod:`torchrunx.leftovers`: the processes and temporary files the workers leave: found,
+  killed, reaped, removed;
 - :mod:`torchrunx.preload`: the background import of torch, joined before any fork;
 - :mod:`torchrunx.workergroup`: one attempt's workers: fork, read, reap, signal, close;
 - :mod:`torchrunx.workerprocess`: what a forked child does to become a worker;
 - :mod:`torchrunx.watchdog`: heartbeats, the launcher's silence, workers that overrun a timer;
 - :mod:`torchrunx.outbox`: messages to the launcher, never blocking, with backpressure.
 
-Sequence: decode the bootstrap line (:class:`AgentBootstrap`); fork the guardian; connect to
+Sequence: decode the bootstrap line (:class:`AgentBootstrap`); fork off the agent from its
+guardian (:func:`torchrunx.guardian.fork_agent`), with the workers' private ``TMPDIR``; connect to
 the launcher and authenticate; send :class:`AgentHello` (slots, GPUs, a free port); import
 torch in a background thread while the loop goes on; receive the :class:`WorkerSpec` with the
 pickled call as payload; fork the workers; then loop on one selector over the
@@ -34,7 +39,10 @@ Stopping: on :class:`Stop` (or when the launcher connection or stdin closes, or 
 arrived for ``agent_timeout`` seconds) the agent optionally asks each live worker for its
 Python stacks (SIGUSR1, written by ``faulthandler`` into the worker's stack pipe) and sends
 them as :class:`WorkerStacks`, then closes the worker group: SIGTERM to every worker's process
-group and SIGKILL after the grace period, forwarding output and reporting exits meanwhile.
+group and to every other process below the agent (what the workers left, daemons included),
+and SIGKILL after the grace period, forwarding output and reporting exits meanwhile. The group
+is closed the same way when its workers all ended by themselves, and the workers' temporary
+directory is emptied after each attempt.
 """
 
 from __future__ import annotations
@@ -52,9 +60,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, NoReturn
 
-from torchrunx import protocol
+from torchrunx import leftovers, protocol
 from torchrunx.errors import ProtocolError
-from torchrunx.guardian import Guardian
+from torchrunx.guardian import fork_agent
 from torchrunx.hosts import count_local_cpus, count_local_gpus
 from torchrunx.logs import capture_logging, line_records
 from torchrunx.outbox import Outbox
@@ -134,15 +142,15 @@ class Agent:
         self,
         boot: AgentBootstrap,
         connection: Connection,
-        guardian: Guardian,
         *,
         gpus: int,
         cpus: int,
+        tmpdir: str | None = None,
     ) -> None:
-        """Keep the bootstrap, the launcher connection, the guardian and the host's counts."""
+        """Keep the bootstrap, the launcher connection, the host's counts, the workers' TMPDIR."""
         self.boot = boot
         self.conn = connection
-        self.guardian = guardian
+        self.tmpdir = tmpdir
         self.gpus = gpus
         self.cpus = cpus
         self.pid = os.getpid()
@@ -235,7 +243,9 @@ class Agent:
     def run_workers(self, spec: WorkerSpec, payload: list[bytearray]) -> None:
         """Fork the workers; serve until they end, or stop them; then release the group."""
         self.attempt = spec.attempt
-        group = WorkerGroup(self.selector, self.guardian)
+        # The agent is a child subreaper, and its only children are workers: the group ends
+        # whatever lives below the agent once they are done.
+        group = WorkerGroup(self.selector, root=self.pid)
         self.group = group
         self.hangs = HangWatch(group, self._send)
 
@@ -249,6 +259,7 @@ class Agent:
                 gpus=self.gpus,
                 cpus=self.cpus,
                 agent_objects=(self.selector, self.conn.sock),
+                tmpdir=self.tmpdir,
             )
 
         group.start(spec.num_workers, child)
@@ -258,8 +269,9 @@ class Agent:
         self._serve(lambda: self.stopping or self._group_done())
         if self.stopping and self.dump_on_stop and self.launcher_alive and group.live():
             self._dump_stacks(group)
-        group.close(self.grace_period, self._serve_until_group_done)
+        group.close(self.grace_period, self._serve_until_group_done, self._serve_until)
         self.group = None
+        leftovers.empty_dir(self.tmpdir)  # the next attempt starts with nothing of this one
 
     def prepare_restart(self) -> bool:
         """After the workers of an attempt ended: say we are ready for the next one.
@@ -291,13 +303,18 @@ class Agent:
             _half_close_and_drain(self.conn.sock, deadline)
 
     def close(self) -> None:
-        """Kill any worker still alive and release every descriptor."""
+        """Kill any worker and anything else still alive below the agent; release every descriptor.
+
+        The workers' temporary directory goes too: the guardian would remove it after the
+        agent's exit, but not if the agent closes because its guardian was killed.
+        """
         self.closed = True  # records logged from now on go to stderr
         if self.group is not None:
             self.group.close(0.0)
+        leftovers.kill_descendants(self.pid)
+        leftovers.remove_dir(self.tmpdir)
         self.selector.close()
         self.conn.close()
-        self.guardian.close()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -317,6 +334,9 @@ class Agent:
     def _serve_until_group_done(self, deadline: float | None) -> None:
         self._serve(self._group_done, deadline)
 
+    def _serve_until(self, deadline: float) -> None:
+        self._serve(lambda: False, deadline)
+
     def _group_done(self) -> bool:
         """Every worker was reaped and its output read, or the drain after that is over."""
         group = self.group
@@ -334,10 +354,14 @@ class Agent:
                 self._launcher_lost()
         if self.hangs is not None:
             self.hangs.check(now, stopping=self.stopping)
-        if self.group is not None and self.drain_deadline is None and self.group.all_ended():
-            # Something the workers started outside their process group may hold the pipes
-            # open: read what comes for a moment, then give up on it.
-            self.drain_deadline = now + _DRAIN_WAIT
+        if self.group is not None:
+            self.group.reap_adopted()
+            if self.drain_deadline is None and self.group.all_ended():
+                # Something the workers started outside their process group may hold the
+                # pipes open: it is told to end now; read what comes for a moment, then give
+                # up on it (the group's close kills it).
+                self.group.term_strays()
+                self.drain_deadline = now + _DRAIN_WAIT
 
     def _until_next_timer(self, now: float) -> float:
         timers = [self.heartbeats.next_deadline(launcher_alive=self.launcher_alive)]
@@ -546,14 +570,13 @@ def main(line: bytes) -> None:
     # A Ctrl-C meant for the launcher must not kill the agent before it cleans up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    tmpdir = fork_agent()  # from here on, this process is the agent, below its guardian
     capture_logging(boot.log_level)
-    guardian = Guardian()
     address = (boot.launcher_address, boot.launcher_port)
     try:
         conn = protocol.connect(address, boot.secret, "agent", timeout=boot.agent_timeout * 2)
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx agent: cannot reach the launcher at {address}: {exc}\n")
-        guardian.close()
         sys.exit(2)
     gpus = count_local_gpus()
     cpus = count_local_cpus()
@@ -567,7 +590,7 @@ def main(line: bytes) -> None:
             gpus=gpus,
         )
     )
-    agent = Agent(boot, conn, guardian, gpus=gpus, cpus=cpus)
+    agent = Agent(boot, conn, gpus=gpus, cpus=cpus, tmpdir=tmpdir)
     agent.forward_logging()
     logger.info(
         "agent of host %d started on %s (pid %d)",
@@ -583,6 +606,7 @@ def main(line: bytes) -> None:
     except SystemExit as exc:  # SIGTERM
         code = exc.code if isinstance(exc.code, int) else 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # closing is what SIGTERM would ask for
         agent.close()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,72 +1,101 @@
-"""The guardian: kills the workers' process groups when their agent dies, however it dies.
+"""The guardian: the agent's parent, which ends whatever the agent leaves, however the agent ends.
 
-Workers die with their agent by ``PR_SET_PDEATHSIG``, but what they started would not: each
-worker leads its own process group, and nothing else ends those. So the agent forks the
-guardian first of all (single-threaded, before it connects to the launcher), tells it each
-worker's process group as it forks the worker, and takes it back once the worker is reaped.
-When the agent's end of their pipe closes (the agent exited, was killed, or crashed), the
-guardian sends SIGKILL to every group it still knows, then exits. It lives in a session of
-its own, so a signal to the agent's process group does not reach it.
+The process the launcher starts (bash, then ``exec python``: the pid the launcher knows) does
+not run the agent itself. Once it has read its bootstrap line, :func:`fork_agent` makes the
+workers' private temporary directory (see :mod:`torchrunx.leftovers`), makes this process a
+child subreaper and forks: the child returns and goes on as the agent, this process stays as
+its guardian and only waits for it. Every process below the agent is below the guardian too,
+and an orphan there is adopted by the agent (itself a subreaper) or, once the agent is gone,
+by the guardian: nothing a worker starts can leave the tree, daemons included.
+
+While the agent runs, the guardian passes SIGTERM on to it (SIGINT stays ignored). When the
+agent has ended, however (its own exit, SIGKILL, a crash), the guardian sends SIGKILL to every
+process still below it and reaps them, removes the private temporary directory (the agent
+removes it itself when it can), and ends the way the agent ended: the same exit status, or
+the same signal. So the launcher sees the
+agent's end as before, only after everything below it is gone.
+
+The agent leaves the guardian's process group right after the fork (``setpgid``), and gets
+SIGTERM when the guardian dies (``PR_SET_PDEATHSIG``): a SIGKILL to the launcher's process
+group of a local agent then ends the guardian only, and the agent, told by that SIGTERM, kills
+its workers and everything below it at once, and exits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
-import struct
+import sys
 from typing import NoReturn
 
-_PGID = struct.Struct("!i")
+from torchrunx import leftovers
 
 
-class Guardian:
-    """The agent's handle on its guardian process (see the module's description)."""
+def fork_agent() -> str | None:
+    """Fork the agent; only the agent returns, this process becomes its guardian.
 
-    def __init__(self) -> None:
-        """Fork the guardian; it waits on a pipe whose write end stays here."""
-        read_end, self.fd = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:
-            os.close(self.fd)
-            _guard(read_end)
-        os.close(read_end)
-
-    def watch(self, pgid: int) -> None:
-        """Kill process group ``pgid`` if the agent dies."""
-        os.write(self.fd, _PGID.pack(pgid))
-
-    def forget(self, pgid: int) -> None:
-        """The group's leader was reaped: its id may be reused, never signal it."""
-        os.write(self.fd, _PGID.pack(-pgid))
-
-    def close(self) -> None:
-        """The agent ends: the guardian kills what it still knows of, and is reaped."""
-        os.close(self.fd)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+    Returns the workers' private temporary directory, or ``None`` if none could be made.
+    """
+    tmpdir = leftovers.make_private_dir()
+    leftovers.set_child_subreaper()
+    guardian = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    agent = os.fork()
+    if agent != 0:
+        _guard(agent, tmpdir)  # never returns
+    os.setpgid(0, 0)  # out of the group the launcher may SIGKILL: see the module
+    leftovers.set_parent_death_signal(signal.SIGTERM)
+    leftovers.set_child_subreaper()  # not inherited
+    if os.getppid() != guardian:
+        os._exit(1)  # the guardian died before the death signal was armed
+    return tmpdir
 
 
-def _guard(fd: int) -> NoReturn:
+def _guard(agent: int, tmpdir: str | None) -> NoReturn:
+    status = 1 << 8  # exit status 1, if anything below fails
     try:
-        os.setsid()  # outside the agent's process group: survives a kill of that group
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for std in (0, 1, 2):  # hold none of the agent's pipes open
-            os.dup2(devnull, std)
-        groups: set[int] = set()
-        pending = b""
-        while chunk := os.read(fd, 4096):
-            pending += chunk
-            whole = len(pending) - len(pending) % _PGID.size
-            for (pgid,) in _PGID.iter_unpack(pending[:whole]):
-                if pgid > 0:
-                    groups.add(pgid)
-                else:
-                    groups.discard(-pgid)
-            pending = pending[whole:]
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
+        pidfd = os.pidfd_open(agent)  # signals reach the agent, never a reuser of its pid
+
+        def forward(signum: int, _frame: object) -> None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signum)
+
+        signal.signal(signal.SIGTERM, forward)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # the agent alone reads the launcher's end of stdin
+        os.close(devnull)
+        while True:
+            pid, status = os.waitpid(-1, 0)  # only the agent: orphans go to it while it lives
+            if pid == agent:
+                break
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing to pass on: finish first
+        os.close(pidfd)
+        left = leftovers.kill_descendants(os.getpid())
+        if left:
+            pids = ", ".join(str(proc.pid) for proc in left)
+            sys.stderr.write(f"torchrunx agent: could not end processes {pids}\n")
+        leftovers.remove_dir(tmpdir)
     finally:
-        os._exit(0)
+        _end_like(status)
+
+
+def _end_like(status: int) -> NoReturn:
+    """Exit with the agent's exit status, or die of the signal that ended it."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    code = os.waitstatus_to_exitcode(status)
+    if code >= 0:
+        os._exit(code)
+    signum = -code
+    with contextlib.suppress(Exception):  # no core dump of the guardian: the agent crashed
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    with contextlib.suppress(Exception):
+        if signum not in {signal.SIGKILL, signal.SIGSTOP}:
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+        os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # a signal whose default action is not to end a process

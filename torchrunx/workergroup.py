@@ -4,8 +4,10 @@ The group forks the workers (each with its stdout, stderr and stack pipes and it
 page, see :mod:`torchrunx.timer`), registers their descriptors on the agent's selector,
 reads those descriptors when the agent's loop says they are ready, reaps each worker once its
 pidfd tells it ended, signals workers, and ends them all with one :meth:`WorkerGroup.close`:
-SIGTERM to every live worker's process group, a wait until the grace period is over, then
-SIGKILL. That one path serves a ``Stop``, a restart and the agent's final cleanup.
+SIGTERM to every live worker's process group and to every other process the workers left
+below the agent (daemons included, see :mod:`torchrunx.leftovers`), a wait until the grace
+period is over, then SIGKILL to all of them. That one path serves a ``Stop``, a restart, the
+end of an attempt whose workers all returned, and the agent's final cleanup.
 
 What the forked child does before it runs the function is in :mod:`torchrunx.workerprocess`;
 what is sent to the launcher is decided by the agent (:mod:`torchrunx.agent`).
@@ -14,6 +16,7 @@ what is sent to the launcher is decided by the agent (:mod:`torchrunx.agent`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import selectors
@@ -23,14 +26,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NoReturn
 
-from torchrunx import timer
+from torchrunx import leftovers, timer
 from torchrunx.logs import LineSplitter
 
 if TYPE_CHECKING:
     import mmap
     from collections.abc import Callable
 
-    from torchrunx.guardian import Guardian
+    from torchrunx.leftovers import Proc
+
+# The agent's records all carry this name (the launcher routes and filters them by it).
+logger = logging.getLogger("torchrunx.agent")
 
 STACK_DUMP_WAIT = 0.5
 """Seconds a worker gets to write its stacks after SIGUSR1 (:meth:`WorkerGroup.dump_stacks`)."""
@@ -38,6 +44,7 @@ STACK_SETTLE = 0.05
 """Once a dump has begun, it is complete this soon after (faulthandler writes it in one go)."""
 _STACK_BYTES = 16 * 1024  # the tail of a worker's stacks that is kept
 _READ_SIZE = 65536
+_STRAY_POLL = 0.05  # seconds between two looks for strays that outlive their SIGTERM
 
 
 @dataclass(eq=False)
@@ -94,20 +101,27 @@ class Fork:
     """Write end of its stack pipe, for ``faulthandler``."""
     page: mmap.mmap
     inherited: tuple[int, ...]
-    """The agent's descriptors of this group (its siblings' and its own read ends, the
-    guardian's pipe): the child closes them."""
+    """The agent's descriptors of this group (its siblings' and its own read ends): the child
+    closes them."""
 
 
 class WorkerGroup:
     """The workers of one attempt on this host (see the module's description)."""
 
-    def __init__(self, selector: selectors.BaseSelector, guardian: Guardian) -> None:
-        """A group whose descriptors go on ``selector``; ``guardian`` learns its process groups."""
+    def __init__(self, selector: selectors.BaseSelector, *, root: int | None = None) -> None:
+        """A group whose descriptors go on ``selector``.
+
+        ``root``: this process's pid if it is a child subreaper whose only children are its
+        workers (the agent): the group then also ends every other process below ``root``, the
+        strays. ``None``: only the workers' process groups (in a process with other children).
+        """
         self.selector = selector
-        self.guardian = guardian
+        self.root = root
         self.workers: list[Worker] = []
         self.output_paused = False
         self.closed = False
+        self.strays_termed_at: float | None = None
+        """When :meth:`term_strays` sent the strays SIGTERM, if it did."""
 
     # -- start ------------------------------------------------------------------------------
 
@@ -126,7 +140,7 @@ class WorkerGroup:
             pid = os.fork()
             if pid == 0:
                 try:
-                    inherited = (stack_read, out_read, err_read, self.guardian.fd, *self._fds())
+                    inherited = (stack_read, out_read, err_read, *self._fds())
                     become_worker(
                         Fork(local_rank, out_write, err_write, stack_write, page, inherited)
                     )
@@ -134,7 +148,6 @@ class WorkerGroup:
                     os._exit(1)  # never back into the agent's code
             for fd in (stack_write, out_write, err_write):
                 os.close(fd)
-            self.guardian.watch(pid)  # the worker's process group id is its pid (setsid)
             outputs = [Output(out_read, is_stderr=False), Output(err_read, is_stderr=True)]
             worker = Worker(local_rank, pid, os.pidfd_open(pid), stack_read, outputs, page)
             self.workers.append(worker)
@@ -245,8 +258,37 @@ class WorkerGroup:
         # Whatever the worker started in its own process group goes with it.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(worker.pid, signal.SIGKILL)
-        self.guardian.forget(worker.pid)
         return os.waitstatus_to_exitcode(status)
+
+    # -- strays -----------------------------------------------------------------------------
+
+    def strays(self) -> list[Proc]:
+        """Live processes below the agent outside every live worker and its process group.
+
+        What the workers started and left: in a session of their own (daemons), or orphans
+        adopted by the agent. Signals to the workers' groups do not reach them. Always empty
+        without a ``root``.
+        """
+        if self.root is None:
+            return []
+        live = {worker.pid for worker in self.live()}  # a worker's process group id is its pid
+        return [
+            proc
+            for proc in leftovers.descendants(self.root)
+            if not proc.zombie and proc.pid not in live and proc.pgid not in live
+        ]
+
+    def term_strays(self) -> None:
+        """Send SIGTERM to the strays, once: their grace period starts now (see :meth:`close`)."""
+        if self.strays_termed_at is None:
+            self.strays_termed_at = time.monotonic()
+            for proc in self.strays():
+                leftovers.send(proc, signal.SIGTERM)
+
+    def reap_adopted(self) -> None:
+        """Reap the orphans the agent adopted that ended; never a worker (see :meth:`reap`)."""
+        if self.root is not None:
+            leftovers.reap_adopted(keep={worker.pid for worker in self.live()})
 
     def dump_stacks(self, worker: Worker) -> None:
         """Ask a live worker for its Python stacks (SIGUSR1: ``faulthandler`` writes them)."""
@@ -263,24 +305,46 @@ class WorkerGroup:
         for worker in self.live():
             _signal_group(worker, signum)
 
-    def close(self, grace: float, wait: Callable[[float | None], None] | None = None) -> None:
-        """End every worker still running, wait until each is reaped, release every descriptor.
+    def close(
+        self,
+        grace: float,
+        wait: Callable[[float | None], None] | None = None,
+        pause: Callable[[float], None] | None = None,
+    ) -> None:
+        """End every worker and stray, wait until each is reaped, release every descriptor.
 
-        SIGTERM to every live worker's process group, then ``wait(now + grace)``; SIGKILL to
-        the groups of those still running; then ``wait(None)``. ``wait(deadline)`` must return
+        SIGTERM to every live worker's process group and to every stray (:meth:`strays`) not
+        sent it yet, then ``wait(now + grace)``, and ``pause`` until the strays are gone or
+        their grace period (from their SIGTERM) is over; SIGKILL to the groups of the workers
+        still running and to the strays; then ``wait(None)``; then SIGKILL to whatever is
+        still below the agent until nothing is, all reaped. ``wait(deadline)`` must return
         when every worker was reaped (:meth:`reap`) or ``deadline`` (monotonic; ``None``: no
-        limit) passed: the agent passes its loop, which goes on forwarding output and
-        reporting exits meanwhile. Without it the group reaps by itself and reports nothing.
+        limit) passed; ``pause(deadline)`` must return at ``deadline``: the agent passes its
+        loop for both, which goes on forwarding output, reporting exits and sending heartbeats
+        meanwhile. Without them the group reaps by itself and reports nothing, and sleeps.
         With no grace, SIGKILL comes at once. Safe to call again: then it does nothing.
         """
         if self.closed:
             return
         wait = wait or self._wait
-        if grace > 0 and self.live():
+        pause = pause or _sleep_until
+        if grace > 0:
+            deadline = time.monotonic() + grace
             self.signal(signal.SIGTERM)
-            wait(time.monotonic() + grace)
+            self.term_strays()
+            if self.live():
+                wait(deadline)
+            assert self.strays_termed_at is not None  # noqa: S101 (term_strays set it)
+            deadline = min(deadline, self.strays_termed_at + grace)
+            while time.monotonic() < deadline and self.strays():
+                pause(min(deadline, time.monotonic() + _STRAY_POLL))
         self.signal(signal.SIGKILL)
+        for proc in self.strays():  # they may hold the workers' pipes open: gone before the wait
+            leftovers.send(proc, signal.SIGKILL)
         wait(None)
+        if self.root is not None and (left := leftovers.kill_descendants(self.root)):
+            # The workers are reaped: all of it goes, but one in uninterruptible sleep may not.
+            logger.warning("could not end processes %s", [proc.pid for proc in left])
         self._release()
 
     def _wait(self, deadline: float | None) -> None:
@@ -315,6 +379,10 @@ class WorkerGroup:
                 os.close(output.fd)
             worker.outputs.clear()
             worker.page.close()
+
+
+def _sleep_until(deadline: float) -> None:
+    time.sleep(max(deadline - time.monotonic(), 0.0))
 
 
 def _signal_group(worker: Worker, signum: int) -> None:

@@ -9,10 +9,12 @@ makes it a worker process, in this order:
    whole tree, and ``PR_SET_PDEATHSIG`` = SIGKILL, so that it dies with the agent;
 3. SIGTERM and SIGINT back to their default actions (the agent handles or ignores them);
 4. every descriptor of the agent closed (its selector, its launcher socket, the other
-   workers' pipes, the guardian's pipe), and stdin from ``/dev/null``;
+   workers' pipes), and stdin from ``/dev/null``;
 5. a check that its parent is still the agent (else the agent died before step 2: exit 1);
-6. ``faulthandler`` on SIGUSR1, writing its Python stacks into its stack pipe;
-7. :func:`torchrunx.worker.run` (imported only here), whose return value is the exit code.
+6. ``TMPDIR`` and ``tempfile.tempdir``: the agent's private temporary directory
+   (:mod:`torchrunx.leftovers`), if it could make one;
+7. ``faulthandler`` on SIGUSR1, writing its Python stacks into its stack pipe;
+8. :func:`torchrunx.worker.run` (imported only here), whose return value is the exit code.
 
 The child never returns into the agent's code: it ends with ``os._exit``, exit code 1 if
 anything above raised.
@@ -21,22 +23,20 @@ anything above raised.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import os
 import signal
 import sys
+import tempfile
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
-from torchrunx import timer
+from torchrunx import leftovers, timer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torchrunx.protocol import AgentBootstrap, WorkerSpec
     from torchrunx.workergroup import Fork
-
-_PR_SET_PDEATHSIG = 1
 
 
 class Closable(Protocol):
@@ -56,6 +56,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
     gpus: int,
     cpus: int,
     agent_objects: Sequence[Closable],
+    tmpdir: str | None = None,
 ) -> NoReturn:
     """Turn the forked child into a worker, run its rank, and exit (see the module).
 
@@ -69,6 +70,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
         cpus: CPU cores the agent may use.
         agent_objects: The agent's selector and launcher socket, closed here. A plain
             ``close``, never a ``shutdown``: that would cut the agent's own connection.
+        tmpdir: The agent's private temporary directory, the worker's ``TMPDIR``.
     """
     code = 1
     try:
@@ -78,8 +80,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
         os.close(fork.stderr)
         timer.attach(fork.page)
         os.setsid()  # own process group: the agent can stop the worker's whole tree
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        leftovers.set_parent_death_signal(signal.SIGKILL)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
         for agent_object in agent_objects:
@@ -91,6 +92,9 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
         os.close(devnull)
         if os.getppid() != agent_pid:
             os._exit(1)  # the agent died before PDEATHSIG was armed
+        if tmpdir is not None:
+            os.environ["TMPDIR"] = tmpdir  # for the processes it starts
+            tempfile.tempdir = tmpdir  # the agent's gettempdir() may have cached another
         faulthandler.register(signal.SIGUSR1, file=fork.stack, all_threads=True)
         from torchrunx import worker  # noqa: PLC0415 (only in the worker)
 
