@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import uuid
 from typing import TYPE_CHECKING
 
@@ -136,6 +138,37 @@ def escaped_processes() -> list[str]:
         if above != me and names.get(above) not in DAEMONS:
             escaped.append(f"{pid}: {cmdline[:120]}")
     return escaped
+
+
+def listening_addresses(port: int, pid: int | None = None) -> set[str]:
+    """The addresses a TCP socket listens on at ``port``, read from ``/proc/net/tcp{,6}``.
+
+    With ``pid``, only sockets that process holds (its ``/proc/PID/fd`` links). ``0.0.0.0``
+    and ``::`` mean every interface.
+    """
+    inodes = None
+    if pid is not None:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{table}") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        for row in rows:
+            local, state, inode = row[1], row[3], row[9]
+            address, _, hex_port = local.partition(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            if inodes is not None and inode not in inodes:
+                continue
+            raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(socket.inet_ntop(family, raw))
+    return found
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,11 @@ import sys
 import time
 
 import pytest
+from conftest import listening_addresses
 
 import torchrunx as trx
+from torchrunx import events as ev
+from torchrunx import listener as listener_module
 
 pytestmark = pytest.mark.cluster
 
@@ -261,3 +264,40 @@ def test_cut_link_is_noticed_within_agent_timeout(cluster):
 
     while torchrunx_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize("configured", [True, False])
+def test_the_launcher_listens_where_the_hosts_reach_it(cluster, monkeypatch, configured):
+    # launcher_address set to an address of this machine: that address only; else every
+    # interface (each SSH connection tells its agent which address to use).
+    monkeypatch.delenv("TORCHRUNX_LAUNCHER_ADDR", raising=False)
+    ports: list[int] = []
+    real_listen = listener_module.listen_socket
+
+    def spy(host: str | None = None) -> socket.socket:
+        sock = real_listen(host)
+        ports.append(sock.getsockname()[1])
+        return sock
+
+    monkeypatch.setattr(listener_module, "listen_socket", spy)
+    bound: list[set[str]] = []
+
+    def on_event(event: ev.Event) -> None:
+        if isinstance(event, ev.LaunchStarted):
+            bound.append(listening_addresses(ports[-1], os.getpid()))
+
+    result = trx.launch(
+        socket.gethostname,
+        hostnames=cluster.names(),
+        workers_per_host=1,
+        backend=None,
+        ssh_config_file=cluster.ssh_config,
+        launcher_address=cluster.launcher_address if configured else None,
+        event_handlers=(on_event,),
+    )
+    assert result.ranks == ["node1", "node2"]
+    if configured:
+        assert bound == [{cluster.launcher_address}]
+    else:
+        assert len(bound[0]) == 1
+        assert bound[0] <= {"::", "0.0.0.0"}  # noqa: S104 (every interface)

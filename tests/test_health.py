@@ -1,7 +1,8 @@
-"""The health endpoint: real HTTP against a real HealthServer on 127.0.0.1."""
+"""The health endpoint: real HTTP against a real HealthServer on 127.0.0.1, and in launches."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.client
 import json
@@ -15,13 +16,18 @@ import urllib.request
 from dataclasses import replace
 
 import pytest
+from conftest import listening_addresses
 
+import torchrunx as trx
+from torchrunx import events as ev
 from torchrunx.events import AgentState, WorkerState
 from torchrunx.health import (
     AgentHealth,
     HealthReport,
     HealthServer,
     WorkerHealth,
+    health_details_from_env,
+    health_host_from_env,
     health_port_from_env,
 )
 
@@ -252,7 +258,7 @@ def test_500_when_the_snapshot_raises_and_serving_goes_on(server, snapshot, capl
         status, headers, body = get(server)
         assert status == 500
         assert headers["Content-Type"] == "application/json"
-        assert json.loads(body) == {"error": "RuntimeError: state lock broken"}
+        assert json.loads(body) == {"error": "RuntimeError"}  # the type, not the message
         assert get(server)[0] == 500
     warnings = [
         r for r in caplog.records if r.name == "torchrunx.health" and r.levelno >= logging.WARNING
@@ -260,6 +266,42 @@ def test_500_when_the_snapshot_raises_and_serving_goes_on(server, snapshot, capl
     assert len(warnings) == 1  # once, not once per probe
     snapshot.error = None
     assert get(server)[0] == 200
+
+
+def test_500_has_the_message_only_when_details_are_asked_for(snapshot):
+    snapshot.error = RuntimeError("state lock broken")
+    with HealthServer(0, snapshot, host=LOCAL, details=True) as health:
+        status, _, body = get(health)
+    assert status == 500
+    assert json.loads(body) == {"error": "RuntimeError: state lock broken"}
+
+
+SECRET_FAILURES = replace(
+    UNHEALTHY,
+    failures=(
+        "attempt 0: ValueError: cannot reach postgres://admin:password=hunter2@db",
+        "attempt 1: AgentFailedError: agent on host 'node2' failed: password=hunter2",
+        "attempt 1: KeyboardInterrupt",
+    ),
+)
+
+
+def test_failure_messages_are_served_only_when_asked_for(snapshot):
+    snapshot.report = SECRET_FAILURES
+    with HealthServer(0, snapshot, host=LOCAL) as health:
+        status, _, body = get(health)
+    assert status == 503
+    assert b"hunter2" not in body
+    data = json.loads(body)
+    assert data["failures"] == [
+        "attempt 0: ValueError",
+        "attempt 1: AgentFailedError",
+        "attempt 1: KeyboardInterrupt",
+    ]
+    assert data["workers"] == json.loads(SECRET_FAILURES.to_json())["workers"]  # pids, names
+    with HealthServer(0, snapshot, host=LOCAL, details=True) as health:
+        _, _, body = get(health)
+    assert json.loads(body)["failures"] == list(SECRET_FAILURES.failures)
 
 
 def test_request_log_goes_to_debug_not_stderr(server, capfd, caplog):
@@ -362,6 +404,29 @@ def test_health_port_from_env_rejects_a_bad_field():
         health_port_from_env(70000, {})
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, "127.0.0.1"), ("", "127.0.0.1"), (" * ", ""), ("0.0.0.0", "0.0.0.0"), ("::1", "::1")],  # noqa: S104
+)
+def test_health_host_from_env(value, expected):
+    environ = {} if value is None else {"TORCHRUNX_HEALTH_CHECK_HOST": value}
+    assert health_host_from_env(environ) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, False), ("", False), ("0", False), ("off", False), ("1", True), (" Yes ", True)],
+)
+def test_health_details_from_env(value, expected):
+    environ = {} if value is None else {"TORCHRUNX_HEALTH_CHECK_DETAILS": value}
+    assert health_details_from_env(environ) is expected
+
+
+def test_health_details_from_env_rejects_other_values():
+    with pytest.raises(ValueError, match="TORCHRUNX_HEALTH_CHECK_DETAILS='maybe'"):
+        health_details_from_env({"TORCHRUNX_HEALTH_CHECK_DETAILS": "maybe"})
+
+
 def test_health_port_from_env_reads_os_environ(monkeypatch):
     monkeypatch.setenv("TORCHRUNX_HEALTH_CHECK_PORT", "8123")
     assert health_port_from_env(None) == 8123
@@ -451,3 +516,74 @@ def test_close_does_not_wait_for_a_stuck_snapshot_past_its_deadline(snapshot, mo
     assert not client.is_alive()
     assert len(outcome) == 1
     assert isinstance(outcome[0], OSError)  # close() ended the connection, not the snapshot
+
+
+# --------------------------------------------------------------------------------------------
+# In a launch
+# --------------------------------------------------------------------------------------------
+
+
+def leak_a_password() -> None:
+    raise ValueError("cannot reach postgres://admin:password=hunter2@db")
+
+
+def probe_during_launch(monkeypatch, func, **env: str) -> tuple[set[str], str, int, bytes]:
+    """Run ``func`` on one local worker with the endpoint on; probe it as the launch ends.
+
+    Returns where the endpoint listened, its URL, and the status and body it served while
+    the launch was finishing (a failed launch: after its failure, before it raised).
+    """
+    monkeypatch.setenv("TORCHRUNX_HEALTH_CHECK_PORT", "0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    seen: dict[str, object] = {}
+
+    def on_event(event: ev.Event) -> None:  # in the launcher's thread: the launch waits
+        if isinstance(event, ev.LaunchStarted):
+            assert event.health_url is not None
+            seen["url"] = event.health_url
+            port = int(event.health_url.rsplit(":", 1)[1].split("/")[0])
+            seen["bound"] = listening_addresses(port, os.getpid())
+        elif isinstance(event, ev.LaunchFinished):
+            port = int(str(seen["url"]).rsplit(":", 1)[1].split("/")[0])
+            try:
+                with OPENER.open(f"http://{LOCAL}:{port}/health", timeout=5) as response:
+                    seen["answer"] = (response.status, response.read())
+            except urllib.error.HTTPError as error:
+                with error:
+                    seen["answer"] = (error.code, error.read())
+
+    with contextlib.suppress(ValueError):
+        trx.launch(
+            func,
+            hostnames=["localhost"],
+            workers_per_host=1,
+            backend=None,
+            event_handlers=(on_event,),
+        )
+    status, body = seen["answer"]
+    return seen["bound"], str(seen["url"]), status, body
+
+
+def test_a_launch_serves_health_on_loopback_only_by_default(monkeypatch):
+    bound, url, status, _ = probe_during_launch(monkeypatch, os.getpid)
+    assert bound == {"127.0.0.1"}
+    assert url.startswith("http://127.0.0.1:")
+    assert status == 200
+    bound, url, _, _ = probe_during_launch(monkeypatch, os.getpid, TORCHRUNX_HEALTH_CHECK_HOST="*")
+    assert bound <= {"::", "0.0.0.0"} and len(bound) == 1  # noqa: S104 (every interface)
+    assert not url.startswith("http://127.0.0.1:")
+
+
+def test_a_failed_launch_serves_no_exception_text_unless_asked(monkeypatch):
+    _, _, status, body = probe_during_launch(monkeypatch, leak_a_password)
+    assert status == 503
+    assert b"hunter2" not in body
+    assert json.loads(body)["failures"] == ["attempt 0: ValueError"]
+    _, _, status, body = probe_during_launch(
+        monkeypatch, leak_a_password, TORCHRUNX_HEALTH_CHECK_DETAILS="1"
+    )
+    assert status == 503
+    assert json.loads(body)["failures"] == [
+        "attempt 0: ValueError: cannot reach postgres://admin:password=hunter2@db"
+    ]

@@ -1,20 +1,33 @@
-"""The launcher's listener and loop with real sockets: handshakes, frames, slow and bad peers."""
+"""The launcher's listener and loop with real sockets: handshakes, frames, slow and bad peers,
+floods of idle connections, where it listens."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
+import resource
+import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import pytest
+from conftest import listening_addresses
 
+import torchrunx as trx
 from torchrunx import listener as listener_module
 from torchrunx import protocol
 from torchrunx.ioloop import IOLoop
 from torchrunx.listener import FrameReceived, Listener, PeerClosed
 from torchrunx.protocol import FrameReader, Heartbeat, LogLines, WorkerResult
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 SECRET = b"k" * 32
 
@@ -150,3 +163,284 @@ def test_sends_are_buffered_so_a_peer_that_does_not_read_never_blocks_the_loop(s
     assert len(frames) == 1
     assert len(frames[0][1][0]) == len(payload)
     assert peer.unsent == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Where it listens
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [
+        ("127.0.0.1", {"127.0.0.1"}),
+        ("::1", {"::1"}),
+        ("0.0.0.0", {"0.0.0.0"}),  # noqa: S104
+        (None, {"::", "0.0.0.0"}),  # noqa: S104 (dual-stack where the machine has IPv6)
+        ("*", {"::", "0.0.0.0"}),  # noqa: S104
+    ],
+)
+def test_listen_socket_on_one_address_or_every_interface(host, expected):
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    with listener_module.listen_socket(host) as sock:
+        bound = listening_addresses(sock.getsockname()[1], os.getpid())
+    assert len(bound) == 1
+    assert bound <= expected
+
+
+# --------------------------------------------------------------------------------------------
+# Floods
+# --------------------------------------------------------------------------------------------
+
+
+def test_handshakes_at_once_take_at_most_a_quarter_of_the_descriptor_limit(caplog):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        loop = IOLoop()
+        listener = Listener(loop, SECRET, listener_module.listen_socket("127.0.0.1"), print)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    flood = [socket.create_connection(("127.0.0.1", listener.port)) for _ in range(100)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="torchrunx.listener"):
+            deadline = time.monotonic() + 5
+            while len(listener._pending) < 64 and time.monotonic() < deadline:
+                loop.run_once(0.05)
+            for _ in range(5):
+                loop.run_once(0.05)
+        assert len(listener._pending) == 64  # 192 descriptors are left to the launch
+        assert listener.max_pending == 64
+        (warning,) = caplog.records  # once, not once per try
+        assert "64 connections are authenticating at once" in warning.getMessage()
+    finally:
+        for sock in flood:
+            sock.close()
+        listener.close()
+        loop.close()
+
+
+_FLOODED_LISTENER = r"""
+import collections, logging, os, resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+logging.basicConfig(level=logging.DEBUG, format="%(name)s %(levelname)s %(message)s")
+from torchrunx import listener as listener_module
+from torchrunx.ioloop import IOLoop
+from torchrunx.listener import FrameReceived, Listener
+listener_module.HANDSHAKE_TIMEOUT = 0.5
+loop, events = IOLoop(), collections.deque()
+sock = listener_module.listen_socket("127.0.0.1")
+listener = Listener(loop, bytes.fromhex(sys.argv[1]), sock, events.append)
+ballast = []  # the rest of a busy launcher: every descriptor but 40 is taken
+while True:
+    try:
+        ballast.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        break
+for fd in ballast[-40:]:
+    os.close(fd)
+print(listener.port, flush=True)
+deadline = time.monotonic() + 60
+while not any(isinstance(e, FrameReceived) for e in events) and time.monotonic() < deadline:
+    loop.run_once(0.05)
+    listener.tick(time.monotonic())
+print("peer in" if events else "peer never got in", listener.rejected, flush=True)
+"""
+
+
+def test_out_of_descriptors_it_backs_off_and_lets_the_real_peer_in_after_the_flood():
+    # A listener with 40 descriptors left; 150 idle connections are queued before the real
+    # peer: accepting fails (EMFILE) again and again until the flood is dropped, 0.5 s after
+    # each was accepted; then the peer, last in the kernel's queue, gets in.
+    child = subprocess.Popen(
+        [sys.executable, "-c", _FLOODED_LISTENER, SECRET.hex()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    flood: list[socket.socket] = []
+    try:
+        port = int(child.stdout.readline())
+        flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(150)]
+        started = time.monotonic()
+        conn = protocol.connect(("127.0.0.1", port), SECRET, "worker", timeout=30)
+        waited = time.monotonic() - started
+        try:
+            conn.send(Heartbeat())
+            out, err = child.communicate(timeout=30)
+        finally:
+            conn.close()
+    finally:
+        for sock in flood:
+            sock.close()
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert out.split()[:2] == ["peer", "in"], err
+    assert int(out.split()[2]) >= 100  # the flood, dropped at its deadline
+    assert "cannot accept a connection ([Errno 24] Too many open files)" in err
+    assert waited < 20
+
+
+_FLOODED_LAUNCH = r"""
+import logging, os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+import torchrunx as trx
+from torchrunx import listener as listener_module
+listener_module.HANDSHAKE_TIMEOUT = 0.5
+real_listen = listener_module.listen_socket
+
+def flooded(host=None):  # the flood is queued before the launch accepts anything
+    sock = real_listen(host)
+    print(sock.getsockname()[1], flush=True)
+    sys.stdin.readline()
+    return sock
+
+listener_module.listen_socket = flooded
+result = trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=2, backend=None)
+print("ranks", len(result.ranks), flush=True)
+"""
+
+
+def test_a_launch_under_a_flood_with_few_descriptors_succeeds(tmp_path: Path):
+    # 300 idle connections, each made again as soon as the launcher drops it, against a
+    # launcher allowed 256 descriptors: the flood may not take those the launch needs (log
+    # files, the agent's pipes), and the agent and workers get in between its rounds.
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _FLOODED_LAUNCH],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
+            text=True,
+        )
+    assert child.stdin is not None
+    selector = selectors.DefaultSelector()
+    reconnects = 0
+
+    def connect(port: int) -> None:
+        with contextlib.suppress(OSError):  # refused: the launch closed its port
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.settimeout(0.0)  # non-blocking
+            selector.register(sock, selectors.EVENT_READ)
+
+    try:
+        deadline = time.monotonic() + 30
+        while not out_path.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        port = int(out_path.read_text())
+        for _ in range(300):
+            connect(port)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        deadline = time.monotonic() + 90
+        while child.poll() is None and time.monotonic() < deadline:
+            for key, _ in selector.select(0.1):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    data = sock.recv(4096)  # the greeting, then EOF when it is dropped
+                except OSError:
+                    data = b""
+                if not data:
+                    selector.unregister(sock)
+                    sock.close()
+                    connect(port)
+                    reconnects += 1
+        child.wait(10)
+    finally:
+        for key in list(selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        selector.close()
+        child.stdin.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    err_text = err_path.read_text()
+    assert child.returncode == 0, err_text[-3000:]
+    assert out_path.read_text().split()[1:] == ["ranks", "2"]
+    assert reconnects >= 300  # the flood went on for the whole launch
+    assert "connections are authenticating at once, the most allowed" in err_text
+
+
+# --------------------------------------------------------------------------------------------
+# The end of a launch
+# --------------------------------------------------------------------------------------------
+
+
+class Drippers:
+    """Connections to ``port`` that send their handshake a byte every 0.1 s, from a thread."""
+
+    def __init__(self, port: int, count: int) -> None:
+        self.socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+        for sock in self.socks:
+            sock.settimeout(0.0)  # non-blocking
+        self.ended: dict[int, float] = {}
+        """Which were closed by the other end, and when."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            for index, sock in enumerate(self.socks):
+                if index not in self.ended and self._closed_after_step(sock):
+                    self.ended[index] = time.monotonic()
+
+    @staticmethod
+    def _closed_after_step(sock: socket.socket) -> bool:
+        """Read what came (the greeting), send one byte; True once the other end closed."""
+        try:
+            while sock.recv(4096):
+                pass
+        except BlockingIOError:
+            with contextlib.suppress(OSError):
+                sock.send(protocol.MAGIC[:1])
+            return False
+        except OSError:  # reset
+            return True
+        return True  # EOF
+
+    def wait_all_ended(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ended) < len(self.socks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for sock in self.socks:
+            sock.close()
+
+
+def test_the_end_of_a_launch_closes_every_handshake_in_progress(monkeypatch):
+    # 500 connections send their handshake a byte at a time, each far from done (and from its
+    # 10 s deadline) when the launch ends: the launch returns on time and closes every one.
+    trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None)  # warm-up
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    real_listen = listener_module.listen_socket
+    drippers: list[Drippers] = []
+
+    def flooded(host: str | None = None) -> socket.socket:  # queued before the launch accepts
+        sock = real_listen(host)
+        drippers.append(Drippers(sock.getsockname()[1], 500))
+        return sock
+
+    monkeypatch.setattr(listener_module, "listen_socket", flooded)
+    started = time.monotonic()
+    try:
+        trx.launch(time.sleep, (2,), hostnames=["localhost"], workers_per_host=1, backend=None)
+        returned = time.monotonic()
+        (flood,) = drippers
+        flood.wait_all_ended(5)
+        assert returned - started < 2 + 5  # not held up by them
+        assert len(flood.ended) == 500  # every one closed by the launcher...
+        assert max(flood.ended.values()) - returned < 1.0  # ...by the time the launch returned
+    finally:
+        for flood in drippers:
+            flood.close()
+    assert (len(os.listdir("/proc/self/fd")), threading.active_count()) == (fds, threads)

@@ -15,10 +15,13 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
+from conftest import listening_addresses
 
 import torchrunx as trx
+from torchrunx import events as ev
 from torchrunx import listener as listener_module
 from torchrunx import protocol
+from torchrunx.agent_starts import listen_hosts
 from torchrunx.inbox import Inbox
 from torchrunx.protocol import MAGIC, AgentDone, AgentHello, LogLines, WorkerHello, WorkerResult
 
@@ -384,8 +387,8 @@ def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(
     listeners: list[socket.socket] = []
     real_listen = listener_module.listen_socket
 
-    def spy_listen() -> socket.socket:
-        listeners.append(real_listen())
+    def spy_listen(host: str | None = None) -> socket.socket:
+        listeners.append(real_listen(host))
         return listeners[-1]
 
     monkeypatch.setattr(listener_module, "listen_socket", spy_listen)
@@ -479,3 +482,71 @@ def test_agent_exit_noticed_before_its_last_message_is_not_a_failure(monkeypatch
     hosts = ["localhost", "localhost"]
     result = trx.launch(_slow_rank_1, hostnames=hosts, workers_per_host=1, backend=None)
     assert result.ranks == [0, 1]
+
+
+# --------------------------------------------------------------------------------------------
+# Where the launcher listens
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("methods", "address", "environ", "expected"),
+    [
+        (["local"], None, {}, ["127.0.0.1"]),
+        (["local", "local"], "10.1.2.3", {"TORCHRUNX_LAUNCHER_ADDR": "10.9.9.9"}, ["127.0.0.1"]),
+        (["ssh", "ssh"], None, {}, [None]),  # each SSH connection tells its own address
+        (["ssh", "ssh"], "10.1.2.3", {}, ["10.1.2.3", None]),
+        (["srun"], None, {"TORCHRUNX_LAUNCHER_ADDR": "fd00::1"}, ["fd00::1", None]),
+        (["ssh"], "head-node", {}, [None]),  # a name may resolve otherwise on the hosts
+        (["local", "ssh"], "10.1.2.3", {}, [None]),  # local agents are given 127.0.0.1
+        (["local"], None, {"TORCHRUNX_LISTEN_ADDR": "*"}, [None]),
+        (["ssh"], "10.1.2.3", {"TORCHRUNX_LISTEN_ADDR": " 10.4.5.6 "}, ["10.4.5.6"]),
+    ],
+)
+def test_listen_hosts(methods, address, environ, expected):
+    launcher = trx.Launcher(hostnames=["localhost"], launcher_address=address)
+    assert listen_hosts(launcher, methods, environ) == expected
+
+
+def listened_during_launch(monkeypatch, **fields: object) -> set[str]:
+    """Where the launch's port listened (from this process's sockets), as its agent started."""
+    ports: list[int] = []
+    real_listen = listener_module.listen_socket
+
+    def spy(host: str | None = None) -> socket.socket:
+        sock = real_listen(host)
+        ports.append(sock.getsockname()[1])
+        return sock
+
+    monkeypatch.setattr(listener_module, "listen_socket", spy)
+    bound: list[set[str]] = []
+
+    def on_event(event: ev.Event) -> None:
+        if isinstance(event, ev.LaunchStarted):
+            bound.append(listening_addresses(ports[-1], os.getpid()))
+
+    result = trx.launch(os.getpid, event_handlers=(on_event,), backend=None, **fields)  # type: ignore[arg-type]
+    assert len(result.ranks) == 2
+    return bound[0]
+
+
+def test_a_local_launch_listens_on_loopback_only(monkeypatch):
+    assert listened_during_launch(
+        monkeypatch, hostnames=["localhost", socket.gethostname()], workers_per_host=1
+    ) == {"127.0.0.1"}
+
+
+def test_where_to_listen_can_be_set(monkeypatch):
+    monkeypatch.setenv("TORCHRUNX_LISTEN_ADDR", "*")
+    bound = listened_during_launch(monkeypatch, hostnames=["localhost"], workers_per_host=2)
+    assert len(bound) == 1
+    assert bound <= {"::", "0.0.0.0"}  # noqa: S104 (every interface)
+
+
+def test_listening_where_this_machine_has_no_address_fails_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("TORCHRUNX_LISTEN_ADDR", "192.0.2.1")  # TEST-NET-1: nobody's
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Cannot assign requested address") as caught:
+        trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None)
+    assert "TORCHRUNX_LISTEN_ADDR='192.0.2.1': where to listen" in caught.value.__notes__
+    assert len(os.listdir("/proc/self/fd")) == fds

@@ -228,6 +228,7 @@ def test_health_endpoint_while_a_launch_runs(tmp_path, monkeypatch):
 
     port = _free_port()
     monkeypatch.setenv("TORCHRUNX_HEALTH_CHECK_PORT", str(port))
+    monkeypatch.setenv("TORCHRUNX_HEALTH_CHECK_DETAILS", "1")  # failures with their messages
     url = f"http://127.0.0.1:{port}/health"
     during_restart: list[tuple[int, dict[str, object]]] = []
 

@@ -3,11 +3,14 @@
 The launcher's start threads (:mod:`torchrunx.agent_pool`) call :class:`AgentStarts` with a
 host index; it picks the transport of :mod:`torchrunx.transport` (a local subprocess, SSH or
 ``srun``) and builds the one JSON line the agent reads first (:class:`AgentBootstrap`),
-including the address the agent calls back on.
+including the address the agent calls back on; and where the launcher listens for them
+(:func:`listen_socket`): only where they connect, when that is known before they start.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import sys
 import time
@@ -15,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchrunx import listener as listener_module
 from torchrunx.env import local_agent_env
-from torchrunx.errors import AgentFailedError
+from torchrunx.errors import AgentFailedError, add_note
 from torchrunx.hosts import slurm_allocation
 from torchrunx.logs import parse_line
 from torchrunx.protocol import HEARTBEAT_INTERVAL, AgentBootstrap
@@ -30,11 +34,17 @@ from torchrunx.transport import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    import socket
+    from collections.abc import Callable, Mapping, Sequence
 
-    from torchrunx.launch_state import AgentRecord
+    from torchrunx.launch_state import AgentRecord, StartMethod
     from torchrunx.launcher import Launcher
     from torchrunx.logs import Record
+
+logger = logging.getLogger(__name__)
+
+LISTEN_ENV_VAR = "TORCHRUNX_LISTEN_ADDR"
+"""Where the launcher listens for agents and workers, when set (``*``: every interface)."""
 
 
 @dataclass
@@ -105,7 +115,7 @@ class AgentStarts:
 
     def configured_address(self) -> str | None:
         """The launcher address the user set (field, else environment), if any."""
-        return self.launcher.launcher_address or os.environ.get("TORCHRUNX_LAUNCHER_ADDR") or None
+        return configured_address(self.launcher)
 
     def srun_address(self, hostname: str) -> str:
         """The address an srun-started agent connects back to (no SSH socket to ask).
@@ -143,6 +153,64 @@ class AgentStarts:
             count=count_mode(self.launcher.workers_per_host),
             warm=self.warm,
         ).to_json_line()
+
+
+def configured_address(launcher: Launcher, environ: Mapping[str, str] | None = None) -> str | None:
+    """The launcher address the user set: ``launcher_address``, else ``TORCHRUNX_LAUNCHER_ADDR``."""
+    env = os.environ if environ is None else environ
+    return launcher.launcher_address or env.get("TORCHRUNX_LAUNCHER_ADDR") or None
+
+
+def listen_hosts(
+    launcher: Launcher, methods: Sequence[StartMethod], environ: Mapping[str, str] | None = None
+) -> list[str | None]:
+    """Where the launcher may listen for agents and workers, best first (``None``: everywhere).
+
+    - ``TORCHRUNX_LISTEN_ADDR`` when set, and nothing else (``*``: every interface);
+    - every host is this machine: ``127.0.0.1``, the address its agents are given;
+    - every host is another one and the address they are given (``launcher_address``, else
+      ``TORCHRUNX_LAUNCHER_ADDR``) is an IP address: that one, then every interface, for an
+      address that is not this machine's (behind NAT, say);
+    - else every interface: an SSH agent connects back to the address its connection came
+      from, an ``srun`` agent to the one on the route to its node, which are known only once
+      they start, and a name may resolve to other addresses on the hosts than here.
+    """
+    env = os.environ if environ is None else environ
+    override = env.get(LISTEN_ENV_VAR, "").strip()
+    if override:
+        return [None if override == "*" else override]
+    if all(method == "local" for method in methods):
+        return ["127.0.0.1"]
+    address = configured_address(launcher, env)
+    if address is not None and "local" not in methods and _is_ip(address):
+        return [address, None]
+    return [None]
+
+
+def listen_socket(launcher: Launcher, methods: Sequence[StartMethod]) -> socket.socket:
+    """The launch's listening socket, on the first of :func:`listen_hosts` that can be bound.
+
+    Raises:
+        OSError: It cannot be bound (``TORCHRUNX_LISTEN_ADDR`` is not this machine's, say).
+    """
+    first, *fallback = listen_hosts(launcher, methods)
+    try:
+        return listener_module.listen_socket(first)
+    except OSError as exc:
+        if not fallback:
+            if os.environ.get(LISTEN_ENV_VAR, "").strip():
+                add_note(exc, f"{LISTEN_ENV_VAR}={os.environ[LISTEN_ENV_VAR]!r}: where to listen")
+            raise
+        logger.debug("cannot listen on %s only (%s); listening on every interface", first, exc)
+    return listener_module.listen_socket(fallback[0])
+
+
+def _is_ip(address: str) -> bool:
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
 
 
 def slurm_cpus(hostname: str) -> int | None:

@@ -14,10 +14,13 @@ thread runs its ``serve_forever()`` loop and each request gets a short-lived dae
 its own (a client has 10 s to send its request). :meth:`HealthServer.close` stops the loop
 with ``shutdown()``, ends the connections still open and waits at most 2 s for their threads.
 
-It listens on all interfaces by default, because the probes that use it usually come from
-another machine (a kubelet probes the pod's address, a monitoring server the node's). The
-report holds host names, ranks, pids, states and one-line failure reasons only: never the
-launch's secret, nor any environment value, nor what the function returned.
+The launcher serves it on ``127.0.0.1`` unless ``TORCHRUNX_HEALTH_CHECK_HOST`` names another
+address (``*``: every interface; :func:`health_host_from_env`), for probes from other machines
+(a kubelet probes the pod's address, a monitoring server the node's). The report holds host
+names, ranks, pids, states and, per failure, its attempt and exception type: never the
+launch's secret, nor any environment value, nor what the function returned, nor an
+exception's message, which may hold anything, unless ``TORCHRUNX_HEALTH_CHECK_DETAILS=1``
+asks for the first line of each (:func:`health_details_from_env`, :meth:`HealthReport.redacted`).
 
 The port comes from ``Launcher.health_check_port`` or, when that is not set,
 ``TORCHRUNX_HEALTH_CHECK_PORT`` (:func:`health_port_from_env`).
@@ -35,7 +38,7 @@ import socket
 import socketserver
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -49,6 +52,17 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "TORCHRUNX_HEALTH_CHECK_PORT"
 """The environment variable that turns the endpoint on when ``health_check_port`` is not set."""
+
+HOST_ENV_VAR = "TORCHRUNX_HEALTH_CHECK_HOST"
+"""The address the launcher serves the endpoint on (unset: ``127.0.0.1``; ``*``: every one)."""
+
+DETAILS_ENV_VAR = "TORCHRUNX_HEALTH_CHECK_DETAILS"
+"""``1`` serves the first line of each failure's message, not only its exception type."""
+
+DEFAULT_HOST = "127.0.0.1"
+"""Where the launcher serves the endpoint unless :data:`HOST_ENV_VAR` says otherwise."""
+
+_EVERY_INTERFACE = ("", "0.0.0.0", "::")  # noqa: S104 (names, not a bind)
 
 PATH = "/health"
 """The one path served."""
@@ -140,6 +154,14 @@ class HealthReport:
         """The report as UTF-8 JSON on one line, the body of ``GET /health``."""
         return json.dumps(self.to_dict(), allow_nan=False).encode()
 
+    def redacted(self) -> HealthReport:
+        """The report without failure messages: ``attempt N: Type: message`` -> ``attempt N: Type``.
+
+        A message may hold anything the failing code put in it (a path, a URL with a password);
+        the type says what kind of failure it was, and the log and the error raised say more.
+        """
+        return replace(self, failures=tuple(": ".join(f.split(": ", 2)[:2]) for f in self.failures))
+
 
 # --------------------------------------------------------------------------------------------
 # The port
@@ -183,6 +205,35 @@ def health_port_from_env(
     return int(text)
 
 
+def health_host_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """The address the launcher serves the endpoint on, from ``TORCHRUNX_HEALTH_CHECK_HOST``.
+
+    Unset or empty: ``127.0.0.1`` (this machine only); ``*``: ``""``, every interface (IPv6
+    and IPv4 where the machine has both); else the value, an address or a name of this machine
+    (``0.0.0.0``: every IPv4 interface).
+    """
+    value = (os.environ if environ is None else environ).get(HOST_ENV_VAR, "").strip()
+    if not value:
+        return DEFAULT_HOST
+    return "" if value == "*" else value
+
+
+def health_details_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether failures are served with their messages (``TORCHRUNX_HEALTH_CHECK_DETAILS``).
+
+    Raises:
+        ValueError: The variable is neither ``1``, ``true``, ``yes``, ``on`` nor ``0``,
+            ``false``, ``no``, ``off`` or empty (any case).
+    """
+    raw = (os.environ if environ is None else environ).get(DETAILS_ENV_VAR, "")
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{DETAILS_ENV_VAR}={raw!r} is not one of 1, true, yes, on, 0, false, no, off")
+
+
 # --------------------------------------------------------------------------------------------
 # The server
 # --------------------------------------------------------------------------------------------
@@ -204,7 +255,14 @@ class HealthServer:
     starts it on entry and closes it on exit.
     """
 
-    def __init__(self, port: int, snapshot: Callable[[], HealthReport], *, host: str = "") -> None:
+    def __init__(
+        self,
+        port: int,
+        snapshot: Callable[[], HealthReport],
+        *,
+        host: str = "",
+        details: bool = False,
+    ) -> None:
         """Prepare the server; nothing is bound before :meth:`start`.
 
         Args:
@@ -214,7 +272,11 @@ class HealthServer:
             host: Address to listen on. The default ``""`` is every interface (IPv6 and IPv4
                 where the machine has both), so that probes from other machines reach it; the
                 report holds no secret and no environment value. ``"127.0.0.1"``: this machine
-                only.
+                only (what the launcher uses by default, see :func:`health_host_from_env`).
+            details: Serve each failure's message (the first line of its exception), and, when
+                the snapshot itself fails, the exception's message in the 500 answer. The
+                default serves exception types only (:meth:`HealthReport.redacted`): a message
+                may hold anything the failing code put in it.
 
         Raises:
             ValueError: ``port`` is not from 0 to 65535.
@@ -224,6 +286,7 @@ class HealthServer:
         self._requested_port = port
         self._snapshot = snapshot
         self._host = host
+        self._details = details
         self._lock = threading.Lock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -243,7 +306,7 @@ class HealthServer:
     @property
     def url(self) -> str:
         """``http://HOST:PORT/health``, with this machine's name for the default host."""
-        host = self._host or socket.gethostname()
+        host = socket.gethostname() if self._host in _EVERY_INTERFACE else self._host
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self.port}{PATH}"
@@ -260,13 +323,14 @@ class HealthServer:
             if self._closed or self._server is not None:
                 raise RuntimeError("a HealthServer can be started once")
             try:
-                server = _Server(self._host, self._requested_port, self._snapshot)
+                server = _Server(self._host, self._requested_port, self._snapshot, self._details)
             except OSError as error:
                 reason = error.strerror or str(error)
                 raise OSError(
                     f"cannot serve the health check on port {self._requested_port} of "
                     f"{self._host or 'all interfaces'}: {reason}. Choose another port with "
-                    f"Launcher(health_check_port=...) or {ENV_VAR} (0: any free port)"
+                    f"Launcher(health_check_port=...) or {ENV_VAR} (0: any free port), or "
+                    f"another address with {HOST_ENV_VAR}"
                 ) from error
             thread = threading.Thread(
                 target=server.serve_forever,
@@ -313,8 +377,11 @@ class HealthServer:
 class _Server(http.server.ThreadingHTTPServer):
     allow_reuse_address = True  # SO_REUSEADDR: a port left in TIME_WAIT is usable at once
 
-    def __init__(self, host: str, port: int, snapshot: Callable[[], HealthReport]) -> None:
+    def __init__(
+        self, host: str, port: int, snapshot: Callable[[], HealthReport], details: bool
+    ) -> None:
         self.snapshot = snapshot
+        self.details = details
         self.snapshot_failed = False
         self._requests: dict[threading.Thread, socket.socket] = {}
         self._requests_lock = threading.Lock()
@@ -406,6 +473,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         try:
             report = self.server.snapshot()
+            if not self.server.details:
+                report = report.redacted()
             body = report.to_json()
         except Exception as error:  # any failure of the snapshot is a 500
             if not self.server.snapshot_failed:
@@ -413,7 +482,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 logger.warning("the health report could not be made", exc_info=True)
             else:
                 logger.debug("the health report could not be made", exc_info=True)
-            self._send_json(500, {"error": f"{type(error).__name__}: {error}"})
+            text = (
+                f"{type(error).__name__}: {error}" if self.server.details else type(error).__name__
+            )
+            self._send_json(500, {"error": text})
             return
         self._send(200 if report.healthy else 503, body)
 

@@ -38,6 +38,7 @@ from torchrunx.errors import SerializationError
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
 from torchrunx.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.health import (
+    health_details_from_env,
     health_port_from_env,
 )
 from torchrunx.hosts import (
@@ -199,7 +200,8 @@ names, for example "OSError" (those types and their subclasses only)."""
 
     health_check_port: int | None = None
     """Serve GET /health (JSON; 200 while healthy, 503 after a failure) on this port while
-the launch runs; 0 picks a free port; None: $TORCHRUNX_HEALTH_CHECK_PORT if set, else none."""
+the launch runs, on 127.0.0.1 unless $TORCHRUNX_HEALTH_CHECK_HOST names another address (*:
+every interface); 0 picks a free port; None: $TORCHRUNX_HEALTH_CHECK_PORT if set, else none."""
 
     event_handlers: Annotated[tuple[EventHandler, ...], tyro.conf.Suppress] = ()
     """Functions, or objects with a record(event) method, that receive every launch event."""
@@ -309,6 +311,7 @@ them, that receive every record."""
         _validate_restarts(self.max_restarts, self.restart_on)
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
+        health_details_from_env()  # raises ValueError for a bad TORCHRUNX_HEALTH_CHECK_DETAILS
         log_level_from_env()  # raises ValueError for a bad TORCHRUNX_LOG_LEVEL
         if self.env_file is not None and not Path(self.env_file).expanduser().is_file():
             raise ValueError(f"env_file {str(self.env_file)!r} does not exist or is not a file")

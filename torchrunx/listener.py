@@ -8,7 +8,10 @@ An authenticated connection becomes a :class:`Peer`, whose frames go, as
 buffered (:meth:`Peer.send`), so a slow peer never blocks the loop.
 
 Failures to accept (out of descriptors, a connection reset before it was accepted) make the
-listener pause briefly and go on; connections still authenticating are capped.
+listener pause briefly and go on, with a warning; connections still authenticating are capped,
+at :data:`MAX_PENDING` and at a quarter of the process's descriptor limit, so that a flood of
+idle connections never takes the descriptors the rest of the launch needs (log files, agents'
+pipes, SSH connections).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import itertools
 import logging
 import math
 import os
+import resource
 import socket
 import time
 from dataclasses import dataclass
@@ -46,6 +50,8 @@ every worker of a large launch connects within the same second."""
 _ACCEPT_PAUSE = 0.1
 """Seconds the listener rests after a failed ``accept`` (out of descriptors, say)."""
 _ACCEPTS_PER_ROUND = 64
+_WARN_EVERY = 60.0
+"""Seconds between two warnings of one kind (out of descriptors, at the cap); else DEBUG."""
 
 
 @dataclass(frozen=True)
@@ -185,10 +191,25 @@ class _Pending:
         self.reply = bytearray()
 
 
+def _descriptor_share() -> int:
+    """Handshakes at once that leave three quarters of the descriptor limit to the launch."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_PENDING if soft == resource.RLIM_INFINITY else max(8, soft // 4)
+
+
 def listen_socket(host: str | None = None) -> socket.socket:
-    """A listening TCP socket on an ephemeral port: every interface, or ``host`` only."""
-    if host is not None:
-        sock = socket.create_server((host, 0), backlog=BACKLOG)
+    """A listening TCP socket on an ephemeral port: ``host`` only, or every interface.
+
+    ``host``: an address (IPv4 or IPv6) or a name of this machine, ``OSError`` if it is not
+    one; ``"0.0.0.0"``: every IPv4 interface; ``None``, ``""`` or ``"*"``: every interface,
+    IPv6 and IPv4 where the machine has both.
+    """
+    if host not in (None, "", "*"):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        dualstack = host == "::" and socket.has_dualstack_ipv6()
+        sock = socket.create_server(
+            (host, 0), family=family, backlog=BACKLOG, dualstack_ipv6=dualstack
+        )
     elif socket.has_dualstack_ipv6():
         sock = socket.create_server(
             ("::", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=BACKLOG
@@ -223,6 +244,9 @@ class Listener:
         self._ids = itertools.count()
         self._paused_until = 0.0
         self._accepting = False
+        self._warned: dict[str, float] = {}
+        self.max_pending = _descriptor_share()
+        """At most this many handshakes at once (and :data:`MAX_PENDING`)."""
         self.rejected = 0
         """Connections closed without authenticating (wrong secret, too slow, over the cap)."""
         self._resume()
@@ -234,7 +258,14 @@ class Listener:
 
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_ROUND):
-            if len(self._pending) >= MAX_PENDING:
+            if len(self._pending) >= min(MAX_PENDING, self.max_pending):
+                self._warn(
+                    "cap",
+                    "%d connections are authenticating at once, the most allowed: accepting "
+                    "pauses until one is done (a connection has %g s to authenticate)",
+                    len(self._pending),
+                    HANDSHAKE_TIMEOUT,
+                )
                 self._pause()  # the rest wait in the kernel's queue until one is done
                 return
             try:
@@ -245,10 +276,24 @@ class Listener:
                 if exc.errno == errno.ECONNABORTED:
                     continue
                 # EMFILE, ENFILE, ENOBUFS, ENOMEM: rest, then go on (connections wait queued).
-                logger.warning("cannot accept a connection (%s); retrying shortly", exc)
+                self._warn(
+                    "accept",
+                    "cannot accept a connection (%s); retrying every %g s",
+                    exc,
+                    _ACCEPT_PAUSE,
+                )
                 self._pause(_ACCEPT_PAUSE)
                 return
             self._begin_handshake(sock)
+
+    def _warn(self, kind: str, message: str, *args: object) -> None:
+        """Log at WARNING, or at DEBUG when a warning of this kind came less than a minute ago."""
+        now = time.monotonic()
+        if now - self._warned.get(kind, -math.inf) >= _WARN_EVERY:
+            self._warned[kind] = now
+            logger.warning(message, *args)
+        else:
+            logger.debug(message, *args)
 
     def _pause(self, seconds: float | None = None) -> None:
         """Stop accepting: for ``seconds``, or (``None``) until a handshake ends."""

@@ -24,13 +24,12 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
-from torchrunx import listener as listener_module
 from torchrunx import protocol, serialization
 from torchrunx.agent_pool import (
     AgentPool,
     PoolEvent,
 )
-from torchrunx.agent_starts import AgentStarts
+from torchrunx.agent_starts import AgentStarts, listen_socket
 from torchrunx.devices import resolve_backend
 from torchrunx.errors import (
     AgentFailedError,
@@ -48,7 +47,13 @@ from torchrunx.events import (
     WorkerState,
 )
 from torchrunx.failures import choose_cause, others, restartable, restarts_for
-from torchrunx.health import HealthReport, HealthServer, health_port_from_env
+from torchrunx.health import (
+    HealthReport,
+    HealthServer,
+    health_details_from_env,
+    health_host_from_env,
+    health_port_from_env,
+)
 from torchrunx.inbox import Inbox
 from torchrunx.ioloop import IOLoop
 from torchrunx.launch_state import (
@@ -130,7 +135,7 @@ class Launch:
         try:  # out of descriptors, say: nothing made so far is left open
             self.loop = loop = IOLoop()
             self.listener = Listener(
-                self.loop, self.secret, listener_module.listen_socket(), self.queue.append
+                self.loop, self.secret, listen_socket(launcher, methods), self.queue.append
             )
         except BaseException:
             if loop is not None:
@@ -651,7 +656,12 @@ class Launch:
     def _open_health(self) -> None:
         port = health_port_from_env(self.launcher.health_check_port)
         if port is not None:  # an OSError (port in use) ends the launch; close() cleans up
-            self.health = HealthServer(port, self.health_report)
+            self.health = HealthServer(
+                port,
+                self.health_report,
+                host=health_host_from_env(),
+                details=health_details_from_env(),
+            )
             self.health.start()
             logger.info("health endpoint: %s", self.health.url)
 
