@@ -14,7 +14,6 @@ through one queue.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -22,8 +21,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
@@ -34,7 +31,6 @@ from torchrunx import plugins, serialization
 from torchrunx.agent_starts import count_mode, slurm_cpus
 from torchrunx.devices import AUTO_BACKEND_RULE, resolve_backend
 from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
-from torchrunx.errors import SerializationError
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
 from torchrunx.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.health import (
@@ -54,7 +50,7 @@ from torchrunx.logs import (
     LogHandlers,
     log_level_from_env,
 )
-from torchrunx.orchestrator import Launch
+from torchrunx.orchestrator import Launch, sigterm_raises_system_exit
 from torchrunx.results import LaunchResult
 from torchrunx.transport import (
     AGENT_COMMAND,
@@ -65,7 +61,7 @@ from torchrunx.transport import (
 from torchrunx.warm import WarmLauncher
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -254,12 +250,12 @@ them, that receive every record."""
         self.validate()
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
-        call = _pickle_call(func, args, kwargs)
+        call = serialization.dumps_call(func, args, kwargs)
         hosts = resolve_hosts(self.hostnames, self.workers_per_host)
         methods = start_methods(self.agent_start, [h.hostname for h in hosts])
         launch = Launch(self, hosts, methods, call)
         try:
-            with _sigterm_raises_system_exit():
+            with sigterm_raises_system_exit():
                 per_host = launch.execute()
         finally:
             launch.close()
@@ -282,7 +278,7 @@ them, that receive every record."""
         methods = start_methods(self.agent_start, [h.hostname for h in hosts])
         launch = Launch(self, hosts, methods, [], warm=True)
         try:
-            with _sigterm_raises_system_exit():
+            with sigterm_raises_system_exit():
                 launch.open()
         except BaseException:
             launch.close()
@@ -599,40 +595,3 @@ def _check_lengths(workers: int, hosts: int) -> None:
             f"workers_per_host has {workers} entries but hostnames has {hosts}; "
             "give one count per host or a single int"
         )
-
-
-def _pickle_call(
-    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[memoryview]:
-    try:
-        return serialization.dumps((func, args, kwargs))
-    except Exception as exc:
-        name = getattr(func, "__qualname__", repr(func))
-        raise SerializationError(
-            f"cannot pickle the function {name} or its arguments with cloudpickle: {exc}. "
-            "Everything passed to a launch must be picklable (no open files, locks, sockets)."
-        ) from exc
-
-
-@contextlib.contextmanager
-def _sigterm_raises_system_exit() -> Iterator[None]:
-    """During a launch, SIGTERM stops everything cleanly, then exits with status 143.
-
-    Only where SIGTERM still has its default action (which would kill the launcher before it
-    could stop its agents) and only in the main thread; the handler is restored afterwards.
-    """
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        del signum, frame
-        raise SystemExit(128 + signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)

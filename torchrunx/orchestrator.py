@@ -19,8 +19,10 @@ threads start agents (a pool of at most 32) and, for SSH agents, are paramiko's 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +81,7 @@ from torchrunx.reports import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from torchrunx.agent_pool import Starter
     from torchrunx.hosts import HostSlots
@@ -714,3 +716,27 @@ class Launch:
 def _earliest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return min(known) if known else None
+
+
+@contextlib.contextmanager
+def sigterm_raises_system_exit() -> Iterator[None]:
+    """During a launch, SIGTERM stops everything cleanly, then exits with status 143.
+
+    Only where SIGTERM still has its default action (which would kill the launcher before it
+    could stop its agents) and only in the main thread; the handler is restored afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        del signum, frame
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

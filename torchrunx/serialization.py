@@ -16,9 +16,14 @@ import ctypes
 import io
 import pickle
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
+
+from torchrunx.errors import SerializationError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def _rebuild_tensor(buffer: Any, dtype_name: str, shape: tuple[int, ...]) -> Any:  # noqa: ANN401
@@ -84,3 +89,21 @@ def dumps(obj: object) -> list[memoryview]:
 def loads(parts: list[bytearray]) -> Any:  # noqa: ANN401 (whatever was pickled)
     """Rebuild an object from the buffers made by :func:`dumps` (tensors share their memory)."""
     return pickle.loads(parts[0], buffers=parts[1:])  # noqa: S301 (authenticated peer)
+
+
+def dumps_call(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[memoryview]:
+    """Pickle ``func(*args, **kwargs)`` for the workers, with a clear error if it cannot be.
+
+    Raises:
+        SerializationError: The function or an argument cannot be pickled.
+    """
+    try:
+        return dumps((func, args, kwargs))
+    except Exception as exc:
+        name = getattr(func, "__qualname__", repr(func))
+        raise SerializationError(
+            f"cannot pickle the function {name} or its arguments with cloudpickle: {exc}. "
+            "Everything passed to a launch must be picklable (no open files, locks, sockets)."
+        ) from exc

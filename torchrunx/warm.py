@@ -21,7 +21,9 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, ParamSpec, TypeVar, final
 
+from torchrunx.orchestrator import sigterm_raises_system_exit
 from torchrunx.results import LaunchResult
+from torchrunx.serialization import dumps_call
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -120,11 +122,9 @@ class WarmLauncher:
         Raises:
             RuntimeError: The agents were closed, or another thread's run is under way.
         """
-        from torchrunx.launcher import _pickle_call, _sigterm_raises_system_exit  # noqa: PLC0415
-
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
-        call = _pickle_call(func, args, kwargs)
+        call = dumps_call(func, args, kwargs)
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("these warm agents are running another call (one run at a time)")
         try:
@@ -135,7 +135,7 @@ class WarmLauncher:
             self.runs += 1
             self._idle.pause()
             try:
-                with _sigterm_raises_system_exit():
+                with sigterm_raises_system_exit():
                     per_host = self._launch.run_call(call)
             finally:
                 self._idle.resume()
