@@ -7,14 +7,14 @@ import os
 import signal
 import socket
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from cluster import cluster_unavailable_reason, start_cluster
 from slurm_cluster import DAEMONS, slurm_processes, slurm_unavailable_reason, start_slurm_cluster
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
     from pathlib import Path
 
     from cluster import TestCluster
@@ -185,3 +185,39 @@ def no_leftover_processes() -> Iterator[None]:
     yield
     assert torchrunx_processes() == []
     assert escaped_processes() == []
+
+
+@pytest.fixture
+def listen_sockets(monkeypatch: pytest.MonkeyPatch) -> list[socket.socket]:
+    """Every listening socket the launches of this test open, in order (a spy on
+    ``torchrunx.listener.listen_socket``)."""
+    from torchrunx import listener as listener_module
+
+    made: list[socket.socket] = []
+    real_listen = listener_module.listen_socket
+
+    def spy(host: str | None = None) -> socket.socket:
+        made.append(real_listen(host))
+        return made[-1]
+
+    monkeypatch.setattr(listener_module, "listen_socket", spy)
+    return made
+
+
+def listened_during_launch(
+    listen_sockets: list[socket.socket], func: Callable[[], object], **fields: object
+) -> tuple[set[str], Any]:
+    """Launch ``func``; where the port listened (this process's sockets) as it started, and
+    the launch's result."""
+    import torchrunx as trx
+    from torchrunx import events as ev
+
+    bound: list[set[str]] = []
+
+    def on_event(event: ev.Event) -> None:
+        if isinstance(event, ev.LaunchStarted):
+            port = listen_sockets[-1].getsockname()[1]
+            bound.append(listening_addresses(port, os.getpid()))
+
+    result = trx.launch(func, event_handlers=(on_event,), **fields)  # type: ignore[arg-type]
+    return bound[0], result

@@ -10,11 +10,9 @@ import sys
 import time
 
 import pytest
-from conftest import listening_addresses
+from conftest import listened_during_launch
 
 import torchrunx as trx
-from torchrunx import events as ev
-from torchrunx import listener as listener_module
 
 pytestmark = pytest.mark.cluster
 
@@ -267,34 +265,22 @@ def test_cut_link_is_noticed_within_agent_timeout(cluster):
 
 
 @pytest.mark.parametrize("configured", [True, False])
-def test_the_launcher_listens_where_the_hosts_reach_it(cluster, monkeypatch, configured):
+def test_the_launcher_listens_where_the_hosts_reach_it(
+    cluster, monkeypatch, configured, listen_sockets
+):
     # launcher_address set to an address of this machine: that address only; else every
     # interface (each SSH connection tells its agent which address to use).
     monkeypatch.delenv("TORCHRUNX_LAUNCHER_ADDR", raising=False)
-    ports: list[int] = []
-    real_listen = listener_module.listen_socket
-
-    def spy(host: str | None = None) -> socket.socket:
-        sock = real_listen(host)
-        ports.append(sock.getsockname()[1])
-        return sock
-
-    monkeypatch.setattr(listener_module, "listen_socket", spy)
-    bound: list[set[str]] = []
-
-    def on_event(event: ev.Event) -> None:
-        if isinstance(event, ev.LaunchStarted):
-            bound.append(listening_addresses(ports[-1], os.getpid()))
-
-    result = trx.launch(
+    found, result = listened_during_launch(
+        listen_sockets,
         socket.gethostname,
         hostnames=cluster.names(),
         workers_per_host=1,
         backend=None,
         ssh_config_file=cluster.ssh_config,
         launcher_address=cluster.launcher_address if configured else None,
-        event_handlers=(on_event,),
     )
+    bound = [found]
     assert result.ranks == ["node1", "node2"]
     if configured:
         assert bound == [{cluster.launcher_address}]

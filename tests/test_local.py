@@ -15,11 +15,9 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import listening_addresses
+from conftest import listened_during_launch
 
 import torchrunx as trx
-from torchrunx import events as ev
-from torchrunx import listener as listener_module
 from torchrunx import protocol
 from torchrunx.agent_starts import listen_hosts
 from torchrunx.inbox import Inbox
@@ -328,24 +326,10 @@ def test_main_module_exception_class_and_function_round_trip(tmp_path):
     )
 
 
-def test_a_peer_with_the_secret_cannot_speak_for_another_role(monkeypatch, capsys, log_dir):
-    """Roles are enforced: a worker's connection cannot send an agent's messages, and back."""
-    secrets: list[bytes] = []
-    real_secret = protocol.new_secret
-
-    def spy_secret() -> bytes:
-        secrets.append(real_secret())
-        return secrets[-1]
-
-    monkeypatch.setattr(protocol, "new_secret", spy_secret)
-    listeners: list[socket.socket] = []
-    real_listen = listener_module.listen_socket
-
-    def spy_listen(*args: object, **kwargs: object) -> socket.socket:
-        listeners.append(real_listen(*args, **kwargs))  # type: ignore[arg-type]
-        return listeners[-1]
-
-    monkeypatch.setattr(listener_module, "listen_socket", spy_listen)
+def sleep_in_a_background_launch(
+    listeners: list[socket.socket],
+) -> tuple[threading.Thread, dict[str, object]]:
+    """A launch whose one worker sleeps 4 s, in a thread; returns once its port listens."""
     outcome: dict[str, object] = {}
 
     def run_launch() -> None:
@@ -358,6 +342,23 @@ def test_a_peer_with_the_secret_cannot_speak_for_another_role(monkeypatch, capsy
     deadline = time.monotonic() + 10
     while not listeners and time.monotonic() < deadline:
         time.sleep(0.05)
+    return thread, outcome
+
+
+def test_a_peer_with_the_secret_cannot_speak_for_another_role(
+    monkeypatch, capsys, log_dir, listen_sockets
+):
+    listeners = listen_sockets
+    """Roles are enforced: a worker's connection cannot send an agent's messages, and back."""
+    secrets: list[bytes] = []
+    real_secret = protocol.new_secret
+
+    def spy_secret() -> bytes:
+        secrets.append(real_secret())
+        return secrets[-1]
+
+    monkeypatch.setattr(protocol, "new_secret", spy_secret)
+    thread, outcome = sleep_in_a_background_launch(listeners)
     address = ("127.0.0.1", listeners[0].getsockname()[1])
     forged = LogLines(((0, 50, "forged", "FORGED LOG LINE", 0.0),))
     attempts: list[tuple[protocol.Role, list[protocol.Message]]] = [
@@ -382,34 +383,16 @@ def test_a_peer_with_the_secret_cannot_speak_for_another_role(monkeypatch, capsy
 
 
 def test_connection_without_the_secret_is_rejected_and_nothing_unpickled(
-    tmp_path, monkeypatch, capsys, log_dir
+    tmp_path, capsys, log_dir, listen_sockets
 ):
-    listeners: list[socket.socket] = []
-    real_listen = listener_module.listen_socket
-
-    def spy_listen(host: str | None = None) -> socket.socket:
-        listeners.append(real_listen(host))
-        return listeners[-1]
-
-    monkeypatch.setattr(listener_module, "listen_socket", spy_listen)
+    listeners = listen_sockets
     marker = tmp_path / "unpickled"
 
     class Evil:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    outcome: dict[str, object] = {}
-
-    def run_launch() -> None:
-        outcome["result"] = trx.launch(
-            time.sleep, (4,), hostnames=["localhost"], workers_per_host=1, backend=None
-        )
-
-    thread = threading.Thread(target=run_launch)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not listeners and time.monotonic() < deadline:
-        time.sleep(0.05)
+    thread, outcome = sleep_in_a_background_launch(listeners)
     port = listeners[0].getsockname()[1]
     evil = pickle.dumps(Evil())
     forged_log = pickle.dumps(LogLines(((0, 50, "forged", "FORGED LOG LINE", 0.0),)))
@@ -508,37 +491,24 @@ def test_listen_hosts(methods, address, environ, expected):
     assert listen_hosts(launcher, methods, environ) == expected
 
 
-def listened_during_launch(monkeypatch, **fields: object) -> set[str]:
-    """Where the launch's port listened (from this process's sockets), as its agent started."""
-    ports: list[int] = []
-    real_listen = listener_module.listen_socket
-
-    def spy(host: str | None = None) -> socket.socket:
-        sock = real_listen(host)
-        ports.append(sock.getsockname()[1])
-        return sock
-
-    monkeypatch.setattr(listener_module, "listen_socket", spy)
-    bound: list[set[str]] = []
-
-    def on_event(event: ev.Event) -> None:
-        if isinstance(event, ev.LaunchStarted):
-            bound.append(listening_addresses(ports[-1], os.getpid()))
-
-    result = trx.launch(os.getpid, event_handlers=(on_event,), backend=None, **fields)  # type: ignore[arg-type]
+def test_a_local_launch_listens_on_loopback_only(listen_sockets):
+    bound, result = listened_during_launch(
+        listen_sockets,
+        os.getpid,
+        hostnames=["localhost", socket.gethostname()],
+        workers_per_host=1,
+        backend=None,
+    )
     assert len(result.ranks) == 2
-    return bound[0]
+    assert bound == {"127.0.0.1"}
 
 
-def test_a_local_launch_listens_on_loopback_only(monkeypatch):
-    assert listened_during_launch(
-        monkeypatch, hostnames=["localhost", socket.gethostname()], workers_per_host=1
-    ) == {"127.0.0.1"}
-
-
-def test_where_to_listen_can_be_set(monkeypatch):
+def test_where_to_listen_can_be_set(monkeypatch, listen_sockets):
     monkeypatch.setenv("TORCHRUNX_LISTEN_ADDR", "*")
-    bound = listened_during_launch(monkeypatch, hostnames=["localhost"], workers_per_host=2)
+    bound, result = listened_during_launch(
+        listen_sockets, os.getpid, hostnames=["localhost"], workers_per_host=2, backend=None
+    )
+    assert len(result.ranks) == 2
     assert len(bound) == 1
     assert bound <= {"::", "0.0.0.0"}  # noqa: S104 (every interface)
 
