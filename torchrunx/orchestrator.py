@@ -24,6 +24,7 @@ import logging
 import signal
 import threading
 import time
+from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Any
 
 from torchrunx import protocol, serialization
@@ -188,6 +189,8 @@ class Launch:
         """Restarts the last successful run needed."""
         self.timings_of_run: LaunchTimings | None = None
         """The last successful warm run's timings (its ranks are forgotten after it)."""
+        self._interrupt: BaseException | None = None
+        """Raised in the launch's thread at its next wake-up (see :meth:`interrupt`)."""
 
     # -- the launch, in order ------------------------------------------------------------
 
@@ -239,6 +242,7 @@ class Launch:
         """
         st = self.state
         self.call = call
+        self._interrupt = None
         self.run_started = time.monotonic()
         self.first_attempt = st.attempt
         deadline = self._deadline(self.run_started if self.warm else st.started)
@@ -457,10 +461,23 @@ class Launch:
 
     # -- the loop -------------------------------------------------------------------------
 
+    def interrupt(self, error: BaseException) -> None:
+        """From any thread: make the run under way stop as a Ctrl-C would, raising ``error``.
+
+        The launch's thread raises ``error`` at its next wake-up (at once: the loop is woken),
+        then stops this run's workers and raises it with its notes. No effect between runs
+        beyond the next run: the request is cleared when a run starts.
+        """
+        self._interrupt = error
+        self.loop.post(lambda: None)
+
     def _run_until(self, done: Callable[[], bool], deadline: float | None) -> None:
         """Run the loop until ``done()``, a failure (unless stopping), or ``deadline``."""
         st = self.state
         while not done():
+            if self._interrupt is not None and not st.stopping:
+                error, self._interrupt = self._interrupt, None
+                raise error
             if not st.stopping and (st.failed or st.alarm):
                 return
             now = time.monotonic()
@@ -523,7 +540,7 @@ class Launch:
         # Stacks tell where the survivors were stuck; after a Ctrl-C the user knows why.
         if dump is None:
             dump = not restart
-        dump = dump and not isinstance(error, KeyboardInterrupt | SystemExit)
+        dump = dump and not isinstance(error, KeyboardInterrupt | SystemExit | CancelledError)
         stop = Stop(reason, STOP_GRACE, dump_stacks=dump, restart=restart, attempt=st.attempt)
         if not restart:
             self.inbox.final_stop = stop  # also for an agent whose start completes meanwhile
