@@ -148,6 +148,8 @@ class AgentRecord:
     free_port: int = 0
     ready: bool = False
     """Its workers of this attempt ended and it waits for a new spec or a Stop."""
+    forked: bool = False
+    """It has forked workers once: its torch import is over, its loop answers at once."""
     exit_status: int | None = None
     exited: bool = False
     conn_closed: bool = False
@@ -343,7 +345,7 @@ class LaunchState:
 
     def workers_forked(self, agent: AgentRecord, message: WorkersStarted) -> list[Event]:
         """An agent forked its workers."""
-        agent.pids = message.pids
+        agent.pids, agent.forked = message.pids, True
         if agent.spec is None:
             return []
         offset = agent.spec.rank_offset
@@ -513,8 +515,9 @@ class LaunchState:
     def silent_agents(self, now: float) -> list[tuple[AgentRecord, float]]:
         """Agents silent for longer than they may be, with how long (none while stopping).
 
-        Until its workers run an agent may be busy importing torch (it holds the GIL for
-        seconds on a busy host): that phase answers to ``start_timeout``.
+        Until it first forks workers an agent may be busy importing torch (it holds the GIL
+        for seconds on a busy host): that phase answers to ``start_timeout``. Warm agents
+        between runs answer to ``agent_timeout`` once they have forked workers.
         """
         if self.stopping:
             return []
@@ -523,7 +526,9 @@ class LaunchState:
             if agent.hello is None or agent.over:
                 continue
             limit = (
-                self.agent_timeout if agent.pids else max(self.agent_timeout, self.start_timeout)
+                self.agent_timeout
+                if agent.pids or agent.forked
+                else max(self.agent_timeout, self.start_timeout)
             )
             if now - agent.last_heard > limit:
                 silent.append((agent, now - agent.last_heard))
@@ -549,6 +554,10 @@ class LaunchState:
         ):
             self._agents_ended += 1
         return self._agents_ended == len(agents)
+
+    def unready_agents(self) -> list[AgentRecord]:
+        """Before a warm run: agents that cannot take a spec (ended, lost, or not waiting)."""
+        return [a for a in self.agents if a.over or not a.ready]
 
     @property
     def stopped(self) -> bool:

@@ -317,7 +317,7 @@ class Launch:
             )
         finally:
             st.stopping = False
-        gone = [a for a in st.agents if not a.ready]
+        gone = st.unready_agents()
         if not gone:
             return
         names = [a.slots.hostname for a in gone]
@@ -332,7 +332,7 @@ class Launch:
             )
         logger.warning("starting new agents on %s before this run", names)
         self._replace_agents(deadline)
-        unready = [a.slots.hostname for a in st.agents if not a.ready]
+        unready = [a.slots.hostname for a in st.unready_agents()]
         if unready:
             self.extra_failures.append(f"new agents were started, but those of {unready} did not")
             raise _Failed
@@ -352,20 +352,21 @@ class Launch:
         st.phase = Phase.IDLE
 
     def idle(self, stop: Callable[[], bool]) -> None:
-        """Between warm runs: heartbeats, and noting agents that end, until ``stop()``."""
+        """Between warm runs: heartbeats, and noting agents that end or fall silent.
+
+        Until ``stop()``. What happens to an agent meanwhile (its end, a cut connection, its
+        silence for ``agent_timeout``) is recorded as a fault of no run: the next run reads
+        it (:meth:`_prepare_run`), and raises or replaces the agent at once.
+        """
         st = self.state
-        stopping, st.stopping = st.stopping, True  # an agent's end now is no run's failure
-        try:
-            while not stop():
-                now = time.monotonic()
-                if now >= self._next_tick:
-                    self._tick(now)
-                    self._next_tick = now + _TICK
-                wake = _earliest(self._next_tick, st.next_due(), self.listener.next_deadline)
-                self.loop.run_once(max(0.0, (wake or now) - now))
-                self._apply_queue()
-        finally:
-            st.stopping = stopping
+        while not stop():
+            now = time.monotonic()
+            if now >= self._next_tick:
+                self._tick(now)
+                self._next_tick = now + _TICK
+            wake = _earliest(self._next_tick, st.next_due(), self.listener.next_deadline)
+            self.loop.run_once(max(0.0, (wake or now) - now))
+            self._apply_queue()
 
     def _restart_or_raise(self, deadline: float | None) -> None:
         """After a failure: stop the workers, find the cause, then restart or raise it."""
@@ -398,6 +399,19 @@ class Launch:
 
     def _send_specs(self) -> None:
         st = self.state
+        for agent in st.agents:  # a spec to an agent that ended would wait for nothing
+            if agent.over or agent.conn is None:
+                if not st.failed:
+                    self.inbox.fault(
+                        "agent",
+                        AgentFailedError(
+                            agent.slots.hostname,
+                            f"its agent ended ({agent.state.value}) before the workers started",
+                        ),
+                        time.time(),
+                        host_index=agent.index,
+                    )
+                raise _Failed
         hellos = [a.hello for a in st.agents]
         world_size = sum(h.slots for h in hellos if h is not None)
         # Decided once for every worker of every host: a group that mixes backends hangs.
@@ -576,7 +590,7 @@ class Launch:
             self.inbox.forget_rank(rank)  # an old worker's connection: nothing more is read
         if "hosts" in self.launcher.restart_on:
             self._replace_agents(deadline)
-        unready = [a.slots.hostname for a in st.agents if not a.ready]
+        unready = [a.slots.hostname for a in st.unready_agents()]
         if unready:
             st.history.pop()  # this failure is the one raised, not an earlier one
             self.extra_failures.append(
@@ -588,7 +602,7 @@ class Launch:
     def _replace_agents(self, deadline: float | None) -> None:
         """Start a new agent for every host whose agent died or was lost (new SSH or srun)."""
         st = self.state
-        replaced = [a.index for a in st.agents if not a.ready]
+        replaced = [a.index for a in st.unready_agents()]
         for index in replaced:
             old = st.agents[index]
             logger.warning("starting a new agent on %s", old.slots.hostname)
