@@ -61,6 +61,7 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from torchrunx import leftovers, protocol
+from torchrunx.agentstore import StoreSocket, listen_address
 from torchrunx.errors import ProtocolError
 from torchrunx.guardian import fork_agent
 from torchrunx.hosts import count_local_cpus, count_local_gpus
@@ -138,7 +139,7 @@ def _free_port() -> int:
 class Agent:
     """The live agent of one host (created by :func:`main`)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the host's facts and what main made)
         self,
         boot: AgentBootstrap,
         connection: Connection,
@@ -146,9 +147,14 @@ class Agent:
         gpus: int,
         cpus: int,
         tmpdir: str | None = None,
+        store: StoreSocket | None = None,
     ) -> None:
-        """Keep the bootstrap, the launcher connection, the host's counts, the workers' TMPDIR."""
+        """Keep the bootstrap, the launcher connection, the host's counts, the workers' TMPDIR.
+
+        ``store``: host 0's rendezvous socket (:mod:`torchrunx.agentstore`), listening.
+        """
         self.boot = boot
+        self.store = store
         self.conn = connection
         self.tmpdir = tmpdir
         self.gpus = gpus
@@ -249,7 +255,11 @@ class Agent:
         self.group = group
         self.hangs = HangWatch(group, self._send)
 
+        store = None if self.store is None else self.store.sock
+
         def child(fork: Fork) -> NoReturn:
+            # Rank 0 keeps the store's socket and serves it; the others close it.
+            keeps = store is not None and fork.local_rank == 0
             become_worker(
                 fork,
                 boot=self.boot,
@@ -258,11 +268,18 @@ class Agent:
                 agent_pid=self.pid,
                 gpus=self.gpus,
                 cpus=self.cpus,
-                agent_objects=(self.selector, self.conn.sock),
+                agent_objects=(
+                    self.selector,
+                    self.conn.sock,
+                    *((store,) if store is not None and not keeps else ()),
+                ),
+                store_fd=store.fileno() if store is not None and keeps else None,
                 tmpdir=self.tmpdir,
             )
 
         group.start(spec.num_workers, child)
+        if self.store is not None:
+            self.store.handed_over()
         group.pause_output(self.outbox.paused)
         logger.info("started %d workers: pids %s", spec.num_workers, [w.pid for w in group.workers])
         self._send(WorkersStarted(tuple(w.pid for w in group.workers)))
@@ -286,8 +303,12 @@ class Agent:
         self.drain_deadline = None
         if not self.launcher_alive:
             return False
-        self._send(WorkersEnded(_free_port(), self.attempt))
+        self._send(WorkersEnded(self._next_port(), self.attempt))
         return self.launcher_alive
+
+    def _next_port(self) -> int:
+        """The next attempt's ``MASTER_PORT``: host 0's fresh store, else a free port."""
+        return self.store.renew() if self.store is not None else _free_port()
 
     def finish(self) -> None:
         """Tell the launcher, deliver what is queued, and end the connection cleanly.
@@ -313,6 +334,8 @@ class Agent:
             self.group.close(0.0)
         leftovers.kill_descendants(self.pid)
         leftovers.remove_dir(self.tmpdir)
+        if self.store is not None:
+            self.store.close()
         self.selector.close()
         self.conn.close()
 
@@ -405,7 +428,7 @@ class Agent:
             # No workers run here: ready at once. A spec that came before this Stop belongs
             # to the attempt being abandoned.
             self.received = None
-            self._send(WorkersEnded(_free_port(), message.attempt))
+            self._send(WorkersEnded(self._next_port(), message.attempt))
             return
         what = "the workers to restart them" if message.restart else "on request"
         logger.info("stopping %s: %s", what, message.reason)
@@ -580,17 +603,19 @@ def main(line: bytes) -> None:
         sys.exit(2)
     gpus = count_local_gpus()
     cpus = count_local_cpus()
+    # Host 0 runs rank 0: its agent hosts the rendezvous store, listening from now on.
+    store = StoreSocket(listen_address(boot.launcher_address)) if boot.host_index == 0 else None
     conn.send(
         AgentHello(
             host_index=boot.host_index,
             hostname=socket.gethostname(),
             pid=os.getpid(),
             slots=_slots(boot.workers, boot.count, gpus, cpus),
-            free_port=_free_port(),
+            free_port=_free_port() if store is None else store.port,
             gpus=gpus,
         )
     )
-    agent = Agent(boot, conn, gpus=gpus, cpus=cpus, tmpdir=tmpdir)
+    agent = Agent(boot, conn, gpus=gpus, cpus=cpus, tmpdir=tmpdir, store=store)
     agent.forward_logging()
     logger.info(
         "agent of host %d started on %s (pid %d)",

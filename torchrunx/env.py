@@ -162,12 +162,16 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
     for code written for torchrun. ``TORCHELASTIC_RUN_ID`` makes
     ``torch.distributed.is_torchelastic_launched()`` true, as under torchrun: Lightning then
     reads the ranks from these variables (see ``torchrunx.integrations``).
+    ``TORCHELASTIC_USE_AGENT_STORE=True``: the store at ``MASTER_ADDR:MASTER_PORT`` is
+    hosted by host 0's agent (:mod:`torchrunx.agentstore`), so ``env://`` rendezvous makes
+    every rank a client, rank 0 included, as under torchrun.
     """
     return {
         "TORCHRUNX_RESTART_COUNT": str(attempt),
         "TORCHELASTIC_RUN_ID": "torchrunx",
         "TORCHELASTIC_RESTART_COUNT": str(attempt),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),
         "WORLD_SIZE": str(world_size),

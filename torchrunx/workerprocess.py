@@ -9,11 +9,12 @@ makes it a worker process, in this order:
    whole tree, and ``PR_SET_PDEATHSIG`` = SIGKILL, so that it dies with the agent;
 3. SIGTERM and SIGINT back to their default actions (the agent handles or ignores them);
 4. every descriptor of the agent closed (its selector, its launcher socket, the other
-   workers' pipes), and stdin from ``/dev/null``;
+   workers' pipes, the store's socket but in rank 0), and stdin from ``/dev/null``;
 5. a check that its parent is still the agent (else the agent died before step 2: exit 1);
 6. ``TMPDIR`` and ``tempfile.tempdir``: the agent's private temporary directory
    (:mod:`torchrunx.leftovers`), if it could make one;
 7. ``faulthandler`` on SIGUSR1, writing its Python stacks into its stack pipe;
+   rank 0 serves the rendezvous store's socket (:mod:`torchrunx.agentstore`);
 8. :func:`torchrunx.worker.run` (imported only here), whose return value is the exit code.
 
 The child never returns into the agent's code: it ends with ``os._exit``, exit code 1 if
@@ -31,6 +32,7 @@ import tempfile
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from torchrunx import leftovers, timer
+from torchrunx.agentstore import serve_when_torch_imported
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -57,6 +59,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
     cpus: int,
     agent_objects: Sequence[Closable],
     tmpdir: str | None = None,
+    store_fd: int | None = None,
 ) -> NoReturn:
     """Turn the forked child into a worker, run its rank, and exit (see the module).
 
@@ -71,6 +74,8 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
         agent_objects: The agent's selector and launcher socket, closed here. A plain
             ``close``, never a ``shutdown``: that would cut the agent's own connection.
         tmpdir: The agent's private temporary directory, the worker's ``TMPDIR``.
+        store_fd: Rank 0 only: the listening socket of the rendezvous store, which it
+            serves (:mod:`torchrunx.agentstore`).
     """
     code = 1
     try:
@@ -96,6 +101,8 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
             os.environ["TMPDIR"] = tmpdir  # for the processes it starts
             tempfile.tempdir = tmpdir  # the agent's gettempdir() may have cached another
         faulthandler.register(signal.SIGUSR1, file=fork.stack, all_threads=True)
+        if store_fd is not None:  # the other ranks may be waiting in its backlog already
+            serve_when_torch_imported(store_fd, spec.master_port, spec.timeout)
         from torchrunx import worker  # noqa: PLC0415 (only in the worker)
 
         code = worker.run(boot, spec, payload, fork.local_rank, gpus=gpus, cpus=cpus)

@@ -1,0 +1,182 @@
+"""The rendezvous store of an attempt: listening before any rank looks for it.
+
+Every rank of a worker group meets in one ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``. With plain
+``env://``, rank 0 opens that port when it joins the group, and a rank that gets there first is
+refused and backs off for 0.25-0.7 s (torch's retry): most runs paid it once ranks were on two
+hosts. Here the port listens from before the launcher sends any spec:
+
+1. The agent of host 0 opens a listening socket for the next attempt (:class:`StoreSocket`)
+   before it says hello, and again each time an attempt's workers have ended; its port is the
+   ``free_port`` of its ``AgentHello`` and ``WorkersEnded``, the launcher's ``MASTER_PORT``.
+2. Its worker of local rank 0 (global rank 0) inherits the socket when forked, and serves it
+   with a ``TCPStore`` (``master_listen_fd``) as soon as torch is imported in it: at once when
+   the agent imported torch before the fork, else when the function first imports it
+   (:func:`serve_when_torch_imported`). The other workers and the agent close their copies.
+3. Every worker gets ``TORCHELASTIC_USE_AGENT_STORE=True``, so ``env://`` rendezvous (ours,
+   and ``init_process_group()`` called by the user, Lightning, Accelerate or DeepSpeed) makes
+   every rank a client of that store, rank 0 included, as under torchrun.
+
+A rank that connects before the server runs is accepted by the kernel and waits in the backlog,
+so no rank ever backs off. Each attempt gets a fresh socket and store (``env://`` adds no
+per-attempt prefix with an agent store; a socket whose backlog may hold the connections of an
+abandoned attempt's ranks is never reused). The store lives in rank 0's process and ends with
+it: the agent never runs a thread or imports torch for it, and a function that never joins a
+process group costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import importlib.abc
+import importlib.machinery
+import ipaddress
+import logging
+import socket
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_servers: list[Any] = []
+"""The store served by this process (rank 0), kept alive as long as the process."""
+
+
+def listen_address(launcher_address: str) -> str:
+    """Where the store listens: loopback when the launcher is reached there, else everywhere.
+
+    The launcher gives its agents a loopback address only when every host is this machine
+    (see :mod:`torchrunx.agent_starts`): then every rank is local too.
+    """
+    try:
+        loopback = ipaddress.ip_address(launcher_address).is_loopback
+    except ValueError:
+        loopback = launcher_address == "localhost"
+    return "127.0.0.1" if loopback else ""
+
+
+def _listening_socket(host: str) -> socket.socket:
+    if host == "" and socket.has_dualstack_ipv6():
+        return socket.create_server(
+            ("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=socket.SOMAXCONN
+        )
+    return socket.create_server((host or "0.0.0.0", 0), backlog=socket.SOMAXCONN)  # noqa: S104
+
+
+class StoreSocket:
+    """Host 0's agent side: the next attempt's listening socket (owned by the agent)."""
+
+    def __init__(self, host: str) -> None:
+        """Open the first attempt's socket (on ``host``; ``""``: every interface)."""
+        self.host = host
+        self.sock: socket.socket | None = _listening_socket(host)
+        self.port = int(self.sock.getsockname()[1])
+
+    def handed_over(self) -> None:
+        """The workers were forked (rank 0 holds the socket now): close the agent's copy."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def renew(self) -> int:
+        """Open the next attempt's socket (the last one is never reused); its port."""
+        self.close()
+        self.sock = _listening_socket(self.host)
+        self.port = int(self.sock.getsockname()[1])
+        return self.port
+
+    def close(self) -> None:
+        """Close the agent's copy of the socket; idempotent."""
+        self.handed_over()
+
+
+def serve_when_torch_imported(fd: int, port: int, timeout: float) -> None:
+    """In rank 0: serve the inherited listening socket ``fd`` with a ``TCPStore``.
+
+    At once if torch is imported, else right after the function's own ``import torch``
+    (an import hook that removes itself). ``timeout``: the process group's, in seconds.
+    """
+    if "torch" in sys.modules:
+        _serve(fd, port, timeout)
+        return
+    sys.meta_path.insert(0, _AfterImport("torch", lambda: _serve(fd, port, timeout)))
+
+
+def _serve(fd: int, port: int, timeout: float) -> None:
+    """A ``TCPStore`` server on the listening socket ``fd`` (which it owns from now on)."""
+    try:
+        import torch.distributed as dist  # noqa: PLC0415 (imported by now; never loads torch)
+
+        if not dist.is_available():  # a build without distributed: nothing to serve
+            raise ImportError("torch.distributed is not available in this build")  # noqa: TRY301
+        _servers.append(
+            dist.TCPStore(  # type: ignore[attr-defined]  # torch's stubs do not export it
+                "127.0.0.1",  # its own client's address: the socket listens there too
+                port,
+                None,
+                True,  # noqa: FBT003 (torch's positional is_master)
+                dt.timedelta(seconds=timeout),
+                wait_for_workers=False,
+                master_listen_fd=fd,
+            )
+        )
+    except Exception:
+        # Nothing serves it: closed, it refuses the ranks at once instead of a long wait.
+        logger.exception("cannot serve the rendezvous store on port %d", port)
+        with contextlib.suppress(OSError):
+            socket.socket(fileno=fd).close()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``then()`` once module ``name`` has been imported (and leaves ``sys.meta_path``)."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        """The module's own spec, with a loader that calls ``then()`` after executing it."""
+        if fullname != self.name:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec: importlib.machinery.ModuleSpec | None = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if find is None else find(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None:
+            return None
+        if spec.loader is not None:
+            spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    """Delegates to ``loader``, then calls ``then()`` once the module has executed."""
+
+    def __init__(self, loader: importlib.abc.Loader, then: Callable[[], None]) -> None:
+        self.loader = loader
+        self.then = then
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        """The delegate's module."""
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Execute the module (which sees its own loader), then call ``then()``."""
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.then()
