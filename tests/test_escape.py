@@ -143,7 +143,7 @@ LAUNCHER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("where", ["localhost", "cluster"])
+@pytest.mark.parametrize("where", ["localhost", pytest.param("cluster", marks=pytest.mark.cluster)])
 def test_daemons_end_when_the_launcher_is_sigkilled(where, tmp_path, request):
     tag = "61003"
     hosts, config = ["localhost"], ""

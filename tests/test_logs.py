@@ -61,6 +61,7 @@ def torchrunx_info() -> Iterator[None]:
     logger.setLevel(old)
 
 
+@pytest.mark.cluster
 def test_two_hosts_files_layout_content_and_console(cluster, log_dir, capsys, torchrunx_info):
     trx.launch(
         chatty,

@@ -82,7 +82,7 @@ def start_launcher(
     return process
 
 
-@pytest.mark.parametrize("where", ["localhost", "cluster"])
+@pytest.mark.parametrize("where", ["localhost", pytest.param("cluster", marks=pytest.mark.cluster)])
 def test_launcher_sigkill_leaves_no_process_on_any_host(where, tmp_path, request):
     hosts, config = ["localhost", "localhost"], None
     if where == "cluster":
@@ -111,22 +111,34 @@ def test_sigint_and_sigterm_stop_everything_cleanly(signum, expected, tmp_path):
     assert torchrunx_processes() == []
 
 
-def stubborn_rank_zero(tag: str) -> None:
+def stubborn_rank_zero(tag: str, children_file: str) -> None:
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        subprocess.Popen(["sleep", tag])  # a child of the worker, ignoring nothing special
-        subprocess.Popen(["bash", "-c", f"trap '' TERM; sleep {tag}1"])
+        plain = subprocess.Popen(["sleep", tag])  # a child of the worker, ignoring nothing special
+        deaf = subprocess.Popen(["bash", "-c", f"trap '' TERM; sleep {tag}1"])
+        Path(f"{children_file}.tmp").write_text(f"{plain.pid} {deaf.pid}")
+        os.replace(f"{children_file}.tmp", children_file)  # whole, or not there at all
         time.sleep(300)
-    time.sleep(1)
+    # Rank 1 fails only once rank 0's children exist (a bounded wait, not a race it may lose).
+    deadline = time.monotonic() + 60
+    while not os.path.exists(children_file):
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 did not start its children")
+        time.sleep(0.05)
     raise RuntimeError("rank one gives up")
 
 
 def test_workers_ignoring_sigterm_and_their_children_are_killed(tmp_path):
     tag = "98765"
+    children_file = tmp_path / "children"
     with pytest.raises(RuntimeError, match="rank one gives up"):
-        trx.Launcher(**LOCAL).run(stubborn_rank_zero, tag)
+        trx.Launcher(**LOCAL).run(stubborn_rank_zero, tag, str(children_file))
+    # The children existed before the stop (rank 1 waited for them) ...
+    pids = [int(pid) for pid in children_file.read_text().split()]
+    assert len(pids) == 2 and all(pid > 0 for pid in pids)
+    # ... and are gone now.
     assert _processes_matching(f"sleep {tag}") == []
 
 
@@ -175,7 +187,7 @@ def rank_zero_hangs() -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("where", ["localhost", "cluster"])
+@pytest.mark.parametrize("where", ["localhost", pytest.param("cluster", marks=pytest.mark.cluster)])
 def test_hang_is_stopped_by_launch_timeout_with_stacks(where, request):
     fields: dict[str, object] = dict(LOCAL)
     if where == "cluster":

@@ -324,25 +324,61 @@ def test_a_dead_agent_is_replaced_only_when_asked():
     assert (result.ranks, result.restarts) == ([second], 1)
 
 
-def one_host_done_early_the_other_dies() -> int:
+def one_host_done_early_the_other_dies(folder: str) -> int:
     rank = int(os.environ["RANK"])
-    if os.environ["TORCHRUNX_RESTART_COUNT"] == "0" and rank == 0:
-        time.sleep(1.0)  # the other host's worker has returned and its agent is idle by now
-        os._exit(7)
-    return rank
+    if os.environ["TORCHRUNX_RESTART_COUNT"] != "0":
+        return rank
+    if rank == 1:  # host 1: says who it is and when it returns, then returns
+        _write_whole(f"{folder}/returned", f"{os.getpid()} {time.time()!r}")
+        return rank
+    # Host 0 dies only once host 1's worker has returned and ended (a bounded wait on facts,
+    # not a sleep): its agent is idle by then. If it never does, nothing is written and the
+    # test fails.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.path.exists(f"{folder}/returned"):
+            with open(f"{folder}/returned") as f:
+                pid = int(f.read().split()[0])
+            if not os.path.exists(f"/proc/{pid}"):
+                _write_whole(f"{folder}/died", repr(time.time()))
+                os._exit(7)
+        time.sleep(0.05)
+    os._exit(8)
 
 
-def test_restart_when_another_hosts_workers_already_finished():
+def _write_whole(path: str, text: str) -> None:
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)  # a reader sees all of it or nothing
+
+
+def test_restart_when_another_hosts_workers_already_finished(tmp_path):
     # Two agents (two names for this machine): host 1's only worker returns at once, host 0's
-    # dies a second later. Host 1's agent must still be there to restart its worker.
+    # dies once it has. Host 1's agent must still be there to restart its worker.
+    seen: list[ev.Event] = []
     result = trx.launch(
         one_host_done_early_the_other_dies,
+        (str(tmp_path),),
         hostnames=["localhost", "127.0.0.1"],
         workers_per_host=1,
         backend=None,
         max_restarts=1,
+        event_handlers=(seen.append,),
     )
     assert (result.ranks, result.restarts) == ([0, 1], 1)
+    # Host 1 finished first: its worker returned (and ended) before host 0's died.
+    returned = float((tmp_path / "returned").read_text().split()[1])
+    died = float((tmp_path / "died").read_text())
+    assert returned < died
+    succeeded = [
+        e
+        for e in seen
+        if isinstance(e, ev.WorkerStateChanged)
+        and (e.rank, e.attempt, e.new) == (1, 0, ev.WorkerState.SUCCEEDED)
+    ]
+    assert len(succeeded) == 1  # attempt 0's rank 1 returned its value, it was not stopped
+    (restart,) = [e for e in seen if isinstance(e, ev.Restarting)]
+    assert "exit code 7" in restart.reason  # the restart answered host 0's death
 
 
 class NeedsTwoArguments(Exception):  # noqa: N818 (a user's exception, as users name them)

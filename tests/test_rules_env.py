@@ -1,0 +1,121 @@
+"""The rules of environment forwarding (torchrunx/env.py), one per variable and per name.
+
+- A variable that describes one process (its rank, its process group's address, torchrun's
+  error file, ...) is never copied from the launcher: every worker gets its own. The list is
+  written out here, not read from the module, so that a name dropped there is caught.
+- Only names that bash can export (letters, digits and ``_``, not starting with a digit) are
+  forwarded: the agent's shell exports them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from torchrunx.env import (
+    exported_env,
+    forwarded_env,
+    local_agent_env,
+    split_extra_env_vars,
+    worker_env,
+)
+
+PER_PROCESS = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHRUNX_RESTART_COUNT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+]
+"""The per-process variables of torchrunx/env.py's list, never copied."""
+
+
+def test_every_variable_a_worker_gets_of_its_own_is_in_the_list():
+    """What ``worker_env`` sets for each worker must never come from the launcher too."""
+    env = worker_env(
+        rank=1,
+        local_rank=1,
+        world_size=2,
+        local_world_size=2,
+        group_rank=0,
+        master_addr="10.0.0.1",
+        master_port=29500,
+    )
+    assert set(env) <= set(PER_PROCESS)
+
+
+@pytest.mark.parametrize("name", PER_PROCESS)
+@pytest.mark.parametrize(
+    "patterns", [("*",), ("TORCH*", "MASTER_*", "*RANK*", "*SIZE"), ("{name}",)]
+)
+def test_rule_a_per_process_variable_is_never_forwarded(name, patterns):
+    """Rule: a per-process variable of the launcher (e.g. set because the launcher itself runs
+    under torchrun) is not copied, whatever pattern would match it."""
+    environ = {name: "launchers-own", "KEEP_ME": "1"}
+    patterns = tuple(p.format(name=name) for p in patterns)
+    assert name not in forwarded_env(patterns, environ)
+    assert name not in exported_env(patterns, {}, environ)
+    assert forwarded_env((*patterns, "KEEP_ME"), environ) == {"KEEP_ME": "1"}
+
+
+@pytest.mark.parametrize("name", PER_PROCESS)
+def test_rule_a_local_agent_starts_without_the_launchers_per_process_variables(name):
+    """Rule: an agent on the launcher's machine gets the launcher's whole environment, less
+    the per-process variables."""
+    assert local_agent_env({name: "launchers-own", "KEEP_ME": "1"}) == {"KEEP_ME": "1"}
+
+
+@pytest.mark.parametrize("name", PER_PROCESS)
+@pytest.mark.parametrize("form", ["dict", "tuple"])
+def test_rule_a_per_process_variable_cannot_be_given_for_every_worker(name, form):
+    """Rule: ``extra_env_vars`` cannot set a per-process variable for all workers at once."""
+    extra = {name: "0"} if form == "dict" else (f"{name}=0",)
+    with pytest.raises(ValueError, match=f"{name} is set by torchrunx for each worker"):
+        split_extra_env_vars(extra)
+
+
+NOT_SHELL_NAMES = [
+    "1ABC",  # starts with a digit
+    "A-B",
+    "A.B",
+    "A B",
+    "A:B",
+    "BASH_FUNC_f%%",  # how bash exports a function
+    "NAÏVE",  # not ASCII
+    "A\nB",
+    "",
+]
+
+
+@pytest.mark.parametrize("name", NOT_SHELL_NAMES)
+def test_rule_a_name_bash_cannot_export_is_not_forwarded(name):
+    """Rule: only names bash can export reach the agent's shell, whatever the pattern."""
+    environ = {name: "x", "GOOD_NAME": "y"}
+    assert forwarded_env(("*",), environ) == {"GOOD_NAME": "y"}
+    assert forwarded_env((name,), environ) == {}
+    assert exported_env(("*",), {}, environ) == {"GOOD_NAME": "y"}
+
+
+@pytest.mark.parametrize("name", ["A", "_", "_1", "a_b", "A1_B2", "PATH", "Z9"])
+def test_a_name_bash_can_export_is_forwarded(name):
+    """The control: valid shell names that match are forwarded."""
+    assert forwarded_env(("*",), {name: "x"}) == {name: "x"}
+    assert forwarded_env((name,), {name: "x"}) == {name: "x"}
+
+
+@pytest.mark.parametrize("name", ["1ABC", "A-B", "A B", "BASH_FUNC_f%%"])
+def test_rule_extra_env_vars_refuses_a_name_bash_cannot_export(name):
+    with pytest.raises(ValueError, match="is not a variable name bash can export"):
+        split_extra_env_vars({name: "1"})
+
+
+def test_patterns_are_case_sensitive():
+    assert forwarded_env(("path",), {"PATH": "/bin"}) == {}
+    assert forwarded_env(("PATH",), {"PATH": "/bin"}) == {"PATH": "/bin"}
