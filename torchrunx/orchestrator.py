@@ -189,8 +189,10 @@ class Launch:
         """Restarts the last successful run needed."""
         self.timings_of_run: LaunchTimings | None = None
         """The last successful warm run's timings (its ranks are forgotten after it)."""
-        self._interrupt: BaseException | None = None
-        """Raised in the launch's thread at its next wake-up (see :meth:`interrupt`)."""
+        self._interrupt: tuple[object, BaseException] | None = None
+        """A run's token and the error raised in it at its next wake-up (:meth:`interrupt`)."""
+        self._run_token: object = None
+        """The token of the run under way (:meth:`run_call`)."""
 
     # -- the launch, in order ------------------------------------------------------------
 
@@ -234,15 +236,16 @@ class Launch:
         for agent in st.agents:  # each waits for its first spec
             agent.ready = True
 
-    def run_call(self, call: list[memoryview]) -> tuple[tuple[Any, ...], ...]:
+    def run_call(self, call: list[memoryview], token: object = None) -> tuple[tuple[Any, ...], ...]:
         """Run one call on fresh workers of the started agents; the results per host.
 
         A one-shot launch runs one call and its failure stops the agents. Warm agents stay
-        after a failure (this run's workers stopped), ready for the next call.
+        after a failure (this run's workers stopped), ready for the next call. ``token``
+        names this run for :meth:`interrupt` (``None``: a fresh one).
         """
         st = self.state
         self.call = call
-        self._interrupt = None
+        self._run_token = object() if token is None else token
         self.run_started = time.monotonic()
         self.first_attempt = st.attempt
         deadline = self._deadline(self.run_started if self.warm else st.started)
@@ -475,23 +478,34 @@ class Launch:
 
     # -- the loop -------------------------------------------------------------------------
 
-    def interrupt(self, error: BaseException) -> None:
-        """From any thread: make the run under way stop as a Ctrl-C would, raising ``error``.
+    def interrupt(self, error: BaseException, token: object) -> None:
+        """From any thread: make run ``token`` stop as a Ctrl-C would, raising ``error``.
 
-        The launch's thread raises ``error`` at its next wake-up (at once: the loop is woken),
-        then stops this run's workers and raises it with its notes. No effect between runs
-        beyond the next run: the request is cleared when a run starts.
+        If that run is under way (or about to start: ``token`` given to :meth:`run_call`),
+        the launch's thread raises ``error`` at its next wake-up (at once: the loop is woken),
+        whether it waits for its workers, for agents still stopping or for new agents; then
+        it stops the run's workers and raises ``error`` with its notes. A request for
+        another run, or one that came after its run ended, does nothing.
         """
-        self._interrupt = error
+        self._interrupt = (token, error)
         self.loop.post(lambda: None)
 
-    def _run_until(self, done: Callable[[], bool], deadline: float | None) -> None:
-        """Run the loop until ``done()``, a failure (unless stopping), or ``deadline``."""
+    def _run_until(
+        self, done: Callable[[], bool], deadline: float | None, *, interruptible: bool = True
+    ) -> None:
+        """Run the loop until ``done()``, a failure (unless stopping), or ``deadline``.
+
+        Raises:
+            BaseException: The error of an :meth:`interrupt` of this run (if
+                ``interruptible``: not while stopping workers).
+        """
         st = self.state
         while not done():
-            if self._interrupt is not None and not st.stopping:
-                error, self._interrupt = self._interrupt, None
-                raise error
+            if interruptible and self._interrupt is not None:
+                token, error = self._interrupt
+                if token is self._run_token:
+                    self._interrupt = None
+                    raise error
             if not st.stopping and (st.failed or st.alarm):
                 return
             now = time.monotonic()
@@ -562,7 +576,7 @@ class Launch:
             if agent.conn is not None and not agent.over and not (restart and agent.ready):
                 self.inbox.peer_of(agent).send(stop)
         done = (lambda: st.stopped and st.ranks_known) if restart else self._ends_known
-        self._run_until(done, time.monotonic() + _STOP_WAIT)
+        self._run_until(done, time.monotonic() + _STOP_WAIT, interruptible=False)
         self._apply_queue()
         for rank in st.ranks:  # what is still unsettled is judged on what arrived
             if rank.exited is not None:
@@ -725,7 +739,7 @@ class Launch:
         for agent in st.agents:
             if agent.conn is not None and not agent.over:
                 self.inbox.peer_of(agent).send(stop)
-        self._run_until(self._all_over, time.monotonic() + _STOP_WAIT)
+        self._run_until(self._all_over, time.monotonic() + _STOP_WAIT, interruptible=False)
         self._apply_queue()
 
     def close(self) -> None:

@@ -26,7 +26,6 @@ import contextlib
 import enum
 import logging
 import threading
-import time
 import weakref
 from collections import deque
 from concurrent.futures import CancelledError, Future, InvalidStateError
@@ -52,11 +51,8 @@ logger = logging.getLogger("torchrunx.launcher")
 _CLOSED = "these warm agents were closed; start new ones with Launcher.warm()"
 
 _CANCEL_WAIT = 30.0
-"""How long :meth:`_Submitted.cancel` waits for a run under way to end: a run that was only
-preparing first waits (bounded) for agents still stopping, then its workers get their grace."""
-
-_REPEAT = 0.5
-"""How often a cancel repeats its interrupt: a run that is only starting forgets earlier ones."""
+"""How long :meth:`_Submitted.cancel` waits for a run under way to end (its workers get their
+grace period; a run that was starting new agents stops them first)."""
 
 _our_thread = threading.local()
 """``warm`` is set in the threads this module starts (see :func:`_shut`)."""
@@ -114,8 +110,10 @@ class _Agents:
         """Held by the run under way (one at a time), and by :meth:`WarmLauncher.close`."""
         self.runs = 0
 
-    def run(self, call: list[memoryview]) -> LaunchResult[Any]:
+    def run(self, call: list[memoryview], token: object = None) -> LaunchResult[Any]:
         """Run a pickled call on fresh workers; the caller holds :attr:`lock`.
+
+        ``token`` names the run for :meth:`Launch.interrupt` (a submitted run's future).
 
         Raises:
             BaseException: Whatever the run raises (:meth:`Launch.run_call`).
@@ -123,7 +121,7 @@ class _Agents:
         self.runs += 1
         self.idle.pause()
         try:
-            per_host = self.launch.run_call(call)
+            per_host = self.launch.run_call(call, token)
         finally:
             self.idle.resume()
         timings = self.launch.timings_of_run
@@ -206,15 +204,10 @@ class _Submitted(Future[LaunchResult[R]]):
             self.set_running_or_notify_cancel()  # wait() and as_completed() see it now
             return True
         if phase in (_Phase.RUNNING, _Phase.ENDING):
-            deadline = time.monotonic() + _CANCEL_WAIT
-            while not self.done():  # done() already in a done-callback of this very future
-                with self._step:  # never once the run is over: the next run would get it
-                    if self._phase is _Phase.RUNNING:
-                        self._launch.interrupt(self._error)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                wait_futures([self], timeout=min(_REPEAT, left))
+            # For this run only (the token): a request that comes after it ended does nothing.
+            self._launch.interrupt(self._error, self)
+            if not self.done():  # done() already in a done-callback of this very future
+                wait_futures([self], timeout=_CANCEL_WAIT)
             if not self.done():
                 logger.warning("a cancelled run did not end within %.0f s", _CANCEL_WAIT)
         return self.cancelled()
@@ -317,7 +310,7 @@ class _Runner:
             assert call is not None  # noqa: S101 (set until started)
             outcome: LaunchResult[Any] | BaseException
             try:
-                outcome = self._agents.run(call)
+                outcome = self._agents.run(call, token=future)
             except BaseException as exc:  # noqa: BLE001 (the future carries it, whatever it is)
                 outcome = exc
         future.end(outcome)
