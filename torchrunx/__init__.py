@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from torchrunx.logs import add_filter_to_handler, file_handler, stream_handler
     from torchrunx.results import LaunchResult, LaunchTimings
     from torchrunx.warm import WarmLauncher
+    from torchrunx.worker import worker_cache
 
 __version__ = "0.5.0"
 """The release: the successor of the original torchrunx 0.4 (pyproject.toml reads it here)."""
@@ -58,6 +59,7 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "launch",
     "launcher_from_args",
     "stream_handler",
+    "worker_cache",
 ]
 
 _HOME = {
@@ -81,6 +83,7 @@ _HOME = {
     "LaunchResult": "torchrunx.results",
     "LaunchTimings": "torchrunx.results",
     "WarmLauncher": "torchrunx.warm",
+    "worker_cache": "torchrunx.worker",
 }
 
 _SUBMODULES = frozenset({"timer", "events", "hosts"})

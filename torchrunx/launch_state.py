@@ -203,6 +203,11 @@ class LaunchState:
     max_restarts: int = 0
     agent_timeout: float = 30.0
     start_timeout: float = 60.0
+    keep_workers: bool = False
+    """Workers that stay from run to run (warm agents): a run is over when every rank
+    returned, while its workers (and so its agents) go on."""
+    kept_workers: bool = False
+    """Between warm runs: the last run's workers stay, with their ranks, for the next call."""
     ranks: list[RankRecord] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
@@ -302,9 +307,14 @@ class LaunchState:
             )
         )
         self.degraded = True
-        if rank is None or rank.state.is_final:
+        if rank is None:
             return []
-        events = self.move_rank(rank, WorkerState.FAILED)
+        if rank.state.is_final:
+            if not self.kept_workers:
+                return []
+            events: list[Event] = []  # a kept worker, between runs: it ran, and died since
+        else:
+            events = self.move_rank(rank, WorkerState.FAILED)
         events.append(
             WorkerFailed(
                 rank.rank,
@@ -548,6 +558,8 @@ class LaunchState:
         """Whether every rank returned and every agent is done (or waits, with restarts left)."""
         if not self.ranks or self._results < len(self.ranks):
             return False
+        if self.keep_workers:
+            return True
         agents = self.agents
         while self._agents_ended < len(agents) and (
             agents[self._agents_ended].over or agents[self._agents_ended].ready
@@ -578,8 +590,47 @@ class LaunchState:
             if self.agents[r.host_index].state not in gone
         )
 
-    def next_attempt(self) -> None:
-        """Forget this attempt's ranks and faults (the cause is in ``history`` by now)."""
+    def keep_workers_for_next_call(self) -> None:
+        """After a successful run of workers that stay: they wait for the next call."""
+        self.kept_workers = True
+        self.between_runs = True
+
+    def kept_workers_well(self) -> bool:
+        """Whether every kept worker can take the next call: alive, connected, agent well."""
+        return self.kept_workers and all(
+            r.conn is not None
+            and not r.conn_closed
+            and r.exited is None
+            and r.state is WorkerState.SUCCEEDED
+            and not self.agents[r.host_index].over
+            for r in self.ranks
+        )
+
+    def next_call(self) -> None:
+        """The kept workers take a new run's call: the same ranks, running again.
+
+        Each rank gets a new record (a finished rank never moves back), with its connection
+        and pid; the attempt stays the same, since its workers do.
+        """
+        self.kept_workers = False
+        self.between_runs = False
+        self.ranks = [
+            RankRecord(r.rank, r.host_index, r.local_rank, WorkerState.HEALTHY, r.conn, r.pid)
+            for r in self.ranks
+        ]
+        self.faults = []
+        self.stacks = {}
+        self.stopping = False
+        self._results, self._running = 0, len(self.ranks)
+        self._alarmed, self._waiting_ranks = set(), set()
+
+    def next_attempt(self, *, keep_ready: bool = False) -> None:
+        """Forget this attempt's ranks and faults (the cause is in ``history`` by now).
+
+        ``keep_ready``: agents that wait for a spec still do (warm agents between runs);
+        else every agent waits for this attempt's end again.
+        """
+        self.kept_workers = False
         self.attempt += 1
         self.ranks = []
         self.faults = []
@@ -588,7 +639,7 @@ class LaunchState:
         self._results, self._agents_ended, self._running = 0, 0, 0
         self._alarmed, self._waiting_ranks = set(), set()
         for agent in self.agents:
-            agent.ready = False
+            agent.ready = agent.ready and keep_ready
             agent.pids = ()
 
     # -- read-outs ----------------------------------------------------------------------

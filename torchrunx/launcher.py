@@ -263,11 +263,18 @@ them, that receive every record."""
             tuple(h.hostname for h in hosts), per_host, launch.restarts, launch.timings()
         )
 
-    def warm(self) -> WarmLauncher:
+    def warm(self, *, keep_workers: bool = False) -> WarmLauncher:
         """Start the agents now and keep them for many runs, each on fresh workers.
 
         Use the result as a context manager (the agents end with the block), or call its
         ``close()``; see :mod:`torchrunx.warm` for what persists between runs.
+
+        Args:
+            keep_workers: Keep the workers too, and their process group: each run's function
+                is called in the same worker processes, so what a run loads (module globals,
+                :data:`torchrunx.worker_cache`, a CUDA context) is there in the next. A
+                failed run's workers are replaced by fresh ones (``LaunchResult.fresh_workers``
+                and a warning say so).
 
         Raises:
             ValueError: A field is invalid (raised before any host is touched).
@@ -276,7 +283,9 @@ them, that receive every record."""
         self.validate()
         hosts = resolve_hosts(self.hostnames, self.workers_per_host)
         methods = start_methods(self.agent_start, [h.hostname for h in hosts])
-        launch = Launch(self, hosts, methods, [], warm=True)
+        if not isinstance(keep_workers, bool):
+            raise TypeError(f"keep_workers must be True or False, got {keep_workers!r}")
+        launch = Launch(self, hosts, methods, [], warm=True, keep_workers=keep_workers)
         try:
             with sigterm_raises_system_exit():
                 launch.open()

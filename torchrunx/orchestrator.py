@@ -72,6 +72,7 @@ from torchrunx.protocol import (
     HEARTBEAT_INTERVAL,
     Heartbeat,
     Stop,
+    WorkerCall,
     WorkerSpec,
 )
 from torchrunx.reports import (
@@ -114,10 +115,12 @@ class Launch:
         *,
         starter: Starter | None = None,
         warm: bool = False,
+        keep_workers: bool = False,
     ) -> None:
         """Open the logs, the listening socket and the loop; nothing is started yet.
 
         ``starter`` replaces how agents start (the many-hosts benchmark simulates them).
+        ``keep_workers`` (warm agents only): the workers stay from run to run.
         """
         self.launcher = launcher
         self.call = call
@@ -153,6 +156,7 @@ class Launch:
             max_restarts=launcher.max_restarts,
             agent_timeout=float(launcher.agent_timeout),
             start_timeout=float(launcher.start_timeout),
+            keep_workers=warm and keep_workers,
         )
         self.starts = AgentStarts(
             launcher,
@@ -181,6 +185,12 @@ class Launch:
         self.health: HealthServer | None = None
         self._next_tick = 0.0
         self.warm = warm
+        self.keep_workers = warm and keep_workers
+        """Workers that stay: a run's call goes to the last run's workers when they are well."""
+        self.runs = 0
+        """Runs started (warm agents)."""
+        self.fresh_workers = True
+        """Whether the last run started its own workers (else the kept ones took its call)."""
         """Warm agents: they stay after each run for the next, until :meth:`close`."""
         self.run_started = 0.0
         self.first_attempt = 0
@@ -246,15 +256,22 @@ class Launch:
         st = self.state
         self.call = call
         self._run_token = object() if token is None else token
+        self.runs += 1
         self.run_started = time.monotonic()
         self.first_attempt = st.attempt
         deadline = self._deadline(self.run_started if self.warm else st.started)
+        kept = False
         try:
             if self.warm:
-                self._prepare_run(deadline)
+                kept = self._prepare_run(deadline)
                 self.first_attempt = st.attempt
+            self.fresh_workers = not kept
             while True:
-                self._send_specs()
+                if kept:
+                    self._send_calls()
+                    kept = False
+                else:
+                    self._send_specs()
                 self._run_until(lambda: st.finished, deadline)
                 if not st.finished and not st.failed and not st.alarm:
                     self._launch_timed_out()
@@ -307,10 +324,28 @@ class Launch:
 
     # -- warm agents: between runs ------------------------------------------------------------
 
-    def _prepare_run(self, deadline: float | None) -> None:
-        """Before a warm run: wait for agents still stopping; replace those that ended."""
+    def _prepare_run(self, deadline: float | None) -> bool:
+        """Before a warm run: what the time since the last run changed.
+
+        Returns ``True`` when the last run's workers stay and take this call (nothing failed
+        since). Else their workers are gone or stopped now; agents still stopping are waited
+        for (bounded), and those that ended are replaced (``restart_on`` with ``"hosts"``)
+        or named in the :class:`AgentFailedError` raised.
+        """
         st = self.state
-        since_last = st.faults  # agents lost or dead while idle: no run's failure
+        since_last = st.faults  # workers and agents lost or dead while idle: no run's failure
+        if st.kept_workers:
+            if not since_last and st.kept_workers_well():
+                st.next_call()
+                return True
+            why = "; ".join(dict.fromkeys(summary(f.error) for f in since_last))
+            logger.warning(
+                "the workers kept since the last run are not all well%s: this run starts new "
+                "workers, and what earlier runs loaded in them is gone",
+                f" ({why})" if why else "",
+            )
+            self._stop(restart=True, dump=False)
+            st.next_attempt(keep_ready=True)
         st.faults = []
         st.stopping = True  # an agent's end now is this preparation's, not the run's
         try:
@@ -322,10 +357,12 @@ class Launch:
             st.stopping = False
         gone = st.unready_agents()
         if not gone:
-            return
+            return False
         names = [a.slots.hostname for a in gone]
         if "hosts" not in self.launcher.restart_on:
-            why = "; ".join(dict.fromkeys(summary(f.error) for f in since_last))
+            why = "; ".join(
+                dict.fromkeys(summary(f.error) for f in since_last if f.kind in ("agent", "lost"))
+            )
             raise AgentFailedError(
                 names[0],
                 f"the warm agents of {names} ended or stopped answering since the last run"
@@ -340,19 +377,23 @@ class Launch:
             self.extra_failures.append(f"new agents were started, but those of {unready} did not")
             raise _Failed
         st.next_attempt()
+        return False
 
     def _next_run(self) -> None:
-        """After a warm run: forget its ranks and failures; the agents stay."""
+        """After a warm run: forget its ranks and failures; the agents stay.
+
+        Workers that stay after a successful run keep their ranks for the next call.
+        """
         st = self.state
-        ready = [a.ready for a in st.agents]
-        st.next_attempt()
-        for agent, was_ready in zip(st.agents, ready, strict=True):
-            agent.ready = was_ready  # waiting for a spec (the next run checks)
         st.history = []
         self.extra_failures = []
         st.degraded = False
-        st.between_runs = True
         st.phase = Phase.IDLE
+        if self.keep_workers and st.finished and not st.failed:
+            st.keep_workers_for_next_call()
+            return
+        st.next_attempt(keep_ready=True)  # waiting for a spec (the next run checks)
+        st.between_runs = True
 
     def idle(self, stop: Callable[[], bool]) -> None:
         """Between warm runs: heartbeats, and noting agents that end or fall silent.
@@ -441,12 +482,22 @@ class Launch:
                 attempt=st.attempt,
                 max_restarts=self.launcher.max_restarts,
                 restarts=st.attempt - self.first_attempt,
+                keep=self.keep_workers,
             )
             st.assign(agent, spec)
             if st.attempt == 0:
                 self.logs.add_workers(agent.index, spec.num_workers)
             offset += spec.num_workers
             self.inbox.peer_of(agent).send(spec, self.call)
+
+    def _send_calls(self) -> None:
+        """Workers that stay: send this run's call to each of them, on its own connection."""
+        st = self.state
+        st.phase = Phase.RUNNING
+        message = WorkerCall(run=self.runs)
+        for rank in st.ranks:
+            assert rank.conn is not None  # noqa: S101 (checked by kept_workers_well)
+            self.inbox.peers[rank.conn].send(message, self.call)
 
     def _master_address(self) -> tuple[str, int]:
         """Rank 0 runs on host 0: its address as the other hosts can reach it, and its port."""

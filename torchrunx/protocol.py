@@ -323,6 +323,10 @@ class WorkerSpec:
     max_restarts: int = 0
     restarts: int = 0
     """Restarts so far in this run (``TORCHELASTIC_RESTART_COUNT``); ``attempt`` in a launch."""
+    keep: bool = False
+    """Workers that stay (``Launcher.warm(keep_workers=True)``): after its outcome a worker
+    waits on its connection for the next run's :class:`WorkerCall`, in the same process and
+    process group."""
 
 
 @dataclass(frozen=True)
@@ -426,6 +430,18 @@ class WorkerHello:
 
 
 @dataclass(frozen=True)
+class WorkerCall:
+    """Launcher, to a worker that stays: run this call next; the payload is the pickled call.
+
+    The worker answers with :class:`WorkerResult` or :class:`WorkerException`, as for the call
+    of its spec. Its connection's end tells it to exit.
+    """
+
+    run: int
+    """The warm run this call belongs to (1 for the first run)."""
+
+
+@dataclass(frozen=True)
 class WorkerResult:
     """Worker: the function returned; the payload is the cloudpickled return value."""
 
@@ -474,6 +490,7 @@ Message = (
     | WorkerTimedOut
     | Heartbeat
     | WorkerHello
+    | WorkerCall
     | WorkerResult
     | WorkerException
 )
@@ -490,6 +507,7 @@ _MESSAGE_TYPES = (
     WorkerTimedOut,
     Heartbeat,
     WorkerHello,
+    WorkerCall,
     WorkerResult,
     WorkerException,
 )

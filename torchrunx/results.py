@@ -55,12 +55,18 @@ class LaunchResult(Generic[R]):
         per_host: Return values of each entry's workers, in local-rank order.
         restarts: How many times the worker group was restarted before it succeeded.
         timings: How long each phase took.
+        fresh_workers: Whether this run's workers were started for it. Always ``True`` but
+            for warm agents whose workers stay (``Launcher.warm(keep_workers=True)``): there
+            ``False`` says the last run's workers took this call, with whatever they had
+            loaded, and ``True`` that new ones were started (the first run, or after a
+            failure), so nothing of earlier runs is in them.
     """
 
     hostnames: tuple[str, ...]
     per_host: tuple[tuple[R, ...], ...]
     restarts: int = 0
     timings: LaunchTimings = field(default_factory=LaunchTimings)
+    fresh_workers: bool = True
 
     @property
     def ranks(self) -> list[R]:

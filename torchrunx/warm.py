@@ -126,7 +126,13 @@ class _Agents:
             self.idle.resume()
         timings = self.launch.timings_of_run
         assert timings is not None  # noqa: S101 (set by a successful run)
-        return LaunchResult(self.hostnames, per_host, self.launch.restarts, timings)
+        return LaunchResult(
+            self.hostnames,
+            per_host,
+            self.launch.restarts,
+            timings,
+            fresh_workers=self.launch.fresh_workers,
+        )
 
 
 class _Phase(enum.Enum):
@@ -347,6 +353,7 @@ class WarmLauncher:
     Attributes:
         launcher: The settings the agents were started with.
         hostnames: The hosts, in launch order.
+        keep_workers: Whether the workers stay from run to run (``warm(keep_workers=True)``).
     """
 
     def __init__(self, launcher: Launcher, launch: Launch) -> None:
@@ -354,6 +361,7 @@ class WarmLauncher:
         self.launcher = launcher
         self._agents = _Agents(launch)
         self.hostnames = self._agents.hostnames
+        self.keep_workers = launch.keep_workers
         self._runner = _Runner(self._agents)
         self._agents.idle.resume()
         self._finalizer = weakref.finalize(self, _shut, self._agents, self._runner)

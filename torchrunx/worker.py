@@ -5,6 +5,11 @@ authenticated connection to the launcher, joins the process group, calls the fun
 sends back exactly one message: :class:`WorkerResult` (the cloudpickled return value as a
 raw payload, straight to the launcher) or :class:`WorkerException`. ``sys.exit(n)`` in the
 function ends the worker with code ``n`` and no message; the agent reports that exit.
+
+A worker that stays (warm agents with ``keep_workers=True``, :attr:`WorkerSpec.keep`) does not
+exit after a result: it waits on its connection for the next run's :class:`WorkerCall` and
+runs it in the same process, with the same process group; the end of its connection ends it.
+After an exception it exits as any worker does: its run failed, and its state with it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import pickle
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
@@ -26,12 +31,21 @@ from torchrunx.env import worker_env
 from torchrunx.errors import ProtocolError, add_note, exception_text, is_collective_error
 from torchrunx.integrations import framework_env
 from torchrunx.logs import capture_logging
-from torchrunx.protocol import WorkerException, WorkerHello, WorkerResult, WorkerSpec
+from torchrunx.protocol import WorkerCall, WorkerException, WorkerHello, WorkerResult, WorkerSpec
 
 if TYPE_CHECKING:
     from torchrunx.protocol import AgentBootstrap
 
 _EXIT_RAISED = 1
+
+worker_cache: dict[str, Any] = {}
+"""A dict that lives as long as this worker process (``torchrunx.worker_cache``).
+
+With warm agents whose workers stay (``Launcher.warm(keep_workers=True)``) it carries what a
+run loaded to the next run, for code whose own globals do not persist: a function defined in
+the launching script or a notebook is pickled by value, with its globals, for every call.
+Fresh workers start with it empty.
+"""
 
 
 def _init_process_group(backend: str, spec: WorkerSpec, rank: int, device: int | None) -> None:
@@ -165,11 +179,39 @@ def run(  # noqa: PLR0913 (what one rank needs)
         sys.stderr.write(f"torchrunx worker: cannot connect to the launcher at {address}: {exc}\n")
         return 1
     conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid(), attempt=spec.attempt))
+    call: list[bytearray] | None = payload
+    first = True
+    while call is not None:
+        code = _call(conn, spec, call, rank, device, join_group=first and spec.backend is not None)
+        del call
+        first = False
+        if code is not None:
+            return code
+        call = _next_call(conn)  # a worker that stays: the next run's call, or the end
+    _destroy_process_group()
+    return 0
+
+
+def _call(  # noqa: PLR0913 (what one call needs)
+    conn: protocol.Connection,
+    spec: WorkerSpec,
+    payload: list[bytearray],
+    rank: int,
+    device: int | None,
+    *,
+    join_group: bool,
+) -> int | None:
+    """Run one call and send its outcome; the exit code, or ``None`` if the worker stays.
+
+    ``payload`` is emptied once loaded (its memory released). ``join_group``: initialise
+    the process group first (the first call of a worker with a backend).
+    """
     try:
         func, args, kwargs = serialization.loads(payload)
-        del payload
+        payload.clear()
         init_started = time.perf_counter()
-        if spec.backend is not None:
+        if join_group:
+            assert spec.backend is not None  # noqa: S101 (only with a backend)
             _init_process_group(spec.backend, spec, rank, device)
         function_started = time.perf_counter()
         result = func(*args, **kwargs)
@@ -195,6 +237,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
         message, blob = _exception_message(rank, error, unpicklable_result=True)
         conn.send(message, blob)
         return _EXIT_RAISED
+    del result
     timings = WorkerResult(
         rank=rank,
         init_seconds=function_started - init_started,
@@ -203,6 +246,24 @@ def run(  # noqa: PLR0913 (what one rank needs)
         sent_at=time.time(),
     )
     conn.send(timings, parts)
+    if spec.keep:
+        return None
     conn.close()
     _destroy_process_group()
     return 0
+
+
+def _next_call(conn: protocol.Connection) -> list[bytearray] | None:
+    """A worker that stays: wait for the next :class:`WorkerCall`; ``None`` at the end.
+
+    The launcher ends the connection when the warm agents close (their Stop ends the worker
+    too) or when it gives up on this worker; anything else it might send is not for us.
+    """
+    while True:
+        try:
+            message, payload = conn.recv()
+        except (OSError, ProtocolError):
+            conn.close()
+            return None
+        if isinstance(message, WorkerCall):
+            return payload
