@@ -227,19 +227,21 @@ class Agent:
         Returns ``None`` if told to stop first.
         """
         # The import thread writes to a pipe when done, so one selector waits for it, the
-        # launcher and stdin alike.
-        preload = TorchPreload(enabled=self.boot.preload_torch and not self.preloaded)
-        self.selector.register(preload.fileno(), selectors.EVENT_READ, preload)
+        # launcher and stdin alike. Once done, later attempts wait for the spec alone.
+        preload = None if self.preloaded else TorchPreload(enabled=self.boot.preload_torch)
+        if preload is not None:
+            self.selector.register(preload.fileno(), selectors.EVENT_READ, preload)
         self.waiting = True
         self.received = None
-        self.preload_pending = True
+        self.preload_pending = preload is not None
         try:
             self._serve(self._ready_to_start)
         finally:
             self.waiting = False
-            with contextlib.suppress(KeyError):
-                self.selector.unregister(preload.fileno())
-            preload.join()  # and the thread has left the kernel: now the agent may fork
+            if preload is not None:
+                with contextlib.suppress(KeyError):
+                    self.selector.unregister(preload.fileno())
+                preload.join()  # and the thread has left the kernel: now the agent may fork
             self.preloaded = True
         return None if self.stopping else self.received
 
