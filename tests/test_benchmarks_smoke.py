@@ -35,7 +35,8 @@ def test_benchmark_smoke_run_of_launch_overhead_and_results():
 
 
 def test_warm_benchmark_smoke_run():
-    """``benchmarks/warm.py --smoke``: ours cold and warm and the floor, 1 host, two runs each."""
+    """``benchmarks/warm.py --smoke``: ours cold, warm (fresh and kept workers) and the floors,
+    1 host, two runs each."""
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "warm.py"), "--smoke"],
         capture_output=True,
@@ -54,16 +55,19 @@ def test_warm_benchmark_smoke_run():
         "floor: running processes fork the ranks, gloo group on a listening store",
         "floor, rank 0 makes the store (`init_method=tcp://`)",
         "ours: `Launcher.run` (every launch cold)",
-        "ours: warm agents, `warm.run`",
+        "ours: warm agents, `warm.run` (fresh workers each run)",
+        "ours: warm agents, workers that stay (`warm(keep_workers=True)`)",
     ):
         first_run, second_run = rows[launcher][:2]
         assert re.fullmatch(r"\d+\.\d+ s", first_run), rows[launcher]
         assert re.fullmatch(r"\d+\.\d+ s", second_run), rows[launcher]
-    # Whether the target is met depends on the machine's load; that it is judged does not.
-    assert rows["ours: warm agents, `warm.run`"][-2:] in (
-        ["≤ 0.15 s", "yes"],
-        ["≤ 0.15 s", "**no**"],
-    )
+    # Whether a target is met depends on the machine's load; that it is judged does not.
+    for launcher, target in (
+        ("ours: warm agents, `warm.run` (fresh workers each run)", "median ≤ 0.1 s, max ≤ 0.25 s"),
+        ("ours: warm agents, workers that stay (`warm(keep_workers=True)`)", "median ≤ 0.02 s"),
+        ("ours: `Launcher.run` (every launch cold)", "max ≤ median + 0.2 s"),
+    ):
+        assert rows[launcher][-2:] in ([target, "yes"], [target, "**no**"]), rows[launcher]
     for label in (
         "the agents, with their guardian processes",
         "launcher process, all threads (its main thread sleeps)",

@@ -74,6 +74,17 @@ def fail_first_attempt(folder: str) -> int:
     return port
 
 
+def rank_0_loses_its_agent() -> None:
+    """Rank 0's agent (host 0: the store's host) dies while the others wait on the store."""
+    import torch.distributed as dist
+
+    if int(os.environ["RANK"]) == 0:
+        time.sleep(1.0)
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(60)
+    dist.barrier()
+
+
 # -- helpers ---------------------------------------------------------------------------------
 
 
@@ -263,6 +274,21 @@ def test_the_store_accepts_ranks_of_other_hosts_before_rank_0_runs(cluster, tmp_
         ssh_config_file=cluster.ssh_config,
     )
     assert result.ranks == [("rank 0", "True"), ("accepted", "True")]
+
+
+@pytest.mark.cluster
+def test_losing_the_stores_host_is_an_agent_failure_naming_it(cluster):
+    host = cluster.names()[0]
+    started = time.monotonic()
+    with pytest.raises(trx.AgentFailedError, match=host):
+        trx.launch(
+            rank_0_loses_its_agent,
+            hostnames=cluster.names()[:2],
+            workers_per_host=1,
+            backend="gloo",
+            ssh_config_file=cluster.ssh_config,
+        )
+    assert time.monotonic() - started < 50  # not the 60 s sleep, nor the group's timeout
 
 
 def test_every_run_gets_a_fresh_store_that_ends_with_it():
