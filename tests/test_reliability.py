@@ -142,10 +142,15 @@ def test_workers_ignoring_sigterm_and_their_children_are_killed(tmp_path):
     assert _processes_matching(f"sleep {tag}") == []
 
 
-def kill_agent_after_child(tag: str) -> None:
-    subprocess.Popen(["sleep", tag])
-    time.sleep(0.5)
-    os.kill(os.getppid(), signal.SIGKILL)
+def kill_agent_after_child(tag: str, folder: str) -> None:
+    """Each worker starts a child and records its pid; rank 0 kills the agent once both did."""
+    child = subprocess.Popen(["sleep", tag])
+    Path(folder, f"child-{os.environ['RANK']}").write_text(str(child.pid))
+    if os.environ["RANK"] == "0":
+        deadline = time.monotonic() + 60
+        while len(list(Path(folder).glob("child-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getppid(), signal.SIGKILL)
     time.sleep(300)
 
 
@@ -154,12 +159,14 @@ def test_agent_sigkill_takes_the_workers_and_their_children(tmp_path):
     with pytest.raises(trx.AgentFailedError, match="agent on host 'localhost' failed"):
         trx.launch(
             kill_agent_after_child,
-            (tag,),
+            (tag, str(tmp_path)),
             hostnames=["localhost"],
             workers_per_host=2,
             backend=None,
         )
-    assert wait_until_gone(f"sleep {tag}", timeout=5) == []
+    children = [int(p.read_text()) for p in tmp_path.glob("child-*")]
+    assert len(children) == 2  # both children existed when the agent was killed ...
+    assert wait_until_gone(f"sleep {tag}", timeout=5) == []  # ... and are gone
     assert wait_until_gone(timeout=5) == []
 
 
