@@ -323,6 +323,7 @@ class Agent:
         deadline = time.monotonic() + self.boot.agent_timeout
         self.outbox.drain(deadline)
         if self.outbox.alive and not len(self.outbox):
+            self.conn.send_close()  # everything went: end the stream with its close record
             _half_close_and_drain(self.conn.sock, deadline)
 
     def close(self) -> None:
@@ -415,7 +416,9 @@ class Agent:
     def _on_launcher(self) -> None:
         try:
             message, payload = self.conn.recv()
-        except (OSError, ProtocolError):
+        except Exception as exc:  # noqa: BLE001 (a bad record or frame, a cut stream: all lost)
+            if not isinstance(exc, OSError | ProtocolError):
+                logger.warning("dropping the launcher's connection: %r", exc)
             self._launcher_lost()
             return
         self.heartbeats.heard()

@@ -69,6 +69,8 @@ class PeerClosed:
     """A peer's connection ended (closed, broken, or a frame it sent was not valid)."""
 
     peer: Peer
+    clean: bool = False
+    """The peer ended its stream with its authenticated close record: nothing was cut."""
 
 
 NetEvent = FrameReceived | PeerClosed
@@ -118,6 +120,11 @@ class Peer:
         return ""
 
     @property
+    def closed_by_peer(self) -> bool:
+        """The peer's authenticated close record came (a clean end, not a cut stream)."""
+        return self._reader.closed_by_peer
+
+    @property
     def unsent(self) -> int:
         """Plaintext bytes queued but not yet accepted by the kernel (about)."""
         return self._unsent
@@ -160,15 +167,23 @@ class Peer:
             self._listener.loop.remove_writer(self.sock.fileno())
 
     def _on_readable(self) -> None:
+        """Deliver the frames that came, in order, then drop the connection if it ended.
+
+        Whatever goes wrong with this peer's bytes (a bad record, a malformed frame, a stream
+        cut short, anything the parsing raises) ends this connection only, after the frames
+        that came before it.
+        """
         try:
             frames, eof = self._reader.read(self.sock)
-        except (OSError, ProtocolError) as exc:
-            logger.debug("connection %s dropped: %s", self, exc)
-            frames, eof = [], True
+            error = self._reader.error
+        except Exception as exc:  # noqa: BLE001 (one peer's bytes never stop the launch)
+            frames, eof, error = [], True, exc
         now = time.time()
         for message, payload in frames:
             self._listener.emit(FrameReceived(self, message, payload, now))
         if eof:
+            if error is not None:
+                logger.debug("connection %s dropped: %s", self, error)
             self._listener.drop(self)
 
     def close(self) -> None:
@@ -176,6 +191,8 @@ class Peer:
         if self.closed:
             return
         self.closed = True
+        if self._record is None and not self._pieces and self.sock.fileno() >= 0:
+            protocol.send_close(self.sock, self._sealer)  # all sent: an authenticated end
         self._pieces.clear()
         self._record, self._unsent = None, 0
         self._listener.forget(self)
@@ -383,7 +400,7 @@ class Listener:
         if peer.closed:
             return
         peer.close()
-        self.emit(PeerClosed(peer))
+        self.emit(PeerClosed(peer, clean=peer.closed_by_peer))
 
     def forget(self, peer: Peer) -> None:
         """Unregister and close a peer's socket (from :meth:`Peer.close`)."""

@@ -33,6 +33,7 @@ import collections
 import contextlib
 import hashlib
 import hmac
+import io
 import json
 import math
 import os
@@ -40,6 +41,7 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -48,12 +50,13 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from torchrunx.errors import ProtocolError
+from torchrunx.errors import ProtocolError, exception_text
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""3: a stream ends with an authenticated close record (an empty one), see :class:`FrameReader`."""
 MAGIC = b"TORCHRUNX/%03d\n" % PROTOCOL_VERSION
 NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
@@ -73,6 +76,9 @@ _FRAME = struct.Struct("!QI")
 _PART = struct.Struct("!Q")
 _MAX_PARTS = 1 << 20
 _MAX_HEADER = 64 * 1024 * 1024
+MAX_FRAME_BYTES = 1 << 40
+"""Payload bytes one frame may declare at most (1 TiB); a frame that declares more is refused
+before anything is allocated for it, and its parts' buffers grow only as their bytes come."""
 _ROLES: dict[bytes, Literal["agent", "worker"]] = {b"A": "agent", b"W": "worker"}
 
 Role = Literal["agent", "worker"]
@@ -102,7 +108,7 @@ class AgentBootstrap:
     launcher_address: str
     """Address on which this host reaches the launcher's listening socket."""
     launcher_port: int
-    secret: bytes
+    secret: bytes = field(repr=False)
     """The per-launch secret of the handshake (hex in the JSON line)."""
     workers: int | None
     """Workers to start, or ``None`` to let the agent count them (see :attr:`count`)."""
@@ -692,7 +698,8 @@ class Sealer:
         """One record: its length (also authenticated), then the piece encrypted, then the tag.
 
         The nonce is this direction's sequence number, so no record can be replayed, reordered
-        or dropped without the next one failing.
+        or dropped without the next one failing. An empty piece is the close record
+        (:meth:`seal_close`): frames never make one.
         """
         size = len(piece) + TAG_BYTES
         record = bytearray(_RECORD.size + size)
@@ -701,6 +708,14 @@ class Sealer:
         with memoryview(record) as view:
             self._aead.encrypt_into(self._next_nonce(), piece, header, view[_RECORD.size :])
         return record
+
+    def seal_close(self) -> bytearray:
+        """The authenticated close record: the last record of this direction, before FIN.
+
+        A receiver that sees the stream end without it knows the stream was cut (records
+        dropped on the way, then a FIN or a reset), not closed by its sender.
+        """
+        return self.seal(b"")
 
     def seal_frame(
         self, message: Message, payload: Sequence[bytes | memoryview] = ()
@@ -712,6 +727,18 @@ class Sealer:
         nonce = _NONCE.pack(0, self._sequence)  # struct.error at 2**64 records: never reused
         self._sequence += 1
         return nonce
+
+
+def send_close(sock: socket.socket, sealer: Sealer) -> bool:
+    """Send ``sealer``'s close record on ``sock`` without blocking; whether it all went.
+
+    Best effort: a record that does not fit whole in the socket's buffer is cut, which the
+    receiver sees as a truncated stream (so it is never taken for a clean close).
+    """
+    record = sealer.seal_close()
+    with contextlib.suppress(OSError):
+        return sock.send(record, socket.MSG_DONTWAIT) == len(record)
+    return False
 
 
 class Connection:
@@ -728,6 +755,7 @@ class Connection:
         self._reader = FrameReader(keys.receive)
         self._frames: collections.deque[Frame] = collections.deque()
         self._send_lock = threading.Lock()
+        self._close_sent = False
 
     def fileno(self) -> int:
         """The socket's file descriptor (for selectors)."""
@@ -743,13 +771,23 @@ class Connection:
             for record in self.sealer.seal_frame(message, payload):
                 self.sock.sendall(record)
 
+    def send_close(self) -> None:
+        """Send the authenticated close record (once; nothing may be sent after it)."""
+        with self._send_lock:
+            if not self._close_sent:
+                self._close_sent = True
+                send_close(self.sock, self.sealer)
+
     def recv(self) -> tuple[Message, list[bytearray]]:
         """Receive one message and its payload parts (blocking, honouring the socket timeout).
 
+        Frames that came before a bad record are delivered first; the error comes after them.
+
         Raises:
-            ConnectionError: The peer closed the connection.
-            ProtocolError: A record failed authentication, or the frame is not a torchrunx
-                message; nothing of it was unpickled.
+            ConnectionError: The peer closed the connection cleanly (its close record came).
+            ProtocolError: A record failed authentication, the frame is not a torchrunx
+                message or is malformed (nothing of it was unpickled beyond the protocol's
+                own message classes), or the stream ended without its close record.
             OSError: The connection is broken or timed out.
         """
         while not self._frames:
@@ -757,7 +795,9 @@ class Connection:
         return self._frames.popleft()
 
     def close(self) -> None:
-        """Close the socket; safe to call twice."""
+        """Send the close record (best effort, see :meth:`send_close`), close; safe twice."""
+        if self.sock.fileno() >= 0:
+            self.send_close()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -766,32 +806,77 @@ class Connection:
 Frame = tuple["Message", list[bytearray]]
 """One received message and its payload parts."""
 
+_MESSAGE_CLASSES: dict[str, type] = {cls.__name__: cls for cls in _MESSAGE_TYPES}
+
+
+class _HeaderUnpickler(pickle.Unpickler):
+    """Unpickles a frame's header: the protocol's message classes, and nothing else by name.
+
+    Every field of every message is a built-in (int, float, str, bool, None, bytes, tuple,
+    dict), which pickle writes with opcodes of its own; the only globals a header may name are
+    the message classes of this module.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:  # noqa: ANN401 (pickle's signature)
+        """The message class ``module.name``; ``UnpicklingError`` for anything else."""
+        cls = _MESSAGE_CLASSES.get(name) if module == __name__ else None
+        if cls is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a torchrunx message class")
+        return cls
+
 
 def _load_message(header: memoryview | bytes | bytearray) -> Message:
-    message = pickle.loads(header)  # noqa: S301 (authenticated: see Opener)
+    """Unpickle a header with :class:`_HeaderUnpickler` and check that it is a message.
+
+    Raises:
+        ProtocolError: Anything else (a malformed pickle, a foreign class, another type).
+    """
+    try:
+        message = _HeaderUnpickler(io.BytesIO(header)).load()
+    except Exception as exc:  # noqa: BLE001 (whatever a malformed header raises)
+        raise ProtocolError(
+            f"malformed message header ({type(exc).__name__}: {exception_text(exc)})"
+        ) from None
     if not isinstance(message, _MESSAGE_TYPES):
         raise ProtocolError(f"unexpected message type {type(message).__name__}")
     return message
 
 
 class _FrameParser:
-    """Cuts authenticated plaintext into frames; a large part is filled in place."""
+    """Cuts authenticated plaintext into frames; a large part is filled in place.
+
+    A frame's declared sizes are checked (:data:`MAX_FRAME_BYTES`) before anything is
+    allocated, and each part's buffer grows as its bytes come, never past its declared size.
+    """
 
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._message: Message | None = None
         """The frame whose parts are being filled (``None``: between frames)."""
+        self._sizes: list[int] = []
         self._parts: list[bytearray] = []
         self._part = 0
         self._filled = 0
 
+    @property
+    def idle(self) -> bool:
+        """No frame is begun: the plaintext so far ended on a frame boundary."""
+        return self._message is None and not self._buffer
+
+    def _room(self, size: int) -> bytearray:
+        """The current part, grown (at least doubling) so that ``size`` more bytes fit."""
+        part = self._parts[self._part]
+        need = self._filled + size
+        if len(part) < need:
+            grown = min(self._sizes[self._part], max(need, 2 * len(part)))
+            part += bytes(grown - len(part))
+        return part
+
     def target(self, size: int) -> memoryview | None:
         """Where ``size`` bytes of the current part go, if they all fit in it."""
-        if self._message is None:
+        if self._message is None or self._sizes[self._part] - self._filled < size:
             return None
-        part = self._parts[self._part]
-        if len(part) - self._filled < size:
-            return None
+        part = self._room(size)
         return memoryview(part)[self._filled : self._filled + size]
 
     def filled(self, size: int, frames: list[Frame]) -> None:
@@ -810,8 +895,8 @@ class _FrameParser:
     def _fill(self, view: memoryview, position: int, frames: list[Frame]) -> int:
         """Copy from ``view[position:]`` into the current frame's parts; the new position."""
         while self._message is not None and position < len(view):
-            part = self._parts[self._part]
-            take = min(len(part) - self._filled, len(view) - position)
+            take = min(self._sizes[self._part] - self._filled, len(view) - position)
+            part = self._room(take)
             part[self._filled : self._filled + take] = view[position : position + take]
             self._filled += take
             position += take
@@ -819,11 +904,17 @@ class _FrameParser:
         return position
 
     def _finish(self, frames: list[Frame]) -> None:
-        while self._part < len(self._parts) and self._filled == len(self._parts[self._part]):
+        while self._part < len(self._parts) and self._filled == self._sizes[self._part]:
             self._part, self._filled = self._part + 1, 0
         if self._message is not None and self._part == len(self._parts):
             frames.append((self._message, self._parts))
-            self._message, self._parts, self._part, self._filled = None, [], 0, 0
+            self._message, self._sizes, self._parts, self._part, self._filled = (
+                None,
+                [],
+                [],
+                0,
+                0,
+            )
 
     def _cut(self, frames: list[Frame]) -> None:
         buffer, start = self._buffer, 0
@@ -842,11 +933,22 @@ class _FrameParser:
                     _PART.unpack_from(buffer, start + _FRAME.size + _PART.size * index)[0]
                     for index in range(count)
                 ]
+                if sum(sizes) > MAX_FRAME_BYTES:
+                    raise ProtocolError(
+                        f"frame of {sum(sizes)} payload bytes: more than {MAX_FRAME_BYTES}"
+                    )
                 self._message = _load_message(view[body:end])
-                self._parts = [bytearray(size) for size in sizes]
+                self._sizes = sizes
+                self._parts = [bytearray() for _ in sizes]
                 self._finish(frames)  # a frame without parts (or empty ones) is complete
                 start = self._fill(view, end, frames)
         del buffer[:start]
+
+
+_INVALID_RECORD = (
+    "a record failed authentication (altered, injected, replayed, reordered or dropped on the "
+    "way, or sealed with another key): the connection is dropped"
+)
 
 
 class FrameReader:
@@ -854,9 +956,14 @@ class FrameReader:
 
     A record is opened (decrypted and its tag checked) before any byte of it is looked at:
     one that fails raises :class:`ProtocolError`, and nothing of it, or after it, is ever
-    unpickled. Records are read as they come on a non-blocking socket (:meth:`read`, for an
-    I/O loop) or one at a time on a blocking one (:meth:`read_record`). A large payload
-    part is decrypted straight into its own buffer.
+    unpickled; frames completed before it are still delivered, then the error. Records are
+    read as they come on a non-blocking socket (:meth:`read`, for an I/O loop) or one at a
+    time on a blocking one (:meth:`read_record`). A large payload part is decrypted straight
+    into its own buffer.
+
+    A stream ends with its sender's close record (an empty record, :meth:`Sealer.seal_close`):
+    an end without it (FIN or reset) is a truncated stream, reported as a
+    :class:`ProtocolError`, and so is any record after it.
     """
 
     def __init__(self, key: bytes) -> None:
@@ -866,49 +973,72 @@ class FrameReader:
         self._raw = bytearray(_RECORD.size + _MAX_RECORD)
         self._have = 0
         self._parser = _FrameParser()
+        self.closed_by_peer = False
+        """The peer's close record came: its stream is whole, and over."""
+        self.error: Exception | None = None
+        """Why the stream ended badly, once :meth:`read` returned its end (``None``: it did
+        not, or the end was the peer's clean close)."""
+        self._pending_error: Exception | None = None
 
     def read(self, sock: socket.socket, budget: int = 16 << 20) -> tuple[list[Frame], bool]:
         """Read what ``sock`` holds now (about ``budget`` bytes at most); return whole frames.
 
-        Returns:
-            The frames completed, and whether the peer has closed the connection.
+        Never raises: a failure (a bad record, a malformed frame, a truncated stream, a broken
+        connection) returns the frames completed before it and the end, with :attr:`error`.
 
-        Raises:
-            ProtocolError: A record failed authentication, or a frame is not a torchrunx
-                message, or is too large.
-            OSError: The connection is broken.
+        Returns:
+            The frames completed, and whether the stream is over (closed or failed).
         """
         frames: list[Frame] = []
         received = 0
-        while received < budget:
-            try:
-                with memoryview(self._raw) as view:
-                    count = sock.recv_into(view[self._have :])
-            except (BlockingIOError, InterruptedError):
-                return frames, False
-            if count == 0:
-                return frames, True
-            received += count
-            self._have += count
-            self._open_all(frames)
+        try:
+            while received < budget:
+                try:
+                    with memoryview(self._raw) as view:
+                        count = sock.recv_into(view[self._have :])
+                except (BlockingIOError, InterruptedError):
+                    return frames, False
+                if count == 0:
+                    self._check_end()
+                    return frames, True
+                received += count
+                self._have += count
+                self._open_all(frames)
+        except Exception as exc:  # noqa: BLE001 (any failure ends this stream, and only it)
+            self.error = exc
+            return frames, True
         return frames, False
 
     def read_record(self, sock: socket.socket) -> list[Frame]:
         """Read and open exactly one record from a blocking ``sock``; the frames it completed.
 
         Raises:
-            ConnectionError: The peer closed the connection.
-            ProtocolError: As for :meth:`read`.
+            ConnectionError: The peer closed the connection after its close record.
+            ProtocolError: As for :meth:`read`, or the stream ended without a close record.
             OSError: The connection is broken or timed out.
         """
+        if self._pending_error is not None:
+            raise self._pending_error
         if self._have:
             raise ProtocolError("read_record after read: one reading style per connection")
+        frames: list[Frame] = []
         with memoryview(self._raw) as view:
-            _recv_exact_into(sock, view[: _RECORD.size])
+            try:
+                _recv_exact_into(sock, view[: _RECORD.size])
+            except ConnectionError:
+                self._check_end()
+                raise
             size = self._record_size(0)
-            _recv_exact_into(sock, view[_RECORD.size : _RECORD.size + size])
-            frames: list[Frame] = []
-            self._open(view[: _RECORD.size + size], frames)
+            try:
+                _recv_exact_into(sock, view[_RECORD.size : _RECORD.size + size])
+            except ConnectionError:
+                raise ProtocolError("the stream ended in the middle of a record") from None
+            try:
+                self._open(view[: _RECORD.size + size], frames)
+            except ProtocolError as exc:
+                if not frames:
+                    raise
+                self._pending_error = exc  # the frames before it first; the error next time
         return frames
 
     def open_record(self, record: bytes | bytearray) -> list[Frame]:
@@ -919,6 +1049,14 @@ class FrameReader:
                 raise ProtocolError("a record's length does not match its header")
             self._open(view, frames)
         return frames
+
+    def _check_end(self) -> None:
+        """The stream ended here: fine after the peer's close record, else truncated."""
+        if not self.closed_by_peer:
+            raise ProtocolError(
+                "the connection ended without its authenticated close: the stream was cut "
+                "(its last records dropped on the way, or its sender died)"
+            )
 
     def _record_size(self, start: int) -> int:
         with memoryview(self._raw) as view:
@@ -945,22 +1083,42 @@ class FrameReader:
                 self._have -= start
 
     def _open(self, record: memoryview, frames: list[Frame]) -> None:
+        if self.closed_by_peer:
+            raise ProtocolError("a record after the peer's close record")
         header, sealed = record[: _RECORD.size], record[_RECORD.size :]
         nonce = _NONCE.pack(0, self._sequence)
         self._sequence += 1
         size = len(sealed) - TAG_BYTES
-        try:
-            target = self._parser.target(size)
-            if target is not None:
-                with target:
+        if size == 0:  # the close record: authenticated like any other
+            try:
+                self._aead.decrypt(nonce, sealed, header)
+            except InvalidTag:
+                raise ProtocolError(_INVALID_RECORD) from None
+            if not self._parser.idle:
+                raise ProtocolError("the peer closed its stream in the middle of a frame")
+            self.closed_by_peer = True
+            return
+        target = self._parser.target(size)
+        if target is not None:
+            with target:
+                try:
                     self._aead.decrypt_into(nonce, sealed, header, target)
-                self._parser.filled(size, frames)
-            else:
-                self._parser.feed(self._aead.decrypt(nonce, sealed, header), frames)
+                except InvalidTag:
+                    target[:] = bytes(size)  # nothing unverified stays in the part
+                    raise ProtocolError(_INVALID_RECORD) from None
+            self._parser.filled(size, frames)
+            return
+        try:
+            plaintext = self._aead.decrypt(nonce, sealed, header)
         except InvalidTag:
+            raise ProtocolError(_INVALID_RECORD) from None
+        try:
+            self._parser.feed(plaintext, frames)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (a malformed frame from an authenticated peer)
             raise ProtocolError(
-                "a record failed authentication (altered, injected, replayed, reordered or "
-                "dropped on the way, or sealed with another key): the connection is dropped"
+                f"malformed frame ({type(exc).__name__}: {exception_text(exc)})"
             ) from None
 
 
@@ -976,13 +1134,41 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         received += count
 
 
+_RETRY_FIRST = 0.05
+_RETRY_MOST = 1.0
+"""Seconds between two tries of :func:`connect` (doubling from the first, up to this)."""
+
+
 def connect(address: tuple[str, int], secret: bytes, role: Role, timeout: float) -> Connection:
     """Connect to the launcher, authenticate, and return the framed connection.
 
+    A try that the launcher refuses, resets or closes before the handshake is done (it sheds
+    handshakes when a flood fills its cap) is tried again, with a short growing pause, until
+    ``timeout`` seconds have passed since the first.
+
     Raises:
-        ProtocolError: Authentication failed.
+        ProtocolError: Authentication failed (the launcher does not know the secret).
         OSError: The launcher cannot be reached within ``timeout`` seconds.
     """
+    deadline = time.monotonic() + timeout
+    pause = _RETRY_FIRST
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return _connect_once(address, secret, role, max(left, 0.001))
+        except ProtocolError:
+            raise
+        except OSError:
+            left = deadline - time.monotonic()
+            if left <= pause:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, _RETRY_MOST)
+
+
+def _connect_once(
+    address: tuple[str, int], secret: bytes, role: Role, timeout: float
+) -> Connection:
     sock = socket.create_connection(address, timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
