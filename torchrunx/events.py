@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,4 +258,39 @@ class EventSink:
 
 
 def _open_private(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    """Open (or create) the events file for appending: mode 0600, never through a symlink.
+
+    The launcher's file was created empty, 0600, by :func:`torchrunx.logs.new_log_dir` in a
+    log root it checked; reopening it here must find that same file: a regular file, owned by
+    this user, with one link. Whatever the umask, the mode is set to 0600.
+
+    Raises:
+        PermissionError: ``path`` is a symbolic link, or not such a file.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise PermissionError(
+            f"the events file {path} is a symbolic link: not followed. Remove it, or set "
+            f"TORCHRUNX_LOG_DIR to a folder only you can write in"
+        ) from None
+    try:
+        _check_own_file(fd, path)
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_own_file(fd: int, path: Path) -> None:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
+        raise PermissionError(
+            f"the events file {path} is not a plain file of yours with one link "
+            f"(uid {info.st_uid}, {info.st_nlink} links): not written to. Remove it, or set "
+            f"TORCHRUNX_LOG_DIR to a folder only you can write in"
+        )

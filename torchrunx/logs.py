@@ -25,8 +25,11 @@ the rest of a line's way from a worker's ``print`` to its file.
 from __future__ import annotations
 
 import datetime as dt
+import grp
 import logging
 import os
+import pwd
+import stat
 import sys
 import threading
 import time
@@ -37,6 +40,8 @@ from itertools import groupby
 from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
+
+_logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import io
@@ -353,12 +358,56 @@ class _LauncherLevelFilter(logging.Filter):
         return self.logger.isEnabledFor(record.levelno)
 
 
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
+
+
 class _PrivateFileHandler(_BatchFlush, logging.FileHandler):
-    """A FileHandler whose file is created readable and writable by its owner only."""
+    """A FileHandler whose file is created readable and writable by its owner only (0600).
+
+    A file it creates gets mode 0600 whatever the umask (``fchmod`` after ``open``); a file that
+    exists already is appended to, its mode unchanged. ``exclusive`` (the files of a launch's
+    own folder): the file must be new, and is never a symbolic link followed
+    (``O_CREAT | O_EXCL | O_NOFOLLOW``); an existing name is an error.
+    """
+
+    def __init__(self, filename: str | os.PathLike[str], *, exclusive: bool = False) -> None:
+        self._exclusive = exclusive
+        self._created = False
+        super().__init__(filename, encoding="utf-8")
 
     def _open(self) -> io.TextIOWrapper:
-        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        path = self.baseFilename
+        if self._exclusive and self._created:  # reopened after close(): the file we made
+            fd = os.open(path, _APPEND | os.O_NOFOLLOW)
+        elif self._exclusive:
+            fd = create_private_file(path)
+        else:
+            try:
+                fd = create_private_file(path)
+            except FileExistsError:
+                fd = os.open(path, _APPEND)
+        self._created = True
         return open(fd, "a", encoding=self.encoding, errors=self.errors)  # noqa: PTH123
+
+
+def create_private_file(path: str | os.PathLike[str]) -> int:
+    """Create a new file, mode 0600 whatever the umask, and open it for appending.
+
+    ``O_CREAT | O_EXCL | O_NOFOLLOW``: never an existing file, never through a symbolic link.
+
+    Returns:
+        The open descriptor (close-on-exec).
+
+    Raises:
+        FileExistsError: Something (a file, a folder, a symbolic link) has that name already.
+    """
+    fd = os.open(path, _APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def file_handler(
@@ -433,8 +482,8 @@ class _FileFormatter(logging.Formatter):
         return "".join(parts)
 
 
-def _file(file_path: str | os.PathLike[str]) -> logging.Handler:
-    handler = _PrivateFileHandler(file_path, encoding="utf-8")
+def _file(file_path: str | os.PathLike[str], *, exclusive: bool = False) -> logging.Handler:
+    handler = _PrivateFileHandler(file_path, exclusive=exclusive)
     handler.setFormatter(_FileFormatter())
     return handler
 
@@ -548,16 +597,132 @@ def new_log_dir(root: Path, now: Callable[[], dt.datetime] = dt.datetime.now) ->
     (two launches in one second), the time is read again with microseconds
     (``2025-06-01T14:03:27.512345``, which ``fromisoformat`` reads too); only if that keeps
     clashing is ``-N`` appended. The names sort by time.
+
+    The launch's events file (:func:`events_file`) is created here too, empty and mode 0600,
+    so that the folder and the file beside it are both new: a name is taken only when neither
+    exists. Nothing that is in the way (a file, a symbolic link, a folder) is followed, reused
+    or removed; a name whose events file is in the way is given up with a warning. ``root`` is
+    made (mode 0700) if missing, and checked first (:func:`check_log_root`). Modes are set with
+    ``chmod`` after creation, whatever the umask.
+
+    Raises:
+        PermissionError: ``root`` is not safe to write in (see :func:`check_log_root`).
+        FileExistsError: No free name was found.
     """
-    root.mkdir(parents=True, exist_ok=True)
+    make_log_root(root)
     for name in _log_dir_names(now):
         path = root / name
         try:
             path.mkdir(mode=0o700)
         except FileExistsError:
             continue
+        _make_private_dir(path)
+        events = events_file(path)
+        try:
+            os.close(create_private_file(events))
+        except FileExistsError:
+            path.rmdir()
+            _logger.warning(
+                "%s already exists and is not this launch's: left alone, the launch logs under "
+                "another name. Something else writes into %s, or planted that name there",
+                events,
+                root,
+            )
+            continue
         return path
     raise FileExistsError(f"cannot create a new log folder under {root}")
+
+
+def make_log_root(root: Path) -> None:
+    """Make ``root`` if it is missing (mode 0700, whatever the umask), then check it.
+
+    Folders above it that are missing are made with the default mode (``mkdir -p``).
+
+    Raises:
+        PermissionError: ``root`` is not safe to write in (see :func:`check_log_root`).
+    """
+    if not root.exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(mode=0o700)
+        except FileExistsError:
+            pass  # made meanwhile, by another launch: checked below like any existing folder
+        else:
+            _make_private_dir(root)
+    check_log_root(root)
+
+
+def check_log_root(root: Path) -> None:
+    """Refuse a log root where another user could replace what a launch creates in it.
+
+    ``root`` (after symbolic links, which are yours to choose) must be a folder owned by you
+    or by root, and, unless its sticky bit is set (as on ``/tmp``), writable by nobody else:
+    not by others, and not by its group unless that group is your own private group (named as
+    you, your primary group, no other member). In a sticky folder others may create names but
+    not rename or remove yours; what they plant is never followed nor reused
+    (:func:`new_log_dir`).
+
+    Raises:
+        PermissionError: What is wrong with it, where, and what to do.
+    """
+    try:
+        info = root.stat()
+    except FileNotFoundError:
+        raise PermissionError(f"the log folder {root} does not exist") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(
+            f"the log folder {root} is not a folder: set TORCHRUNX_LOG_DIR to a folder of yours"
+        )
+    me = os.geteuid()
+    if info.st_uid not in (me, 0):
+        raise PermissionError(
+            f"the log folder {root} belongs to another user (uid {info.st_uid}), who could "
+            f"replace the files a launch writes there; set TORCHRUNX_LOG_DIR to a folder of "
+            f"yours (for example a subfolder {root / _user_name()}, made by you)"
+        )
+    mode = info.st_mode
+    if mode & stat.S_ISVTX:
+        return
+    writable_by = []
+    if mode & stat.S_IWOTH:
+        writable_by.append("every user")
+    if mode & stat.S_IWGRP and not _is_private_group(info.st_gid):
+        writable_by.append(f"its group (gid {info.st_gid})")
+    if writable_by:
+        raise PermissionError(
+            f"the log folder {root} (mode {stat.S_IMODE(mode):04o}) is writable by "
+            f"{' and '.join(writable_by)} without the sticky bit, so another user could replace "
+            f"the files a launch writes there; run `chmod go-w {root}` (or `chmod +t {root}` "
+            f"for a shared folder), or set TORCHRUNX_LOG_DIR to a folder of yours"
+        )
+
+
+def _make_private_dir(path: Path) -> None:
+    """Set a folder just made to mode 0700 through a descriptor that refuses a symbolic link."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def _user_name() -> str:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
+
+
+def _is_private_group(gid: int) -> bool:
+    """Whether ``gid`` is the user's own group (a user private group, as ``umask 002`` implies)."""
+    try:
+        user = pwd.getpwuid(os.geteuid())
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return (
+        gid == user.pw_gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
+    )
 
 
 def _log_dir_names(now: Callable[[], dt.datetime]) -> Iterator[str]:
@@ -666,7 +831,8 @@ class LogRouter:
         if self.log_dir is None:
             return
         path = self.log_dir / self._file_name(host_index, local_rank)
-        self._own(_filter(_file(path), hostname, local_rank, self.level, host_index=host_index))
+        handler = _file(path, exclusive=True)
+        self._own(_filter(handler, hostname, local_rank, self.level, host_index=host_index))
 
     def _own(self, handler: logging.Handler) -> None:
         with self.lock:
