@@ -595,6 +595,8 @@ def main(line: bytes) -> None:
     except ProtocolError as exc:
         sys.stderr.write(f"torchrunx agent: {exc}\n")
         sys.exit(2)
+    finally:
+        del line  # the raw line holds the secret: no frame of the agent or its workers keeps it
     # A Ctrl-C meant for the launcher must not kill the agent before it cleans up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

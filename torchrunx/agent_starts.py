@@ -55,14 +55,15 @@ class AgentStarts:
     agents: list[AgentRecord]
     """The launch state's agents (a replaced agent's new record shows up here)."""
     port: int
-    secret: bytes
+    secret: bytes = field(repr=False)
     log_level: int
     emit: Callable[[int, Record], None]
     """Where an agent's own stdout and stderr lines go: ``(host index, log record)``."""
     warm: bool = False
     """Warm agents: they stay after each run for the next (see :mod:`torchrunx.warm`)."""
-    script: bytes = b""
-    local_env: dict[str, str] = field(default_factory=local_agent_env)
+    script: bytes = field(default=b"", repr=False)
+    """The agents' script (forwarded variables' values): never in a repr."""
+    local_env: dict[str, str] = field(default_factory=local_agent_env, repr=False)
     """This machine's agents start with the launcher's environment."""
 
     def prepare(self) -> None:
@@ -89,10 +90,11 @@ class AgentStarts:
             self.emit(index, (None, line.levelno, line.name, line.text, time.time()))
 
         if agent.method == "srun":
+            address = self.srun_address(hostname)
             return SrunAgent(
                 hostname,
                 self.script,
-                self.bootstrap(agent, self.srun_address(hostname)),
+                lambda: self.bootstrap(agent, address),
                 on_line,
                 cpus=slurm_cpus(hostname),
             )
@@ -108,7 +110,7 @@ class AgentStarts:
         return LocalAgent(
             hostname,
             self.script,
-            self.bootstrap(agent, "127.0.0.1"),
+            lambda: self.bootstrap(agent, "127.0.0.1"),
             on_line,
             environ=self.local_env,
         )

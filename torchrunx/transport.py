@@ -48,9 +48,12 @@ AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"
 # Runs inside the agent's interpreter: reads the bootstrap line (an AgentBootstrap), takes the
 # launcher's sys.path from it so that torchrunx can be imported, and hands the whole line to
 # the agent, which decodes and checks it (AgentBootstrap.from_json_line).
+# The line is handed over without staying behind: ``globals().pop`` takes ``b`` (which holds
+# the secret) out of ``__main__`` as it passes it, so neither the agent nor its forked workers
+# keep it as a global.
 BOOT_CODE = (
     "import sys,json;b=sys.stdin.buffer.readline();sys.path[:]=json.loads(b)['sys_path'];"
-    "import torchrunx.agent as a;a.main(b)"
+    "import torchrunx.agent as a;a.main(globals().pop('b'))"
 )
 
 _STDERR_TAIL_LINES = 40
@@ -186,9 +189,14 @@ class _SubprocessAgent:
         argv: list[str],
         env: dict[str, str],
         script: bytes,
-        bootstrap: bytes,
+        bootstrap: Callable[[], bytes],
         on_line: OnLine,
     ) -> None:
+        """Start ``argv``; write ``script`` and then what ``bootstrap()`` makes to its stdin.
+
+        The bootstrap line (it holds the secret) is made only once the child has started, as
+        it is written, and never held in a variable: no frame of a traceback shows it.
+        """
         self.hostname = hostname
         self._output = _AgentOutput(on_line)
         try:
@@ -216,7 +224,7 @@ class _SubprocessAgent:
         for fd in self._streams.values():
             os.set_blocking(fd, False)
         try:
-            self._process.stdin.write(script + bootstrap)
+            self._process.stdin.write(script + bootstrap())
             self._process.stdin.flush()
         except OSError:
             pass  # it died at once; wait() and stderr_tail() tell why
@@ -312,12 +320,12 @@ class LocalAgent(_SubprocessAgent):
         self,
         hostname: str,
         script: bytes,
-        bootstrap: bytes,
+        bootstrap: Callable[[], bytes],
         on_line: OnLine,
         *,
         environ: dict[str, str],
     ) -> None:
-        """Start the agent and hand it its script and bootstrap on stdin.
+        """Start the agent and hand it its script and bootstrap (made by ``bootstrap()``) on stdin.
 
         ``environ`` is the agent's environment before its script runs (the launcher's own,
         see :func:`torchrunx.env.local_agent_env`).
@@ -371,13 +379,13 @@ class SrunAgent(_SubprocessAgent):
         self,
         hostname: str,
         script: bytes,
-        bootstrap: bytes,
+        bootstrap: Callable[[], bytes],
         on_line: OnLine,
         *,
         cpus: int | None,
         environ: dict[str, str] | None = None,
     ) -> None:
-        """Start ``srun`` and hand the agent its script and bootstrap on stdin.
+        """Start ``srun`` and hand the agent its script and bootstrap (``bootstrap()``) on stdin.
 
         ``srun`` itself runs with the launcher's environment (it needs the ``SLURM_*``
         variables of the job); the step gets only login variables (see :func:`srun_command`).

@@ -178,6 +178,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx worker: cannot connect to the launcher at {address}: {exc}\n")
         return 1
+    del boot  # from here on only the connection: no frame below the function holds the secret
     conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid(), attempt=spec.attempt))
     call: list[bytearray] | None = payload
     first = True
