@@ -478,8 +478,12 @@ def test_start_twice_is_refused(server):
         server.start()
 
 
-def test_default_host_is_every_interface(snapshot):
+def test_default_host_is_loopback_and_every_interface_is_asked_for(snapshot):
     with HealthServer(0, snapshot) as health:
+        assert health._server is not None
+        assert health._server.server_address[0] == LOCAL
+        assert get(health)[0] == 200
+    with HealthServer(0, snapshot, host="") as health:
         assert health._server is not None
         assert health._server.server_address[0] in ("::", "0.0.0.0")  # noqa: S104
         assert get(health)[0] == 200  # reached over 127.0.0.1

@@ -11,8 +11,16 @@ for probes from outside the process (a Kubernetes liveness probe, Nagios, ``curl
 
 The server is the standard library's :class:`http.server.ThreadingHTTPServer`: one daemon
 thread runs its ``serve_forever()`` loop and each request gets a short-lived daemon thread of
-its own (a client has 10 s to send its request). :meth:`HealthServer.close` stops the loop
-with ``shutdown()``, ends the connections still open and waits at most 2 s for their threads.
+its own (a client has 10 s to send its request), at most :data:`MAX_CONNECTIONS` at once: a
+connection beyond them gets a ``503`` and is closed at once, without a thread.
+:meth:`HealthServer.close` stops the loop with ``shutdown()``, ends the connections still open
+and waits at most 2 s for their threads.
+
+Security: plain HTTP, no authentication. On ``127.0.0.1`` every user of this machine (not only
+you) can read it. A request whose ``Host`` header names something else than ``localhost``, an
+IP address, or the address or name the server listens on gets ``403``: a web page that DNS
+rebinding points at this machine (its name resolving to ``127.0.0.1``) sends its own name, so
+a browser on this machine cannot be made to read the report.
 
 The launcher serves it on ``127.0.0.1`` unless ``TORCHRUNX_HEALTH_CHECK_HOST`` names another
 address (``*``: every interface; :func:`health_host_from_env`), for probes from other machines
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import ipaddress
 import json
 import logging
 import os
@@ -75,6 +84,20 @@ _REQUEST_TIMEOUT = 10.0
 
 _CLOSE_JOIN_TIMEOUT = 2.0
 """Seconds :meth:`HealthServer.close` waits, in all, for requests still being answered."""
+
+MAX_CONNECTIONS = 16
+"""Connections answered at once, each in a thread of its own; one more is closed at once, after
+a short ``503`` if its socket takes it (a flood of idle connections cannot start more threads)."""
+
+_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+"""``Host`` header names always accepted: this machine, as a client on it names it."""
+
+_BUSY_BODY = b'{"error": "too many connections at once; try again"}'
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nCache-Control: no-store\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\n\r\n%s"
+) % (len(_BUSY_BODY), _BUSY_BODY)
 
 _MAX_DISCARDED_BODY = 1 << 16
 """A rejected request's body is read (and dropped) up to this size, so that closing the
@@ -260,7 +283,7 @@ class HealthServer:
         port: int,
         snapshot: Callable[[], HealthReport],
         *,
-        host: str = "",
+        host: str = DEFAULT_HOST,
         details: bool = False,
     ) -> None:
         """Prepare the server; nothing is bound before :meth:`start`.
@@ -269,10 +292,11 @@ class HealthServer:
             port: TCP port to listen on; 0 for any free port (see :attr:`port`).
             snapshot: Makes the report for one request. It is called from the server's request
                 threads, possibly several at once, so it must be thread-safe, and quick.
-            host: Address to listen on. The default ``""`` is every interface (IPv6 and IPv4
-                where the machine has both), so that probes from other machines reach it; the
-                report holds no secret and no environment value. ``"127.0.0.1"``: this machine
-                only (what the launcher uses by default, see :func:`health_host_from_env`).
+            host: Address to listen on. The default ``"127.0.0.1"`` is this machine only
+                (every local user included: see the security notes of :mod:`torchrunx.health`),
+                as the launcher's default (:func:`health_host_from_env`). ``""``: every
+                interface (IPv6 and IPv4 where the machine has both), for probes from other
+                machines; the report holds no secret and no environment value.
             details: Serve each failure's message (the first line of its exception), and, when
                 the snapshot itself fails, the exception's message in the 500 answer. The
                 default serves exception types only (:meth:`HealthReport.redacted`): a message
@@ -385,6 +409,8 @@ class _Server(http.server.ThreadingHTTPServer):
         self.snapshot_failed = False
         self._requests: dict[threading.Thread, socket.socket] = {}
         self._requests_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.host_names = _accepted_host_names(host)
         if host == "" and socket.has_dualstack_ipv6():
             self.address_family = socket.AF_INET6
             address = "::"
@@ -407,6 +433,9 @@ class _Server(http.server.ThreadingHTTPServer):
     ) -> None:
         # ThreadingMixIn's: one daemon thread per connection, which end_requests() can find.
         assert isinstance(request, socket.socket)  # noqa: S101 (a TCP server's request)
+        if not self._slots.acquire(blocking=False):
+            self._refuse_busy(request, client_address)
+            return
         thread = threading.Thread(
             target=self._answer,
             args=(request, client_address),
@@ -423,6 +452,36 @@ class _Server(http.server.ThreadingHTTPServer):
         finally:
             with self._requests_lock:
                 del self._requests[threading.current_thread()]
+            self._slots.release()
+
+    def _refuse_busy(self, request: socket.socket, client_address: object) -> None:
+        """At the cap: a ``503`` if the socket takes it without waiting, then close, no thread."""
+        logger.debug("health connection from %s refused: %d open", client_address, MAX_CONNECTIONS)
+        with contextlib.suppress(OSError):
+            request.settimeout(0.0)  # non-blocking: a full buffer drops the 503, not the loop
+            request.send(_BUSY)
+        self.shutdown_request(request)
+
+    def host_accepted(self, header: str | None) -> bool:
+        """Whether a request's ``Host`` header names this server (no header: yes).
+
+        Accepted: ``localhost``, ``127.0.0.1``, ``[::1]``, the address or name it was told to
+        listen on, this machine's name when it listens on every interface, and any IP address
+        literal, with any port. A page that DNS rebinding turned against this machine's
+        loopback sends its own domain name, which is none of these.
+        """
+        if header is None:
+            return True
+        name = _host_name(header)
+        if name is None:
+            return False
+        if name in self.host_names:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
 
     def end_requests(self, timeout: float) -> None:
         """End the connections still open and wait up to ``timeout`` s for their threads."""
@@ -456,6 +515,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def parse_request(self) -> bool:
         if not super().parse_request():
+            return False
+        host = self.headers.get("Host")
+        if not self.server.host_accepted(host):
+            self._discard_body()
+            self._send_json(
+                403,
+                {"error": f"Host {host!r} is not this server's; ask for localhost or its address"},
+            )
             return False
         if self.command not in ("GET", "HEAD"):
             self._discard_body()
@@ -522,3 +589,27 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+
+def _accepted_host_names(host: str) -> frozenset[str]:
+    """The ``Host`` names a server listening on ``host`` accepts, besides IP literals."""
+    names = set(_LOCAL_NAMES)
+    if host in _EVERY_INTERFACE:
+        names.add(socket.gethostname().lower())
+    else:
+        names.add(host.strip("[]").lower().rstrip("."))
+    return frozenset(names)
+
+
+def _host_name(header: str) -> str | None:
+    """The name of a ``Host`` header without its port, in lower case (``None``: malformed)."""
+    text = header.strip().lower()
+    if text.startswith("["):  # [v6]:port
+        end = text.find("]")
+        if end < 0 or (end + 1 < len(text) and text[end + 1] != ":"):
+            return None
+        return text[1:end]
+    name, _, port = text.partition(":")
+    if port and not port.isdigit():
+        return None
+    return name.rstrip(".") or None
