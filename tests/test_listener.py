@@ -102,29 +102,26 @@ def test_a_slow_handshake_is_dropped_at_its_one_deadline(served, monkeypatch):
     assert not events
 
 
-def test_connections_still_authenticating_are_capped_and_the_rest_wait_their_turn(
-    served, monkeypatch
-):
+def test_connections_still_authenticating_are_capped_and_the_oldest_are_shed(served, monkeypatch):
     listener, _events, pump = served
     monkeypatch.setattr(listener_module, "MAX_PENDING", 3)
     socks = [socket.create_connection(("127.0.0.1", listener.port)) for _ in range(5)]
     got: list[protocol.Connection] = []
     try:
-        pump(lambda: len(listener._pending) == 3, 5)
+        pump(lambda: listener.rejected == 2, 5)
         pump(lambda: False, 0.3)
-        assert len(listener._pending) == 3  # the cap; the others wait in the kernel's queue
-        assert listener.rejected == 0
+        assert len(listener._pending) == 3  # the cap
+        assert listener.rejected == 2  # the two oldest, shed for the two newest
         thread = threading.Thread(
             target=lambda: got.append(
                 protocol.connect(("127.0.0.1", listener.port), SECRET, "agent", timeout=10)
             )
         )
-        thread.start()
-        for sock in socks:  # the idle ones leave: the real peer gets its turn
-            sock.close()
+        thread.start()  # the idle ones stay: the real peer gets in all the same
         pump(lambda: bool(listener.peers), 10)
         thread.join()
         assert len(listener.peers) == 1
+        assert len(listener._pending) == 2  # one more was shed for it
     finally:
         for sock in socks:
             sock.close()
@@ -444,3 +441,129 @@ def test_the_end_of_a_launch_closes_every_handshake_in_progress(monkeypatch):
         for flood in drippers:
             flood.close()
     assert (len(os.listdir("/proc/self/fd")), threading.active_count()) == (fds, threads)
+
+
+_REFRESHED_FLOOD_LAUNCH = r"""
+import logging, os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+import torchrunx as trx
+from torchrunx import listener as listener_module
+real_listen = listener_module.listen_socket
+
+def flooded(host=None):  # the flood is queued before the launch accepts anything
+    sock = real_listen(host)
+    print(sock.getsockname()[1], flush=True)
+    sys.stdin.readline()
+    return sock
+
+listener_module.listen_socket = flooded
+result = trx.launch(
+    os.getpid, hostnames=["localhost"], workers_per_host=2, backend=None, agent_timeout=2.0
+)
+print("ranks", len(result.ranks), flush=True)
+"""
+
+
+class RefreshedFlood:
+    """Idle connections to ``port``, each made again as soon as the other end drops it."""
+
+    def __init__(self, port: int, count: int) -> None:
+        self.port = port
+        self.reconnects = 0
+        self._selector = selectors.DefaultSelector()
+        self._stop = threading.Event()
+        for _ in range(count):
+            self._connect()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _connect(self) -> None:
+        with contextlib.suppress(OSError):  # refused: the launch closed its port
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+            sock.settimeout(0.0)  # non-blocking
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(0.05):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    data = sock.recv(4096)  # the greeting, then EOF when it is dropped
+                except OSError:
+                    data = b""
+                if not data:
+                    self._selector.unregister(sock)
+                    sock.close()
+                    if not self._stop.is_set():
+                        self._connect()
+                        self.reconnects += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._selector.close()
+
+
+def test_a_launch_survives_a_flood_that_keeps_the_handshake_cap_full(tmp_path: Path):
+    # The launcher may have 64 handshakes at once (a quarter of 256 descriptors), each for 10 s
+    # (HANDSHAKE_TIMEOUT, not lowered); 300 idle connections are queued before the agent's and
+    # each one the launcher drops is made again at once, for the whole launch. The agent and
+    # workers wait 4 s (2 x agent_timeout) at most: they get in only if the launcher sheds old
+    # handshakes for new ones and they try again when shed.
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _REFRESHED_FLOOD_LAUNCH],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
+            text=True,
+        )
+    assert child.stdin is not None
+    flood = None
+    try:
+        deadline = time.monotonic() + 30
+        while not out_path.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        flood = RefreshedFlood(int(out_path.read_text()), 300)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        child.wait(90)
+    finally:
+        if flood is not None:
+            flood.close()
+        child.stdin.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    err_text = err_path.read_text()
+    assert child.returncode == 0, err_text[-3000:]
+    assert out_path.read_text().split()[1:] == ["ranks", "2"]
+    assert flood.reconnects >= 300  # the flood went on: every connection dropped, and back
+    assert "the oldest is dropped for each new one" in err_text
+
+
+def test_a_peer_that_is_shed_during_its_handshake_tries_again():
+    # The first try is closed at once (as a listener at its cap sheds it), the second is served.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        roles: list[str] = []
+
+        def serve() -> None:
+            server.settimeout(5)
+            first, _ = server.accept()
+            first.close()
+            second, _ = server.accept()
+            with second:
+                second.settimeout(5)
+                roles.append(protocol.server_handshake(second, SECRET)[0])
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        conn = protocol.connect(server.getsockname()[:2], SECRET, "worker", timeout=5)
+        conn.close()
+        thread.join(5)
+    assert roles == ["worker"]

@@ -11,7 +11,9 @@ Failures to accept (out of descriptors, a connection reset before it was accepte
 listener pause briefly and go on, with a warning; connections still authenticating are capped,
 at :data:`MAX_PENDING` and at a quarter of the process's descriptor limit, so that a flood of
 idle connections never takes the descriptors the rest of the launch needs (log files, agents'
-pipes, SSH connections).
+pipes, SSH connections). At the cap, each new connection sheds the oldest handshake, so that a
+flood cannot keep the listener full and real peers queued behind it: a real peer answers the
+greeting at once, and :func:`torchrunx.protocol.connect` tries again if it was shed.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to complete the whole handshake."""
 MAX_PENDING = 1024
-"""Connections authenticating at once; at the cap, accepting pauses (others wait queued)."""
+"""Connections authenticating at once; at the cap, each new one sheds the oldest."""
 BACKLOG = 4096
 """Connections the kernel queues before they are accepted (capped by ``net.core.somaxconn``):
 every worker of a large launch connects within the same second."""
@@ -275,16 +277,6 @@ class Listener:
 
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_ROUND):
-            if len(self._pending) >= min(MAX_PENDING, self.max_pending):
-                self._warn(
-                    "cap",
-                    "%d connections are authenticating at once, the most allowed: accepting "
-                    "pauses until one is done (a connection has %g s to authenticate)",
-                    len(self._pending),
-                    HANDSHAKE_TIMEOUT,
-                )
-                self._pause()  # the rest wait in the kernel's queue until one is done
-                return
             try:
                 sock, _address = self.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -301,6 +293,15 @@ class Listener:
                 )
                 self._pause(_ACCEPT_PAUSE)
                 return
+            if len(self._pending) >= min(MAX_PENDING, self.max_pending):
+                self._warn(
+                    "cap",
+                    "%d connections are authenticating at once, the most allowed: the oldest "
+                    "is dropped for each new one (a real peer answers at once, and tries again)",
+                    len(self._pending),
+                )
+                self._reject(next(iter(self._pending)))  # shed the oldest: a flood cannot
+                # hold the listener full and keep real peers queued behind it
             self._begin_handshake(sock)
 
     def _warn(self, kind: str, message: str, *args: object) -> None:
