@@ -186,3 +186,53 @@ def test_a_root_owned_by_another_user_is_refused(tmp_path):
     with pytest.raises(PermissionError, match=r"belongs to another user \(uid 65534\)"):
         logs.new_log_dir(root)
     assert list(root.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The workers' private TMPDIR: a failure to make it is a warning, not silence
+# --------------------------------------------------------------------------------------------
+
+NO_TMPDIR = """
+import errno, tempfile
+
+_mkdtemp = tempfile.mkdtemp
+
+
+def mkdtemp(suffix=None, prefix=None, dir=None):
+    if prefix == "torchrunx-":
+        raise OSError(errno.ENOSPC, "No space left on device (test)", tempfile.gettempdir())
+    return _mkdtemp(suffix, prefix, dir)
+
+
+tempfile.mkdtemp = mkdtemp
+"""
+
+
+def report_tmpdir() -> str | None:
+    return os.environ.get("TMPDIR")
+
+
+def test_a_private_tmpdir_that_cannot_be_made_is_a_warning_of_the_agent(
+    tmp_path, monkeypatch, capsys
+):
+    """The agent's ``mkdtemp`` fails (as on a full disk): the launcher's logs say where and why."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_TMPDIR)  # loaded by the agent's interpreter
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    inherited = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *filter(None, [inherited])]))
+    monkeypatch.setenv("TMPDIR", str(shared))
+    monkeypatch.setenv("TORCHRUNX_LOG_DIR", str(tmp_path / "logs"))
+    result = trx.launch(report_tmpdir, hostnames=["localhost"], workers_per_host=1, backend=None)
+    assert result.rank(0) == str(shared)  # the inherited one, as the warning says
+    (folder,) = (each for each in (tmp_path / "logs").iterdir() if each.is_dir())
+    agent_log = (folder / "localhost.log").read_text()
+    assert (
+        "WARNING torchrunx.leftovers: could not make the workers' private temporary " in agent_log
+    )
+    assert f"folder in {shared}: [Errno 28] No space left on device (test)" in agent_log
+    assert f"keep the inherited TMPDIR ({shared})" in agent_log
+    console = capsys.readouterr().out  # the default console shows an agent's warnings
+    assert "[localhost] could not make the workers' private temporary folder" in console

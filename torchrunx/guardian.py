@@ -36,7 +36,9 @@ from torchrunx import leftovers
 def fork_agent() -> str | None:
     """Fork the agent; only the agent returns, this process becomes its guardian.
 
-    Returns the workers' private temporary directory, or ``None`` if none could be made.
+    Returns the workers' private temporary directory (one for all the agent's workers), or
+    ``None`` if none could be made: :func:`torchrunx.leftovers.make_private_dir` has then
+    written a warning to stderr, which the launcher logs as the agent's.
     """
     tmpdir = leftovers.make_private_dir()
     leftovers.set_child_subreaper()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -256,12 +257,38 @@ def kill_descendants(root: int, timeout: float = _KILL_TIMEOUT) -> list[Proc]:
 def make_private_dir() -> str | None:
     """A new directory (mode 0700) in the temporary directory (``TMPDIR``, else ``/tmp``...).
 
-    ``None`` if none can be made there: the workers then keep the ``TMPDIR`` they inherit.
+    One per agent, shared by all its workers. ``None`` if none can be made there: then a
+    warning (see :func:`_warn_agent`) names the folder and the error, and the workers keep the
+    ``TMPDIR`` they inherit, shared with the host's other processes and not emptied by the
+    launch.
     """
     try:
         return tempfile.mkdtemp(prefix="torchrunx-")
-    except OSError:
+    except OSError as error:
+        where = tempfile.tempdir or os.environ.get("TMPDIR") or "/tmp"  # noqa: S108 (a name)
+        inherited = os.environ.get("TMPDIR")
+        _warn_agent(
+            f"could not make the workers' private temporary folder in {where}: {error}. The "
+            f"workers keep the inherited TMPDIR ({inherited or 'unset: /tmp'}), shared with "
+            f"the other processes of this host, and what they leave there is not removed when "
+            f"the launch ends. Free space there, or point TMPDIR to a writable folder"
+        )
         return None
+
+
+def _warn_agent(message: str) -> None:
+    """A warning of the agent's, as its logging writes one, before that logging is set up.
+
+    :func:`make_private_dir` runs in the guardian, before the fork and before the agent's
+    :func:`torchrunx.logs.capture_logging`; the agent's stderr goes to the launcher, which reads
+    this marked line as a ``WARNING`` record of ``torchrunx.leftovers`` on that host.
+    """
+    from torchrunx.logs import MarkedLineFormatter  # noqa: PLC0415 (leftovers stays lean)
+
+    record = logging.LogRecord(__name__, logging.WARNING, __file__, 0, message, None, None)
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(MarkedLineFormatter().format(record) + "\n")
+        sys.stderr.flush()
 
 
 def _open_up(path: Path) -> None:
