@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from typing import TYPE_CHECKING
 
 import pytest
@@ -567,3 +568,40 @@ def test_a_peer_that_is_shed_during_its_handshake_tries_again():
         conn.close()
         thread.join(5)
     assert roles == ["worker"]
+
+
+def test_an_idle_connection_costs_the_launcher_little_memory(served):
+    # 100 authenticated connections, each having sent a frame, then idle: the readers' buffers
+    # are back to small (a record reader used to keep a whole record's 1 MiB per connection).
+    listener, events, pump = served
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        conns: list[protocol.Connection] = []
+
+        def connect_all() -> None:
+            for _ in range(100):
+                address = ("127.0.0.1", listener.port)
+                conns.append(protocol.connect(address, SECRET, "worker", timeout=10))
+
+        thread = threading.Thread(target=connect_all)
+        thread.start()
+        pump(lambda: not thread.is_alive(), 20)
+        thread.join()
+        try:
+            for conn in conns:
+                conn.send(Heartbeat())
+            pump(lambda: len(events) == 100, 10)
+            assert len(listener.peers) == 100
+            per_connection = (tracemalloc.get_traced_memory()[0] - before) / len(conns)
+            assert per_connection < 32 * 1024, per_connection  # both ends of it, here
+            big = bytes(range(256)) * (3 << 12)  # 3 MiB: the buffer grows, then shrinks
+            conns[0].send(Heartbeat(), [big])
+            pump(lambda: len(events) == 101, 10)
+            assert [bytes(part) for part in events[-1].payload] == [big]
+            assert all(len(peer._reader._raw) <= 4096 for peer in listener.peers.values())
+        finally:
+            for conn in conns:
+                conn.close()
+    finally:
+        tracemalloc.stop()

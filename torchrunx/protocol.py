@@ -71,6 +71,9 @@ RECORD_BYTES = 1 << 20
 
 _RECORD = struct.Struct("!I")
 _MAX_RECORD = RECORD_BYTES + TAG_BYTES
+IDLE_BUFFER_BYTES = 4096
+"""Bytes a reader keeps for an idle connection: it grows to fit the record that comes (up to
+a whole one) and gives the rest back once nothing is left to read."""
 _NONCE = struct.Struct("!IQ")
 _FRAME = struct.Struct("!QI")
 _PART = struct.Struct("!Q")
@@ -858,6 +861,11 @@ class _FrameParser:
         self._part = 0
         self._filled = 0
 
+    def release_if_idle(self) -> None:
+        """Between frames with nothing buffered: give back the buffer's memory."""
+        if self.idle:
+            self._buffer = bytearray()
+
     @property
     def idle(self) -> bool:
         """No frame is begun: the plaintext so far ended on a frame boundary."""
@@ -970,7 +978,8 @@ class FrameReader:
         """Open with ``key`` (the peer's sending key)."""
         self._aead = AESGCM(key)
         self._sequence = 0
-        self._raw = bytearray(_RECORD.size + _MAX_RECORD)
+        self._raw = bytearray(IDLE_BUFFER_BYTES)
+        """Records as they come: sized to the record being read, back to small when idle."""
         self._have = 0
         self._parser = _FrameParser()
         self.closed_by_peer = False
@@ -993,10 +1002,12 @@ class FrameReader:
         received = 0
         try:
             while received < budget:
+                self._make_room()
                 try:
                     with memoryview(self._raw) as view:
                         count = sock.recv_into(view[self._have :])
                 except (BlockingIOError, InterruptedError):
+                    self._release_if_idle()
                     return frames, False
                 if count == 0:
                     self._check_end()
@@ -1029,6 +1040,9 @@ class FrameReader:
                 self._check_end()
                 raise
             size = self._record_size(0)
+        if len(self._raw) < _RECORD.size + size:  # grown to what came (kept for the next)
+            self._raw += bytes(_RECORD.size + size - len(self._raw))
+        with memoryview(self._raw) as view:
             try:
                 _recv_exact_into(sock, view[_RECORD.size : _RECORD.size + size])
             except ConnectionError:
@@ -1049,6 +1063,22 @@ class FrameReader:
                 raise ProtocolError("a record's length does not match its header")
             self._open(view, frames)
         return frames
+
+    def _make_room(self) -> None:
+        """Grow the buffer, if it is full, to hold the whole record that is coming."""
+        if self._have < len(self._raw):
+            return
+        need = _RECORD.size + self._record_size(0)  # full: a record's header is in it
+        grown = max(need, min(2 * len(self._raw), _RECORD.size + _MAX_RECORD))
+        self._raw += bytes(grown - len(self._raw))
+
+    def _release_if_idle(self) -> None:
+        """Nothing more to read now: give back a grown buffer, keeping what is unread."""
+        if len(self._raw) > IDLE_BUFFER_BYTES and self._have <= IDLE_BUFFER_BYTES:
+            small = bytearray(IDLE_BUFFER_BYTES)
+            small[: self._have] = self._raw[: self._have]
+            self._raw = small
+        self._parser.release_if_idle()
 
     def _check_end(self) -> None:
         """The stream ended here: fine after the peer's close record, else truncated."""
