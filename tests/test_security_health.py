@@ -137,3 +137,28 @@ def test_a_flood_of_idle_connections_starts_no_more_threads_than_the_cap(monkeyp
         assert wait_for(lambda: threading.active_count() == base + 1)
         assert ask(health.port, "localhost")[0] == 200
     assert wait_for(lambda: threading.active_count() == base)
+
+
+def test_a_token_from_the_environment_is_required_when_set(monkeypatch):
+    monkeypatch.setenv("TORCHRUNX_HEALTH_CHECK_TOKEN", "s3cret")
+    with HealthServer(0, snapshot) as health:
+        for authorization, expected in [
+            (None, 401),
+            ("Bearer wrong", 401),
+            ("s3cret", 401),
+            ("Bearer s3cret", 200),
+        ]:
+            headers = {} if authorization is None else {"Authorization": authorization}
+            connection = http.client.HTTPConnection(LOCAL, health.port, timeout=5)
+            try:
+                connection.request("GET", "/health", headers=headers)
+                response = connection.getresponse()
+                body = response.read()
+            finally:
+                connection.close()
+            assert response.status == expected, authorization
+            if expected == 401:
+                assert b"launch_state" not in body
+                assert response.getheader("WWW-Authenticate") == 'Bearer realm="torchrunx-health"'
+    with HealthServer(0, snapshot, token="") as health:  # none, whatever the environment says
+        assert ask(health.port, "localhost")[0] == 200

@@ -16,11 +16,13 @@ connection beyond them gets a ``503`` and is closed at once, without a thread.
 :meth:`HealthServer.close` stops the loop with ``shutdown()``, ends the connections still open
 and waits at most 2 s for their threads.
 
-Security: plain HTTP, no authentication. On ``127.0.0.1`` every user of this machine (not only
-you) can read it. A request whose ``Host`` header names something else than ``localhost``, an
-IP address, or the address or name the server listens on gets ``403``: a web page that DNS
-rebinding points at this machine (its name resolving to ``127.0.0.1``) sends its own name, so
-a browser on this machine cannot be made to read the report.
+Security: plain HTTP, without authentication unless ``TORCHRUNX_HEALTH_CHECK_TOKEN`` sets a
+token (then a request needs ``Authorization: Bearer <token>``, else ``401``). Without one, on
+``127.0.0.1`` every user of this machine (not only you) can read it. A request whose
+``Host`` header names something else than ``localhost``, an IP address, or the address or name
+the server listens on gets ``403``: a web page that DNS rebinding points at this machine (its
+name resolving to ``127.0.0.1``) sends its own name, so a browser on this machine cannot be
+made to read the report.
 
 The launcher serves it on ``127.0.0.1`` unless ``TORCHRUNX_HEALTH_CHECK_HOST`` names another
 address (``*``: every interface; :func:`health_host_from_env`), for probes from other machines
@@ -37,6 +39,7 @@ The port comes from ``Launcher.health_check_port`` or, when that is not set,
 from __future__ import annotations
 
 import contextlib
+import hmac
 import http.server
 import ipaddress
 import json
@@ -67,6 +70,9 @@ HOST_ENV_VAR = "TORCHRUNX_HEALTH_CHECK_HOST"
 
 DETAILS_ENV_VAR = "TORCHRUNX_HEALTH_CHECK_DETAILS"
 """``1`` serves the first line of each failure's message, not only its exception type."""
+
+TOKEN_ENV_VAR = "TORCHRUNX_HEALTH_CHECK_TOKEN"  # noqa: S105 (a variable's name)
+"""A token: when set, a request is answered only with ``Authorization: Bearer <token>``."""
 
 DEFAULT_HOST = "127.0.0.1"
 """Where the launcher serves the endpoint unless :data:`HOST_ENV_VAR` says otherwise."""
@@ -241,6 +247,12 @@ def health_host_from_env(environ: Mapping[str, str] | None = None) -> str:
     return "" if value == "*" else value
 
 
+def health_token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The token requests must carry, from ``TORCHRUNX_HEALTH_CHECK_TOKEN`` (unset, empty: none)."""
+    value = (os.environ if environ is None else environ).get(TOKEN_ENV_VAR, "").strip()
+    return value or None
+
+
 def health_details_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether failures are served with their messages (``TORCHRUNX_HEALTH_CHECK_DETAILS``).
 
@@ -285,6 +297,7 @@ class HealthServer:
         *,
         host: str = DEFAULT_HOST,
         details: bool = False,
+        token: str | None = None,
     ) -> None:
         """Prepare the server; nothing is bound before :meth:`start`.
 
@@ -301,6 +314,9 @@ class HealthServer:
                 the snapshot itself fails, the exception's message in the 500 answer. The
                 default serves exception types only (:meth:`HealthReport.redacted`): a message
                 may hold anything the failing code put in it.
+            token: Answer only requests with ``Authorization: Bearer <token>`` (others get
+                ``401``). ``None``: :data:`TOKEN_ENV_VAR`'s value (unset or empty: no token,
+                as the launcher does); ``""``: no token whatever the environment says.
 
         Raises:
             ValueError: ``port`` is not from 0 to 65535.
@@ -311,6 +327,7 @@ class HealthServer:
         self._snapshot = snapshot
         self._host = host
         self._details = details
+        self._token = health_token_from_env() if token is None else (token or None)
         self._lock = threading.Lock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -347,7 +364,9 @@ class HealthServer:
             if self._closed or self._server is not None:
                 raise RuntimeError("a HealthServer can be started once")
             try:
-                server = _Server(self._host, self._requested_port, self._snapshot, self._details)
+                server = _Server(
+                    self._host, self._requested_port, self._snapshot, self._details, self._token
+                )
             except OSError as error:
                 reason = error.strerror or str(error)
                 raise OSError(
@@ -402,10 +421,16 @@ class _Server(http.server.ThreadingHTTPServer):
     allow_reuse_address = True  # SO_REUSEADDR: a port left in TIME_WAIT is usable at once
 
     def __init__(
-        self, host: str, port: int, snapshot: Callable[[], HealthReport], details: bool
+        self,
+        host: str,
+        port: int,
+        snapshot: Callable[[], HealthReport],
+        details: bool,
+        token: str | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.details = details
+        self.token = None if token is None else f"Bearer {token}".encode()
         self.snapshot_failed = False
         self._requests: dict[threading.Thread, socket.socket] = {}
         self._requests_lock = threading.Lock()
@@ -461,6 +486,13 @@ class _Server(http.server.ThreadingHTTPServer):
             request.settimeout(0.0)  # non-blocking: a full buffer drops the 503, not the loop
             request.send(_BUSY)
         self.shutdown_request(request)
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether a request's ``Authorization`` header carries the token (if one is set)."""
+        if self.token is None:
+            return True
+        given = (header or "").strip().encode("utf-8", "replace")
+        return hmac.compare_digest(given, self.token)
 
     def host_accepted(self, header: str | None) -> bool:
         """Whether a request's ``Host`` header names this server (no header: yes).
@@ -524,6 +556,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 {"error": f"Host {host!r} is not this server's; ask for localhost or its address"},
             )
             return False
+        if not self.server.authorized(self.headers.get("Authorization")):
+            self._discard_body()
+            self._send_json(
+                401,
+                {"error": f"send the token of {TOKEN_ENV_VAR}: Authorization: Bearer <token>"},
+                www_authenticate='Bearer realm="torchrunx-health"',
+            )
+            return False
         if self.command not in ("GET", "HEAD"):
             self._discard_body()
             self._send_json(
@@ -585,7 +625,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         self.send_header("Connection", "close")
         for name, value in headers.items():
-            self.send_header(name.capitalize(), value)
+            self.send_header(name.replace("_", "-").title(), value)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
