@@ -109,7 +109,7 @@ def test_launch_like_0_4_log_folder_events_beside_it_and_local_environment(log_d
     monkeypatch.setenv("TRX_SHELL_ONLY", "hf_secret")  # like HF_TOKEN: matches no pattern
     monkeypatch.setenv("TRX_GIVEN", "the launcher's")  # extra_env_vars' value wins
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "the launcher's own")  # per process: never passed
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # a torchrun agent's, not ours
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a torchrun agent's, not ours
     before = dt.datetime.now()  # noqa: DTZ005 (naive local time, as 0.4's test compares)
     result = trx.Launcher(
         hostnames=["localhost"],
@@ -145,7 +145,8 @@ def test_launch_like_0_4_log_folder_events_beside_it_and_local_environment(log_d
         assert report["TRX_SHELL_ONLY"] == "hf_secret"
         assert report["TRX_GIVEN"] == "a b; $(c) 'd'"
         assert report["TORCHELASTIC_RUN_ID"] == "torchrunx"  # its own, not the launcher's
-        assert report["TORCHELASTIC_USE_AGENT_STORE"] is None
+        # Its own: host 0's agent keeps the store (torchrunx.agentstore), not the launcher's.
+        assert report["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert report["leaks"] == []
 
 
