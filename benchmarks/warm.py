@@ -1,4 +1,4 @@
-"""Warm agents (issues #18, #23): from the call to the function's start on every rank, run after run.
+"""Warm agents (issues #18, #23): from the call to the function's start on every rank, per run.
 
     python benchmarks/warm.py [--runs N] [--idle SECONDS] [--smoke] [--setups local ssh]
                               [--tools floor floor-init upstream cold warm warm-keep]
