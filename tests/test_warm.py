@@ -56,6 +56,12 @@ def alive(pid: int) -> bool:
         return False
 
 
+def parent_of(pid: int) -> int:
+    """The parent pid of a live process (its guardian, for an agent)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def gone_within(pids: set[int], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -158,6 +164,7 @@ def agent_pid():
 warm = trx.Launcher(hostnames=["localhost"], workers_per_host=1, backend=None,
                     agent_timeout=3).warm()
 print(warm.run(agent_pid).rank(0), flush=True)
+sys.stdin.readline()  # the test looks at the agent while this launcher surely runs
 if sys.argv[1] == "hang":
     time.sleep(600)
 # "exit": the interpreter ends without close()
@@ -170,17 +177,24 @@ def test_agents_end_when_the_launcher_process_ends_or_is_killed(tmp_path, how):
     script.write_text(textwrap.dedent(SCRIPT))
     with subprocess.Popen(
         [sys.executable, str(script), "exit" if how == "exit" else "hang"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
     ) as process:
-        assert process.stdout is not None
+        assert process.stdin is not None and process.stdout is not None
         agent = int(process.stdout.readline())
+        # The launcher waits on its stdin until told to go on: no race decides these checks.
+        assert process.poll() is None
         assert alive(agent)
+        guardian = parent_of(agent)  # ends after the agent, once everything below it is gone
+        assert guardian != process.pid and alive(guardian)
+        process.stdin.close()  # "exit": the launcher's interpreter ends now, without close()
         if how == "sigkill":
             process.kill()
         process.wait(60)
-    assert gone_within({agent}, 3 + 10)  # agent_timeout, and the workers' grace
+    # agent_timeout, and the workers' grace; then the guardian, which ends last
+    assert gone_within({agent, guardian}, 3 + 10)
     assert torchrunx_processes() == []
 
 

@@ -1,0 +1,574 @@
+#!/usr/bin/env python3
+"""Mutation testing of torchrunx's pure core with mutmut, module by module.
+
+    python scripts/mutation.py                 # every module, every mutant (see docs/mutation.md)
+    python scripts/mutation.py failures env    # some modules only
+    python scripts/mutation.py --ci            # CI's subset (below), about 3 minutes
+    python scripts/mutation.py --list          # the modules, what is mutated, the guarding tests
+
+Each module is mutated in a copy of the tree in a temporary folder (the source here is never
+touched), and its mutants run only against the pure tests that guard it (``TARGETS``): rule
+tests on made-up facts, never a test that starts a process. The copy's ``tests/conftest.py``
+gets a guard that fails any test that starts one (fork, spawn, subprocess), so such a test
+cannot guard a module here unnoticed: the clean run fails and the module is reported as broken.
+
+A mutant counts as killed when a test fails on it or it runs past its time limit (mutmut's
+"killed" and "timeout"). The score is killed / (mutants checked - known equivalents), and
+every module must reach ``TARGET_PERCENT``: the exit status is 1 otherwise. ``EQUIVALENT``
+lists the survivors that no test can kill (each with the mutated line, so that an entry that
+no longer describes the same mutant is ignored, and the reason).
+
+``--ci``: the modules changed since ``git merge-base HEAD origin/main`` (their source or a
+guarding test file), or, without such a base or when none changed, every module; each one a
+random sample of its mutants (fixed seed), and the whole run time-boxed (``--budget``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fnmatch
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_PERCENT = 90.0
+CI_SEED = 20261126
+CI_BUDGET_S = 180.0
+CI_SAMPLE = 25
+"""Mutants per module in CI's sample (sized so that all modules fit the budget on 2 cores)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module: its file, the pure tests that guard it, and what of it is mutated."""
+
+    source: str
+    tests: tuple[str, ...]
+    functions: tuple[str, ...] = ()
+    """``name`` or ``Class.method`` (``fnmatch`` patterns); empty: every function."""
+    note: str = ""
+
+
+TARGETS: dict[str, Target] = {
+    "failures": Target(
+        "torchrunx/failures.py",
+        ("tests/test_rules_failures.py", "tests/test_launch_state.py", "tests/test_rules_more.py"),
+    ),
+    "launch_state": Target(
+        "torchrunx/launch_state.py",
+        (
+            "tests/test_launch_state.py",
+            "tests/test_rules_state.py",
+            "tests/test_rules_failures.py",
+            "tests/test_rules_more.py",
+        ),
+    ),
+    "inbox": Target(
+        "torchrunx/inbox.py",
+        ("tests/test_rules_more.py",),
+        note="driven with stand-in peers, pool and listener: no socket, no process",
+    ),
+    "protocol": Target(
+        "torchrunx/protocol.py",
+        (
+            "tests/test_rules_handshake.py",
+            "tests/test_pure.py",
+            "tests/test_security.py",
+            "tests/test_rules_more.py",
+        ),
+        functions=(
+            "new_secret",
+            "_mac",
+            "_recv_exact",
+            "server_greeting",
+            "session_keys",
+            "check_client_reply",
+            "server_handshake",
+            "client_reply",
+            "client_handshake",
+            "encode_frame_start",
+            "frame_pieces",
+            "Sealer.*",
+            "Connection.*",
+            "_load_message",
+            "_FrameParser.*",
+            "FrameReader.*",
+            "_recv_exact_into",
+            "connect",
+        ),
+        note="the handshake, sealed records and frames (not the agent's bootstrap line)",
+    ),
+    "env": Target(
+        "torchrunx/env.py",
+        (
+            "tests/test_rules_env.py",
+            "tests/test_pure.py",
+            "tests/test_compat.py",
+            "tests/test_rules_more.py",
+        ),
+    ),
+    "hostlists": Target(
+        "torchrunx/hostlists.py",
+        (
+            "tests/test_hosts.py",
+            "tests/test_slurm.py",
+            "tests/test_plugins.py",
+            "tests/test_rules_more.py",
+        ),
+    ),
+    "hosts": Target(
+        "torchrunx/hosts.py",
+        ("tests/test_hosts.py", "tests/test_plugins.py", "tests/test_rules_more.py"),
+        functions=("hostnames_source", "check_hostname", "check_hostnames"),
+        note="the validation of hostnames (resolution and counting read the machine)",
+    ),
+    "launcher": Target(
+        "torchrunx/launcher.py",
+        (
+            "tests/test_api.py",
+            "tests/test_compat.py",
+            "tests/test_hosts.py",
+            "tests/test_rules_more.py",
+        ),
+        functions=("Launcher.validate", "_validate_*", "_check_lengths"),
+        note="the checks of the Launcher's fields",
+    ),
+    "devices": Target(
+        "torchrunx/devices.py",
+        ("tests/test_hosts.py", "tests/test_gpu.py", "tests/test_rules_more.py"),
+    ),
+}
+
+IMPURE = (
+    # Tests of the guarding files above that start processes (the guard finds them): left out.
+    "tests/test_pure.py::test_agent_script_keeps_hostile_values_intact",
+    "tests/test_pure.py::test_tensors_travel_without_numpy_and_without_a_copy",
+    "tests/test_hosts.py::test_slurm_allocation_from_the_environment",
+    "tests/test_hosts.py::test_resolve_hosts_inside_an_allocation",
+    "tests/test_hosts.py::test_count_local_gpus_with_nvidia_smi",
+    "tests/test_compat.py::test_launch_like_0_4_log_folder_events_beside_it_and_local_environment",
+    "tests/test_compat.py::test_gpu_and_cpu_launches",
+    "tests/test_plugins.py::test_imports_go_one_way",
+    "tests/test_plugins.py::test_plugin_package_registers_each_group",
+    "tests/test_plugins.py::test_run_needs_the_arguments_after_the_separator",
+    "tests/test_plugins.py::test_a_preset_does_not_give_a_script_a_process_group",
+    "tests/test_gpu.py::test_dry_run_counts_this_machines_gpus",
+    "tests/test_gpu.py::test_dry_run_of_remote_hosts_states_the_rule",
+    "tests/test_gpu.py::test_agents_report_gpus_and_auto_is_gloo_when_a_worker_has_none",
+    "tests/test_gpu.py::test_auto_is_nccl_for_every_worker_when_each_has_a_gpu",
+    "tests/test_gpu.py::test_isolate_gpus_is_an_opt_in",
+    "tests/test_gpu.py::test_command_gives_a_function_every_gpu_too",
+    "tests/test_api.py::test_agent_side_does_not_import_the_launcher",
+)
+
+EQUIVALENT: dict[str, tuple[str, str]] = {
+    # mutant name: (a line of the mutated code, why no test can tell it from the original)
+}
+
+GUARD = '''
+
+# --- added by scripts/mutation.py in its copy of the tree: no test here starts a process ---
+import os as _mutation_os
+import subprocess as _mutation_subprocess
+
+import pytest as _mutation_pytest
+
+
+class ProcessStartedError(BaseException):
+    """A test that guards a module in scripts/mutation.py started a process."""
+
+
+def _mutation_refuse(*_args, **_kwargs):
+    raise ProcessStartedError("a pure test started a process: list it in IMPURE")
+
+
+@_mutation_pytest.fixture(autouse=True)
+def _mutation_no_processes(monkeypatch):
+    monkeypatch.setattr(_mutation_subprocess.Popen, "_execute_child", _mutation_refuse)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        monkeypatch.setattr(_mutation_os, name, _mutation_refuse)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that need the namespace or SLURM test hosts never run here."""
+    keep = [i for i in items if not {"cluster", "slurm"} & set(getattr(i, "fixturenames", ()))]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+'''
+
+MUTMUT = "import sys; from mutmut.__main__ import cli; sys.argv[0] = 'mutmut'; sys.exit(cli())"
+LIST_MUTANTS = """
+import json, sys
+from mutmut.mutation.file_mutation import mutate_file_contents
+path = sys.argv[1]
+with open(path) as f:
+    print(json.dumps(mutate_file_contents(path, f.read()).mutant_names))
+"""
+READ_RESULTS = """
+import json, sys
+from mutmut.mutation.diff_apply import get_diff_for_mutant
+from mutmut.stats import status_by_exit_code
+codes = json.load(open(sys.argv[1]))["exit_code_by_key"]
+out = {}
+for name in json.load(sys.stdin):
+    status = status_by_exit_code[codes.get(name)]
+    seen = status in ("killed", "timeout", "segfault", "caught by type check", "not checked")
+    out[name] = [status, None if seen else get_diff_for_mutant(name)]
+print(json.dumps(out))
+"""
+KILLED = frozenset({"killed", "timeout", "segfault", "caught by type check"})
+UNCHECKED = frozenset({"not checked", "check was interrupted by user"})
+
+
+@dataclass
+class Result:
+    """What one module's run found."""
+
+    name: str
+    statuses: dict[str, str] = field(default_factory=dict)
+    survivors: dict[str, str] = field(default_factory=dict)
+    """Each surviving (or untested) mutant's diff."""
+    equivalent: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+    seconds: float = 0.0
+
+    def count(self, statuses: frozenset[str]) -> int:
+        """How many mutants ended in one of ``statuses``."""
+        return sum(1 for status in self.statuses.values() if status in statuses)
+
+    @property
+    def checked(self) -> int:
+        """Mutants that were run (a time-boxed run may leave some)."""
+        return len(self.statuses) - self.count(UNCHECKED)
+
+    @property
+    def killed(self) -> int:
+        """Mutants a test caught."""
+        return self.count(KILLED)
+
+    @property
+    def score(self) -> float:
+        """Killed, in percent of the mutants checked that are not known equivalents."""
+        counted = self.checked - len(self.equivalent)
+        return 100.0 if counted <= 0 else 100.0 * self.killed / counted
+
+
+def say(text: str = "") -> None:
+    """One line of the report."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def mutant_prefix(target: Target) -> str:
+    """``torchrunx.failures.``: what mutmut's names of this module's mutants start with."""
+    return target.source.removesuffix(".py").replace("/", ".") + "."
+
+
+def patterns(target: Target) -> list[str]:
+    """Mutmut's mutant-name patterns for the functions of ``target`` that are mutated."""
+    prefix = mutant_prefix(target)
+    if not target.functions:
+        return [prefix + "*"]
+    out = []
+    for function in target.functions:
+        cls, _, name = function.rpartition(".")
+        out.append(
+            f"{prefix}x\u01c1{cls}\u01c1{name}__mutmut_*" if cls else f"{prefix}x_{name}__mutmut_*"
+        )
+    return out
+
+
+def toml_list(values: list[str]) -> str:
+    """A TOML array of strings (JSON's string syntax is TOML's basic string)."""
+    return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+
+
+def prepare(workdir: Path, target: Target) -> None:
+    """A copy of the package and the tests, configured to mutate ``target`` only."""
+    shutil.copytree(
+        ROOT / "torchrunx", workdir / "torchrunx", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (workdir / "tests").mkdir()
+    for path in (ROOT / "tests").glob("*.py"):
+        shutil.copy2(path, workdir / "tests" / path.name)
+    conftest = workdir / "tests" / "conftest.py"
+    conftest.write_text(conftest.read_text() + GUARD)
+    missing = [test for test in target.tests if not (ROOT / test.split("::")[0]).is_file()]
+    if missing:
+        raise FileNotFoundError(f"guarding tests not found: {missing}")
+    selection = [*target.tests]
+    for test in IMPURE:
+        if test.split("::")[0] in target.tests:
+            selection += ["--deselect", test]
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    if "[tool.mutmut]" in pyproject:
+        raise ValueError("pyproject.toml has a [tool.mutmut] table: scripts/mutation.py owns it")
+    (workdir / "pyproject.toml").write_text(
+        pyproject
+        + "\n[tool.mutmut]\n"
+        + 'source_paths = ["torchrunx"]\n'
+        + f"only_mutate = {toml_list([target.source])}\n"
+        + f"pytest_add_cli_args_test_selection = {toml_list(selection)}\n"
+        + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not cluster and not slurm"]\n'
+        + "timeout_multiplier = 5.0\n"
+        + "use_git_change_detection = false\n"
+    )
+
+
+def list_mutants(workdir: Path, target: Target) -> list[str]:
+    """Every mutant mutmut makes of ``target`` (its patterns applied), without running any."""
+    listed = subprocess.run(
+        [sys.executable, "-c", LIST_MUTANTS, target.source],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    prefix, wanted = mutant_prefix(target), patterns(target)
+    names = [prefix + name for name in json.loads(listed.stdout)]
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in wanted)]
+
+
+def run_mutmut(workdir: Path, selection: list[str], jobs: int, deadline: float) -> str:
+    """``mutmut run`` in ``workdir``, interrupted at ``deadline``; its output ("" if it ended)."""
+    log = workdir / "mutmut.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-c", MUTMUT, "run", "--max-children", str(jobs), *selection],
+            cwd=workdir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its workers are interrupted with it, as a group
+        )
+        try:
+            left = None if deadline == float("inf") else max(1.0, deadline - time.monotonic())
+            code = process.wait(left)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGINT)  # mutmut records what it has checked so far
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            return ""
+    if code != 0:
+        text = log.read_text(errors="replace").replace("\r", "\n")
+        lines = [line for line in text.splitlines() if line.strip() and "⠋" not in line]
+        return f"mutmut exited with {code}:\n" + "\n".join(lines[-40:])
+    return ""
+
+
+def read_results(workdir: Path, target: Target, names: list[str]) -> dict[str, list[str]]:
+    """Each mutant's status, and the diff of each one that was checked and not killed."""
+    meta = workdir / "mutants" / (target.source + ".meta")
+    read = subprocess.run(
+        [sys.executable, "-c", READ_RESULTS, str(meta)],
+        cwd=workdir,
+        input=json.dumps(names),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    results: dict[str, list[str]] = json.loads(read.stdout)
+    return results
+
+
+def run_module(  # noqa: PLR0913 (the run's settings, one argument each)
+    name: str,
+    target: Target,
+    root: Path,
+    *,
+    jobs: int,
+    deadline: float,
+    sample: int | None,
+    seed: int,
+) -> Result:
+    """Mutate one module and run its mutants against its guarding tests."""
+    result = Result(name)
+    started = time.monotonic()
+    workdir = root / name
+    workdir.mkdir()
+    prepare(workdir, target)
+    names = list_mutants(workdir, target)
+    selection = patterns(target)
+    if sample is not None and sample < len(names):
+        names = sorted(random.Random(f"{seed}:{name}").sample(names, sample))  # noqa: S311 (a sample)
+        selection = names
+    result.error = run_mutmut(workdir, selection, jobs, deadline)
+    if not result.error:
+        for mutant, (status, diff) in read_results(workdir, target, names).items():
+            result.statuses[mutant] = status
+            if diff is None:
+                continue
+            known = EQUIVALENT.get(mutant)
+            if status == "survived" and known is not None and known[0] in diff:
+                result.equivalent[mutant] = diff
+            else:
+                result.survivors[mutant] = diff
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def changed_modules() -> list[str] | None:
+    """Modules whose source or guarding tests changed since the merge-base with origin/main.
+
+    None: no such base, or it is HEAD itself (nothing to compare).
+    """
+    try:
+        base = subprocess.run(
+            ["git", "merge-base", "HEAD", "origin/main"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        if base == head:
+            return None
+        diff = subprocess.run(
+            ["git", "diff", "--name-only", base, "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    changed = set(diff)
+    if "scripts/mutation.py" in changed:  # the mapping itself changed: every module
+        return list(TARGETS)
+    return [
+        name
+        for name, target in TARGETS.items()
+        if target.source in changed or changed & set(target.tests)
+    ]
+
+
+def report(result: Result, target_percent: float) -> bool:
+    """Print one module's outcome; whether it reached the target."""
+    ok = not result.error and result.score >= target_percent
+    mark = "ok  " if ok else "FAIL"
+    if result.error:
+        say(f"{mark} {result.name}: {result.error}")
+        return False
+    total = len(result.statuses)
+    unchecked = total - result.checked
+    say(
+        f"{mark} {result.name}: {result.killed}/{total} killed"
+        f" ({result.count(frozenset({'timeout'}))} by a timeout), {len(result.survivors)} left, "
+        f"{len(result.equivalent)} equivalent"
+        + (f", {unchecked} not checked (time box)" if unchecked else "")
+        + f": {result.score:.1f}% ({result.seconds:.0f} s)"
+    )
+    for mutant, diff in result.survivors.items():
+        say(f"    {result.statuses[mutant]}: {mutant}")
+        say("\n".join("        " + line for line in diff.splitlines() if line[:1] in "+-"))
+    return ok
+
+
+def markdown(results: list[Result]) -> str:
+    """The score table of docs/mutation.md."""
+    rows = [
+        "| module | what is mutated | killed / total | equivalent | score | time |",
+        "| --- " * 6 + "|",
+    ]
+    for result in results:
+        target = TARGETS[result.name]
+        what = target.note or "every function"
+        rows.append(
+            f"| `{target.source}` | {what} | {result.killed} / {len(result.statuses)} "
+            f"({100.0 * result.killed / max(1, len(result.statuses)):.1f}%) | "
+            f"{len(result.equivalent)} | {result.score:.1f}% | {result.seconds:.0f} s |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    """Run the modules asked for; 1 if one is below the target."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("modules", nargs="*", help=f"of {', '.join(TARGETS)} (default: all)")
+    parser.add_argument(
+        "--ci", action="store_true", help="CI's subset: changed modules or a sample"
+    )
+    parser.add_argument("--sample", type=int, help="mutants per module, chosen with --seed")
+    parser.add_argument("--seed", type=int, default=CI_SEED)
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (a time box)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="mutants at once")
+    parser.add_argument("--target", type=float, default=TARGET_PERCENT, help="percent killed")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (mutmut browse)")
+    parser.add_argument(
+        "--markdown", action="store_true", help="also print docs/mutation.md's table"
+    )
+    parser.add_argument("--list", action="store_true", help="show the modules and their tests")
+    args = parser.parse_args()
+    unknown = set(args.modules) - set(TARGETS)
+    if unknown:
+        parser.error(f"unknown modules {sorted(unknown)}; known: {', '.join(TARGETS)}")
+    if args.list:
+        for name, target in TARGETS.items():
+            say(f"{name}: {target.source} ({target.note or 'every function'})")
+            say(f"    mutated: {', '.join(target.functions) or 'every function'}")
+            say(f"    tests: {' '.join(target.tests)}")
+        return 0
+    modules = args.modules or list(TARGETS)
+    sample, budget = args.sample, args.budget
+    if args.ci:
+        changed = None if args.modules else changed_modules()
+        if changed is not None:
+            say(f"CI: modules changed since the merge-base with origin/main: {changed or 'none'}")
+            modules = changed or list(TARGETS)
+        sample = CI_SAMPLE if sample is None else sample
+        budget = CI_BUDGET_S if budget is None else budget
+    say(
+        f"mutmut over {', '.join(modules)}"
+        + (f"; a sample of {sample} mutants per module (seed {args.seed})" if sample else "")
+        + (f"; time box {budget:.0f} s" if budget else "")
+    )
+    started = time.monotonic()
+    deadline = started + budget if budget else float("inf")
+    work = Path(tempfile.mkdtemp(prefix="torchrunx-mutation-"))
+    results: list[Result] = []
+    ok = True
+    try:
+        for name in modules:
+            result = run_module(
+                name,
+                TARGETS[name],
+                work,
+                jobs=args.jobs,
+                deadline=deadline,
+                sample=sample,
+                seed=args.seed,
+            )
+            results.append(result)
+            ok = report(result, args.target) and ok
+    finally:
+        if args.keep:
+            say(f"work folder kept: {work}")
+        else:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(work)
+    say(f"{len(results)} modules in {time.monotonic() - started:.0f} s; target {args.target:g}%")
+    if args.markdown:
+        say(markdown(results))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1445 @@
+"""More rules of the pure core, each test named after the rule it guards.
+
+Written to kill the mutants that ``scripts/mutation.py`` found surviving (see
+docs/mutation.md): each test states a documented rule, on made-up facts, with no process and
+no network. Sections:
+
+- what arrives during a launch (torchrunx/inbox.py), driven with stand-in peers, pool,
+  listener, log router and event sink;
+- failure analysis (torchrunx/failures.py): restart_on's type names;
+- environment forwarding (torchrunx/env.py): a worker's variables, exact, and full messages;
+- device choice (torchrunx/devices.py): isolation, threads, the device of a worker;
+- the launch state (torchrunx/launch_state.py): every record's fields, settling, waits,
+  silence, kept workers, attempts, health and timings;
+- SLURM allocations and hostfiles (torchrunx/hostlists.py), with no ``scontrol`` process;
+- host names (the checks of torchrunx/hosts.py): every reason, in full;
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from torchrunx import hostlists, hosts, plugins, serialization
+from torchrunx.agent_pool import AgentExited, AgentStarted, AgentStartFailed
+from torchrunx.devices import cuda_device, device_env
+from torchrunx.env import (
+    exported_env,
+    forwarded_env,
+    local_agent_env,
+    split_extra_env_vars,
+    worker_env,
+)
+from torchrunx.errors import (
+    AgentFailedError,
+    WorkerFailedError,
+    WorkerRaisedError,
+    WorkerTimeoutError,
+)
+from torchrunx.events import AgentStarted as AgentStartedEvent
+from torchrunx.events import AgentState, WorkerFailed, WorkerState
+from torchrunx.events import WorkersStarted as WorkersStartedEvent
+from torchrunx.failures import choose_cause, restarts_for
+from torchrunx.health import AgentHealth, HealthReport, WorkerHealth
+from torchrunx.hostlists import HostSlots
+from torchrunx.inbox import Inbox
+from torchrunx.launch_state import OUTCOME_WAIT, AgentRecord, Fault, LaunchState, Phase
+from torchrunx.listener import FrameReceived, PeerClosed
+from torchrunx.protocol import (
+    AgentDone,
+    AgentHello,
+    Heartbeat,
+    LogLines,
+    Stop,
+    WorkerException,
+    WorkerExited,
+    WorkerHello,
+    WorkerResult,
+    WorkersEnded,
+    WorkerSpec,
+    WorkersStarted,
+    WorkerStacks,
+    WorkerTimedOut,
+)
+from torchrunx.results import LaunchTimings
+
+# -- what arrives during a launch (torchrunx/inbox.py) -------------------------------------
+
+
+class StubPeer:
+    """A connection as the inbox sees it: who it says it is, what is sent, whether closed."""
+
+    def __init__(self, ident: int, role: str) -> None:
+        self.ident, self.role = ident, role
+        self.sent: list[object] = []
+        self.closed = False
+
+    def send(self, message: object) -> None:
+        self.sent.append(message)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class StubProcess:
+    def __init__(self, tail: str = "") -> None:
+        self.tail = tail
+
+    def stderr_tail(self) -> str:
+        return self.tail
+
+
+@dataclass
+class Parts:
+    """What a message may touch, recorded."""
+
+    dropped: list[StubPeer] = field(default_factory=list)
+    processes: dict[int, StubProcess] = field(default_factory=dict)
+    batches: list[tuple[int, int, tuple]] = field(default_factory=list)
+    events: list[object] = field(default_factory=list)
+    agent_timeout: float = 7.5
+    start_timeout: float = 42.0
+    env_file: str | None = None
+
+    # the listener, the pool, the log router and the event sink in one
+    def drop(self, peer: StubPeer) -> None:
+        self.dropped.append(peer)
+
+    def emit_batch(self, index: int, offset: int, records: tuple) -> None:
+        self.batches.append((index, offset, records))
+
+    def emit(self, event: object) -> None:
+        self.events.append(event)
+
+
+def new_inbox(hosts: int = 2, workers: int = 2, **launcher: object) -> tuple[Inbox, Parts]:
+    parts = Parts(**launcher)  # type: ignore[arg-type]
+    agents = [AgentRecord(i, HostSlots(f"node{i}", workers), "ssh") for i in range(hosts)]
+    state = LaunchState(agents, started=time.monotonic(), agent_timeout=7.5, start_timeout=42.0)
+    inbox = Inbox(
+        parts,  # type: ignore[arg-type]
+        state,
+        listener=parts,  # type: ignore[arg-type]
+        pool=parts,  # type: ignore[arg-type]
+        logs=parts,  # type: ignore[arg-type]
+        sink=parts,  # type: ignore[arg-type]
+    )
+    return inbox, parts
+
+
+def frame(peer: StubPeer, message: object, payload: list | None = None, at: float = 0.0):
+    return FrameReceived(peer, message, payload or [], at)  # type: ignore[arg-type]
+
+
+def hello(index: int, slots: int = 2, gpus: int = 0) -> AgentHello:
+    return AgentHello(index, f"node{index}", 1000 + index, slots, 29500 + index, gpus)
+
+
+def spec(index: int, workers: int = 2, hosts: int = 2) -> WorkerSpec:
+    return WorkerSpec(
+        index, f"node{index}", workers, index * workers, hosts * workers, "n0", 29500, "gloo", 60
+    )
+
+
+def connected(hosts: int = 2, workers: int = 2, **launcher: object):
+    """An inbox whose agents said hello (peers 0..hosts-1) and got their specs."""
+    inbox, parts = new_inbox(hosts, workers, **launcher)
+    peers = [StubPeer(i, "agent") for i in range(hosts)]
+    for i, peer in enumerate(peers):
+        inbox.apply(frame(peer, hello(i, workers)))
+        inbox.state.assign(inbox.state.agents[i], spec(i, workers, hosts))
+    parts.events.clear()
+    return inbox, parts, peers
+
+
+def with_workers(hosts: int = 2, workers: int = 2, **launcher: object):
+    """Also every rank's own connection (peers 100 + rank) said hello."""
+    inbox, parts, peers = connected(hosts, workers, **launcher)
+    ranks = [StubPeer(100 + r.rank, "worker") for r in inbox.state.ranks]
+    for rank, peer in zip(inbox.state.ranks, ranks, strict=True):
+        inbox.apply(frame(peer, WorkerHello(rank.rank, rank.local_rank, 2000 + rank.rank)))
+    parts.events.clear()
+    return inbox, parts, peers, ranks
+
+
+def test_rule_an_agents_hello_binds_its_connection_and_says_it_started():
+    inbox, parts = new_inbox()
+    peer = StubPeer(7, "agent")
+    inbox.apply(frame(peer, hello(1, slots=3, gpus=2)))
+    agent = inbox.state.agents[1]
+    assert agent.conn == 7 and agent.state is AgentState.RUNNING and agent.free_port == 29501
+    assert inbox.owners == {7: ("agent", 1)} and inbox.peers == {7: peer}
+    assert inbox.peer_of(agent) is peer
+    (event,) = parts.events
+    assert isinstance(event, AgentStartedEvent)
+    assert (event.host_index, event.hostname, event.pid, event.workers, event.gpus) == (
+        1,
+        "node1",
+        1001,
+        3,
+        2,
+    )
+    assert not peer.closed and peer.sent == []
+
+
+@pytest.mark.parametrize("index", [-1, 2, 5])
+def test_rule_a_hello_for_a_host_the_launch_does_not_have_is_refused(index):
+    inbox, parts = new_inbox(hosts=2)
+    peer = StubPeer(7, "agent")
+    inbox.apply(frame(peer, hello(index)))
+    assert peer.closed and inbox.owners == {} and parts.events == []
+    assert all(a.conn is None for a in inbox.state.agents)
+
+
+def test_rule_a_second_hello_for_a_connected_host_is_refused_and_the_first_stays():
+    inbox, _ = new_inbox(hosts=2)
+    first, second = StubPeer(7, "agent"), StubPeer(8, "agent")
+    inbox.apply(frame(first, hello(0)))
+    inbox.apply(frame(second, hello(0)))
+    assert second.closed and not first.closed
+    assert inbox.state.agents[0].conn == 7 and 8 not in inbox.owners
+
+
+def test_rule_an_agent_that_starts_while_the_launch_stops_is_sent_the_last_stop():
+    inbox, _ = new_inbox()
+    inbox.final_stop = Stop("the launch failed")
+    peer = StubPeer(7, "agent")
+    inbox.apply(frame(peer, hello(0)))
+    assert peer.sent == [inbox.final_stop]
+
+
+def test_rule_no_gpu_for_workers_per_host_gpu_fails_that_agent_naming_its_host():
+    inbox, _ = new_inbox()
+    inbox.apply(frame(StubPeer(7, "agent"), hello(1, slots=0)))
+    agent = inbox.state.agents[1]
+    assert agent.state is AgentState.FAILED
+    (fault,) = inbox.state.faults
+    assert fault.kind == "agent" and fault.host_index == 1 and fault.rank is None
+    assert isinstance(fault.error, AgentFailedError)
+    assert "node1" in str(fault.error)
+    assert (
+        "workers_per_host='gpu' but this host has no GPU (its agent looked at "
+        "CUDA_VISIBLE_DEVICES, the NVIDIA driver and nvidia-smi); give a number of workers, or "
+        "'auto' (GPUs, else CPU cores)"
+    ) in str(fault.error)
+    assert abs(fault.at - time.time()) < 60
+
+
+@pytest.mark.parametrize(
+    ("role", "message"),
+    [
+        ("agent", Heartbeat()),  # says nothing of who it is first
+        ("agent", WorkerHello(0, 0, 1)),  # an agent's connection claiming a worker's hello
+        ("worker", hello(0)),  # a worker's connection claiming an agent's hello
+        ("worker", WorkerResult(0)),
+    ],
+)
+def test_rule_a_peer_must_say_who_it_is_first_and_as_its_role(role, message):
+    inbox, parts = new_inbox()
+    inbox.state.assign(inbox.state.agents[0], spec(0))
+    peer = StubPeer(9, role)
+    inbox.apply(frame(peer, message))
+    assert peer.closed and inbox.owners == {} and parts.events == []
+    assert all(a.conn is None for a in inbox.state.agents)
+    assert all(r.conn is None for r in inbox.state.ranks)
+
+
+def test_rule_a_workers_hello_binds_its_rank_and_makes_it_healthy():
+    inbox, parts, _ = connected()
+    peer = StubPeer(103, "worker")
+    inbox.apply(frame(peer, WorkerHello(3, 1, 4242)))
+    rank = inbox.state.ranks[3]
+    assert (rank.conn, rank.pid, rank.state) == (103, 4242, WorkerState.HEALTHY)
+    assert inbox.owners[103] == ("rank", 3) and inbox.peers[103] is peer
+    assert len(parts.events) == 1 and not peer.closed
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        WorkerHello(1, 1, 5, attempt=1),  # of another attempt
+        WorkerHello(4, 0, 5),  # no such rank
+        WorkerHello(-1, 0, 5),
+    ],
+)
+def test_rule_a_worker_hello_for_no_rank_of_this_attempt_is_refused(message):
+    inbox, parts, _ = connected()
+    peer = StubPeer(120, "worker")
+    inbox.apply(frame(peer, message))
+    assert peer.closed and 120 not in inbox.owners and parts.events == []
+
+
+def test_rule_a_second_connection_for_a_rank_is_refused():
+    inbox, _, _, ranks = with_workers()
+    again = StubPeer(200, "worker")
+    inbox.apply(frame(again, WorkerHello(0, 0, 2000)))
+    assert again.closed and not ranks[0].closed and inbox.state.ranks[0].conn == 100
+
+
+def test_rule_every_message_of_an_agent_counts_as_hearing_from_it():
+    inbox, _, peers = connected()
+    agent = inbox.state.agents[1]
+    agent.last_heard = 0.0
+    before = time.monotonic()
+    inbox.apply(frame(peers[1], Heartbeat()))
+    assert before <= agent.last_heard <= time.monotonic()
+    assert not peers[1].closed and inbox.state.agents[0].last_heard != 0.0
+
+
+def test_rule_log_lines_are_routed_with_the_ranks_of_that_agent():
+    inbox, parts, peers = connected()
+    records = ((0, 20, "stdout", "hello", 1.0),)
+    inbox.apply(frame(peers[1], LogLines(records)))
+    assert parts.batches == [(1, 2, records)]  # host 1's ranks start at 2
+
+
+def test_rule_log_lines_of_an_agent_without_workers_yet_have_offset_0():
+    inbox, parts = new_inbox()
+    peer = StubPeer(7, "agent")
+    inbox.apply(frame(peer, hello(1)))
+    records = ((None, 30, "torchrunx.agent", "warming up", 1.0),)
+    inbox.apply(frame(peer, LogLines(records)))
+    assert parts.batches == [(1, 0, records)]
+
+
+def test_rule_workers_started_records_their_pids_and_says_so():
+    inbox, parts, peers = connected()
+    inbox.apply(frame(peers[1], WorkersStarted((31, 32))))
+    assert inbox.state.agents[1].pids == (31, 32)
+    assert [r.pid for r in inbox.state.ranks] == [0, 0, 31, 32]
+    (event,) = parts.events
+    assert isinstance(event, WorkersStartedEvent) and event.ranks == (2, 3)
+
+
+def test_rule_workers_ended_makes_the_agent_wait_and_agent_done_ends_it():
+    inbox, _, peers = connected()
+    inbox.apply(frame(peers[0], WorkersEnded(free_port=30000, attempt=0)))
+    assert inbox.state.agents[0].ready and inbox.state.agents[0].free_port == 30000
+    inbox.apply(frame(peers[0], AgentDone()))
+    assert inbox.state.agents[0].state is AgentState.DONE
+    assert inbox.state.agents[1].state is AgentState.RUNNING
+
+
+@pytest.mark.parametrize("message", [WorkerResult(0), WorkerHello(0, 0, 1), hello(0)])
+def test_rule_a_workers_message_on_an_agents_connection_drops_it(message):
+    inbox, parts, peers = connected()
+    inbox.apply(frame(peers[0], message))
+    assert parts.dropped == [peers[0]]
+    assert inbox.state.ranks[0].state is WorkerState.INIT
+
+
+def test_rule_stacks_are_kept_by_global_rank():
+    inbox, _, peers = connected()
+    inbox.apply(frame(peers[1], WorkerStacks({0: "stack of 2", 1: "stack of 3"})))
+    assert inbox.state.stacks == {2: "stack of 2", 3: "stack of 3"}
+
+
+def test_rule_stacks_of_an_agent_without_workers_are_ignored():
+    inbox, _ = new_inbox()
+    peer = StubPeer(7, "agent")
+    inbox.apply(frame(peer, hello(0)))
+    inbox.apply(frame(peer, WorkerStacks({0: "a stack"})))
+    assert inbox.state.stacks == {}
+
+
+def test_rule_a_report_about_a_worker_the_agent_does_not_have_is_ignored():
+    inbox, parts, peers = connected()
+    inbox.apply(frame(peers[1], WorkerExited(5, 99, 1, None)))
+    inbox.apply(frame(peers[1], WorkerTimedOut(5, "step", 1.0, "")))
+    assert inbox.state.faults == [] and parts.events == [] and parts.dropped == []
+
+
+def test_rule_a_worker_that_exits_non_zero_after_its_connection_ended_died():
+    inbox, parts, peers, ranks = with_workers()
+    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    inbox.apply(frame(peers[1], WorkerExited(1, 2003, 3, None, at=12.5)))
+    rank = inbox.state.ranks[3]
+    assert rank.settled and rank.state is WorkerState.FAILED
+    (fault,) = inbox.state.faults
+    assert fault.kind == "death" and fault.rank == 3 and fault.at == 12.5
+    assert isinstance(fault.error, WorkerFailedError)
+    assert len(parts.events) == 2  # its move to FAILED, and WorkerFailed
+
+
+def test_rule_a_reported_exit_waits_for_the_workers_connection_to_end():
+    inbox, _, peers, ranks = with_workers()
+    inbox.apply(frame(peers[1], WorkerExited(1, 2003, 3, None)))
+    rank = inbox.state.ranks[3]
+    assert not rank.settled and inbox.state.faults == []
+    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    assert rank.settled and [f.kind for f in inbox.state.faults] == ["death"]
+
+
+def test_rule_a_watchdog_report_is_a_hang_of_that_rank():
+    inbox, parts, peers, _ = with_workers()
+    inbox.apply(frame(peers[1], WorkerTimedOut(0, "epoch", 2.5, "  File x\n")))
+    rank = inbox.state.ranks[2]
+    (fault,) = inbox.state.faults
+    assert fault.kind == "hang" and fault.rank == 2 and fault.error is rank.error
+    assert isinstance(fault.error, WorkerTimeoutError)
+    assert "node1" in str(fault.error) and "epoch" in str(fault.error)
+    assert fault.error.rank == 2 and fault.error.local_rank == 0
+    assert abs(fault.at - time.time()) < 60
+    assert rank.state is WorkerState.FAILED and len(parts.events) == 2
+
+
+def test_rule_a_watchdog_report_after_the_rank_ended_is_ignored():
+    inbox, _, peers, ranks = with_workers()
+    inbox.apply(frame(ranks[2], WorkerResult(2), [bytearray(b"x")]))
+    inbox.apply(frame(peers[1], WorkerTimedOut(0, "epoch", 2.5, "")))
+    assert inbox.state.faults == [] and inbox.state.ranks[2].error is None
+
+
+def test_rule_a_result_is_recorded_once_and_a_second_outcome_drops_the_connection():
+    inbox, parts, _, ranks = with_workers()
+    payload = [bytearray(b"value")]
+    inbox.apply(frame(ranks[1], WorkerResult(1), payload, at=5.0))
+    rank = inbox.state.ranks[1]
+    assert rank.result is payload and rank.received_at == 5.0 and rank.timing == WorkerResult(1)
+    assert rank.state is WorkerState.SUCCEEDED and len(parts.events) == 1
+    inbox.apply(frame(ranks[1], WorkerResult(1), [bytearray(b"other")]))
+    inbox.apply(frame(ranks[1], WorkerException(1, "ValueError", "late", "")))
+    assert rank.result is payload and inbox.state.faults == []
+    assert parts.dropped == [ranks[1], ranks[1]]
+
+
+def test_rule_a_workers_exception_is_its_ranks_fault_at_the_time_it_was_raised():
+    inbox, parts, _, ranks = with_workers()
+    message = WorkerException(3, "KeyError", "k", "Traceback ...", at=7.25)
+    inbox.apply(frame(ranks[3], message, at=9.0))
+    rank = inbox.state.ranks[3]
+    (fault,) = inbox.state.faults
+    assert fault.kind == "exception" and fault.rank == 3 and fault.at == 7.25
+    assert fault.error is rank.error
+    assert "worker rank 3 (local rank 1 on host 'node1', pid 2003)" in str(fault.error)
+    assert rank.state is WorkerState.FAILED and len(parts.events) == 2
+
+
+def test_rule_an_exception_without_its_time_is_dated_when_it_was_read():
+    inbox, _, _, ranks = with_workers()
+    inbox.apply(frame(ranks[0], WorkerException(0, "KeyError", "k", ""), at=9.0))
+    assert inbox.state.faults[0].at == 9.0
+
+
+@pytest.mark.parametrize(
+    ("flag", "raised", "kind"),
+    [
+        (True, RuntimeError("boom"), "collective"),
+        (False, RuntimeError("Connection closed by peer"), "collective"),
+        (False, RuntimeError("boom"), "exception"),
+    ],
+)
+def test_rule_a_peers_echo_is_a_collective_error_by_its_flag_or_its_message(flag, raised, kind):
+    inbox, _, _, ranks = with_workers()
+    message = WorkerException(0, "RuntimeError", str(raised), "", collective=flag)
+    payload = [bytearray(part) for part in serialization.dumps(raised)]
+    inbox.apply(frame(ranks[0], message, payload))
+    assert [f.kind for f in inbox.state.faults] == [kind]
+    assert isinstance(inbox.state.faults[0].error, RuntimeError)
+
+
+@pytest.mark.parametrize("message", [Heartbeat(), AgentDone(), WorkersStarted((1,))])
+def test_rule_an_agents_message_on_a_workers_connection_drops_it(message):
+    inbox, parts, _, ranks = with_workers()
+    inbox.apply(frame(ranks[2], message))
+    assert parts.dropped == [ranks[2]] and inbox.state.faults == []
+
+
+def test_rule_a_connection_that_never_said_hello_ends_with_nothing_to_judge():
+    inbox, parts, _, _ = with_workers()
+    inbox.apply(PeerClosed(StubPeer(55, "worker")))  # type: ignore[arg-type]
+    assert inbox.state.faults == [] and parts.events == []
+
+
+def test_rule_a_stale_connection_of_a_rank_ends_without_judging_it():
+    inbox, _, _, ranks = with_workers()
+    inbox.state.ranks[0].conn = 999  # the rank has another connection now
+    inbox.apply(PeerClosed(ranks[0]))  # type: ignore[arg-type]
+    assert not inbox.state.ranks[0].conn_closed
+
+
+def test_rule_a_rank_whose_connection_ended_after_a_restart_is_not_looked_up():
+    inbox, _, _, ranks = with_workers()
+    inbox.state.next_attempt()  # the ranks of the last attempt are gone
+    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    assert inbox.state.faults == []
+    inbox.state.assign(inbox.state.agents[0], spec(0, 2, 2))
+    inbox.state.assign(inbox.state.agents[1], spec(1, 1, 2))  # ranks 0..2 now
+    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    assert inbox.state.faults == [] and not any(r.conn_closed for r in inbox.state.ranks)
+
+
+def test_rule_an_agents_connection_cut_fails_it_with_its_stderr():
+    inbox, parts, peers = connected()
+    parts.processes[1] = StubProcess("Traceback: the agent's last words")
+    inbox.apply(PeerClosed(peers[1]))  # type: ignore[arg-type]
+    agent = inbox.state.agents[1]
+    assert agent.state is AgentState.FAILED and agent.conn_closed
+    (fault,) = inbox.state.faults
+    assert fault.kind == "agent" and fault.host_index == 1
+    text = str(fault.error)
+    assert (
+        "node1" in text
+        and (
+            "the connection to the agent closed unexpectedly (the agent process died or was killed)"
+        )
+        in text
+    )
+    assert "the agent's last words" in text and abs(fault.at - time.time()) < 60
+    assert inbox.state.agents[0].state is AgentState.RUNNING
+
+
+def test_rule_an_agents_connection_cut_while_stopping_fails_it_without_a_fault():
+    inbox, _, peers = connected()
+    inbox.state.stopping = True
+    inbox.apply(PeerClosed(peers[0]))  # type: ignore[arg-type]
+    assert inbox.state.agents[0].state is AgentState.FAILED and inbox.state.faults == []
+
+
+def test_rule_the_end_of_a_done_agents_connection_is_no_failure():
+    inbox, _, peers = connected()
+    inbox.apply(frame(peers[0], AgentDone()))
+    inbox.apply(PeerClosed(peers[0]))  # type: ignore[arg-type]
+    assert inbox.state.agents[0].state is AgentState.DONE and inbox.state.faults == []
+
+
+def test_rule_an_old_connection_of_a_replaced_agent_ends_without_judging_it():
+    inbox, _, peers = connected()
+    inbox.state.agents[0].conn = 77  # a replacement said hello on another connection
+    inbox.apply(PeerClosed(peers[0]))  # type: ignore[arg-type]
+    assert inbox.state.agents[0].state is AgentState.RUNNING and inbox.state.faults == []
+    assert not inbox.state.agents[0].conn_closed
+
+
+def test_rule_an_agent_whose_process_ended_first_is_judged_when_its_connection_ends():
+    inbox, parts, peers = connected()
+    process = StubProcess("tail")
+    parts.processes[0] = process
+    inbox.apply(AgentExited(0, 3, process))  # type: ignore[arg-type]
+    agent = inbox.state.agents[0]
+    assert agent.exited and agent.judge_by is not None and inbox.state.faults == []
+    inbox.apply(PeerClosed(peers[0]))  # type: ignore[arg-type]
+    assert agent.state is AgentState.FAILED and agent.judge_by is None
+    (fault,) = inbox.state.faults
+    assert fault.kind == "agent" and abs(fault.at - time.time()) < 60
+    assert isinstance(fault.error, AgentFailedError) and fault.error.hostname == "node0"
+    assert "the agent process ended unexpectedly (exit status 3)" in str(fault.error)
+    assert "tail" in str(fault.error)
+    assert "env_file" not in str(fault.error)  # it had connected: its env_file worked
+
+
+def test_rule_an_agent_that_never_connected_is_judged_when_its_process_ends():
+    inbox, parts = new_inbox(env_file="/etc/env.sh")
+    process = StubProcess()
+    parts.processes[1] = process
+    inbox.apply(AgentExited(1, 1, process))  # type: ignore[arg-type]
+    assert inbox.state.agents[1].state is AgentState.FAILED
+    (fault,) = inbox.state.faults
+    assert fault.kind == "agent" and fault.host_index == 1
+    assert "env_file '/etc/env.sh' is sourced first" in str(fault.error)
+
+
+@pytest.mark.parametrize("env_file", [None, "/etc/env.sh"])
+def test_rule_the_env_file_is_named_only_for_an_agent_that_never_connected(env_file):
+    inbox, _, _ = connected(env_file=env_file)  # both agents said hello
+    agent = inbox.state.agents[0]
+    agent.exit_status = 1
+    inbox.judge_agent(agent)
+    assert "env_file" not in str(inbox.state.faults[0].error)
+    inbox2, _ = new_inbox()
+    inbox2.judge_agent(inbox2.state.agents[0])  # never connected, no env_file
+    assert "env_file" not in str(inbox2.state.faults[0].error)
+
+
+def test_rule_the_end_of_a_replaced_agent_process_is_ignored():
+    inbox, parts = new_inbox()
+    parts.processes[1] = StubProcess()
+    inbox.apply(AgentExited(1, 1, StubProcess()))  # type: ignore[arg-type]
+    assert inbox.state.agents[1].state is AgentState.STARTING and inbox.state.faults == []
+
+
+def test_rule_a_started_agent_is_nothing_until_it_says_hello():
+    inbox, parts = new_inbox()
+    inbox.apply(AgentStarted(0, StubProcess()))  # type: ignore[arg-type]
+    assert inbox.state.agents[0].state is AgentState.STARTING
+    assert inbox.state.faults == [] and parts.events == []
+
+
+def test_rule_an_agent_that_could_not_start_failed():
+    inbox, _ = new_inbox()
+    error = AgentFailedError("node1", "ssh: connect refused")
+    inbox.apply(AgentStartFailed(1, error))
+    assert inbox.state.agents[1].state is AgentState.FAILED
+    (fault,) = inbox.state.faults
+    assert (fault.kind, fault.error, fault.host_index) == ("agent", error, 1)
+    assert abs(fault.at - time.time()) < 60
+
+
+def test_rule_an_agent_silent_too_long_is_lost_and_the_message_names_both_limits():
+    inbox, _, _ = connected()
+    inbox.agent_silent(inbox.state.agents[1], 8.04)
+    assert inbox.state.agents[1].state is AgentState.LOST
+    (fault,) = inbox.state.faults
+    assert fault.kind == "lost" and fault.host_index == 1
+    text = str(fault.error)
+    assert "node1" in text and "no heartbeat for 8.0 s" in text
+    assert "agent_timeout=7.5" in text and "start_timeout=42 until workers start" in text
+    assert "the host is unreachable, its link is cut, or the agent is frozen" in text
+    assert abs(fault.at - time.time()) < 60
+
+
+def test_rule_a_done_agent_is_not_judged_again():
+    inbox, _, peers = connected()
+    inbox.apply(frame(peers[0], AgentDone()))
+    agent = inbox.state.agents[0]
+    agent.judge_by = 5.0
+    inbox.judge_agent(agent)
+    assert agent.state is AgentState.DONE and agent.judge_by is None
+    assert inbox.state.faults == []
+
+
+def test_rule_an_agent_that_ended_while_the_launch_stops_failed_without_a_fault():
+    inbox, _, _ = connected()
+    inbox.state.stopping = True
+    inbox.judge_agent(inbox.state.agents[0])
+    assert inbox.state.agents[0].state is AgentState.FAILED and inbox.state.faults == []
+
+
+def test_rule_a_remote_agent_killed_by_a_signal_is_named_so():
+    inbox, parts, _ = connected()
+    parts.processes[0] = StubProcess("ssh: broken pipe")
+    agent = inbox.state.agents[0]
+    agent.exit_status = -9
+    inbox.judge_agent(agent)
+    (fault,) = inbox.state.faults
+    assert "the agent ended without an exit status" in str(fault.error)
+    assert "ssh: broken pipe" in str(fault.error)
+
+
+def test_rule_a_forgotten_rank_is_dropped_and_its_late_frames_are_refused():
+    inbox, parts, _, ranks = with_workers()
+    inbox.forget_rank(inbox.state.ranks[1])
+    assert parts.dropped == [ranks[1]] and 101 not in inbox.owners
+    assert 100 in inbox.owners  # the others stay
+    inbox.apply(frame(ranks[1], WorkerResult(1)))
+    assert ranks[1].closed  # now a first frame that is no hello
+
+
+def test_rule_forgetting_a_rank_that_never_connected_drops_nothing():
+    inbox, parts, _ = connected()
+    inbox.forget_rank(inbox.state.ranks[0])  # nothing to forget
+    inbox.owners[-1] = ("rank", 9)
+    inbox.forget_rank(inbox.state.ranks[0])
+    assert parts.dropped == [] and -1 not in inbox.owners
+
+
+def test_rule_forgetting_a_rank_twice_is_harmless():
+    inbox, parts, _, ranks = with_workers()
+    inbox.forget_rank(inbox.state.ranks[1])
+    inbox.forget_rank(inbox.state.ranks[1])
+    assert 101 not in inbox.owners and parts.dropped == [ranks[1], ranks[1]]
+
+
+def test_rule_dropping_no_connection_or_an_unknown_one_does_nothing():
+    inbox, parts, _ = connected()
+    inbox.drop(None)
+    inbox.drop(12345)
+    assert parts.dropped == []
+
+
+def test_rule_the_stderr_tail_of_an_agent_without_a_process_is_empty():
+    inbox, parts = new_inbox()
+    parts.processes[0] = StubProcess("last words")
+    assert inbox.stderr_tail(0) == "last words"
+    assert inbox.stderr_tail(1) == ""
+
+
+def test_rule_settling_a_rank_emits_what_follows():
+    inbox, parts, peers, _ = with_workers()
+    inbox.apply(frame(peers[0], WorkerExited(0, 2000, None, 9)))
+    rank = inbox.state.ranks[0]
+    assert not rank.settled
+    inbox.settle(rank)
+    assert rank.settled and rank.state is WorkerState.FAILED and len(parts.events) == 2
+
+
+# -- failure analysis (torchrunx/failures.py) ----------------------------------------------
+
+
+def test_rule_choosing_a_cause_out_of_no_failure_is_a_bug_said_plainly():
+    with pytest.raises(ValueError, match=r"^no failure to choose from$"):
+        choose_cause([])
+
+
+@pytest.mark.parametrize(
+    ("type_name", "wanted", "expected"),
+    [
+        ("pkg.mod.CustomError", {"CustomError"}, True),  # its bare name: after the last dot
+        ("pkg.mod.CustomError", {"mod.CustomError"}, False),  # not a partial qualified name
+        ("pkg.mod.CustomError", {"pkg.mod.CustomError"}, True),  # its qualified name
+        ("CustomError", {"CustomError"}, True),  # a name without a module
+        ("CustomError", {"OtherError"}, False),
+    ],
+)
+def test_rule_restart_on_names_a_type_that_could_not_travel_back_bare_or_qualified(
+    type_name, wanted, expected
+):
+    """Rule (docs/restarts.md): an exception type in ``restart_on`` is matched by its bare or
+    its qualified name, also when the exception object could not be sent back."""
+    error = WorkerRaisedError(f"{type_name}: boom")
+    error.type_name = type_name
+    assert restarts_for(error, wanted, from_worker=True) is expected
+
+
+# -- environment forwarding (torchrunx/env.py) ---------------------------------------------
+
+
+def test_rule_a_worker_gets_exactly_torchruns_variables_with_its_own_values():
+    env = worker_env(
+        rank=5,
+        local_rank=1,
+        world_size=8,
+        local_world_size=2,
+        group_rank=2,
+        master_addr="10.0.0.1",
+        master_port=29511,
+        attempt=3,
+        max_restarts=4,
+    )
+    assert env == {
+        "TORCHRUNX_RESTART_COUNT": "3",
+        "TORCHELASTIC_RUN_ID": "torchrunx",
+        "TORCHELASTIC_RESTART_COUNT": "3",
+        "TORCHELASTIC_MAX_RESTARTS": "4",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29511",
+    }
+
+
+def test_rule_the_first_worker_group_is_restart_0_of_0_unless_told():
+    env = worker_env(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        group_rank=0,
+        master_addr="h",
+        master_port=1,
+    )
+    assert env["TORCHRUNX_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == "0"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+
+
+def test_rule_a_local_agent_starts_from_this_process_environment_by_default(monkeypatch):
+    monkeypatch.setenv("TORCHRUNX_RULES_MARK", "here")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    env = local_agent_env()
+    assert env["TORCHRUNX_RULES_MARK"] == "here" and "LOCAL_RANK" not in env
+
+
+def test_rule_forwarding_reads_this_process_environment_by_default(monkeypatch):
+    monkeypatch.setenv("TORCHRUNX_RULES_MARK", "here")
+    assert forwarded_env(("TORCHRUNX_RULES_*",)) == {"TORCHRUNX_RULES_MARK": "here"}
+    assert exported_env(("TORCHRUNX_RULES_*",), {"B": "1"}) == {
+        "TORCHRUNX_RULES_MARK": "here",
+        "B": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"1A": "x"},
+            (
+                "extra_env_vars: '1A' is not a variable name bash can export (letters, digits "
+                "and _, not starting with a digit)"
+            ),
+        ),
+        (
+            ("RANK=0",),
+            (
+                "extra_env_vars: RANK is set by torchrunx for each worker and cannot be given "
+                "for all of them"
+            ),
+        ),
+        ({"A": "x\0y"}, "extra_env_vars: the value of A contains a NUL byte"),
+    ],
+)
+def test_rule_a_refused_extra_env_var_says_why_in_full(extra, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        split_extra_env_vars(extra)
+
+
+# -- device choice (torchrunx/devices.py) --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_rank", "expected"), [(0, 3, None), (1, 3, "0"), (2, 3, "1"), (4, 3, "3")]
+)
+def test_rule_isolation_gives_a_worker_its_own_gpu_on_a_host_that_has_one(
+    gpus, local_rank, expected
+):
+    settings = device_env(
+        {}, local_rank=local_rank, local_world_size=4, gpus=gpus, cpus=8, isolate_gpus=True
+    )
+    assert settings.get("CUDA_VISIBLE_DEVICES") == expected
+
+
+@pytest.mark.parametrize(
+    ("cpus", "workers", "threads"),
+    [(8, 1, "8"), (8, 0, "8"), (8, 2, "4"), (8, 3, "2"), (1, 4, "1")],
+)
+def test_rule_a_hosts_cores_are_shared_among_its_workers_at_least_one_each(cpus, workers, threads):
+    settings = device_env({}, local_rank=0, local_world_size=workers, gpus=0, cpus=cpus)
+    assert settings == {"OMP_NUM_THREADS": threads}
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_rank", "isolated", "expected"),
+    [
+        (0, 0, False, None),
+        (-1, 0, False, None),
+        (1, 0, False, 0),
+        (1, 2, False, 0),
+        (1, 2, True, 0),
+        (3, 4, False, 1),
+        (3, 4, True, 0),
+    ],
+)
+def test_rule_a_worker_uses_its_gpu_by_local_rank_or_cuda_0_when_isolated(
+    gpus, local_rank, isolated, expected
+):
+    assert cuda_device(local_rank=local_rank, gpus=gpus, isolated=isolated) == expected
+
+
+# -- the launch state (torchrunx/launch_state.py) ------------------------------------------
+
+
+def launch(hosts: int = 2, workers: int = 2, *, attempt: int = 0, **fields) -> LaunchState:
+    """A launch whose agents said hello (at 101, started at 100) and got their specs."""
+    agents = [AgentRecord(i, HostSlots(f"node{i}", workers), "ssh") for i in range(hosts)]
+    state = LaunchState(agents, started=100.0, **fields)
+    state.attempt = attempt
+    for agent in agents:
+        state.agent_hello(agent, agent.index, hello(agent.index, workers), 101.0)
+        state.assign(agent, spec(agent.index, workers, hosts))
+    return state
+
+
+def running(hosts: int = 2, workers: int = 2, **fields) -> LaunchState:
+    """Also every rank connected (conn 100 + rank, pid 2000 + rank)."""
+    state = launch(hosts, workers, **fields)
+    for rank in state.ranks:
+        state.worker_hello(rank, 100 + rank.rank, 2000 + rank.rank)
+    return state
+
+
+def without_time(event: object) -> dict:
+    return {k: v for k, v in vars(event).items() if k != "time"}
+
+
+def test_rule_a_rank_moves_with_an_event_naming_it_its_host_and_the_attempt():
+    state = launch(attempt=2)
+    (event,) = state.move_rank(state.ranks[3], WorkerState.HEALTHY)
+    assert without_time(event) == {
+        "rank": 3,
+        "host_index": 1,
+        "hostname": "node1",
+        "local_rank": 1,
+        "attempt": 2,
+        "old": WorkerState.INIT,
+        "new": WorkerState.HEALTHY,
+    }
+
+
+def test_rule_the_launch_runs_and_is_healthy_again_only_once_every_worker_runs():
+    state = launch(1, 2)
+    state.degraded, state.phase = True, Phase.RESTARTING
+    state.worker_hello(state.ranks[0], 100, 2000)
+    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)  # still running
+    assert state.phase is Phase.RESTARTING and state.degraded is True
+    state.worker_hello(state.ranks[1], 101, 2001)
+    assert state.phase is Phase.RUNNING and state.degraded is False
+
+
+def test_rule_a_fault_is_recorded_as_it_happened_and_in_the_order_learnt():
+    state = running()
+    state.stopping = True
+    error = ValueError("bad")
+    state.add_fault("agent", AgentFailedError("node1", "gone"), 5.0, host_index=1)
+    events = state.add_fault("exception", error, 3.0, rank=state.ranks[2])
+    assert state.faults[1] == Fault("exception", error, 3.0, 1, 2, 1, while_stopping=True)
+    assert state.faults[0].while_stopping is True and state.faults[0].host_index == 1
+    assert state.degraded is True
+    changed, failed = events
+    assert changed.new is WorkerState.FAILED
+    assert isinstance(failed, WorkerFailed)
+    assert without_time(failed) == {
+        "rank": 2,
+        "host_index": 1,
+        "hostname": "node1",
+        "local_rank": 0,
+        "attempt": 0,
+        "reason": "ValueError: bad",
+    }
+
+
+def test_rule_a_fault_before_the_launch_stops_is_not_a_consequence_of_stopping():
+    state = running()
+    state.add_fault("agent", AgentFailedError("node0", "gone"), 5.0, host_index=0)
+    assert state.faults[0].while_stopping is False
+
+
+def test_rule_a_fault_of_a_rank_that_already_ended_is_kept_without_an_event():
+    state = running()
+    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    assert state.add_fault("death", ValueError("late"), 1.0, rank=state.ranks[0]) == []
+    assert len(state.faults) == 1 and state.ranks[0].state is WorkerState.SUCCEEDED
+
+
+def test_rule_a_kept_worker_that_dies_between_runs_is_reported_failed():
+    state = running(1, 1, keep_workers=True)
+    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    state.keep_workers_for_next_call()
+    (failed,) = state.add_fault("death", ValueError("died"), 1.0, rank=state.ranks[0])
+    assert isinstance(failed, WorkerFailed) and failed.rank == 0 and failed.reason
+    assert state.ranks[0].state is WorkerState.SUCCEEDED  # a final state never changes
+
+
+def test_rule_an_agents_hello_records_its_port_its_start_time_and_says_so():
+    agents = [AgentRecord(0, HostSlots("node0", 2), "ssh")]
+    state = LaunchState(agents, started=100.0)
+    (event,) = state.agent_hello(agents[0], 7, hello(0, slots=3, gpus=1), 102.5)
+    assert agents[0].free_port == 29500 and agents[0].started_after == 2.5
+    assert agents[0].conn == 7 and agents[0].last_heard == 102.5
+    assert without_time(event) == {
+        "host_index": 0,
+        "hostname": "node0",
+        "pid": 1000,
+        "workers": 3,
+        "start_seconds": 2.5,
+        "gpus": 1,
+    }
+
+
+def test_rule_forked_workers_are_recorded_and_announced_with_their_global_ranks():
+    state = launch(2, 2, attempt=1)
+    state.ranks[3].pid = 77  # its hello came first: the pid it gave stays
+    agent = state.agents[1]
+    (event,) = state.workers_forked(agent, WorkersStarted((31, 32)))
+    assert agent.pids == (31, 32) and agent.forked is True
+    assert [r.pid for r in state.ranks] == [0, 0, 31, 77]
+    assert without_time(event) == {
+        "host_index": 1,
+        "hostname": "node1",
+        "attempt": 1,
+        "ranks": (2, 3),
+        "pids": (31, 32),
+        "backend": "gloo",
+    }
+
+
+def test_rule_workers_forked_before_a_spec_are_noted_without_an_event():
+    agents = [AgentRecord(0, HostSlots("node0", 2), "ssh")]
+    state = LaunchState(agents, started=0.0)
+    assert state.workers_forked(agents[0], WorkersStarted((5,))) == []
+    assert agents[0].pids == (5,) and agents[0].forked is True
+
+
+def test_rule_an_agent_process_that_ends_before_its_connection_waits_to_be_judged():
+    state = running()
+    agent = state.agents[1]
+    assert state.agent_exited(agent, 3, now=50.0) is False
+    assert agent.exited is True and agent.exit_status == 3
+    assert agent.judge_by == 50.0 + OUTCOME_WAIT
+    assert state.next_due() == 50.0 + OUTCOME_WAIT
+    assert state.due(50.0 + OUTCOME_WAIT - 0.01) == ([], [])
+    assert state.due(50.0 + OUTCOME_WAIT) == ([agent], [])  # due at that very time
+    agent.judge_by = None  # judged
+    assert state.due(99.0) == ([], []) and state.next_due() is None
+
+
+def test_rule_an_agent_process_that_ends_after_its_connection_is_judged_at_once():
+    state = running()
+    agent = state.agents[0]
+    assert state.agent_conn_closed(agent) is True and agent.conn_closed is True
+    assert state.agent_exited(agent, 1, now=50.0) is True and agent.judge_by is None
+
+
+def test_rule_a_spec_ends_the_wait_between_runs_and_numbers_local_ranks():
+    state = launch(2, 3)
+    state.between_runs = True
+    state.assign(state.agents[0], spec(0, 3, 2))
+    assert state.between_runs is False
+    assert [r.local_rank for r in state.ranks] == [0, 1, 2, 0, 1, 2, 0, 1, 2]
+
+
+def test_rule_a_worker_beyond_its_agents_ranks_is_no_rank():
+    state = launch(2, 2)
+    assert state.rank_of(state.agents[1], 1) is state.ranks[3]
+    assert state.rank_of(state.agents[1], 2) is None
+    assert state.hello_rank(WorkerHello(4, 0, 1)) is None
+    assert state.hello_rank(WorkerHello(3, 1, 1)) is state.ranks[3]
+
+
+def test_rule_the_run_is_over_once_each_rank_returned_once():
+    state = running(1, 2, keep_workers=True)
+    result = WorkerResult(0)
+    state.worker_result(state.ranks[0], result, [bytearray()], 1.0)
+    assert not state.finished
+    state.worker_result(state.ranks[0], result, [bytearray()], 2.0)  # a second one: not twice
+    assert not state.finished
+    state.worker_result(state.ranks[1], result, [bytearray()], 3.0)
+    assert state.finished
+
+
+def test_rule_an_exit_settles_at_once_when_the_connection_ended_or_the_outcome_came():
+    state = running()
+    assert state.worker_conn_closed(state.ranks[0]) is False  # its exit is not known yet
+    assert state.ranks[0].conn_closed is True
+    assert state.worker_exited(state.ranks[0], WorkerExited(0, 2000, 1, None), 5.0) is True
+    state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 1.0)
+    assert state.worker_exited(state.ranks[1], WorkerExited(1, 2001, 0, None), 5.0) is True
+    assert state.worker_exited(state.ranks[2], WorkerExited(0, 2002, 0, None), 5.0) is False
+    assert state.ranks[2].settle_by == 5.0 + OUTCOME_WAIT
+
+
+def test_rule_a_rank_settles_once_and_its_death_names_where_and_how_it_ended():
+    state = running()
+    rank = state.ranks[3]
+    state.worker_exited(rank, WorkerExited(1, 2003, 7, None, at=4.5), 5.0)
+    assert state.alarm
+    events = state.settle(rank)
+    assert len(events) == 2 and rank.settled is True and rank.settle_by is None
+    assert not state.alarm and state.due(99.0) == ([], []) and state.next_due() is None
+    (fault,) = state.faults
+    assert fault.kind == "death" and fault.at == 4.5 and fault.rank == 3
+    error = fault.error
+    assert isinstance(error, WorkerFailedError)
+    assert (error.hostname, error.local_rank, error.rank, error.pid) == ("node1", 1, 3, 2003)
+    assert (error.exitcode, error.signal) == (7, None)
+    assert state.settle(rank) == [] and len(state.faults) == 1  # not twice
+
+
+def test_rule_a_rank_whose_exit_is_unknown_does_not_settle():
+    state = running()
+    assert state.settle(state.ranks[0]) == []
+    assert state.ranks[0].settled is False and state.faults == []
+
+
+def test_rule_a_stale_rank_record_is_never_due():
+    state = running(1, 2)
+    old = state.ranks[1]
+    state.next_attempt()
+    state.assign(state.agents[0], spec(0, 1, 1))  # one rank this time
+    state.worker_exited(old, WorkerExited(1, 2001, 1, None), 5.0)
+    assert state.due(99.0) == ([], [])
+    assert state.next_due() is None
+
+
+def test_rule_a_watchdog_counts_only_while_the_rank_runs():
+    state = running()
+    assert state.worker_timed_out(state.ranks[0]) is True
+    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    assert state.worker_timed_out(state.ranks[0]) is False
+
+
+def test_rule_silence_is_measured_from_the_last_word_and_over_the_limit_only():
+    state = launch(3, 1, agent_timeout=10.0, start_timeout=10.0)
+    for agent in state.agents:
+        agent.last_heard, agent.forked = 100.0, True
+    state.move_agent(state.agents[0], AgentState.DONE)  # over: never silent, and not the last
+    state.agents[2].hello = None  # never said hello: not silent either
+    assert state.silent_agents(110.0) == []  # exactly the limit
+    assert state.silent_agents(110.5) == [(state.agents[1], 10.5)]
+
+
+def test_rule_an_agent_without_hello_is_never_silent():
+    agents = [AgentRecord(0, HostSlots("node0", 1), "ssh")]
+    state = LaunchState(agents, started=0.0, agent_timeout=1.0, start_timeout=1.0)
+    assert state.silent_agents(1e9) == []
+
+
+def test_rule_unready_agents_are_those_that_ended_or_do_not_wait():
+    state = launch(3, 1)
+    state.agents[0].ready = True
+    state.agents[2].ready = True
+    state.move_agent(state.agents[2], AgentState.FAILED)
+    assert state.unready_agents() == [state.agents[1], state.agents[2]]
+
+
+def kept(hosts: int = 1, workers: int = 2) -> LaunchState:
+    state = running(hosts, workers, keep_workers=True)
+    for rank in state.ranks:
+        state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 1.0)
+    state.keep_workers_for_next_call()
+    return state
+
+
+def test_rule_kept_workers_wait_between_runs():
+    state = kept()
+    assert state.kept_workers is True and state.between_runs is True
+    assert state.kept_workers_well() is True
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda s: setattr(s.ranks[1], "conn", None),
+        lambda s: setattr(s.ranks[1], "conn_closed", True),
+        lambda s: setattr(s.ranks[1], "exited", WorkerExited(1, 2001, 0, None)),
+        lambda s: setattr(s.ranks[1], "state", WorkerState.FAILED),
+        lambda s: s.move_agent(s.agents[0], AgentState.LOST),
+        lambda s: setattr(s, "kept_workers", False),
+    ],
+)
+def test_rule_kept_workers_take_a_call_only_if_each_is_alive_connected_and_its_agent_well(
+    spoil,
+):
+    state = kept()
+    spoil(state)
+    assert not state.kept_workers_well()
+
+
+def test_rule_the_next_call_runs_the_same_ranks_again_from_a_clean_slate():
+    state = kept(1, 2)
+    state.stopping = True
+    state.add_fault("agent", AgentFailedError("node0", "x"), 1.0, host_index=0)
+    state.stacks[0] = "a stack"
+    old = state.ranks
+    state.next_call()
+    assert state.kept_workers is False and state.between_runs is False
+    assert state.stopping is False and state.faults == [] and state.stacks == {}
+    assert [(r.rank, r.host_index, r.local_rank, r.state, r.conn, r.pid) for r in state.ranks] == [
+        (0, 0, 0, WorkerState.HEALTHY, 100, 2000),
+        (1, 0, 1, WorkerState.HEALTHY, 101, 2001),
+    ]
+    assert all(new is not was for new, was in zip(state.ranks, old, strict=True))
+    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 2.0)
+    assert not state.finished  # one result of two
+    state.worker_exited(state.ranks[1], WorkerExited(1, 2001, 1, None), 3.0)
+    assert state.alarm
+    state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 2.0)
+    assert state.finished
+
+
+def test_rule_the_next_attempt_forgets_the_last_ones_ranks_faults_and_counts():
+    state = running(2, 1, attempt=1)
+    state.kept_workers, state.stopping = True, True
+    state.stacks[0] = "a stack"
+    state.agents[0].ready = True
+    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    state.next_attempt()
+    assert state.attempt == 2 and state.kept_workers is False and state.stopping is False
+    assert state.ranks == [] and state.faults == [] and state.stacks == {}
+    assert [a.ready for a in state.agents] == [False, False]
+    assert [a.pids for a in state.agents] == [(), ()]
+    state.phase = Phase.RESTARTING
+    for agent in state.agents:
+        state.assign(agent, spec(agent.index, 1, 2))
+    state.worker_hello(state.ranks[0], 100, 2000)
+    assert state.phase is Phase.RESTARTING  # one of two workers runs
+    state.worker_hello(state.ranks[1], 101, 2001)
+    assert state.phase is Phase.RUNNING
+    state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 1.0)
+    state.agents[1].ready = True
+    assert not state.finished  # rank 0 has not returned, and agent 0 does not wait yet
+    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    assert not state.finished  # agent 0 does not wait yet
+    state.agents[0].ready = True
+    assert state.finished
+
+
+def test_rule_warm_agents_that_wait_for_a_spec_still_do_in_the_next_attempt():
+    state = running(2, 1)
+    state.agents[0].ready = True
+    state.next_attempt(keep_ready=True)
+    assert [a.ready for a in state.agents] == [True, False]
+
+
+def test_rule_health_lists_every_agent_and_worker_as_they_are():
+    state = running(2, 1, attempt=1)
+    state.agents[0].last_heard = 110.12345
+    state.agents[1].hello = None
+    state.ranks[1].pid = 0
+    report = state.health(112.5, max_restarts=3, cause=None)
+    assert report == HealthReport(
+        healthy=True,
+        launch_state=Phase.RUNNING.value,
+        attempt=1,
+        restarts=1,
+        max_restarts=3,
+        uptime=12.5,
+        agents=(
+            AgentHealth(0, "node0", AgentState.RUNNING, 2.377),
+            AgentHealth(1, "node1", AgentState.RUNNING, None),
+        ),
+        workers=(
+            WorkerHealth(0, 0, "node0", 0, 2000, WorkerState.HEALTHY),
+            WorkerHealth(1, 1, "node1", 0, None, WorkerState.HEALTHY),
+        ),
+        failures=(),
+    )
+
+
+def test_rule_health_names_this_attempts_cause_unless_it_restarts():
+    state = running(1, 1, attempt=1)
+    state.history.append("attempt 0: ValueError: first")
+    report = state.health(101.0, max_restarts=3, cause="ValueError: second")
+    assert report.healthy is False
+    assert report.failures == ("attempt 0: ValueError: first", "attempt 1: ValueError: second")
+    state.phase = Phase.RESTARTING
+    report = state.health(101.0, max_restarts=3, cause="ValueError: second")
+    assert report.failures == ("attempt 0: ValueError: first",)
+
+
+def test_rule_a_failed_agent_makes_the_launch_unhealthy_even_once_recovered():
+    state = running(2, 1)
+    state.move_agent(state.agents[1], AgentState.FAILED)
+    state.degraded = False
+    assert state.health(101.0, max_restarts=0, cause=None).healthy is False
+
+
+def test_rule_timings_are_read_from_each_rank_and_transfer_is_never_negative():
+    state = running(3, 1)
+    state.finished_after, state.agents_started_after = 9.0, 1.5
+    sent = WorkerResult(0, init_seconds=0.5, function_seconds=2.0, pickle_seconds=0.25, sent_at=10)
+    late = WorkerResult(1, init_seconds=0.7, function_seconds=3.0, pickle_seconds=0.5, sent_at=20)
+    state.worker_result(state.ranks[0], sent, [bytearray()], 10.75)  # received 0.75 s later
+    state.worker_result(state.ranks[1], late, [bytearray()], 19.0)  # clocks apart: not negative
+    assert state.timings((0.1, 0.2, 0.3)) == LaunchTimings(
+        total=9.0,
+        agents_started=1.5,
+        connect=(0.1, 0.2, 0.3),
+        agent_start=(1.0, 1.0, 1.0),
+        process_group_init=(0.5, 0.7, 0.0),
+        function=(2.0, 3.0, 0.0),
+        result_transfer=(1.0, 0.5, 0.0),
+    )
+
+
+# -- SLURM allocations and hostfiles (torchrunx/hostlists.py) ------------------------------
+
+
+@pytest.fixture
+def no_scontrol(monkeypatch):
+    """Node lists are expanded by torchrunx's own parser: no ``scontrol`` process."""
+    monkeypatch.setattr(hostlists.shutil, "which", lambda _name: None)
+    hostlists._expand_hostnames.cache_clear()
+    yield
+    hostlists._expand_hostnames.cache_clear()
+
+
+ALLOCATION = {
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_NODELIST": "cn[01-03]",
+    "SLURM_TASKS_PER_NODE": "2(x2),1",
+    "SLURM_JOB_CPUS_PER_NODE": "8(x2),4",
+}
+
+
+@pytest.mark.parametrize(
+    ("environ", "inside"),
+    [
+        ({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "a"}, True),
+        ({"SLURM_JOBID": "1", "SLURM_NODELIST": "a"}, True),  # the older names
+        ({"SLURM_JOB_ID": "1", "SLURM_NODELIST": "a"}, True),
+        ({"SLURM_JOBID": "1", "SLURM_JOB_NODELIST": "a"}, True),
+        ({"SLURM_JOB_ID": "1"}, False),  # a job without a node list
+        ({"SLURM_JOB_NODELIST": "a"}, False),
+        ({"SLURM_JOB_ID": "", "SLURM_JOB_NODELIST": "a"}, False),
+        ({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": ""}, False),
+        ({}, False),
+    ],
+)
+def test_rule_an_allocation_is_a_job_id_and_a_node_list(environ, inside):
+    assert hostlists.in_slurm_allocation(environ) is inside
+
+
+def test_rule_the_allocation_is_read_from_this_process_by_default(monkeypatch, no_scontrol):
+    for name in ("SLURM_JOBID", "SLURM_NODELIST", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_ON_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in ALLOCATION.items():
+        monkeypatch.setenv(name, value)
+    assert hostlists.in_slurm_allocation() is True
+    assert hostlists.slurm_allocation().nodes == ("cn01", "cn02", "cn03")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert hostlists.in_slurm_allocation() is False
+
+
+def test_rule_an_allocation_is_every_fact_slurm_gives_in_its_order(no_scontrol):
+    allocation = hostlists.slurm_allocation(ALLOCATION)
+    assert allocation == hostlists.SlurmAllocation(
+        job_id="42",
+        nodes=("cn01", "cn02", "cn03"),
+        tasks_per_node=(2, 2, 1),
+        gpus_per_node=None,
+        cpus_per_node=(8, 8, 4),
+    )
+    assert [allocation.slots(n) for n in allocation.nodes] == [2, 2, 1]
+    assert [allocation.cpus(n) for n in allocation.nodes] == [8, 8, 4]
+    assert allocation.slots("elsewhere") is None and allocation.cpus("elsewhere") is None
+
+
+def test_rule_the_older_variable_names_give_the_same_allocation(no_scontrol):
+    environ = {"SLURM_JOBID": "7", "SLURM_NODELIST": "a,b"}
+    allocation = hostlists.slurm_allocation(environ)
+    assert (allocation.job_id, allocation.nodes) == ("7", ("a", "b"))
+    assert allocation.tasks_per_node is None and allocation.cpus_per_node is None
+    assert allocation.slots("a") is None and allocation.cpus("a") is None
+
+
+@pytest.mark.parametrize(
+    ("gpus", "expected"),
+    [
+        ({"SLURM_GPUS_PER_NODE": "4"}, 4),
+        ({"SLURM_GPUS_PER_NODE": "a100:4"}, 4),
+        ({"SLURM_GPUS_PER_NODE": "a100:2,v100:1"}, 3),  # several types: summed
+        ({"SLURM_GPUS_PER_NODE": "gpu:a100:2"}, 2),  # the count is after the last ':'
+        ({"SLURM_GPUS_PER_NODE": "0"}, None),
+        ({"SLURM_GPUS_PER_NODE": "  "}, None),
+        ({"SLURM_GPUS_ON_NODE": "2"}, 2),
+        ({"SLURM_GPUS_PER_NODE": "3", "SLURM_GPUS_ON_NODE": "2"}, 3),  # per node comes first
+        ({"SLURM_GPUS_PER_NODE": "", "SLURM_GPUS_ON_NODE": "2"}, 2),
+    ],
+)
+def test_rule_gpus_per_node_win_over_tasks_and_are_read_in_every_form(gpus, expected, no_scontrol):
+    allocation = hostlists.slurm_allocation({**ALLOCATION, **gpus})
+    assert allocation.gpus_per_node == expected
+    assert allocation.slots("cn03") == (expected or 1)
+
+
+@pytest.mark.parametrize("name", ["SLURM_GPUS_PER_NODE", "SLURM_GPUS_ON_NODE"])
+def test_rule_a_gpu_count_that_cannot_be_read_is_refused_naming_its_variable(name, no_scontrol):
+    with pytest.raises(ValueError, match=f"^cannot read a GPU count from {name}='a100:x'$"):
+        hostlists.slurm_allocation({**ALLOCATION, name: "a100:x"})
+
+
+@pytest.mark.parametrize("name", ["SLURM_TASKS_PER_NODE", "SLURM_JOB_CPUS_PER_NODE"])
+def test_rule_per_node_counts_must_cover_every_node(name, no_scontrol):
+    message = f"{name}='2(x2)' describes 2 nodes but the allocation has 3"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hostlists.slurm_allocation({**ALLOCATION, name: "2(x2)"})
+
+
+def test_rule_outside_an_allocation_the_error_names_the_setting_that_needs_one():
+    message = (
+        "agent_start='srun' but no SLURM allocation was detected (SLURM_JOB_ID and "
+        "SLURM_JOB_NODELIST are not set); run inside sbatch or salloc, or give the hosts and "
+        "workers per host explicitly"
+    )
+    with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+        hostlists.slurm_allocation({}, what="agent_start='srun'")
+    with pytest.raises(RuntimeError, match=r"^hostnames='slurm' but no SLURM allocation"):
+        hostlists.slurm_allocation({})
+
+
+def test_rule_without_scontrol_node_lists_are_expanded_by_torchrunx(no_scontrol):
+    assert hostlists.expand_hostnames("gpu-[01-02],cpu1") == ["gpu-01", "gpu-02", "cpu1"]
+
+
+def test_rule_balanced_nested_brackets_are_not_called_unbalanced():
+    assert hostlists.expand_nodelist("a[[1]]") == ["a1"]  # brackets are counted, not paired
+
+
+def test_rule_a_hostfile_comment_starts_at_the_first_hash():
+    assert hostlists.parse_hostfile("a # one # two\nb slots=2 # c slots=9") == [
+        HostSlots("a", None),
+        HostSlots("b", 2),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a slots=4=5", "<hostfile>, line 1: slots must be a positive integer, got '4=5'"),
+        ("a=b slots=1", "<hostfile>, line 1: 'a=b' is not a host name"),
+        ("\nx/y", "<hostfile>, line 2: 'x/y' is not a host name"),
+        ("a=b", "<hostfile>, line 1: 'a=b' is not a host name"),
+    ],
+)
+def test_rule_a_hostfile_line_that_is_no_host_is_refused_naming_its_line(text, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hostlists.parse_hostfile(text)
+
+
+def test_rule_a_hostfiles_errors_name_its_path(tmp_path):
+    path = tmp_path / "hosts.txt"
+    path.write_text("good\nbad/name\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}, line 2: 'bad/name'"):
+        hostlists.read_hostfile(path)
+    path.write_text("a slots=2\n")
+    assert hostlists.read_hostfile(str(path)) == [HostSlots("a", 2)]
+    with pytest.raises(
+        ValueError, match=f"^cannot read hostfile {re.escape(repr(str(tmp_path)))}: "
+    ):
+        hostlists.read_hostfile(tmp_path)  # a folder
+
+
+# -- host names (the checks of torchrunx/hosts.py) ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("", "give each host as a non-empty string (a name or an address)"),
+        (5, "give each host as a non-empty string (a name or an address)"),
+        (None, "give each host as a non-empty string (a name or an address)"),
+        ("a b", "it contains whitespace or control characters; give one host per entry"),
+        ("a\x00", "it contains whitespace or control characters; give one host per entry"),
+        (
+            "a/b",
+            (
+                "a host name cannot contain '/' (it also names the host's log file); to read "
+                "hosts from a hostfile, give its path alone: hostnames='PATH' or ['PATH']"
+            ),
+        ),
+        ("-oProxyCommand=x", "a host name cannot start with '-'"),
+        (".", "it is not a host name"),
+        ("..", "it is not a host name"),
+    ],
+)
+def test_rule_what_cannot_be_a_host_name_is_refused_saying_why(name, reason):
+    message = f"hostnames contains an invalid host name {name!r}: {reason}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hosts.check_hostname(name)
+
+
+@pytest.mark.parametrize("name", ["X", "XX", "x.y", "user@host", "fe80::1%eth0", "10.0.0.1"])
+def test_rule_names_addresses_and_aliases_are_host_names(name):
+    hosts.check_hostname(name)
+
+
+def test_rule_a_one_entry_list_with_a_slash_is_a_missing_hostfile(tmp_path):
+    path = str(tmp_path / "nope")
+    message = (
+        f"hostfile {path!r} does not exist or is not a file (a one-entry list with '/' names "
+        "a hostfile: host names have no '/')"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hosts.check_hostnames([path])
+    with pytest.raises(
+        ValueError, match=f"^hostfile {re.escape(repr(path))} does not exist or is not a file$"
+    ):
+        hosts.check_hostnames(path)
+
+
+def test_rule_a_word_that_is_no_provider_nor_file_lists_the_providers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    providers = ", ".join(plugins.host_provider_names())
+    message = (
+        f"hostnames='nosuchthing' is neither 'auto', a host provider ({providers}) nor an "
+        "existing hostfile; for a single host give a list: hostnames=['nosuchthing']"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hosts.check_hostnames("nosuchthing")
