@@ -11,7 +11,8 @@ Failures to accept (out of descriptors, a connection reset before it was accepte
 listener pause briefly and go on, with a warning; connections still authenticating are capped,
 at :data:`MAX_PENDING` and at a quarter of the process's descriptor limit, so that a flood of
 idle connections never takes the descriptors the rest of the launch needs (log files, agents'
-pipes, SSH connections). At the cap, each new connection sheds the oldest handshake, so that a
+pipes, SSH connections). At the cap, each new connection sheds the oldest handshake (once it has had
+:data:`SHED_AFTER` to answer), so that a
 flood cannot keep the listener full and real peers queued behind it: a real peer answers the
 greeting at once, and :func:`torchrunx.protocol.connect` tries again if it was shed.
 """
@@ -45,10 +46,13 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to complete the whole handshake."""
 MAX_PENDING = 1024
-"""Connections authenticating at once; at the cap, each new one sheds the oldest."""
+"""Connections authenticating at once; at the cap, each new one sheds the oldest (after
+:data:`SHED_AFTER`)."""
 BACKLOG = 4096
 """Connections the kernel queues before they are accepted (capped by ``net.core.somaxconn``):
 every worker of a large launch connects within the same second."""
+SHED_AFTER = 1.0
+"""Seconds a handshake has had before it may be dropped for a new connection at the cap."""
 _ACCEPT_PAUSE = 0.1
 """Seconds the listener rests after a failed ``accept`` (out of descriptors, say)."""
 _ACCEPTS_PER_ROUND = 64
@@ -205,6 +209,7 @@ class _Pending:
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
+        self.accepted = time.monotonic()
         self.deadline = deadline
         self.nonce = os.urandom(protocol.NONCE_BYTES)
         self.reply = bytearray()
@@ -263,6 +268,7 @@ class Listener:
         self._ids = itertools.count()
         self._paused_until = 0.0
         self._accepting = False
+        self._cap_paused = False
         self._warned: dict[str, float] = {}
         self.max_pending = _descriptor_share()
         """At most this many handshakes at once (and :data:`MAX_PENDING`)."""
@@ -274,9 +280,13 @@ class Listener:
         if not self._accepting and self.sock.fileno() >= 0 and self._paused_until != math.inf:
             self.loop.add_reader(self.sock.fileno(), self._accept)
             self._accepting = True
+            self._cap_paused = False
 
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_ROUND):
+            full = len(self._pending) >= min(MAX_PENDING, self.max_pending)
+            if full and not self._may_shed():
+                return
             try:
                 sock, _address = self.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -293,16 +303,32 @@ class Listener:
                 )
                 self._pause(_ACCEPT_PAUSE)
                 return
-            if len(self._pending) >= min(MAX_PENDING, self.max_pending):
-                self._warn(
-                    "cap",
-                    "%d connections are authenticating at once, the most allowed: the oldest "
-                    "is dropped for each new one (a real peer answers at once, and tries again)",
-                    len(self._pending),
-                )
-                self._reject(next(iter(self._pending)))  # shed the oldest: a flood cannot
-                # hold the listener full and keep real peers queued behind it
+            if full:
+                self._reject(next(iter(self._pending)))  # the oldest makes room for it
             self._begin_handshake(sock)
+
+    def _may_shed(self) -> bool:
+        """At the cap: may a new connection replace the oldest handshake? Else pause.
+
+        It may once the oldest has waited :data:`SHED_AFTER`; until then accepting pauses (or
+        until a handshake ends). A real peer answers the greeting at once (and tries
+        again if it was dropped), so a flood of idle connections cannot hold the listener full
+        and keep real peers queued behind it; a burst of real peers is never shed.
+        """
+        self._warn(
+            "cap",
+            "%d connections are authenticating at once, the most allowed: the oldest is dropped "
+            "for each new one once it has waited %g s (a real peer answers at once)",
+            len(self._pending),
+            SHED_AFTER,
+        )
+        oldest = next(iter(self._pending.values()))
+        waited = time.monotonic() - oldest.accepted
+        if waited < SHED_AFTER:
+            self._pause(SHED_AFTER - waited)  # or until a handshake ends (_handshake_ended)
+            self._cap_paused = True
+            return False
+        return True
 
     def _warn(self, kind: str, message: str, *args: object) -> None:
         """Log at WARNING, or at DEBUG when a warning of this kind came less than a minute ago."""
@@ -370,7 +396,8 @@ class Listener:
         self._handshake_ended()
 
     def _handshake_ended(self) -> None:
-        if self._paused_until == math.inf:  # paused at the cap: there is room again
+        if self._cap_paused:  # paused at the cap: there is room again
+            self._cap_paused = False
             self._paused_until = 0.0
             self._resume()
 
