@@ -171,8 +171,87 @@ IMPURE = (
     "tests/test_api.py::test_agent_side_does_not_import_the_launcher",
 )
 
+_ORDER = "only ordering matters: 'collective', the one kind not in _RANK, sorts last either way"
+_RSPLIT = "the part after the last dot is the same whatever the number of splits (at least 1)"
+_FALSY = "None is as false as False, and the value is only ever tested for truth"
+_PERF = "how many bytes one recv call asks for: a performance choice, the bytes are the same"
+_GROWTH = "how much a part's buffer grows at a time: memory only, capped at the declared size"
+_PICKLE = "the receiver unpickles any pickle protocol; the message is the same"
+_UNREAD = "its first value is never read: it is set again before any use"
+_ONE = "joins a list that holds at most one string: the separator never appears"
+_ZIP = "the two sequences always have the same length"
+_WIDTH = "zfill to the width of a number without a leading zero changes no number in its range"
+_SPLIT = "everything before the first '#' is the same whatever the number of splits"
+
 EQUIVALENT: dict[str, tuple[str, str]] = {
-    # mutant name: (a line of the mutated code, why no test can tell it from the original)
+    # mutant name: (its mutated line, why no test can tell it from the original). An entry
+    # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
+    "torchrunx.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),
+    "torchrunx.failures.x_restarts_for__mutmut_21": ('type_name.rsplit(".", )[-1]', _RSPLIT),
+    "torchrunx.failures.x_restarts_for__mutmut_24": ('type_name.rsplit(".", 2)[-1]', _RSPLIT),
+    "torchrunx.devices.x_resolve_backend__mutmut_4": ("undecided = None", _FALSY),
+    "torchrunx.launch_state.x\u01c1LaunchState\u01c1workers_ended__mutmut_3": (
+        "message.attempt <= self.attempt",
+        "for an equal attempt the reply is accepted by the first condition already",
+    ),
+    "torchrunx.launch_state.x\u01c1LaunchState\u01c1settle__mutmut_2": (
+        "self._waiting_ranks.discard(None)",
+        "a cache of due/next_due: a settled rank's settle_by is None, so it is never due",
+    ),
+    "torchrunx.launch_state.x\u01c1LaunchState\u01c1settle__mutmut_3": (
+        "self._alarmed.discard(None)",
+        "a cache of alarm, which skips settled ranks",
+    ),
+    "torchrunx.inbox.x\u01c1Inbox\u01c1drop__mutmut_2": (
+        "(conn is None) and False",
+        "peers has no None key: peers.get(None) is None too",
+    ),
+    "torchrunx.protocol.x_client_reply__mutmut_47": ("role_byte, server=None)", _FALSY),
+    "torchrunx.protocol.x_encode_frame_start__mutmut_3": ("protocol=None)", _PICKLE),
+    "torchrunx.protocol.x_encode_frame_start__mutmut_5": ("pickle.dumps(message, )", _PICKLE),
+    "torchrunx.protocol.x\u01c1_FrameParser\u01c1_room__mutmut_4": ("len(part) <= need", _GROWTH),
+    "torchrunx.protocol.x\u01c1_FrameParser\u01c1_room__mutmut_15": ("3 * len(part)", _GROWTH),
+    "torchrunx.protocol.x\u01c1_FrameParser\u01c1target__mutmut_4": (
+        "self._filled <= size:",
+        (
+            "a record that exactly fills the rest of a part is decrypted and copied instead of "
+            "decrypted in place: the same bytes"
+        ),
+    ),
+    "torchrunx.protocol.x\u01c1Connection\u01c1__init____mutmut_8": ("_close_sent = None", _FALSY),
+    "torchrunx.protocol.x\u01c1Connection\u01c1close__mutmut_1": (
+        "fileno() > 0:",
+        "a connection's socket is never descriptor 0 (standard input)",
+    ),
+    "torchrunx.protocol.x\u01c1Connection\u01c1close__mutmut_2": (
+        "fileno() >= 1:",
+        "a connection's socket is never descriptor 0 (standard input)",
+    ),
+    "torchrunx.protocol.x__recv_exact_into__mutmut_5": ("is None) and False else 0", _PERF),
+    "torchrunx.protocol.x__recv_exact_into__mutmut_6": ("is None) or True else 0", _PERF),
+    "torchrunx.protocol.x__recv_exact_into__mutmut_7": ("gettimeout() is not None", _PERF),
+    "torchrunx.protocol.x__recv_exact_into__mutmut_16": ("size - received, )", _PERF),
+    "torchrunx.protocol.x\u01c1_FrameParser\u01c1__init____mutmut_3": (
+        "_sizes: list[int] = None",
+        _UNREAD,
+    ),
+    "torchrunx.protocol.x\u01c1_FrameParser\u01c1__init____mutmut_4": (
+        "_parts: list[bytearray] = None",
+        _UNREAD,
+    ),
+    "torchrunx.hostlists.x__expand_group__mutmut_15": (
+        "break",
+        "an empty match comes only at the end of the group: continue and break both end the loop",
+    ),
+    "torchrunx.hostlists.x__expand_group__mutmut_24": ('["XXXX".join(literals)]', _ONE),
+    "torchrunx.hostlists.x__expand_group__mutmut_27": ('"XXXX".join(literals[len(', _ONE),
+    "torchrunx.hostlists.x__expand_group__mutmut_48": ("values, strict=None))", _ZIP),
+    "torchrunx.hostlists.x__expand_group__mutmut_51": ("zip(order, values, ))", _ZIP),
+    "torchrunx.hostlists.x__expand_group__mutmut_52": ("values, strict=False))", _ZIP),
+    "torchrunx.hostlists.x__expand_ranges__mutmut_26": ('startswith("0")) or True', _WIDTH),
+    "torchrunx.hostlists.x__expand_ranges__mutmut_29": ('startswith("0") else 1', _WIDTH),
+    "torchrunx.hostlists.x_parse_hostfile__mutmut_13": ('raw.split("#", )[0]', _SPLIT),
+    "torchrunx.hostlists.x_parse_hostfile__mutmut_16": ('raw.split("#", 2)[0]', _SPLIT),
 }
 
 GUARD = '''

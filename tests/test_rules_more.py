@@ -13,20 +13,34 @@ no network. Sections:
   silence, kept workers, attempts, health and timings;
 - SLURM allocations and hostfiles (torchrunx/hostlists.py), with no ``scontrol`` process;
 - host names (the checks of torchrunx/hosts.py): every reason, in full;
+- the checks of the Launcher's fields (torchrunx/launcher.py): every message, in full;
+- the handshake, sealed records and frames (torchrunx/protocol.py): the frame parser however
+  its input is cut, the limits, the close record, both reading styles, the wire format's
+  HMAC and HKDF computed independently, connect's retries on a fake clock.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import pickle
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 
 import pytest
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from torchrunx import hostlists, hosts, plugins, serialization
+import torchrunx as trx
+from torchrunx import hostlists, hosts, plugins, protocol, serialization
+from torchrunx import launcher as launcher_module
 from torchrunx.agent_pool import AgentExited, AgentStarted, AgentStartFailed
 from torchrunx.devices import cuda_device, device_env
 from torchrunx.env import (
+    DEFAULT_ENV_VARS,
     exported_env,
     forwarded_env,
     local_agent_env,
@@ -35,6 +49,7 @@ from torchrunx.env import (
 )
 from torchrunx.errors import (
     AgentFailedError,
+    ProtocolError,
     WorkerFailedError,
     WorkerRaisedError,
     WorkerTimeoutError,
@@ -51,8 +66,10 @@ from torchrunx.listener import FrameReceived, PeerClosed
 from torchrunx.protocol import (
     AgentDone,
     AgentHello,
+    FrameReader,
     Heartbeat,
     LogLines,
+    Sealer,
     Stop,
     WorkerException,
     WorkerExited,
@@ -1443,3 +1460,684 @@ def test_rule_a_word_that_is_no_provider_nor_file_lists_the_providers(tmp_path, 
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         hosts.check_hostnames("nosuchthing")
+
+
+# -- the checks of the Launcher's fields (torchrunx/launcher.py) ---------------------------
+
+
+def refused(error: type[Exception], message: str, **fields: object) -> None:
+    """``Launcher(**fields).validate()`` raises ``error`` with exactly ``message``."""
+    launcher = trx.Launcher(**{"hostnames": ["localhost"], **fields})  # type: ignore[arg-type]
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        launcher.validate()
+
+
+def test_rule_isolate_gpus_is_a_bool():
+    refused(TypeError, "isolate_gpus must be True or False, got 1", isolate_gpus=1)
+
+
+def test_rule_validate_checks_extra_env_vars_and_log_handlers():
+    refused(
+        ValueError, "extra_env_vars: the value of A contains a NUL byte", extra_env_vars=("A=\0",)
+    )
+    refused(
+        TypeError,
+        'log_handlers must be "auto", None, a list of logging.Handler or a function returning '
+        "one, got [1]",
+        log_handlers=[1],
+    )
+
+
+def test_rule_validate_checks_the_health_port_field():
+    with pytest.raises(ValueError, match="70000"):
+        trx.Launcher(hostnames=["localhost"], health_check_port=70000).validate()
+
+
+def test_rule_an_ssh_config_file_must_exist_and_be_readable(tmp_path):
+    missing = tmp_path / "nope"
+    refused(
+        ValueError,
+        f"ssh_config_file {str(missing)!r} does not exist or is not readable",
+        ssh_config_file=str(missing),
+    )
+    refused(
+        ValueError,
+        f"ssh_config_file {str(tmp_path)!r} does not exist or is not readable",
+        ssh_config_file=str(tmp_path),  # a folder: readable, but no file
+    )
+
+
+@pytest.mark.parametrize(
+    "handlers", [[logging.Handler()], (logging.StreamHandler(),), [], None, "auto", list]
+)
+def test_rule_log_handlers_are_handlers_a_function_none_or_auto(handlers):
+    launcher_module._validate_log_handlers(handlers)
+
+
+@pytest.mark.parametrize("handlers", [[1], [logging.Handler(), "x"], "stderr", 5])
+def test_rule_anything_else_is_no_log_handlers(handlers):
+    with pytest.raises(TypeError, match=r"^log_handlers must be "):
+        launcher_module._validate_log_handlers(handlers)
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "2", None])
+def test_rule_max_restarts_is_an_integer_from_0(value):
+    message = f"max_restarts must be an integer >= 0, got {value!r}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        launcher_module._validate_restarts(value, ())
+
+
+@pytest.mark.parametrize("restart_on", ["exceptions", {"deaths"}, None])
+def test_rule_restart_on_is_a_tuple_or_list(restart_on):
+    message = (
+        "restart_on must be a tuple of categories ['exceptions', 'deaths', 'timeouts', 'hosts'] "
+        f"and/or exception type names, got {restart_on!r}"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        launcher_module._validate_restarts(0, restart_on)
+
+
+@pytest.mark.parametrize("entry", ["", "a b", "a-b", "x.y-z", 3, "a.b.c!"])
+def test_rule_a_restart_on_entry_is_a_category_or_a_type_name(entry):
+    message = (
+        f"restart_on entry {entry!r} is neither one of ['exceptions', 'deaths', 'timeouts', "
+        "'hosts'] nor an exception type name"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        launcher_module._validate_restarts(0, [entry])
+
+
+@pytest.mark.parametrize(
+    "restart_on",
+    [(), ["deaths", "hosts"], ("ValueError", "my_pkg.errors.Retry_Me", "a.b_c.D2")],
+)
+def test_rule_categories_and_qualified_type_names_are_accepted(restart_on):
+    launcher_module._validate_restarts(0, restart_on)
+    launcher_module._validate_restarts(3, restart_on)
+
+
+class Recorder:
+    def record(self, event):
+        pass
+
+
+@pytest.mark.parametrize("handlers", [(), [print], (Recorder(),), [Recorder(), print]])
+def test_rule_event_handlers_are_functions_or_recorders(handlers):
+    launcher_module._validate_event_handlers(handlers)
+
+
+@pytest.mark.parametrize("handlers", [print, [1], (Recorder(), "x"), "handlers", None])
+def test_rule_anything_else_is_no_event_handlers(handlers):
+    message = (
+        "event_handlers must be a tuple of functions or of objects with a record(event) method, "
+        f"got {handlers!r}"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        launcher_module._validate_event_handlers(handlers)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("timeout", 0, "timeout must be a positive number of seconds, got 0"),
+        ("timeout", 0.5, None),
+        ("timeout", 1, None),
+        ("timeout", True, "timeout must be a positive number of seconds, got True"),
+        ("agent_timeout", "5", "agent_timeout must be a positive number of seconds, got '5'"),
+        ("timeout", float("inf"), "timeout must be a finite number of seconds, got inf"),
+        (
+            "launch_timeout",
+            float("inf"),
+            (
+                "launch_timeout must be a finite number of seconds, got inf (for no limit, use "
+                "launch_timeout=None)"
+            ),
+        ),
+        ("launch_timeout", float("nan"), None),  # below: nan is not finite
+    ],
+)
+def test_rule_a_timeout_is_a_finite_positive_number_of_seconds(name, value, message):
+    if value != value:  # nan  # noqa: PLR0124
+        with pytest.raises(ValueError, match=r"^launch_timeout must be a finite number"):
+            launcher_module._validate_seconds(name, value)
+    elif message is None:
+        launcher_module._validate_seconds(name, value)
+    else:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            launcher_module._validate_seconds(name, value)
+
+
+@pytest.mark.parametrize(
+    ("default", "copy", "error", "message"),
+    [
+        (
+            "PATH",
+            None,
+            TypeError,
+            "default_env_vars must be a tuple of fnmatch patterns, got 'PATH'",
+        ),
+        ((1,), None, TypeError, "default_env_vars must be a tuple of fnmatch patterns, got (1,)"),
+        (
+            DEFAULT_ENV_VARS,
+            "PATH",
+            TypeError,
+            "copy_env_vars must be a tuple of fnmatch patterns, got 'PATH'",
+        ),
+        (
+            ("A*",),
+            ("B*",),
+            ValueError,
+            (
+                "copy_env_vars (torchrunx 0.4's name) and default_env_vars are the same setting: "
+                "give only one of them"
+            ),
+        ),
+    ],
+)
+def test_rule_env_var_patterns_are_tuples_and_one_setting_has_one_name(
+    default, copy, error, message
+):
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        launcher_module._validate_env_vars(default, copy, None)
+
+
+def test_rule_default_env_vars_are_checked_also_without_copy_env_vars():
+    launcher_module._validate_env_vars(("A*",), None, None)
+    launcher_module._validate_env_vars(DEFAULT_ENV_VARS, ("B*",), None)  # 0.4's name alone
+    with pytest.raises(TypeError, match=r"^extra_env_vars must be"):
+        launcher_module._validate_env_vars(("A*",), None, 5)
+
+
+@pytest.mark.parametrize("workers", ["auto", "slurm", "gpu", "cpu", 1, [1, 2]])
+def test_rule_workers_per_host_words_and_counts_are_accepted(workers):
+    launcher_module._validate_workers(workers, ["a", "b"])
+
+
+def test_rule_one_count_per_host_or_one_for_all():
+    message = (
+        "workers_per_host has 3 entries but hostnames has 2; give one count per host or a single "
+        "int"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        launcher_module._validate_workers([1, 1, 1], ["a", "b"])
+
+
+# -- the handshake, sealed records and frames (torchrunx/protocol.py) ----------------------
+
+SECRET = b"s" * 32
+
+
+def pair() -> tuple[Sealer, FrameReader]:
+    """One direction of a connection: what one end seals, the other opens."""
+    return Sealer(b"k" * 32), FrameReader(b"k" * 32)
+
+
+def plaintext(message: object, payload: list[bytes]) -> bytes:
+    return protocol.encode_frame_start(message, payload) + b"".join(payload)  # type: ignore[arg-type]
+
+
+FRAMES = [
+    (Heartbeat(), []),
+    (WorkerResult(3, sent_at=1.5), [b"abc", b"", b"x" * 5000]),
+    (WorkerHello(1, 0, 99), [b""]),
+    (Stop("done"), [b"tail"]),
+]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 13, 64, 4096, 1 << 20])
+def test_rule_the_frame_parser_gives_the_same_frames_however_the_plaintext_is_cut(chunk):
+    """Rule: frames come out whole and in order, whatever the sizes of the pieces fed."""
+    data = b"".join(plaintext(m, p) for m, p in FRAMES)
+    parser = protocol._FrameParser()
+    frames: list = []
+    for start in range(0, len(data), chunk):
+        parser.feed(data[start : start + chunk], frames)
+    assert [(m, [bytes(part) for part in parts]) for m, parts in frames] == FRAMES
+    assert parser.idle
+
+
+def test_rule_a_frame_is_complete_only_once_its_last_part_came():
+    data = plaintext(WorkerResult(0), [b"12345"])
+    parser = protocol._FrameParser()
+    frames: list = []
+    parser.feed(data[:-1], frames)
+    assert frames == [] and not parser.idle
+    parser.feed(data[-1:], frames)
+    assert len(frames) == 1 and parser.idle
+
+
+@pytest.mark.parametrize(
+    ("header_size", "count", "message"),
+    [
+        (
+            protocol._MAX_HEADER + 1,
+            0,
+            f"frame of {protocol._MAX_HEADER + 1} header bytes, 0 parts is too large",
+        ),
+        (
+            10,
+            protocol._MAX_PARTS + 1,
+            f"frame of 10 header bytes, {protocol._MAX_PARTS + 1} parts is too large",
+        ),
+    ],
+)
+def test_rule_a_frame_larger_than_the_limits_is_refused_before_anything_is_read(
+    header_size, count, message
+):
+    parser = protocol._FrameParser()
+    with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
+        parser.feed(protocol._FRAME.pack(header_size, count), [])
+
+
+@pytest.mark.parametrize(
+    ("header_size", "count"), [(protocol._MAX_HEADER, 0), (10, protocol._MAX_PARTS)]
+)
+def test_rule_a_frame_at_the_limits_is_waited_for(header_size, count):
+    parser = protocol._FrameParser()
+    frames: list = []
+    parser.feed(protocol._FRAME.pack(header_size, count), frames)
+    assert frames == [] and not parser.idle
+
+
+def test_rule_a_frame_declaring_more_payload_than_the_limit_is_refused_before_allocating():
+    header = pickle.dumps(WorkerResult(0), protocol=pickle.HIGHEST_PROTOCOL)
+    half = protocol.MAX_FRAME_BYTES // 2
+
+    def start(sizes: list[int]) -> bytes:
+        parts = b"".join(protocol._PART.pack(size) for size in sizes)
+        return protocol._FRAME.pack(len(header), len(sizes)) + parts + header
+
+    frames: list = []
+    protocol._FrameParser().feed(start([half, half]), frames)  # exactly the limit: waits
+    assert frames == []
+    message = f"frame of {2 * half + 1} payload bytes: more than {protocol.MAX_FRAME_BYTES}"
+    with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
+        protocol._FrameParser().feed(start([half, half + 1]), [])
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (pickle.dumps(5), "unexpected message type int"),
+        (b"not a pickle", None),
+        (
+            pickle.dumps(ValueError("x")),
+            "malformed message header (UnpicklingError: builtins.ValueError is not a torchrunx message class)",
+        ),
+    ],
+)
+def test_rule_a_header_is_one_of_the_protocols_messages_or_refused_saying_why(header, message):
+    with pytest.raises(ProtocolError) as raised:
+        protocol._load_message(header)
+    if message is not None:
+        assert str(raised.value) == message
+    else:
+        assert str(raised.value).startswith("malformed message header (UnpicklingError: ")
+
+
+def test_rule_a_sealed_record_opens_to_its_frames_and_its_length_is_checked():
+    sealer, reader = pair()
+    records = list(sealer.seal_frame(WorkerResult(2), [b"payload"]))
+    frames = [f for record in records for f in reader.open_record(record)]
+    assert [(m, [bytes(p) for p in parts]) for m, parts in frames] == [
+        (WorkerResult(2), [b"payload"])
+    ]
+    for bad in (b"\x00\x00", bytes(records[0]) + b"x", bytes(records[0])[:-1]):
+        with pytest.raises(ProtocolError, match=r"^a record's length does not match its header$"):
+            pair()[1].open_record(bad)
+
+
+@pytest.mark.parametrize("size", [0, protocol.TAG_BYTES - 1, protocol._MAX_RECORD + 1])
+def test_rule_a_record_size_outside_a_records_bounds_is_refused(size):
+    record = protocol._RECORD.pack(size) + bytes(max(0, min(size, 64)))
+    with pytest.raises(ProtocolError, match=f"^record of {size} bytes: not a torchrunx record$"):
+        pair()[1].open_record(record)
+
+
+def test_rule_the_smallest_record_is_the_close_record():
+    sealer, reader = pair()
+    close = sealer.seal_close()
+    assert len(close) == protocol._RECORD.size + protocol.TAG_BYTES
+    assert reader.open_record(close) == [] and reader.closed_by_peer is True
+
+
+def test_rule_nothing_may_follow_the_peers_close_record():
+    sealer, reader = pair()
+    reader.open_record(sealer.seal_close())
+    with pytest.raises(ProtocolError, match=r"^a record after the peer's close record$"):
+        reader.open_record(sealer.seal(b"more"))
+
+
+def test_rule_a_forged_close_record_fails_authentication():
+    _, reader = pair()
+    forged = Sealer(b"o" * 32).seal_close()
+    with pytest.raises(ProtocolError, match=r"^a record failed authentication"):
+        reader.open_record(forged)
+    assert reader.closed_by_peer is False
+
+
+def test_rule_a_close_in_the_middle_of_a_frame_is_a_cut_stream():
+    sealer, reader = pair()
+    reader.open_record(next(iter(sealer.seal_frame(WorkerResult(2), [b"payload"]))))
+    # the frame start came; its part never does
+    with pytest.raises(
+        ProtocolError, match=r"^the peer closed its stream in the middle of a frame$"
+    ):
+        reader.open_record(sealer.seal_close())
+
+
+def test_rule_a_tampered_part_leaves_nothing_unverified_in_its_buffer():
+    sealer, reader = pair()
+    start, part = sealer.seal_frame(WorkerResult(2), [b"secret-bytes"])
+    reader.open_record(start)
+    tampered = bytearray(part)
+    tampered[protocol._RECORD.size] ^= 1
+    with pytest.raises(ProtocolError, match=r"^a record failed authentication"):
+        reader.open_record(tampered)
+    assert bytes(reader._parser._parts[0]).strip(b"\x00") == b""
+
+
+def stream_pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.settimeout(10)
+    return a, b
+
+
+def test_rule_a_stream_that_ends_with_its_close_record_ends_cleanly():
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        for record in sealer.seal_frame(Heartbeat()):
+            a.sendall(record)
+        a.sendall(sealer.seal_close())
+        a.close()
+        b.setblocking(False)  # noqa: FBT003
+        frames: list = []
+        ended = False
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            more, ended = reader.read(b)
+            frames += more
+        assert ended and reader.error is None and reader.closed_by_peer is True
+        assert [m for m, _ in frames] == [Heartbeat()]
+
+
+def test_rule_a_stream_that_ends_without_its_close_record_was_cut():
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        for record in sealer.seal_frame(Heartbeat()):
+            a.sendall(record)
+        a.close()
+        b.setblocking(False)  # noqa: FBT003
+        frames: list = []
+        ended = False
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            more, ended = reader.read(b)
+            frames += more
+        assert ended and [m for m, _ in frames] == [Heartbeat()]
+        assert isinstance(reader.error, ProtocolError)
+        assert str(reader.error) == (
+            "the connection ended without its authenticated close: the stream was cut (its "
+            "last records dropped on the way, or its sender died)"
+        )
+
+
+def test_rule_reading_what_is_there_now_does_not_end_the_stream():
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        for record in sealer.seal_frame(Heartbeat()):
+            a.sendall(record)
+        b.setblocking(False)  # noqa: FBT003
+        time.sleep(0)  # a socketpair delivers at once
+        frames, ended = reader.read(b)
+        assert [m for m, _ in frames] == [Heartbeat()] and ended is False
+        assert reader.read(b) == ([], False) and reader.error is None
+
+
+def test_rule_read_stops_after_its_budget_and_leaves_the_rest_for_later():
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        records = [r for _ in range(20) for r in sealer.seal_frame(WorkerResult(0), [b"x" * 3000])]
+        a.sendall(b"".join(bytes(r) for r in records))
+        b.setblocking(False)  # noqa: FBT003
+        first, ended = reader.read(b, budget=1)  # one read from the socket, then it stops
+        assert not ended and 1 <= len(first) < 20
+        rest, _ = reader.read(b)
+        assert len(first) + len(rest) == 20
+
+
+def test_rule_read_record_reads_one_record_and_a_clean_end_is_connection_error():
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        a.sendall(b"".join(bytes(r) for r in sealer.seal_frame(Heartbeat())))
+        a.sendall(sealer.seal_close())
+        a.close()
+        assert [m for m, _ in reader.read_record(b)] == [Heartbeat()]
+        assert reader.read_record(b) == [] and reader.closed_by_peer
+        with pytest.raises(ConnectionError, match=r"^connection closed by peer$"):
+            reader.read_record(b)
+
+
+def test_rule_read_record_of_a_cut_stream_is_a_protocol_error():
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        record = bytes(next(iter(sealer.seal_frame(Heartbeat()))))
+        a.sendall(record[:-3])
+        a.close()
+        with pytest.raises(ProtocolError, match=r"^the stream ended in the middle of a record$"):
+            reader.read_record(b)
+    _, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        a.close()
+        with pytest.raises(
+            ProtocolError, match=r"^the connection ended without its authenticated close"
+        ):
+            reader.read_record(b)
+
+
+def test_rule_one_reading_style_per_connection():
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        a.sendall(bytes(next(iter(sealer.seal_frame(WorkerResult(1), [b"x" * 10]))))[:10])
+        b.setblocking(False)  # noqa: FBT003
+        reader.read(b)  # the start of a record is buffered, the rest not yet here
+        b.setblocking(True)  # noqa: FBT003
+        with pytest.raises(
+            ProtocolError, match=r"^read_record after read: one reading style per connection$"
+        ):
+            reader.read_record(b)
+
+
+def test_rule_frames_before_a_bad_record_come_first_then_the_error():
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        too_large = protocol._FRAME.pack(protocol._MAX_HEADER + 1, 0)
+        a.sendall(sealer.seal(plaintext(WorkerHello(0, 0, 1), []) + too_large))
+        assert [m for m, _ in reader.read_record(b)] == [WorkerHello(0, 0, 1)]
+        for _ in range(2):  # the error next, and it stays
+            with pytest.raises(ProtocolError, match=r"^frame of \d+ header bytes, 0 parts"):
+                reader.read_record(b)
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        bad = bytearray(next(iter(sealer.seal_frame(Heartbeat()))))
+        bad[-1] ^= 1
+        a.sendall(bytes(bad))
+        with pytest.raises(ProtocolError, match=r"^a record failed authentication"):
+            reader.read_record(b)  # no frame before it: the error at once
+
+
+def test_rule_a_connection_sends_its_close_record_once_and_closes_twice_safely():
+    keys = protocol.SessionKeys(send=b"k" * 32, receive=b"r" * 32)
+    a, b = stream_pair()
+    with b:
+        connection = protocol.Connection(a, keys)
+        connection.send(Heartbeat())
+        connection.send_close()
+        connection.send_close()
+        connection.close()
+        connection.close()  # safe twice
+        reader = FrameReader(b"k" * 32)
+        assert [m for m, _ in reader.read_record(b)] == [Heartbeat()]
+        assert reader.read_record(b) == [] and reader.closed_by_peer
+        with pytest.raises(ConnectionError):
+            reader.read_record(b)  # one close record, then the end
+
+
+def test_rule_a_connection_closed_without_send_close_still_ends_cleanly():
+    keys = protocol.SessionKeys(send=b"k" * 32, receive=b"r" * 32)
+    a, b = stream_pair()
+    with b:
+        protocol.Connection(a, keys).close()
+        reader = FrameReader(b"k" * 32)
+        assert reader.read_record(b) == [] and reader.closed_by_peer
+
+
+def test_rule_the_handshake_proofs_and_keys_are_the_documented_hmac_and_hkdf():
+    """The wire format, computed independently: a change must change PROTOCOL_VERSION."""
+    server_nonce = b"n" * protocol.NONCE_BYTES
+    greeting = protocol.server_greeting(server_nonce)
+    reply, expected_proof, client_keys = protocol.client_reply(SECRET, greeting, "worker")
+    client_nonce = reply[len(protocol.MAGIC) + 1 : len(protocol.MAGIC) + 1 + protocol.NONCE_BYTES]
+    assert reply[len(protocol.MAGIC) : len(protocol.MAGIC) + 1] == b"W"
+    mac = hmac.new(SECRET, b"|".join([b"client", b"W", server_nonce, client_nonce]), hashlib.sha256)
+    assert reply.endswith(mac.digest())
+    proof = hmac.new(SECRET, b"|".join([b"server", client_nonce, server_nonce]), hashlib.sha256)
+    assert expected_proof == proof.digest()
+
+    def derive(direction: bytes) -> bytes:
+        return HKDF(
+            algorithm=SHA256(),
+            length=protocol.KEY_BYTES,
+            salt=server_nonce + client_nonce,
+            info=b"torchrunx %d W %s" % (protocol.PROTOCOL_VERSION, direction),
+        ).derive(SECRET)
+
+    assert client_keys == protocol.SessionKeys(
+        send=derive(b"client->server"), receive=derive(b"server->client")
+    )
+    role, server_proof, server_keys = protocol.check_client_reply(SECRET, server_nonce, reply)
+    assert role == "worker" and server_proof == expected_proof
+    assert server_keys == protocol.SessionKeys(send=client_keys.receive, receive=client_keys.send)
+
+
+def test_rule_a_reply_with_the_wrong_magic_or_length_is_not_the_protocol():
+    server_nonce = b"n" * protocol.NONCE_BYTES
+    reply, _, _ = protocol.client_reply(SECRET, protocol.server_greeting(server_nonce), "agent")
+    wrong_magic = b"X" + reply[1:]
+    message = f"peer does not speak torchrunx protocol version {protocol.PROTOCOL_VERSION}"
+    for bad in (wrong_magic, reply + b"x", reply[:-1]):
+        with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
+            protocol.check_client_reply(SECRET, server_nonce, bad)
+    with pytest.raises(
+        ProtocolError, match=r"^peer failed to authenticate \(wrong or missing launch secret\)$"
+    ):
+        protocol.check_client_reply(b"o" * 32, server_nonce, reply)
+
+
+def test_rule_a_greeting_with_the_wrong_magic_or_length_is_not_a_launcher():
+    greeting = protocol.server_greeting(b"n" * protocol.NONCE_BYTES)
+    message = f"launcher does not speak torchrunx protocol version {protocol.PROTOCOL_VERSION}"
+    for bad in (b"X" + greeting[1:], greeting + b"x", greeting[:-1]):
+        with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
+            protocol.client_reply(SECRET, bad, "agent")
+
+
+def test_rule_a_launcher_without_the_secret_is_refused_by_the_client():
+    a, b = stream_pair()
+    with a, b:
+        a.sendall(protocol.server_greeting(b"n" * protocol.NONCE_BYTES))
+        a.sendall(b"\x00" * protocol.MAC_BYTES)  # a proof that proves nothing
+        with pytest.raises(
+            ProtocolError, match=r"^launcher failed to authenticate \(wrong launch secret\)$"
+        ):
+            protocol.client_handshake(b, SECRET, "agent")
+
+
+def test_rule_a_new_secret_is_fresh_and_of_its_size():
+    first, second = protocol.new_secret(), protocol.new_secret()
+    assert len(first) == protocol.SECRET_BYTES and first != second
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now, self.sleeps = 1000.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_rule_connect_retries_a_refused_try_with_a_doubling_pause_until_its_timeout(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(protocol.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(protocol.time, "sleep", clock.sleep)
+    tries: list[tuple] = []
+
+    def refuse(address, secret, role, timeout):
+        tries.append((address, secret, role, timeout))
+        raise ConnectionRefusedError("refused")
+
+    monkeypatch.setattr(protocol, "_connect_once", refuse)
+    with pytest.raises(ConnectionRefusedError):
+        protocol.connect(("h", 1), SECRET, "worker", 3.0)
+    assert clock.sleeps == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]  # doubling, at most 1 s
+    assert tries[0] == (("h", 1), SECRET, "worker", 3.0)
+    assert [round(t[3], 6) for t in tries] == [3.0, 2.95, 2.85, 2.65, 2.25, 1.45, 0.45]
+
+
+def test_rule_connect_returns_the_first_try_that_works_and_never_retries_a_bad_secret(
+    monkeypatch,
+):
+    clock = FakeClock()
+    monkeypatch.setattr(protocol.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(protocol.time, "sleep", clock.sleep)
+    outcomes = [ConnectionResetError("shed"), "connection"]
+
+    def once(address, secret, role, timeout):
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(protocol, "_connect_once", once)
+    assert protocol.connect(("h", 1), SECRET, "agent", 5.0) == "connection"
+    assert clock.sleeps == [0.05]
+
+    def wrong_secret(*_args):
+        raise ProtocolError("launcher failed to authenticate")
+
+    monkeypatch.setattr(protocol, "_connect_once", wrong_secret)
+    with pytest.raises(ProtocolError):
+        protocol.connect(("h", 1), SECRET, "agent", 5.0)
+    assert clock.sleeps == [0.05]
+
+
+def test_rule_connect_gives_the_last_try_at_least_a_moment(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(protocol.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(protocol.time, "sleep", clock.sleep)
+    timeouts: list[float] = []
+
+    def refuse(address, secret, role, timeout):
+        timeouts.append(timeout)
+        clock.now += 10  # this try used up the time
+        raise ConnectionRefusedError
+
+    monkeypatch.setattr(protocol, "_connect_once", refuse)
+    with pytest.raises(ConnectionRefusedError):
+        protocol.connect(("h", 1), SECRET, "agent", 0.0)
+    assert timeouts == [0.001] and clock.sleeps == []
