@@ -1,7 +1,7 @@
 """Warm agents (issues #18, #23): from the call to the function's start on every rank, per run.
 
     python benchmarks/warm.py [--runs N] [--idle SECONDS] [--smoke] [--setups local ssh]
-                              [--tools floor floor-init upstream cold warm warm-keep]
+                              [--tools floor floor-init floor-cold upstream cold warm warm-keep]
                               [--results-file benchmarks/RESULTS.md]
 
 In one invocation, on 1 host x 2 workers (``localhost``) and on 2 bench test hosts x 2 workers
@@ -18,13 +18,18 @@ In one invocation, on 1 host x 2 workers (``localhost``) and on 2 bench test hos
 - ``floor``: a process per host that has imported torch (as an agent has) is told, over a pipe
   (over SSH on test hosts), to fork its ranks; they join one gloo group through a TCP store
   that this process keeps listening;
-- ``floor-init``: the same, but the ranks join with ``init_process_group(init_method="tcp://")``,
-  whose store rank 0 makes (as torchrunx 0.4's workers do): a rank that connects before rank 0
-  listens backs off for a while (torch's retry, 0.25 s or more). Ours no longer do: the store's
-  port listens before the workers start (``torchrunx.agentstore``).
+- ``floor-cold``: a cold floor: every launch starts a new such process per host (over SSH on
+  test hosts), which imports torch and forks its ranks once, onto a store that listens
+  already; from before the processes start to every rank's start;
+- ``floor-init``: the same as ``floor``, but the ranks join with
+  ``init_process_group(init_method="tcp://")``, whose store rank 0 makes (as torchrunx 0.4's
+  workers do): a rank that connects before rank 0 listens backs off for a while (torch's
+  retry, 0.25 s or more). Ours no longer do: the store's port listens before the workers
+  start (``torchrunx.agentstore``).
 
 Targets (issue #23), on runs 2 and later: fresh workers median <= 0.10 s and slowest <= 0.25 s;
-workers that stay median <= 0.02 s; cold launches no run more than 0.2 s over their median.
+workers that stay median <= 0.02 s; cold launches no run more than 0.2 s over their median
+(``floor-cold`` shows how much this machine's cold starts vary by themselves).
 
 The figure is the latest rank's ``time.time()`` at its function's first line (after the group is
 joined) less ``time.time()`` just before the call: the first run, and the median, min and max of
@@ -92,8 +97,16 @@ COLD_SPREAD_S = 0.2
 BEGIN, END = "<!-- warm:begin -->", "<!-- warm:end -->"
 FLOOR_READY = "floor-ready"
 
-Tool = Literal["floor", "floor-init", "upstream", "cold", "warm", "warm-keep"]
-TOOLS: tuple[Tool, ...] = ("floor", "floor-init", "upstream", "cold", "warm", "warm-keep")
+Tool = Literal["floor", "floor-init", "floor-cold", "upstream", "cold", "warm", "warm-keep"]
+TOOLS: tuple[Tool, ...] = (
+    "floor",
+    "floor-init",
+    "floor-cold",
+    "upstream",
+    "cold",
+    "warm",
+    "warm-keep",
+)
 ROWS: dict[Tool, str] = {
     "upstream": "torchrunx 0.4: `Launcher.run` (every launch cold)",
     "cold": "ours: `Launcher.run` (every launch cold)",
@@ -101,6 +114,7 @@ ROWS: dict[Tool, str] = {
     "warm-keep": "ours: warm agents, workers that stay (`warm(keep_workers=True)`)",
     "floor": "floor: running processes fork the ranks, gloo group on a listening store",
     "floor-init": "floor, rank 0 makes the store (`init_method=tcp://`)",
+    "floor-cold": "floor, cold: a new process per host imports torch, then forks the ranks",
 }
 
 
@@ -275,6 +289,8 @@ def measure(tool: Tool, setup: Setup, ctx: Context, launches: int, idle: float) 
     try:
         if tool in ("floor", "floor-init"):
             series = run_floor(setup, ctx, scratch, launches, own_store=tool == "floor")
+        elif tool == "floor-cold":
+            series = run_floor_cold(setup, ctx, scratch, launches)
         elif tool in ("warm", "warm-keep"):
             keep = tool == "warm-keep"
             series = run_warm(setup, ctx, scratch, launches, 0.0 if keep else idle, keep=keep)
@@ -591,6 +607,42 @@ def run_floor(
     return series
 
 
+def run_floor_cold(setup: Setup, ctx: Context, scratch: Path, launches: int) -> Series:
+    """``launches`` cold rounds: each starts new floor agents (over SSH on test hosts), which
+    import torch, fork the ranks, and join a group on a store that listens already.
+
+    The least a cold launch does: the figure is from before the agents start to every rank's
+    start, so its spread is what this machine's starts and imports of torch vary by.
+    """
+    series = Series()
+    address = "127.0.0.1"
+    if setup.hosts:
+        assert ctx.cluster is not None  # hostnames() checked
+        address = ctx.cluster.launcher_address
+    server = listening_store(address)
+    for round_ in range(launches):
+        agents: list[FloorAgent] = []
+        try:
+            called = time.time()
+            start_floor_agents(setup, ctx, scratch, agents)
+            ready = [agent.reply() for agent in agents]
+            if any(line != FLOOR_READY for line in ready):
+                series.error = f"round {round_ + 1}: a floor agent did not start: {ready}"
+                break
+            figures = floor_round(agents, setup, (address, server.port), scratch, round_, called)
+        finally:
+            for agent in agents:
+                agent.close()
+            gc.collect()
+        if isinstance(figures, str):
+            series.error = figures
+            break
+        series.starts.append(figures[0])
+        series.walls.append(figures[1])
+    del server
+    return series
+
+
 def start_floor_agents(setup: Setup, ctx: Context, scratch: Path, agents: list[FloorAgent]) -> str:
     """Start one floor agent per host (added to ``agents``); the address of rank 0's host."""
     floor = [sys.executable, str(Path(__file__).resolve()), "--floor-agent"]
@@ -677,17 +729,18 @@ def ssh_floor_agent(host: str, config_file: str, command: str) -> FloorAgent:
     return FloorAgent(stdin, stdout, close)
 
 
-def floor_round(
+def floor_round(  # noqa: PLR0913, PLR0917 (a round, and when its clock started)
     agents: list[FloorAgent],
     setup: Setup,
     store: tuple[str, int | None],
     scratch: Path,
     tag: int,
+    since: float | None = None,
 ) -> tuple[float, float] | str:
     """One round: tell every agent at once, wait for their ranks to exit.
 
     ``store``: the address of the group's store, and its port if it listens already (else rank
-    0 makes it, on a free port).
+    0 makes it, on a free port). ``since``: the time the figures count from (default: now).
 
     Returns:
         Seconds to the start on every rank and to every agent's reply, or what went wrong.
@@ -710,7 +763,8 @@ def floor_round(
     starts = [read_lines(scratch / f"floor-{tag}-{rank}") for rank in range(setup.world_size)]
     if not all(starts):
         return f"round {tag + 1}: a rank recorded no time"
-    return max(times[0] for times in starts) - called, returned - called
+    base = called if since is None else since
+    return max(times[0] for times in starts) - base, returned - base
 
 
 # -- the table ------------------------------------------------------------------------------------
@@ -818,7 +872,9 @@ def all_notes(run: Invocation) -> list[str]:
             "in one process. The floors: one process per host, torch imported, is told (over "
             "SSH on test hosts) to fork its 2 ranks, which join one gloo group: through a TCP "
             "store that the benchmark keeps listening, or with `init_method=tcp://`, whose store "
-            "rank 0 makes, as the launchers' workers do (see README)."
+            "rank 0 makes, as torchrunx 0.4's workers do. The cold floor starts such a process "
+            "per host for every launch (over SSH on test hosts): it imports torch, then forks "
+            "its ranks onto the listening store; its spread is this machine's own."
         ),
         (
             f"{os.cpu_count()} cores; {run.minutes:.1f} min in all; load average {run.load:.2f} "
