@@ -1172,13 +1172,14 @@ _RETRY_MOST = 1.0
 def connect(address: tuple[str, int], secret: bytes, role: Role, timeout: float) -> Connection:
     """Connect to the launcher, authenticate, and return the framed connection.
 
-    A try that the launcher refuses, resets or closes before the handshake is done (it sheds
-    handshakes when a flood fills its cap) is tried again, with a short growing pause, until
-    ``timeout`` seconds have passed since the first.
+    A try that the launcher resets or closes before the handshake is done (it sheds handshakes
+    when a flood fills its cap) is tried again, with a short growing pause, until ``timeout``
+    seconds have passed since the first. A refused connection is not: nothing listens there
+    (the launcher is gone, or the address is wrong), and waiting would only hide that.
 
     Raises:
         ProtocolError: Authentication failed (the launcher does not know the secret).
-        OSError: The launcher cannot be reached within ``timeout`` seconds.
+        OSError: The launcher cannot be reached within ``timeout`` seconds, or refuses.
     """
     deadline = time.monotonic() + timeout
     pause = _RETRY_FIRST
@@ -1186,9 +1187,9 @@ def connect(address: tuple[str, int], secret: bytes, role: Role, timeout: float)
         left = deadline - time.monotonic()
         try:
             return _connect_once(address, secret, role, max(left, 0.001))
-        except ProtocolError:
+        except (ProtocolError, ConnectionRefusedError):
             raise
-        except OSError:
+        except ConnectionError:  # reset, aborted, or closed by the launcher: shed
             left = deadline - time.monotonic()
             if left <= pause:
                 raise
