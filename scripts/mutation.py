@@ -202,6 +202,18 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "self._alarmed.discard(None)",
         "a cache of alarm, which skips settled ranks",
     ),
+    "torchrunx.launch_state.x\u01c1LaunchState\u01c1timings__mutmut_38": (
+        "ranks, strict=None)",
+        _ZIP,
+    ),
+    "torchrunx.launch_state.x\u01c1LaunchState\u01c1timings__mutmut_41": (
+        "zip(self.ranks, ranks, )",
+        _ZIP,
+    ),
+    "torchrunx.launch_state.x\u01c1LaunchState\u01c1timings__mutmut_42": (
+        "ranks, strict=False)",
+        _ZIP,
+    ),
     "torchrunx.inbox.x\u01c1Inbox\u01c1drop__mutmut_2": (
         "(conn is None) and False",
         "peers has no None key: peers.get(None) is None too",

@@ -2081,30 +2081,45 @@ class FakeClock:
         self.now += seconds
 
 
-def test_rule_connect_retries_a_refused_try_with_a_doubling_pause_until_its_timeout(monkeypatch):
+def test_rule_connect_retries_a_shed_try_with_a_doubling_pause_until_its_timeout(monkeypatch):
+    """Rule: a try that the launcher resets or closes (a shed handshake) is tried again."""
     clock = FakeClock()
-    monkeypatch.setattr(protocol.time, "monotonic", clock.monotonic)
-    monkeypatch.setattr(protocol.time, "sleep", clock.sleep)
+    monkeypatch.setattr(protocol, "time", clock)  # protocol's clock only
     tries: list[tuple] = []
 
-    def refuse(address, secret, role, timeout):
+    def shed(address, secret, role, timeout):
         tries.append((address, secret, role, timeout))
-        raise ConnectionRefusedError("refused")
+        raise ConnectionResetError("reset")
 
-    monkeypatch.setattr(protocol, "_connect_once", refuse)
-    with pytest.raises(ConnectionRefusedError):
+    monkeypatch.setattr(protocol, "_connect_once", shed)
+    with pytest.raises(ConnectionResetError):
         protocol.connect(("h", 1), SECRET, "worker", 3.0)
     assert clock.sleeps == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]  # doubling, at most 1 s
     assert tries[0] == (("h", 1), SECRET, "worker", 3.0)
     assert [round(t[3], 6) for t in tries] == [3.0, 2.95, 2.85, 2.65, 2.25, 1.45, 0.45]
 
 
+def test_rule_connect_does_not_retry_a_refused_connection(monkeypatch):
+    """Rule: nothing listens there (the launcher is gone): say so at once."""
+    clock = FakeClock()
+    monkeypatch.setattr(protocol, "time", clock)
+    tries: list[float] = []
+
+    def refuse(address, secret, role, timeout):
+        tries.append(timeout)
+        raise ConnectionRefusedError("refused")
+
+    monkeypatch.setattr(protocol, "_connect_once", refuse)
+    with pytest.raises(ConnectionRefusedError):
+        protocol.connect(("h", 1), SECRET, "worker", 3.0)
+    assert tries == [3.0] and clock.sleeps == []
+
+
 def test_rule_connect_returns_the_first_try_that_works_and_never_retries_a_bad_secret(
     monkeypatch,
 ):
     clock = FakeClock()
-    monkeypatch.setattr(protocol.time, "monotonic", clock.monotonic)
-    monkeypatch.setattr(protocol.time, "sleep", clock.sleep)
+    monkeypatch.setattr(protocol, "time", clock)  # protocol's clock only
     outcomes = [ConnectionResetError("shed"), "connection"]
 
     def once(address, secret, role, timeout):
@@ -2128,16 +2143,28 @@ def test_rule_connect_returns_the_first_try_that_works_and_never_retries_a_bad_s
 
 def test_rule_connect_gives_the_last_try_at_least_a_moment(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(protocol.time, "monotonic", clock.monotonic)
-    monkeypatch.setattr(protocol.time, "sleep", clock.sleep)
+    monkeypatch.setattr(protocol, "time", clock)  # protocol's clock only
     timeouts: list[float] = []
 
     def refuse(address, secret, role, timeout):
         timeouts.append(timeout)
         clock.now += 10  # this try used up the time
-        raise ConnectionRefusedError
+        raise ConnectionResetError
 
     monkeypatch.setattr(protocol, "_connect_once", refuse)
-    with pytest.raises(ConnectionRefusedError):
+    with pytest.raises(ConnectionResetError):
         protocol.connect(("h", 1), SECRET, "agent", 0.0)
     assert timeouts == [0.001] and clock.sleeps == []
+
+
+def test_rule_after_a_restart_no_result_counts_before_it_comes():
+    state = running(1, 2, keep_workers=True)
+    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    state.next_attempt()
+    state.assign(state.agents[0], spec(0, 2, 1))
+    for rank in state.ranks:
+        state.worker_hello(rank, 100 + rank.rank, 2000 + rank.rank)
+    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 2.0)
+    assert not state.finished  # one result of this attempt, of two
+    state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 2.0)
+    assert state.finished
