@@ -26,7 +26,9 @@ import hmac
 import logging
 import pickle
 import re
+import select
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -2168,3 +2170,67 @@ def test_rule_after_a_restart_no_result_counts_before_it_comes():
     assert not state.finished  # one result of this attempt, of two
     state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 2.0)
     assert state.finished
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 13, 100, 5000])
+def test_rule_frames_are_the_same_however_the_plaintext_is_cut_into_records(chunk):
+    """Rule: a record may end anywhere in a frame (mid-part too): the frames are the same."""
+    data = b"".join(plaintext(m, p) for m, p in FRAMES)
+    sealer, reader = pair()
+    frames: list = []
+    for start in range(0, len(data), chunk):
+        frames += reader.open_record(sealer.seal(data[start : start + chunk]))
+    assert [(m, [bytes(part) for part in parts]) for m, parts in frames] == FRAMES
+
+
+def test_rule_a_large_frame_is_read_whole_and_the_buffer_goes_back_to_small():
+    """Rule: the reader grows its buffer to the record that comes, and gives it back once
+    nothing is left to read (an idle connection costs IDLE_BUFFER_BYTES)."""
+    sealer, reader = pair()
+    payload = [bytes(range(256)) * 600, b"y" * (protocol.RECORD_BYTES + 10)]
+    a, b = stream_pair()
+    with a, b:
+        sender = threading.Thread(
+            target=lambda: [a.sendall(r) for r in sealer.seal_frame(WorkerResult(0), payload)]
+        )
+        sender.start()
+        b.setblocking(False)  # noqa: FBT003
+        frames: list = []
+        deadline = time.monotonic() + 30
+        while not frames and time.monotonic() < deadline:
+            more, ended = reader.read(b)
+            assert not ended, reader.error
+            frames += more
+            select.select([b], [], [], 0.1)
+        sender.join(10)
+        assert [(m, [bytes(p) for p in parts]) for m, parts in frames] == [
+            (WorkerResult(0), payload)
+        ]
+        assert reader.read(b) == ([], False)  # nothing left now
+        assert len(reader._raw) == protocol.IDLE_BUFFER_BYTES
+
+
+def test_rule_one_read_takes_about_its_budget_not_everything_there_is():
+    sealer, reader = pair()
+    a, b = stream_pair()
+    with a, b:
+        records = [r for _ in range(20) for r in sealer.seal_frame(WorkerResult(0), [b"x" * 3000])]
+        a.sendall(b"".join(bytes(r) for r in records))
+        b.setblocking(False)  # noqa: FBT003
+        first, _ = reader.read(b, budget=10_000)
+        assert 1 <= len(first) < 20
+        rest, _ = reader.read(b)
+        assert len(first) + len(rest) == 20
+
+
+def test_rule_connect_does_not_pause_past_its_deadline(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(protocol, "time", clock)
+
+    def shed(*_args):
+        raise ConnectionResetError
+
+    monkeypatch.setattr(protocol, "_connect_once", shed)
+    with pytest.raises(ConnectionResetError):
+        protocol.connect(("h", 1), SECRET, "agent", protocol._RETRY_FIRST)  # left == pause
+    assert clock.sleeps == []
