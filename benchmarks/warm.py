@@ -887,7 +887,8 @@ def all_notes(run: Invocation) -> list[str]:
         if tool in ("warm", "warm-keep") and series.opened is not None:
             closed = "" if series.closed is None else f", its end {series.closed:.2f} s"
             out.append(
-                f"{label}: `Launcher.warm()` took {series.opened:.2f} s{closed}. It returns once "
+                f"{label}, {tool}: `Launcher.warm()` took {series.opened:.2f} s{closed}. It "
+                "returns once "
                 "every agent has said hello; the agents' import of torch, which starts then, "
                 "ends within the first run."
             )
