@@ -872,9 +872,9 @@ def all_notes(run: Invocation) -> list[str]:
             "in one process. The floors: one process per host, torch imported, is told (over "
             "SSH on test hosts) to fork its 2 ranks, which join one gloo group: through a TCP "
             "store that the benchmark keeps listening, or with `init_method=tcp://`, whose store "
-            "rank 0 makes, as torchrunx 0.4's workers do. The cold floor starts such a process "
-            "per host for every launch (over SSH on test hosts): it imports torch, then forks "
-            "its ranks onto the listening store; its spread is this machine's own."
+            "rank 0 makes, as the original torchrunx's workers do. The cold floor starts such "
+            "a process per host for every launch (over SSH on test hosts): it imports torch, "
+            "then forks its ranks onto the listening store; its spread is this machine's own."
         ),
         (
             f"{os.cpu_count()} cores; {run.minutes:.1f} min in all; load average {run.load:.2f} "
