@@ -611,7 +611,9 @@ def main(line: bytes) -> None:
     gpus = count_local_gpus()
     cpus = count_local_cpus()
     # Host 0 runs rank 0: its agent hosts the rendezvous store, listening from now on.
-    store = StoreSocket(listen_address(boot.launcher_address)) if boot.host_index == 0 else None
+    store = (
+        StoreSocket(listen_address(local_only=boot.local_only)) if boot.host_index == 0 else None
+    )
     conn.send(
         AgentHello(
             host_index=boot.host_index,

@@ -154,6 +154,7 @@ class AgentStarts:
             sys_path=tuple(sys.path),
             count=count_mode(self.launcher.workers_per_host),
             warm=self.warm,
+            local_only=all(not a.remote for a in self.agents),
         ).to_json_line()
 
 

@@ -30,7 +30,6 @@ import contextlib
 import datetime as dt
 import importlib.abc
 import importlib.machinery
-import ipaddress
 import logging
 import socket
 import sys
@@ -46,17 +45,14 @@ _servers: list[Any] = []
 """The store served by this process (rank 0), kept alive as long as the process."""
 
 
-def listen_address(launcher_address: str) -> str:
-    """Where the store listens: loopback when the launcher is reached there, else everywhere.
+def listen_address(*, local_only: bool) -> str:
+    """Where the store listens: loopback, or every interface (``""``).
 
-    The launcher gives its agents a loopback address only when every host is this machine
-    (see :mod:`torchrunx.agent_starts`): then every rank is local too.
+    Loopback when every host of the launch is the launcher's machine
+    (``AgentBootstrap.local_only``: every rank is local then); else every interface, since the
+    other hosts' ranks reach it at an address only they know.
     """
-    try:
-        loopback = ipaddress.ip_address(launcher_address).is_loopback
-    except ValueError:
-        loopback = launcher_address == "localhost"
-    return "127.0.0.1" if loopback else ""
+    return "127.0.0.1" if local_only else ""
 
 
 def _listening_socket(host: str) -> socket.socket:

@@ -130,6 +130,9 @@ class AgentBootstrap:
     or "cpu" (``workers_per_host`` of that name)."""
     warm: bool = False
     """Stay after each run's workers end, for the next run, until a final Stop (warm agents)."""
+    local_only: bool = False
+    """Every host of the launch is the launcher's machine: host 0's rendezvous store listens on
+    loopback only (:mod:`torchrunx.agentstore`); else on every interface."""
 
     def to_json_line(self) -> bytes:
         """Encode as one line of JSON (the secret as hex), ending with a newline."""
@@ -146,6 +149,7 @@ class AgentBootstrap:
             "log_level": self.log_level,
             "sys_path": list(self.sys_path),
             "warm": self.warm,
+            "local_only": self.local_only,
         }
         return json.dumps(data).encode() + b"\n"
 
@@ -181,6 +185,7 @@ class AgentBootstrap:
             sys_path=fields.paths("sys_path"),
             count=fields.choice("count", COUNT_MODES, default="auto"),
             warm=fields.boolean("warm"),
+            local_only=fields.boolean("local_only"),
         )
         fields.no_others()
         return bootstrap
