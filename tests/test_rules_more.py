@@ -2225,6 +2225,7 @@ def test_rule_one_read_takes_about_its_budget_not_everything_there_is():
 
 def test_rule_connect_does_not_pause_past_its_deadline(monkeypatch):
     clock = FakeClock()
+    clock.now = 0.0  # deadline - now is then exactly the first pause, with no rounding
     monkeypatch.setattr(protocol, "time", clock)
 
     def shed(*_args):
