@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import socket
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -221,3 +222,26 @@ def listened_during_launch(
 
     result = trx.launch(func, event_handlers=(on_event,), **fields)  # type: ignore[arg-type]
     return bound[0], result
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of ``pid`` (an agent's guardian, a worker's agent)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def wait_gone(pid: int, seconds: float = 10) -> None:
+    """Wait (bounded) until ``pid`` has ended; fail the test if it does not."""
+    deadline = time.monotonic() + seconds
+    while alive(pid):
+        assert time.monotonic() < deadline, f"process {pid} did not end"
+        time.sleep(0.01)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import listening_addresses
+from conftest import listening_addresses, parent_pid, wait_gone
 
 import torchrunx as trx
 from torchrunx.agentstore import StoreSocket, listen_address
@@ -88,38 +88,18 @@ def rank_0_loses_its_agent() -> None:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
 def command(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode(errors="replace")
 
 
-def wait_gone(pid: int, seconds: float = 10) -> None:
-    deadline = time.monotonic() + seconds
-    while alive(pid):
-        assert time.monotonic() < deadline, f"process {pid} did not end"
-        time.sleep(0.01)
-
-
 def ssh_session_of(pid: int) -> int:
     """The per-connection ``sshd`` process above ``pid`` (an SSH-started agent)."""
-    above = parent(pid)
+    above = parent_pid(pid)
     while above > 1:
         if command(above).startswith("sshd"):
             return above
-        above = parent(above)
+        above = parent_pid(above)
     raise AssertionError(f"no sshd above {pid}")
 
 
@@ -128,7 +108,7 @@ def victim(agent: int, what: str) -> int:
     if what == "agent":
         return agent
     if what == "guardian":
-        return parent(agent)
+        return parent_pid(agent)
     return ssh_session_of(agent)
 
 

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from conftest import parent_pid, wait_gone
 
 import torchrunx as trx
 
@@ -47,26 +48,6 @@ def fail_first_attempt() -> str:
 
 def pids(result: trx.LaunchResult[tuple[int, int, int, int, float]]) -> list[int]:
     return [pid for _, pid, _, _, _ in result.ranks]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def wait_gone(pid: int, seconds: float = 10) -> None:
-    deadline = time.monotonic() + seconds
-    while alive(pid):
-        assert time.monotonic() < deadline, f"process {pid} did not end"
-        time.sleep(0.01)
 
 
 def launcher(**fields: object) -> trx.Launcher:
@@ -160,7 +141,7 @@ def test_ctrl_c_in_a_run_of_kept_workers_stops_them_and_the_next_run_is_fresh():
 def test_an_agent_killed_between_runs_of_kept_workers_fails_the_next_run():
     with launcher().warm(keep_workers=True) as warm:
         before = warm.run(state, 1)
-        agent = parent(pids(before)[0])
+        agent = parent_pid(pids(before)[0])
         os.kill(agent, signal.SIGKILL)
         wait_gone(agent)
         with pytest.raises(trx.AgentFailedError, match="localhost"):
