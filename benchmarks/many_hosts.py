@@ -4,9 +4,10 @@ Usage::
 
     python benchmarks/many_hosts.py [--hosts 1000] [--workers 8] [--simulators 4]
 
-The launcher is the real one (:class:`torchrunx.orchestrator.Launch`: its listener, handshakes,
+The launcher is the real one (:class:`torchrunx.launcher.orchestrator.Launch`: its listener,
+handshakes,
 frames, launch state, heartbeats and result collection); only the agents and workers are
-simulated. They speak the real protocol (:mod:`torchrunx.protocol`) without torch, from a few
+simulated. They speak the real protocol (:mod:`torchrunx.wire.protocol`) without torch, from a few
 processes (``--simulators``, each an asyncio loop holding a share of the hosts), so that this
 machine can hold 9,000 connections: per host one agent connection (hello, spec, workers
 started, worker exits, done) and one connection per worker (hello, the result of a no-op
@@ -32,9 +33,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torchrunx as trx
-from torchrunx import protocol, serialization
-from torchrunx.hosts import HostSlots
-from torchrunx.orchestrator import Launch
+from torchrunx import serialization
+from torchrunx.hosts.resolve import HostSlots
+from torchrunx.launcher.orchestrator import Launch
+from torchrunx.wire import protocol
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

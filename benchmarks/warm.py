@@ -25,7 +25,7 @@ In one invocation, on 1 host x 2 workers (``localhost``) and on 2 bench test hos
   ``init_process_group(init_method="tcp://")``, whose store rank 0 makes (as torchrunx 0.4's
   workers do): a rank that connects before rank 0 listens backs off for a while (torch's
   retry, 0.25 s or more). Ours no longer do: the store's port listens before the workers
-  start (``torchrunx.agentstore``).
+  start (``torchrunx.agent.store``).
 
 Targets (issue #23), on runs 2 and later: fresh workers median <= 0.10 s and slowest <= 0.25 s;
 workers that stay median <= 0.02 s; cold launches no run more than 0.2 s over their median
@@ -713,7 +713,7 @@ def local_floor_agent(argv: list[str], scratch: Path) -> FloorAgent:
 
 
 def ssh_floor_agent(host: str, config_file: str, command: str) -> FloorAgent:
-    from torchrunx.transport import resolve_ssh_target, ssh_connect  # noqa: PLC0415
+    from torchrunx.launcher.transport import resolve_ssh_target, ssh_connect  # noqa: PLC0415
 
     clients: list[paramiko.SSHClient] = ssh_connect(
         resolve_ssh_target(host, config_file, 10.0), config_file

@@ -64,11 +64,11 @@ class Target:
 
 TARGETS: dict[str, Target] = {
     "failures": Target(
-        "torchrunx/failures.py",
+        "torchrunx/launcher/failures.py",
         ("tests/test_rules_failures.py", "tests/test_launch_state.py", "tests/test_rules_more.py"),
     ),
     "launch_state": Target(
-        "torchrunx/launch_state.py",
+        "torchrunx/launcher/state.py",
         (
             "tests/test_launch_state.py",
             "tests/test_rules_state.py",
@@ -77,12 +77,12 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "inbox": Target(
-        "torchrunx/inbox.py",
+        "torchrunx/launcher/inbox.py",
         ("tests/test_rules_more.py",),
         note="driven with stand-in peers, pool and listener: no socket, no process",
     ),
     "protocol": Target(
-        "torchrunx/protocol.py",
+        "torchrunx/wire/protocol.py",
         (
             "tests/test_rules_handshake.py",
             "tests/test_pure.py",
@@ -121,7 +121,7 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "hostlists": Target(
-        "torchrunx/hostlists.py",
+        "torchrunx/hosts/hostlists.py",
         (
             "tests/test_hosts.py",
             "tests/test_slurm.py",
@@ -130,13 +130,13 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "hosts": Target(
-        "torchrunx/hosts.py",
+        "torchrunx/hosts/resolve.py",
         ("tests/test_hosts.py", "tests/test_plugins.py", "tests/test_rules_more.py"),
         functions=("hostnames_source", "check_hostname", "check_hostnames"),
         note="the validation of hostnames (resolution and counting read the machine)",
     ),
     "launcher": Target(
-        "torchrunx/launcher.py",
+        "torchrunx/launcher/launcher.py",
         (
             "tests/test_api.py",
             "tests/test_compat.py",
@@ -195,168 +195,180 @@ _ALNUM = "a character replaced by 'XXXX' is as alphanumeric as one removed"
 EQUIVALENT: dict[str, tuple[str, str]] = {
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
-    "torchrunx.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),
-    "torchrunx.failures.x_restarts_for__mutmut_21": ('type_name.rsplit(".", )[-1]', _RSPLIT),
-    "torchrunx.failures.x_restarts_for__mutmut_24": ('type_name.rsplit(".", 2)[-1]', _RSPLIT),
+    "torchrunx.launcher.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),
+    "torchrunx.launcher.failures.x_restarts_for__mutmut_21": (
+        'type_name.rsplit(".", )[-1]',
+        _RSPLIT,
+    ),
+    "torchrunx.launcher.failures.x_restarts_for__mutmut_24": (
+        'type_name.rsplit(".", 2)[-1]',
+        _RSPLIT,
+    ),
     "torchrunx.devices.x_resolve_backend__mutmut_4": ("undecided = None", _FALSY),
-    "torchrunx.launch_state.x\u01c1LaunchState\u01c1workers_ended__mutmut_3": (
+    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1workers_ended__mutmut_3": (
         "message.attempt <= self.attempt",
         "for an equal attempt the reply is accepted by the first condition already",
     ),
-    "torchrunx.launch_state.x\u01c1LaunchState\u01c1settle__mutmut_2": (
+    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1settle__mutmut_2": (
         "self._waiting_ranks.discard(None)",
         "a cache of due/next_due: a settled rank's settle_by is None, so it is never due",
     ),
-    "torchrunx.launch_state.x\u01c1LaunchState\u01c1settle__mutmut_3": (
+    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1settle__mutmut_3": (
         "self._alarmed.discard(None)",
         "a cache of alarm, which skips settled ranks",
     ),
-    "torchrunx.launch_state.x\u01c1LaunchState\u01c1timings__mutmut_38": (
+    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1timings__mutmut_38": (
         "ranks, strict=None)",
         _ZIP,
     ),
-    "torchrunx.launch_state.x\u01c1LaunchState\u01c1timings__mutmut_41": (
+    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1timings__mutmut_41": (
         "zip(self.ranks, ranks, )",
         _ZIP,
     ),
-    "torchrunx.launch_state.x\u01c1LaunchState\u01c1timings__mutmut_42": (
+    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1timings__mutmut_42": (
         "ranks, strict=False)",
         _ZIP,
     ),
-    "torchrunx.inbox.x\u01c1Inbox\u01c1drop__mutmut_2": (
+    "torchrunx.launcher.inbox.x\u01c1Inbox\u01c1drop__mutmut_2": (
         "(conn is None) and False",
         "peers has no None key: peers.get(None) is None too",
     ),
-    "torchrunx.protocol.x_client_reply__mutmut_47": ("role_byte, server=None)", _FALSY),
-    "torchrunx.protocol.x_encode_frame_start__mutmut_3": ("protocol=None)", _PICKLE),
-    "torchrunx.protocol.x_encode_frame_start__mutmut_5": ("pickle.dumps(message, )", _PICKLE),
-    "torchrunx.protocol.x\u01c1_FrameParser\u01c1_room__mutmut_4": ("len(part) <= need", _GROWTH),
-    "torchrunx.protocol.x\u01c1_FrameParser\u01c1_room__mutmut_15": ("3 * len(part)", _GROWTH),
-    "torchrunx.protocol.x\u01c1_FrameParser\u01c1target__mutmut_4": (
+    "torchrunx.wire.protocol.x_client_reply__mutmut_47": ("role_byte, server=None)", _FALSY),
+    "torchrunx.wire.protocol.x_encode_frame_start__mutmut_3": ("protocol=None)", _PICKLE),
+    "torchrunx.wire.protocol.x_encode_frame_start__mutmut_5": ("pickle.dumps(message, )", _PICKLE),
+    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1_room__mutmut_4": (
+        "len(part) <= need",
+        _GROWTH,
+    ),
+    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1_room__mutmut_15": ("3 * len(part)", _GROWTH),
+    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1target__mutmut_4": (
         "self._filled <= size:",
         (
             "a record that exactly fills the rest of a part is decrypted and copied instead of "
             "decrypted in place: the same bytes"
         ),
     ),
-    "torchrunx.protocol.x\u01c1Connection\u01c1__init____mutmut_8": ("_close_sent = None", _FALSY),
-    "torchrunx.protocol.x\u01c1Connection\u01c1close__mutmut_1": (
+    "torchrunx.wire.protocol.x\u01c1Connection\u01c1__init____mutmut_8": (
+        "_close_sent = None",
+        _FALSY,
+    ),
+    "torchrunx.wire.protocol.x\u01c1Connection\u01c1close__mutmut_1": (
         "fileno() > 0:",
         "a connection's socket is never descriptor 0 (standard input)",
     ),
-    "torchrunx.protocol.x\u01c1Connection\u01c1close__mutmut_2": (
+    "torchrunx.wire.protocol.x\u01c1Connection\u01c1close__mutmut_2": (
         "fileno() >= 1:",
         "a connection's socket is never descriptor 0 (standard input)",
     ),
-    "torchrunx.protocol.x__recv_exact_into__mutmut_5": ("is None) and False else 0", _PERF),
-    "torchrunx.protocol.x__recv_exact_into__mutmut_6": ("is None) or True else 0", _PERF),
-    "torchrunx.protocol.x__recv_exact_into__mutmut_7": ("gettimeout() is not None", _PERF),
-    "torchrunx.protocol.x__recv_exact_into__mutmut_16": ("size - received, )", _PERF),
-    "torchrunx.protocol.x\u01c1_FrameParser\u01c1__init____mutmut_3": (
+    "torchrunx.wire.protocol.x__recv_exact_into__mutmut_5": ("is None) and False else 0", _PERF),
+    "torchrunx.wire.protocol.x__recv_exact_into__mutmut_6": ("is None) or True else 0", _PERF),
+    "torchrunx.wire.protocol.x__recv_exact_into__mutmut_7": ("gettimeout() is not None", _PERF),
+    "torchrunx.wire.protocol.x__recv_exact_into__mutmut_16": ("size - received, )", _PERF),
+    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1__init____mutmut_3": (
         "_sizes: list[int] = None",
         _UNREAD,
     ),
-    "torchrunx.protocol.x\u01c1_FrameParser\u01c1__init____mutmut_4": (
+    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1__init____mutmut_4": (
         "_parts: list[bytearray] = None",
         _UNREAD,
     ),
-    "torchrunx.protocol.x\u01c1_FrameParser\u01c1feed__mutmut_10": (
+    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1feed__mutmut_10": (
         "if position <= len(view):",
         "with nothing left, an empty rest is appended and the buffer cut again: no change",
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1read__mutmut_4": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1read__mutmut_4": (
         "while received <= budget:",
         "one more read when exactly the budget was read: the budget is a bound, not an amount",
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1read_record__mutmut_12": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1read_record__mutmut_12": (
         "self._record_size(None)",
         "view[None:] is view[0:]",
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1read_record__mutmut_14": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1read_record__mutmut_14": (
         "len(self._raw) <= _RECORD.size + size",
         "growing a buffer that is just large enough by zero bytes",
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1read_record__mutmut_19": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1read_record__mutmut_19": (
         "size + len(self._raw))",
         _GROWTH,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_open__mutmut_31": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open__mutmut_31": (
         "target = None",
         "every part decrypted, then copied, instead of decrypted in place: the same bytes",
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_open_all__mutmut_5": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open_all__mutmut_5": (
         "self._have - start > _RECORD.size:",
         "a lone record header cannot be opened either way: it waits for the rest of its record",
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_3": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_3": (
         "_RECORD.size - self",
         _GROWTH,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_4": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_4": (
         "_record_size(None)",
         _GROWTH,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_15": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_15": (
         "2 / len(self._raw)",
         _GROWTH,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_16": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_16": (
         "3 * len(self._raw)",
         _GROWTH,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_17": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_17": (
         "size - _MAX_RECORD",
         _GROWTH,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_21": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_21": (
         "bytes(grown + len(self._raw))",
         _GROWTH + " (this one past one record's room: a memory bound no test asserts)",
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_1": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_1": (
         "IDLE_BUFFER_BYTES or self._have",
         _SHRINK,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_2": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_2": (
         "len(self._raw) >= IDLE_BUFFER_BYTES",
         _SHRINK,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_3": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_3": (
         "self._have < IDLE_BUFFER_BYTES",
         _SHRINK,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_open__mutmut_61": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open__mutmut_61": (
         "            None",
         _UNREACHABLE,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_open__mutmut_62": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open__mutmut_62": (
         "type(None).__name__",
         _UNREACHABLE,
     ),
-    "torchrunx.protocol.x\u01c1FrameReader\u01c1_open__mutmut_63": (
+    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open__mutmut_63": (
         "exception_text(None)",
         _UNREACHABLE,
     ),
-    "torchrunx.hostlists.x__expand_group__mutmut_15": (
+    "torchrunx.hosts.hostlists.x__expand_group__mutmut_15": (
         "break",
         "an empty match comes only at the end of the group: continue and break both end the loop",
     ),
-    "torchrunx.hostlists.x__expand_group__mutmut_24": ('["XXXX".join(literals)]', _ONE),
-    "torchrunx.hostlists.x__expand_group__mutmut_27": ('"XXXX".join(literals[len(', _ONE),
-    "torchrunx.hostlists.x__expand_group__mutmut_48": ("values, strict=None))", _ZIP),
-    "torchrunx.hostlists.x__expand_group__mutmut_51": ("zip(order, values, ))", _ZIP),
-    "torchrunx.hostlists.x__expand_group__mutmut_52": ("values, strict=False))", _ZIP),
-    "torchrunx.hostlists.x__expand_ranges__mutmut_26": ('startswith("0")) or True', _WIDTH),
-    "torchrunx.hostlists.x__expand_ranges__mutmut_29": ('startswith("0") else 1', _WIDTH),
-    "torchrunx.hostlists.x__slurm_gpus__mutmut_17": ('item.rsplit(":", )[-1]', _RSPLIT),
-    "torchrunx.hostlists.x__slurm_gpus__mutmut_20": ('item.rsplit(":", 2)[-1]', _RSPLIT),
-    "torchrunx.launcher.x__validate_restarts__mutmut_23": ('replace(".", "XXXX")', _ALNUM),
-    "torchrunx.launcher.x__validate_restarts__mutmut_25": ('replace("_", "XXXX")', _ALNUM),
-    "torchrunx.launcher.x__validate_env_vars__mutmut_10": (
+    "torchrunx.hosts.hostlists.x__expand_group__mutmut_24": ('["XXXX".join(literals)]', _ONE),
+    "torchrunx.hosts.hostlists.x__expand_group__mutmut_27": ('"XXXX".join(literals[len(', _ONE),
+    "torchrunx.hosts.hostlists.x__expand_group__mutmut_48": ("values, strict=None))", _ZIP),
+    "torchrunx.hosts.hostlists.x__expand_group__mutmut_51": ("zip(order, values, ))", _ZIP),
+    "torchrunx.hosts.hostlists.x__expand_group__mutmut_52": ("values, strict=False))", _ZIP),
+    "torchrunx.hosts.hostlists.x__expand_ranges__mutmut_26": ('startswith("0")) or True', _WIDTH),
+    "torchrunx.hosts.hostlists.x__expand_ranges__mutmut_29": ('startswith("0") else 1', _WIDTH),
+    "torchrunx.hosts.hostlists.x__slurm_gpus__mutmut_17": ('item.rsplit(":", )[-1]', _RSPLIT),
+    "torchrunx.hosts.hostlists.x__slurm_gpus__mutmut_20": ('item.rsplit(":", 2)[-1]', _RSPLIT),
+    "torchrunx.launcher.launcher.x__validate_restarts__mutmut_23": ('replace(".", "XXXX")', _ALNUM),
+    "torchrunx.launcher.launcher.x__validate_restarts__mutmut_25": ('replace("_", "XXXX")', _ALNUM),
+    "torchrunx.launcher.launcher.x__validate_env_vars__mutmut_10": (
         "break",
         "copy_env_vars, the entry skipped, is the loop's last: continue and break both end it",
     ),
-    "torchrunx.hostlists.x_parse_hostfile__mutmut_13": ('raw.split("#", )[0]', _SPLIT),
-    "torchrunx.hostlists.x_parse_hostfile__mutmut_16": ('raw.split("#", 2)[0]', _SPLIT),
+    "torchrunx.hosts.hostlists.x_parse_hostfile__mutmut_13": ('raw.split("#", )[0]', _SPLIT),
+    "torchrunx.hosts.hostlists.x_parse_hostfile__mutmut_16": ('raw.split("#", 2)[0]', _SPLIT),
 }
 
 GUARD = '''
@@ -458,7 +470,7 @@ def say(text: str = "") -> None:
 
 
 def mutant_prefix(target: Target) -> str:
-    """``torchrunx.failures.``: what mutmut's names of this module's mutants start with."""
+    """``torchrunx.launcher.failures.``: what mutmut's names of this module's mutants start with."""
     return target.source.removesuffix(".py").replace("/", ".") + "."
 
 

@@ -78,7 +78,7 @@ def torchrunx_processes() -> list[str]:
     """Live (non-zombie) agents and workers of this test session, test hosts included.
 
     The test hosts share this machine's pid namespace, so one look covers every host. Agents
-    run ``python -c BOOT`` whose code names ``torchrunx.agent``; workers and guardians are
+    run ``python -c BOOT`` whose code names ``torchrunx.agent.agent``; workers and guardians are
     forks of agents and keep that command line.
     """
     found = []
@@ -191,8 +191,8 @@ def no_leftover_processes() -> Iterator[None]:
 @pytest.fixture
 def listen_sockets(monkeypatch: pytest.MonkeyPatch) -> list[socket.socket]:
     """Every listening socket the launches of this test open, in order (a spy on
-    ``torchrunx.listener.listen_socket``)."""
-    from torchrunx import listener as listener_module
+    ``torchrunx.launcher.listener.listen_socket``)."""
+    from torchrunx.launcher import listener as listener_module
 
     made: list[socket.socket] = []
     real_listen = listener_module.listen_socket

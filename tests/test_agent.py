@@ -15,8 +15,10 @@ import time
 
 import pytest
 
-from torchrunx.outbox import Outbox
-from torchrunx.protocol import (
+from torchrunx.agent.outbox import Outbox
+from torchrunx.agent.workergroup import WorkerGroup
+from torchrunx.launcher.transport import BOOT_CODE
+from torchrunx.wire.protocol import (
     AgentBootstrap,
     Connection,
     Heartbeat,
@@ -24,8 +26,6 @@ from torchrunx.protocol import (
     Sealer,
     SessionKeys,
 )
-from torchrunx.transport import BOOT_CODE
-from torchrunx.workergroup import WorkerGroup
 
 
 def test_an_agent_given_a_malformed_bootstrap_names_the_field_and_exits_with_2():

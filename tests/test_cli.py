@@ -20,7 +20,7 @@ import tyro
 
 import torchrunx as trx
 from torchrunx.cli import add_launcher_arguments, launcher_from_args
-from torchrunx.launcher import _RENAMED
+from torchrunx.launcher.launcher import _RENAMED
 
 ROOT = Path(__file__).resolve().parent.parent
 

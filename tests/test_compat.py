@@ -20,15 +20,16 @@ import pytest
 import tyro
 
 import torchrunx as trx
-from torchrunx import agent, logs
+from torchrunx import logs
+from torchrunx.agent import agent
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
     exported_env,
     local_agent_env,
     split_extra_env_vars,
 )
-from torchrunx.hosts import HostSlots, resolve_hosts
-from torchrunx.protocol import AgentBootstrap
+from torchrunx.hosts.resolve import HostSlots, resolve_hosts
+from torchrunx.wire.protocol import AgentBootstrap
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,7 +146,7 @@ def test_launch_like_0_4_log_folder_events_beside_it_and_local_environment(log_d
         assert report["TRX_SHELL_ONLY"] == "hf_secret"
         assert report["TRX_GIVEN"] == "a b; $(c) 'd'"
         assert report["TORCHELASTIC_RUN_ID"] == "torchrunx"  # its own, not the launcher's
-        # Its own: host 0's agent keeps the store (torchrunx.agentstore), not the launcher's.
+        # Its own: host 0's agent keeps the store (torchrunx.agent.store), not the launcher's.
         assert report["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert report["leaks"] == []
 

@@ -25,7 +25,7 @@ import pytest
 from conftest import torchrunx_processes
 
 import torchrunx as trx
-from torchrunx import leftovers
+from torchrunx.agent import leftovers
 
 ONE_LOCAL = {"hostnames": ["localhost"], "workers_per_host": 1, "backend": None}
 
@@ -309,7 +309,7 @@ def test_a_child_subreaper_adopts_orphans_and_kills_every_descendant(tmp_path):
     code = textwrap.dedent(
         f"""
         import os, subprocess, sys, time
-        from torchrunx import leftovers
+        from torchrunx.agent import leftovers
         assert leftovers.set_child_subreaper()
         subprocess.run(["setsid", "sh", "-c", "sleep 61007 & echo $! > {tmp_path}/pid"])
         daemon = int(open("{tmp_path}/pid").read())

@@ -1,6 +1,6 @@
 """GPU conventions without a GPU: device and backend choice as pure code, and fake GPUs.
 
-A fake ``nvidia-smi`` first on ``PATH`` makes the probe (``hosts.count_local_gpus``) count GPUs
+A fake ``nvidia-smi`` first on ``PATH`` makes the probe (``devices.count_local_gpus``) count GPUs
 on this machine, in the launcher (the dry run) and in a local agent (its hello); no CUDA is
 needed until a worker selects its device.
 """
@@ -19,7 +19,7 @@ import torch
 import torchrunx as trx
 from torchrunx import events as ev
 from torchrunx.devices import cuda_device, device_env, process_group_options, resolve_backend
-from torchrunx.protocol import WorkerSpec
+from torchrunx.wire.protocol import WorkerSpec
 
 
 @pytest.fixture

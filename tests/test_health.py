@@ -21,7 +21,7 @@ from conftest import listening_addresses
 import torchrunx as trx
 from torchrunx import events as ev
 from torchrunx.events import AgentState, WorkerState
-from torchrunx.health import (
+from torchrunx.launcher.health import (
     AgentHealth,
     HealthReport,
     HealthServer,
@@ -490,7 +490,7 @@ def test_default_host_is_loopback_and_every_interface_is_asked_for(snapshot):
 
 
 def test_close_does_not_wait_for_a_stuck_snapshot_past_its_deadline(snapshot, monkeypatch):
-    monkeypatch.setattr("torchrunx.health._CLOSE_JOIN_TIMEOUT", 0.2)
+    monkeypatch.setattr("torchrunx.launcher.health._CLOSE_JOIN_TIMEOUT", 0.2)
     release = threading.Event()
     entered = threading.Event()
 

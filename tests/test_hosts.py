@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 import torchrunx as trx
-from torchrunx import hostlists, hosts
 from torchrunx.devices import device_env
-from torchrunx.hosts import HostSlots
+from torchrunx.hosts import hostlists
+from torchrunx.hosts import resolve as hosts
+from torchrunx.hosts.resolve import HostSlots
 
 SLURM_VARIABLES = (
     "SLURM_JOB_ID",

@@ -10,9 +10,9 @@ import pytest
 
 from torchrunx.errors import AgentFailedError, WorkerFailedError, WorkerTimeoutError
 from torchrunx.events import AgentState, WorkerFailed, WorkerState, WorkerStateChanged
-from torchrunx.failures import choose_cause, others, restartable
-from torchrunx.hosts import HostSlots
-from torchrunx.launch_state import (
+from torchrunx.hosts.resolve import HostSlots
+from torchrunx.launcher.failures import choose_cause, others, restartable
+from torchrunx.launcher.state import (
     AGENT_MOVES,
     OUTCOME_WAIT,
     WORKER_MOVES,
@@ -20,7 +20,7 @@ from torchrunx.launch_state import (
     LaunchState,
     Phase,
 )
-from torchrunx.protocol import (
+from torchrunx.wire.protocol import (
     AgentHello,
     WorkerExited,
     WorkerHello,

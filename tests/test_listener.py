@@ -21,11 +21,11 @@ import pytest
 from conftest import listening_addresses
 
 import torchrunx as trx
-from torchrunx import listener as listener_module
-from torchrunx import protocol
-from torchrunx.ioloop import IOLoop
-from torchrunx.listener import FrameReceived, Listener, PeerClosed
-from torchrunx.protocol import FrameReader, Heartbeat, LogLines, WorkerResult
+from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.ioloop import IOLoop
+from torchrunx.launcher.listener import FrameReceived, Listener, PeerClosed
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import FrameReader, Heartbeat, LogLines, WorkerResult
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -223,9 +223,9 @@ _FLOODED_LISTENER = r"""
 import collections, logging, os, resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 logging.basicConfig(level=logging.DEBUG, format="%(name)s %(levelname)s %(message)s")
-from torchrunx import listener as listener_module
-from torchrunx.ioloop import IOLoop
-from torchrunx.listener import FrameReceived, Listener
+from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.ioloop import IOLoop
+from torchrunx.launcher.listener import FrameReceived, Listener
 listener_module.HANDSHAKE_TIMEOUT = 0.5
 loop, events = IOLoop(), collections.deque()
 sock = listener_module.listen_socket("127.0.0.1")
@@ -287,7 +287,7 @@ import logging, os, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
 import torchrunx as trx
-from torchrunx import listener as listener_module
+from torchrunx.launcher import listener as listener_module
 listener_module.HANDSHAKE_TIMEOUT = 0.5
 real_listen = listener_module.listen_socket
 
@@ -449,7 +449,7 @@ import logging, os, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
 import torchrunx as trx
-from torchrunx import listener as listener_module
+from torchrunx.launcher import listener as listener_module
 real_listen = listener_module.listen_socket
 
 def flooded(host=None):  # the flood is queued before the launch accepts anything

@@ -18,15 +18,22 @@ import pytest
 from conftest import listened_during_launch
 
 import torchrunx as trx
-from torchrunx import protocol
-from torchrunx.agent_starts import listen_hosts
-from torchrunx.inbox import Inbox
-from torchrunx.protocol import MAGIC, AgentDone, AgentHello, LogLines, WorkerHello, WorkerResult
+from torchrunx.launcher.agent_starts import listen_hosts
+from torchrunx.launcher.inbox import Inbox
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import (
+    MAGIC,
+    AgentDone,
+    AgentHello,
+    LogLines,
+    WorkerHello,
+    WorkerResult,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from torchrunx.listener import FrameReceived
+    from torchrunx.launcher.listener import FrameReceived
 
 LOCAL = {"hostnames": ["localhost"], "workers_per_host": 2, "backend": "gloo"}
 

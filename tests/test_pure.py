@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from torchrunx import hosts, protocol
 from torchrunx.env import forwarded_env
 from torchrunx.errors import ProtocolError, WorkerFailedError, is_collective_error
 from torchrunx.events import (
@@ -22,8 +21,10 @@ from torchrunx.events import (
     dataclass_to_dict,
     event_to_dict,
 )
-from torchrunx.protocol import AgentBootstrap
-from torchrunx.transport import AGENT_COMMAND, agent_script
+from torchrunx.hosts import resolve as hosts
+from torchrunx.launcher.transport import AGENT_COMMAND, agent_script
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import AgentBootstrap
 
 HOSTILE = [
     "a b",
@@ -237,8 +238,8 @@ print("ok")
 
 
 def test_an_exception_whose_str_raises_is_reported_with_its_type_and_traceback():
+    from torchrunx.agent.worker import _exception_message
     from torchrunx.errors import exception_text
-    from torchrunx.worker import _exception_message
 
     class UnprintableError(Exception):
         def __str__(self) -> str:
@@ -260,7 +261,7 @@ def test_an_exception_whose_str_raises_is_reported_with_its_type_and_traceback()
 def test_the_agent_forks_only_once_its_preload_thread_has_left_the_kernel():
     # Thread.join returns before the OS thread's destructors have run (MKL's take a lock that
     # a worker forked meanwhile would inherit held); the agent waits for /proc/self/task.
-    from torchrunx.preload import wait_for_thread_exit
+    from torchrunx.agent.preload import wait_for_thread_exit
 
     for _ in range(20):
         tid: list[int] = []

@@ -1,4 +1,4 @@
-"""The rules of failure analysis (torchrunx/failures.py), one test per rule, on made-up facts.
+"""The rules of failure analysis (torchrunx/launcher/failures.py), one test per rule, on made-up facts.
 
 The documented rules (docs/failures.md "Which failure is raised", docs/restarts.md):
 
@@ -27,9 +27,9 @@ from torchrunx.errors import (
     WorkerRaisedError,
     WorkerTimeoutError,
 )
-from torchrunx.failures import choose_cause, others, relevant, restartable, restarts_for
-from torchrunx.hostlists import HostSlots
-from torchrunx.launch_state import (
+from torchrunx.hosts.hostlists import HostSlots
+from torchrunx.launcher.failures import choose_cause, others, relevant, restartable, restarts_for
+from torchrunx.launcher.state import (
     OUTCOME_WAIT,
     AgentRecord,
     Fault,
@@ -37,7 +37,7 @@ from torchrunx.launch_state import (
     LaunchState,
     RankRecord,
 )
-from torchrunx.protocol import AgentHello, WorkerExited, WorkerSpec
+from torchrunx.wire.protocol import AgentHello, WorkerExited, WorkerSpec
 
 ECHO = "[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1234"
 

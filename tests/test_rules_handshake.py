@@ -1,4 +1,4 @@
-"""The rules of the handshake (torchrunx/protocol.py), each against a peer that breaks it.
+"""The rules of the handshake (torchrunx/wire/protocol.py), each against a peer that breaks it.
 
 On socketpairs (one test on loopback, for ``connect``), with a thread for the other end. The
 rules (protocol.py's module docstring, docs/security.md):
@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import pytest
 
-from torchrunx import protocol
 from torchrunx.errors import ProtocolError
-from torchrunx.listener import _Pending
+from torchrunx.launcher.listener import _Pending
+from torchrunx.wire import protocol
 
 SECRET = b"s" * 32
 WRONG = b"w" * 32

@@ -4,17 +4,17 @@ Written to kill the mutants that ``scripts/mutation.py`` found surviving (see
 docs/mutation.md): each test states a documented rule, on made-up facts, with no process and
 no network. Sections:
 
-- what arrives during a launch (torchrunx/inbox.py), driven with stand-in peers, pool,
+- what arrives during a launch (torchrunx/launcher/inbox.py), driven with stand-in peers, pool,
   listener, log router and event sink;
-- failure analysis (torchrunx/failures.py): restart_on's type names;
+- failure analysis (torchrunx/launcher/failures.py): restart_on's type names;
 - environment forwarding (torchrunx/env.py): a worker's variables, exact, and full messages;
 - device choice (torchrunx/devices.py): isolation, threads, the device of a worker;
-- the launch state (torchrunx/launch_state.py): every record's fields, settling, waits,
+- the launch state (torchrunx/launcher/state.py): every record's fields, settling, waits,
   silence, kept workers, attempts, health and timings;
-- SLURM allocations and hostfiles (torchrunx/hostlists.py), with no ``scontrol`` process;
-- host names (the checks of torchrunx/hosts.py): every reason, in full;
-- the checks of the Launcher's fields (torchrunx/launcher.py): every message, in full;
-- the handshake, sealed records and frames (torchrunx/protocol.py): the frame parser however
+- SLURM allocations and hostfiles (torchrunx/hosts/hostlists.py), with no ``scontrol`` process;
+- host names (the checks of torchrunx/hosts/resolve.py): every reason, in full;
+- the checks of the Launcher's fields (torchrunx/launcher/launcher.py): every message, in full;
+- the handshake, sealed records and frames (torchrunx/wire/protocol.py): the frame parser however
   its input is cut, the limits, the close record, both reading styles, the wire format's
   HMAC and HKDF computed independently, connect's retries on a fake clock.
 """
@@ -37,9 +37,7 @@ from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 import torchrunx as trx
-from torchrunx import hostlists, hosts, plugins, protocol, serialization
-from torchrunx import launcher as launcher_module
-from torchrunx.agent_pool import AgentExited, AgentStarted, AgentStartFailed
+from torchrunx import plugins, serialization
 from torchrunx.devices import cuda_device, device_env
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
@@ -59,13 +57,19 @@ from torchrunx.errors import (
 from torchrunx.events import AgentStarted as AgentStartedEvent
 from torchrunx.events import AgentState, WorkerFailed, WorkerState
 from torchrunx.events import WorkersStarted as WorkersStartedEvent
-from torchrunx.failures import choose_cause, restarts_for
-from torchrunx.health import AgentHealth, HealthReport, WorkerHealth
-from torchrunx.hostlists import HostSlots
-from torchrunx.inbox import Inbox
-from torchrunx.launch_state import OUTCOME_WAIT, AgentRecord, Fault, LaunchState, Phase
-from torchrunx.listener import FrameReceived, PeerClosed
-from torchrunx.protocol import (
+from torchrunx.hosts import hostlists
+from torchrunx.hosts import resolve as hosts
+from torchrunx.hosts.hostlists import HostSlots
+from torchrunx.launcher import launcher as launcher_module
+from torchrunx.launcher.agent_pool import AgentExited, AgentStarted, AgentStartFailed
+from torchrunx.launcher.failures import choose_cause, restarts_for
+from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth
+from torchrunx.launcher.inbox import Inbox
+from torchrunx.launcher.listener import FrameReceived, PeerClosed
+from torchrunx.launcher.results import LaunchTimings
+from torchrunx.launcher.state import OUTCOME_WAIT, AgentRecord, Fault, LaunchState, Phase
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import (
     AgentDone,
     AgentHello,
     FrameReader,
@@ -83,9 +87,8 @@ from torchrunx.protocol import (
     WorkerStacks,
     WorkerTimedOut,
 )
-from torchrunx.results import LaunchTimings
 
-# -- what arrives during a launch (torchrunx/inbox.py) -------------------------------------
+# -- what arrives during a launch (torchrunx/launcher/inbox.py) -------------------------------------
 
 
 class StubPeer:
@@ -685,7 +688,7 @@ def test_rule_settling_a_rank_emits_what_follows():
     assert rank.settled and rank.state is WorkerState.FAILED and len(parts.events) == 2
 
 
-# -- failure analysis (torchrunx/failures.py) ----------------------------------------------
+# -- failure analysis (torchrunx/launcher/failures.py) ----------------------------------------------
 
 
 def test_rule_choosing_a_cause_out_of_no_failure_is_a_bug_said_plainly():
@@ -841,7 +844,7 @@ def test_rule_a_worker_uses_its_gpu_by_local_rank_or_cuda_0_when_isolated(
     assert cuda_device(local_rank=local_rank, gpus=gpus, isolated=isolated) == expected
 
 
-# -- the launch state (torchrunx/launch_state.py) ------------------------------------------
+# -- the launch state (torchrunx/launcher/state.py) ------------------------------------------
 
 
 def launch(hosts: int = 2, workers: int = 2, *, attempt: int = 0, **fields) -> LaunchState:
@@ -1247,7 +1250,7 @@ def test_rule_timings_are_read_from_each_rank_and_transfer_is_never_negative():
     )
 
 
-# -- SLURM allocations and hostfiles (torchrunx/hostlists.py) ------------------------------
+# -- SLURM allocations and hostfiles (torchrunx/hosts/hostlists.py) ------------------------------
 
 
 @pytest.fixture
@@ -1405,7 +1408,7 @@ def test_rule_a_hostfiles_errors_name_its_path(tmp_path):
         hostlists.read_hostfile(tmp_path)  # a folder
 
 
-# -- host names (the checks of torchrunx/hosts.py) ---------------------------------------
+# -- host names (the checks of torchrunx/hosts/resolve.py) ---------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -1464,7 +1467,7 @@ def test_rule_a_word_that_is_no_provider_nor_file_lists_the_providers(tmp_path, 
         hosts.check_hostnames("nosuchthing")
 
 
-# -- the checks of the Launcher's fields (torchrunx/launcher.py) ---------------------------
+# -- the checks of the Launcher's fields (torchrunx/launcher/launcher.py) ---------------------------
 
 
 def refused(error: type[Exception], message: str, **fields: object) -> None:
@@ -1664,7 +1667,7 @@ def test_rule_one_count_per_host_or_one_for_all():
         launcher_module._validate_workers([1, 1, 1], ["a", "b"])
 
 
-# -- the handshake, sealed records and frames (torchrunx/protocol.py) ----------------------
+# -- the handshake, sealed records and frames (torchrunx/wire/protocol.py) ----------------------
 
 SECRET = b"s" * 32
 

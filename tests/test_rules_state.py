@@ -1,4 +1,4 @@
-"""The rules of the launch state's moves (torchrunx/launch_state.py), for every pair of states.
+"""The rules of the launch state's moves (torchrunx/launcher/state.py), for every pair of states.
 
 The expected moves are written out here from the diagram in the module's docstring (and
 torchrunx/events.py's), not read from the module, so that a move added or removed there is
@@ -23,8 +23,8 @@ import itertools
 import pytest
 
 from torchrunx.events import AgentState, WorkerState, WorkerStateChanged
-from torchrunx.hostlists import HostSlots
-from torchrunx.launch_state import AgentRecord, LaunchState, RankRecord
+from torchrunx.hosts.hostlists import HostSlots
+from torchrunx.launcher.state import AgentRecord, LaunchState, RankRecord
 
 A = AgentState
 W = WorkerState

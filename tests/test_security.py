@@ -31,12 +31,12 @@ import cloudpickle
 import pytest
 
 import torchrunx as trx
-from torchrunx import listener as listener_module
-from torchrunx import protocol
 from torchrunx.errors import ProtocolError
-from torchrunx.ioloop import IOLoop
-from torchrunx.listener import FrameReceived, Listener, PeerClosed
-from torchrunx.protocol import LogLines
+from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.ioloop import IOLoop
+from torchrunx.launcher.listener import FrameReceived, Listener, PeerClosed
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import LogLines
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from torchrunx import health as health_module
-from torchrunx.health import MAX_CONNECTIONS, HealthReport, HealthServer
+from torchrunx.launcher import health as health_module
+from torchrunx.launcher.health import MAX_CONNECTIONS, HealthReport, HealthServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

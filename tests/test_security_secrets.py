@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 import torchrunx as trx
-from torchrunx import protocol, transport
-from torchrunx.agent_starts import AgentStarts
 from torchrunx.errors import AgentFailedError
-from torchrunx.protocol import AgentBootstrap
+from torchrunx.launcher import transport
+from torchrunx.launcher.agent_starts import AgentStarts
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import AgentBootstrap
 
 if TYPE_CHECKING:
     import subprocess

@@ -1,7 +1,7 @@
 """What an authenticated peer's malformed frames, and a man in the middle, can do to a stream.
 
 Second round of ``test_security.py``, with its man in the middle (:class:`Mitm`) on real
-connections and the launcher's real :class:`~torchrunx.listener.Listener`:
+connections and the launcher's real :class:`~torchrunx.launcher.listener.Listener`:
 
 - a malformed frame from a peer that knows the secret drops that connection only (never the
   launcher's loop), and its declared sizes are checked before anything is allocated;
@@ -41,12 +41,12 @@ from test_security import (
     through_mitm,
 )
 
-from torchrunx import listener as listener_module
-from torchrunx import protocol
 from torchrunx.errors import ProtocolError
-from torchrunx.ioloop import IOLoop
-from torchrunx.listener import FrameReceived, Listener, PeerClosed
-from torchrunx.protocol import LogLines, WorkerException, WorkerSpec, WorkerStacks
+from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.ioloop import IOLoop
+from torchrunx.launcher.listener import FrameReceived, Listener, PeerClosed
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import LogLines, WorkerException, WorkerSpec, WorkerStacks
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from torchrunx.hostlists import expand_nodelist
+from torchrunx.hosts.hostlists import expand_nodelist
 
 pytestmark = pytest.mark.slurm
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import listening_addresses, parent_pid, wait_gone
 
 import torchrunx as trx
-from torchrunx.agentstore import StoreSocket, listen_address
+from torchrunx.agent.store import StoreSocket, listen_address
 
 # -- functions run by the workers ------------------------------------------------------------
 
@@ -321,7 +321,7 @@ def test_a_store_socket_listens_from_the_start_and_each_renewal_is_new():
 
 SERVE_LATER = """
 import socket, sys, datetime
-from torchrunx.agentstore import serve_when_torch_imported
+from torchrunx.agent.store import serve_when_torch_imported
 sock = socket.create_server(("127.0.0.1", 0))
 port = sock.getsockname()[1]
 serve_when_torch_imported(sock.detach(), port, 30.0)
@@ -353,7 +353,7 @@ def test_serving_does_not_import_torch_by_itself():
 
     code = (
         "import socket, sys\n"
-        "from torchrunx.agentstore import serve_when_torch_imported\n"
+        "from torchrunx.agent.store import serve_when_torch_imported\n"
         "sock = socket.create_server(('127.0.0.1', 0))\n"
         "serve_when_torch_imported(sock.detach(), 1, 30.0)\n"
         "import json, email.parser\n"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from torchrunx.errors import AgentFailedError, WorkerFailedError
 from torchrunx.events import AgentState, WorkerFailed, WorkerState
-from torchrunx.hosts import HostSlots
-from torchrunx.launch_state import AgentRecord, LaunchState
-from torchrunx.protocol import (
+from torchrunx.hosts.resolve import HostSlots
+from torchrunx.launcher.state import AgentRecord, LaunchState
+from torchrunx.wire.protocol import (
     AgentHello,
     WorkerExited,
     WorkerResult,

@@ -8,7 +8,7 @@ Example::
     loss0 = result.rank(0)
 
 The public names are imported on first use, so agents and workers (which import
-``torchrunx.agent`` and ``torchrunx.worker``) never load the launcher's side.
+``torchrunx.agent.agent`` and ``torchrunx.agent.worker``) never load the launcher's side.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torchrunx.agent.worker import worker_cache
     from torchrunx.cli import add_launcher_arguments, launcher_from_args
     from torchrunx.env import DEFAULT_ENV_VARS_FOR_COPY
     from torchrunx.errors import (
@@ -29,11 +30,10 @@ if TYPE_CHECKING:
         WorkerTimeoutError,
     )
     from torchrunx.events import AgentState, WorkerState
-    from torchrunx.launcher import Launcher, launch
+    from torchrunx.launcher.launcher import Launcher, launch
+    from torchrunx.launcher.results import LaunchResult, LaunchTimings
+    from torchrunx.launcher.warm import WarmLauncher
     from torchrunx.logs import add_filter_to_handler, file_handler, stream_handler
-    from torchrunx.results import LaunchResult, LaunchTimings
-    from torchrunx.warm import WarmLauncher
-    from torchrunx.worker import worker_cache
 
 __version__ = "0.5.0"
 """The release: the successor of the original torchrunx 0.4 (pyproject.toml reads it here)."""
@@ -75,15 +75,15 @@ _HOME = {
     "DEFAULT_ENV_VARS_FOR_COPY": "torchrunx.env",
     "add_launcher_arguments": "torchrunx.cli",
     "launcher_from_args": "torchrunx.cli",
-    "Launcher": "torchrunx.launcher",
-    "launch": "torchrunx.launcher",
+    "Launcher": "torchrunx.launcher.launcher",
+    "launch": "torchrunx.launcher.launcher",
     "add_filter_to_handler": "torchrunx.logs",
     "file_handler": "torchrunx.logs",
     "stream_handler": "torchrunx.logs",
-    "LaunchResult": "torchrunx.results",
-    "LaunchTimings": "torchrunx.results",
-    "WarmLauncher": "torchrunx.warm",
-    "worker_cache": "torchrunx.worker",
+    "LaunchResult": "torchrunx.launcher.results",
+    "LaunchTimings": "torchrunx.launcher.results",
+    "WarmLauncher": "torchrunx.launcher.warm",
+    "worker_cache": "torchrunx.agent.worker",
 }
 
 _SUBMODULES = frozenset({"timer", "events", "hosts"})

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from torchrunx.launcher import Launcher
-    from torchrunx.results import LaunchResult
+    from torchrunx.launcher.launcher import Launcher
+    from torchrunx.launcher.results import LaunchResult
 
 __all__ = ["add_launcher_arguments", "launcher_from_args", "main"]
 
@@ -95,7 +95,7 @@ def add_launcher_arguments(
     Raises:
         argparse.ArgumentError: An option of the same name is already defined in ``parser``.
     """
-    from torchrunx.launcher import Launcher  # noqa: PLC0415 (workers import this module too)
+    from torchrunx.launcher.launcher import Launcher  # noqa: PLC0415 (workers import this module too)
 
     group = parser.add_argument_group(
         group_title, "Where and how the function runs (the fields of torchrunx.Launcher)."
@@ -116,7 +116,7 @@ def launcher_from_args(namespace: argparse.Namespace) -> Launcher:
     Returns:
         A launcher with the parsed fields.
     """
-    from torchrunx.launcher import Launcher  # noqa: PLC0415 (workers import this module too)
+    from torchrunx.launcher.launcher import Launcher  # noqa: PLC0415 (workers import this module too)
 
     launcher: Launcher = _dataclass_from_namespace(Launcher, namespace)
     return launcher
@@ -356,7 +356,7 @@ Call the function that a plugin registered as NAME (entry point group torchrunx.
 
 _BUILTINS_DESCRIPTION = """\
 List the functions, presets and host providers that installed packages registered (entry point
-groups torchrunx.functions, torchrunx.presets and torchrunx.hosts)."""
+groups torchrunx.functions, torchrunx.presets and torchrunx.hosts.resolve)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,7 +386,7 @@ class _Renamed(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object, **__: object) -> NoReturn:
         """Refuse the option, with what replaced it (``Launcher``'s message for the keyword)."""
-        from torchrunx.launcher import _RENAMED  # noqa: PLC0415 (workers import this module)
+        from torchrunx.launcher.launcher import _RENAMED  # noqa: PLC0415 (workers import this module)
 
         message = _RENAMED[self.dest]
         if new := re.search(r"use (\w+)=", message):
@@ -398,7 +398,7 @@ class _Renamed(argparse.Action):
 
 def _command_parser(command: str | None) -> _Parser:
     """The parser of ``torchrunx``, of ``torchrunx run`` or of ``torchrunx builtins``."""
-    from torchrunx.launcher import _RENAMED  # noqa: PLC0415 (workers import this module)
+    from torchrunx.launcher.launcher import _RENAMED  # noqa: PLC0415 (workers import this module)
 
     if command == "builtins":
         return _Parser(prog="torchrunx builtins", description=_BUILTINS_DESCRIPTION)
@@ -459,7 +459,7 @@ def _parse_options(parser: _Parser, options: list[str]) -> argparse.Namespace:
     namespace = parser.parse_args(options)
     if namespace.preset is None:
         return namespace
-    from torchrunx.launcher import Launcher  # noqa: PLC0415 (workers import this module)
+    from torchrunx.launcher.launcher import Launcher  # noqa: PLC0415 (workers import this module)
 
     try:
         preset = Launcher.from_preset(namespace.preset)

@@ -1,6 +1,7 @@
 """Devices: which GPUs a worker sees and uses, its CPU threads, and what ``backend="auto"`` is.
 
-Pure functions; the agent counts its host's GPUs without torch (:func:`hosts.count_local_gpus`)
+Pure functions, and the two probes of the agent's host. The agent counts its host's GPUs without
+torch (:func:`count_local_gpus`)
 and reports the count in its hello, so the launcher decides the backend once for the whole
 launch, and each worker derives its device from that count and its ``LOCAL_RANK``::
 
@@ -12,6 +13,10 @@ launch, and each worker derives its device from that count and its ``LOCAL_RANK`
 from __future__ import annotations
 
 import datetime as dt
+import os
+import shutil
+import subprocess
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -107,3 +112,49 @@ def process_group_options(
 
         options["device_id"] = torch.device("cuda", device)
     return options
+
+
+# -- probes of this machine (the agent's hello) ---------------------------------------------
+
+_NVIDIA_SMI_TIMEOUT = 10.0
+
+
+def count_local_gpus(environ: Mapping[str, str] | None = None) -> int:
+    """GPUs this process may use, without importing torch or initialising CUDA.
+
+    ``CUDA_VISIBLE_DEVICES`` if set; else the NVIDIA driver's ``/proc/driver/nvidia/gpus``;
+    else ``nvidia-smi -L`` if installed; else 0.
+    """
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = []
+        for device in (d.strip() for d in visible.split(",")):
+            if not device or device.startswith("-"):
+                break  # CUDA stops at the first invalid entry
+            devices.append(device)
+        return len(devices)
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        return len(list(proc.iterdir()))
+    nvidia_smi = shutil.which("nvidia-smi")
+    if nvidia_smi is None:
+        return 0
+    try:
+        listed = subprocess.run(
+            [nvidia_smi, "-L"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=_NVIDIA_SMI_TIMEOUT,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    if listed.returncode != 0:
+        return 0
+    return sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
+
+
+def count_local_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask, as SLURM or taskset set it)."""
+    return len(os.sched_getaffinity(0))

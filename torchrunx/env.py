@@ -3,7 +3,8 @@
 An agent on the launcher's own machine starts from the launcher's whole environment (less
 per-process variables); every agent, local or remote, then exports the launcher's variables
 that match the forwarded patterns and the values given in ``extra_env_vars``. Values never
-appear on a command line: they travel on the agent's stdin (see :mod:`torchrunx.transport`),
+appear on a command line: they travel on the agent's stdin (see
+:mod:`torchrunx.launcher.transport`),
 are exported by the agent's shell, and workers inherit them.
 """
 
@@ -163,7 +164,7 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
     ``torch.distributed.is_torchelastic_launched()`` true, as under torchrun: Lightning then
     reads the ranks from these variables (see ``torchrunx.integrations``).
     ``TORCHELASTIC_USE_AGENT_STORE=True``: the store at ``MASTER_ADDR:MASTER_PORT`` is
-    hosted by host 0's agent (:mod:`torchrunx.agentstore`), so ``env://`` rendezvous makes
+    hosted by host 0's agent (:mod:`torchrunx.agent.store`), so ``env://`` rendezvous makes
     every rank a client, rank 0 included, as under torchrun.
     """
     return {

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from pathlib import Path
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchrunx.events")
 
 
 class WorkerState(str, enum.Enum):
@@ -191,7 +191,7 @@ def dataclass_to_dict(instance: object, *, ndigits: int | None = None) -> dict[s
 
     Nested dataclasses become dicts, enums their values, and tuples and lists lists, at any
     depth; with ``ndigits``, floats are rounded to that many decimals. The events file and the
-    health report (:mod:`torchrunx.health`) are both written with it.
+    health report (:mod:`torchrunx.launcher.health`) are both written with it.
 
     Raises:
         TypeError: ``instance`` is not a dataclass instance.

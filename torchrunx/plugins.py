@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from torchrunx.hostlists import (
+from torchrunx.hosts.hostlists import (
     HostSlots,
     combine_slots,
     in_slurm_allocation,
@@ -155,7 +155,7 @@ def provider_spec(spec: str) -> tuple[str, str | None] | None:
     ``"pbs"`` is ``("pbs", None)``, ``"hostfile:/etc/hosts.mpi"`` is
     ``("hostfile", "/etc/hosts.mpi")``; ``"auto"`` and any other name are None. Whether a
     ``hostnames`` value names a provider, a hostfile or hosts is for
-    :func:`torchrunx.hosts.hostnames_source` to say.
+    :func:`torchrunx.hosts.resolve.hostnames_source` to say.
     """
     name, sep, argument = spec.partition(":")
     if spec == "auto" or name not in host_provider_names():

@@ -1,9 +1,9 @@
 """What arrives during a launch, applied to the launch state.
 
 Frames from agents and workers, closed connections, agents' starts and ends, silences: each is
-applied to :class:`~torchrunx.launch_state.LaunchState`, and what follows from it is done here
+applied to :class:`~torchrunx.launcher.state.LaunchState`, and what follows from it is done here
 (an event to the sinks, a fault recorded, a connection dropped, log lines routed). Nothing here
-decides what the launch does next; :mod:`torchrunx.orchestrator` reads the state for that.
+decides what the launch does next; :mod:`torchrunx.launcher.orchestrator` reads the state for that.
 """
 
 from __future__ import annotations
@@ -11,11 +11,17 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from torchrunx.agent_pool import AgentStarted, AgentStartFailed
 from torchrunx.errors import AgentFailedError, is_collective_error
 from torchrunx.events import AgentState
-from torchrunx.listener import FrameReceived, PeerClosed
-from torchrunx.protocol import (
+from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
+from torchrunx.launcher.listener import FrameReceived, PeerClosed
+from torchrunx.launcher.reports import (
+    agent_exit_error,
+    rebuild_exception,
+    watchdog_error,
+    worker_where,
+)
+from torchrunx.wire.protocol import (
     AgentDone,
     AgentHello,
     Heartbeat,
@@ -30,16 +36,15 @@ from torchrunx.protocol import (
     WorkerStacks,
     WorkerTimedOut,
 )
-from torchrunx.reports import agent_exit_error, rebuild_exception, watchdog_error, worker_where
 
 if TYPE_CHECKING:
-    from torchrunx import protocol
-    from torchrunx.agent_pool import AgentPool, PoolEvent
     from torchrunx.events import Event, EventSink
-    from torchrunx.launch_state import AgentRecord, FaultKind, LaunchState, RankRecord
-    from torchrunx.launcher import Launcher
-    from torchrunx.listener import Listener, NetEvent, Peer
+    from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
+    from torchrunx.launcher.launcher import Launcher
+    from torchrunx.launcher.listener import Listener, NetEvent, Peer
+    from torchrunx.launcher.state import AgentRecord, FaultKind, LaunchState, RankRecord
     from torchrunx.logs import LogRouter
+    from torchrunx.wire import protocol
 
 
 class Inbox:

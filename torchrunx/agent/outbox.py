@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import socket
 
-    from torchrunx.protocol import Message, Sealer
+    from torchrunx.wire.protocol import Message, Sealer
 
 HIGH_WATERMARK = 16 << 20
 """Unsent bytes above which the agent stops reading its workers' output."""
@@ -45,7 +45,7 @@ class Outbox:
         """Queue for ``sock``, which must have a timeout; ``sealer`` seals each record.
 
         Records are sealed when queued, in order, with the connection's one
-        :class:`~torchrunx.protocol.Sealer` (:attr:`Connection.sealer`).
+        :class:`~torchrunx.wire.protocol.Sealer` (:attr:`Connection.sealer`).
 
         Python keeps the descriptor of a socket with a timeout non-blocking (``socket.send``
         would still wait up to that timeout for room; the outbox writes to the descriptor).

@@ -13,18 +13,19 @@ The agent's parts, one module each:
 
 - this module: :func:`main` (the entry point) and :class:`Agent`, its loop and what it does
   with each message and event;
-- :mod:`torchrunx.guardian`: the agent's parent, which ends everything below it once the
+- :mod:`torchrunx.agent.guardian`: the agent's parent, which ends everything below it once the
   agent has ended, however;
-- :mod:`torchrunx.leftovers`: the processes and temporary files the workers leave: found,
+- :mod:`torchrunx.agent.leftovers`: the processes and temporary files the workers leave: found,
   killed, reaped, removed;
-- :mod:`torchrunx.preload`: the background import of torch, joined before any fork;
-- :mod:`torchrunx.workergroup`: one attempt's workers: fork, read, reap, signal, close;
-- :mod:`torchrunx.workerprocess`: what a forked child does to become a worker;
-- :mod:`torchrunx.watchdog`: heartbeats, the launcher's silence, workers that overrun a timer;
-- :mod:`torchrunx.outbox`: messages to the launcher, never blocking, with backpressure.
+- :mod:`torchrunx.agent.preload`: the background import of torch, joined before any fork;
+- :mod:`torchrunx.agent.workergroup`: one attempt's workers: fork, read, reap, signal, close;
+- :mod:`torchrunx.agent.workerprocess`: what a forked child does to become a worker;
+- :mod:`torchrunx.agent.watchdog`: heartbeats, the launcher's silence, workers that overrun a timer;
+- :mod:`torchrunx.agent.outbox`: messages to the launcher, never blocking, with backpressure.
 
 Sequence: decode the bootstrap line (:class:`AgentBootstrap`); fork off the agent from its
-guardian (:func:`torchrunx.guardian.fork_agent`), with the workers' private ``TMPDIR``; connect to
+guardian (:func:`torchrunx.agent.guardian.fork_agent`), with the workers' private ``TMPDIR``;
+connect to
 the launcher and authenticate; send :class:`AgentHello` (slots, GPUs, a free port); import
 torch in a background thread while the loop goes on; receive the :class:`WorkerSpec` with the
 pickled call as payload; fork the workers; then loop on one selector over the
@@ -60,15 +61,19 @@ import threading
 import time
 from typing import TYPE_CHECKING, NoReturn
 
-from torchrunx import leftovers, protocol
-from torchrunx.agentstore import StoreSocket, listen_address
+from torchrunx.agent import leftovers
+from torchrunx.agent.guardian import fork_agent
+from torchrunx.agent.outbox import Outbox
+from torchrunx.agent.preload import TorchPreload
+from torchrunx.agent.store import StoreSocket, listen_address
+from torchrunx.agent.watchdog import HangWatch, Heartbeats
+from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, Ready, WorkerGroup
+from torchrunx.agent.workerprocess import become_worker
+from torchrunx.devices import count_local_cpus, count_local_gpus
 from torchrunx.errors import ProtocolError
-from torchrunx.guardian import fork_agent
-from torchrunx.hosts import count_local_cpus, count_local_gpus
 from torchrunx.logs import capture_logging, line_records
-from torchrunx.outbox import Outbox
-from torchrunx.preload import TorchPreload
-from torchrunx.protocol import (
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import (
     AgentBootstrap,
     AgentDone,
     AgentHello,
@@ -82,16 +87,13 @@ from torchrunx.protocol import (
     WorkersStarted,
     WorkerStacks,
 )
-from torchrunx.watchdog import HangWatch, Heartbeats
-from torchrunx.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, Ready, WorkerGroup
-from torchrunx.workerprocess import become_worker
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from torchrunx.workergroup import Fork, Output, Worker
+    from torchrunx.agent.workergroup import Fork, Output, Worker
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchrunx.agent")
 
 _DRAIN_WAIT = 1.0
 _DEFAULT_GRACE = 3.0
@@ -151,7 +153,7 @@ class Agent:
     ) -> None:
         """Keep the bootstrap, the launcher connection, the host's counts, the workers' TMPDIR.
 
-        ``store``: host 0's rendezvous socket (:mod:`torchrunx.agentstore`), listening.
+        ``store``: host 0's rendezvous socket (:mod:`torchrunx.agent.store`), listening.
         """
         self.boot = boot
         self.store = store

@@ -40,7 +40,7 @@ from torchrunx.logs import LineSplitter, cut_line, parse_line
 if TYPE_CHECKING:
     import paramiko
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchrunx.transport")
 
 AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'"""
 """The only command line an agent is started with (constant, holds no values)."""
@@ -53,7 +53,7 @@ AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"
 # keep it as a global.
 BOOT_CODE = (
     "import sys,json;b=sys.stdin.buffer.readline();sys.path[:]=json.loads(b)['sys_path'];"
-    "import torchrunx.agent as a;a.main(globals().pop('b'))"
+    "import torchrunx.agent.agent as a;a.main(globals().pop('b'))"
 )
 
 _STDERR_TAIL_LINES = 40

@@ -1,7 +1,8 @@
 """How the agent of one host is started: its script, its bootstrap line, and the transport.
 
-The launcher's start threads (:mod:`torchrunx.agent_pool`) call :class:`AgentStarts` with a
-host index; it picks the transport of :mod:`torchrunx.transport` (a local subprocess, SSH or
+The launcher's start threads (:mod:`torchrunx.launcher.agent_pool`) call :class:`AgentStarts` with a
+host index; it picks the transport of :mod:`torchrunx.launcher.transport` (a local subprocess, SSH
+or
 ``srun``) and builds the one JSON line the agent reads first (:class:`AgentBootstrap`),
 including the address the agent calls back on; and where the launcher listens for them
 (:func:`listen_socket`): only where they connect, when that is known before they start.
@@ -18,13 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torchrunx import listener as listener_module
 from torchrunx.env import local_agent_env
 from torchrunx.errors import AgentFailedError, add_note
-from torchrunx.hosts import slurm_allocation
-from torchrunx.logs import parse_line
-from torchrunx.protocol import HEARTBEAT_INTERVAL, AgentBootstrap
-from torchrunx.transport import (
+from torchrunx.hosts.resolve import slurm_allocation
+from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.transport import (
     AgentProcess,
     LocalAgent,
     SrunAgent,
@@ -32,16 +31,18 @@ from torchrunx.transport import (
     agent_script,
     route_address,
 )
+from torchrunx.logs import parse_line
+from torchrunx.wire.protocol import HEARTBEAT_INTERVAL, AgentBootstrap
 
 if TYPE_CHECKING:
     import socket
     from collections.abc import Callable, Mapping, Sequence
 
-    from torchrunx.launch_state import AgentRecord, StartMethod
-    from torchrunx.launcher import Launcher
+    from torchrunx.launcher.launcher import Launcher
+    from torchrunx.launcher.state import AgentRecord, StartMethod
     from torchrunx.logs import Record
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchrunx.agent_starts")
 
 LISTEN_ENV_VAR = "TORCHRUNX_LISTEN_ADDR"
 """Where the launcher listens for agents and workers, when set (``*``: every interface)."""
@@ -60,7 +61,7 @@ class AgentStarts:
     emit: Callable[[int, Record], None]
     """Where an agent's own stdout and stderr lines go: ``(host index, log record)``."""
     warm: bool = False
-    """Warm agents: they stay after each run for the next (see :mod:`torchrunx.warm`)."""
+    """Warm agents: they stay after each run for the next (see :mod:`torchrunx.launcher.warm`)."""
     script: bytes = field(default=b"", repr=False)
     """The agents' script (forwarded variables' values): never in a repr."""
     local_env: dict[str, str] = field(default_factory=local_agent_env, repr=False)

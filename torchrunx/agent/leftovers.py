@@ -3,7 +3,7 @@
 A worker's children that stay in its process group die with that group. A daemon leaves it:
 ``setsid`` gives it a session and a process group of its own, and a double fork takes its
 parent away, so that it would be adopted by ``init`` and outlive the launch. Not here: the
-agent and its guardian (:mod:`torchrunx.guardian`) are *child subreapers*
+agent and its guardian (:mod:`torchrunx.agent.guardian`) are *child subreapers*
 (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux 3.4), so an orphan below them is adopted by the
 nearest of the two, never by ``init``, and stays their descendant whatever it does. What
 either must end is then exactly its descendants:
@@ -281,11 +281,13 @@ def _warn_agent(message: str) -> None:
 
     :func:`make_private_dir` runs in the guardian, before the fork and before the agent's
     :func:`torchrunx.logs.capture_logging`; the agent's stderr goes to the launcher, which reads
-    this marked line as a ``WARNING`` record of ``torchrunx.leftovers`` on that host.
+    this marked line as a ``WARNING`` record of ``torchrunx.agent.leftovers`` on that host.
     """
     from torchrunx.logs import MarkedLineFormatter  # noqa: PLC0415 (leftovers stays lean)
 
-    record = logging.LogRecord(__name__, logging.WARNING, __file__, 0, message, None, None)
+    record = logging.LogRecord(
+        "torchrunx.leftovers", logging.WARNING, __file__, 0, message, None, None
+    )
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(MarkedLineFormatter().format(record) + "\n")
         sys.stderr.flush()

@@ -4,8 +4,8 @@ Starting is blocking work (an SSH connection and login, ``srun``, ``fork``/``exe
 small pool of threads (at most :data:`START_THREADS`, whatever the number of hosts); each start
 and each agent's exit is handed to the launch's loop as an :class:`AgentStarted` /
 :class:`AgentStartFailed` / :class:`AgentExited` event on its queue. How an agent is started is
-in :mod:`torchrunx.transport`; what a started agent says comes on its connection
-(:mod:`torchrunx.listener`).
+in :mod:`torchrunx.launcher.transport`; what a started agent says comes on its connection
+(:mod:`torchrunx.launcher.listener`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from torchrunx.errors import AgentFailedError
 
 if TYPE_CHECKING:
-    from torchrunx.ioloop import IOLoop
-    from torchrunx.transport import AgentProcess
+    from torchrunx.launcher.ioloop import IOLoop
+    from torchrunx.launcher.transport import AgentProcess
 
 START_THREADS = 32
 """Agents started at once (SSH logins are slow but light: they wait on the network)."""

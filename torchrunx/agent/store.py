@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import ModuleType
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchrunx.agentstore")
 
 _servers: list[Any] = []
 """The store served by this process (rank 0), kept alive as long as the process."""

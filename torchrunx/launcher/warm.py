@@ -32,16 +32,16 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, final
 
-from torchrunx.orchestrator import sigterm_raises_system_exit
-from torchrunx.results import LaunchResult
+from torchrunx.launcher.orchestrator import sigterm_raises_system_exit
+from torchrunx.launcher.results import LaunchResult
 from torchrunx.serialization import dumps_call
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
-    from torchrunx.launcher import Launcher
-    from torchrunx.orchestrator import Launch
+    from torchrunx.launcher.launcher import Launcher
+    from torchrunx.launcher.orchestrator import Launch
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -2,7 +2,7 @@
 
 The process the launcher starts (bash, then ``exec python``: the pid the launcher knows) does
 not run the agent itself. Once it has read its bootstrap line, :func:`fork_agent` makes the
-workers' private temporary directory (see :mod:`torchrunx.leftovers`), makes this process a
+workers' private temporary directory (see :mod:`torchrunx.agent.leftovers`), makes this process a
 child subreaper and forks: the child returns and goes on as the agent, this process stays as
 its guardian and only waits for it. Every process below the agent is below the guardian too,
 and an orphan there is adopted by the agent (itself a subreaper) or, once the agent is gone,
@@ -30,14 +30,14 @@ import signal
 import sys
 from typing import NoReturn
 
-from torchrunx import leftovers
+from torchrunx.agent import leftovers
 
 
 def fork_agent() -> str | None:
     """Fork the agent; only the agent returns, this process becomes its guardian.
 
     Returns the workers' private temporary directory (one for all the agent's workers), or
-    ``None`` if none could be made: :func:`torchrunx.leftovers.make_private_dir` has then
+    ``None`` if none could be made: :func:`torchrunx.agent.leftovers.make_private_dir` has then
     written a warning to stderr, which the launcher logs as the agent's.
     """
     tmpdir = leftovers.make_private_dir()

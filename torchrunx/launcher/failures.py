@@ -24,12 +24,12 @@ from torchrunx.errors import (
     WorkerRaisedError,
     WorkerTimeoutError,
 )
-from torchrunx.reports import summary
+from torchrunx.launcher.reports import summary
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from torchrunx.launch_state import Fault
+    from torchrunx.launcher.state import Fault
 
 RESTART_CATEGORIES = ("exceptions", "deaths", "timeouts")
 ALL_RESTART_CATEGORIES = (*RESTART_CATEGORIES, "hosts")

@@ -5,12 +5,12 @@ page, see :mod:`torchrunx.timer`), registers their descriptors on the agent's se
 reads those descriptors when the agent's loop says they are ready, reaps each worker once its
 pidfd tells it ended, signals workers, and ends them all with one :meth:`WorkerGroup.close`:
 SIGTERM to every live worker's process group and to every other process the workers left
-below the agent (daemons included, see :mod:`torchrunx.leftovers`), a wait until the grace
+below the agent (daemons included, see :mod:`torchrunx.agent.leftovers`), a wait until the grace
 period is over, then SIGKILL to all of them. That one path serves a ``Stop``, a restart, the
 end of an attempt whose workers all returned, and the agent's final cleanup.
 
-What the forked child does before it runs the function is in :mod:`torchrunx.workerprocess`;
-what is sent to the launcher is decided by the agent (:mod:`torchrunx.agent`).
+What the forked child does before it runs the function is in :mod:`torchrunx.agent.workerprocess`;
+what is sent to the launcher is decided by the agent (:mod:`torchrunx.agent.agent`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NoReturn
 
-from torchrunx import leftovers, timer
+from torchrunx import timer
+from torchrunx.agent import leftovers
 from torchrunx.logs import LineSplitter
 
 if TYPE_CHECKING:
     import mmap
     from collections.abc import Callable
 
-    from torchrunx.leftovers import Proc
+    from torchrunx.agent.leftovers import Proc
 
 # The agent's records all carry this name (the launcher routes and filters them by it).
 logger = logging.getLogger("torchrunx.agent")
@@ -90,7 +91,8 @@ class Ready:
 class Fork:
     """What the group hands a forked child: the descriptors it keeps, and those it must close.
 
-    Descriptors 1 and 2 of the child are not set yet: :func:`torchrunx.workerprocess.become_worker`
+    Descriptors 1 and 2 of the child are not set yet:
+    :func:`torchrunx.agent.workerprocess.become_worker`
     makes ``stdout`` and ``stderr`` its 1 and 2.
     """
 
@@ -128,7 +130,7 @@ class WorkerGroup:
     def start(self, count: int, become_worker: Callable[[Fork], NoReturn]) -> None:
         """Fork ``count`` workers; each child calls ``become_worker`` and never returns here.
 
-        The agent must be single-threaded now (see :mod:`torchrunx.preload`).
+        The agent must be single-threaded now (see :mod:`torchrunx.agent.preload`).
         """
         sys.stdout.flush()  # else a child would write the agent's buffered text again
         sys.stderr.flush()

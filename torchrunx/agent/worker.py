@@ -25,16 +25,23 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from torchrunx import protocol, serialization
+from torchrunx import serialization
 from torchrunx.devices import cuda_device, device_env, process_group_options
 from torchrunx.env import worker_env
 from torchrunx.errors import ProtocolError, add_note, exception_text, is_collective_error
 from torchrunx.integrations import framework_env
 from torchrunx.logs import capture_logging
-from torchrunx.protocol import WorkerCall, WorkerException, WorkerHello, WorkerResult, WorkerSpec
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import (
+    WorkerCall,
+    WorkerException,
+    WorkerHello,
+    WorkerResult,
+    WorkerSpec,
+)
 
 if TYPE_CHECKING:
-    from torchrunx.protocol import AgentBootstrap
+    from torchrunx.wire.protocol import AgentBootstrap
 
 _EXIT_RAISED = 1
 

@@ -132,7 +132,7 @@ class AgentBootstrap:
     """Stay after each run's workers end, for the next run, until a final Stop (warm agents)."""
     local_only: bool = False
     """Every host of the launch is the launcher's machine: host 0's rendezvous store listens on
-    loopback only (:mod:`torchrunx.agentstore`); else on every interface."""
+    loopback only (:mod:`torchrunx.agent.store`); else on every interface."""
 
     def to_json_line(self) -> bytes:
         """Encode as one line of JSON (the secret as hex), ending with a newline."""
@@ -309,7 +309,7 @@ class AgentHello:
     free_port: int
     """A port that was free on this host, used as ``MASTER_PORT`` if it runs rank 0."""
     gpus: int = 0
-    """GPUs the agent counted on its host (``hosts.count_local_gpus``), for ``backend="auto"``."""
+    """GPUs the agent counted on its host (``devices.count_local_gpus``), for ``backend="auto"``."""
 
 
 @dataclass(frozen=True)
@@ -759,7 +759,7 @@ class Connection:
         """Wrap a socket that has completed the handshake that gave ``keys``."""
         self.sock = sock
         self.sealer = Sealer(keys.send)
-        """Seals what this end sends; an :class:`~torchrunx.outbox.Outbox` may share it."""
+        """Seals what this end sends; an :class:`~torchrunx.agent.outbox.Outbox` may share it."""
         self._reader = FrameReader(keys.receive)
         self._frames: collections.deque[Frame] = collections.deque()
         self._send_lock = threading.Lock()

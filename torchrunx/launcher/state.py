@@ -2,7 +2,8 @@
 
 Nothing here touches a socket, a process or the clock: the launch (:mod:`torchrunx.launch`)
 applies what it reads (messages, ends of connections and processes, the time) and emits the
-public events the methods return. The enums of :mod:`torchrunx.events` are the source of truth,
+public events the methods return. The enums of :mod:`torchrunx.events` are the source of
+truth,
 and only these moves are allowed (:data:`AGENT_MOVES`, :data:`WORKER_MOVES`)::
 
     AgentState:   STARTING ──▶ RUNNING ──▶ DONE
@@ -17,7 +18,7 @@ and only these moves are allowed (:data:`AGENT_MOVES`, :data:`WORKER_MOVES`)::
                     └──────────────▶ STOPPED
 
 Failures are recorded as :class:`Fault` facts while the launch runs; which one is the cause is
-decided once everything has stopped, by :mod:`torchrunx.failures`.
+decided once everything has stopped, by :mod:`torchrunx.launcher.failures`.
 
 A rank's end has two halves that travel apart: its agent reports the exit (``WorkerExited``)
 and its own connection carries its outcome (a result or an exception) and then closes. A rank
@@ -42,13 +43,13 @@ from torchrunx.events import (
     WorkerStateChanged,
 )
 from torchrunx.events import WorkersStarted as WorkersStartedEvent
-from torchrunx.health import AgentHealth, HealthReport, WorkerHealth
-from torchrunx.reports import summary
-from torchrunx.results import LaunchTimings
+from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth
+from torchrunx.launcher.reports import summary
+from torchrunx.launcher.results import LaunchTimings
 
 if TYPE_CHECKING:
-    from torchrunx.hosts import HostSlots
-    from torchrunx.protocol import (
+    from torchrunx.hosts.resolve import HostSlots
+    from torchrunx.wire.protocol import (
         AgentHello,
         WorkerExited,
         WorkerHello,
@@ -138,7 +139,7 @@ class AgentRecord:
     method: StartMethod
     state: AgentState = AgentState.STARTING
     conn: int | None = None
-    """The ident of its connection (:class:`torchrunx.listener.Peer`)."""
+    """The ident of its connection (:class:`torchrunx.launcher.listener.Peer`)."""
     hello: AgentHello | None = None
     spec: WorkerSpec | None = None
     pids: tuple[int, ...] = ()

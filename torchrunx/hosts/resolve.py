@@ -13,7 +13,7 @@ hostfile's ``slots``, or are counted by each agent on its own host (:func:`count
 GPUs, else CPU cores). Agents start in parallel, so remote hosts are probed in parallel, and
 never with torch (``CUDA_VISIBLE_DEVICES``, the driver's ``/proc`` entries, ``nvidia-smi -L``).
 
-SLURM's variables and hostfiles are parsed by :mod:`torchrunx.hostlists`, below the host
+SLURM's variables and hostfiles are parsed by :mod:`torchrunx.hosts.hostlists`, below the host
 providers; its :class:`HostSlots`, :func:`in_slurm_allocation` and :func:`slurm_allocation` are
 also this module's.
 """
@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import shutil
 import socket
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from torchrunx import plugins
-from torchrunx.hostlists import HostSlots, in_slurm_allocation, read_hostfile, slurm_allocation
+from torchrunx.devices import count_local_cpus, count_local_gpus
+from torchrunx.hosts.hostlists import (
+    HostSlots,
+    in_slurm_allocation,
+    read_hostfile,
+    slurm_allocation,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -57,7 +61,6 @@ HostnamesSpec = list[str] | tuple[str, ...] | str | os.PathLike[str]
 WorkersSpec = Literal["auto", "slurm", "gpu", "cpu"] | int | list[int] | tuple[int, ...]
 
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1", "0.0.0.0"})  # noqa: S104 (a name to recognise, not an address to bind)
-_NVIDIA_SMI_TIMEOUT = 10.0
 
 
 # -- what the hostnames field names -----------------------------------------------------------
@@ -251,47 +254,6 @@ def _assign_workers(
 
 
 # -- probes of this machine -------------------------------------------------------------------
-
-
-def count_local_gpus(environ: Mapping[str, str] | None = None) -> int:
-    """GPUs this process may use, without importing torch or initialising CUDA.
-
-    ``CUDA_VISIBLE_DEVICES`` if set; else the NVIDIA driver's ``/proc/driver/nvidia/gpus``;
-    else ``nvidia-smi -L`` if installed; else 0.
-    """
-    env = os.environ if environ is None else environ
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        devices = []
-        for device in (d.strip() for d in visible.split(",")):
-            if not device or device.startswith("-"):
-                break  # CUDA stops at the first invalid entry
-            devices.append(device)
-        return len(devices)
-    proc = Path("/proc/driver/nvidia/gpus")
-    if proc.is_dir():
-        return len(list(proc.iterdir()))
-    nvidia_smi = shutil.which("nvidia-smi")
-    if nvidia_smi is None:
-        return 0
-    try:
-        listed = subprocess.run(
-            [nvidia_smi, "-L"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=_NVIDIA_SMI_TIMEOUT,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    if listed.returncode != 0:
-        return 0
-    return sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
-
-
-def count_local_cpus() -> int:
-    """CPU cores this process may run on (its affinity mask, as SLURM or taskset set it)."""
-    return len(os.sched_getaffinity(0))
 
 
 def count_local_slots(environ: Mapping[str, str] | None = None) -> int:

@@ -12,10 +12,10 @@ makes it a worker process, in this order:
    workers' pipes, the store's socket but in rank 0), and stdin from ``/dev/null``;
 5. a check that its parent is still the agent (else the agent died before step 2: exit 1);
 6. ``TMPDIR`` and ``tempfile.tempdir``: the agent's private temporary directory
-   (:mod:`torchrunx.leftovers`), if it could make one;
+   (:mod:`torchrunx.agent.leftovers`), if it could make one;
 7. ``faulthandler`` on SIGUSR1, writing its Python stacks into its stack pipe;
-   rank 0 serves the rendezvous store's socket (:mod:`torchrunx.agentstore`);
-8. :func:`torchrunx.worker.run` (imported only here), whose return value is the exit code.
+   rank 0 serves the rendezvous store's socket (:mod:`torchrunx.agent.store`);
+8. :func:`torchrunx.agent.worker.run` (imported only here), whose return value is the exit code.
 
 The child never returns into the agent's code: it ends with ``os._exit``, exit code 1 if
 anything above raised.
@@ -31,14 +31,15 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
-from torchrunx import leftovers, timer
-from torchrunx.agentstore import serve_when_torch_imported
+from torchrunx import timer
+from torchrunx.agent import leftovers
+from torchrunx.agent.store import serve_when_torch_imported
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from torchrunx.protocol import AgentBootstrap, WorkerSpec
-    from torchrunx.workergroup import Fork
+    from torchrunx.agent.workergroup import Fork
+    from torchrunx.wire.protocol import AgentBootstrap, WorkerSpec
 
 
 class Closable(Protocol):
@@ -75,7 +76,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
             ``close``, never a ``shutdown``: that would cut the agent's own connection.
         tmpdir: The agent's private temporary directory, the worker's ``TMPDIR``.
         store_fd: Rank 0 only: the listening socket of the rendezvous store, which it
-            serves (:mod:`torchrunx.agentstore`).
+            serves (:mod:`torchrunx.agent.store`).
     """
     code = 1
     try:
@@ -103,7 +104,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
         faulthandler.register(signal.SIGUSR1, file=fork.stack, all_threads=True)
         if store_fd is not None:  # the other ranks may be waiting in its backlog already
             serve_when_torch_imported(store_fd, spec.master_port, spec.timeout)
-        from torchrunx import worker  # noqa: PLC0415 (only in the worker)
+        from torchrunx.agent import worker  # noqa: PLC0415 (only in the worker)
 
         code = worker.run(boot, spec, payload, fork.local_rank, gpus=gpus, cpus=cpus)
     finally:

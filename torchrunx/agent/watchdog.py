@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torchrunx import timer
-from torchrunx.protocol import WorkerTimedOut
-from torchrunx.workergroup import STACK_DUMP_WAIT, STACK_SETTLE
+from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE
+from torchrunx.wire.protocol import WorkerTimedOut
 
 if TYPE_CHECKING:
     import socket
     from collections.abc import Callable
 
-    from torchrunx.protocol import Message
-    from torchrunx.workergroup import Worker, WorkerGroup
+    from torchrunx.agent.workergroup import Worker, WorkerGroup
+    from torchrunx.wire.protocol import Message
 
 # The agent's records all carry this name (the launcher routes and filters them by it).
 logger = logging.getLogger("torchrunx.agent")

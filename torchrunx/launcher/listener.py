@@ -1,7 +1,8 @@
 """The launcher's listening socket: accept, authenticate, and turn bytes into frames.
 
 Agents and workers connect here. Each connection is non-blocking and lives in the launch's
-:class:`~torchrunx.ioloop.IOLoop`: the handshake (:mod:`torchrunx.protocol`) is read as its bytes
+:class:`~torchrunx.launcher.ioloop.IOLoop`: the handshake (:mod:`torchrunx.wire.protocol`) is read
+as its bytes
 come, under one deadline for the whole of it, and nothing is unpickled before it succeeds.
 An authenticated connection becomes a :class:`Peer`, whose frames go, as
 :class:`FrameReceived` and :class:`PeerClosed`, to the one queue the launch reads. Sending is
@@ -14,7 +15,7 @@ idle connections never takes the descriptors the rest of the launch needs (log f
 pipes, SSH connections). At the cap, each new connection sheds the oldest handshake (once it has had
 :data:`SHED_AFTER` to answer), so that a
 flood cannot keep the listener full and real peers queued behind it: a real peer answers the
-greeting at once, and :func:`torchrunx.protocol.connect` tries again if it was shed.
+greeting at once, and :func:`torchrunx.wire.protocol.connect` tries again if it was shed.
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchrunx import protocol
 from torchrunx.errors import ProtocolError
-from torchrunx.protocol import FrameReader, Role, Sealer, SessionKeys, frame_pieces
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import FrameReader, Role, Sealer, SessionKeys, frame_pieces
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from torchrunx.ioloop import IOLoop
+    from torchrunx.launcher.ioloop import IOLoop
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchrunx.listener")
 
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to complete the whole handshake."""

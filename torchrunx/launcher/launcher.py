@@ -28,16 +28,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 import tyro
 
 from torchrunx import plugins, serialization
-from torchrunx.agent_starts import count_mode, slurm_cpus
 from torchrunx.devices import AUTO_BACKEND_RULE, resolve_backend
 from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
-from torchrunx.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
-from torchrunx.health import (
-    health_details_from_env,
-    health_port_from_env,
-)
-from torchrunx.hosts import (
+from torchrunx.hosts.resolve import (
     HostSlots,
     check_hostnames,
     count_local_gpus,
@@ -46,24 +40,30 @@ from torchrunx.hosts import (
     resolve_hosts,
     slurm_allocation,
 )
-from torchrunx.logs import (
-    LogHandlers,
-    log_level_from_env,
+from torchrunx.launcher.agent_starts import count_mode, slurm_cpus
+from torchrunx.launcher.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
+from torchrunx.launcher.health import (
+    health_details_from_env,
+    health_port_from_env,
 )
-from torchrunx.orchestrator import Launch, sigterm_raises_system_exit
-from torchrunx.results import LaunchResult
-from torchrunx.transport import (
+from torchrunx.launcher.orchestrator import Launch, sigterm_raises_system_exit
+from torchrunx.launcher.results import LaunchResult
+from torchrunx.launcher.transport import (
     AGENT_COMMAND,
     read_ssh_config,
     resolve_ssh_target,
     srun_command,
 )
-from torchrunx.warm import WarmLauncher
+from torchrunx.launcher.warm import WarmLauncher
+from torchrunx.logs import (
+    LogHandlers,
+    log_level_from_env,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchrunx.launcher")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -204,7 +204,7 @@ every interface); 0 picks a free port; None: $TORCHRUNX_HEALTH_CHECK_PORT if set
 
     log_handlers: Annotated[LogHandlers, tyro.conf.Suppress] = "auto"
     """Where forwarded logs go. "auto": the first worker on stdout, with its agent's warnings
-(its INFO lines too where the torchrunx.agent logger allows INFO), and every agent and worker
+(its INFO lines too where the torchrunx.agent.agent logger allows INFO), and every agent and worker
 in files under $TORCHRUNX_LOG_DIR; None: nowhere; or logging.Handlers, or a function making
 them, that receive every record."""
 
@@ -267,7 +267,7 @@ them, that receive every record."""
         """Start the agents now and keep them for many runs, each on fresh workers.
 
         Use the result as a context manager (the agents end with the block), or call its
-        ``close()``; see :mod:`torchrunx.warm` for what persists between runs.
+        ``close()``; see :mod:`torchrunx.launcher.warm` for what persists between runs.
 
         Args:
             keep_workers: Keep the workers too, and their process group: each run's function

@@ -2,15 +2,15 @@
 
 The parts it drives each own one thing:
 
-- :mod:`torchrunx.ioloop`: the one selector loop for every connection of the launch;
-- :mod:`torchrunx.listener`: accepting, authenticating and framing connections;
-- :mod:`torchrunx.agent_pool`: starting, replacing and closing agent processes;
-- :mod:`torchrunx.agent_starts`: how one host's agent is started, and its bootstrap line;
-- :mod:`torchrunx.inbox`: what arrives (frames, closed connections, agents' ends), applied
+- :mod:`torchrunx.launcher.ioloop`: the one selector loop for every connection of the launch;
+- :mod:`torchrunx.launcher.listener`: accepting, authenticating and framing connections;
+- :mod:`torchrunx.launcher.agent_pool`: starting, replacing and closing agent processes;
+- :mod:`torchrunx.launcher.agent_starts`: how one host's agent is started, and its bootstrap line;
+- :mod:`torchrunx.launcher.inbox`: what arrives (frames, closed connections, agents' ends), applied
   to the launch state;
-- :mod:`torchrunx.launch_state`: what every agent and rank is (pure);
-- :mod:`torchrunx.failures`: which failure is the cause, and whether to restart (pure);
-- :mod:`torchrunx.reports`: the error raised, with its notes (pure).
+- :mod:`torchrunx.launcher.state`: what every agent and rank is (pure);
+- :mod:`torchrunx.launcher.failures`: which failure is the cause, and whether to restart (pure);
+- :mod:`torchrunx.launcher.reports`: the error raised, with its notes (pure).
 
 One thread (the caller's) runs it all, agents' output and ends included; the only other
 threads start agents (a pool of at most 32) and, for SSH agents, are paramiko's own.
@@ -27,12 +27,7 @@ import time
 from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Any
 
-from torchrunx import protocol, serialization
-from torchrunx.agent_pool import (
-    AgentPool,
-    PoolEvent,
-)
-from torchrunx.agent_starts import AgentStarts, listen_socket
+from torchrunx import serialization
 from torchrunx.devices import resolve_backend
 from torchrunx.errors import (
     AgentFailedError,
@@ -49,46 +44,52 @@ from torchrunx.events import (
     Restarting,
     WorkerState,
 )
-from torchrunx.failures import choose_cause, others, restartable, restarts_for
-from torchrunx.health import (
+from torchrunx.launcher.agent_pool import (
+    AgentPool,
+    PoolEvent,
+)
+from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
+from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
+from torchrunx.launcher.health import (
     HealthReport,
     HealthServer,
     health_details_from_env,
     health_host_from_env,
     health_port_from_env,
 )
-from torchrunx.inbox import Inbox
-from torchrunx.ioloop import IOLoop
-from torchrunx.launch_state import (
+from torchrunx.launcher.inbox import Inbox
+from torchrunx.launcher.ioloop import IOLoop
+from torchrunx.launcher.listener import Listener, NetEvent
+from torchrunx.launcher.reports import (
+    finish_report,
+    output_tail_note,
+    stacks_note,
+    summary,
+)
+from torchrunx.launcher.state import (
     AgentRecord,
     Fault,
     LaunchState,
     Phase,
     StartMethod,
 )
-from torchrunx.listener import Listener, NetEvent
 from torchrunx.logs import LogRouter, events_file
-from torchrunx.protocol import (
+from torchrunx.wire import protocol
+from torchrunx.wire.protocol import (
     HEARTBEAT_INTERVAL,
     Heartbeat,
     Stop,
     WorkerCall,
     WorkerSpec,
 )
-from torchrunx.reports import (
-    finish_report,
-    output_tail_note,
-    stacks_note,
-    summary,
-)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from torchrunx.agent_pool import Starter
-    from torchrunx.hosts import HostSlots
-    from torchrunx.launcher import Launcher
-    from torchrunx.results import LaunchTimings
+    from torchrunx.hosts.resolve import HostSlots
+    from torchrunx.launcher.agent_pool import Starter
+    from torchrunx.launcher.launcher import Launcher
+    from torchrunx.launcher.results import LaunchTimings
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -305,7 +306,7 @@ class Launch:
         st = self.state
         if not isinstance(exc, _Failed):
             # Ctrl-C, SIGTERM, or a failure of the launcher itself: it comes first, even in the
-            # middle of a restart (see torchrunx.failures).
+            # middle of a restart (see torchrunx.launcher.failures).
             self.inbox.fault("launch", exc, time.time())
         st.phase = Phase.STOPPING
         st.degraded = True

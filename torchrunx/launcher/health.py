@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from types import TracebackType
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchrunx.health")
 
 ENV_VAR = "TORCHRUNX_HEALTH_CHECK_PORT"
 """The environment variable that turns the endpoint on when ``health_check_port`` is not set."""
@@ -306,7 +306,8 @@ class HealthServer:
             snapshot: Makes the report for one request. It is called from the server's request
                 threads, possibly several at once, so it must be thread-safe, and quick.
             host: Address to listen on. The default ``"127.0.0.1"`` is this machine only
-                (every local user included: see the security notes of :mod:`torchrunx.health`),
+                (every local user included: see the security notes of
+                :mod:`torchrunx.launcher.health`),
                 as the launcher's default (:func:`health_host_from_env`). ``""``: every
                 interface (IPv6 and IPv4 where the machine has both), for probes from other
                 machines; the report holds no secret and no environment value.

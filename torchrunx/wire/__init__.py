@@ -1,0 +1,1 @@
+"""What the launcher and the agents share on the wire: bootstrap, messages, handshake, records."""
