@@ -36,6 +36,7 @@ import torchrunx as trx
 from torchrunx import serialization
 from torchrunx.hosts.resolve import HostSlots
 from torchrunx.launcher.orchestrator import Launch
+from torchrunx.launcher.plan import LaunchPlan
 from torchrunx.wire import protocol
 
 if TYPE_CHECKING:
@@ -213,6 +214,15 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         agent_timeout=120,
     )
     slots = [HostSlots(f"sim{i}", workers) for i in range(hosts)]
+    plan = LaunchPlan(  # as launcher.plan() would make it, without resolving the fake names
+        hosts=tuple(slots),
+        methods=("ssh",) * hosts,
+        env=launcher.exported_env(),
+        backend=None,
+        log_handlers=[],
+        start_timeout=300.0,
+        agent_timeout=120.0,
+    )
     call = serialization.dumps((print, (), {}))
     peak_threads = threading.active_count()
     baseline = _rss_kib()
@@ -227,7 +237,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
 
     cpu_before = time.process_time()
     started = time.perf_counter()
-    launch = Launch(launcher, slots, ["ssh"] * hosts, call, starter=start)
+    launch = Launch(plan, call, starter=start)
     sampler_stop = threading.Event()
 
     def sample() -> None:  # the measuring thread itself is not counted

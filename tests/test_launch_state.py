@@ -12,14 +12,8 @@ from torchrunx.errors import AgentFailedError, WorkerFailedError, WorkerTimeoutE
 from torchrunx.events import AgentState, WorkerFailed, WorkerState, WorkerStateChanged
 from torchrunx.hosts.resolve import HostSlots
 from torchrunx.launcher.failures import choose_cause, others, restartable
-from torchrunx.launcher.state import (
-    AGENT_MOVES,
-    OUTCOME_WAIT,
-    WORKER_MOVES,
-    AgentRecord,
-    LaunchState,
-    Phase,
-)
+from torchrunx.launcher.records import AGENT_MOVES, OUTCOME_WAIT, WORKER_MOVES, AgentRecord, Phase
+from torchrunx.launcher.state import LaunchState
 from torchrunx.wire.protocol import (
     AgentHello,
     WorkerExited,

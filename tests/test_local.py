@@ -495,7 +495,7 @@ def test_agent_exit_noticed_before_its_last_message_is_not_a_failure(monkeypatch
 )
 def test_listen_hosts(methods, address, environ, expected):
     launcher = trx.Launcher(hostnames=["localhost"], launcher_address=address)
-    assert listen_hosts(launcher, methods, environ) == expected
+    assert listen_hosts(launcher.launcher_address, methods, environ) == expected
 
 
 def test_a_local_launch_listens_on_loopback_only(listen_sockets):

@@ -66,8 +66,9 @@ from torchrunx.launcher.failures import choose_cause, restarts_for
 from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.listener import FrameReceived, PeerClosed
+from torchrunx.launcher.records import OUTCOME_WAIT, AgentRecord, Fault, Phase
 from torchrunx.launcher.results import LaunchTimings
-from torchrunx.launcher.state import OUTCOME_WAIT, AgentRecord, Fault, LaunchState, Phase
+from torchrunx.launcher.state import LaunchState
 from torchrunx.wire import protocol
 from torchrunx.wire.protocol import (
     AgentDone,

@@ -24,7 +24,8 @@ import pytest
 
 from torchrunx.events import AgentState, WorkerState, WorkerStateChanged
 from torchrunx.hosts.hostlists import HostSlots
-from torchrunx.launcher.state import AgentRecord, LaunchState, RankRecord
+from torchrunx.launcher.records import AgentRecord, RankRecord
+from torchrunx.launcher.state import LaunchState
 
 A = AgentState
 W = WorkerState

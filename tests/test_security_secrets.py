@@ -60,7 +60,7 @@ def test_reprs_hold_no_secret():
     )
     assert_no_secret(repr(boot))
     starts = AgentStarts(
-        launcher=trx.Launcher(hostnames=["localhost"]),
+        plan=trx.Launcher(hostnames=["localhost"]).plan(),
         agents=[],
         port=1,
         secret=SECRET,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from torchrunx.errors import AgentFailedError, WorkerFailedError
 from torchrunx.events import AgentState, WorkerFailed, WorkerState
 from torchrunx.hosts.resolve import HostSlots
-from torchrunx.launcher.state import AgentRecord, LaunchState
+from torchrunx.launcher.records import AgentRecord
+from torchrunx.launcher.state import LaunchState
 from torchrunx.wire.protocol import (
     AgentHello,
     WorkerExited,

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     import socket
     from collections.abc import Callable, Mapping, Sequence
 
-    from torchrunx.launcher.launcher import Launcher
-    from torchrunx.launcher.state import AgentRecord, StartMethod
+    from torchrunx.launcher.plan import LaunchPlan, StartMethod
+    from torchrunx.launcher.records import AgentRecord
     from torchrunx.logs import Record
 
 logger = logging.getLogger("torchrunx.agent_starts")
@@ -52,7 +52,7 @@ LISTEN_ENV_VAR = "TORCHRUNX_LISTEN_ADDR"
 class AgentStarts:
     """Starts the agents of one launch; called with a host index, from a start thread."""
 
-    launcher: Launcher
+    plan: LaunchPlan
     agents: list[AgentRecord]
     """The launch state's agents (a replaced agent's new record shows up here)."""
     port: int
@@ -60,8 +60,6 @@ class AgentStarts:
     log_level: int
     emit: Callable[[int, Record], None]
     """Where an agent's own stdout and stderr lines go: ``(host index, log record)``."""
-    warm: bool = False
-    """Warm agents: they stay after each run for the next (see :mod:`torchrunx.launcher.warm`)."""
     script: bytes = field(default=b"", repr=False)
     """The agents' script (forwarded variables' values): never in a repr."""
     local_env: dict[str, str] = field(default_factory=local_agent_env, repr=False)
@@ -69,9 +67,9 @@ class AgentStarts:
 
     def prepare(self) -> None:
         """Build the script every agent runs first (the forwarded variables, ``env_file``)."""
-        env_file = self.launcher.env_file
+        env_file = self.plan.env_file
         self.script = agent_script(
-            env=self.launcher.exported_env(),
+            env=dict(self.plan.env),
             cwd=str(Path.cwd()),
             python=sys.executable,
             env_file=None if env_file is None else str(Path(env_file).expanduser().resolve()),
@@ -104,8 +102,8 @@ class AgentStarts:
                 hostname,
                 self.script,
                 lambda local_address: self.bootstrap(agent, local_address),
-                self.launcher.ssh_config_file,
-                connect_timeout=min(self.launcher.start_timeout, 30.0),
+                self.plan.ssh_config_file,
+                connect_timeout=min(self.plan.start_timeout, 30.0),
                 on_line=on_line,
             )
         return LocalAgent(
@@ -118,7 +116,7 @@ class AgentStarts:
 
     def configured_address(self) -> str | None:
         """The launcher address the user set (field, else environment), if any."""
-        return configured_address(self.launcher)
+        return configured_address(self.plan.launcher_address)
 
     def srun_address(self, hostname: str) -> str:
         """The address an srun-started agent connects back to (no SSH socket to ask).
@@ -148,25 +146,29 @@ class AgentStarts:
             launcher_port=self.port,
             secret=self.secret,
             workers=agent.slots.workers,
-            preload_torch=self.launcher.backend is not None,
+            preload_torch=self.plan.backend is not None,
             heartbeat_interval=HEARTBEAT_INTERVAL,
-            agent_timeout=float(self.launcher.agent_timeout),
+            agent_timeout=self.plan.agent_timeout,
             log_level=self.log_level,
             sys_path=tuple(sys.path),
-            count=count_mode(self.launcher.workers_per_host),
-            warm=self.warm,
+            count=count_mode(self.plan.workers_per_host),
+            warm=self.plan.warm,
             local_only=all(not a.remote for a in self.agents),
         ).to_json_line()
 
 
-def configured_address(launcher: Launcher, environ: Mapping[str, str] | None = None) -> str | None:
+def configured_address(
+    launcher_address: str | None, environ: Mapping[str, str] | None = None
+) -> str | None:
     """The launcher address the user set: ``launcher_address``, else ``TORCHRUNX_LAUNCHER_ADDR``."""
     env = os.environ if environ is None else environ
-    return launcher.launcher_address or env.get("TORCHRUNX_LAUNCHER_ADDR") or None
+    return launcher_address or env.get("TORCHRUNX_LAUNCHER_ADDR") or None
 
 
 def listen_hosts(
-    launcher: Launcher, methods: Sequence[StartMethod], environ: Mapping[str, str] | None = None
+    launcher_address: str | None,
+    methods: Sequence[StartMethod],
+    environ: Mapping[str, str] | None = None,
 ) -> list[str | None]:
     """Where the launcher may listen for agents and workers, best first (``None``: everywhere).
 
@@ -185,19 +187,19 @@ def listen_hosts(
         return [None if override == "*" else override]
     if all(method == "local" for method in methods):
         return ["127.0.0.1"]
-    address = configured_address(launcher, env)
+    address = configured_address(launcher_address, env)
     if address is not None and "local" not in methods and _is_ip(address):
         return [address, None]
     return [None]
 
 
-def listen_socket(launcher: Launcher, methods: Sequence[StartMethod]) -> socket.socket:
+def listen_socket(plan: LaunchPlan) -> socket.socket:
     """The launch's listening socket, on the first of :func:`listen_hosts` that can be bound.
 
     Raises:
         OSError: It cannot be bound (``TORCHRUNX_LISTEN_ADDR`` is not this machine's, say).
     """
-    first, *fallback = listen_hosts(launcher, methods)
+    first, *fallback = listen_hosts(plan.launcher_address, plan.methods)
     try:
         return listener_module.listen_socket(first)
     except OSError as exc:

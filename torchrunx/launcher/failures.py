@@ -29,7 +29,7 @@ from torchrunx.launcher.reports import summary
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from torchrunx.launcher.state import Fault
+    from torchrunx.launcher.records import Fault
 
 RESTART_CATEGORIES = ("exceptions", "deaths", "timeouts")
 ALL_RESTART_CATEGORIES = (*RESTART_CATEGORIES, "hosts")

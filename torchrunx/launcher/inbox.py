@@ -12,7 +12,6 @@ import time
 from typing import TYPE_CHECKING
 
 from torchrunx.errors import AgentFailedError, is_collective_error
-from torchrunx.events import AgentState
 from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
 from torchrunx.launcher.listener import FrameReceived, PeerClosed
 from torchrunx.launcher.reports import (
@@ -40,9 +39,10 @@ from torchrunx.wire.protocol import (
 if TYPE_CHECKING:
     from torchrunx.events import Event, EventSink
     from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
-    from torchrunx.launcher.launcher import Launcher
     from torchrunx.launcher.listener import Listener, NetEvent, Peer
-    from torchrunx.launcher.state import AgentRecord, FaultKind, LaunchState, RankRecord
+    from torchrunx.launcher.plan import LaunchPlan
+    from torchrunx.launcher.records import AgentRecord, FaultKind, RankRecord
+    from torchrunx.launcher.state import LaunchState
     from torchrunx.logs import LogRouter
     from torchrunx.wire import protocol
 
@@ -52,7 +52,7 @@ class Inbox:
 
     def __init__(  # noqa: PLR0913 (every part a message may touch)
         self,
-        launcher: Launcher,
+        plan: LaunchPlan,
         state: LaunchState,
         *,
         listener: Listener,
@@ -61,7 +61,7 @@ class Inbox:
         sink: EventSink,
     ) -> None:
         """Bind the parts a message may touch; no connection is known yet."""
-        self.launcher = launcher
+        self.plan = plan
         self.state = state
         self.listener = listener
         self.pool = pool
@@ -84,9 +84,7 @@ class Inbox:
         elif isinstance(event, AgentStarted):
             pass  # the pool keeps the process; the agent announces itself on its connection
         elif isinstance(event, AgentStartFailed):
-            agent = self.state.agents[event.host_index]
-            self.state.move_agent(agent, AgentState.FAILED)
-            self.fault("agent", event.error, time.time(), host_index=agent.index)
+            self.agent_failed(self.state.agents[event.host_index], event.error)
         elif self.pool.processes.get(event.host_index) is event.process:  # not replaced
             agent = self.state.agents[event.host_index]
             if self.state.agent_exited(agent, event.status, time.monotonic()):
@@ -125,32 +123,31 @@ class Inbox:
         self.drop(rank.conn)
         self.owners.pop(rank.conn if rank.conn is not None else -1, None)
 
+    def agent_failed(
+        self, agent: AgentRecord, error: BaseException | None, *, lost: bool = False
+    ) -> None:
+        """An agent failed (``lost``: fell silent); ``error`` is its fault (None: no fault)."""
+        self.emit(self.state.agent_failed(agent, error, time.time(), lost=lost))
+
     def agent_silent(self, agent: AgentRecord, silent: float) -> None:
         """No heartbeat from an agent for too long: it is lost."""
-        self.state.move_agent(agent, AgentState.LOST)
-        self.fault(
-            "lost",
-            AgentFailedError(
-                agent.slots.hostname,
-                f"no heartbeat for {silent:.1f} s (agent_timeout="
-                f"{self.launcher.agent_timeout:g}, start_timeout="
-                f"{self.launcher.start_timeout:g} until workers start); the host is "
-                "unreachable, its link is cut, or the agent is frozen",
-            ),
-            time.time(),
-            host_index=agent.index,
+        error = AgentFailedError(
+            agent.slots.hostname,
+            f"no heartbeat for {silent:.1f} s (agent_timeout={self.plan.agent_timeout:g}, "
+            f"start_timeout={self.plan.start_timeout:g} until workers start); the host is "
+            "unreachable, its link is cut, or the agent is frozen",
         )
+        self.agent_failed(agent, error, lost=True)
 
     def judge_agent(self, agent: AgentRecord) -> None:
         """An agent's process ended: fine after AgentDone, else it failed."""
-        st = self.state
-        agent.judge_by = None
         if agent.over:
+            self.state.agent_judged(agent)
             return
-        st.move_agent(agent, AgentState.FAILED)
-        if st.stopping:
+        if self.state.stopping:
+            self.agent_failed(agent, None)
             return
-        env_file = self.launcher.env_file
+        env_file = self.plan.env_file
         error = agent_exit_error(
             agent.slots.hostname,
             agent.exit_status,
@@ -159,7 +156,7 @@ class Inbox:
             env_file=None if env_file is None else str(env_file),
             stderr_tail=self.stderr_tail(agent.index),
         )
-        self.fault("agent", error, time.time(), host_index=agent.index)
+        self.agent_failed(agent, error)
 
     def settle(self, rank: RankRecord) -> None:
         """A rank exited and its outcome had its chance to arrive: judge it."""
@@ -195,18 +192,13 @@ class Inbox:
             if self.final_stop is not None:  # it started while the launch was stopping
                 peer.send(self.final_stop)
             if message.slots == 0:  # only workers_per_host="gpu" counts 0
-                st.move_agent(agent, AgentState.FAILED)
-                self.fault(
-                    "agent",
-                    AgentFailedError(
-                        agent.slots.hostname,
-                        "workers_per_host='gpu' but this host has no GPU (its agent looked at "
-                        "CUDA_VISIBLE_DEVICES, the NVIDIA driver and nvidia-smi); give a number "
-                        "of workers, or 'auto' (GPUs, else CPU cores)",
-                    ),
-                    time.time(),
-                    host_index=index,
+                error = AgentFailedError(
+                    agent.slots.hostname,
+                    "workers_per_host='gpu' but this host has no GPU (its agent looked at "
+                    "CUDA_VISIBLE_DEVICES, the NVIDIA driver and nvidia-smi); give a number "
+                    "of workers, or 'auto' (GPUs, else CPU cores)",
                 )
+                self.agent_failed(agent, error)
             return
         if peer.role == "worker" and isinstance(message, WorkerHello):
             rank = st.hello_rank(message)
@@ -220,7 +212,7 @@ class Inbox:
 
     def _on_agent_message(self, agent: AgentRecord, message: protocol.Message) -> None:
         st = self.state
-        agent.last_heard = time.monotonic()
+        st.heard_from(agent, time.monotonic())
         if isinstance(message, LogLines):
             offset = 0 if agent.spec is None else agent.spec.rank_offset  # agent records: none
             self.logs.emit_batch(agent.index, offset, message.records)
@@ -241,9 +233,7 @@ class Inbox:
         """What an agent says about its workers: an exit, a watchdog, the stacks."""
         st = self.state
         if isinstance(message, WorkerStacks):
-            if agent.spec is not None:
-                for local_rank, text in message.stacks.items():
-                    st.stacks[agent.spec.rank_offset + local_rank] = text
+            st.add_stacks(agent, message.stacks)
             return
         rank = st.rank_of(agent, message.local_rank)
         if rank is None:
@@ -253,8 +243,7 @@ class Inbox:
                 self.settle(rank)
         elif st.worker_timed_out(rank):
             error = watchdog_error(agent.slots.hostname, rank.rank, message)
-            rank.error = error
-            self.fault("hang", error, time.time(), rank=rank)
+            self.emit(st.worker_failed(rank, "hang", error, time.time()))
 
     def _on_worker_message(
         self, index: int, message: protocol.Message, payload: list[bytearray], at: float
@@ -266,11 +255,9 @@ class Inbox:
         elif isinstance(message, WorkerException) and not rank.has_outcome:
             where = worker_where(rank.rank, rank.local_rank, st.hostname(rank), rank.pid)
             error = rebuild_exception(message, payload, where)
-            rank.error = error
             collective = message.collective or is_collective_error(error)
-            self.fault(
-                "collective" if collective else "exception", error, message.at or at, rank=rank
-            )
+            kind: FaultKind = "collective" if collective else "exception"
+            self.emit(st.worker_failed(rank, kind, error, message.at or at))
         else:
             self.drop(rank.conn)  # agents' messages, or a second outcome: not a worker's
 
@@ -293,16 +280,10 @@ class Inbox:
         if agent.exited:
             self.judge_agent(agent)
             return
-        st.move_agent(agent, AgentState.FAILED)
-        if not st.stopping:
-            self.fault(
-                "agent",
-                AgentFailedError(
-                    agent.slots.hostname,
-                    "the connection to the agent closed unexpectedly (the agent process died "
-                    "or was killed)",
-                    self.stderr_tail(agent.index),
-                ),
-                time.time(),
-                host_index=agent.index,
-            )
+        error = AgentFailedError(
+            agent.slots.hostname,
+            "the connection to the agent closed unexpectedly (the agent process died or was "
+            "killed)",
+            self.stderr_tail(agent.index),
+        )
+        self.agent_failed(agent, None if st.stopping else error)

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import shlex
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
@@ -28,18 +27,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 import tyro
 
 from torchrunx import plugins, serialization
-from torchrunx.devices import AUTO_BACKEND_RULE, resolve_backend
+from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
 from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
-from torchrunx.hosts.resolve import (
-    HostSlots,
-    check_hostnames,
-    count_local_gpus,
-    in_slurm_allocation,
-    is_local_host,
-    resolve_hosts,
-    slurm_allocation,
-)
+from torchrunx.hosts.resolve import HostSlots, check_hostnames, resolve_hosts
 from torchrunx.launcher.agent_starts import count_mode, slurm_cpus
 from torchrunx.launcher.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.health import (
@@ -47,6 +38,7 @@ from torchrunx.launcher.health import (
     health_port_from_env,
 )
 from torchrunx.launcher.orchestrator import Launch, sigterm_raises_system_exit
+from torchrunx.launcher.plan import Backend, LaunchPlan, StartMethod, start_methods
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.transport import (
     AGENT_COMMAND,
@@ -68,12 +60,8 @@ logger = logging.getLogger("torchrunx.launcher")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-Backend = Literal["nccl", "gloo", "mpi", "ucc", "auto"] | None
-
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
 _AGENT_STARTS = ("auto", "ssh", "srun")
-
-StartMethod = Literal["local", "ssh", "srun"]
 
 _RENAMED = {
     "worker_timeout": "renamed in torchrunx 0.5: use timeout=SECONDS (the process-group timeout)",
@@ -250,18 +238,15 @@ them, that receive every record."""
         self.validate()
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
+        plan = self._resolve(warm=False, keep_workers=False)
         call = serialization.dumps_call(func, args, kwargs)
-        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
-        methods = start_methods(self.agent_start, [h.hostname for h in hosts])
-        launch = Launch(self, hosts, methods, call)
+        launch = Launch(plan, call)
         try:
             with sigterm_raises_system_exit():
                 per_host = launch.execute()
         finally:
             launch.close()
-        return LaunchResult(
-            tuple(h.hostname for h in hosts), per_host, launch.restarts, launch.timings()
-        )
+        return LaunchResult(plan.hostnames, per_host, launch.state.restarts, launch.timings())
 
     def warm(self, *, keep_workers: bool = False) -> WarmLauncher:
         """Start the agents now and keep them for many runs, each on fresh workers.
@@ -280,19 +265,61 @@ them, that receive every record."""
             ValueError: A field is invalid (raised before any host is touched).
             AgentFailedError: An agent could not be started or did not connect.
         """
-        self.validate()
-        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
-        methods = start_methods(self.agent_start, [h.hostname for h in hosts])
         if not isinstance(keep_workers, bool):
             raise TypeError(f"keep_workers must be True or False, got {keep_workers!r}")
-        launch = Launch(self, hosts, methods, [], warm=True, keep_workers=keep_workers)
+        plan = self.plan(warm=True, keep_workers=keep_workers)
+        launch = Launch(plan, [])
         try:
             with sigterm_raises_system_exit():
                 launch.open()
         except BaseException:
             launch.close()
             raise
-        return WarmLauncher(self, launch)
+        return WarmLauncher(plan, launch)
+
+    def plan(self, *, warm: bool = False, keep_workers: bool = False) -> LaunchPlan:
+        """Check every field and resolve what a launch needs, once: the frozen plan it runs.
+
+        The hosts and their workers (the SLURM allocation, a hostfile, a provider), how each
+        agent starts, the forwarded variables and the health port; nothing is started.
+
+        Args:
+            warm: For :meth:`warm` (agents that stay from run to run).
+            keep_workers: For ``warm(keep_workers=True)``.
+
+        Raises:
+            ValueError: A field is invalid.
+            TypeError: A field has the wrong type.
+            RuntimeError: ``"slurm"`` or ``agent_start="srun"`` outside an allocation.
+        """
+        self.validate()
+        return self._resolve(warm=warm, keep_workers=keep_workers)
+
+    def _resolve(self, *, warm: bool, keep_workers: bool) -> LaunchPlan:
+        """The plan of fields already checked (:meth:`validate`)."""
+        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
+        return LaunchPlan(
+            hosts=tuple(hosts),
+            methods=tuple(start_methods(self.agent_start, [h.hostname for h in hosts])),
+            env=self.exported_env(),
+            workers_per_host=self.workers_per_host,
+            backend=self.backend,
+            timeout=self.timeout,
+            isolate_gpus=self.isolate_gpus,
+            env_file=self.env_file,
+            launcher_address=self.launcher_address,
+            ssh_config_file=self.ssh_config_file,
+            agent_timeout=float(self.agent_timeout),
+            start_timeout=float(self.start_timeout),
+            launch_timeout=self.launch_timeout,
+            max_restarts=self.max_restarts,
+            restart_on=tuple(self.restart_on),
+            health_port=health_port_from_env(self.health_check_port),
+            event_handlers=tuple(self.event_handlers),
+            log_handlers=self.log_handlers,
+            warm=warm,
+            keep_workers=warm and keep_workers,
+        )
 
     def validate(self) -> None:
         """Check every field; raise a clear error before anything starts.
@@ -371,14 +398,12 @@ them, that receive every record."""
             ValueError: A field is invalid, as for :meth:`run`.
             RuntimeError: ``"slurm"`` outside an allocation, as for :meth:`run`.
         """
-        self.validate()
-        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
-        methods = start_methods(self.agent_start, [h.hostname for h in hosts])
-        env = self.exported_env()
+        plan = self.plan()
+        methods = list(plan.methods)
         counts_gpus = self.backend == "auto" or self.workers_per_host == "gpu"
         here = count_local_gpus() if counts_gpus and "local" in methods else None
         gpus = [here if method == "local" else None for method in methods]
-        return describe_plan(self, hosts, methods, sorted(env), gpus)
+        return describe_plan(self, list(plan.hosts), methods, sorted(plan.env), gpus)
 
 
 def describe_plan(
@@ -565,37 +590,6 @@ def _validate_workers(workers: object, hostnames: object) -> None:
             )
     if isinstance(workers, list | tuple) and isinstance(hostnames, list | tuple):
         _check_lengths(len(workers), len(hostnames))
-
-
-def start_methods(agent_start: str, hostnames: list[str]) -> list[StartMethod]:
-    """How each host's agent starts: ``"local"`` for this machine, else ssh or srun.
-
-    ``agent_start="auto"`` picks srun when this process runs in a SLURM allocation, ``srun`` is
-    installed and every remote host is a node of the allocation; otherwise ssh.
-
-    Raises:
-        RuntimeError: ``"srun"`` outside an allocation, without ``srun``, or for a host that is
-            not a node of the allocation.
-    """
-    local = [is_local_host(name) for name in hostnames]
-    remote = [name for name, here in zip(hostnames, local, strict=True) if not here]
-    method: StartMethod = "ssh"
-    if agent_start == "srun":
-        allocation = slurm_allocation(what="agent_start='srun'")
-        if shutil.which("srun") is None:
-            raise RuntimeError("agent_start='srun' but srun is not installed on this machine")
-        outside = [name for name in remote if name not in allocation.nodes]
-        if outside:
-            raise RuntimeError(
-                f"agent_start='srun' but {outside} are not nodes of SLURM job "
-                f"{allocation.job_id} ({list(allocation.nodes)}); use agent_start='ssh'"
-            )
-        method = "srun"
-    elif agent_start == "auto" and remote and in_slurm_allocation() and shutil.which("srun"):
-        nodes = set(slurm_allocation().nodes)
-        if all(name in nodes for name in remote):
-            method = "srun"
-    return ["local" if here else method for here in local]
 
 
 def _check_lengths(workers: int, hosts: int) -> None:

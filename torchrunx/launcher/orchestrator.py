@@ -1,24 +1,20 @@
-"""One launch, as it happens: start, hellos, specs, monitor, restart or not, collect, stop, close.
+"""One launch, as it happens: start, hellos, specs, monitor, restart or not, collect, stop.
 
-The parts it drives each own one thing:
+:class:`Launch` decides; its parts and its loop are those of
+:class:`~torchrunx.launcher.session.LaunchLoop`; every change of the launch state goes through
+the methods of :class:`~torchrunx.launcher.state.LaunchState`. Which failure is the cause and
+whether to restart is :mod:`~torchrunx.launcher.failures` (pure); the error raised and its notes
+are :mod:`~torchrunx.launcher.reports` (pure). What happens between two runs of warm agents is
+:mod:`~torchrunx.launcher.warm`'s (it hands :meth:`Launch.run_call` its two steps)::
 
-- :mod:`torchrunx.launcher.ioloop`: the one selector loop for every connection of the launch;
-- :mod:`torchrunx.launcher.listener`: accepting, authenticating and framing connections;
-- :mod:`torchrunx.launcher.agent_pool`: starting, replacing and closing agent processes;
-- :mod:`torchrunx.launcher.agent_starts`: how one host's agent is started, and its bootstrap line;
-- :mod:`torchrunx.launcher.inbox`: what arrives (frames, closed connections, agents' ends), applied
-  to the launch state;
-- :mod:`torchrunx.launcher.state`: what every agent and rank is (pure);
-- :mod:`torchrunx.launcher.failures`: which failure is the cause, and whether to restart (pure);
-- :mod:`torchrunx.launcher.reports`: the error raised, with its notes (pure).
-
-One thread (the caller's) runs it all, agents' output and ends included; the only other
-threads start agents (a pool of at most 32) and, for SSH agents, are paramiko's own.
+    open: start agents ─▶ every AgentHello (start_timeout)
+    run_call: [warm: prepare] ─▶ specs (or the call to kept workers) ─▶ monitor
+        ─▶ every result ─▶ collect ─▶ [warm: after the run]
+        └▶ a failure ─▶ stop the workers ─▶ cause ─▶ restart (specs again) or raise
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import signal
@@ -36,176 +32,32 @@ from torchrunx.errors import (
     add_note,
     exception_text,
 )
-from torchrunx.events import (
-    AgentState,
-    EventSink,
-    LaunchFinished,
-    LaunchStarted,
-    Restarting,
-    WorkerState,
-)
-from torchrunx.launcher.agent_pool import (
-    AgentPool,
-    PoolEvent,
-)
-from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
+from torchrunx.events import AgentState, LaunchFinished, LaunchStarted, Restarting, WorkerState
 from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
-from torchrunx.launcher.health import (
-    HealthReport,
-    HealthServer,
-    health_details_from_env,
-    health_host_from_env,
-    health_port_from_env,
-)
-from torchrunx.launcher.inbox import Inbox
-from torchrunx.launcher.ioloop import IOLoop
-from torchrunx.launcher.listener import Listener, NetEvent
-from torchrunx.launcher.reports import (
-    finish_report,
-    output_tail_note,
-    stacks_note,
-    summary,
-)
-from torchrunx.launcher.state import (
-    AgentRecord,
-    Fault,
-    LaunchState,
-    Phase,
-    StartMethod,
-)
-from torchrunx.logs import LogRouter, events_file
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import (
-    HEARTBEAT_INTERVAL,
-    Heartbeat,
-    Stop,
-    WorkerCall,
-    WorkerSpec,
-)
+from torchrunx.launcher.records import Phase
+from torchrunx.launcher.reports import finish_report, output_tail_note, stacks_note, summary
+from torchrunx.launcher.session import LaunchLoop, earliest
+from torchrunx.wire.protocol import Stop, WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from torchrunx.hosts.resolve import HostSlots
-    from torchrunx.launcher.agent_pool import Starter
-    from torchrunx.launcher.launcher import Launcher
-    from torchrunx.launcher.results import LaunchTimings
+    from torchrunx.launcher.records import Fault
 
 logger = logging.getLogger("torchrunx.launcher")
 
 STOP_GRACE = 3.0
 """Seconds workers get between SIGTERM and SIGKILL when the launch stops them."""
-_STOP_WAIT = STOP_GRACE + 5.0
+STOP_WAIT = STOP_GRACE + 5.0
 """Seconds a stop waits for every agent to report its workers' ends."""
-_TICK = HEARTBEAT_INTERVAL / 2
 
 
-class _Failed(Exception):  # noqa: N818 (control flow inside this module)
+class Failed(Exception):  # noqa: N818 (control flow of a launch, never raised to the user)
     """A failure was recorded: stop, then raise the cause or restart."""
 
 
-class Launch:
+class Launch(LaunchLoop):
     """One launch in progress; owned by the thread that calls :meth:`execute`."""
-
-    def __init__(  # noqa: PLR0913 (a launch's inputs, and how agents start)
-        self,
-        launcher: Launcher,
-        hosts: list[HostSlots],
-        methods: list[StartMethod],
-        call: list[memoryview],
-        *,
-        starter: Starter | None = None,
-        warm: bool = False,
-        keep_workers: bool = False,
-    ) -> None:
-        """Open the logs, the listening socket and the loop; nothing is started yet.
-
-        ``starter`` replaces how agents start (the many-hosts benchmark simulates them).
-        ``keep_workers`` (warm agents only): the workers stay from run to run.
-        """
-        self.launcher = launcher
-        self.call = call
-        # First: it may raise (a bad TORCHRUNX_LOG_LEVEL, a failing handler factory).
-        self.logs = LogRouter(launcher.log_handlers, [h.hostname for h in hosts])
-        try:  # an unwritable log folder fails here, before any socket or thread exists
-            self.sink = EventSink(
-                launcher.event_handlers,
-                None if self.logs.log_dir is None else events_file(self.logs.log_dir),
-            )
-        except BaseException:
-            self.logs.close()
-            raise
-        self.secret = protocol.new_secret()
-        self.queue: collections.deque[NetEvent | PoolEvent] = collections.deque()
-        """The one queue: what the listener read and what the pool saw, in order."""
-        loop = None
-        try:  # out of descriptors, say: nothing made so far is left open
-            self.loop = loop = IOLoop()
-            self.listener = Listener(
-                self.loop, self.secret, listen_socket(launcher, methods), self.queue.append
-            )
-        except BaseException:
-            if loop is not None:
-                loop.close()
-            self.sink.close()
-            self.logs.close()
-            raise
-        self.port = self.listener.port
-        self.state = LaunchState(
-            [AgentRecord(i, h, m) for i, (h, m) in enumerate(zip(hosts, methods, strict=True))],
-            started=time.monotonic(),
-            max_restarts=launcher.max_restarts,
-            agent_timeout=float(launcher.agent_timeout),
-            start_timeout=float(launcher.start_timeout),
-            keep_workers=warm and keep_workers,
-        )
-        self.starts = AgentStarts(
-            launcher,
-            self.state.agents,
-            self.port,
-            self.secret,
-            self.logs.level,
-            lambda index, record: self.logs.emit_batch(index, 0, (record,)),
-            warm=warm,
-        )
-        self.pool = AgentPool(
-            self.loop,
-            self.queue.append,
-            starter or self.starts,
-            [h.hostname for h in hosts],
-        )
-        self.inbox = Inbox(
-            launcher,
-            self.state,
-            listener=self.listener,
-            pool=self.pool,
-            logs=self.logs,
-            sink=self.sink,
-        )
-        self.extra_failures: list[str] = []
-        self.health: HealthServer | None = None
-        self._next_tick = 0.0
-        self.warm = warm
-        self.keep_workers = warm and keep_workers
-        """Workers that stay: a run's call goes to the last run's workers when they are well."""
-        self.runs = 0
-        """Runs started (warm agents)."""
-        self.fresh_workers = True
-        """Whether the last run started its own workers (else the kept ones took its call)."""
-        """Warm agents: they stay after each run for the next, until :meth:`close`."""
-        self.run_started = 0.0
-        self.first_attempt = 0
-        """The attempt the current run started with (runs of warm agents go on counting)."""
-        self.restarts = 0
-        """Restarts the last successful run needed."""
-        self.timings_of_run: LaunchTimings | None = None
-        """The last successful warm run's timings (its ranks are forgotten after it)."""
-        self._interrupt: tuple[object, BaseException] | None = None
-        """A run's token and the error raised in it at its next wake-up (:meth:`interrupt`)."""
-        self._run_token: object = None
-        """The token of the run under way (:meth:`run_call`)."""
-
-    # -- the launch, in order ------------------------------------------------------------
 
     def execute(self) -> tuple[tuple[Any, ...], ...]:
         """Run every phase of a one-shot launch; return the unpickled results per host."""
@@ -220,82 +72,84 @@ class Launch:
         """
         st = self.state
         deadline = self._deadline(st.started)
-        self._open_health()
+        self.open_health()
         self.sink.emit(
             LaunchStarted(
                 tuple(a.slots.hostname for a in st.agents),
                 tuple(a.slots.workers for a in st.agents),
-                self.launcher.max_restarts,
+                self.plan.max_restarts,
                 None if self.health is None else self.health.url,
             )
         )
         try:
-            self._start_agents()
-            start_by = st.started + self.launcher.start_timeout
-            self._run_until(lambda: st.all_hellos, _earliest(start_by, deadline))
+            self.starts.prepare()
+            for agent in st.agents:
+                self.pool.start(agent.index)
+            start_by = st.started + self.plan.start_timeout
+            self.run_until(lambda: st.all_hellos, earliest(start_by, deadline))
             if not st.all_hellos and not st.failed:
                 if deadline is not None and time.monotonic() >= deadline:
                     self._launch_timed_out()
                 else:
                     self._start_timed_out()
             if st.failed:
-                raise _Failed  # noqa: TRY301 (stopped and reported below, like every failure)
+                raise Failed  # noqa: TRY301 (stopped and reported below, like every failure)
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
             error = self._end_with_failure(exc, final=True)
             raise error from error.__cause__
-        st.agents_started_after = time.monotonic() - st.started
-        for agent in st.agents:  # each waits for its first spec
-            agent.ready = True
+        st.agents_ready(time.monotonic())
 
-    def run_call(self, call: list[memoryview], token: object = None) -> tuple[tuple[Any, ...], ...]:
-        """Run one call on fresh workers of the started agents; the results per host.
+    def run_call(
+        self,
+        call: list[memoryview],
+        token: object = None,
+        *,
+        prepare: Callable[[float | None], bool] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> tuple[tuple[Any, ...], ...]:
+        """Run one call on the started agents; the results per host.
 
         A one-shot launch runs one call and its failure stops the agents. Warm agents stay
-        after a failure (this run's workers stopped), ready for the next call. ``token``
-        names this run for :meth:`interrupt` (``None``: a fresh one).
+        after a failure (this run's workers stopped), ready for the next call: for them,
+        ``prepare(deadline)`` runs first (``True``: the kept workers take the call) and
+        ``after()`` last, whether the run succeeded or not. ``token`` names this run for
+        :meth:`interrupt` (``None``: a fresh one).
         """
         st = self.state
         self.call = call
         self._run_token = object() if token is None else token
-        self.runs += 1
-        self.run_started = time.monotonic()
-        self.first_attempt = st.attempt
-        deadline = self._deadline(self.run_started if self.warm else st.started)
-        kept = False
+        st.start_run(time.monotonic(), warm=self.plan.warm)
+        deadline = self._deadline(st.run_started)
         try:
-            if self.warm:
-                kept = self._prepare_run(deadline)
-                self.first_attempt = st.attempt
-            self.fresh_workers = not kept
+            kept = prepare is not None and prepare(deadline)
+            st.run_workers(fresh=not kept)
             while True:
                 if kept:
                     self._send_calls()
                     kept = False
                 else:
                     self._send_specs()
-                self._run_until(lambda: st.finished, deadline)
+                self.run_until(lambda: st.finished, deadline)
                 if not st.finished and not st.failed and not st.alarm:
                     self._launch_timed_out()
                 if st.finished and not st.failed:
                     break
                 self._restart_or_raise(deadline)
-            st.finished_after = time.monotonic() - (self.run_started if self.warm else st.started)
+            st.results_in(time.monotonic())
             results = self._collect()
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
-            error = self._end_with_failure(exc, final=not self.warm)
-            if self.warm:
-                self._next_run()
+            error = self._end_with_failure(exc, final=not self.plan.warm)
+            if after is not None:
+                after()
             raise error from error.__cause__
-        st.phase = Phase.SUCCEEDED
+        st.succeeded()
         self._emit_finished(None)
-        self.restarts = st.attempt - self.first_attempt
-        if self.warm:
-            self.timings_of_run = self.timings()
-            self._next_run()
+        if after is not None:
+            after()
         return results
 
     def _deadline(self, start: float) -> float | None:
-        limit = self.launcher.launch_timeout
+        limit = self.plan.launch_timeout
         return None if limit is None else start + limit
 
     def _end_with_failure(self, exc: BaseException, *, final: bool) -> BaseException:
@@ -304,141 +158,35 @@ class Launch:
         ``final``: stop the agents too (warm agents stay for the next run otherwise).
         """
         st = self.state
-        if not isinstance(exc, _Failed):
+        if not isinstance(exc, Failed):
             # Ctrl-C, SIGTERM, or a failure of the launcher itself: it comes first, even in the
             # middle of a restart (see torchrunx.launcher.failures).
             self.inbox.fault("launch", exc, time.time())
-        st.phase = Phase.STOPPING
-        st.degraded = True
+        st.begin_failure()
         try:
             if not final:
-                self._stop(restart=True, dump=True)
-            elif not self._all_over():
-                self._stop(restart=False)
+                self.stop_workers(restart=True, dump=True)
+            elif not self.all_over():
+                self.stop_workers(restart=False)
         except (KeyboardInterrupt, SystemExit) as again:  # a second Ctrl-C: stop waiting
             self.inbox.fault("launch", again, time.time())
-        cause = choose_cause(st.faults)
-        error = self._report(cause)
-        st.phase = Phase.FAILED
+        error = self._report(choose_cause(st.faults))
+        st.failed_run()
         self._emit_finished(error)
         return error
 
-    # -- warm agents: between runs ------------------------------------------------------------
-
-    def _prepare_run(self, deadline: float | None) -> bool:
-        """Before a warm run: what the time since the last run changed.
-
-        Returns ``True`` when the last run's workers stay and take this call (nothing failed
-        since). Else their workers are gone or stopped now; agents still stopping are waited
-        for (bounded), and those that ended are replaced (``restart_on`` with ``"hosts"``)
-        or named in the :class:`AgentFailedError` raised.
-        """
-        st = self.state
-        since_last = st.faults  # workers and agents lost or dead while idle: no run's failure
-        if st.kept_workers:
-            if not since_last and st.kept_workers_well():
-                st.next_call()
-                return True
-            why = "; ".join(dict.fromkeys(summary(f.error) for f in since_last))
-            logger.warning(
-                "the workers kept since the last run are not all well%s: this run starts new "
-                "workers, and what earlier runs loaded in them is gone",
-                f" ({why})" if why else "",
-            )
-            self._stop(restart=True, dump=False)
-            st.next_attempt(keep_ready=True)
-        st.faults = []
-        st.stopping = True  # an agent's end now is this preparation's, not the run's
-        try:
-            self._run_until(
-                lambda: all(a.ready or a.over or a.conn is None for a in st.agents),
-                _earliest(time.monotonic() + _STOP_WAIT, deadline),
-            )
-        finally:
-            st.stopping = False
-        gone = st.unready_agents()
-        if not gone:
-            return False
-        names = [a.slots.hostname for a in gone]
-        if "hosts" not in self.launcher.restart_on:
-            why = "; ".join(
-                dict.fromkeys(summary(f.error) for f in since_last if f.kind in ("agent", "lost"))
-            )
-            raise AgentFailedError(
-                names[0],
-                f"the warm agents of {names} ended or stopped answering since the last run"
-                + (f" ({why})" if why else "")
-                + "; add 'hosts' to restart_on to start new ones at the next run, or open "
-                "new warm agents",
-            )
-        logger.warning("starting new agents on %s before this run", names)
-        self._replace_agents(deadline)
-        unready = [a.slots.hostname for a in st.unready_agents()]
-        if unready:
-            self.extra_failures.append(f"new agents were started, but those of {unready} did not")
-            raise _Failed
-        st.next_attempt()
-        return False
-
-    def _next_run(self) -> None:
-        """After a warm run: forget its ranks and failures; the agents stay.
-
-        Workers that stay after a successful run keep their ranks for the next call.
-        """
-        st = self.state
-        st.history = []
-        self.extra_failures = []
-        st.degraded = False
-        st.phase = Phase.IDLE
-        if self.keep_workers and st.finished and not st.failed:
-            st.keep_workers_for_next_call()
-            return
-        st.next_attempt(keep_ready=True)  # waiting for a spec (the next run checks)
-        st.between_runs = True
-
-    def idle(self, stop: Callable[[], bool]) -> None:
-        """Between warm runs: heartbeats, and noting agents that end or fall silent.
-
-        Until ``stop()``. What happens to an agent meanwhile (its end, a cut connection, its
-        silence for ``agent_timeout``) is recorded as a fault of no run: the next run reads
-        it (:meth:`_prepare_run`), and raises or replaces the agent at once.
-        """
-        st = self.state
-        while not stop():
-            now = time.monotonic()
-            if now >= self._next_tick:
-                self._tick(now)
-                self._next_tick = now + _TICK
-            wake = _earliest(self._next_tick, st.next_due(), self.listener.next_deadline)
-            self.loop.run_once(max(0.0, (wake or now) - now))
-            self._apply_queue()
-
     def _restart_or_raise(self, deadline: float | None) -> None:
         """After a failure: stop the workers, find the cause, then restart or raise it."""
-        st = self.state
-        restarts = st.attempt - self.first_attempt
-        may_restart = restarts < self.launcher.max_restarts and self._provisionally_restartable()
+        st, plan = self.state, self.plan
+        may_restart = st.restarts < plan.max_restarts and self._provisionally_restartable()
         # Warm agents stay either way: only this run's workers are stopped.
-        self._stop(restart=may_restart or self.warm, dump=not may_restart)
+        self.stop_workers(restart=may_restart or plan.warm, dump=not may_restart)
         cause = choose_cause(st.faults)
-        if not (
-            may_restart
-            and restartable(
-                cause,
-                self.launcher.restart_on,
-                attempt=restarts,
-                max_restarts=self.launcher.max_restarts,
-            )
+        if not may_restart or not restartable(
+            cause, plan.restart_on, attempt=st.restarts, max_restarts=plan.max_restarts
         ):
-            raise _Failed
+            raise Failed
         self._restart(cause, deadline)
-
-    # -- agents ---------------------------------------------------------------------------
-
-    def _start_agents(self) -> None:
-        self.starts.prepare()
-        for agent in self.state.agents:
-            self.pool.start(agent.index)
 
     # -- workers --------------------------------------------------------------------------
 
@@ -456,15 +204,14 @@ class Launch:
                         time.time(),
                         host_index=agent.index,
                     )
-                raise _Failed
+                raise Failed
         hellos = [a.hello for a in st.agents]
         world_size = sum(h.slots for h in hellos if h is not None)
         # Decided once for every worker of every host: a group that mixes backends hangs.
         backend = resolve_backend(
-            self.launcher.backend, [(h.slots, h.gpus) for h in hellos if h is not None]
+            self.plan.backend, [(h.slots, h.gpus) for h in hellos if h is not None]
         )
         master_addr, master_port = self._master_address()
-        st.phase = Phase.STARTING_WORKERS
         offset = 0
         for agent in st.agents:
             assert agent.hello is not None  # noqa: S101 (all hellos are in)
@@ -477,13 +224,13 @@ class Launch:
                 master_addr=master_addr,
                 master_port=master_port,
                 backend=backend,
-                timeout=self.launcher.timeout,
-                isolate_gpus=self.launcher.isolate_gpus,
+                timeout=self.plan.timeout,
+                isolate_gpus=self.plan.isolate_gpus,
                 log_level=self.logs.level,
                 attempt=st.attempt,
-                max_restarts=self.launcher.max_restarts,
-                restarts=st.attempt - self.first_attempt,
-                keep=self.keep_workers,
+                max_restarts=self.plan.max_restarts,
+                restarts=st.restarts,
+                keep=self.plan.keep_workers,
             )
             st.assign(agent, spec)
             if st.attempt == 0:
@@ -494,8 +241,8 @@ class Launch:
     def _send_calls(self) -> None:
         """Workers that stay: send this run's call to each of them, on its own connection."""
         st = self.state
-        st.phase = Phase.RUNNING
-        message = WorkerCall(run=self.runs)
+        st.move_phase(Phase.RUNNING)
+        message = WorkerCall(run=st.runs)
         for rank in st.ranks:
             assert rank.conn is not None  # noqa: S101 (checked by kept_workers_well)
             self.inbox.peers[rank.conn].send(message, self.call)
@@ -514,101 +261,42 @@ class Launch:
         return address, first.free_port
 
     def _collect(self) -> tuple[tuple[Any, ...], ...]:
-        per_host: list[list[Any]] = [[] for _ in self.state.agents]
-        for rank in self.state.ranks:
-            assert rank.result is not None  # noqa: S101 (checked by finished)
+        st = self.state
+        per_host: list[list[Any]] = [[] for _ in st.agents]
+        for rank in st.ranks:
             try:
-                value = serialization.loads(rank.result)
+                value = serialization.loads(st.take_result(rank))
             except Exception as exc:
                 raise SerializationError(
                     f"cannot unpickle the return value of rank {rank.rank} in the launcher: "
                     f"{exc}; is every module it needs importable here?"
                 ) from exc
-            rank.result = None
             per_host[rank.host_index].append(value)
         return tuple(tuple(values) for values in per_host)
-
-    # -- the loop -------------------------------------------------------------------------
-
-    def interrupt(self, error: BaseException, token: object) -> None:
-        """From any thread: make run ``token`` stop as a Ctrl-C would, raising ``error``.
-
-        If that run is under way (or about to start: ``token`` given to :meth:`run_call`),
-        the launch's thread raises ``error`` at its next wake-up (at once: the loop is woken),
-        whether it waits for its workers, for agents still stopping or for new agents; then
-        it stops the run's workers and raises ``error`` with its notes. A request for
-        another run, or one that came after its run ended, does nothing.
-        """
-        self._interrupt = (token, error)
-        self.loop.post(lambda: None)
-
-    def _run_until(
-        self, done: Callable[[], bool], deadline: float | None, *, interruptible: bool = True
-    ) -> None:
-        """Run the loop until ``done()``, a failure (unless stopping), or ``deadline``.
-
-        Raises:
-            BaseException: The error of an :meth:`interrupt` of this run (if
-                ``interruptible``: not while stopping workers).
-        """
-        st = self.state
-        while not done():
-            if interruptible and self._interrupt is not None:
-                token, error = self._interrupt
-                if token is self._run_token:
-                    self._interrupt = None
-                    raise error
-            if not st.stopping and (st.failed or st.alarm):
-                return
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return
-            if now >= self._next_tick:
-                self._tick(now)
-                self._next_tick = now + _TICK
-                continue
-            wake = _earliest(self._next_tick, deadline, st.next_due(), self.listener.next_deadline)
-            self.loop.run_once(max(0.0, (wake or now) - now))
-            self._apply_queue()
-
-    def _tick(self, now: float) -> None:
-        st = self.state
-        for agent in st.agents:
-            if agent.conn is not None and not agent.over:
-                self.inbox.peer_of(agent).send(Heartbeat())
-        for agent, silent in st.silent_agents(now):
-            self.inbox.agent_silent(agent, silent)
-        self.listener.tick(now)
-        self.pool.poll()
-        agents, ranks = st.due(now)
-        for agent in agents:
-            self.inbox.judge_agent(agent)
-        for rank in ranks:
-            self.inbox.settle(rank)
-
-    def _apply_queue(self) -> None:
-        while self.queue:
-            self.inbox.apply(self.queue.popleft())
 
     # -- stopping, restarting, failing ------------------------------------------------------
 
     def _provisionally_restartable(self) -> bool:
         st = self.state
         if not st.faults:  # only an abnormal exit so far: a death, if nothing else shows up
-            return "deaths" in self.launcher.restart_on
+            return "deaths" in self.plan.restart_on
         cause = choose_cause(st.faults)
         return restarts_for(
-            cause.error, set(self.launcher.restart_on), from_worker=cause.rank is not None
+            cause.error, set(self.plan.restart_on), from_worker=cause.rank is not None
         )
 
-    def _all_over(self) -> bool:
+    def all_over(self) -> bool:
+        """Whether every agent has ended (or never connected)."""
         return all(a.over or a.conn is None for a in self.state.agents)
 
-    def _stop(self, *, restart: bool, dump: bool | None = None) -> None:
-        """Tell the agents to stop their workers; wait (bounded) until every end is known."""
+    def stop_workers(self, *, restart: bool, dump: bool | None = None) -> None:
+        """Tell the agents to stop their workers; wait (bounded) until every end is known.
+
+        ``restart``: the agents stay (for another attempt, or the next warm run); else they
+        end too. ``dump``: ask for the survivors' stacks (default: when not restarting).
+        """
         st = self.state
-        st.stopping = True
-        st.phase = Phase.RESTARTING if restart else Phase.STOPPING
+        st.begin_stop(restart=restart)
         first = choose_cause(st.faults) if st.faults else None
         error = None if first is None else first.error
         if isinstance(error, SystemExit) and error.code == 128 + signal.SIGTERM:
@@ -628,62 +316,55 @@ class Launch:
             if agent.conn is not None and not agent.over and not (restart and agent.ready):
                 self.inbox.peer_of(agent).send(stop)
         done = (lambda: st.stopped and st.ranks_known) if restart else self._ends_known
-        self._run_until(done, time.monotonic() + _STOP_WAIT, interruptible=False)
-        self._apply_queue()
+        self.run_until(done, time.monotonic() + STOP_WAIT, interruptible=False)
+        self.apply_queue()
         for rank in st.ranks:  # what is still unsettled is judged on what arrived
             if rank.exited is not None:
                 self.inbox.settle(rank)
             self.inbox.emit(st.move_rank(rank, WorkerState.STOPPED))
 
     def _ends_known(self) -> bool:
-        return self._all_over() and self.state.ranks_known
+        return self.all_over() and self.state.ranks_known
 
     def _restart(self, cause: Fault, deadline: float | None) -> None:
         """Restart the worker group on the agents, replacing lost ones if asked to."""
         st = self.state
         reason = summary(cause.error)
-        restarts = st.attempt - self.first_attempt
-        st.history.append(f"attempt {restarts}: {reason}")
-        st.phase = Phase.RESTARTING
-        self.sink.emit(Restarting(restarts + 1, self.launcher.max_restarts, reason))
+        st.record_restart(reason)
+        self.sink.emit(Restarting(st.restarts + 1, self.plan.max_restarts, reason))
         logger.warning(
             "restarting the workers (restart %d of %d) after: %s",
-            restarts + 1,
-            self.launcher.max_restarts,
+            st.restarts + 1,
+            self.plan.max_restarts,
             reason,
         )
         for rank in st.ranks:
             self.inbox.forget_rank(rank)  # an old worker's connection: nothing more is read
-        if "hosts" in self.launcher.restart_on:
-            self._replace_agents(deadline)
+        if "hosts" in self.plan.restart_on:
+            self.replace_agents(deadline)
         unready = [a.slots.hostname for a in st.unready_agents()]
         if unready:
-            st.history.pop()  # this failure is the one raised, not an earlier one
-            self.extra_failures.append(
+            st.restart_failed(
                 f"a restart was attempted, but the agents of {unready} did not get ready"
             )
-            raise _Failed
+            raise Failed
         st.next_attempt()
 
-    def _replace_agents(self, deadline: float | None) -> None:
+    def replace_agents(self, deadline: float | None) -> None:
         """Start a new agent for every host whose agent died or was lost (new SSH or srun)."""
         st = self.state
         replaced = [a.index for a in st.unready_agents()]
         for index in replaced:
-            old = st.agents[index]
+            old = st.replace_agent(index)
             logger.warning("starting a new agent on %s", old.slots.hostname)
-            if old.conn is not None:
-                self.inbox.drop(old.conn)
-            st.agents[index] = AgentRecord(index, old.slots, old.method)
+            self.inbox.drop(old.conn)
             self.pool.replace(index, lost=old.state is AgentState.LOST)
-        stopping, st.stopping = st.stopping, True  # their failures now are the restart's
-        self._run_until(
-            lambda: all(st.agents[i].hello is not None or st.agents[i].over for i in replaced),
-            _earliest(time.monotonic() + self.launcher.start_timeout, deadline),
-        )
-        st.stopping = stopping
-        for index in replaced:
-            st.agents[index].ready = st.agents[index].hello is not None
+        with st.stopping_meanwhile():  # their failures now are the restart's
+            self.run_until(
+                lambda: all(st.agents[i].hello is not None or st.agents[i].over for i in replaced),
+                earliest(time.monotonic() + self.plan.start_timeout, deadline),
+            )
+        st.replacements_started(replaced)
 
     def _start_timed_out(self) -> None:
         missing = next(a for a in self.state.agents if a.hello is None)
@@ -693,7 +374,7 @@ class Launch:
             AgentFailedError(
                 missing.slots.hostname,
                 "the agent did not connect back within "
-                f"start_timeout={self.launcher.start_timeout:g} s; "
+                f"start_timeout={self.plan.start_timeout:g} s; "
                 f"can that host reach this machine on port {self.port}"
                 + (f" at {address}" if address else "")
                 + "? Set launcher_address / TORCHRUNX_LAUNCHER_ADDR to an address it can reach",
@@ -706,7 +387,7 @@ class Launch:
     def _launch_timed_out(self) -> None:
         st = self.state
         now = time.monotonic()
-        limit = self.launcher.launch_timeout
+        limit = self.plan.launch_timeout
         running = [r.rank for r in st.ranks if r.result is None]
         self.inbox.fault(
             "launch",
@@ -731,9 +412,9 @@ class Launch:
                 add_note(error, note)
         finish_report(
             error,
-            others=[*others(st.faults, cause), *self.extra_failures],
+            others=[*others(st.faults, cause), *st.extra_failures],
             history=st.history,
-            max_restarts=self.launcher.max_restarts,
+            max_restarts=self.plan.max_restarts,
         )
         if st.stacks:
             where = {r.rank: (r.local_rank, st.hostname(r)) for r in st.ranks}
@@ -741,44 +422,15 @@ class Launch:
         return error
 
     def _emit_finished(self, error: BaseException | None) -> None:
+        st = self.state
         self.sink.emit(
             LaunchFinished(
                 succeeded=error is None,
-                attempts=self.state.attempt - self.first_attempt + 1,
-                duration=time.monotonic() - self.state.started,
+                attempts=st.restarts + 1,
+                duration=time.monotonic() - st.run_started,
                 error=None if error is None else summary(error),
             )
         )
-
-    # -- health and timings -----------------------------------------------------------------
-
-    def _open_health(self) -> None:
-        port = health_port_from_env(self.launcher.health_check_port)
-        if port is not None:  # an OSError (port in use) ends the launch; close() cleans up
-            self.health = HealthServer(
-                port,
-                self.health_report,
-                host=health_host_from_env(),
-                details=health_details_from_env(),
-            )
-            self.health.start()
-            logger.info("health endpoint: %s", self.health.url)
-
-    def health_report(self) -> HealthReport:
-        """Called from the health server's threads: reads the state, changes nothing."""
-        st = self.state
-        faults = list(st.faults)
-        cause = summary(choose_cause(faults).error) if faults else None
-        return st.health(time.monotonic(), max_restarts=self.launcher.max_restarts, cause=cause)
-
-    def timings(self) -> LaunchTimings:
-        """Phase durations of the attempt that succeeded."""
-        processes = self.pool.processes
-        connect = tuple(
-            float(getattr(processes.get(a.index), "connect_seconds", 0.0))
-            for a in self.state.agents
-        )
-        return self.state.timings(connect)
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -787,32 +439,12 @@ class Launch:
         st = self.state
         stop = Stop("the warm agents were closed", STOP_GRACE, restart=False, attempt=st.attempt)
         self.inbox.final_stop = stop
-        st.stopping = True
-        for agent in st.agents:
-            if agent.conn is not None and not agent.over:
-                self.inbox.peer_of(agent).send(stop)
-        self._run_until(self._all_over, time.monotonic() + _STOP_WAIT, interruptible=False)
-        self._apply_queue()
-
-    def close(self) -> None:
-        """Release everything: agents, connections, the port, the loop, and helper threads."""
-        self.listener.stop_accepting()
-        for agent in self.state.agents:
-            if agent.state is AgentState.DONE:  # it reads until this end closes, then exits
-                self.inbox.drop(agent.conn)
-        lost = {a.index for a in self.state.agents if a.state is AgentState.LOST}
-        self.pool.close(lost)
-        self.listener.close()
-        self.loop.close()
-        if self.health is not None:
-            self.health.close()
-        self.sink.close()
-        self.logs.close()
-
-
-def _earliest(*times: float | None) -> float | None:
-    known = [t for t in times if t is not None]
-    return min(known) if known else None
+        with st.stopping_meanwhile():
+            for agent in st.agents:
+                if agent.conn is not None and not agent.over:
+                    self.inbox.peer_of(agent).send(stop)
+            self.run_until(self.all_over, time.monotonic() + STOP_WAIT, interruptible=False)
+            self.apply_queue()
 
 
 @contextlib.contextmanager

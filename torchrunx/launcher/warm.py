@@ -26,22 +26,28 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, final
 
-from torchrunx.launcher.orchestrator import sigterm_raises_system_exit
+from torchrunx.errors import AgentFailedError
+from torchrunx.launcher.orchestrator import STOP_WAIT, Failed, sigterm_raises_system_exit
+from torchrunx.launcher.records import Phase
+from torchrunx.launcher.reports import summary
 from torchrunx.launcher.results import LaunchResult
+from torchrunx.launcher.session import earliest
 from torchrunx.serialization import dumps_call
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
-    from torchrunx.launcher.launcher import Launcher
     from torchrunx.launcher.orchestrator import Launch
+    from torchrunx.launcher.plan import LaunchPlan
+    from torchrunx.launcher.results import LaunchTimings
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -90,7 +96,8 @@ class _Idle:
     def _serve(self) -> None:
         _our_thread.warm = True
         try:
-            self.launch.idle(lambda: self._stopping)
+            while not self._stopping:  # heartbeats, and agents that end or fall silent
+                self.launch.step()
         except Exception:
             logger.exception("the warm agents' idle loop failed; the next run will say more")
 
@@ -109,6 +116,10 @@ class _Agents:
         self.lock = threading.Lock()
         """Held by the run under way (one at a time), and by :meth:`WarmLauncher.close`."""
         self.runs = 0
+        self._timings: LaunchTimings | None = None
+        """The last successful run's timings (its ranks are forgotten after it)."""
+        self._restarts = 0
+        """The restarts the last successful run needed."""
 
     def run(self, call: list[memoryview], token: object = None) -> LaunchResult[Any]:
         """Run a pickled call on fresh workers; the caller holds :attr:`lock`.
@@ -121,18 +132,82 @@ class _Agents:
         self.runs += 1
         self.idle.pause()
         try:
-            per_host = self.launch.run_call(call, token)
+            per_host = self.launch.run_call(call, token, prepare=self._prepare, after=self._after)
         finally:
             self.idle.resume()
-        timings = self.launch.timings_of_run
-        assert timings is not None  # noqa: S101 (set by a successful run)
+        assert self._timings is not None  # noqa: S101 (set by a successful run)
         return LaunchResult(
             self.hostnames,
             per_host,
-            self.launch.restarts,
-            timings,
-            fresh_workers=self.launch.fresh_workers,
+            self._restarts,
+            self._timings,
+            fresh_workers=self.launch.state.fresh_workers,
         )
+
+    # -- between two runs ---------------------------------------------------------------------
+
+    def _prepare(self, deadline: float | None) -> bool:
+        """Before a run: what the time since the last run changed.
+
+        Returns ``True`` when the last run's workers stay and take this call (nothing failed
+        since). Else their workers are gone or stopped now; agents still stopping are waited
+        for (bounded), and those that ended are replaced (``restart_on`` with ``"hosts"``)
+        or named in the :class:`AgentFailedError` raised.
+        """
+        launch = self.launch
+        st = launch.state
+        since_last = st.faults  # workers and agents lost or dead while idle: no run's failure
+        if st.kept_workers:
+            if not since_last and st.kept_workers_well():
+                st.next_call()
+                return True
+            why = "; ".join(dict.fromkeys(summary(f.error) for f in since_last))
+            logger.warning(
+                "the workers kept since the last run are not all well%s: this run starts new "
+                "workers, and what earlier runs loaded in them is gone",
+                f" ({why})" if why else "",
+            )
+            launch.stop_workers(restart=True, dump=False)
+            st.next_attempt(keep_ready=True)
+        st.forget_idle_faults()
+        with st.stopping_meanwhile():  # an agent's end now is this preparation's, not the run's
+            launch.run_until(
+                lambda: all(a.ready or a.over or a.conn is None for a in st.agents),
+                earliest(time.monotonic() + STOP_WAIT, deadline),
+            )
+        gone = st.unready_agents()
+        if not gone:
+            return False
+        names = [a.slots.hostname for a in gone]
+        if "hosts" not in launch.plan.restart_on:
+            why = "; ".join(
+                dict.fromkeys(summary(f.error) for f in since_last if f.kind in ("agent", "lost"))
+            )
+            raise AgentFailedError(
+                names[0],
+                f"the warm agents of {names} ended or stopped answering since the last run"
+                + (f" ({why})" if why else "")
+                + "; add 'hosts' to restart_on to start new ones at the next run, or open "
+                "new warm agents",
+            )
+        logger.warning("starting new agents on %s before this run", names)
+        launch.replace_agents(deadline)
+        unready = [a.slots.hostname for a in st.unready_agents()]
+        if unready:
+            st.add_extra_failure(f"new agents were started, but those of {unready} did not")
+            raise Failed
+        st.next_attempt()
+        return False
+
+    def _after(self) -> None:
+        """After a run, failed or not: the agents stay (and the workers, if kept and well).
+
+        What the result reports is read before the state forgets the run.
+        """
+        st = self.launch.state
+        if st.phase is Phase.SUCCEEDED:
+            self._timings, self._restarts = self.launch.timings(), st.restarts
+        st.after_run(keep_workers=self.launch.plan.keep_workers)
 
 
 class _Phase(enum.Enum):
@@ -351,17 +426,17 @@ class WarmLauncher:
             scores = warm.run(evaluate, model_path)
 
     Attributes:
-        launcher: The settings the agents were started with.
+        plan: What the agents were started with: the resolved hosts and the settings.
         hostnames: The hosts, in launch order.
         keep_workers: Whether the workers stay from run to run (``warm(keep_workers=True)``).
     """
 
-    def __init__(self, launcher: Launcher, launch: Launch) -> None:
+    def __init__(self, plan: LaunchPlan, launch: Launch) -> None:
         """Take over a launch whose agents have all said hello (see :meth:`Launcher.warm`)."""
-        self.launcher = launcher
+        self.plan = plan
         self._agents = _Agents(launch)
         self.hostnames = self._agents.hostnames
-        self.keep_workers = launch.keep_workers
+        self.keep_workers = launch.plan.keep_workers
         self._runner = _Runner(self._agents)
         self._agents.idle.resume()
         self._finalizer = weakref.finalize(self, _shut, self._agents, self._runner)

@@ -1,0 +1,155 @@
+"""The layout of the package: who may import whom, and how big a module or class may grow.
+
+Read from the source (every import: module level, in functions, and under TYPE_CHECKING), so a
+new import that breaks the boundary fails here before it fails on a host without the
+launcher's dependencies.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "torchrunx"
+
+LAUNCHER_SIDE = ("torchrunx.launcher", "torchrunx.hosts", "torchrunx.plugins", "torchrunx.cli")
+"""What runs only in the caller's process: the host side never imports it."""
+
+HOST_SIDE = ("torchrunx.agent", "torchrunx.wire")
+"""What runs on every host (the agent, its guardian and workers) and what it shares."""
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Every module's imports of the package's modules (a name imported from a package that
+    is a module of its own counts as that module)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if not node.module.startswith("torchrunx"):
+                    continue
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    found.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("torchrunx"))
+        found.discard(name)
+        graph[name] = found
+    return graph
+
+
+def _under(name: str, roots: tuple[str, ...]) -> bool:
+    return any(name == root or name.startswith(root + ".") for root in roots)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module ``start`` imports, directly or not, with the module that imports it."""
+    seen: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        current = todo.pop()
+        for target in graph.get(current, set()):
+            if target not in seen:
+                seen[target] = current
+                todo.append(target)
+    return seen
+
+
+def test_the_packages_hold_every_module():
+    modules = _modules()
+    top = sorted(n for n in modules if n.count(".") == 1)
+    assert {"torchrunx.launcher", "torchrunx.agent", "torchrunx.wire", "torchrunx.hosts"} <= set(
+        top
+    )
+    for package in ("launcher", "agent", "wire", "hosts"):
+        assert ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
+
+
+def test_the_host_side_never_imports_the_launcher_side():
+    modules = _modules()
+    graph = _imports(modules)
+    host_side = [n for n in modules if _under(n, HOST_SIDE)]
+    assert len(host_side) >= 10
+    for name in host_side:
+        for target, via in _reachable(graph, name).items():
+            assert not _under(target, LAUNCHER_SIDE), f"{name} imports {target} (via {via})"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, set()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_type_checking_imports_included():
+    assert _cycles(_imports(_modules())) == []
+
+
+def test_an_agent_and_a_worker_load_nothing_of_the_launcher_side():
+    code = (
+        "import sys, torchrunx.agent.agent, torchrunx.agent.worker, torchrunx.agent.guardian\n"
+        "print('\\n'.join(m for m in sys.modules if m.startswith('torchrunx')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    loaded = done.stdout.split()
+    assert "torchrunx.agent.agent" in loaded
+    assert [m for m in loaded if _under(m, LAUNCHER_SIDE)] == []
+
+
+def test_no_module_or_class_is_too_big_to_read():
+    too_big = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            too_big.append(f"module {name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    too_big.append(f"class {name}.{node.name}: {size} lines")
+    assert too_big == []

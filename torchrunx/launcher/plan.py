@@ -1,0 +1,102 @@
+"""The plan of one launch: the settings resolved once, frozen, before anything starts.
+
+:meth:`torchrunx.Launcher.plan` checks the fields, resolves the hosts and how each agent
+starts, and reads what the environment adds (forwarded variables, the health endpoint); the
+launch (:mod:`~torchrunx.launcher.orchestrator`), its inbox and its agent starts read only
+this plan, never the :class:`~torchrunx.Launcher` itself::
+
+    Launcher (fields, as given) ──validate──▶ hosts, start methods, env ──▶ LaunchPlan (frozen)
+        ──▶ Launch(plan, call) ──▶ AgentStarts(plan), Inbox(plan), LaunchState(plan's limits)
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from torchrunx.hosts.resolve import in_slurm_allocation, is_local_host, slurm_allocation
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from pathlib import Path
+
+    from torchrunx.events import EventHandler
+    from torchrunx.hosts import HostSlots
+    from torchrunx.logs import LogHandlers
+
+StartMethod = Literal["local", "ssh", "srun"]
+"""How one host's agent starts: a subprocess of the launcher, over SSH, or as an srun step."""
+
+Backend = Literal["nccl", "gloo", "mpi", "ucc", "auto"] | None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch (or a set of warm agents) runs with; made by ``Launcher.plan()``."""
+
+    hosts: tuple[HostSlots, ...]
+    methods: tuple[StartMethod, ...]
+    """How each host's agent starts (:func:`start_methods`)."""
+    env: Mapping[str, str] = field(repr=False)
+    """The variables every agent exports (forwarded patterns and given values): never in a
+    repr, since values may be secrets."""
+    workers_per_host: object = "auto"
+    """As given: how an agent counts its workers where the plan does not say."""
+    backend: Backend = "auto"
+    timeout: float = 600.0
+    isolate_gpus: bool = False
+    env_file: str | Path | None = None
+    """The file sourced on every host first, as given (resolved when the agents start)."""
+    launcher_address: str | None = None
+    """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR`` is read where it is used)."""
+    ssh_config_file: str | Path | None = None
+    agent_timeout: float = 5.0
+    start_timeout: float = 60.0
+    launch_timeout: float | None = None
+    max_restarts: int = 0
+    restart_on: tuple[str, ...] = ()
+    health_port: int | None = None
+    """The health endpoint's port (field, else ``TORCHRUNX_HEALTH_CHECK_PORT``); None: none."""
+    event_handlers: tuple[EventHandler, ...] = ()
+    log_handlers: LogHandlers = "auto"
+    warm: bool = False
+    """Warm agents: they stay after each run for the next (see :mod:`torchrunx.launcher.warm`)."""
+    keep_workers: bool = False
+    """Warm agents whose workers stay from run to run too."""
+
+    @property
+    def hostnames(self) -> tuple[str, ...]:
+        """The hosts' names, in launch order."""
+        return tuple(h.hostname for h in self.hosts)
+
+
+def start_methods(agent_start: str, hostnames: list[str]) -> list[StartMethod]:
+    """How each host's agent starts: ``"local"`` for this machine, else ssh or srun.
+
+    ``agent_start="auto"`` picks srun when this process runs in a SLURM allocation, ``srun`` is
+    installed and every remote host is a node of the allocation; otherwise ssh.
+
+    Raises:
+        RuntimeError: ``"srun"`` outside an allocation, without ``srun``, or for a host that is
+            not a node of the allocation.
+    """
+    local = [is_local_host(name) for name in hostnames]
+    remote = [name for name, here in zip(hostnames, local, strict=True) if not here]
+    method: StartMethod = "ssh"
+    if agent_start == "srun":
+        allocation = slurm_allocation(what="agent_start='srun'")
+        if shutil.which("srun") is None:
+            raise RuntimeError("agent_start='srun' but srun is not installed on this machine")
+        outside = [name for name in remote if name not in allocation.nodes]
+        if outside:
+            raise RuntimeError(
+                f"agent_start='srun' but {outside} are not nodes of SLURM job "
+                f"{allocation.job_id} ({list(allocation.nodes)}); use agent_start='ssh'"
+            )
+        method = "srun"
+    elif agent_start == "auto" and remote and in_slurm_allocation() and shutil.which("srun"):
+        nodes = set(slurm_allocation().nodes)
+        if all(name in nodes for name in remote):
+            method = "srun"
+    return ["local" if here else method for here in local]

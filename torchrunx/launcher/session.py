@@ -1,0 +1,254 @@
+"""The parts of one launch and its one loop, which the orchestrator's ``Launch`` decides with.
+
+:class:`LaunchLoop` opens, owns and closes every resource of a launch, and turns the loop: each
+step sends heartbeats when due, waits for the next socket event, agent end or deadline, and
+applies what arrived to the state (through :mod:`~torchrunx.launcher.inbox`). It decides
+nothing: starting, stopping, restarting and collecting are the orchestrator's.
+
+The parts, each the owner of one thing:
+
+- :mod:`~torchrunx.launcher.ioloop`: the one selector loop for every connection of the launch;
+- :mod:`~torchrunx.launcher.listener`: accepting, authenticating and framing connections;
+- :mod:`~torchrunx.launcher.agent_pool`: starting, replacing and closing agent processes;
+- :mod:`~torchrunx.launcher.agent_starts`: how one host's agent is started, and its bootstrap;
+- :mod:`~torchrunx.launcher.inbox`: what arrives, applied to the launch state;
+- :mod:`~torchrunx.launcher.state`: what every agent and rank is (pure);
+- the log router, the event sink and the health endpoint.
+
+One thread runs the loop at a time: the caller's during a launch or a warm run, the idle thread
+of :mod:`~torchrunx.launcher.warm` between warm runs. The only other threads start agents (a
+pool of at most 32), serve ``GET /health`` (reading, never changing, the state), and, for SSH
+agents, are paramiko's own.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from torchrunx.events import AgentState, EventSink
+from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
+from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
+from torchrunx.launcher.failures import choose_cause
+from torchrunx.launcher.health import (
+    HealthReport,
+    HealthServer,
+    health_details_from_env,
+    health_host_from_env,
+)
+from torchrunx.launcher.inbox import Inbox
+from torchrunx.launcher.ioloop import IOLoop
+from torchrunx.launcher.listener import Listener, NetEvent
+from torchrunx.launcher.records import AgentRecord
+from torchrunx.launcher.reports import summary
+from torchrunx.launcher.state import LaunchState
+from torchrunx.logs import LogRouter, events_file
+from torchrunx.wire.protocol import HEARTBEAT_INTERVAL, Heartbeat, new_secret
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torchrunx.launcher.agent_pool import Starter
+    from torchrunx.launcher.plan import LaunchPlan
+    from torchrunx.launcher.results import LaunchTimings
+
+logger = logging.getLogger("torchrunx.launcher")
+
+TICK = HEARTBEAT_INTERVAL / 2
+"""Seconds between two rounds of heartbeats, silence checks and agent polls."""
+
+
+class LaunchLoop:
+    """The parts of one launch and its loop; owned by the thread that runs the loop."""
+
+    def __init__(
+        self, plan: LaunchPlan, call: list[memoryview], *, starter: Starter | None = None
+    ) -> None:
+        """Open the logs, the events file, the listening socket and the loop; start nothing.
+
+        ``starter`` replaces how agents start (the many-hosts benchmark simulates them). What
+        was opened is closed again if a later part fails (an unwritable log folder, a bad
+        ``TORCHRUNX_LOG_LEVEL``, no descriptor left).
+        """
+        self.plan = plan
+        self.call = call
+        with contextlib.ExitStack() as undo:
+            self.logs = LogRouter(plan.log_handlers, list(plan.hostnames))
+            undo.callback(self.logs.close)
+            log_dir = self.logs.log_dir
+            self.sink = EventSink(
+                plan.event_handlers, None if log_dir is None else events_file(log_dir)
+            )
+            undo.callback(self.sink.close)
+            self.secret = new_secret()
+            self.queue: collections.deque[NetEvent | PoolEvent] = collections.deque()
+            """The one queue: what the listener read and what the pool saw, in order."""
+            self.loop = IOLoop()
+            undo.callback(self.loop.close)
+            sock = listen_socket(plan)
+            undo.callback(sock.close)
+            self.listener = Listener(self.loop, self.secret, sock, self.queue.append)
+            undo.pop_all()  # all open: close() releases them
+        self.port = self.listener.port
+        self.state = LaunchState(
+            [
+                AgentRecord(i, h, m)
+                for i, (h, m) in enumerate(zip(plan.hosts, plan.methods, strict=True))
+            ],
+            started=time.monotonic(),
+            max_restarts=plan.max_restarts,
+            agent_timeout=plan.agent_timeout,
+            start_timeout=plan.start_timeout,
+            keep_workers=plan.keep_workers,
+        )
+        self.starts = AgentStarts(
+            plan,
+            self.state.agents,
+            self.port,
+            self.secret,
+            self.logs.level,
+            lambda index, record: self.logs.emit_batch(index, 0, (record,)),
+        )
+        self.pool = AgentPool(
+            self.loop, self.queue.append, starter or self.starts, list(plan.hostnames)
+        )
+        self.inbox = Inbox(
+            plan, self.state, listener=self.listener, pool=self.pool, logs=self.logs, sink=self.sink
+        )
+        self.health: HealthServer | None = None
+        self._next_tick = 0.0
+        self._interrupt: tuple[object, BaseException] | None = None
+        """A run's token and the error raised in it at its next wake-up (:meth:`interrupt`)."""
+        self._run_token: object = None
+        """The token of the run under way (``Launch.run_call``)."""
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def interrupt(self, error: BaseException, token: object) -> None:
+        """From any thread: make run ``token`` stop as a Ctrl-C would, raising ``error``.
+
+        If that run is under way (or about to start: ``token`` given to ``Launch.run_call``),
+        the launch's thread raises ``error`` at its next wake-up (at once: the loop is woken),
+        whether it waits for its workers, for agents still stopping or for new agents; then
+        it stops the run's workers and raises ``error`` with its notes. A request for
+        another run, or one that came after its run ended, does nothing.
+        """
+        self._interrupt = (token, error)
+        self.loop.post(lambda: None)
+
+    def run_until(
+        self, done: Callable[[], bool], deadline: float | None, *, interruptible: bool = True
+    ) -> None:
+        """Run the loop until ``done()``, a failure (unless stopping), or ``deadline``.
+
+        Raises:
+            BaseException: The error of an :meth:`interrupt` of this run (if
+                ``interruptible``: not while stopping workers).
+        """
+        st = self.state
+        while not done():
+            if interruptible and self._interrupt is not None:
+                token, error = self._interrupt
+                if token is self._run_token:
+                    self._interrupt = None
+                    raise error
+            if not st.stopping and (st.failed or st.alarm):
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            self.step(deadline)
+
+    def step(self, deadline: float | None = None) -> None:
+        """One turn of the loop: the periodic round if due, else wait and apply what comes.
+
+        The wait ends at the next heartbeat round, the next judgement due, the listener's
+        next deadline, or ``deadline``, whichever comes first.
+        """
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._tick(now)
+            self._next_tick = now + TICK
+            return
+        wake = earliest(
+            self._next_tick, deadline, self.state.next_due(), self.listener.next_deadline
+        )
+        self.loop.run_once(max(0.0, (wake or now) - now))
+        self.apply_queue()
+
+    def _tick(self, now: float) -> None:
+        """Heartbeats out; silent agents lost; agents' ends polled; overdue ends judged."""
+        st = self.state
+        for agent in st.agents:
+            if agent.conn is not None and not agent.over:
+                self.inbox.peer_of(agent).send(Heartbeat())
+        for agent, silent in st.silent_agents(now):
+            self.inbox.agent_silent(agent, silent)
+        self.listener.tick(now)
+        self.pool.poll()
+        agents, ranks = st.due(now)
+        for agent in agents:
+            self.inbox.judge_agent(agent)
+        for rank in ranks:
+            self.inbox.settle(rank)
+
+    def apply_queue(self) -> None:
+        """Apply what the listener and the pool queued, in order."""
+        while self.queue:
+            self.inbox.apply(self.queue.popleft())
+
+    # -- health and timings -----------------------------------------------------------------
+
+    def open_health(self) -> None:
+        """Serve ``GET /health`` if the plan asks for it (an OSError ends the launch)."""
+        port = self.plan.health_port
+        if port is not None:  # close() cleans up
+            self.health = HealthServer(
+                port,
+                self.health_report,
+                host=health_host_from_env(),
+                details=health_details_from_env(),
+            )
+            self.health.start()
+            logger.info("health endpoint: %s", self.health.url)
+
+    def health_report(self) -> HealthReport:
+        """Called from the health server's threads: reads the state, changes nothing."""
+        st = self.state
+        faults = list(st.faults)
+        cause = summary(choose_cause(faults).error) if faults else None
+        return st.health(time.monotonic(), max_restarts=self.plan.max_restarts, cause=cause)
+
+    def timings(self) -> LaunchTimings:
+        """Phase durations of the attempt that succeeded."""
+        processes = self.pool.processes
+        connect = tuple(
+            float(getattr(processes.get(a.index), "connect_seconds", 0.0))
+            for a in self.state.agents
+        )
+        return self.state.timings(connect)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release everything: agents, connections, the port, the loop, and helper threads."""
+        self.listener.stop_accepting()
+        for agent in self.state.agents:
+            if agent.state is AgentState.DONE:  # it reads until this end closes, then exits
+                self.inbox.drop(agent.conn)
+        lost = {a.index for a in self.state.agents if a.state is AgentState.LOST}
+        self.pool.close(lost)
+        self.listener.close()
+        self.loop.close()
+        if self.health is not None:
+            self.health.close()
+        self.sink.close()
+        self.logs.close()
+
+
+def earliest(*times: float | None) -> float | None:
+    """The earliest of the times that are known (None if none is)."""
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
