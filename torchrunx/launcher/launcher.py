@@ -48,12 +48,8 @@ from torchrunx.launcher.health import (
 )
 from torchrunx.launcher.orchestrator import Launch, sigterm_raises_system_exit
 from torchrunx.launcher.results import LaunchResult
-from torchrunx.launcher.transport import (
-    AGENT_COMMAND,
-    read_ssh_config,
-    resolve_ssh_target,
-    srun_command,
-)
+from torchrunx.launcher.ssh import read_ssh_config, resolve_ssh_target
+from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
 from torchrunx.launcher.warm import WarmLauncher
 from torchrunx.logs import (
     LogHandlers,
