@@ -52,11 +52,11 @@ from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
 from torchrunx.launcher.health import (
     HealthReport,
-    HealthServer,
     health_details_from_env,
     health_host_from_env,
     health_port_from_env,
 )
+from torchrunx.launcher.health_server import HealthServer
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.ioloop import IOLoop
 from torchrunx.launcher.listener import Listener, NetEvent
