@@ -71,7 +71,7 @@ _AGENT_STARTS = ("auto", "ssh", "srun")
 
 StartMethod = Literal["local", "ssh", "srun"]
 
-_RENAMED = {
+RENAMED_FIELDS = {
     "worker_timeout": "renamed in torchrunx 0.5: use timeout=SECONDS (the process-group timeout)",
     "handler_factory": (
         "renamed in torchrunx 0.5: use log_handlers=... (or launcher.set_logging_handlers(...))"
@@ -86,8 +86,8 @@ them. Kept apart from unknown keywords so that a migrating script is told what t
 def _refuse_renamed(caller: str, keywords: Iterable[str]) -> None:
     """Raise a TypeError naming the replacement of a keyword of an earlier release."""
     for name in keywords:
-        if name in _RENAMED:
-            raise TypeError(f"{caller} got {name}=..., which was {_RENAMED[name]}")
+        if name in RENAMED_FIELDS:
+            raise TypeError(f"{caller} got {name}=..., which was {RENAMED_FIELDS[name]}")
 
 
 _C = TypeVar("_C")
