@@ -20,7 +20,7 @@ import tyro
 
 import torchrunx as trx
 from torchrunx.cli import add_launcher_arguments, launcher_from_args
-from torchrunx.launcher.launcher import _RENAMED
+from torchrunx.launcher.launcher import RENAMED_FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -320,11 +320,11 @@ class _Fields:
     ],
 )
 def test_options_follow_tyro_for_other_field_types(argv):
-    from torchrunx.cli import _add_dataclass_arguments, _dataclass_from_namespace
+    from torchrunx.cli_options import add_dataclass_arguments, dataclass_from_namespace
 
     parser = argparse.ArgumentParser()
-    _add_dataclass_arguments(parser.add_argument_group("fields"), _Fields)
-    parsed = _dataclass_from_namespace(_Fields, parser.parse_args(argv))
+    add_dataclass_arguments(parser.add_argument_group("fields"), _Fields)
+    parsed = dataclass_from_namespace(_Fields, parser.parse_args(argv))
     assert repr(parsed) == repr(tyro.cli(_Fields, args=argv))
     help_text = " ".join(parser.format_help().split())
     assert "--flag, --no-flag A switch. (default: False)" in help_text
@@ -337,11 +337,11 @@ def test_a_field_type_without_a_command_line_form_is_named():
     class Unreadable:
         table: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    from torchrunx.cli import _add_dataclass_arguments
+    from torchrunx.cli_options import add_dataclass_arguments
 
     parser = argparse.ArgumentParser()
     with pytest.raises(TypeError, match="field 'table' has a type the command line cannot read"):
-        _add_dataclass_arguments(parser.add_argument_group("fields"), Unreadable)
+        add_dataclass_arguments(parser.add_argument_group("fields"), Unreadable)
 
 
 def test_exports():
@@ -371,11 +371,11 @@ def test_a_dict_field_with_a_non_empty_default_is_refused_too():
     class Table:
         table: dict[str, int] = dataclasses.field(default_factory=lambda: {"a": 1})
 
-    from torchrunx.cli import _add_dataclass_arguments
+    from torchrunx.cli_options import add_dataclass_arguments
 
     parser = argparse.ArgumentParser()
     with pytest.raises(TypeError, match="field 'table' has a type the command line cannot read"):
-        _add_dataclass_arguments(parser.add_argument_group("fields"), Table)
+        add_dataclass_arguments(parser.add_argument_group("fields"), Table)
 
 
 # ------------------------------------------------------------------------------------------
@@ -586,7 +586,7 @@ def _main(argv: list[str], tmp_path: Path, monkeypatch) -> SystemExit:
     return exit_info.value
 
 
-@pytest.mark.parametrize("name", sorted(_RENAMED))
+@pytest.mark.parametrize("name", sorted(RENAMED_FIELDS))
 def test_an_option_of_an_earlier_release_is_named_with_its_replacement(
     name, tmp_path, monkeypatch, capsys
 ):
@@ -594,7 +594,7 @@ def test_an_option_of_an_earlier_release_is_named_with_its_replacement(
     assert _main([*LOCAL, option, "x", "--", "ok.py"], tmp_path, monkeypatch).code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: torchrunx")
-    assert f"torchrunx: error: argument {option}: {_RENAMED[name]}" in err, err
+    assert f"torchrunx: error: argument {option}: {RENAMED_FIELDS[name]}" in err, err
 
 
 @pytest.mark.parametrize(

@@ -24,12 +24,12 @@ from torchrunx.events import AgentState, WorkerState
 from torchrunx.launcher.health import (
     AgentHealth,
     HealthReport,
-    HealthServer,
     WorkerHealth,
     health_details_from_env,
     health_host_from_env,
     health_port_from_env,
 )
+from torchrunx.launcher.health_server import HealthServer
 
 LOCAL = "127.0.0.1"
 # No proxy from the environment may stand between the tests and 127.0.0.1.
@@ -490,7 +490,7 @@ def test_default_host_is_loopback_and_every_interface_is_asked_for(snapshot):
 
 
 def test_close_does_not_wait_for_a_stuck_snapshot_past_its_deadline(snapshot, monkeypatch):
-    monkeypatch.setattr("torchrunx.launcher.health._CLOSE_JOIN_TIMEOUT", 0.2)
+    monkeypatch.setattr("torchrunx.launcher.health_server._CLOSE_JOIN_TIMEOUT", 0.2)
     release = threading.Event()
     entered = threading.Event()
 

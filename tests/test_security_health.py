@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from torchrunx.launcher import health as health_module
-from torchrunx.launcher.health import MAX_CONNECTIONS, HealthReport, HealthServer
+from torchrunx.launcher import health_server as health_module
+from torchrunx.launcher.health import HealthReport
+from torchrunx.launcher.health_server import MAX_CONNECTIONS, HealthServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

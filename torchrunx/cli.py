@@ -12,18 +12,16 @@ Three ways to put a launcher on a command line:
       torchrunx [launcher options] -- package.module:func args # a function; prints rank 0's value
 
 All three are tyro's: the argparse options are the ones tyro makes from ``Launcher``'s fields
-(their names, value forms and docstrings), and each option's words are read by tyro. So a new
-field appears on every command line by itself, read the same way.
+(their names, value forms and docstrings; :mod:`torchrunx.cli_options`), and each option's words
+are read by tyro. So a new field appears on every command line by itself, read the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
-import io
 import json
 import os
 import re
@@ -32,9 +30,10 @@ import shlex
 import sys
 import types
 import typing
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
+
+from torchrunx.cli_options import add_dataclass_arguments, dataclass_from_namespace
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -100,7 +99,7 @@ def add_launcher_arguments(
     group = parser.add_argument_group(
         group_title, "Where and how the function runs (the fields of torchrunx.Launcher)."
     )
-    _add_dataclass_arguments(group, Launcher)
+    add_dataclass_arguments(group, Launcher)
     return group
 
 
@@ -118,143 +117,8 @@ def launcher_from_args(namespace: argparse.Namespace) -> Launcher:
     """
     from torchrunx.launcher.launcher import Launcher  # noqa: PLC0415 (workers import this module too)
 
-    launcher: Launcher = _dataclass_from_namespace(Launcher, namespace)
+    launcher: Launcher = dataclass_from_namespace(Launcher, namespace)
     return launcher
-
-
-def _add_dataclass_arguments(group: argparse._ArgumentGroup, cls: type[Any]) -> None:
-    """Add to ``group`` the options tyro makes for the fields of the dataclass ``cls``.
-
-    tyro's own parser for ``cls`` (``tyro.extras.get_parser``) gives each option's names,
-    ``nargs``, metavar and help; the option is added again with :class:`_FieldAction`, which
-    stores the value as tyro reads it under the field's name (tyro's parser stores the words).
-
-    Raises:
-        TypeError: A field that tyro does not read as one option: a dict or a dataclass (tyro
-            makes one option per key or field of its default), or a type it cannot read at all.
-    """
-    import tyro  # noqa: PLC0415 (only the launcher's side needs tyro)
-
-    with warnings.catch_warnings():  # deprecated in tyro 1.0, yet its only argparse view
-        warnings.simplefilter("ignore", DeprecationWarning)
-        tyro_parser = tyro.extras.get_parser(cls)
-    tyro_options = {name: a for a in tyro_parser._actions for name in a.option_strings}  # noqa: SLF001
-    hints = typing.get_type_hints(cls, include_extras=True)
-    bases = typing.get_type_hints(cls)  # without Annotated's markers
-    for field in dataclasses.fields(cls):
-        option = "--" + field.name.replace("_", "-")
-        tyro_action = tyro_options.get(option)
-        expanded = any(name.startswith(option + ".") for name in tyro_options)
-        if tyro_action is None and not expanded:
-            continue  # suppressed (tyro.conf.Suppress) or not an __init__ argument
-        base = bases[field.name]
-        if (
-            tyro_action is None
-            or tyro_action.metavar == "{fixed}"
-            or dict in (base, typing.get_origin(base))
-        ):
-            raise TypeError(
-                f"field {field.name!r} has a type the command line cannot read ({base!r}) as one "
-                "option; mark it with Annotated[..., tyro.conf.Suppress]"
-            )
-        head, found, _ = (tyro_action.help or "").rpartition("(default: ")
-        group.add_argument(
-            *tyro_action.option_strings,
-            action=_FieldAction,
-            nargs=tyro_action.nargs,
-            dest=field.name,
-            default=_field_default(field),
-            metavar=_word_metavar(tyro_action),
-            field_type=hints[field.name],
-            doc=head.rstrip() if found else tyro_action.help or "",
-        )
-
-
-def _dataclass_from_namespace(cls: type[Any], namespace: argparse.Namespace) -> Any:  # noqa: ANN401 (an instance of cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init and f.name in namespace]
-    return cls(**{name: getattr(namespace, name) for name in names})
-
-
-def _field_default(field: dataclasses.Field[Any]) -> object:
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return None
-
-
-def _word_metavar(action: argparse.Action) -> str | None:
-    """The metavar tyro gives an option; for a list option, the forms of one word.
-
-    argparse writes a ``nargs="*"`` option as ``[METAVAR ...]``, so tyro's list forms
-    (``{[STR [STR ...]]}``) become their item and each form is listed once:
-    ``{auto,slurm}|{[STR [STR ...]]}|PATH`` becomes ``{auto,slurm}|STR|PATH``.
-    """
-    metavar = action.metavar
-    if not isinstance(metavar, str) or action.nargs not in ("*", "+"):
-        return metavar if isinstance(metavar, str) else None
-    items = re.sub(r"\{?\[(.+?) \[\1 \.\.\.\]\]\}?", r"\1", metavar)
-    return "|".join(dict.fromkeys(items.replace(" ", "|").split("|")))
-
-
-class _FieldAction(argparse.Action):
-    """Stores one dataclass field: a flag's ``True``/``False``, or the value tyro reads.
-
-    Its help is the field's docstring followed by the current default, so a default changed
-    with ``parser.set_defaults`` shows in ``--help`` too.
-    """
-
-    def __init__(
-        self,
-        option_strings: Sequence[str],
-        dest: str,
-        *,
-        field_type: object,
-        doc: str,
-        **kwargs: Any,  # noqa: ANN401 (argparse's own keywords: nargs, default, metavar)
-    ) -> None:
-        self.field_type = field_type
-        self.doc = doc
-        super().__init__(option_strings, dest, **kwargs)
-
-    @property
-    def help(self) -> str:
-        """The field's docstring (escaped by tyro for argparse) and the current default."""
-        return f"{self.doc} (default: {_show_default(self.default).replace('%', '%%')})".strip()
-
-    @help.setter  # noqa: A003 (argparse reads and writes action.help)
-    def help(self, value: str | None) -> None:
-        """Ignored: the help is made from the docstring and the default."""
-
-    def __call__(
-        self,
-        _parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
-        option_string: str | None = None,
-    ) -> None:
-        """Store the flag's value, or the value tyro reads from the option's words."""
-        import tyro  # noqa: PLC0415 (only the launcher's side needs tyro)
-
-        value: object = not (option_string or "").startswith("--no-")
-        if self.nargs != 0:
-            words = [values] if isinstance(values, str) else list(values or [])
-            try:  # "--": every word is a value, even "-1"; tyro prints some errors regardless
-                with contextlib.redirect_stderr(io.StringIO()):
-                    value = tyro.cli(self.field_type, args=["--", *words], console_outputs=False)  # type: ignore[call-overload]
-            except SystemExit:
-                shown = " ".join(shlex.quote(w) for w in words) or "nothing"
-                message = f"invalid value {shown}: expected {self.metavar}"
-                raise argparse.ArgumentError(self, message) from None
-        setattr(namespace, self.dest, value)
-
-
-def _show_default(value: object) -> str:
-    if isinstance(value, list | tuple):
-        return " ".join(shlex.quote(str(v)) for v in value) if value else "empty"
-    if isinstance(value, str) and value:
-        return shlex.quote(value)
-    return str(value)
 
 
 # ------------------------------------------------------------------------------------------
@@ -386,9 +250,9 @@ class _Renamed(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object, **__: object) -> NoReturn:
         """Refuse the option, with what replaced it (``Launcher``'s message for the keyword)."""
-        from torchrunx.launcher.launcher import _RENAMED  # noqa: PLC0415 (workers import this module)
+        from torchrunx.launcher.launcher import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
 
-        message = _RENAMED[self.dest]
+        message = RENAMED_FIELDS[self.dest]
         if new := re.search(r"use (\w+)=", message):
             option = "--" + new[1].replace("_", "-")
             known = option in parser._option_string_actions  # noqa: SLF001
@@ -398,7 +262,7 @@ class _Renamed(argparse.Action):
 
 def _command_parser(command: str | None) -> _Parser:
     """The parser of ``torchrunx``, of ``torchrunx run`` or of ``torchrunx builtins``."""
-    from torchrunx.launcher.launcher import _RENAMED  # noqa: PLC0415 (workers import this module)
+    from torchrunx.launcher.launcher import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
 
     if command == "builtins":
         return _Parser(prog="torchrunx builtins", description=_BUILTINS_DESCRIPTION)
@@ -435,7 +299,7 @@ def _command_parser(command: str | None) -> _Parser:
         )
     add_launcher_arguments(parser)
     parser.set_defaults(backend=_BackendDefault())
-    for name in _RENAMED:  # keywords of earlier releases, for a clear error
+    for name in RENAMED_FIELDS:  # keywords of earlier releases, for a clear error
         option = "--" + name.replace("_", "-")
         parser.add_argument(option, action=_Renamed, nargs="*", dest=name, help=argparse.SUPPRESS)
     if command is None:

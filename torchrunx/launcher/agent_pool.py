@@ -4,8 +4,8 @@ Starting is blocking work (an SSH connection and login, ``srun``, ``fork``/``exe
 small pool of threads (at most :data:`START_THREADS`, whatever the number of hosts); each start
 and each agent's exit is handed to the launch's loop as an :class:`AgentStarted` /
 :class:`AgentStartFailed` / :class:`AgentExited` event on its queue. How an agent is started is
-in :mod:`torchrunx.launcher.transport`; what a started agent says comes on its connection
-(:mod:`torchrunx.launcher.listener`).
+in :mod:`torchrunx.launcher.transport` and :mod:`torchrunx.launcher.ssh`; what a started agent
+says comes on its connection (:mod:`torchrunx.launcher.listener`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """How the agent of one host is started: its script, its bootstrap line, and the transport.
 
 The launcher's start threads (:mod:`torchrunx.launcher.agent_pool`) call :class:`AgentStarts` with a
-host index; it picks the transport of :mod:`torchrunx.launcher.transport` (a local subprocess, SSH
-or
-``srun``) and builds the one JSON line the agent reads first (:class:`AgentBootstrap`),
-including the address the agent calls back on; and where the launcher listens for them
-(:func:`listen_socket`): only where they connect, when that is known before they start.
+host index; it picks the transport: a local subprocess or ``srun``
+(:mod:`torchrunx.launcher.transport`), or SSH (:mod:`torchrunx.launcher.ssh`); and builds the one
+JSON line the agent reads first (:class:`AgentBootstrap`), including the address the agent calls
+back on; and where the launcher listens for them (:func:`listen_socket`): only where they
+connect, when that is known before they start.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from torchrunx.env import local_agent_env
 from torchrunx.errors import AgentFailedError, add_note
 from torchrunx.hosts.resolve import slurm_allocation
 from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.ssh import SshAgent
 from torchrunx.launcher.transport import (
     AgentProcess,
     LocalAgent,
     SrunAgent,
-    SshAgent,
     agent_script,
     route_address,
 )

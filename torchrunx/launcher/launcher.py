@@ -40,12 +40,8 @@ from torchrunx.launcher.health import (
 from torchrunx.launcher.orchestrator import Launch, sigterm_raises_system_exit
 from torchrunx.launcher.plan import Backend, LaunchPlan, StartMethod, start_methods
 from torchrunx.launcher.results import LaunchResult
-from torchrunx.launcher.transport import (
-    AGENT_COMMAND,
-    read_ssh_config,
-    resolve_ssh_target,
-    srun_command,
-)
+from torchrunx.launcher.ssh import read_ssh_config, resolve_ssh_target
+from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
 from torchrunx.launcher.warm import WarmLauncher
 from torchrunx.logs import (
     LogHandlers,
@@ -63,7 +59,7 @@ R = TypeVar("R")
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
 _AGENT_STARTS = ("auto", "ssh", "srun")
 
-_RENAMED = {
+RENAMED_FIELDS = {
     "worker_timeout": "renamed in torchrunx 0.5: use timeout=SECONDS (the process-group timeout)",
     "handler_factory": (
         "renamed in torchrunx 0.5: use log_handlers=... (or launcher.set_logging_handlers(...))"
@@ -78,8 +74,8 @@ them. Kept apart from unknown keywords so that a migrating script is told what t
 def _refuse_renamed(caller: str, keywords: Iterable[str]) -> None:
     """Raise a TypeError naming the replacement of a keyword of an earlier release."""
     for name in keywords:
-        if name in _RENAMED:
-            raise TypeError(f"{caller} got {name}=..., which was {_RENAMED[name]}")
+        if name in RENAMED_FIELDS:
+            raise TypeError(f"{caller} got {name}=..., which was {RENAMED_FIELDS[name]}")
 
 
 _C = TypeVar("_C")

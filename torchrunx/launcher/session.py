@@ -33,12 +33,8 @@ from torchrunx.events import AgentState, EventSink
 from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.failures import choose_cause
-from torchrunx.launcher.health import (
-    HealthReport,
-    HealthServer,
-    health_details_from_env,
-    health_host_from_env,
-)
+from torchrunx.launcher.health import HealthReport, health_details_from_env, health_host_from_env
+from torchrunx.launcher.health_server import HealthServer
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.ioloop import IOLoop
 from torchrunx.launcher.listener import Listener, NetEvent

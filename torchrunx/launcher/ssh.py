@@ -1,0 +1,310 @@
+"""Starting an agent on a remote host: one SSH connection (paramiko) that runs the agent command.
+
+The command and the script it reads from stdin are those of every agent
+(:mod:`torchrunx.launcher.transport`); ``~/.ssh/config`` (or ``ssh_config_file``) says where and
+how each host is reached (:func:`resolve_ssh_target`), ProxyJump and ProxyCommand included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torchrunx.errors import AgentFailedError
+from torchrunx.launcher.transport import (
+    _READS_PER_CALL,
+    AGENT_COMMAND,
+    _AgentOutput,
+    _drain,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import paramiko
+
+    from torchrunx.launcher.transport import OnLine, Reader
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """Where and how to reach a host, resolved from the SSH config (pure data)."""
+
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    identity_files: tuple[str, ...]
+    identities_only: bool
+    known_hosts_files: tuple[str, ...]
+    strict_host_key_checking: str
+    connect_timeout: float
+    proxy_jump: str | None
+    proxy_command: str | None
+
+
+def _default_ssh_config() -> Path | None:
+    path = Path("~/.ssh/config").expanduser()
+    return path if path.is_file() else None
+
+
+def read_ssh_config(path: Path | None) -> paramiko.SSHConfig:
+    """Parse an SSH config file (an empty config for ``None``).
+
+    Raises:
+        ValueError: The file cannot be read or parsed.
+    """
+    import paramiko  # noqa: PLC0415 (paramiko is only needed for remote hosts)
+
+    if path is None:
+        return paramiko.SSHConfig()
+    try:
+        return paramiko.SSHConfig.from_path(str(path))
+    except (OSError, UnicodeDecodeError, paramiko.ConfigParseError) as exc:
+        raise ValueError(f"cannot read SSH config file {str(path)!r}: {exc}") from exc
+
+
+def resolve_ssh_target(
+    alias: str, config_file: str | Path | None, connect_timeout: float
+) -> SshTarget:
+    """Read ``~/.ssh/config`` (or ``config_file``) for ``alias``.
+
+    Honours HostName, User, Port, IdentityFile, IdentitiesOnly, UserKnownHostsFile,
+    StrictHostKeyChecking, ConnectTimeout, ProxyJump and ProxyCommand.
+
+    Raises:
+        ValueError: The config file cannot be read or parsed.
+    """
+    path = Path(config_file).expanduser() if config_file is not None else _default_ssh_config()
+    options = read_ssh_config(path).lookup(alias)
+    known_hosts = ["~/.ssh/known_hosts"]
+    if "userknownhostsfile" in options:
+        known_hosts = str(options["userknownhostsfile"]).split()
+    proxy_jump = options.get("proxyjump")
+    return SshTarget(
+        alias=alias,
+        hostname=str(options.get("hostname", alias)),
+        port=int(options.get("port", 22)),
+        user=str(options.get("user", getpass.getuser())),
+        identity_files=tuple(str(Path(p).expanduser()) for p in options.get("identityfile", [])),
+        identities_only=str(options.get("identitiesonly", "no")).lower() == "yes",
+        known_hosts_files=tuple(str(Path(p).expanduser()) for p in known_hosts),
+        strict_host_key_checking=str(options.get("stricthostkeychecking", "ask")).lower(),
+        connect_timeout=float(options.get("connecttimeout", connect_timeout)),
+        proxy_jump=None if proxy_jump in (None, "none") else str(proxy_jump),
+        proxy_command=options.get("proxycommand"),
+    )
+
+
+def _host_key_policy(strict: str) -> paramiko.MissingHostKeyPolicy:
+    import paramiko  # noqa: PLC0415
+
+    if strict in {"no", "off", "accept-new"}:
+        # Accepted in memory only: torchrunx never writes the user's known_hosts file.
+        return paramiko.AutoAddPolicy()
+    return paramiko.RejectPolicy()
+
+
+def ssh_connect(
+    target: SshTarget, config_file: str | Path | None, *, depth: int = 0
+) -> list[paramiko.SSHClient]:
+    """Open an authenticated SSH connection; returns the chain of clients, the target last.
+
+    ProxyJump hosts come first in the list (each resolved from the same config).
+
+    Raises:
+        AgentFailedError: The host is unreachable, its key is unknown, or authentication failed.
+    """
+    import paramiko  # noqa: PLC0415
+
+    chain: list[paramiko.SSHClient] = []
+    sock: Any = None
+    if target.proxy_jump is not None and depth < 8:
+        jump_alias = target.proxy_jump.split(",")[-1]
+        jump_user, _, jump_host = jump_alias.rpartition("@")
+        jump_target = resolve_ssh_target(jump_host, config_file, target.connect_timeout)
+        if jump_user:
+            jump_target = _replace_user(jump_target, jump_user)
+        chain = ssh_connect(jump_target, config_file, depth=depth + 1)
+        transport = chain[-1].get_transport()
+        assert transport is not None  # noqa: S101 (connected just above)
+        sock = transport.open_channel(
+            "direct-tcpip",
+            (target.hostname, target.port),
+            ("127.0.0.1", 0),
+            timeout=target.connect_timeout,
+        )
+    elif target.proxy_command is not None:
+        sock = paramiko.ProxyCommand(target.proxy_command)
+    client = paramiko.SSHClient()
+    for known_hosts in target.known_hosts_files:
+        if Path(known_hosts).is_file():
+            client.get_host_keys().load(known_hosts)
+    client.set_missing_host_key_policy(_host_key_policy(target.strict_host_key_checking))
+    try:
+        client.connect(
+            target.hostname,
+            port=target.port,
+            username=target.user,
+            key_filename=list(target.identity_files) or None,
+            look_for_keys=not target.identities_only,
+            allow_agent=not target.identities_only,
+            timeout=target.connect_timeout,
+            banner_timeout=target.connect_timeout,
+            auth_timeout=target.connect_timeout,
+            channel_timeout=target.connect_timeout,
+            sock=sock,
+        )
+    except (paramiko.SSHException, OSError, EOFError, UnicodeError) as exc:
+        # UnicodeError: socket's IDNA encoding refused the name ("a..b", a label over 63).
+        _close_all([client, *chain])
+        raise _ssh_error(target, exc) from exc
+    return [*chain, client]
+
+
+def _ssh_error(target: SshTarget, exc: BaseException) -> AgentFailedError:
+    """Translate a paramiko/socket error into an AgentFailedError that says what to do."""
+    import paramiko  # noqa: PLC0415
+
+    where = f"{target.user}@{target.hostname}:{target.port}"
+    if isinstance(exc, paramiko.AuthenticationException):
+        reason = (
+            f"SSH authentication failed for {where}: {exc}; check IdentityFile/User in your "
+            "SSH config, or that your key is in the host's authorized_keys"
+        )
+    elif isinstance(exc, paramiko.BadHostKeyException):
+        reason = f"host key of {where} does not match known_hosts: {exc}"
+    elif isinstance(exc, paramiko.SSHException):
+        hint = ""
+        if "known_hosts" in str(exc):
+            hint = (
+                "; connect once with `ssh` to record its key, or set "
+                "StrictHostKeyChecking accept-new for this host in your SSH config"
+            )
+        reason = f"SSH to {where} failed: {exc}{hint}"
+    else:
+        what = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
+        reason = (
+            f"cannot connect to {where} ({what}, connect timeout {target.connect_timeout:g} s); "
+            "is the host up and reachable?"
+        )
+    return AgentFailedError(target.alias, reason)
+
+
+def _replace_user(target: SshTarget, user: str) -> SshTarget:
+    fields = {**target.__dict__, "user": user}
+    return SshTarget(**fields)
+
+
+def _close_all(clients: list[paramiko.SSHClient]) -> None:
+    for client in reversed(clients):
+        with contextlib.suppress(Exception):
+            client.close()
+
+
+class SshAgent:
+    """An agent on a remote host, started with paramiko over one SSH connection."""
+
+    def __init__(  # noqa: PLR0913, PLR0917 (what a remote start needs)
+        self,
+        hostname: str,
+        script: bytes,
+        bootstrap_for: Callable[[str], bytes],
+        config_file: str | Path | None,
+        connect_timeout: float,
+        on_line: OnLine,
+    ) -> None:
+        """Connect, start the agent command and hand it its script and bootstrap on stdin.
+
+        ``bootstrap_for`` builds the bootstrap line from the launcher address that this
+        connection's local end has (the address the host can reach the launcher on).
+
+        Raises:
+            AgentFailedError: SSH failed, or the command could not be started.
+        """
+        import paramiko  # noqa: PLC0415
+
+        self.hostname = hostname
+        self._output = _AgentOutput(on_line)
+        target = resolve_ssh_target(hostname, config_file, connect_timeout)
+        connect_started = time.monotonic()
+        self._clients = ssh_connect(target, config_file)
+        self.connect_seconds = time.monotonic() - connect_started
+        """How long the SSH connection (and authentication) took."""
+        transport = self._clients[-1].get_transport()
+        assert transport is not None  # noqa: S101 (connected)
+        try:
+            self._channel = transport.open_session(timeout=connect_timeout)
+            self._channel.exec_command(AGENT_COMMAND)
+            self._channel_fd = self._channel.fileno()  # readable when output or the end comes
+            self._channel.sendall(script + bootstrap_for(self._local_address(transport)))
+        except (paramiko.SSHException, OSError) as exc:
+            _close_all(self._clients)
+            raise AgentFailedError(hostname, f"cannot start the agent over SSH: {exc}") from exc
+
+    def _local_address(self, transport: paramiko.Transport) -> str:
+        import paramiko  # noqa: PLC0415
+
+        sock = transport.sock
+        if isinstance(sock, paramiko.Channel) or not hasattr(sock, "getsockname"):
+            # Through a proxy: the first hop's local address is our best guess.
+            first = self._clients[0].get_transport()
+            sock = first.sock if first is not None else sock
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            address = str(sock.getsockname()[0])
+            return address.removeprefix("::ffff:")
+        return "127.0.0.1"
+
+    @property
+    def exit_fd(self) -> int:
+        """None: the channel's exit status is polled (:meth:`wait` with ``0``)."""
+        return -1
+
+    def readers(self) -> list[Reader]:
+        """The channel (one descriptor for both streams), until both have ended."""
+        return [] if self._output.done else [(self._channel_fd, self._read)]
+
+    def _read(self) -> bool:
+        channel = self._channel
+        for _ in range(_READS_PER_CALL):
+            if channel.recv_ready():
+                self._output.feed(channel.recv(65536), is_stderr=False)
+            elif channel.recv_stderr_ready():
+                self._output.feed(channel.recv_stderr(65536), is_stderr=True)
+            elif channel.eof_received or channel.closed:
+                self._output.feed(b"", is_stderr=False)
+                self._output.feed(b"", is_stderr=True)
+                return False
+            else:
+                return True
+        return True
+
+    def stderr_tail(self) -> str:
+        """The last lines the agent (or the remote shell) wrote to stderr."""
+        _drain(self.readers(), 0.5)
+        return "\n".join(self._output.tail)
+
+    def wait(self, timeout: float | None) -> int | None:
+        """Wait for the remote command to end; its exit status, or ``None`` if still running."""
+        if not self._channel.status_event.wait(timeout):
+            return None
+        return int(self._channel.recv_exit_status())
+
+    def close(self, grace: float = 5.0) -> None:
+        """Close the channel (the agent sees EOF on stdin and stops) and the SSH connection.
+
+        A lost agent (``grace=0``) is not waited for: cut off from the launcher, it stops its
+        workers by itself once ``agent_timeout`` passes without a heartbeat.
+        """
+        with contextlib.suppress(Exception):
+            self._channel.shutdown_write()
+        if grace > 0:
+            self.wait(grace)
+        _drain(self.readers(), 2.0 if grace > 0 else 0.2)
+        with contextlib.suppress(Exception):
+            self._channel.close()
+        _close_all(self._clients)
