@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
     from torchrunx.launcher.launcher import Launcher
     from torchrunx.launcher.listener import Listener, NetEvent, Peer
+    from torchrunx.launcher.logrouter import LogRouter
     from torchrunx.launcher.state import AgentRecord, FaultKind, LaunchState, RankRecord
-    from torchrunx.logs import LogRouter
     from torchrunx.wire import protocol
 
 

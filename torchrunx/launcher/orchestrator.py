@@ -60,6 +60,8 @@ from torchrunx.launcher.health import (
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.ioloop import IOLoop
 from torchrunx.launcher.listener import Listener, NetEvent
+from torchrunx.launcher.logdirs import events_file
+from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.reports import (
     finish_report,
     output_tail_note,
@@ -73,7 +75,6 @@ from torchrunx.launcher.state import (
     Phase,
     StartMethod,
 )
-from torchrunx.logs import LogRouter, events_file
 from torchrunx.wire import protocol
 from torchrunx.wire.protocol import (
     HEARTBEAT_INTERVAL,

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.logs import LineSplitter, cut_line, parse_line
+from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
 
 if TYPE_CHECKING:
     import paramiko
