@@ -20,7 +20,6 @@ import pytest
 import tyro
 
 import torchrunx as trx
-from torchrunx import logs
 from torchrunx.agent import agent
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
@@ -29,6 +28,7 @@ from torchrunx.env import (
     split_extra_env_vars,
 )
 from torchrunx.hosts.resolve import HostSlots, resolve_hosts
+from torchrunx.launcher import logdirs
 from torchrunx.wire.protocol import AgentBootstrap
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ class FrozenClock:
 
 def test_log_folders_are_named_by_naive_local_time_and_never_shared(tmp_path):
     clock = FrozenClock()
-    folders = [logs.new_log_dir(tmp_path / "logs", now=clock) for _ in range(3)]
+    folders = [logdirs.new_log_dir(tmp_path / "logs", now=clock) for _ in range(3)]
     assert [f.name for f in folders] == [
         "2026-11-23T12:02:55",  # as torchrunx 0.4: isoformat(timespec="seconds")
         "2026-11-23T12:02:55.630355",  # the same second: with microseconds
@@ -77,11 +77,11 @@ def test_log_folders_are_named_by_naive_local_time_and_never_shared(tmp_path):
     for folder in folders:
         assert folder.stat().st_mode & 0o777 == 0o700
     # With a real clock, the second folder of a second is read anew: fromisoformat reads it.
-    again = logs.new_log_dir(tmp_path / "real")
-    second = logs.new_log_dir(tmp_path / "real")
+    again = logdirs.new_log_dir(tmp_path / "real")
+    second = logdirs.new_log_dir(tmp_path / "real")
     for folder in (again, second):
         assert dt.datetime.fromisoformat(folder.name).tzinfo is None
-    assert logs.events_file(again) == again.parent / f"{again.name}.events.jsonl"
+    assert logdirs.events_file(again) == again.parent / f"{again.name}.events.jsonl"
 
 
 def report_environment() -> dict[str, object]:

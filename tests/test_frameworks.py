@@ -26,7 +26,7 @@ import pytest
 
 import torchrunx as trx
 from torchrunx.integrations import framework_env
-from torchrunx.logs import LineSplitter
+from torchrunx.wire.lines import LineSplitter
 
 if TYPE_CHECKING:
     from collections.abc import Callable

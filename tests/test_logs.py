@@ -16,16 +16,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 import torchrunx as trx
-from torchrunx.logs import (
-    TAIL_BYTES,
+from torchrunx.launcher.logrouter import TAIL_BYTES, TAIL_LINES, LogRouter, log_level_from_env
+from torchrunx.wire.lines import (
     TAIL_LINE_BYTES,
-    TAIL_LINES,
     Line,
     LineSplitter,
-    LogRouter,
     cut_line,
     line_records,
-    log_level_from_env,
     parse_line,
 )
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 import torchrunx as trx
-from torchrunx import logs
 from torchrunx.events import EventSink, LaunchStarted
+from torchrunx.launcher import logdirs
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -71,13 +71,13 @@ def test_a_symlink_planted_as_the_events_file_is_never_followed(
     planted = shared_root / f"{SECOND}.events.jsonl"
     planted.symlink_to(precious)
     with caplog.at_level(logging.WARNING, logger="torchrunx.logs"):
-        folder = logs.new_log_dir(shared_root, now=clock)
+        folder = logdirs.new_log_dir(shared_root, now=clock)
     assert folder.name != SECOND  # the name whose events file was taken is given up
     assert not (shared_root / SECOND).exists()  # and its folder removed again
     assert precious.read_text() == PRECIOUS
     assert planted.is_symlink()
     assert f"{planted} already exists" in caplog.text
-    events = logs.events_file(folder)
+    events = logdirs.events_file(folder)
     assert mode(folder) == 0o700
     assert mode(events) == 0o600
     sink = EventSink([], events)
@@ -91,7 +91,7 @@ def test_a_symlink_planted_as_the_launch_folder_is_never_followed(shared_root, t
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (shared_root / SECOND).symlink_to(elsewhere)
-    folder = logs.new_log_dir(shared_root, now=clock)
+    folder = logdirs.new_log_dir(shared_root, now=clock)
     assert folder.name != SECOND
     assert not folder.is_symlink()
     assert list(elsewhere.iterdir()) == []
@@ -101,11 +101,11 @@ def test_a_planted_world_writable_events_file_is_not_reused(shared_root, permiss
     planted = shared_root / f"{SECOND}.events.jsonl"
     planted.write_text(PRECIOUS)
     planted.chmod(0o666)
-    folder = logs.new_log_dir(shared_root, now=clock)
-    assert logs.events_file(folder) != planted
+    folder = logdirs.new_log_dir(shared_root, now=clock)
+    assert logdirs.events_file(folder) != planted
     assert planted.read_text() == PRECIOUS
     assert mode(planted) == 0o666
-    assert mode(logs.events_file(folder)) == 0o600
+    assert mode(logdirs.events_file(folder)) == 0o600
 
 
 def test_the_event_sink_refuses_a_symlink_and_a_file_with_another_link(tmp_path, precious):
@@ -141,7 +141,7 @@ def test_a_launch_in_a_shared_root_writes_elsewhere_than_planted_names(
     folder = folders[0]
     assert "." in folder.name  # the microseconds name, after the second's was found taken
     assert mode(folder) == 0o700
-    events = logs.events_file(folder)
+    events = logdirs.events_file(folder)
     assert sorted(made) == sorted([folder, events])
     assert mode(events) == 0o600
     assert "LaunchStarted" in events.read_text()
@@ -168,13 +168,13 @@ def test_a_root_others_can_write_in_without_the_sticky_bit_is_refused(tmp_path, 
     root.mkdir()
     root.chmod(0o777)
     with pytest.raises(PermissionError, match=r"writable by every user without the sticky bit"):
-        logs.new_log_dir(root)
+        logdirs.new_log_dir(root)
     monkeypatch.setenv("TORCHRUNX_LOG_DIR", str(root))
     with pytest.raises(PermissionError, match=r"chmod go-w"):
         trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None)
     assert list(root.iterdir()) == []
     root.chmod(0o1777)  # shared the /tmp way: others may add names, not replace ours
-    assert logs.new_log_dir(root).parent == root
+    assert logdirs.new_log_dir(root).parent == root
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
@@ -184,7 +184,7 @@ def test_a_root_owned_by_another_user_is_refused(tmp_path):
     root.chmod(0o1777)
     os.chown(root, 65534, 65534)
     with pytest.raises(PermissionError, match=r"belongs to another user \(uid 65534\)"):
-        logs.new_log_dir(root)
+        logdirs.new_log_dir(root)
     assert list(root.iterdir()) == []
 
 

@@ -260,9 +260,10 @@ class EventSink:
 def _open_private(path: Path) -> int:
     """Open (or create) the events file for appending: mode 0600, never through a symlink.
 
-    The launcher's file was created empty, 0600, by :func:`torchrunx.logs.new_log_dir` in a
-    log root it checked; reopening it here must find that same file: a regular file, owned by
-    this user, with one link. Whatever the umask, the mode is set to 0600.
+    The launcher's file was created empty, 0600, by
+    :func:`torchrunx.launcher.logdirs.new_log_dir` in a log root it checked; reopening it here
+    must find that same file: a regular file, owned by this user, with one link. Whatever the
+    umask, the mode is set to 0600.
 
     Raises:
         PermissionError: ``path`` is a symbolic link, or not such a file.

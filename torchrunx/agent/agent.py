@@ -31,9 +31,9 @@ torch in a background thread while the loop goes on; receive the :class:`WorkerS
 pickled call as payload; fork the workers; then loop on one selector over the
 launcher connection, stdin, one pidfd per worker (so a death is reported the moment it
 happens), the workers' stdout and stderr pipes (forwarded as :class:`LogLines`, see
-:mod:`torchrunx.logs`) and one stack pipe per worker. The agent's own ``logging`` records go
-on the launcher connection too (:class:`_ToLauncher`), so "worker N exited" never overtakes
-that worker's output. The agent is single-threaded when it forks and ends when its workers
+:mod:`torchrunx.wire.lines`) and one stack pipe per worker. The agent's own ``logging``
+records go on the launcher connection too (:class:`_ToLauncher`), so "worker N exited" never
+overtakes that worker's output. The agent is single-threaded when it forks and ends when its workers
 have ended and no restart can follow.
 
 Stopping: on :class:`Stop` (or when the launcher connection or stdin closes, or no message
@@ -62,6 +62,7 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from torchrunx.agent import leftovers
+from torchrunx.agent.capture import capture_logging
 from torchrunx.agent.guardian import fork_agent
 from torchrunx.agent.outbox import Outbox
 from torchrunx.agent.preload import TorchPreload
@@ -71,8 +72,8 @@ from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, Ready, Wo
 from torchrunx.agent.workerprocess import become_worker
 from torchrunx.devices import count_local_cpus, count_local_gpus
 from torchrunx.errors import ProtocolError
-from torchrunx.logs import capture_logging, line_records
 from torchrunx.wire import protocol
+from torchrunx.wire.lines import line_records
 from torchrunx.wire.protocol import (
     AgentBootstrap,
     AgentDone,

@@ -280,10 +280,11 @@ def _warn_agent(message: str) -> None:
     """A warning of the agent's, as its logging writes one, before that logging is set up.
 
     :func:`make_private_dir` runs in the guardian, before the fork and before the agent's
-    :func:`torchrunx.logs.capture_logging`; the agent's stderr goes to the launcher, which reads
-    this marked line as a ``WARNING`` record of ``torchrunx.agent.leftovers`` on that host.
+    :func:`torchrunx.agent.capture.capture_logging`; the agent's stderr goes to the launcher,
+    which reads this marked line as a ``WARNING`` record of ``torchrunx.agent.leftovers`` on
+    that host.
     """
-    from torchrunx.logs import MarkedLineFormatter  # noqa: PLC0415 (leftovers stays lean)
+    from torchrunx.wire.lines import MarkedLineFormatter  # noqa: PLC0415 (leftovers stays lean)
 
     record = logging.LogRecord(
         "torchrunx.leftovers", logging.WARNING, __file__, 0, message, None, None

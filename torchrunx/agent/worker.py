@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from torchrunx import serialization
+from torchrunx.agent.capture import capture_logging
 from torchrunx.devices import cuda_device, device_env, process_group_options
 from torchrunx.env import worker_env
 from torchrunx.errors import ProtocolError, add_note, exception_text, is_collective_error
 from torchrunx.integrations import framework_env
-from torchrunx.logs import capture_logging
 from torchrunx.wire import protocol
 from torchrunx.wire.protocol import (
     WorkerCall,

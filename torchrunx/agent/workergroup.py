@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 
 from torchrunx import timer
 from torchrunx.agent import leftovers
-from torchrunx.logs import LineSplitter
+from torchrunx.wire.lines import LineSplitter
 
 if TYPE_CHECKING:
     import mmap

@@ -31,7 +31,7 @@ from torchrunx.launcher.transport import (
     agent_script,
     route_address,
 )
-from torchrunx.logs import parse_line
+from torchrunx.wire.lines import parse_line
 from torchrunx.wire.protocol import HEARTBEAT_INTERVAL, AgentBootstrap
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from torchrunx.launcher.plan import LaunchPlan, StartMethod
     from torchrunx.launcher.records import AgentRecord
-    from torchrunx.logs import Record
+    from torchrunx.wire.lines import Record
 
 logger = logging.getLogger("torchrunx.agent_starts")
 

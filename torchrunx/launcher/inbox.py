@@ -40,10 +40,10 @@ if TYPE_CHECKING:
     from torchrunx.events import Event, EventSink
     from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
     from torchrunx.launcher.listener import Listener, NetEvent, Peer
+    from torchrunx.launcher.logrouter import LogRouter
     from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.records import AgentRecord, FaultKind, RankRecord
     from torchrunx.launcher.state import LaunchState
-    from torchrunx.logs import LogRouter
     from torchrunx.wire import protocol
 
 

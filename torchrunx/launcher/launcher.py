@@ -37,16 +37,14 @@ from torchrunx.launcher.health import (
     health_details_from_env,
     health_port_from_env,
 )
+from torchrunx.launcher.logrouter import log_level_from_env
 from torchrunx.launcher.orchestrator import Launch, sigterm_raises_system_exit
 from torchrunx.launcher.plan import Backend, LaunchPlan, StartMethod, start_methods
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.ssh import read_ssh_config, resolve_ssh_target
 from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
 from torchrunx.launcher.warm import WarmLauncher
-from torchrunx.logs import (
-    LogHandlers,
-    log_level_from_env,
-)
+from torchrunx.logs import LogHandlers  # noqa: TC001 (tyro reads the field types)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence

@@ -38,10 +38,11 @@ from torchrunx.launcher.health_server import HealthServer
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.ioloop import IOLoop
 from torchrunx.launcher.listener import Listener, NetEvent
+from torchrunx.launcher.logdirs import events_file
+from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.records import AgentRecord
 from torchrunx.launcher.reports import summary
 from torchrunx.launcher.state import LaunchState
-from torchrunx.logs import LogRouter, events_file
 from torchrunx.wire.protocol import HEARTBEAT_INTERVAL, Heartbeat, new_secret
 
 if TYPE_CHECKING:

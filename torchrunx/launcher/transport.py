@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.logs import LineSplitter, cut_line, parse_line
+from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
 
 logger = logging.getLogger("torchrunx.transport")
 

@@ -1,0 +1,357 @@
+"""The launcher's :class:`LogRouter`: every forwarded line of a launch, to the handlers.
+
+In the launcher every line becomes a :class:`logging.LogRecord` with the extra attributes
+``hostname``, ``host_index``, ``local_rank`` (``None`` for the agent) and ``rank``. The handlers
+of :mod:`torchrunx.logs` get, instead, the text such records would give them, a message's lines
+in one write (:meth:`LogRouter.emit_batch`): a ``LogRecord`` per line would cost more than all
+the rest of a line's way from a worker's ``print`` to its file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torchrunx.launcher.logdirs import new_log_dir
+from torchrunx.logs import (
+    AGENT_CONSOLE_LOGGER,
+    BatchFlush,
+    DirectWriter,
+    LauncherLevelFilter,
+    SourceFilter,
+    add_source_filter,
+    console_handler,
+    direct_writer,
+    private_file_handler,
+)
+from torchrunx.wire.lines import cut_line
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from torchrunx.logs import LogHandlers
+    from torchrunx.wire.lines import Line, Record
+
+TAIL_LINES = 20
+TAIL_BYTES = 32 * 1024
+"""At most this many bytes of lines in one failure note: older lines are left out."""
+
+
+def log_level_from_env(environ: dict[str, str] | None = None) -> int:
+    """``TORCHRUNX_LOG_LEVEL`` as a number: a level name (``DEBUG``) or number; default INFO.
+
+    Raises:
+        ValueError: The value is neither a known level name nor a number.
+    """
+    value = (os.environ if environ is None else environ).get("TORCHRUNX_LOG_LEVEL", "INFO")
+    value = value.strip()
+    if value.isdigit():
+        return int(value)
+    level = logging.getLevelName(value.upper())
+    if not isinstance(level, int):
+        raise ValueError(  # noqa: TRY004 (a bad value of a string setting)
+            f"TORCHRUNX_LOG_LEVEL={value!r} is not a logging level (DEBUG, INFO, WARNING, ...)"
+        )
+    return level
+
+
+@dataclass
+class _Source:
+    """What :class:`LogRouter` keeps per agent or worker: one lookup per run of its lines.
+
+    Attributes:
+        tail: Its last lines, for failure notes.
+        handlers: The handlers a source filter does not shut to it, each with how to write to
+            it directly (``None``: it gets LogRecords); ``None`` until worked out (again after
+            handlers are added).
+        templates: Per logger name and level, the LogRecord attributes all its lines share.
+    """
+
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    handlers: list[tuple[logging.Handler, DirectWriter | None]] | None = None
+    templates: dict[tuple[str, int], dict[str, object]] = field(default_factory=dict)
+
+
+class LogRouter:
+    """Receives every forwarded line of one launch and hands it to the handlers.
+
+    Thread-safe: agent output pumps and connection readers call :meth:`emit` and
+    :meth:`emit_batch` concurrently.
+
+    The handlers of torchrunx (the ``"auto"`` console and files,
+    :func:`~torchrunx.logs.file_handler`, :func:`~torchrunx.logs.stream_handler`), as long as
+    their formatter and filters are still their own, are written to directly: a run of lines
+    becomes one string, written in one call, flushed once per batch, without a ``LogRecord``
+    per line (that alone cost more than all the rest of a line's way to its file). The result
+    is the same text. Every other handler, and one of ours that was given another formatter or
+    a filter of its own, gets a ``LogRecord`` per line through ``handler.handle``, as
+    ``logging`` does it.
+    """
+
+    def __init__(self, spec: LogHandlers, hostnames: Sequence[str]) -> None:
+        """Resolve the ``log_handlers`` field; ``"auto"`` builds the default handlers.
+
+        Raises:
+            ValueError: ``TORCHRUNX_LOG_LEVEL`` is not a level.
+        """
+        self.hostnames = list(hostnames)
+        self.level = log_level_from_env()
+        self.auto = spec == "auto"
+        self.log_dir: Path | None = None
+        self.handlers: list[logging.Handler] = []
+        self.owned: list[logging.Handler] = []
+        self.sources: dict[tuple[int, int | None], _Source] = {}
+        self.lock = threading.Lock()
+        # relativeCreated counts from when logging was loaded: a record made here says when.
+        probe = logging.LogRecord("", logging.INFO, "", 0, "", None, None)
+        self.logging_loaded = probe.created - probe.relativeCreated / 1000
+        if spec == "auto":
+            self._add_defaults_for_agents()
+        elif callable(spec):
+            self.handlers = list(spec())
+            self.owned = list(self.handlers)  # made for this launch: closed with it
+        elif spec is not None:
+            self.handlers = list(spec)
+
+    def _file_name(self, host_index: int, local_rank: int | None) -> str:
+        hostname = self.hostnames[host_index]
+        occurrence = self.hostnames[:host_index].count(hostname)
+        base = hostname if occurrence == 0 else f"{hostname}-{occurrence}"
+        return f"{base}.log" if local_rank is None else f"{base}[{local_rank}].log"
+
+    def _add_defaults_for_agents(self) -> None:
+        root = os.environ.get("TORCHRUNX_LOG_DIR", "./torchrunx_logs")
+        if root:
+            self.log_dir = new_log_dir(Path(root))
+        console = add_source_filter(
+            console_handler(), self.hostnames[0], None, self.level, host_index=0
+        )
+        console.addFilter(LauncherLevelFilter(AGENT_CONSOLE_LOGGER))
+        self._own(console)
+        for index, hostname in enumerate(self.hostnames):
+            self._add_file(index, hostname, None)
+
+    def add_workers(self, host_index: int, num_workers: int) -> None:
+        """Defaults for the workers of one host, once their number is known."""
+        if not self.auto:
+            return
+        hostname = self.hostnames[host_index]
+        if host_index == 0 and num_workers > 0:
+            self._own(add_source_filter(console_handler(), hostname, 0, self.level, host_index=0))
+        for local_rank in range(num_workers):
+            self._add_file(host_index, hostname, local_rank)
+
+    def _add_file(self, host_index: int, hostname: str, local_rank: int | None) -> None:
+        if self.log_dir is None:
+            return
+        path = self.log_dir / self._file_name(host_index, local_rank)
+        handler = private_file_handler(path, exclusive=True)
+        self._own(
+            add_source_filter(handler, hostname, local_rank, self.level, host_index=host_index)
+        )
+
+    def _own(self, handler: logging.Handler) -> None:
+        with self.lock:
+            self.handlers.append(handler)
+            self.owned.append(handler)
+            for source in self.sources.values():
+                source.handlers = None
+
+    def log_file(self, host_index: int, local_rank: int | None) -> Path | None:
+        """The default log file of an agent or worker, if files are written."""
+        if self.log_dir is None:
+            return None
+        return self.log_dir / self._file_name(host_index, local_rank)
+
+    def tail(self, host_index: int, local_rank: int | None) -> list[str]:
+        """The last lines of an agent's or worker's output, at most :data:`TAIL_BYTES` of them."""
+        source = self.sources.get((host_index, local_rank))
+        if source is None:
+            return []
+        kept: list[str] = []
+        size = 0
+        for text in reversed(source.tail):
+            size += len(text.encode(errors="replace")) + 1
+            if size > TAIL_BYTES and kept:
+                break
+            kept.append(text)
+        return kept[::-1]
+
+    def emit(
+        self,
+        host_index: int,
+        local_rank: int | None,
+        rank: int | None,
+        line: Line,
+        created: float,
+    ) -> None:
+        """Hand one line to every handler that may want it; :meth:`flush` flushes them."""
+        record = (local_rank, line.levelno, line.name, line.text, created)
+        self._emit_run(host_index, local_rank, rank, (record,), None)
+
+    def emit_batch(self, host_index: int, rank_offset: int, records: Sequence[Record]) -> None:
+        """Hand the lines of one :class:`~torchrunx.wire.protocol.LogLines` message to the handlers.
+
+        In order; then flushes the handlers they were written to, once. A worker's rank is
+        ``rank_offset + local_rank``; the agent's records (``local_rank`` ``None``) have none.
+        """
+        flushed: dict[int, BatchFlush] = {}
+        for local_rank, run in groupby(records, key=itemgetter(0)):
+            rank = None if local_rank is None else rank_offset + local_rank
+            self._emit_run(host_index, local_rank, rank, tuple(run), flushed)
+        for handler in flushed.values():
+            _flush(handler)
+
+    def _emit_run(
+        self,
+        host_index: int,
+        local_rank: int | None,
+        rank: int | None,
+        run: Sequence[Record],
+        flushed: dict[int, BatchFlush] | None,
+    ) -> None:
+        """Hand lines of one source to its handlers; note in ``flushed`` those to flush."""
+        key = (host_index, local_rank)
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources.setdefault(key, _Source())
+        if len(run) == 1:
+            source.tail.append(cut_line(run[0][3]))
+        else:
+            source.tail.extend([cut_line(record[3]) for record in run[-TAIL_LINES:]])
+        handlers = source.handlers
+        if handlers is None:
+            handlers = self._handlers_for(source, host_index, local_rank)
+        records: list[logging.LogRecord] | None = None
+        for index, (handler, known) in enumerate(handlers):
+            direct = known
+            if direct is not None and not direct.fits():  # changed since: look again
+                direct = direct_writer(handler)
+                handlers[index] = (handler, direct)
+            if direct is None:
+                if records is None:
+                    records = self._records(source, host_index, local_rank, rank, run)
+                _handle(handler, records)
+            else:
+                try:
+                    direct.write(run, self.hostnames[host_index], local_rank)
+                except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
+                    first = self._records(source, host_index, local_rank, rank, run[:1])[0]
+                    handler.handleError(first)
+            if flushed is not None and isinstance(handler, BatchFlush):
+                flushed[id(handler)] = handler
+
+    def _handlers_for(
+        self, source: _Source, host_index: int, local_rank: int | None
+    ) -> list[tuple[logging.Handler, DirectWriter | None]]:
+        """The handlers that a source filter of torchrunx does not shut to this source.
+
+        A chatty worker sends tens of thousands of lines a second, and the default handlers are
+        one per agent and worker, each filtered to its source: handing every record to all of
+        them (each taking its lock and running its filters) would make the launcher the
+        bottleneck. Handlers are only skipped for a :func:`~torchrunx.logs.add_filter_to_handler`
+        filter that rejects the source; everything else is still decided by ``handler.handle``,
+        with all of its filters. Worked out on a source's first line, again after handlers are
+        added.
+        """
+        hostname = self.hostnames[host_index]
+        with self.lock:
+            chosen = [
+                (handler, direct_writer(handler))
+                for handler in self.handlers
+                if all(
+                    f.accepts(hostname, host_index, local_rank)
+                    for f in handler.filters
+                    if isinstance(f, SourceFilter)
+                )
+            ]
+            source.handlers = chosen
+        return chosen
+
+    def _records(
+        self,
+        source: _Source,
+        host_index: int,
+        local_rank: int | None,
+        rank: int | None,
+        run: Sequence[Record],
+    ) -> list[logging.LogRecord]:
+        """LogRecords of a run of one source's lines, with the worker's times as creation times.
+
+        The attributes that are the same for every line of a source, logger name and level
+        (the launcher's process, the ``pathname`` standing for the host, torchrunx's
+        ``hostname``, ``host_index`` and ``local_rank``) are made once and copied into each
+        record: ``LogRecord()`` itself costs more than the rest of a line's way to a file. The
+        message, rank, thread and times are each record's own.
+        """
+        thread = threading.current_thread()
+        ident, thread_name = thread.ident, thread.name
+        loaded = self.logging_loaded
+        templates = source.templates
+        new = logging.LogRecord.__new__
+        made = []
+        for _, levelno, name, text, created in run:
+            template = templates.get((name, levelno))
+            if template is None:
+                hostname = self.hostnames[host_index]
+                first = logging.LogRecord(name, levelno, hostname, 0, "", None, None)
+                template = dict(vars(first))
+                template.update(hostname=hostname, host_index=host_index, local_rank=local_rank)
+                templates[name, levelno] = template
+            record = new(logging.LogRecord)
+            attributes = vars(record)
+            attributes.update(template)
+            attributes.update(
+                msg=text,
+                rank=rank,
+                thread=ident,
+                threadName=thread_name,
+                created=created,
+                msecs=int((created - int(created)) * 1000) + 0.0,
+                relativeCreated=(created - loaded) * 1000,
+            )
+            made.append(record)
+        return made
+
+    def flush(self) -> None:
+        """Flush the handlers after lines given to :meth:`emit`."""
+        with self.lock:
+            handlers = list(self.handlers)
+        for handler in handlers:
+            if isinstance(handler, BatchFlush):
+                _flush(handler)
+
+    def close(self) -> None:
+        """Flush every handler; close the ones made for this launch (not a list the user gave)."""
+        self.flush()
+        for handler in self.handlers:
+            handler.flush()
+        for handler in self.owned:
+            handler.close()
+
+
+def _flush(handler: BatchFlush) -> None:
+    """Flush what a batch wrote; a failure is the handler's to report, as one in ``emit``."""
+    try:
+        handler.flush_batch()
+    except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
+        failed = logging.LogRecord("torchrunx", logging.ERROR, "", 0, "flush failed", None, None)
+        handler.handleError(failed)  # type: ignore[attr-defined]  # mixed into a Handler
+
+
+def _handle(handler: logging.Handler, records: list[logging.LogRecord]) -> None:
+    """Hand records to a handler as ``logging`` does: its level, then ``handle`` (filters)."""
+    level = handler.level
+    for record in records:
+        if record.levelno >= level:
+            try:
+                handler.handle(record)
+            except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
+                handler.handleError(record)
