@@ -29,7 +29,7 @@ from torchrunx.env import (
     split_extra_env_vars,
 )
 from torchrunx.hosts.resolve import HostSlots, resolve_hosts
-from torchrunx.wire.protocol import AgentBootstrap
+from torchrunx.wire.bootstrap import AgentBootstrap
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,7 @@ from torchrunx.launcher.state import (
     LaunchState,
     Phase,
 )
-from torchrunx.wire.protocol import (
+from torchrunx.wire.messages import (
     AgentHello,
     WorkerExited,
     WorkerHello,

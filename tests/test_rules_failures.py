@@ -37,7 +37,7 @@ from torchrunx.launcher.state import (
     LaunchState,
     RankRecord,
 )
-from torchrunx.wire.protocol import AgentHello, WorkerExited, WorkerSpec
+from torchrunx.wire.messages import AgentHello, WorkerExited, WorkerSpec
 
 ECHO = "[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1234"
 

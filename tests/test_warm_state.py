@@ -10,7 +10,7 @@ from torchrunx.errors import AgentFailedError, WorkerFailedError
 from torchrunx.events import AgentState, WorkerFailed, WorkerState
 from torchrunx.hosts.resolve import HostSlots
 from torchrunx.launcher.state import AgentRecord, LaunchState
-from torchrunx.wire.protocol import (
+from torchrunx.wire.messages import (
     AgentHello,
     WorkerExited,
     WorkerResult,

@@ -8,7 +8,7 @@ agents are written to stderr as *marked lines* that keep their level and logger 
     \x1e<levelno>\x1f<logger name>\x1f<message, newlines as \x1d>\n
 
 Forwarding. The agent splits its workers' output into whole lines (never mid-line) and sends
-them in batches (:class:`torchrunx.wire.protocol.LogLines`) over its authenticated connection, as
+them in batches (:class:`torchrunx.wire.messages.LogLines`) over its authenticated connection, as
 it reads them, and always before it reports that worker's exit. Once connected, the agent's
 own ``logging`` records go in the same stream (local rank ``None``), so they keep their order
 with its workers' lines; the rest of the agent's output comes to the launcher on its
@@ -90,7 +90,7 @@ class Line:
 
 
 Record = tuple[int | None, int, str, str, float]
-"""One forwarded line, as a :class:`~torchrunx.wire.protocol.LogLines` message holds it:
+"""One forwarded line, as a :class:`~torchrunx.wire.messages.LogLines` message holds it:
 ``(local_rank, levelno, logger name, text, unix time)``; ``local_rank`` is ``None`` for the
 agent."""
 
@@ -112,7 +112,7 @@ def line_records(
     local_rank: int | None,
     created: float,
 ) -> list[Record]:
-    """:class:`~torchrunx.wire.protocol.LogLines` records of whole lines read from one stream.
+    """:class:`~torchrunx.wire.messages.LogLines` records of whole lines read from one stream.
 
     Each line as :func:`parse_line` parses it, without making a :class:`Line` of each.
     """
@@ -874,7 +874,7 @@ class LogRouter:
         self._emit_run(host_index, local_rank, rank, (record,), None)
 
     def emit_batch(self, host_index: int, rank_offset: int, records: Sequence[Record]) -> None:
-        """Hand the lines of one :class:`~torchrunx.wire.protocol.LogLines` message to the handlers.
+        """Hand the lines of one :class:`~torchrunx.wire.messages.LogLines` message to the handlers.
 
         In order; then flushes the handlers they were written to, once. A worker's rank is
         ``rank_offset + local_rank``; the agent's records (``local_rank`` ``None``) have none.

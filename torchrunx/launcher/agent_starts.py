@@ -32,7 +32,8 @@ from torchrunx.launcher.transport import (
     route_address,
 )
 from torchrunx.logs import parse_line
-from torchrunx.wire.protocol import HEARTBEAT_INTERVAL, AgentBootstrap
+from torchrunx.wire.bootstrap import AgentBootstrap
+from torchrunx.wire.messages import HEARTBEAT_INTERVAL
 
 if TYPE_CHECKING:
     import socket

@@ -74,14 +74,8 @@ from torchrunx.launcher.state import (
     StartMethod,
 )
 from torchrunx.logs import LogRouter, events_file
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import (
-    HEARTBEAT_INTERVAL,
-    Heartbeat,
-    Stop,
-    WorkerCall,
-    WorkerSpec,
-)
+from torchrunx.wire import handshake
+from torchrunx.wire.messages import HEARTBEAT_INTERVAL, Heartbeat, Stop, WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -135,7 +129,7 @@ class Launch:
         except BaseException:
             self.logs.close()
             raise
-        self.secret = protocol.new_secret()
+        self.secret = handshake.new_secret()
         self.queue: collections.deque[NetEvent | PoolEvent] = collections.deque()
         """The one queue: what the listener read and what the pool saw, in order."""
         loop = None

@@ -49,7 +49,7 @@ from torchrunx.launcher.results import LaunchTimings
 
 if TYPE_CHECKING:
     from torchrunx.hosts.resolve import HostSlots
-    from torchrunx.wire.protocol import (
+    from torchrunx.wire.messages import (
         AgentHello,
         WorkerExited,
         WorkerHello,
