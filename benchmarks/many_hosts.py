@@ -7,7 +7,7 @@ Usage::
 The launcher is the real one (:class:`torchrunx.launcher.orchestrator.Launch`: its listener,
 handshakes,
 frames, launch state, heartbeats and result collection); only the agents and workers are
-simulated. They speak the real protocol (:mod:`torchrunx.wire.protocol`) without torch, from a few
+simulated. They speak the real protocol (:mod:`torchrunx.wire`) without torch, from a few
 processes (``--simulators``, each an asyncio loop holding a share of the hosts), so that this
 machine can hold 9,000 connections: per host one agent connection (hello, spec, workers
 started, worker exits, done) and one connection per worker (hello, the result of a no-op
@@ -30,6 +30,7 @@ import resource
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torchrunx as trx
@@ -37,7 +38,12 @@ from torchrunx import serialization
 from torchrunx.hosts.resolve import HostSlots
 from torchrunx.launcher.orchestrator import Launch
 from torchrunx.launcher.plan import LaunchPlan
-from torchrunx.wire import protocol
+from torchrunx.wire import handshake, messages, records
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from wire_helpers import RecordReader  # noqa: E402  (the tests' whole-record reader)
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -55,18 +61,18 @@ class _Link:
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        keys: protocol.SessionKeys,
+        keys: handshake.SessionKeys,
     ) -> None:
         self.reader, self.writer = reader, writer
-        self.sealer = protocol.Sealer(keys.send)
-        self.opener = protocol.FrameReader(keys.receive)
-        self.frames: list[tuple[protocol.Message, list[bytearray]]] = []
+        self.sealer = records.Sealer(keys.send)
+        self.opener = RecordReader(keys.receive)
+        self.frames: list[tuple[messages.Message, list[bytearray]]] = []
 
-    def send(self, message: protocol.Message, payload: list[bytes]) -> None:
+    def send(self, message: messages.Message, payload: list[bytes]) -> None:
         for record in self.sealer.seal_frame(message, payload):
             self.writer.write(record)
 
-    async def recv(self) -> tuple[protocol.Message, list[bytearray]]:
+    async def recv(self) -> tuple[messages.Message, list[bytearray]]:
         while not self.frames:
             head = await self.reader.readexactly(4)
             body = await self.reader.readexactly(int.from_bytes(head, "big"))
@@ -74,24 +80,24 @@ class _Link:
         return self.frames.pop(0)
 
 
-async def _connect(address: tuple[str, int], secret: bytes, role: protocol.Role) -> _Link:
+async def _connect(address: tuple[str, int], secret: bytes, role: handshake.Role) -> _Link:
     reader, writer = await asyncio.open_connection(*address)
-    greeting = await reader.readexactly(protocol.GREETING_BYTES)
-    reply, expected, keys = protocol.client_reply(secret, greeting, role)
+    greeting = await reader.readexactly(handshake.GREETING_BYTES)
+    reply, expected, keys = handshake.client_reply(secret, greeting, role)
     writer.write(reply)
-    if await reader.readexactly(protocol.MAC_BYTES) != expected:
+    if await reader.readexactly(handshake.MAC_BYTES) != expected:
         raise RuntimeError("launcher failed to authenticate")
     return _Link(reader, writer, keys)
 
 
 async def _worker(
-    address: tuple[str, int], secret: bytes, spec: protocol.WorkerSpec, local: int
+    address: tuple[str, int], secret: bytes, spec: messages.WorkerSpec, local: int
 ) -> None:
     link = await _connect(address, secret, "worker")
     reader, writer = link.reader, link.writer
     rank = spec.rank_offset + local
-    link.send(protocol.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
-    link.send(protocol.WorkerResult(rank, sent_at=time.time()), NOOP_RESULT)
+    link.send(messages.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
+    link.send(messages.WorkerResult(rank, sent_at=time.time()), NOOP_RESULT)
     writer.write_eof()
     await writer.drain()
     while await reader.read(65536):  # until the launcher closes: never close with unread data
@@ -107,25 +113,25 @@ async def _agent(boot: dict[str, Any]) -> None:
     reader, writer = link.reader, link.writer
     index = int(boot["host_index"])
     workers = int(boot["workers"] or 1)
-    link.send(protocol.AgentHello(index, boot["hostname"], 50000 + index, workers, 0), [])
+    link.send(messages.AgentHello(index, boot["hostname"], 50000 + index, workers, 0), [])
 
     async def heartbeats() -> None:
         while True:
             await asyncio.sleep(1.0)
-            link.send(protocol.Heartbeat(), [])
+            link.send(messages.Heartbeat(), [])
 
     beating = asyncio.create_task(heartbeats())
     while True:
         message, _payload = await link.recv()
-        if isinstance(message, protocol.WorkerSpec):
+        if isinstance(message, messages.WorkerSpec):
             spec = message
             break
     pids = tuple(100000 + spec.rank_offset + i for i in range(spec.num_workers))
-    link.send(protocol.WorkersStarted(pids), [])
+    link.send(messages.WorkersStarted(pids), [])
     await asyncio.gather(*(_worker(address, secret, spec, i) for i in range(spec.num_workers)))
     for local, pid in enumerate(pids):
-        link.send(protocol.WorkerExited(local, pid, 0, None, at=time.time()), [])
-    link.send(protocol.AgentDone(), [])
+        link.send(messages.WorkerExited(local, pid, 0, None, at=time.time()), [])
+    link.send(messages.AgentDone(), [])
     beating.cancel()
     # As the real agent: half-close, then read (heartbeats) until the launcher closes. A socket
     # closed with unread data is reset, and a reset may drop what was still being sent.

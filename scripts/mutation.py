@@ -81,8 +81,8 @@ TARGETS: dict[str, Target] = {
         ("tests/test_rules_more.py",),
         note="driven with stand-in peers, pool and listener: no socket, no process",
     ),
-    "protocol": Target(
-        "torchrunx/wire/protocol.py",
+    "handshake": Target(
+        "torchrunx/wire/handshake.py",
         (
             "tests/test_rules_handshake.py",
             "tests/test_pure.py",
@@ -96,20 +96,41 @@ TARGETS: dict[str, Target] = {
             "server_greeting",
             "session_keys",
             "check_client_reply",
-            "server_handshake",
             "client_reply",
             "client_handshake",
+            "connect",
+        ),
+        note="the handshake, the session keys and connect's retries",
+    ),
+    "records": Target(
+        "torchrunx/wire/records.py",
+        (
+            "tests/test_rules_handshake.py",
+            "tests/test_pure.py",
+            "tests/test_security.py",
+            "tests/test_rules_more.py",
+        ),
+        functions=(
             "encode_frame_start",
             "frame_pieces",
             "Sealer.*",
             "Connection.*",
-            "_load_message",
             "_FrameParser.*",
             "FrameReader.*",
             "_recv_exact_into",
-            "connect",
         ),
-        note="the handshake, sealed records and frames (not the agent's bootstrap line)",
+        note="sealed records and frames",
+    ),
+    "messages": Target(
+        "torchrunx/wire/messages.py",
+        (
+            "tests/test_rules_handshake.py",
+            "tests/test_pure.py",
+            "tests/test_security.py",
+            "tests/test_rules_more.py",
+        ),
+        functions=("_load_message",),
+        note="the check of a frame's header; not the message classes",
     ),
     "env": Target(
         "torchrunx/env.py",
@@ -233,118 +254,118 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "(conn is None) and False",
         "peers has no None key: peers.get(None) is None too",
     ),
-    "torchrunx.wire.protocol.x_client_reply__mutmut_47": ("role_byte, server=None)", _FALSY),
-    "torchrunx.wire.protocol.x_encode_frame_start__mutmut_3": ("protocol=None)", _PICKLE),
-    "torchrunx.wire.protocol.x_encode_frame_start__mutmut_5": ("pickle.dumps(message, )", _PICKLE),
-    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1_room__mutmut_4": (
+    "torchrunx.wire.handshake.x_client_reply__mutmut_47": ("role_byte, server=None)", _FALSY),
+    "torchrunx.wire.records.x_encode_frame_start__mutmut_3": ("protocol=None)", _PICKLE),
+    "torchrunx.wire.records.x_encode_frame_start__mutmut_5": ("pickle.dumps(message, )", _PICKLE),
+    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1_room__mutmut_4": (
         "len(part) <= need",
         _GROWTH,
     ),
-    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1_room__mutmut_15": ("3 * len(part)", _GROWTH),
-    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1target__mutmut_4": (
+    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1_room__mutmut_15": ("3 * len(part)", _GROWTH),
+    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1target__mutmut_4": (
         "self._filled <= size:",
         (
             "a record that exactly fills the rest of a part is decrypted and copied instead of "
             "decrypted in place: the same bytes"
         ),
     ),
-    "torchrunx.wire.protocol.x\u01c1Connection\u01c1__init____mutmut_8": (
+    "torchrunx.wire.records.x\u01c1Connection\u01c1__init____mutmut_8": (
         "_close_sent = None",
         _FALSY,
     ),
-    "torchrunx.wire.protocol.x\u01c1Connection\u01c1close__mutmut_1": (
+    "torchrunx.wire.records.x\u01c1Connection\u01c1close__mutmut_1": (
         "fileno() > 0:",
         "a connection's socket is never descriptor 0 (standard input)",
     ),
-    "torchrunx.wire.protocol.x\u01c1Connection\u01c1close__mutmut_2": (
+    "torchrunx.wire.records.x\u01c1Connection\u01c1close__mutmut_2": (
         "fileno() >= 1:",
         "a connection's socket is never descriptor 0 (standard input)",
     ),
-    "torchrunx.wire.protocol.x__recv_exact_into__mutmut_5": ("is None) and False else 0", _PERF),
-    "torchrunx.wire.protocol.x__recv_exact_into__mutmut_6": ("is None) or True else 0", _PERF),
-    "torchrunx.wire.protocol.x__recv_exact_into__mutmut_7": ("gettimeout() is not None", _PERF),
-    "torchrunx.wire.protocol.x__recv_exact_into__mutmut_16": ("size - received, )", _PERF),
-    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1__init____mutmut_3": (
+    "torchrunx.wire.records.x__recv_exact_into__mutmut_5": ("is None) and False else 0", _PERF),
+    "torchrunx.wire.records.x__recv_exact_into__mutmut_6": ("is None) or True else 0", _PERF),
+    "torchrunx.wire.records.x__recv_exact_into__mutmut_7": ("gettimeout() is not None", _PERF),
+    "torchrunx.wire.records.x__recv_exact_into__mutmut_16": ("size - received, )", _PERF),
+    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1__init____mutmut_3": (
         "_sizes: list[int] = None",
         _UNREAD,
     ),
-    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1__init____mutmut_4": (
+    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1__init____mutmut_4": (
         "_parts: list[bytearray] = None",
         _UNREAD,
     ),
-    "torchrunx.wire.protocol.x\u01c1_FrameParser\u01c1feed__mutmut_10": (
+    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1feed__mutmut_10": (
         "if position <= len(view):",
         "with nothing left, an empty rest is appended and the buffer cut again: no change",
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1read__mutmut_4": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1read__mutmut_4": (
         "while received <= budget:",
         "one more read when exactly the budget was read: the budget is a bound, not an amount",
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1read_record__mutmut_12": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1read_record__mutmut_12": (
         "self._record_size(None)",
         "view[None:] is view[0:]",
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1read_record__mutmut_14": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1read_record__mutmut_14": (
         "len(self._raw) <= _RECORD.size + size",
         "growing a buffer that is just large enough by zero bytes",
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1read_record__mutmut_19": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1read_record__mutmut_19": (
         "size + len(self._raw))",
         _GROWTH,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open__mutmut_31": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_open__mutmut_31": (
         "target = None",
         "every part decrypted, then copied, instead of decrypted in place: the same bytes",
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open_all__mutmut_5": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_open_all__mutmut_5": (
         "self._have - start > _RECORD.size:",
         "a lone record header cannot be opened either way: it waits for the rest of its record",
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_3": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_make_room__mutmut_3": (
         "_RECORD.size - self",
         _GROWTH,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_4": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_make_room__mutmut_4": (
         "_record_size(None)",
         _GROWTH,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_15": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_make_room__mutmut_15": (
         "2 / len(self._raw)",
         _GROWTH,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_16": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_make_room__mutmut_16": (
         "3 * len(self._raw)",
         _GROWTH,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_17": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_make_room__mutmut_17": (
         "size - _MAX_RECORD",
         _GROWTH,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_make_room__mutmut_21": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_make_room__mutmut_21": (
         "bytes(grown + len(self._raw))",
         _GROWTH + " (this one past one record's room: a memory bound no test asserts)",
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_1": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_1": (
         "IDLE_BUFFER_BYTES or self._have",
         _SHRINK,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_2": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_2": (
         "len(self._raw) >= IDLE_BUFFER_BYTES",
         _SHRINK,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_3": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_release_if_idle__mutmut_3": (
         "self._have < IDLE_BUFFER_BYTES",
         _SHRINK,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open__mutmut_61": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_open__mutmut_61": (
         "            None",
         _UNREACHABLE,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open__mutmut_62": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_open__mutmut_62": (
         "type(None).__name__",
         _UNREACHABLE,
     ),
-    "torchrunx.wire.protocol.x\u01c1FrameReader\u01c1_open__mutmut_63": (
+    "torchrunx.wire.records.x\u01c1FrameReader\u01c1_open__mutmut_63": (
         "exception_text(None)",
         _UNREACHABLE,
     ),

@@ -18,14 +18,9 @@ import pytest
 from torchrunx.agent.outbox import Outbox
 from torchrunx.agent.workergroup import WorkerGroup
 from torchrunx.launcher.transport import BOOT_CODE
-from torchrunx.wire.protocol import (
-    AgentBootstrap,
-    Connection,
-    Heartbeat,
-    LogLines,
-    Sealer,
-    SessionKeys,
-)
+from torchrunx.wire.bootstrap import AgentBootstrap
+from torchrunx.wire.messages import Heartbeat, LogLines
+from torchrunx.wire.records import Connection, Sealer, SessionKeys
 
 
 def test_an_agent_given_a_malformed_bootstrap_names_the_field_and_exits_with_2():

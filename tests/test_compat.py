@@ -29,7 +29,7 @@ from torchrunx.env import (
 )
 from torchrunx.hosts.resolve import HostSlots, resolve_hosts
 from torchrunx.launcher import logdirs
-from torchrunx.wire.protocol import AgentBootstrap
+from torchrunx.wire.bootstrap import AgentBootstrap
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ import torch
 import torchrunx as trx
 from torchrunx import events as ev
 from torchrunx.devices import cuda_device, device_env, process_group_options, resolve_backend
-from torchrunx.wire.protocol import WorkerSpec
+from torchrunx.wire.messages import WorkerSpec
 
 
 @pytest.fixture

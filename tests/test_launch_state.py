@@ -14,7 +14,7 @@ from torchrunx.hosts.resolve import HostSlots
 from torchrunx.launcher.failures import choose_cause, others, restartable
 from torchrunx.launcher.records import AGENT_MOVES, OUTCOME_WAIT, WORKER_MOVES, AgentRecord, Phase
 from torchrunx.launcher.state import LaunchState
-from torchrunx.wire.protocol import (
+from torchrunx.wire.messages import (
     AgentHello,
     WorkerExited,
     WorkerHello,

@@ -19,13 +19,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 from conftest import listening_addresses
+from wire_helpers import server_handshake
 
 import torchrunx as trx
+from torchrunx.errors import ProtocolError
 from torchrunx.launcher import listener as listener_module
 from torchrunx.launcher.ioloop import IOLoop
 from torchrunx.launcher.listener import FrameReceived, Listener, PeerClosed
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import FrameReader, Heartbeat, LogLines, WorkerResult
+from torchrunx.wire import handshake, records
+from torchrunx.wire.messages import Heartbeat, LogLines, WorkerResult
+from torchrunx.wire.records import FrameReader
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -56,7 +59,7 @@ def test_an_authenticated_peer_delivers_frames_in_order_and_its_end(served):
     big = os.urandom(3 << 20)  # read straight into its buffer
 
     def client() -> None:
-        conn = protocol.connect(("127.0.0.1", listener.port), SECRET, "worker", timeout=10)
+        conn = handshake.connect(("127.0.0.1", listener.port), SECRET, "worker", timeout=10)
         for i in range(100):
             conn.send(LogLines(((0, 20, "x", f"line {i}", 0.0),)))
         conn.send(WorkerResult(7), [big, b"tail"])
@@ -76,8 +79,8 @@ def test_an_authenticated_peer_delivers_frames_in_order_and_its_end(served):
 
 def test_a_peer_without_the_secret_is_dropped_and_nothing_is_read(served):
     listener, events, pump = served
-    with pytest.raises((protocol.ProtocolError, ConnectionError, OSError)):
-        protocol.connect(("127.0.0.1", listener.port), b"wrong" * 8, "agent", timeout=5)
+    with pytest.raises((ProtocolError, ConnectionError, OSError)):
+        handshake.connect(("127.0.0.1", listener.port), b"wrong" * 8, "agent", timeout=5)
     pump(lambda: listener.rejected == 1)
     assert listener.rejected == 1
     assert not events
@@ -91,10 +94,10 @@ def test_a_slow_handshake_is_dropped_at_its_one_deadline(served, monkeypatch):
         sock.settimeout(5)
         started = time.monotonic()
         pump(lambda: listener.next_deadline is not None, 2)
-        greeting = sock.recv(protocol.GREETING_BYTES)
-        assert greeting.startswith(protocol.MAGIC)
+        greeting = sock.recv(handshake.GREETING_BYTES)
+        assert greeting.startswith(handshake.MAGIC)
         for _ in range(4):  # one byte every 0.2 s: each read is quick, the whole is not
-            sock.sendall(protocol.MAGIC[:1])
+            sock.sendall(handshake.MAGIC[:1])
             pump(lambda: False, 0.2)
         pump(lambda: listener.rejected == 1, 2)
         assert listener.rejected == 1
@@ -107,7 +110,7 @@ def test_connections_still_authenticating_are_capped_and_the_oldest_are_shed(ser
     listener, _events, pump = served
     monkeypatch.setattr(listener_module, "MAX_PENDING", 3)
     socks = [socket.create_connection(("127.0.0.1", listener.port)) for _ in range(5)]
-    got: list[protocol.Connection] = []
+    got: list[records.Connection] = []
     try:
         pump(lambda: listener.rejected == 2, 5)
         pump(lambda: False, 0.3)
@@ -115,7 +118,7 @@ def test_connections_still_authenticating_are_capped_and_the_oldest_are_shed(ser
         assert listener.rejected == 2  # the two oldest, shed for the two newest
         thread = threading.Thread(
             target=lambda: got.append(
-                protocol.connect(("127.0.0.1", listener.port), SECRET, "agent", timeout=10)
+                handshake.connect(("127.0.0.1", listener.port), SECRET, "agent", timeout=10)
             )
         )
         thread.start()  # the idle ones stay: the real peer gets in all the same
@@ -134,11 +137,11 @@ def test_sends_are_buffered_so_a_peer_that_does_not_read_never_blocks_the_loop(s
     listener, _events, pump = served
     sock = socket.create_connection(("127.0.0.1", listener.port))
     pump(lambda: listener.next_deadline is not None)  # accepted: the greeting is out
-    greeting = sock.recv(protocol.GREETING_BYTES)
-    reply, expected, keys = protocol.client_reply(SECRET, greeting, "agent")
+    greeting = sock.recv(handshake.GREETING_BYTES)
+    reply, expected, keys = handshake.client_reply(SECRET, greeting, "agent")
     sock.sendall(reply)
     pump(lambda: bool(listener.peers))
-    assert sock.recv(protocol.MAC_BYTES) == expected
+    assert sock.recv(handshake.MAC_BYTES) == expected
     (peer,) = listener.peers.values()
     payload = b"x" * (64 << 20)  # far more than the socket buffers hold
     started = time.monotonic()
@@ -263,7 +266,7 @@ def test_out_of_descriptors_it_backs_off_and_lets_the_real_peer_in_after_the_flo
         port = int(child.stdout.readline())
         flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(150)]
         started = time.monotonic()
-        conn = protocol.connect(("127.0.0.1", port), SECRET, "worker", timeout=30)
+        conn = handshake.connect(("127.0.0.1", port), SECRET, "worker", timeout=30)
         waited = time.monotonic() - started
         try:
             conn.send(Heartbeat())
@@ -397,7 +400,7 @@ class Drippers:
                 pass
         except BlockingIOError:
             with contextlib.suppress(OSError):
-                sock.send(protocol.MAGIC[:1])
+                sock.send(handshake.MAGIC[:1])
             return False
         except OSError:  # reset
             return True
@@ -560,11 +563,11 @@ def test_a_peer_that_is_shed_during_its_handshake_tries_again():
             second, _ = server.accept()
             with second:
                 second.settimeout(5)
-                roles.append(protocol.server_handshake(second, SECRET)[0])
+                roles.append(server_handshake(second, SECRET)[0])
 
         thread = threading.Thread(target=serve)
         thread.start()
-        conn = protocol.connect(server.getsockname()[:2], SECRET, "worker", timeout=5)
+        conn = handshake.connect(server.getsockname()[:2], SECRET, "worker", timeout=5)
         conn.close()
         thread.join(5)
     assert roles == ["worker"]
@@ -577,12 +580,12 @@ def test_an_idle_connection_costs_the_launcher_little_memory(served):
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        conns: list[protocol.Connection] = []
+        conns: list[records.Connection] = []
 
         def connect_all() -> None:
             for _ in range(100):
                 address = ("127.0.0.1", listener.port)
-                conns.append(protocol.connect(address, SECRET, "worker", timeout=10))
+                conns.append(handshake.connect(address, SECRET, "worker", timeout=10))
 
         thread = threading.Thread(target=connect_all)
         thread.start()

@@ -20,12 +20,13 @@ from conftest import listened_during_launch
 import torchrunx as trx
 from torchrunx.launcher.agent_starts import listen_hosts
 from torchrunx.launcher.inbox import Inbox
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import (
-    MAGIC,
+from torchrunx.wire import handshake
+from torchrunx.wire.handshake import MAGIC
+from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
     LogLines,
+    Message,
     WorkerHello,
     WorkerResult,
 )
@@ -358,24 +359,24 @@ def test_a_peer_with_the_secret_cannot_speak_for_another_role(
     listeners = listen_sockets
     """Roles are enforced: a worker's connection cannot send an agent's messages, and back."""
     secrets: list[bytes] = []
-    real_secret = protocol.new_secret
+    real_secret = handshake.new_secret
 
     def spy_secret() -> bytes:
         secrets.append(real_secret())
         return secrets[-1]
 
-    monkeypatch.setattr(protocol, "new_secret", spy_secret)
+    monkeypatch.setattr(handshake, "new_secret", spy_secret)
     thread, outcome = sleep_in_a_background_launch(listeners)
     address = ("127.0.0.1", listeners[0].getsockname()[1])
     forged = LogLines(((0, 50, "forged", "FORGED LOG LINE", 0.0),))
-    attempts: list[tuple[protocol.Role, list[protocol.Message]]] = [
+    attempts: list[tuple[handshake.Role, list[Message]]] = [
         ("worker", [AgentHello(0, "localhost", 1, 1, 1)]),  # a worker claiming to be an agent
         ("worker", [forged]),  # an agent's message as a worker's first
         ("worker", [WorkerHello(rank=99, local_rank=0, pid=1, attempt=0), forged]),
         ("agent", [WorkerResult(rank=0), forged]),  # a worker's message as an agent's first
     ]
     for role, messages in attempts:
-        conn = protocol.connect(address, secrets[0], role, timeout=10)
+        conn = handshake.connect(address, secrets[0], role, timeout=10)
         for message in messages:
             with contextlib.suppress(OSError):
                 conn.send(message)

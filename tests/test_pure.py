@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 
 import pytest
+from wire_helpers import server_handshake
 
 from torchrunx.env import forwarded_env
 from torchrunx.errors import ProtocolError, WorkerFailedError, is_collective_error
@@ -23,8 +24,8 @@ from torchrunx.events import (
 )
 from torchrunx.hosts import resolve as hosts
 from torchrunx.launcher.transport import AGENT_COMMAND, agent_script
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import AgentBootstrap
+from torchrunx.wire import handshake, messages, records
+from torchrunx.wire.bootstrap import AgentBootstrap
 
 HOSTILE = [
     "a b",
@@ -107,7 +108,7 @@ def test_worker_failed_error_names_the_signal():
 
 def _serve(sock: socket.socket, secret: bytes, outcome: list[object]) -> None:
     try:
-        outcome.append(protocol.server_handshake(sock, secret))
+        outcome.append(server_handshake(sock, secret))
     except ProtocolError as exc:
         outcome.append(exc)
         sock.close()  # as the launcher does: drop the peer
@@ -120,7 +121,7 @@ def test_handshake_rejects_a_wrong_secret(client_secret):
     thread = threading.Thread(target=_serve, args=(server, b"s" * 32, outcome))
     thread.start()
     with pytest.raises((ProtocolError, ConnectionError)):
-        protocol.client_handshake(client, client_secret, "worker")
+        handshake.client_handshake(client, client_secret, "worker")
     thread.join()
     assert isinstance(outcome[0], ProtocolError)
     assert "failed to authenticate" in str(outcome[0])
@@ -132,16 +133,16 @@ def test_handshake_accepts_the_right_secret_both_ways():
     outcome: list[object] = []
     thread = threading.Thread(target=_serve, args=(server, b"s" * 32, outcome))
     thread.start()
-    client_keys = protocol.client_handshake(client, b"s" * 32, "agent")
+    client_keys = handshake.client_handshake(client, b"s" * 32, "agent")
     thread.join()
     role, server_keys = outcome[0]
     assert role == "agent"
     assert server_keys.send == client_keys.receive != server_keys.receive == client_keys.send
-    sender = protocol.Connection(server, server_keys)
-    receiver = protocol.Connection(client, client_keys)
-    sender.send(protocol.WorkerResult(rank=3), [b"stream", memoryview(b"tensor bytes"), b""])
+    sender = records.Connection(server, server_keys)
+    receiver = records.Connection(client, client_keys)
+    sender.send(messages.WorkerResult(rank=3), [b"stream", memoryview(b"tensor bytes"), b""])
     message, payload = receiver.recv()
-    assert message == protocol.WorkerResult(rank=3)
+    assert message == messages.WorkerResult(rank=3)
     assert [bytes(part) for part in payload] == [b"stream", b"tensor bytes", b""]
     sender.close()
     receiver.close()

@@ -31,7 +31,7 @@ from torchrunx.hosts.hostlists import HostSlots
 from torchrunx.launcher.failures import choose_cause, others, relevant, restartable, restarts_for
 from torchrunx.launcher.records import OUTCOME_WAIT, AgentRecord, Fault, FaultKind, RankRecord
 from torchrunx.launcher.state import LaunchState
-from torchrunx.wire.protocol import AgentHello, WorkerExited, WorkerSpec
+from torchrunx.wire.messages import AgentHello, WorkerExited, WorkerSpec
 
 ECHO = "[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1234"
 

@@ -1,7 +1,7 @@
-"""The rules of the handshake (torchrunx/wire/protocol.py), each against a peer that breaks it.
+"""The rules of the handshake (torchrunx/wire/handshake.py), each against a peer that breaks it.
 
 On socketpairs (one test on loopback, for ``connect``), with a thread for the other end. The
-rules (protocol.py's module docstring, docs/security.md):
+rules (torchrunx/wire's package docstring, docs/security.md):
 
 - the handshake is mutual: a client refuses a launcher that cannot prove it knows the secret,
   whatever the launcher sent;
@@ -19,10 +19,11 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from wire_helpers import server_handshake
 
 from torchrunx.errors import ProtocolError
 from torchrunx.launcher.listener import _Pending
-from torchrunx.wire import protocol
+from torchrunx.wire import handshake, messages, records
 
 SECRET = b"s" * 32
 WRONG = b"w" * 32
@@ -52,9 +53,9 @@ def impostor(proof: Callable[[bytes, bytes], bytes]) -> Callable[[socket.socket]
     secret) and answers ``proof(nonce, reply)``."""
 
     def serve(sock: socket.socket) -> bytes:
-        nonce = os.urandom(protocol.NONCE_BYTES)
-        sock.sendall(protocol.server_greeting(nonce))
-        reply = bytes(protocol._recv_exact(sock, protocol.CLIENT_REPLY_BYTES))
+        nonce = os.urandom(handshake.NONCE_BYTES)
+        sock.sendall(handshake.server_greeting(nonce))
+        reply = bytes(handshake._recv_exact(sock, handshake.CLIENT_REPLY_BYTES))
         sock.sendall(proof(nonce, reply))
         return reply
 
@@ -62,22 +63,22 @@ def impostor(proof: Callable[[bytes, bytes], bytes]) -> Callable[[socket.socket]
 
 
 def _client_nonce(reply: bytes) -> bytes:
-    start = len(protocol.MAGIC) + 1
-    return reply[start : start + protocol.NONCE_BYTES]
+    start = len(handshake.MAGIC) + 1
+    return reply[start : start + handshake.NONCE_BYTES]
 
 
 IMPOSTOR_PROOFS = [
-    pytest.param(lambda _nonce, _reply: os.urandom(protocol.MAC_BYTES), id="random-bytes"),
-    pytest.param(lambda _nonce, _reply: bytes(protocol.MAC_BYTES), id="zeros"),
+    pytest.param(lambda _nonce, _reply: os.urandom(handshake.MAC_BYTES), id="random-bytes"),
+    pytest.param(lambda _nonce, _reply: bytes(handshake.MAC_BYTES), id="zeros"),
     pytest.param(
-        lambda _nonce, reply: reply[-protocol.MAC_BYTES :], id="the-clients-own-proof-reflected"
+        lambda _nonce, reply: reply[-handshake.MAC_BYTES :], id="the-clients-own-proof-reflected"
     ),
     pytest.param(
-        lambda nonce, reply: protocol._mac(WRONG, b"server", _client_nonce(reply), nonce),
+        lambda nonce, reply: handshake._mac(WRONG, b"server", _client_nonce(reply), nonce),
         id="proof-with-another-secret",
     ),
     pytest.param(
-        lambda nonce, reply: protocol._mac(SECRET, b"server", nonce, _client_nonce(reply)),
+        lambda nonce, reply: handshake._mac(SECRET, b"server", nonce, _client_nonce(reply)),
         id="proof-with-the-nonces-swapped",  # knows the secret but proves the wrong thing
     ),
 ]
@@ -92,7 +93,7 @@ def test_rule_a_client_refuses_a_launcher_that_cannot_prove_the_secret(proof, ro
     with client:
         thread, outcome = run_server(server, impostor(proof))
         with pytest.raises(ProtocolError, match="launcher failed to authenticate"):
-            protocol.client_handshake(client, SECRET, role)
+            handshake.client_handshake(client, SECRET, role)
     thread.join(10)
     assert isinstance(outcome[0], bytes)  # the impostor got to the end of its script
 
@@ -105,11 +106,11 @@ def test_rule_connect_refuses_a_launcher_that_cannot_prove_the_secret():
     def accept_and_fake(sock: socket.socket) -> bytes:
         conn, _ = sock.accept()
         with conn:
-            return impostor(lambda _nonce, _reply: os.urandom(protocol.MAC_BYTES))(conn)
+            return impostor(lambda _nonce, _reply: os.urandom(handshake.MAC_BYTES))(conn)
 
     thread, outcome = run_server(listener, accept_and_fake)
     with pytest.raises(ProtocolError, match="launcher failed to authenticate"):
-        protocol.connect(("127.0.0.1", port), SECRET, "worker", timeout=10).close()
+        handshake.connect(("127.0.0.1", port), SECRET, "worker", timeout=10).close()
     thread.join(10)
     assert isinstance(outcome[0], bytes)
 
@@ -119,7 +120,7 @@ def test_rule_a_client_refuses_a_launcher_that_sends_no_proof():
     with client:
         thread, _ = run_server(server, impostor(lambda _nonce, _reply: b""))  # then it closes
         with pytest.raises((ProtocolError, ConnectionError)):
-            protocol.client_handshake(client, SECRET, "agent")
+            handshake.client_handshake(client, SECRET, "agent")
     thread.join(10)
 
 
@@ -128,10 +129,10 @@ def test_rule_a_client_refuses_a_launcher_that_sends_no_proof():
 
 def test_rule_the_role_is_bound_into_the_session_keys():
     """Rule: for the same secret and nonces, an agent's keys are not a worker's."""
-    ns, nc = os.urandom(protocol.NONCE_BYTES), os.urandom(protocol.NONCE_BYTES)
+    ns, nc = os.urandom(handshake.NONCE_BYTES), os.urandom(handshake.NONCE_BYTES)
     for server in (True, False):
-        agent = protocol.session_keys(SECRET, ns, nc, b"A", server=server)
-        worker = protocol.session_keys(SECRET, ns, nc, b"W", server=server)
+        agent = handshake.session_keys(SECRET, ns, nc, b"A", server=server)
+        worker = handshake.session_keys(SECRET, ns, nc, b"W", server=server)
         assert agent.send != worker.send
         assert agent.receive != worker.receive
         assert len({agent.send, agent.receive, worker.send, worker.receive}) == 4
@@ -141,16 +142,16 @@ def test_rule_the_role_is_bound_into_the_session_keys():
 def test_rule_two_ends_that_believe_different_roles_cannot_talk(client_role, server_role):
     """Rule: a client that believes it is one role and a server that believes it the other
     hold different keys: the first record fails authentication and nothing is unpickled."""
-    ns, nc = os.urandom(protocol.NONCE_BYTES), os.urandom(protocol.NONCE_BYTES)
-    server_keys = protocol.session_keys(SECRET, ns, nc, server_role, server=True)
-    client_keys = protocol.session_keys(SECRET, ns, nc, client_role, server=False)
+    ns, nc = os.urandom(handshake.NONCE_BYTES), os.urandom(handshake.NONCE_BYTES)
+    server_keys = handshake.session_keys(SECRET, ns, nc, server_role, server=True)
+    client_keys = handshake.session_keys(SECRET, ns, nc, client_role, server=False)
     a, b = socket.socketpair()
-    client, server = protocol.Connection(a, client_keys), protocol.Connection(b, server_keys)
+    client, server = records.Connection(a, client_keys), records.Connection(b, server_keys)
     try:
-        client.send(protocol.Heartbeat())
+        client.send(messages.Heartbeat())
         with pytest.raises(ProtocolError, match="failed authentication"):
             server.recv()
-        server.send(protocol.Heartbeat())
+        server.send(messages.Heartbeat())
         with pytest.raises(ProtocolError, match="failed authentication"):
             client.recv()
     finally:
@@ -160,14 +161,14 @@ def test_rule_two_ends_that_believe_different_roles_cannot_talk(client_role, ser
 
 def test_the_same_role_on_both_ends_talks():
     """The control of the test above: with the same role, the same records go through."""
-    ns, nc = os.urandom(protocol.NONCE_BYTES), os.urandom(protocol.NONCE_BYTES)
-    server_keys = protocol.session_keys(SECRET, ns, nc, b"W", server=True)
-    client_keys = protocol.session_keys(SECRET, ns, nc, b"W", server=False)
+    ns, nc = os.urandom(handshake.NONCE_BYTES), os.urandom(handshake.NONCE_BYTES)
+    server_keys = handshake.session_keys(SECRET, ns, nc, b"W", server=True)
+    client_keys = handshake.session_keys(SECRET, ns, nc, b"W", server=False)
     a, b = socket.socketpair()
-    client, server = protocol.Connection(a, client_keys), protocol.Connection(b, server_keys)
+    client, server = records.Connection(a, client_keys), records.Connection(b, server_keys)
     try:
-        client.send(protocol.Heartbeat())
-        assert server.recv() == (protocol.Heartbeat(), [])
+        client.send(messages.Heartbeat())
+        assert server.recv() == (messages.Heartbeat(), [])
     finally:
         client.close()
         server.close()
@@ -177,28 +178,28 @@ def test_the_same_role_on_both_ends_talks():
 def test_rule_a_role_changed_on_the_way_is_refused_by_the_server(claimed, changed_to):
     """Rule: the role is bound into the client's proof: a worker's reply made to say
     "agent" (or the reverse) fails to authenticate."""
-    nonce = os.urandom(protocol.NONCE_BYTES)
-    role: protocol.Role = "agent" if claimed == b"A" else "worker"
-    reply, _, _ = protocol.client_reply(SECRET, protocol.server_greeting(nonce), role)
-    at = len(protocol.MAGIC)
+    nonce = os.urandom(handshake.NONCE_BYTES)
+    role: handshake.Role = "agent" if claimed == b"A" else "worker"
+    reply, _, _ = handshake.client_reply(SECRET, handshake.server_greeting(nonce), role)
+    at = len(handshake.MAGIC)
     assert reply[at : at + 1] == claimed
     changed = reply[:at] + changed_to + reply[at + 1 :]
     with pytest.raises(ProtocolError, match="failed to authenticate"):
-        protocol.check_client_reply(SECRET, nonce, changed)
-    assert protocol.check_client_reply(SECRET, nonce, reply)[0] == role
+        handshake.check_client_reply(SECRET, nonce, changed)
+    assert handshake.check_client_reply(SECRET, nonce, reply)[0] == role
 
 
 @pytest.mark.parametrize("role", ["agent", "worker"])
 def test_the_server_learns_the_role_the_client_has(role):
     server, client = socket.socketpair()
     with client:
-        thread, outcome = run_server(server, lambda sock: protocol.server_handshake(sock, SECRET))
-        client_keys = protocol.client_handshake(client, SECRET, role)
+        thread, outcome = run_server(server, lambda sock: server_handshake(sock, SECRET))
+        client_keys = handshake.client_handshake(client, SECRET, role)
         thread.join(10)
     result = outcome[0]
     assert isinstance(result, tuple)
     server_role, server_keys = result
-    assert isinstance(server_keys, protocol.SessionKeys)
+    assert isinstance(server_keys, handshake.SessionKeys)
     assert server_role == role
     assert (server_keys.send, server_keys.receive) == (client_keys.receive, client_keys.send)
 
@@ -206,15 +207,15 @@ def test_the_server_learns_the_role_the_client_has(role):
 # -- fresh nonces -----------------------------------------------------------------------------
 
 
-def _record_handshake() -> tuple[bytes, bytes, bytes, protocol.SessionKeys]:
+def _record_handshake() -> tuple[bytes, bytes, bytes, handshake.SessionKeys]:
     """One real handshake; what each side sent (greeting, client reply, proof) and the keys."""
     server, client = socket.socketpair()
     with client:
-        thread, outcome = run_server(server, lambda sock: protocol.server_handshake(sock, SECRET))
-        greeting = bytes(protocol._recv_exact(client, protocol.GREETING_BYTES))
-        reply, expected, keys = protocol.client_reply(SECRET, greeting, "worker")
+        thread, outcome = run_server(server, lambda sock: server_handshake(sock, SECRET))
+        greeting = bytes(handshake._recv_exact(client, handshake.GREETING_BYTES))
+        reply, expected, keys = handshake.client_reply(SECRET, greeting, "worker")
         client.sendall(reply)
-        proof = bytes(protocol._recv_exact(client, protocol.MAC_BYTES))
+        proof = bytes(handshake._recv_exact(client, handshake.MAC_BYTES))
         thread.join(10)
     assert proof == expected
     assert isinstance(outcome[0], tuple)
@@ -225,7 +226,7 @@ def test_rule_every_handshake_has_a_fresh_server_nonce_and_fresh_keys():
     """Rule: the server's nonce is new for each connection, and so are the session keys."""
     first, second = _record_handshake(), _record_handshake()
     assert first[0] != second[0]  # the greetings: MAGIC and the server's nonce
-    assert first[0][: len(protocol.MAGIC)] == second[0][: len(protocol.MAGIC)]
+    assert first[0][: len(handshake.MAGIC)] == second[0][: len(handshake.MAGIC)]
     assert first[3].send != second[3].send
     assert first[3].receive != second[3].receive
 
@@ -236,7 +237,7 @@ def test_rule_the_listeners_handshakes_each_have_a_fresh_server_nonce():
     with a, b:
         nonces = {_Pending(a, 0.0).nonce for _ in range(3)}
     assert len(nonces) == 3
-    assert all(len(nonce) == protocol.NONCE_BYTES for nonce in nonces)
+    assert all(len(nonce) == handshake.NONCE_BYTES for nonce in nonces)
 
 
 def test_rule_a_recorded_client_side_replayed_to_a_new_server_is_refused():
@@ -245,8 +246,8 @@ def test_rule_a_recorded_client_side_replayed_to_a_new_server_is_refused():
     _, reply, _, _ = _record_handshake()
     server, client = socket.socketpair()
     with client:
-        thread, outcome = run_server(server, lambda sock: protocol.server_handshake(sock, SECRET))
-        protocol._recv_exact(client, protocol.GREETING_BYTES)  # a new greeting, ignored
+        thread, outcome = run_server(server, lambda sock: server_handshake(sock, SECRET))
+        handshake._recv_exact(client, handshake.GREETING_BYTES)  # a new greeting, ignored
         client.sendall(reply)
         thread.join(10)
     assert isinstance(outcome[0], ProtocolError)
@@ -255,7 +256,7 @@ def test_rule_a_recorded_client_side_replayed_to_a_new_server_is_refused():
     with a, b:
         pending = _Pending(a, 0.0)
         with pytest.raises(ProtocolError, match="failed to authenticate"):
-            protocol.check_client_reply(SECRET, pending.nonce, reply)
+            handshake.check_client_reply(SECRET, pending.nonce, reply)
 
 
 def test_rule_a_recorded_server_side_replayed_to_a_new_client_is_refused():
@@ -265,7 +266,7 @@ def test_rule_a_recorded_server_side_replayed_to_a_new_client_is_refused():
 
     def replay(sock: socket.socket) -> bytes:
         sock.sendall(greeting)
-        reply = bytes(protocol._recv_exact(sock, protocol.CLIENT_REPLY_BYTES))
+        reply = bytes(handshake._recv_exact(sock, handshake.CLIENT_REPLY_BYTES))
         sock.sendall(proof)
         return reply
 
@@ -273,6 +274,6 @@ def test_rule_a_recorded_server_side_replayed_to_a_new_client_is_refused():
     with client:
         thread, outcome = run_server(server, replay)
         with pytest.raises(ProtocolError, match="launcher failed to authenticate"):
-            protocol.client_handshake(client, SECRET, "worker")
+            handshake.client_handshake(client, SECRET, "worker")
     thread.join(10)
     assert isinstance(outcome[0], bytes)

@@ -14,9 +14,9 @@ no network. Sections:
 - SLURM allocations and hostfiles (torchrunx/hosts/hostlists.py), with no ``scontrol`` process;
 - host names (the checks of torchrunx/hosts/resolve.py): every reason, in full;
 - the checks of the Launcher's fields (torchrunx/launcher/launcher.py): every message, in full;
-- the handshake, sealed records and frames (torchrunx/wire/protocol.py): the frame parser however
-  its input is cut, the limits, the close record, both reading styles, the wire format's
-  HMAC and HKDF computed independently, connect's retries on a fake clock.
+- the handshake, sealed records and frames (torchrunx/wire/handshake.py, records.py, messages.py):
+  the frame parser however its input is cut, the limits, the close record, both reading styles,
+  the wire format's HMAC and HKDF computed independently, connect's retries on a fake clock.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import pytest
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from wire_helpers import RecordReader
 
 import torchrunx as trx
 from torchrunx import plugins, serialization
@@ -69,14 +70,12 @@ from torchrunx.launcher.listener import FrameReceived, PeerClosed
 from torchrunx.launcher.records import OUTCOME_WAIT, AgentRecord, Fault, Phase
 from torchrunx.launcher.results import LaunchTimings
 from torchrunx.launcher.state import LaunchState
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import (
+from torchrunx.wire import handshake, messages
+from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
-    FrameReader,
     Heartbeat,
     LogLines,
-    Sealer,
     Stop,
     WorkerException,
     WorkerExited,
@@ -87,6 +86,23 @@ from torchrunx.wire.protocol import (
     WorkersStarted,
     WorkerStacks,
     WorkerTimedOut,
+)
+from torchrunx.wire.records import (
+    _FRAME,
+    _MAX_HEADER,
+    _MAX_PARTS,
+    _MAX_RECORD,
+    _PART,
+    _RECORD,
+    IDLE_BUFFER_BYTES,
+    MAX_FRAME_BYTES,
+    RECORD_BYTES,
+    TAG_BYTES,
+    Connection,
+    FrameReader,
+    Sealer,
+    _FrameParser,
+    encode_frame_start,
 )
 
 # -- what arrives during a launch (torchrunx/launcher/inbox.py) -------------------------------------
@@ -1668,18 +1684,18 @@ def test_rule_one_count_per_host_or_one_for_all():
         launcher_module._validate_workers([1, 1, 1], ["a", "b"])
 
 
-# -- the handshake, sealed records and frames (torchrunx/wire/protocol.py) ----------------------
+# -- the handshake, sealed records and frames (torchrunx/wire/: handshake, records, messages) ----
 
 SECRET = b"s" * 32
 
 
-def pair() -> tuple[Sealer, FrameReader]:
+def pair() -> tuple[Sealer, RecordReader]:
     """One direction of a connection: what one end seals, the other opens."""
-    return Sealer(b"k" * 32), FrameReader(b"k" * 32)
+    return Sealer(b"k" * 32), RecordReader(b"k" * 32)
 
 
 def plaintext(message: object, payload: list[bytes]) -> bytes:
-    return protocol.encode_frame_start(message, payload) + b"".join(payload)  # type: ignore[arg-type]
+    return encode_frame_start(message, payload) + b"".join(payload)  # type: ignore[arg-type]
 
 
 FRAMES = [
@@ -1694,7 +1710,7 @@ FRAMES = [
 def test_rule_the_frame_parser_gives_the_same_frames_however_the_plaintext_is_cut(chunk):
     """Rule: frames come out whole and in order, whatever the sizes of the pieces fed."""
     data = b"".join(plaintext(m, p) for m, p in FRAMES)
-    parser = protocol._FrameParser()
+    parser = _FrameParser()
     frames: list = []
     for start in range(0, len(data), chunk):
         parser.feed(data[start : start + chunk], frames)
@@ -1704,7 +1720,7 @@ def test_rule_the_frame_parser_gives_the_same_frames_however_the_plaintext_is_cu
 
 def test_rule_a_frame_is_complete_only_once_its_last_part_came():
     data = plaintext(WorkerResult(0), [b"12345"])
-    parser = protocol._FrameParser()
+    parser = _FrameParser()
     frames: list = []
     parser.feed(data[:-1], frames)
     assert frames == [] and not parser.idle
@@ -1716,49 +1732,47 @@ def test_rule_a_frame_is_complete_only_once_its_last_part_came():
     ("header_size", "count", "message"),
     [
         (
-            protocol._MAX_HEADER + 1,
+            _MAX_HEADER + 1,
             0,
-            f"frame of {protocol._MAX_HEADER + 1} header bytes, 0 parts is too large",
+            f"frame of {_MAX_HEADER + 1} header bytes, 0 parts is too large",
         ),
         (
             10,
-            protocol._MAX_PARTS + 1,
-            f"frame of 10 header bytes, {protocol._MAX_PARTS + 1} parts is too large",
+            _MAX_PARTS + 1,
+            f"frame of 10 header bytes, {_MAX_PARTS + 1} parts is too large",
         ),
     ],
 )
 def test_rule_a_frame_larger_than_the_limits_is_refused_before_anything_is_read(
     header_size, count, message
 ):
-    parser = protocol._FrameParser()
+    parser = _FrameParser()
     with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
-        parser.feed(protocol._FRAME.pack(header_size, count), [])
+        parser.feed(_FRAME.pack(header_size, count), [])
 
 
-@pytest.mark.parametrize(
-    ("header_size", "count"), [(protocol._MAX_HEADER, 0), (10, protocol._MAX_PARTS)]
-)
+@pytest.mark.parametrize(("header_size", "count"), [(_MAX_HEADER, 0), (10, _MAX_PARTS)])
 def test_rule_a_frame_at_the_limits_is_waited_for(header_size, count):
-    parser = protocol._FrameParser()
+    parser = _FrameParser()
     frames: list = []
-    parser.feed(protocol._FRAME.pack(header_size, count), frames)
+    parser.feed(_FRAME.pack(header_size, count), frames)
     assert frames == [] and not parser.idle
 
 
 def test_rule_a_frame_declaring_more_payload_than_the_limit_is_refused_before_allocating():
     header = pickle.dumps(WorkerResult(0), protocol=pickle.HIGHEST_PROTOCOL)
-    half = protocol.MAX_FRAME_BYTES // 2
+    half = MAX_FRAME_BYTES // 2
 
     def start(sizes: list[int]) -> bytes:
-        parts = b"".join(protocol._PART.pack(size) for size in sizes)
-        return protocol._FRAME.pack(len(header), len(sizes)) + parts + header
+        parts = b"".join(_PART.pack(size) for size in sizes)
+        return _FRAME.pack(len(header), len(sizes)) + parts + header
 
     frames: list = []
-    protocol._FrameParser().feed(start([half, half]), frames)  # exactly the limit: waits
+    _FrameParser().feed(start([half, half]), frames)  # exactly the limit: waits
     assert frames == []
-    message = f"frame of {2 * half + 1} payload bytes: more than {protocol.MAX_FRAME_BYTES}"
+    message = f"frame of {2 * half + 1} payload bytes: more than {MAX_FRAME_BYTES}"
     with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
-        protocol._FrameParser().feed(start([half, half + 1]), [])
+        _FrameParser().feed(start([half, half + 1]), [])
 
 
 @pytest.mark.parametrize(
@@ -1774,7 +1788,7 @@ def test_rule_a_frame_declaring_more_payload_than_the_limit_is_refused_before_al
 )
 def test_rule_a_header_is_one_of_the_protocols_messages_or_refused_saying_why(header, message):
     with pytest.raises(ProtocolError) as raised:
-        protocol._load_message(header)
+        messages._load_message(header)
     if message is not None:
         assert str(raised.value) == message
     else:
@@ -1793,9 +1807,9 @@ def test_rule_a_sealed_record_opens_to_its_frames_and_its_length_is_checked():
             pair()[1].open_record(bad)
 
 
-@pytest.mark.parametrize("size", [0, protocol.TAG_BYTES - 1, protocol._MAX_RECORD + 1])
+@pytest.mark.parametrize("size", [0, TAG_BYTES - 1, _MAX_RECORD + 1])
 def test_rule_a_record_size_outside_a_records_bounds_is_refused(size):
-    record = protocol._RECORD.pack(size) + bytes(max(0, min(size, 64)))
+    record = _RECORD.pack(size) + bytes(max(0, min(size, 64)))
     with pytest.raises(ProtocolError, match=f"^record of {size} bytes: not a torchrunx record$"):
         pair()[1].open_record(record)
 
@@ -1803,7 +1817,7 @@ def test_rule_a_record_size_outside_a_records_bounds_is_refused(size):
 def test_rule_the_smallest_record_is_the_close_record():
     sealer, reader = pair()
     close = sealer.seal_close()
-    assert len(close) == protocol._RECORD.size + protocol.TAG_BYTES
+    assert len(close) == _RECORD.size + TAG_BYTES
     assert reader.open_record(close) == [] and reader.closed_by_peer is True
 
 
@@ -1837,7 +1851,7 @@ def test_rule_a_tampered_part_leaves_nothing_unverified_in_its_buffer():
     start, part = sealer.seal_frame(WorkerResult(2), [b"secret-bytes"])
     reader.open_record(start)
     tampered = bytearray(part)
-    tampered[protocol._RECORD.size] ^= 1
+    tampered[_RECORD.size] ^= 1
     with pytest.raises(ProtocolError, match=r"^a record failed authentication"):
         reader.open_record(tampered)
     assert bytes(reader._parser._parts[0]).strip(b"\x00") == b""
@@ -1967,7 +1981,7 @@ def test_rule_frames_before_a_bad_record_come_first_then_the_error():
     sealer, reader = pair()
     a, b = stream_pair()
     with a, b:
-        too_large = protocol._FRAME.pack(protocol._MAX_HEADER + 1, 0)
+        too_large = _FRAME.pack(_MAX_HEADER + 1, 0)
         a.sendall(sealer.seal(plaintext(WorkerHello(0, 0, 1), []) + too_large))
         assert [m for m, _ in reader.read_record(b)] == [WorkerHello(0, 0, 1)]
         for _ in range(2):  # the error next, and it stays
@@ -1984,10 +1998,10 @@ def test_rule_frames_before_a_bad_record_come_first_then_the_error():
 
 
 def test_rule_a_connection_sends_its_close_record_once_and_closes_twice_safely():
-    keys = protocol.SessionKeys(send=b"k" * 32, receive=b"r" * 32)
+    keys = handshake.SessionKeys(send=b"k" * 32, receive=b"r" * 32)
     a, b = stream_pair()
     with b:
-        connection = protocol.Connection(a, keys)
+        connection = Connection(a, keys)
         connection.send(Heartbeat())
         connection.send_close()
         connection.send_close()
@@ -2001,21 +2015,23 @@ def test_rule_a_connection_sends_its_close_record_once_and_closes_twice_safely()
 
 
 def test_rule_a_connection_closed_without_send_close_still_ends_cleanly():
-    keys = protocol.SessionKeys(send=b"k" * 32, receive=b"r" * 32)
+    keys = handshake.SessionKeys(send=b"k" * 32, receive=b"r" * 32)
     a, b = stream_pair()
     with b:
-        protocol.Connection(a, keys).close()
+        Connection(a, keys).close()
         reader = FrameReader(b"k" * 32)
         assert reader.read_record(b) == [] and reader.closed_by_peer
 
 
 def test_rule_the_handshake_proofs_and_keys_are_the_documented_hmac_and_hkdf():
     """The wire format, computed independently: a change must change PROTOCOL_VERSION."""
-    server_nonce = b"n" * protocol.NONCE_BYTES
-    greeting = protocol.server_greeting(server_nonce)
-    reply, expected_proof, client_keys = protocol.client_reply(SECRET, greeting, "worker")
-    client_nonce = reply[len(protocol.MAGIC) + 1 : len(protocol.MAGIC) + 1 + protocol.NONCE_BYTES]
-    assert reply[len(protocol.MAGIC) : len(protocol.MAGIC) + 1] == b"W"
+    server_nonce = b"n" * handshake.NONCE_BYTES
+    greeting = handshake.server_greeting(server_nonce)
+    reply, expected_proof, client_keys = handshake.client_reply(SECRET, greeting, "worker")
+    client_nonce = reply[
+        len(handshake.MAGIC) + 1 : len(handshake.MAGIC) + 1 + handshake.NONCE_BYTES
+    ]
+    assert reply[len(handshake.MAGIC) : len(handshake.MAGIC) + 1] == b"W"
     mac = hmac.new(SECRET, b"|".join([b"client", b"W", server_nonce, client_nonce]), hashlib.sha256)
     assert reply.endswith(mac.digest())
     proof = hmac.new(SECRET, b"|".join([b"server", client_nonce, server_nonce]), hashlib.sha256)
@@ -2024,55 +2040,55 @@ def test_rule_the_handshake_proofs_and_keys_are_the_documented_hmac_and_hkdf():
     def derive(direction: bytes) -> bytes:
         return HKDF(
             algorithm=SHA256(),
-            length=protocol.KEY_BYTES,
+            length=handshake.KEY_BYTES,
             salt=server_nonce + client_nonce,
-            info=b"torchrunx %d W %s" % (protocol.PROTOCOL_VERSION, direction),
+            info=b"torchrunx %d W %s" % (handshake.PROTOCOL_VERSION, direction),
         ).derive(SECRET)
 
-    assert client_keys == protocol.SessionKeys(
+    assert client_keys == handshake.SessionKeys(
         send=derive(b"client->server"), receive=derive(b"server->client")
     )
-    role, server_proof, server_keys = protocol.check_client_reply(SECRET, server_nonce, reply)
+    role, server_proof, server_keys = handshake.check_client_reply(SECRET, server_nonce, reply)
     assert role == "worker" and server_proof == expected_proof
-    assert server_keys == protocol.SessionKeys(send=client_keys.receive, receive=client_keys.send)
+    assert server_keys == handshake.SessionKeys(send=client_keys.receive, receive=client_keys.send)
 
 
 def test_rule_a_reply_with_the_wrong_magic_or_length_is_not_the_protocol():
-    server_nonce = b"n" * protocol.NONCE_BYTES
-    reply, _, _ = protocol.client_reply(SECRET, protocol.server_greeting(server_nonce), "agent")
+    server_nonce = b"n" * handshake.NONCE_BYTES
+    reply, _, _ = handshake.client_reply(SECRET, handshake.server_greeting(server_nonce), "agent")
     wrong_magic = b"X" + reply[1:]
-    message = f"peer does not speak torchrunx protocol version {protocol.PROTOCOL_VERSION}"
+    message = f"peer does not speak torchrunx protocol version {handshake.PROTOCOL_VERSION}"
     for bad in (wrong_magic, reply + b"x", reply[:-1]):
         with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
-            protocol.check_client_reply(SECRET, server_nonce, bad)
+            handshake.check_client_reply(SECRET, server_nonce, bad)
     with pytest.raises(
         ProtocolError, match=r"^peer failed to authenticate \(wrong or missing launch secret\)$"
     ):
-        protocol.check_client_reply(b"o" * 32, server_nonce, reply)
+        handshake.check_client_reply(b"o" * 32, server_nonce, reply)
 
 
 def test_rule_a_greeting_with_the_wrong_magic_or_length_is_not_a_launcher():
-    greeting = protocol.server_greeting(b"n" * protocol.NONCE_BYTES)
-    message = f"launcher does not speak torchrunx protocol version {protocol.PROTOCOL_VERSION}"
+    greeting = handshake.server_greeting(b"n" * handshake.NONCE_BYTES)
+    message = f"launcher does not speak torchrunx protocol version {handshake.PROTOCOL_VERSION}"
     for bad in (b"X" + greeting[1:], greeting + b"x", greeting[:-1]):
         with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
-            protocol.client_reply(SECRET, bad, "agent")
+            handshake.client_reply(SECRET, bad, "agent")
 
 
 def test_rule_a_launcher_without_the_secret_is_refused_by_the_client():
     a, b = stream_pair()
     with a, b:
-        a.sendall(protocol.server_greeting(b"n" * protocol.NONCE_BYTES))
-        a.sendall(b"\x00" * protocol.MAC_BYTES)  # a proof that proves nothing
+        a.sendall(handshake.server_greeting(b"n" * handshake.NONCE_BYTES))
+        a.sendall(b"\x00" * handshake.MAC_BYTES)  # a proof that proves nothing
         with pytest.raises(
             ProtocolError, match=r"^launcher failed to authenticate \(wrong launch secret\)$"
         ):
-            protocol.client_handshake(b, SECRET, "agent")
+            handshake.client_handshake(b, SECRET, "agent")
 
 
 def test_rule_a_new_secret_is_fresh_and_of_its_size():
-    first, second = protocol.new_secret(), protocol.new_secret()
-    assert len(first) == protocol.SECRET_BYTES and first != second
+    first, second = handshake.new_secret(), handshake.new_secret()
+    assert len(first) == handshake.SECRET_BYTES and first != second
 
 
 class FakeClock:
@@ -2090,16 +2106,16 @@ class FakeClock:
 def test_rule_connect_retries_a_shed_try_with_a_doubling_pause_until_its_timeout(monkeypatch):
     """Rule: a try that the launcher resets or closes (a shed handshake) is tried again."""
     clock = FakeClock()
-    monkeypatch.setattr(protocol, "time", clock)  # protocol's clock only
+    monkeypatch.setattr(handshake, "time", clock)  # handshake's clock only
     tries: list[tuple] = []
 
     def shed(address, secret, role, timeout):
         tries.append((address, secret, role, timeout))
         raise ConnectionResetError("reset")
 
-    monkeypatch.setattr(protocol, "_connect_once", shed)
+    monkeypatch.setattr(handshake, "_connect_once", shed)
     with pytest.raises(ConnectionResetError):
-        protocol.connect(("h", 1), SECRET, "worker", 3.0)
+        handshake.connect(("h", 1), SECRET, "worker", 3.0)
     assert clock.sleeps == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]  # doubling, at most 1 s
     assert tries[0] == (("h", 1), SECRET, "worker", 3.0)
     assert [round(t[3], 6) for t in tries] == [3.0, 2.95, 2.85, 2.65, 2.25, 1.45, 0.45]
@@ -2108,16 +2124,16 @@ def test_rule_connect_retries_a_shed_try_with_a_doubling_pause_until_its_timeout
 def test_rule_connect_does_not_retry_a_refused_connection(monkeypatch):
     """Rule: nothing listens there (the launcher is gone): say so at once."""
     clock = FakeClock()
-    monkeypatch.setattr(protocol, "time", clock)
+    monkeypatch.setattr(handshake, "time", clock)
     tries: list[float] = []
 
     def refuse(address, secret, role, timeout):
         tries.append(timeout)
         raise ConnectionRefusedError("refused")
 
-    monkeypatch.setattr(protocol, "_connect_once", refuse)
+    monkeypatch.setattr(handshake, "_connect_once", refuse)
     with pytest.raises(ConnectionRefusedError):
-        protocol.connect(("h", 1), SECRET, "worker", 3.0)
+        handshake.connect(("h", 1), SECRET, "worker", 3.0)
     assert tries == [3.0] and clock.sleeps == []
 
 
@@ -2125,7 +2141,7 @@ def test_rule_connect_returns_the_first_try_that_works_and_never_retries_a_bad_s
     monkeypatch,
 ):
     clock = FakeClock()
-    monkeypatch.setattr(protocol, "time", clock)  # protocol's clock only
+    monkeypatch.setattr(handshake, "time", clock)  # handshake's clock only
     outcomes = [ConnectionResetError("shed"), "connection"]
 
     def once(address, secret, role, timeout):
@@ -2134,22 +2150,22 @@ def test_rule_connect_returns_the_first_try_that_works_and_never_retries_a_bad_s
             raise outcome
         return outcome
 
-    monkeypatch.setattr(protocol, "_connect_once", once)
-    assert protocol.connect(("h", 1), SECRET, "agent", 5.0) == "connection"
+    monkeypatch.setattr(handshake, "_connect_once", once)
+    assert handshake.connect(("h", 1), SECRET, "agent", 5.0) == "connection"
     assert clock.sleeps == [0.05]
 
     def wrong_secret(*_args):
         raise ProtocolError("launcher failed to authenticate")
 
-    monkeypatch.setattr(protocol, "_connect_once", wrong_secret)
+    monkeypatch.setattr(handshake, "_connect_once", wrong_secret)
     with pytest.raises(ProtocolError):
-        protocol.connect(("h", 1), SECRET, "agent", 5.0)
+        handshake.connect(("h", 1), SECRET, "agent", 5.0)
     assert clock.sleeps == [0.05]
 
 
 def test_rule_connect_gives_the_last_try_at_least_a_moment(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(protocol, "time", clock)  # protocol's clock only
+    monkeypatch.setattr(handshake, "time", clock)  # handshake's clock only
     timeouts: list[float] = []
 
     def refuse(address, secret, role, timeout):
@@ -2157,9 +2173,9 @@ def test_rule_connect_gives_the_last_try_at_least_a_moment(monkeypatch):
         clock.now += 10  # this try used up the time
         raise ConnectionResetError
 
-    monkeypatch.setattr(protocol, "_connect_once", refuse)
+    monkeypatch.setattr(handshake, "_connect_once", refuse)
     with pytest.raises(ConnectionResetError):
-        protocol.connect(("h", 1), SECRET, "agent", 0.0)
+        handshake.connect(("h", 1), SECRET, "agent", 0.0)
     assert timeouts == [0.001] and clock.sleeps == []
 
 
@@ -2191,7 +2207,7 @@ def test_rule_a_large_frame_is_read_whole_and_the_buffer_goes_back_to_small():
     """Rule: the reader grows its buffer to the record that comes, and gives it back once
     nothing is left to read (an idle connection costs IDLE_BUFFER_BYTES)."""
     sealer, reader = pair()
-    payload = [bytes(range(256)) * 600, b"y" * (protocol.RECORD_BYTES + 10)]
+    payload = [bytes(range(256)) * 600, b"y" * (RECORD_BYTES + 10)]
     a, b = stream_pair()
     with a, b:
         sender = threading.Thread(
@@ -2211,7 +2227,7 @@ def test_rule_a_large_frame_is_read_whole_and_the_buffer_goes_back_to_small():
             (WorkerResult(0), payload)
         ]
         assert reader.read(b) == ([], False)  # nothing left now
-        assert len(reader._raw) == protocol.IDLE_BUFFER_BYTES
+        assert len(reader._raw) == IDLE_BUFFER_BYTES
 
 
 def test_rule_one_read_takes_about_its_budget_not_everything_there_is():
@@ -2230,12 +2246,12 @@ def test_rule_one_read_takes_about_its_budget_not_everything_there_is():
 def test_rule_connect_does_not_pause_past_its_deadline(monkeypatch):
     clock = FakeClock()
     clock.now = 0.0  # deadline - now is then exactly the first pause, with no rounding
-    monkeypatch.setattr(protocol, "time", clock)
+    monkeypatch.setattr(handshake, "time", clock)
 
     def shed(*_args):
         raise ConnectionResetError
 
-    monkeypatch.setattr(protocol, "_connect_once", shed)
+    monkeypatch.setattr(handshake, "_connect_once", shed)
     with pytest.raises(ConnectionResetError):
-        protocol.connect(("h", 1), SECRET, "agent", protocol._RETRY_FIRST)  # left == pause
+        handshake.connect(("h", 1), SECRET, "agent", handshake._RETRY_FIRST)  # left == pause
     assert clock.sleeps == []

@@ -29,14 +29,16 @@ from typing import TYPE_CHECKING
 
 import cloudpickle
 import pytest
+from wire_helpers import server_handshake
 
 import torchrunx as trx
 from torchrunx.errors import ProtocolError
 from torchrunx.launcher import listener as listener_module
 from torchrunx.launcher.ioloop import IOLoop
 from torchrunx.launcher.listener import FrameReceived, Listener, PeerClosed
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import LogLines
+from torchrunx.wire import handshake
+from torchrunx.wire.messages import LogLines
+from torchrunx.wire.records import Connection
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -52,15 +54,15 @@ TIMEOUT = 5.0
 # --------------------------------------------------------------------------------------------
 
 
-def accepted_connection(sock: socket.socket, secret: bytes) -> protocol.Connection:
+def accepted_connection(sock: socket.socket, secret: bytes) -> Connection:
     """The launcher's side of a connection: the handshake on an accepted socket, then frames."""
-    _role, keys = protocol.server_handshake(sock, secret)
-    return protocol.Connection(sock, keys)
+    _role, keys = server_handshake(sock, secret)
+    return Connection(sock, keys)
 
 
-def client_connection(address: tuple[str, int], secret: bytes) -> protocol.Connection:
-    """An agent's side of a connection (``protocol.connect``), receives limited to TIMEOUT."""
-    conn = protocol.connect(address, secret, "agent", timeout=TIMEOUT)
+def client_connection(address: tuple[str, int], secret: bytes) -> Connection:
+    """An agent's side of a connection (``handshake.connect``), receives limited to TIMEOUT."""
+    conn = handshake.connect(address, secret, "agent", timeout=TIMEOUT)
     conn.sock.settimeout(TIMEOUT)
     return conn
 
@@ -235,8 +237,10 @@ def test_a_two_host_launch_sends_nothing_of_the_function_its_data_or_its_logs_in
     env_marker = f"ENV-{uuid.uuid4().hex}"
     monkeypatch.setenv("TORCH_TRAFFIC_MARKER", env_marker)  # forwarded (TORCH*), over SSH
     secrets: list[bytes] = []
-    new_secret = protocol.new_secret
-    monkeypatch.setattr(protocol, "new_secret", lambda: secrets.append(new_secret()) or secrets[-1])
+    new_secret = handshake.new_secret
+    monkeypatch.setattr(
+        handshake, "new_secret", lambda: secrets.append(new_secret()) or secrets[-1]
+    )
 
     def probe(seed: str, *, tensor: torch.Tensor) -> dict[str, object]:
         import hashlib
@@ -381,9 +385,9 @@ class Mitm:
             self.sockets.append(server)
             for sock in (client, server):
                 sock.settimeout(None)
-            client.sendall(_recv_exact(server, protocol.GREETING_BYTES))
-            server.sendall(_recv_exact(client, protocol.CLIENT_REPLY_BYTES))
-            client.sendall(_recv_exact(server, protocol.MAC_BYTES))
+            client.sendall(_recv_exact(server, handshake.GREETING_BYTES))
+            server.sendall(_recv_exact(client, handshake.CLIENT_REPLY_BYTES))
+            client.sendall(_recv_exact(server, handshake.MAC_BYTES))
             server.sendall(self.inject.get("up", b""))
             client.sendall(self.inject.get("down", b""))
         except OSError as exc:
@@ -430,7 +434,7 @@ class Mitm:
 def through_mitm(
     rewrite: Callable[[str, int, bytes, list[bytes]], list[bytes]] = forward,
     inject: dict[str, bytes] | None = None,
-) -> Iterator[tuple[protocol.Connection, protocol.Connection, Mitm]]:
+) -> Iterator[tuple[Connection, Connection, Mitm]]:
     """A client (agent) and a server (launcher) connection, a man in the middle between them."""
     with socket.create_server(("127.0.0.1", 0)) as listening:
         mitm = Mitm(listening.getsockname()[:2], rewrite, inject)
@@ -456,12 +460,12 @@ def through_mitm(
                 raise
             thread.join(TIMEOUT)
             client = got.get("client")
-            assert isinstance(client, protocol.Connection), got.get("error")
+            assert isinstance(client, Connection), got.get("error")
             yield client, server, mitm
         finally:
             thread.join(TIMEOUT)
             for conn in (got.get("client"), server):
-                if isinstance(conn, protocol.Connection):
+                if isinstance(conn, Connection):
                     conn.close()
             mitm.close()
 
@@ -477,7 +481,7 @@ def text_of(received: object) -> str:
 
 
 def deliver(
-    sender: protocol.Connection, receiver: protocol.Connection, count: int, who: str = ""
+    sender: Connection, receiver: Connection, count: int, who: str = ""
 ) -> tuple[list[str], list[str], BaseException | None]:
     """Send ``count`` small messages; receive until they all came or the receiver fails.
 
@@ -659,7 +663,7 @@ def through_listener(
     events: list[object] = []
     listener = Listener(loop, SECRET, listener_module.listen_socket("127.0.0.1"), events.append)
     mitm = Mitm(("127.0.0.1", listener.port), rewrite, inject)
-    got: list[protocol.Connection] = []
+    got: list[Connection] = []
 
     def pump(until: Callable[[], bool]) -> None:
         deadline = time.monotonic() + TIMEOUT
@@ -668,7 +672,9 @@ def through_listener(
             listener.tick(time.monotonic())
 
     thread = threading.Thread(
-        target=lambda: got.append(protocol.connect(mitm.address, SECRET, "worker", timeout=TIMEOUT))
+        target=lambda: got.append(
+            handshake.connect(mitm.address, SECRET, "worker", timeout=TIMEOUT)
+        )
     )
     sent = [message(i) for i in range(count)]
     try:

@@ -18,8 +18,8 @@ import torchrunx as trx
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher import transport
 from torchrunx.launcher.agent_starts import AgentStarts
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import AgentBootstrap
+from torchrunx.wire import handshake
+from torchrunx.wire.bootstrap import AgentBootstrap
 
 if TYPE_CHECKING:
     import subprocess
@@ -41,7 +41,7 @@ def assert_no_secret(text: str, secret: bytes = SECRET) -> None:
 def known_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every launch of this test uses :data:`SECRET` (not a local of the test: its frame is in
     the tracebacks looked at)."""
-    monkeypatch.setattr(protocol, "new_secret", lambda: SECRET)
+    monkeypatch.setattr(handshake, "new_secret", lambda: SECRET)
 
 
 def test_reprs_hold_no_secret():

@@ -45,8 +45,8 @@ from torchrunx.errors import ProtocolError
 from torchrunx.launcher import listener as listener_module
 from torchrunx.launcher.ioloop import IOLoop
 from torchrunx.launcher.listener import FrameReceived, Listener, PeerClosed
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import LogLines, WorkerException, WorkerSpec, WorkerStacks
+from torchrunx.wire import handshake, messages, records
+from torchrunx.wire.messages import LogLines, WorkerException, WorkerSpec, WorkerStacks
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -83,7 +83,7 @@ def malformed_frames(path: Path) -> dict[str, bytes]:
 MALFORMED = sorted(malformed_frames(__import__("pathlib").Path("unused")))
 
 
-def send_raw(conn: protocol.Connection, plaintext: bytes) -> None:
+def send_raw(conn: records.Connection, plaintext: bytes) -> None:
     """Seal ``plaintext`` as one record with the connection's own keys (an authenticated peer)."""
     conn.sock.sendall(conn.sealer.seal(plaintext))
 
@@ -111,13 +111,13 @@ class LiveListener:
             self.loop.run_once(0.02)
             self.listener.tick(time.monotonic())
 
-    def connect(self, address: tuple[str, int] | None = None) -> protocol.Connection:
+    def connect(self, address: tuple[str, int] | None = None) -> records.Connection:
         """A worker's connection to the listener (or to ``address``, a man in the middle)."""
         got: list[object] = []
 
         def run() -> None:
             try:
-                got.append(protocol.connect(address or self.address, SECRET, "worker", TIMEOUT))
+                got.append(handshake.connect(address or self.address, SECRET, "worker", TIMEOUT))
             except BaseException as exc:
                 got.append(exc)
 
@@ -126,7 +126,7 @@ class LiveListener:
         self.pump(lambda: bool(got))
         thread.join(TIMEOUT)
         (conn,) = got
-        assert isinstance(conn, protocol.Connection), conn
+        assert isinstance(conn, records.Connection), conn
         return conn
 
     def received(self) -> list[str]:
@@ -205,9 +205,9 @@ def test_every_message_type_goes_through_the_restricted_unpickler():
         WorkerStacks({0: "stack", 3: "other"}),
         WorkerSpec(0, "h", 2, 0, 2, "127.0.0.1", 1234, None, 600.0, keep=True),
         WorkerException(0, "ValueError", "boom", "Traceback ...", collective=True),
-        *(cls() for cls in (protocol.AgentDone, protocol.Heartbeat)),
-        protocol.Stop("reason"),
-        protocol.WorkersStarted((1, 2, 3)),
+        *(cls() for cls in (messages.AgentDone, messages.Heartbeat)),
+        messages.Stop("reason"),
+        messages.WorkersStarted((1, 2, 3)),
     ]
     with through_mitm() as (client, server, _mitm):
         for sample in samples:
@@ -230,12 +230,12 @@ def test_a_record_that_fails_leaves_none_of_its_plaintext_in_the_payload_buffer(
         return [record]
 
     with through_mitm(flip_second_half) as (client, server, _mitm):
-        client.send(message(0), [b"\xaa" * (2 * protocol.RECORD_BYTES)])
+        client.send(message(0), [b"\xaa" * (2 * records.RECORD_BYTES)])
         with pytest.raises(ProtocolError):
             server.recv()
         parts = server._reader._parser._parts
         (part,) = parts
-        assert b"\xaa" not in bytes(part)[protocol.RECORD_BYTES :]
+        assert b"\xaa" not in bytes(part)[records.RECORD_BYTES :]
         assert b"\xab" not in bytes(part)  # the attacker's changed byte, unverified
 
 

@@ -11,7 +11,7 @@ from torchrunx.events import AgentState, WorkerFailed, WorkerState
 from torchrunx.hosts.resolve import HostSlots
 from torchrunx.launcher.records import AgentRecord
 from torchrunx.launcher.state import LaunchState
-from torchrunx.wire.protocol import (
+from torchrunx.wire.messages import (
     AgentHello,
     WorkerExited,
     WorkerResult,

@@ -3,7 +3,7 @@
 cloudpickle with pickle protocol 5: dense CPU tensors are written as out-of-band buffers (their
 raw bytes, no copy) instead of through ``torch.save``, so a 400 MB tensor costs one socket
 transfer and no (de)serialisation pass. The result is a list of buffers: the pickle stream
-first, then one buffer per tensor; :class:`torchrunx.wire.protocol.Connection` sends them as the
+first, then one buffer per tensor; :class:`torchrunx.wire.records.Connection` sends them as the
 parts of one frame.
 
 A tensor's bytes are exposed through :mod:`ctypes` over its data pointer, not through

@@ -72,13 +72,12 @@ from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, Ready, Wo
 from torchrunx.agent.workerprocess import become_worker
 from torchrunx.devices import count_local_cpus, count_local_gpus
 from torchrunx.errors import ProtocolError
-from torchrunx.wire import protocol
+from torchrunx.wire import handshake
+from torchrunx.wire.bootstrap import AgentBootstrap
 from torchrunx.wire.lines import line_records
-from torchrunx.wire.protocol import (
-    AgentBootstrap,
+from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
-    Connection,
     Heartbeat,
     LogLines,
     Stop,
@@ -93,6 +92,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torchrunx.agent.workergroup import Fork, Output, Worker
+    from torchrunx.wire.messages import Message
+    from torchrunx.wire.records import Connection
 
 logger = logging.getLogger("torchrunx.agent")
 
@@ -466,7 +467,7 @@ class Agent:
         self.stopping = True
         self.dump_on_stop = dump_stacks
 
-    def _send(self, message: protocol.Message) -> None:
+    def _send(self, message: Message) -> None:
         """Queue a message for the launcher; it goes out as the socket accepts it."""
         self.outbox.put(message)
         self._after_send()
@@ -607,7 +608,7 @@ def main(line: bytes) -> None:
     capture_logging(boot.log_level)
     address = (boot.launcher_address, boot.launcher_port)
     try:
-        conn = protocol.connect(address, boot.secret, "agent", timeout=boot.agent_timeout * 2)
+        conn = handshake.connect(address, boot.secret, "agent", timeout=boot.agent_timeout * 2)
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx agent: cannot reach the launcher at {address}: {exc}\n")
         sys.exit(2)

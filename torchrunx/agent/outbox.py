@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import socket
 
-    from torchrunx.wire.protocol import Message, Sealer
+    from torchrunx.wire.messages import Message
+    from torchrunx.wire.records import Sealer
 
 HIGH_WATERMARK = 16 << 20
 """Unsent bytes above which the agent stops reading its workers' output."""
@@ -45,7 +46,7 @@ class Outbox:
         """Queue for ``sock``, which must have a timeout; ``sealer`` seals each record.
 
         Records are sealed when queued, in order, with the connection's one
-        :class:`~torchrunx.wire.protocol.Sealer` (:attr:`Connection.sealer`).
+        :class:`~torchrunx.wire.records.Sealer` (:attr:`Connection.sealer`).
 
         Python keeps the descriptor of a socket with a timeout non-blocking (``socket.send``
         would still wait up to that timeout for room; the outbox writes to the descriptor).

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 
 from torchrunx import timer
 from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE
-from torchrunx.wire.protocol import WorkerTimedOut
+from torchrunx.wire.messages import WorkerTimedOut
 
 if TYPE_CHECKING:
     import socket
     from collections.abc import Callable
 
     from torchrunx.agent.workergroup import Worker, WorkerGroup
-    from torchrunx.wire.protocol import Message
+    from torchrunx.wire.messages import Message
 
 # The agent's records all carry this name (the launcher routes and filters them by it).
 logger = logging.getLogger("torchrunx.agent")

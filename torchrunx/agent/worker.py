@@ -31,8 +31,8 @@ from torchrunx.devices import cuda_device, device_env, process_group_options
 from torchrunx.env import worker_env
 from torchrunx.errors import ProtocolError, add_note, exception_text, is_collective_error
 from torchrunx.integrations import framework_env
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import (
+from torchrunx.wire import handshake, records
+from torchrunx.wire.messages import (
     WorkerCall,
     WorkerException,
     WorkerHello,
@@ -41,7 +41,7 @@ from torchrunx.wire.protocol import (
 )
 
 if TYPE_CHECKING:
-    from torchrunx.wire.protocol import AgentBootstrap
+    from torchrunx.wire.bootstrap import AgentBootstrap
 
 _EXIT_RAISED = 1
 
@@ -181,7 +181,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
     device = _set_devices(spec, local_rank, gpus=gpus, cpus=cpus)
     address = (boot.launcher_address, boot.launcher_port)
     try:
-        conn = protocol.connect(address, boot.secret, "worker", timeout=boot.agent_timeout * 2)
+        conn = handshake.connect(address, boot.secret, "worker", timeout=boot.agent_timeout * 2)
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(f"torchrunx worker: cannot connect to the launcher at {address}: {exc}\n")
         return 1
@@ -201,7 +201,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
 
 
 def _call(  # noqa: PLR0913 (what one call needs)
-    conn: protocol.Connection,
+    conn: records.Connection,
     spec: WorkerSpec,
     payload: list[bytearray],
     rank: int,
@@ -261,7 +261,7 @@ def _call(  # noqa: PLR0913 (what one call needs)
     return 0
 
 
-def _next_call(conn: protocol.Connection) -> list[bytearray] | None:
+def _next_call(conn: records.Connection) -> list[bytearray] | None:
     """A worker that stays: wait for the next :class:`WorkerCall`; ``None`` at the end.
 
     The launcher ends the connection when the warm agents close (their Stop ends the worker

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torchrunx.agent.workergroup import Fork
-    from torchrunx.wire.protocol import AgentBootstrap, WorkerSpec
+    from torchrunx.wire.bootstrap import AgentBootstrap
+    from torchrunx.wire.messages import WorkerSpec
 
 
 class Closable(Protocol):

@@ -31,8 +31,9 @@ from torchrunx.launcher.transport import (
     agent_script,
     route_address,
 )
+from torchrunx.wire.bootstrap import AgentBootstrap
 from torchrunx.wire.lines import parse_line
-from torchrunx.wire.protocol import HEARTBEAT_INTERVAL, AgentBootstrap
+from torchrunx.wire.messages import HEARTBEAT_INTERVAL
 
 if TYPE_CHECKING:
     import socket

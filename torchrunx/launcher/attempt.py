@@ -44,7 +44,7 @@ from torchrunx.launcher.records import (
 from torchrunx.launcher.reports import summary
 
 if TYPE_CHECKING:
-    from torchrunx.wire.protocol import (
+    from torchrunx.wire.messages import (
         AgentHello,
         WorkerExited,
         WorkerHello,

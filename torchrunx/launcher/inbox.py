@@ -20,7 +20,7 @@ from torchrunx.launcher.reports import (
     watchdog_error,
     worker_where,
 )
-from torchrunx.wire.protocol import (
+from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
     Heartbeat,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.records import AgentRecord, FaultKind, RankRecord
     from torchrunx.launcher.state import LaunchState
-    from torchrunx.wire import protocol
+    from torchrunx.wire.messages import Message
 
 
 class Inbox:
@@ -179,7 +179,7 @@ class Inbox:
         else:
             self._on_worker_message(owner[1], message, event.payload, event.at)
 
-    def _on_first_frame(self, peer: Peer, message: protocol.Message) -> None:
+    def _on_first_frame(self, peer: Peer, message: Message) -> None:
         st = self.state
         if peer.role == "agent" and isinstance(message, AgentHello):
             index = message.host_index
@@ -210,7 +210,7 @@ class Inbox:
             return
         peer.close()  # a peer that does not say who it is first, or claims another role
 
-    def _on_agent_message(self, agent: AgentRecord, message: protocol.Message) -> None:
+    def _on_agent_message(self, agent: AgentRecord, message: Message) -> None:
         st = self.state
         st.heard_from(agent, time.monotonic())
         if isinstance(message, LogLines):
@@ -246,7 +246,7 @@ class Inbox:
             self.emit(st.worker_failed(rank, "hang", error, time.time()))
 
     def _on_worker_message(
-        self, index: int, message: protocol.Message, payload: list[bytearray], at: float
+        self, index: int, message: Message, payload: list[bytearray], at: float
     ) -> None:
         st = self.state
         rank = st.ranks[index]

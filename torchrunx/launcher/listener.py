@@ -1,10 +1,9 @@
 """The launcher's listening socket: accept, authenticate, and turn bytes into frames.
 
 Agents and workers connect here. Each connection is non-blocking and lives in the launch's
-:class:`~torchrunx.launcher.ioloop.IOLoop`: the handshake (:mod:`torchrunx.wire.protocol`) is read
-as its bytes
-come, under one deadline for the whole of it, and nothing is unpickled before it succeeds.
-An authenticated connection becomes a :class:`Peer`, whose frames go, as
+:class:`~torchrunx.launcher.ioloop.IOLoop`: the handshake (:mod:`torchrunx.wire.handshake`) is
+read as its bytes come, under one deadline for the whole of it, and nothing is unpickled before
+it succeeds. An authenticated connection becomes a :class:`Peer`, whose frames go, as
 :class:`FrameReceived` and :class:`PeerClosed`, to the one queue the launch reads. Sending is
 buffered (:meth:`Peer.send`), so a slow peer never blocks the loop.
 
@@ -15,7 +14,7 @@ idle connections never takes the descriptors the rest of the launch needs (log f
 pipes, SSH connections). At the cap, each new connection sheds the oldest handshake (once it has had
 :data:`SHED_AFTER` to answer), so that a
 flood cannot keep the listener full and real peers queued behind it: a real peer answers the
-greeting at once, and :func:`torchrunx.wire.protocol.connect` tries again if it was shed.
+greeting at once, and :func:`torchrunx.wire.handshake.connect` tries again if it was shed.
 """
 
 from __future__ import annotations
@@ -34,13 +33,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torchrunx.errors import ProtocolError
-from torchrunx.wire import protocol
-from torchrunx.wire.protocol import FrameReader, Role, Sealer, SessionKeys, frame_pieces
+from torchrunx.wire import handshake, records
+from torchrunx.wire.records import FrameReader, Sealer, frame_pieces
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from torchrunx.launcher.ioloop import IOLoop
+    from torchrunx.wire.handshake import Role
+    from torchrunx.wire.messages import Message
+    from torchrunx.wire.records import SessionKeys
 
 logger = logging.getLogger("torchrunx.listener")
 
@@ -66,7 +68,7 @@ class FrameReceived:
     """A peer sent a message (and its payload parts); ``at``: Unix time it was read."""
 
     peer: Peer
-    message: protocol.Message
+    message: Message
     payload: list[bytearray]
     at: float
 
@@ -136,7 +138,7 @@ class Peer:
         """Plaintext bytes queued but not yet accepted by the kernel (about)."""
         return self._unsent
 
-    def send(self, message: protocol.Message, payload: Sequence[bytes | memoryview] = ()) -> None:
+    def send(self, message: Message, payload: Sequence[bytes | memoryview] = ()) -> None:
         """Queue one message and its payload (not copied) and send what the socket takes now.
 
         Records are sealed one at a time as the socket takes them, so a large payload sent to
@@ -199,7 +201,7 @@ class Peer:
             return
         self.closed = True
         if self._record is None and not self._pieces and self.sock.fileno() >= 0:
-            protocol.send_close(self.sock, self._sealer)  # all sent: an authenticated end
+            records.send_close(self.sock, self._sealer)  # all sent: an authenticated end
         self._pieces.clear()
         self._record, self._unsent = None, 0
         self._listener.forget(self)
@@ -212,7 +214,7 @@ class _Pending:
         self.sock = sock
         self.accepted = time.monotonic()
         self.deadline = deadline
-        self.nonce = os.urandom(protocol.NONCE_BYTES)
+        self.nonce = os.urandom(handshake.NONCE_BYTES)
         self.reply = bytearray()
 
 
@@ -352,7 +354,7 @@ class Listener:
         try:
             sock.settimeout(0.0)  # non-blocking
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.send(protocol.server_greeting(pending.nonce))  # small: fits any fresh buffer
+            sock.send(handshake.server_greeting(pending.nonce))  # small: fits any fresh buffer
         except OSError:
             sock.close()
             return
@@ -363,7 +365,7 @@ class Listener:
     def _on_handshake(self, fd: int) -> None:
         pending = self._pending[fd]
         try:
-            chunk = pending.sock.recv(protocol.CLIENT_REPLY_BYTES - len(pending.reply))
+            chunk = pending.sock.recv(handshake.CLIENT_REPLY_BYTES - len(pending.reply))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -372,10 +374,10 @@ class Listener:
             self._reject(fd)
             return
         pending.reply += chunk
-        if len(pending.reply) < protocol.CLIENT_REPLY_BYTES:
+        if len(pending.reply) < handshake.CLIENT_REPLY_BYTES:
             return
         try:
-            role, proof, keys = protocol.check_client_reply(
+            role, proof, keys = handshake.check_client_reply(
                 self.secret, pending.nonce, bytes(pending.reply)
             )
             pending.sock.send(proof)  # 32 bytes: fits the buffer the greeting left

@@ -197,7 +197,7 @@ class LogRouter:
         self._emit_run(host_index, local_rank, rank, (record,), None)
 
     def emit_batch(self, host_index: int, rank_offset: int, records: Sequence[Record]) -> None:
-        """Hand the lines of one :class:`~torchrunx.wire.protocol.LogLines` message to the handlers.
+        """Hand the lines of one :class:`~torchrunx.wire.messages.LogLines` message to the handlers.
 
         In order; then flushes the handlers they were written to, once. A worker's rank is
         ``rank_offset + local_rank``; the agent's records (``local_rank`` ``None``) have none.

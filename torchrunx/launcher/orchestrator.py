@@ -37,7 +37,7 @@ from torchrunx.launcher.failures import choose_cause, others, restartable, resta
 from torchrunx.launcher.records import Phase
 from torchrunx.launcher.reports import finish_report, output_tail_note, stacks_note, summary
 from torchrunx.launcher.session import LaunchLoop, earliest
-from torchrunx.wire.protocol import Stop, WorkerCall, WorkerSpec
+from torchrunx.wire.messages import Stop, WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

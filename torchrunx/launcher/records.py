@@ -19,12 +19,7 @@ from torchrunx.events import (
 if TYPE_CHECKING:
     from torchrunx.hosts.resolve import HostSlots
     from torchrunx.launcher.plan import StartMethod
-    from torchrunx.wire.protocol import (
-        AgentHello,
-        WorkerExited,
-        WorkerResult,
-        WorkerSpec,
-    )
+    from torchrunx.wire.messages import AgentHello, WorkerExited, WorkerResult, WorkerSpec
 
 
 OUTCOME_WAIT = 2.0

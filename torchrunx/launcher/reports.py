@@ -28,7 +28,7 @@ from torchrunx.errors import (
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-    from torchrunx.wire.protocol import WorkerException, WorkerTimedOut
+    from torchrunx.wire.messages import WorkerException, WorkerTimedOut
 
 MAX_STACKS_SHOWN = 16
 

@@ -43,7 +43,8 @@ from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.records import AgentRecord
 from torchrunx.launcher.reports import summary
 from torchrunx.launcher.state import LaunchState
-from torchrunx.wire.protocol import HEARTBEAT_INTERVAL, Heartbeat, new_secret
+from torchrunx.wire.handshake import new_secret
+from torchrunx.wire.messages import HEARTBEAT_INTERVAL, Heartbeat
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -8,7 +8,7 @@ their level and logger name (:class:`MarkedLineFormatter`, set up by
     \x1e<levelno>\x1f<logger name>\x1f<message, newlines as \x1d>\n
 
 The agent splits its workers' output into whole lines (:class:`LineSplitter`, never mid-line)
-and sends them in batches of :data:`Record` (:class:`torchrunx.wire.protocol.LogLines`) over its
+and sends them in batches of :data:`Record` (:class:`torchrunx.wire.messages.LogLines`) over its
 authenticated connection, as it reads them, and always before it reports that worker's exit;
 the launcher splits and parses the agent's own stdout/stderr (SSH channel or pipe) the same
 way (:func:`parse_line`). Plain stdout lines are INFO, plain stderr lines WARNING; marked lines
@@ -53,7 +53,7 @@ class Line:
 
 
 Record = tuple[int | None, int, str, str, float]
-"""One forwarded line, as a :class:`~torchrunx.wire.protocol.LogLines` message holds it:
+"""One forwarded line, as a :class:`~torchrunx.wire.messages.LogLines` message holds it:
 ``(local_rank, levelno, logger name, text, unix time)``; ``local_rank`` is ``None`` for the
 agent."""
 
@@ -75,7 +75,7 @@ def line_records(
     local_rank: int | None,
     created: float,
 ) -> list[Record]:
-    """:class:`~torchrunx.wire.protocol.LogLines` records of whole lines read from one stream.
+    """:class:`~torchrunx.wire.messages.LogLines` records of whole lines read from one stream.
 
     Each line as :func:`parse_line` parses it, without making a :class:`Line` of each.
     """

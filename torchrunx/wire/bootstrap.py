@@ -1,0 +1,214 @@
+"""The bootstrap: launcher -> agent, one JSON line on the agent's stdin, before any connection.
+
+It travels before the agent has connected (the handshake needs its secret), so it is plain
+JSON, never pickled, and every field is checked when it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchrunx.errors import ProtocolError
+
+COUNT_MODES = ("auto", "gpu", "cpu")
+"""What an agent counts for its worker count when the launcher gave none."""
+
+
+@dataclass(frozen=True)
+class AgentBootstrap:
+    """What an agent needs to find and join its launch; sent as one JSON line on its stdin.
+
+    It travels before the agent has connected (the handshake needs :attr:`secret`), so it is
+    plain JSON, never pickled: :meth:`to_json_line` writes it and :meth:`from_json_line`, run
+    first thing in the agent, checks every field.
+    """
+
+    host_index: int
+    """Index of the agent's host in the launcher's host list."""
+    hostname: str
+    """The host's name as the launcher knows it."""
+    launcher_address: str
+    """Address on which this host reaches the launcher's listening socket."""
+    launcher_port: int
+    secret: bytes = field(repr=False)
+    """The per-launch secret of the handshake (hex in the JSON line)."""
+    workers: int | None
+    """Workers to start, or ``None`` to let the agent count them (see :attr:`count`)."""
+    preload_torch: bool
+    """Import ``torch.distributed`` once in the agent, before forking (not for ``backend=None``)."""
+    heartbeat_interval: float
+    """Seconds between the agent's heartbeats."""
+    agent_timeout: float
+    """Seconds without a message from the launcher after which the agent stops by itself."""
+    log_level: int
+    """Level of the agent's root logger (``TORCHRUNX_LOG_LEVEL``)."""
+    sys_path: tuple[str, ...]
+    """The launcher's ``sys.path``, set by the boot code before it imports torchrunx."""
+    count: str = "auto"
+    """What the agent counts when ``workers`` is None: "auto" (GPUs, else CPU cores), "gpu"
+    or "cpu" (``workers_per_host`` of that name)."""
+    warm: bool = False
+    """Stay after each run's workers end, for the next run, until a final Stop (warm agents)."""
+    local_only: bool = False
+    """Every host of the launch is the launcher's machine: host 0's rendezvous store listens on
+    loopback only (:mod:`torchrunx.agent.store`); else on every interface."""
+
+    def to_json_line(self) -> bytes:
+        """Encode as one line of JSON (the secret as hex), ending with a newline."""
+        data: dict[str, Any] = {
+            "host_index": self.host_index,
+            "hostname": self.hostname,
+            "launcher": [self.launcher_address, self.launcher_port],
+            "secret": self.secret.hex(),
+            "workers": self.workers,
+            "count": self.count,
+            "preload_torch": self.preload_torch,
+            "heartbeat_interval": self.heartbeat_interval,
+            "agent_timeout": self.agent_timeout,
+            "log_level": self.log_level,
+            "sys_path": list(self.sys_path),
+            "warm": self.warm,
+            "local_only": self.local_only,
+        }
+        return json.dumps(data).encode() + b"\n"
+
+    @classmethod
+    def from_json_line(cls, line: bytes | str) -> AgentBootstrap:
+        """Decode and check a line written by :meth:`to_json_line`.
+
+        Raises:
+            ProtocolError: The line is not JSON, lacks a field, has an unknown one, or a field
+                has the wrong type or an impossible value; the message names the field.
+        """
+        try:
+            data = json.loads(line)
+        except ValueError as exc:  # also a UnicodeDecodeError
+            raise ProtocolError(f"malformed agent bootstrap: not a line of JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ProtocolError(
+                f"malformed agent bootstrap: a JSON object expected, got {type(data).__name__}"
+            )
+        fields = _BootstrapFields(data)
+        address, port = fields.launcher()
+        bootstrap = cls(
+            host_index=fields.integer("host_index", minimum=0),
+            hostname=fields.text("hostname"),
+            launcher_address=address,
+            launcher_port=port,
+            secret=fields.secret("secret"),
+            workers=fields.workers("workers"),
+            preload_torch=fields.boolean("preload_torch"),
+            heartbeat_interval=fields.seconds("heartbeat_interval"),
+            agent_timeout=fields.seconds("agent_timeout"),
+            log_level=fields.integer("log_level", minimum=0),
+            sys_path=fields.paths("sys_path"),
+            count=fields.choice("count", COUNT_MODES, default="auto"),
+            warm=fields.boolean("warm"),
+            local_only=fields.boolean("local_only"),
+        )
+        fields.no_others()
+        return bootstrap
+
+
+class _BootstrapFields:
+    """Reads the fields of a decoded bootstrap object, each checked, naming any bad one."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+        self.read: set[str] = set()
+
+    def _get(self, name: str) -> object:
+        self.read.add(name)
+        if name not in self.data:
+            raise ProtocolError(f"malformed agent bootstrap: field {name!r} is missing")
+        return self.data[name]
+
+    @staticmethod
+    def _bad(name: str, expected: str, value: object) -> ProtocolError:
+        return ProtocolError(
+            f"malformed agent bootstrap: field {name!r} must be {expected}, got {value!r}"
+        )
+
+    def integer(self, name: str, *, minimum: int) -> int:
+        value = self._get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self._bad(name, f"an integer of at least {minimum}", value)
+        return value
+
+    def text(self, name: str) -> str:
+        value = self._get(name)
+        if not isinstance(value, str) or not value:
+            raise self._bad(name, "a non-empty string", value)
+        return value
+
+    def boolean(self, name: str) -> bool:
+        value = self._get(name)
+        if not isinstance(value, bool):
+            raise self._bad(name, "true or false", value)
+        return value
+
+    def seconds(self, name: str) -> float:
+        value = self._get(name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise self._bad(name, "a finite number of seconds above 0", value)
+        return float(value)
+
+    def workers(self, name: str) -> int | None:
+        value = self._get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self._bad(name, "a positive integer or null", value)
+        return value
+
+    def secret(self, name: str) -> bytes:
+        value = self._get(name)
+        try:
+            secret = bytes.fromhex(value) if isinstance(value, str) else b""
+        except ValueError:
+            secret = b""
+        if not secret:
+            raise self._bad(name, "a non-empty hex string", value)
+        return secret
+
+    def paths(self, name: str) -> tuple[str, ...]:
+        value = self._get(name)
+        if not isinstance(value, list) or not all(isinstance(entry, str) for entry in value):
+            raise self._bad(name, "a list of strings", value)
+        return tuple(value)
+
+    def choice(self, name: str, choices: tuple[str, ...], *, default: str) -> str:
+        if name not in self.data:
+            self.read.add(name)
+            return default
+        value = self._get(name)
+        if value not in choices:
+            raise self._bad(name, " or ".join(repr(choice) for choice in choices), value)
+        return str(value)
+
+    def launcher(self) -> tuple[str, int]:
+        value = self._get("launcher")
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or not isinstance(value[0], str)
+            or not value[0]
+            or isinstance(value[1], bool)
+            or not isinstance(value[1], int)
+            or not 0 < value[1] < 65536
+        ):
+            raise self._bad("launcher", "[address, port]", value)
+        return value[0], value[1]
+
+    def no_others(self) -> None:
+        unknown = sorted(set(self.data) - self.read)
+        if unknown:
+            raise ProtocolError(f"malformed agent bootstrap: unknown field(s) {unknown}")

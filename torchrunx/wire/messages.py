@@ -1,0 +1,269 @@
+"""The messages: agent -> launcher, launcher -> agent, worker -> launcher.
+
+Each is a frozen dataclass whose fields are built-ins only. A frame's header is one of them,
+pickled; the receiver unpickles it with :class:`_HeaderUnpickler`, which admits the message
+classes of this module and nothing else by name (:func:`_load_message`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from torchrunx.errors import ProtocolError, exception_text
+
+HEARTBEAT_INTERVAL = 1.0
+"""Seconds between an agent's heartbeats (the launcher sends its own twice as often)."""
+
+
+@dataclass(frozen=True)
+class AgentHello:
+    """First message of an agent: who it is and what its host offers."""
+
+    host_index: int
+    hostname: str
+    pid: int
+    slots: int
+    """Workers this host would run for ``workers_per_host="auto"`` (GPUs, else CPU cores)."""
+    free_port: int
+    """A port that was free on this host, used as ``MASTER_PORT`` if it runs rank 0."""
+    gpus: int = 0
+    """GPUs the agent counted on its host (``devices.count_local_gpus``), for ``backend="auto"``."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Blueprint of the worker group an agent starts; its payload is the cloudpickled call."""
+
+    host_index: int
+    hostname: str
+    num_workers: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: str | None
+    """The process-group backend, never ``"auto"``: the launcher resolved it for every host."""
+    timeout: float
+    """The process-group timeout in seconds."""
+    isolate_gpus: bool = False
+    """Set each worker's CUDA_VISIBLE_DEVICES to its own GPU (unless already set)."""
+    log_level: int = 20
+    """Level of the workers' root logger (``TORCHRUNX_LOG_LEVEL``)."""
+    attempt: int = 0
+    """Numbers every worker group of the agents' life: 0 first, then one more for each
+    restart and (warm agents) each run. Replies name it, so a late one is told apart."""
+    max_restarts: int = 0
+    restarts: int = 0
+    """Restarts so far in this run (``TORCHELASTIC_RESTART_COUNT``); ``attempt`` in a launch."""
+    keep: bool = False
+    """Workers that stay (``Launcher.warm(keep_workers=True)``): after its outcome a worker
+    waits on its connection for the next run's :class:`WorkerCall`, in the same process and
+    process group."""
+
+
+@dataclass(frozen=True)
+class WorkersStarted:
+    """Agent: the workers were forked; their pids in local-rank order."""
+
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    """Agent: a worker process ended (seen at once through its pidfd)."""
+
+    local_rank: int
+    pid: int
+    exitcode: int | None
+    signal: int | None
+    stopped: bool = False
+    """The agent had signalled it (a Stop, a restart, the end of the launch): its end is not a
+    failure of its own."""
+    at: float = 0.0
+    """Unix time the agent saw it end."""
+
+
+@dataclass(frozen=True)
+class LogLines:
+    """Agent: whole lines its workers wrote, in order per worker and stream, and its own records.
+
+    Each record is ``(local_rank, levelno, logger name, text, unix time read)``; ``local_rank``
+    is ``None`` for a ``logging`` record of the agent itself (sent on the same connection, so
+    "worker N exited" never overtakes that worker's last lines).
+    """
+
+    records: tuple[tuple[int | None, int, str, str, float], ...]
+
+
+@dataclass(frozen=True)
+class AgentDone:
+    """Agent: every worker ended and was reaped; the agent exits after this."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Launcher: stop the workers (SIGTERM, then SIGKILL after the grace period) and exit."""
+
+    reason: str
+    grace_period: float = 3.0
+    dump_stacks: bool = True
+    """Send each live worker's Python stacks (:class:`WorkerStacks`) before stopping."""
+    restart: bool = False
+    """Stop only the workers: then send :class:`WorkersEnded` and wait for a new spec."""
+    attempt: int = 0
+    """The launcher's attempt being stopped (echoed in :class:`WorkersEnded`)."""
+
+
+@dataclass(frozen=True)
+class WorkersEnded:
+    """Agent: every worker of ``attempt`` ended, and the agent waits for the launcher.
+
+    Sent after a ``Stop(restart=True)``, and also unasked when restarts are possible
+    (``attempt < max_restarts``): then the agent stays until the launcher sends a new
+    :class:`WorkerSpec` (a restart) or a :class:`Stop` (the launch is over).
+    """
+
+    free_port: int
+    """A port free on this host now, for the next group's ``MASTER_PORT``."""
+    attempt: int = -1
+    """The attempt whose workers ended (-1: none had started)."""
+
+
+@dataclass(frozen=True)
+class WorkerTimedOut:
+    """Agent: a worker stayed in a watchdog scope (``torchrunx.timer``) past its limit."""
+
+    local_rank: int
+    scope: str
+    limit: float
+    stack: str
+
+
+@dataclass(frozen=True)
+class WorkerStacks:
+    """Agent: the Python stacks of its workers that were still running, by local rank."""
+
+    stacks: dict[int, str]
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Either direction: I am alive."""
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """Worker: first message on its own connection."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerCall:
+    """Launcher, to a worker that stays: run this call next; the payload is the pickled call.
+
+    The worker answers with :class:`WorkerResult` or :class:`WorkerException`, as for the call
+    of its spec. Its connection's end tells it to exit.
+    """
+
+    run: int
+    """The warm run this call belongs to (1 for the first run)."""
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """Worker: the function returned; the payload is the cloudpickled return value."""
+
+    rank: int
+    init_seconds: float = 0.0
+    """Time in ``init_process_group`` (and its barrier)."""
+    function_seconds: float = 0.0
+    """Time in the function."""
+    pickle_seconds: float = 0.0
+    """Time to pickle the return value."""
+    sent_at: float = 0.0
+    """Wall-clock time the worker began sending the value."""
+
+
+@dataclass(frozen=True)
+class WorkerException:
+    """Worker: the function raised.
+
+    The payload is the cloudpickled exception, or empty when it could not be pickled and
+    restored; the type name, message and formatted traceback always travel as text.
+    """
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    unpicklable_result: bool = False
+    """True when the function returned but its value could not be pickled."""
+    collective: bool = False
+    """True when the exception looks like the echo of another rank's failure in a collective
+    (:func:`torchrunx.errors.is_collective_error`)."""
+    at: float = 0.0
+    """Unix time the worker caught it."""
+
+
+Message = (
+    AgentHello
+    | WorkerSpec
+    | WorkersStarted
+    | WorkerExited
+    | LogLines
+    | AgentDone
+    | Stop
+    | WorkerStacks
+    | WorkersEnded
+    | WorkerTimedOut
+    | Heartbeat
+    | WorkerHello
+    | WorkerCall
+    | WorkerResult
+    | WorkerException
+)
+"""Every message; a frame's header is one of these, and nothing else."""
+_MESSAGE_TYPES: tuple[type[Message], ...] = typing.get_args(Message)
+"""The classes of :data:`Message`, read from it (the union is the one list of them)."""
+_MESSAGE_CLASSES: dict[str, type[Message]] = {cls.__name__: cls for cls in _MESSAGE_TYPES}
+
+
+class _HeaderUnpickler(pickle.Unpickler):
+    """Unpickles a frame's header: the protocol's message classes, and nothing else by name.
+
+    Every field of every message is a built-in (int, float, str, bool, None, bytes, tuple,
+    dict), which pickle writes with opcodes of its own; the only globals a header may name are
+    the message classes of this module.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:  # noqa: ANN401 (pickle's signature)
+        """The message class ``module.name``; ``UnpicklingError`` for anything else."""
+        cls = _MESSAGE_CLASSES.get(name) if module == __name__ else None
+        if cls is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a torchrunx message class")
+        return cls
+
+
+def _load_message(header: memoryview | bytes | bytearray) -> Message:
+    """Unpickle a header with :class:`_HeaderUnpickler` and check that it is a message.
+
+    Raises:
+        ProtocolError: Anything else (a malformed pickle, a foreign class, another type).
+    """
+    try:
+        message = _HeaderUnpickler(io.BytesIO(header)).load()
+    except Exception as exc:  # noqa: BLE001 (whatever a malformed header raises)
+        raise ProtocolError(
+            f"malformed message header ({type(exc).__name__}: {exception_text(exc)})"
+        ) from None
+    if not isinstance(message, _MESSAGE_TYPES):
+        raise ProtocolError(f"unexpected message type {type(message).__name__}")
+    return message
