@@ -10,7 +10,7 @@ period is over, then SIGKILL to all of them. That one path serves a ``Stop``, a 
 end of an attempt whose workers all returned, and the agent's final cleanup.
 
 What the forked child does before it runs the function is in :mod:`torchrunx.agent.workerprocess`;
-what is sent to the launcher is decided by the agent (:mod:`torchrunx.agent.agent`).
+what is sent to the launcher is decided for the agent by :mod:`torchrunx.agent.attempt`.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.records import AgentRecord
 from torchrunx.launcher.reports import summary
 from torchrunx.launcher.state import LaunchState
-from torchrunx.wire.handshake import new_secret
+from torchrunx.wire import handshake
 from torchrunx.wire.messages import HEARTBEAT_INTERVAL, Heartbeat
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class LaunchLoop:
                 plan.event_handlers, None if log_dir is None else events_file(log_dir)
             )
             undo.callback(self.sink.close)
-            self.secret = new_secret()
+            self.secret = handshake.new_secret()  # through the module: tests replace it
             self.queue: collections.deque[NetEvent | PoolEvent] = collections.deque()
             """The one queue: what the listener read and what the pool saw, in order."""
             self.loop = IOLoop()

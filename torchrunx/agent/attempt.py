@@ -1,0 +1,155 @@
+"""One attempt's workers as the agent serves them: what it reports, their stacks, the drain.
+
+The :class:`~torchrunx.agent.workergroup.WorkerGroup` forks, reads, reaps and signals the
+workers; :class:`Attempt` decides what of that goes to the launcher: each worker's output as
+:class:`LogLines` (see :mod:`torchrunx.wire.lines`; its last lines before its death notice), its
+exit
+as :class:`WorkerExited`, and on a stop that asks for them, the live workers' Python stacks as
+:class:`WorkerStacks`. It also runs the attempt's timers: the hang watch
+(:class:`~torchrunx.agent.watchdog.HangWatch`), the reaping of processes adopted from the
+workers, and the short drain of the pipes once every worker has ended.
+
+The agent (:mod:`torchrunx.agent.agent`) makes one per attempt, forks the workers through its
+group, dispatches the group's events to :meth:`Attempt.on_ready`, and owns the loop that serves
+it all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from torchrunx.agent.watchdog import HangWatch
+from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, WorkerGroup
+from torchrunx.wire.lines import line_records
+from torchrunx.wire.messages import LogLines, WorkerExited, WorkerStacks
+
+if TYPE_CHECKING:
+    import selectors
+    from collections.abc import Callable
+
+    from torchrunx.agent.workergroup import Output, Ready, Worker
+    from torchrunx.wire.messages import Message
+
+logger = logging.getLogger("torchrunx.agent")
+
+_DRAIN_WAIT = 1.0
+
+
+class Attempt:
+    """The workers of one attempt and what the agent tells the launcher about them."""
+
+    def __init__(
+        self, selector: selectors.BaseSelector, *, root: int, send: Callable[[Message], None]
+    ) -> None:
+        """An empty group on the agent's ``selector``; ``root``: the agent's pid.
+
+        ``send``: queues a message for the launcher.
+        """
+        self.group = WorkerGroup(selector, root=root)
+        self.hangs = HangWatch(self.group, send)
+        self.send = send
+        self.dump_deadline: float | None = None
+        self.drain_deadline: float | None = None
+
+    def done(self) -> bool:
+        """Every worker was reaped and its output read, or the drain after that is over."""
+        if self.group.done():
+            return True
+        return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
+
+    def on_timers(self, now: float, *, stopping: bool) -> None:
+        """Look for hung workers, reap adopted processes, start the drain once all ended."""
+        self.hangs.check(now, stopping=stopping)
+        self.group.reap_adopted()
+        if self.drain_deadline is None and self.group.all_ended():
+            # Something the workers started outside their process group may hold the
+            # pipes open: it is told to end now; read what comes for a moment, then give
+            # up on it (the group's close kills it).
+            self.group.term_strays()
+            self.drain_deadline = now + _DRAIN_WAIT
+
+    def deadlines(self) -> list[float]:
+        """When :meth:`on_timers` or a wait of this attempt has something to do (monotonic)."""
+        timers = [t for t in (self.dump_deadline, self.drain_deadline) if t is not None]
+        if (hang_deadline := self.hangs.next_deadline()) is not None:
+            timers.append(hang_deadline)
+        return timers
+
+    def on_ready(self, ready: Ready) -> None:
+        """One of the group's descriptors is ready: a worker's end, output or stacks."""
+        if ready.kind == "exited":
+            self._on_exited(ready.worker)
+        elif ready.kind == "output" and ready.output is not None:
+            self._forward_output(ready.worker, ready.output)
+        elif ready.kind == "stacks":
+            self._on_stacks(ready.worker)
+
+    def _forward_output(self, worker: Worker, output: Output, *, until_empty: bool = False) -> None:
+        """Send the whole lines available on one output pipe as :class:`LogLines`."""
+        lines = self.group.read_output(worker, output, until_empty=until_empty)
+        if lines:
+            name = f"worker.{worker.local_rank}.{'stderr' if output.is_stderr else 'stdout'}"
+            records = line_records(
+                lines,
+                is_stderr=output.is_stderr,
+                default_name=name,
+                local_rank=worker.local_rank,
+                created=time.time(),
+            )
+            self.send(LogLines(tuple(records)))
+
+    def _on_exited(self, worker: Worker) -> None:
+        for output in list(worker.outputs):  # its last words go out before its death notice
+            self._forward_output(worker, output, until_empty=True)
+        self.hangs.before_reap(worker)
+        exitcode = self.group.reap(worker)
+        sig = -exitcode if exitcode < 0 else None
+        logger.info(
+            "worker %d (pid %d) exited with status %d", worker.local_rank, worker.pid, exitcode
+        )
+        self.send(
+            WorkerExited(
+                worker.local_rank,
+                worker.pid,
+                None if sig else exitcode,
+                sig,
+                stopped=worker.signalled,
+                at=time.time(),
+            )
+        )
+
+    def _on_stacks(self, worker: Worker) -> None:
+        if not self.group.read_stacks(worker):
+            return
+        now = time.monotonic()
+        self.hangs.stacks_arrived(worker, now)
+        if self.dump_deadline is not None and all(w.stacks for w in self.group.live()):
+            # Every live worker has begun its dump; a dump is written in one go.
+            self.dump_deadline = min(self.dump_deadline, now + STACK_SETTLE)
+
+    def _dump_over(self) -> bool:
+        # _on_stacks brings the deadline forward once every live worker has begun its dump.
+        deadline = self.dump_deadline
+        return self.done() or deadline is None or time.monotonic() >= deadline
+
+    def dump_stacks(self, serve: Callable[[Callable[[], bool]], None]) -> None:
+        """Ask every live worker for its stacks; send them, unless all workers ended first.
+
+        ``serve``: the agent's loop, run until the function it is given returns true.
+        """
+        group = self.group
+        for worker in group.live():
+            group.dump_stacks(worker)
+        self.dump_deadline = time.monotonic() + STACK_DUMP_WAIT
+        serve(self._dump_over)
+        self.dump_deadline = None
+        if self.done():
+            return
+        stacks = {}
+        for worker in group.workers:
+            group.read_stacks(worker)
+            if not worker.ended and worker.stacks:
+                stacks[worker.local_rank] = worker.stacks.decode(errors="replace")
+        self.send(WorkerStacks(stacks))
