@@ -5,10 +5,11 @@
     Exception
     ├── TorchrunxError                  base of everything below
     │   ├── AgentFailedError            an agent or its host died, or could not be started
-    │   ├── WorkerFailedError           a worker died without raising (exit code or signal)
-    │   ├── WorkerRaisedError           a worker raised an exception that cannot travel back
-    │   ├── WorkerTimeoutError          (also a TimeoutError) a worker overran a watchdog
-    │   │                               scope of torchrunx.timer.expires
+    │   ├── WorkerError                 a worker's own failure (one rank):
+    │   │   ├── WorkerFailedError       it died without raising (exit code or signal)
+    │   │   ├── WorkerRaisedError       it raised an exception that cannot travel back
+    │   │   └── WorkerTimeoutError      (also a TimeoutError) it overran a watchdog scope of
+    │   │                               torchrunx.timer.expires
     │   ├── LaunchTimeoutError          (also a TimeoutError) launch_timeout was hit
     │   ├── SerializationError          (also a TypeError) the function, an argument or a
     │   │                               return value cannot be pickled
@@ -24,10 +25,14 @@ touched. Third-party errors (paramiko, socket, pickle) are translated here at th
 from __future__ import annotations
 
 import signal as _signal
+from typing import ClassVar
 
 
 class TorchrunxError(Exception):
     """Base class of every error raised by torchrunx itself."""
+
+    restart_category: ClassVar[str | None] = None
+    """The ``restart_on`` category that restarts after this error (None: none does)."""
 
 
 class AgentFailedError(TorchrunxError):
@@ -38,6 +43,8 @@ class AgentFailedError(TorchrunxError):
         reason: What happened, in words.
         stderr: The last lines the agent (or ssh) wrote to stderr, if any.
     """
+
+    restart_category = "hosts"
 
     def __init__(self, hostname: str, reason: str, stderr: str = "") -> None:
         """Describe a failed agent."""
@@ -68,7 +75,11 @@ def _signal_name(number: int) -> str | None:
         return None
 
 
-class WorkerFailedError(TorchrunxError):
+class WorkerError(TorchrunxError):
+    """Base class of one worker's own failures: it died, overran a watchdog, or raised."""
+
+
+class WorkerFailedError(WorkerError):
     """A worker process died without raising a Python exception.
 
     Typical causes: a signal (SIGKILL from the OOM killer, SIGSEGV from a crash in a C
@@ -82,6 +93,8 @@ class WorkerFailedError(TorchrunxError):
         exitcode: Exit code, or ``None`` when a signal ended it.
         signal: Signal number, or ``None`` when it exited.
     """
+
+    restart_category = "deaths"
 
     def __init__(  # noqa: PLR0913, PLR0917 (each field is part of the error's contract)
         self,
@@ -121,7 +134,7 @@ class WorkerFailedError(TorchrunxError):
         )
 
 
-class WorkerRaisedError(TorchrunxError):
+class WorkerRaisedError(WorkerError):
     """A worker raised an exception that could not be sent back with its own type.
 
     This happens when the exception object cannot be pickled or unpickled (for example a
@@ -136,7 +149,7 @@ class WorkerRaisedError(TorchrunxError):
     type_name: str = ""
 
 
-class WorkerTimeoutError(TorchrunxError, TimeoutError):
+class WorkerTimeoutError(WorkerError, TimeoutError):
     """A worker stayed in a ``torchrunx.timer.expires`` block longer than its limit.
 
     Its agent dumped the worker's Python stack (attached as a note) and killed it.
@@ -148,6 +161,8 @@ class WorkerTimeoutError(TorchrunxError, TimeoutError):
         scope: The ``scope`` name of the block.
         limit: The block's limit in seconds.
     """
+
+    restart_category = "timeouts"
 
     def __init__(self, hostname: str, local_rank: int, rank: int, scope: str, limit: float) -> None:
         """Describe a worker that overran its watchdog."""

@@ -18,11 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchrunx.errors import (
-    AgentFailedError,
     TorchrunxError,
-    WorkerFailedError,
     WorkerRaisedError,
-    WorkerTimeoutError,
 )
 from torchrunx.launcher.reports import summary
 
@@ -74,22 +71,18 @@ def type_names(error: BaseException) -> set[str]:
     return names
 
 
-def restarts_for(error: BaseException, wanted: set[str], *, from_worker: bool) -> bool:  # noqa: PLR0911 (one answer per kind of failure)
+def restarts_for(error: BaseException, wanted: set[str], *, from_worker: bool) -> bool:
     """Whether ``restart_on`` (``wanted``) covers ``error``.
 
     ``from_worker``: the error is a worker's own (raised, died, hung), not the launcher's.
     """
-    if isinstance(error, WorkerTimeoutError):
-        return "timeouts" in wanted
-    if isinstance(error, WorkerFailedError):
-        return "deaths" in wanted
-    if isinstance(error, AgentFailedError):
-        return "hosts" in wanted
     if isinstance(error, WorkerRaisedError) and from_worker:  # its type could not travel back
         type_name = error.type_name
         return "exceptions" in wanted or bool({type_name, type_name.rsplit(".", 1)[-1]} & wanted)
-    if not from_worker or isinstance(error, TorchrunxError | KeyboardInterrupt | SystemExit):
-        return False  # lost hosts, the launch's own timeouts, pickling, protocol errors
+    if isinstance(error, TorchrunxError):  # deaths, watchdogs, hosts; never the launch's own
+        return error.restart_category in wanted  # timeouts, pickling or protocol errors
+    if not from_worker or isinstance(error, KeyboardInterrupt | SystemExit):
+        return False
     if "exceptions" in wanted:
         return True
     return bool(type_names(error) & (wanted - set(ALL_RESTART_CATEGORIES)))

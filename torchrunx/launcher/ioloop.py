@@ -83,11 +83,6 @@ class IOLoop:
             while os.read(self._wake_read, 4096):
                 pass
 
-    @property
-    def watched(self) -> int:
-        """How many descriptors the loop watches (its wake-up pipe included)."""
-        return len(self._selector.get_map())
-
     def run_once(self, timeout: float | None) -> None:
         """Wait up to ``timeout`` seconds for readiness; run the callbacks of what is ready."""
         if self._posted:

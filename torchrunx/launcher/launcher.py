@@ -1,15 +1,17 @@
-"""The launcher: starts one agent per host, hands out the function, and gathers the results.
+"""The settings of a launch (:class:`Launcher`) and its entry points: run, warm, dry_run.
 
-Phases of one launch (:meth:`Launcher.run`)::
+A :class:`Launcher` holds the fields as given and checks them (:meth:`Launcher.validate`);
+:meth:`Launcher.plan` resolves them once into a frozen :class:`~torchrunx.launcher.plan.LaunchPlan`
+(hosts, workers, how each agent starts, forwarded variables), which is all the launch reads::
 
-    validate fields ─ pickle the call ─ resolve hosts ─ listen ─ start agents (in parallel)
-      ─ await AgentHello from every host ─ assign ranks, send WorkerSpec + call
-      ─ monitor (results straight from workers; exits, heartbeats from agents)
-      ─ stop everything on the first failure ─ clean up ─ return or raise
+    Launcher.run(func) ─ validate ─ pickle the call ─ plan ─ Launch(plan, call).execute()
+      (orchestrator.py: listen, start agents, hellos, specs, monitor, restart or raise,
+      collect, stop) ─ LaunchResult
+    Launcher.warm() ─ plan ─ Launch(plan).open() ─ WarmLauncher (warm.py: many runs)
+    Launcher.dry_run() ─ plan ─ the description of what run would start (nothing starts)
 
-One thread (the caller's) owns every decision; helper threads only move bytes (accept and
-authenticate connections, read frames, copy agent output, wait for agent exits) and report
-through one queue.
+The caller's thread runs the launch and owns every decision (see
+:mod:`torchrunx.launcher.session` for the other threads).
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ every interface); 0 picks a free port; None: $TORCHRUNX_HEALTH_CHECK_PORT if set
 
     log_handlers: Annotated[LogHandlers, tyro.conf.Suppress] = "auto"
     """Where forwarded logs go. "auto": the first worker on stdout, with its agent's warnings
-(its INFO lines too where the torchrunx.agent.agent logger allows INFO), and every agent and worker
+(its INFO lines too where the torchrunx.agent logger allows INFO), and every agent and worker
 in files under $TORCHRUNX_LOG_DIR; None: nowhere; or logging.Handlers, or a function making
 them, that receive every record."""
 
