@@ -74,7 +74,20 @@ TARGETS: dict[str, Target] = {
             "tests/test_rules_state.py",
             "tests/test_rules_failures.py",
             "tests/test_rules_more.py",
+            "tests/test_warm_state.py",
         ),
+        note="runs, stops, restarts, phases and read-outs",
+    ),
+    "attempt": Target(
+        "torchrunx/launcher/attempt.py",
+        (
+            "tests/test_launch_state.py",
+            "tests/test_rules_state.py",
+            "tests/test_rules_failures.py",
+            "tests/test_rules_more.py",
+            "tests/test_warm_state.py",
+        ),
+        note="the agents and ranks of an attempt: moves, hellos, exits, outcomes",
     ),
     "inbox": Target(
         "torchrunx/launcher/inbox.py",
@@ -170,6 +183,8 @@ TARGETS: dict[str, Target] = {
     "devices": Target(
         "torchrunx/devices.py",
         ("tests/test_hosts.py", "tests/test_gpu.py", "tests/test_rules_more.py"),
+        functions=("device_env", "cuda_device", "resolve_backend", "process_group_options"),
+        note="not the probes of the machine (count_local_gpus, count_local_cpus)",
     ),
 }
 
@@ -226,15 +241,15 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         _RSPLIT,
     ),
     "torchrunx.devices.x_resolve_backend__mutmut_4": ("undecided = None", _FALSY),
-    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1workers_ended__mutmut_3": (
+    "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1workers_ended__mutmut_3": (
         "message.attempt <= self.attempt",
         "for an equal attempt the reply is accepted by the first condition already",
     ),
-    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1settle__mutmut_2": (
+    "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1settle__mutmut_2": (
         "self._waiting_ranks.discard(None)",
         "a cache of due/next_due: a settled rank's settle_by is None, so it is never due",
     ),
-    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1settle__mutmut_3": (
+    "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1settle__mutmut_3": (
         "self._alarmed.discard(None)",
         "a cache of alarm, which skips settled ranks",
     ),

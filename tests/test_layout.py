@@ -153,3 +153,23 @@ def test_no_module_or_class_is_too_big_to_read():
                 if size > MAX_CLASS_LINES:
                     too_big.append(f"class {name}.{node.name}: {size} lines")
     assert too_big == []
+
+
+def test_the_readme_names_every_module_where_it_lives():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :]
+    rows = {
+        line.split("|")[1].strip(" `"): line
+        for line in layout.splitlines()
+        if "`torchrunx/" in line
+    }
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        folder = path.parent.relative_to(PACKAGE.parent).as_posix() + "/"
+        if folder == "torchrunx/integrations/" or (
+            path.name == "__init__.py" and folder != "torchrunx/"
+        ):
+            continue  # named as a folder
+        if f"`{path.name}`" not in rows.get(folder, ""):
+            missing.append(f"{folder}{path.name}")
+    assert missing == []
