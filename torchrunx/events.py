@@ -154,11 +154,13 @@ class Restarting:
 
 @dataclass(frozen=True)
 class LaunchFinished:
-    """The launch ended: with every result, or with the error it raises."""
+    """The launch (or a warm run) ended: with every result, or with the error it raises."""
 
     succeeded: bool
     attempts: int
+    """Attempts of this run (1 + its restarts)."""
     duration: float
+    """Seconds from the launch's start (a warm run: the run's start), as ``LaunchTimings.total``."""
     error: str | None
     time: float = field(default_factory=_now)
 
