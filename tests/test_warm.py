@@ -213,3 +213,32 @@ def test_warm_agents_on_two_hosts_over_ssh(cluster):
         assert len(agents) == 2
         assert warm.run(rank_sum, 2).ranks == [14.0] * 4
         assert {a for _, _, a in warm.run(who).ranks} == agents
+
+
+def die_once(marker: str) -> int:
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(3)  # a death: restarted (restart_on's default has "deaths")
+    return 7
+
+
+def test_each_warm_run_reports_its_own_restarts_and_duration_in_its_result_and_events(tmp_path):
+    events: list[trx.events.Event] = []
+    launcher = trx.Launcher(
+        hostnames=["localhost"],
+        workers_per_host=1,
+        backend=None,
+        max_restarts=1,
+        event_handlers=(events.append,),
+    )
+    with launcher.warm() as warm:
+        time.sleep(1.0)  # idle time before the first run: not part of any run's duration
+        first = warm.run(die_once, str(tmp_path / "first"))
+        second = warm.run(die_once, str(tmp_path / "second"))
+    assert first.rank(0) == second.rank(0) == 7
+    assert first.restarts == second.restarts == 1  # not 1, then 2 and 3 as attempts go on
+    finished = [e for e in events if isinstance(e, trx.events.LaunchFinished)]
+    assert [(f.succeeded, f.attempts) for f in finished] == [(True, 2), (True, 2)]
+    for event, result in zip(finished, (first, second), strict=True):
+        # one start for both: the run's, not the agents' (1 s and the first run earlier)
+        assert abs(event.duration - result.timings.total) < 0.5
