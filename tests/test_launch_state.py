@@ -21,15 +21,19 @@ from torchrunx.wire.messages import (
     WorkerResult,
     WorkersEnded,
     WorkerSpec,
+    WorkersStarted,
 )
 
 ECHO = "[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1234"
 
 
-def running_launch(hosts: int = 2, workers: int = 2) -> LaunchState:
-    """A launch whose agents said hello and whose workers all connected."""
+def running_launch(
+    hosts: int = 2, workers: int = 2, *, connected: bool = True, **fields: float
+) -> LaunchState:
+    """A launch whose agents said hello and whose workers all connected (``connected=False``:
+    the workers' hellos are still on their way)."""
     agents = [AgentRecord(i, HostSlots(f"node{i}", workers), "ssh") for i in range(hosts)]
-    state = LaunchState(agents, started=100.0, max_restarts=0)
+    state = LaunchState(agents, started=100.0, max_restarts=0, **fields)
     for agent in agents:
         hello = AgentHello(agent.index, agent.slots.hostname, 1000 + agent.index, workers, 29500)
         state.agent_hello(agent, conn=agent.index, hello=hello, now=101.0)
@@ -46,7 +50,7 @@ def running_launch(hosts: int = 2, workers: int = 2) -> LaunchState:
             600.0,
         )
         state.assign(agent, spec)
-    for rank in state.ranks:
+    for rank in state.ranks if connected else []:
         state.worker_hello(rank, conn=100 + rank.rank, pid=2000 + rank.rank)
     return state
 
@@ -71,9 +75,8 @@ def test_every_state_has_its_moves_written_down_and_final_states_have_none():
 
 
 def test_a_move_that_is_not_written_down_is_a_bug_and_a_final_state_never_changes():
-    state = running_launch(1, 2)
+    state = running_launch(1, 2, connected=False)
     rank = state.ranks[0]
-    rank.state = WorkerState.INIT
     with pytest.raises(ValueError, match="INIT -> SUCCEEDED"):
         state.move_rank(rank, WorkerState.SUCCEEDED)
     state.move_rank(rank, WorkerState.FAILED)
@@ -98,7 +101,7 @@ def test_a_peers_collective_error_arriving_before_the_real_death_is_not_the_caus
     state = running_launch()
     echo = RuntimeError(ECHO)
     state.add_fault("collective", echo, at=10.2, rank=state.ranks[0])  # learnt first
-    state.stopping = True  # the launch stops on it; the death report comes meanwhile
+    state.begin_stop(restart=False)  # the launch stops on it; the death report comes meanwhile
     agent = state.agents[0]
     rank1 = state.rank_of(agent, 1)
     assert rank1 is not None
@@ -141,8 +144,7 @@ def test_a_rank_that_raised_then_exited_non_zero_failed_once_by_its_exception():
     assert rank.settle_by == 11.0 + OUTCOME_WAIT  # it waits for the connection
     assert state.alarm and not state.faults
     error = ValueError("x")
-    rank.error = error
-    state.add_fault("exception", error, at=10.0, rank=rank)
+    state.worker_failed(rank, "exception", error, at=10.0)
     assert state.worker_conn_closed(rank)
     state.settle(rank)
     cause = choose_cause(state.faults)
@@ -178,7 +180,7 @@ def test_a_clean_exit_without_any_outcome_is_a_death_once_its_wait_is_over():
 
 def test_a_worker_the_agent_stopped_is_stopped_not_failed():
     state = running_launch(1, 2)
-    state.stopping = True
+    state.begin_stop(restart=False)
     rank = state.ranks[0]
     assert state.worker_exited(rank, exited(0, code=None, sig=15, stopped=True), now=11.0)
     state.settle(rank)
@@ -206,7 +208,7 @@ def test_an_agent_that_never_connected_is_judged_at_its_exit():
 def test_the_launchers_own_reason_comes_first_even_after_a_worker_failed():
     state = running_launch()
     state.add_fault("exception", ValueError("x"), at=10.0, rank=state.ranks[1])
-    state.stopping = True
+    state.begin_stop(restart=False)
     state.add_fault("launch", KeyboardInterrupt(), at=10.5)
     assert isinstance(choose_cause(state.faults).error, KeyboardInterrupt)
 
@@ -221,13 +223,12 @@ def test_among_root_failures_the_earliest_is_the_cause_not_the_first_learnt():
 
 
 def test_silent_agents_answer_to_start_timeout_until_their_workers_run():
-    state = running_launch(2, 1)
-    state.agent_timeout, state.start_timeout = 5.0, 60.0
+    state = running_launch(2, 1, agent_timeout=5.0, start_timeout=60.0)
     for agent in state.agents:
-        agent.last_heard = 0.0
-    state.agents[1].pids = (123,)
+        state.heard_from(agent, 0.0)
+    state.workers_forked(state.agents[1], WorkersStarted((123,)))
     assert [(a.index, round(s)) for a, s in state.silent_agents(10.0)] == [(1, 10)]
-    state.stopping = True
+    state.begin_stop(restart=False)
     assert state.silent_agents(100.0) == []
 
 
@@ -247,13 +248,15 @@ def test_restart_policy_follows_restart_on_and_the_restarts_left():
 
 def test_health_is_read_from_the_state():
     state = running_launch(2, 1)
-    state.agents[0].last_heard = 109.5
+    state.heard_from(state.agents[0], 109.5)
     report = state.health(110.0, max_restarts=2, cause=None)
     assert report.healthy and report.launch_state == "running"  # every worker connected
     assert [w.state for w in report.workers] == [WorkerState.HEALTHY, WorkerState.HEALTHY]
     assert report.agents[0].last_heartbeat_age == 0.5
-    state.history.append("attempt 0: ValueError: x")
+    state.begin_stop(restart=True)  # a restart begins ...
+    state.record_restart("ValueError: x")
     state.move_agent(state.agents[1], AgentState.LOST)
+    state.begin_failure()  # ... and fails on a lost agent
     report = state.health(110.0, max_restarts=2, cause="AgentFailedError: silent")
     assert not report.healthy
     assert report.failures == ("attempt 0: ValueError: x", "attempt 0: AgentFailedError: silent")
@@ -262,8 +265,9 @@ def test_health_is_read_from_the_state():
 def test_a_new_attempt_forgets_ranks_and_faults_but_keeps_the_history():
     state = running_launch(1, 2)
     state.add_fault("exception", ValueError("x"), at=1.0, rank=state.ranks[0])
-    state.history.append("attempt 0: ValueError: x")
-    state.agents[0].ready = True
+    state.begin_stop(restart=True)
+    state.workers_ended(state.agents[0], WorkersEnded(29501, attempt=0))
+    state.record_restart("ValueError: x")
     state.next_attempt()
     assert (state.attempt, state.ranks, state.faults) == (1, [], [])
     assert state.history == ["attempt 0: ValueError: x"]
@@ -271,9 +275,8 @@ def test_a_new_attempt_forgets_ranks_and_faults_but_keeps_the_history():
 
 
 def test_an_exit_reported_before_the_worker_connected_waits_for_its_hello():
-    state = running_launch(1, 1)
+    state = running_launch(1, 1, connected=False)  # its hello is still on its way
     rank = state.ranks[0]
-    rank.conn, rank.state = None, WorkerState.INIT  # its hello is still on its way
     assert not state.worker_exited(rank, exited(0, at=10.0), now=11.0)
     assert state.hello_rank(WorkerHello(0, 0, 2000)) is rank  # ... and here it is
     state.worker_hello(rank, conn=7, pid=2000)
@@ -286,6 +289,7 @@ def test_an_exit_reported_before_the_worker_connected_waits_for_its_hello():
 def test_replies_that_cross_a_restart_change_nothing():
     state = running_launch(1, 2)
     agent = state.agents[0]
+    state.begin_stop(restart=True)
     state.next_attempt()  # attempt 1: the old workers' last words may still come
     assert not state.workers_ended(agent, WorkersEnded(29501, attempt=0))
     assert not agent.ready
@@ -303,7 +307,7 @@ def test_a_rank_has_one_connection():
 
 def test_a_stop_does_not_wait_for_the_ranks_of_a_lost_agent():
     state = running_launch(2, 1)
-    state.stopping = True
+    state.begin_stop(restart=False)
     assert not state.ranks_known  # both ranks still run
     state.worker_exited(state.ranks[0], exited(0, sig=15, stopped=True), now=5.0)
     assert not state.ranks_known  # the lost host's rank: its link is cut, it never says
@@ -314,8 +318,10 @@ def test_a_stop_does_not_wait_for_the_ranks_of_a_lost_agent():
 def test_between_warm_runs_a_late_reply_of_the_last_run_means_the_agent_waits():
     state = running_launch(1, 1)
     agent = state.agents[0]
-    state.next_attempt()  # the run failed; the agent was slow to stop its workers
-    state.between_runs = True
+    state.begin_failure()  # the run failed; the agent was slow to stop its workers
+    state.begin_stop(restart=True)
+    state.failed_run()
+    state.after_run(keep_workers=False)  # between warm runs
     assert not state.workers_ended(agent, WorkersEnded(29501, attempt=2))  # not from the future
     assert state.workers_ended(agent, WorkersEnded(29501, attempt=0))  # late, but it waits now
     assert agent.ready

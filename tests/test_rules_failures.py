@@ -80,7 +80,7 @@ def learn(state: LaunchState, failures: list[Failure]) -> None:
     for failure in failures:
         rank = None if failure.rank is None else state.ranks[failure.rank]
         state.add_fault(failure.kind, failure.error, failure.at, rank=rank, host_index=failure.host)
-        state.stopping = True
+        state.begin_stop(restart=False)
 
 
 def echo(at: float, rank: int = 0) -> Failure:
@@ -195,7 +195,7 @@ def test_rule_a_rank_that_raised_and_then_died_failed_once_by_its_exception():
     assert state.due(11.0 + OUTCOME_WAIT) == ([], [rank])
     state.settle(rank)
     assert [f.kind for f in state.faults] == ["death"]
-    state.stopping = True
+    state.begin_stop(restart=False)
     # ... then its exception arrives after all, dated later than the death.
     error = ValueError("x")
     state.add_fault("exception", error, at=10.5, rank=rank)

@@ -321,7 +321,7 @@ def test_rule_a_second_connection_for_a_rank_is_refused():
 def test_rule_every_message_of_an_agent_counts_as_hearing_from_it():
     inbox, _, peers = connected()
     agent = inbox.state.agents[1]
-    agent.last_heard = 0.0
+    inbox.state.heard_from(agent, 0.0)
     before = time.monotonic()
     inbox.apply(frame(peers[1], Heartbeat()))
     assert before <= agent.last_heard <= time.monotonic()
@@ -495,13 +495,19 @@ def test_rule_a_connection_that_never_said_hello_ends_with_nothing_to_judge():
 
 def test_rule_a_stale_connection_of_a_rank_ends_without_judging_it():
     inbox, _, _, ranks = with_workers()
-    inbox.state.ranks[0].conn = 999  # the rank has another connection now
+    inbox.state.begin_stop(restart=True)  # a restart: the old workers' connections stay open
+    inbox.state.next_attempt()
+    for agent in inbox.state.agents:
+        inbox.state.assign(agent, spec(agent.index))
+    again = StubPeer(999, "worker")  # the rank has another connection now
+    inbox.apply(frame(again, WorkerHello(0, 0, 3000, attempt=1)))
     inbox.apply(PeerClosed(ranks[0]))  # type: ignore[arg-type]
     assert not inbox.state.ranks[0].conn_closed
 
 
 def test_rule_a_rank_whose_connection_ended_after_a_restart_is_not_looked_up():
     inbox, _, _, ranks = with_workers()
+    inbox.state.begin_stop(restart=True)
     inbox.state.next_attempt()  # the ranks of the last attempt are gone
     inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
     assert inbox.state.faults == []
@@ -533,7 +539,7 @@ def test_rule_an_agents_connection_cut_fails_it_with_its_stderr():
 
 def test_rule_an_agents_connection_cut_while_stopping_fails_it_without_a_fault():
     inbox, _, peers = connected()
-    inbox.state.stopping = True
+    inbox.state.begin_stop(restart=False)
     inbox.apply(PeerClosed(peers[0]))  # type: ignore[arg-type]
     assert inbox.state.agents[0].state is AgentState.FAILED and inbox.state.faults == []
 
@@ -547,7 +553,10 @@ def test_rule_the_end_of_a_done_agents_connection_is_no_failure():
 
 def test_rule_an_old_connection_of_a_replaced_agent_ends_without_judging_it():
     inbox, _, peers = connected()
-    inbox.state.agents[0].conn = 77  # a replacement said hello on another connection
+    inbox.state.begin_stop(restart=True)  # a restart replaces agent 0 ...
+    inbox.state.replace_agent(0)
+    inbox.apply(frame(StubPeer(77, "agent"), hello(0)))  # ... its new one, on another connection
+    inbox.state.replacements_started([0])
     inbox.apply(PeerClosed(peers[0]))  # type: ignore[arg-type]
     assert inbox.state.agents[0].state is AgentState.RUNNING and inbox.state.faults == []
     assert not inbox.state.agents[0].conn_closed
@@ -585,7 +594,7 @@ def test_rule_an_agent_that_never_connected_is_judged_when_its_process_ends():
 def test_rule_the_env_file_is_named_only_for_an_agent_that_never_connected(env_file):
     inbox, _, _ = connected(env_file=env_file)  # both agents said hello
     agent = inbox.state.agents[0]
-    agent.exit_status = 1
+    inbox.state.agent_exited(agent, 1, time.monotonic())
     inbox.judge_agent(agent)
     assert "env_file" not in str(inbox.state.faults[0].error)
     inbox2, _ = new_inbox()
@@ -632,9 +641,9 @@ def test_rule_an_agent_silent_too_long_is_lost_and_the_message_names_both_limits
 
 def test_rule_a_done_agent_is_not_judged_again():
     inbox, _, peers = connected()
-    inbox.apply(frame(peers[0], AgentDone()))
     agent = inbox.state.agents[0]
-    agent.judge_by = 5.0
+    inbox.state.agent_exited(agent, 0, 3.0)  # its exit overtook its AgentDone: judged by 5.0
+    inbox.apply(frame(peers[0], AgentDone()))
     inbox.judge_agent(agent)
     assert agent.state is AgentState.DONE and agent.judge_by is None
     assert inbox.state.faults == []
@@ -642,7 +651,7 @@ def test_rule_a_done_agent_is_not_judged_again():
 
 def test_rule_an_agent_that_ended_while_the_launch_stops_failed_without_a_fault():
     inbox, _, _ = connected()
-    inbox.state.stopping = True
+    inbox.state.begin_stop(restart=False)
     inbox.judge_agent(inbox.state.agents[0])
     assert inbox.state.agents[0].state is AgentState.FAILED and inbox.state.faults == []
 
@@ -651,7 +660,7 @@ def test_rule_a_remote_agent_killed_by_a_signal_is_named_so():
     inbox, parts, _ = connected()
     parts.processes[0] = StubProcess("ssh: broken pipe")
     agent = inbox.state.agents[0]
-    agent.exit_status = -9
+    inbox.state.agent_exited(agent, -9, time.monotonic())
     inbox.judge_agent(agent)
     (fault,) = inbox.state.faults
     assert "the agent ended without an exit status" in str(fault.error)
@@ -864,15 +873,44 @@ def test_rule_a_worker_uses_its_gpu_by_local_rank_or_cuda_0_when_isolated(
 # -- the launch state (torchrunx/launcher/state.py) ------------------------------------------
 
 
-def launch(hosts: int = 2, workers: int = 2, *, attempt: int = 0, **fields) -> LaunchState:
-    """A launch whose agents said hello (at 101, started at 100) and got their specs."""
+def launch(
+    hosts: int = 2,
+    workers: int = 2,
+    *,
+    attempt: int = 0,
+    reasons: tuple[str, ...] = (),
+    ready_at: float = 101.0,
+    **fields,
+) -> LaunchState:
+    """A launch whose agents said hello (at 101, started at 100, all in at ``ready_at``) and
+    got their specs; ``attempt`` restarts before (``reasons``: those recorded, in order)."""
     agents = [AgentRecord(i, HostSlots(f"node{i}", workers), "ssh") for i in range(hosts)]
     state = LaunchState(agents, started=100.0, **fields)
-    state.attempt = attempt
     for agent in agents:
         state.agent_hello(agent, agent.index, hello(agent.index, workers), 101.0)
-        state.assign(agent, spec(agent.index, workers, hosts))
+    state.agents_ready(ready_at)
+    state.start_run(ready_at, warm=False)
+    state.run_workers(fresh=True)
+    assign_all(state, workers)
+    for restart in range(attempt):
+        restart_workers(state, workers, reasons[restart] if restart < len(reasons) else None)
     return state
+
+
+def assign_all(state: LaunchState, workers: int) -> None:
+    """Every agent gets its spec of this attempt (``workers`` each)."""
+    for agent in state.agents:
+        state.assign(agent, spec(agent.index, workers, len(state.agents)))
+
+
+def restart_workers(state: LaunchState, workers: int, reason: str | None = None) -> None:
+    """A restart as the launch makes it: the workers stop, why is recorded (unless ``None``),
+    the next attempt gets new specs."""
+    state.begin_stop(restart=True)
+    if reason is not None:
+        state.record_restart(reason)
+    state.next_attempt()
+    assign_all(state, workers)
 
 
 def running(hosts: int = 2, workers: int = 2, **fields) -> LaunchState:
@@ -903,7 +941,9 @@ def test_rule_a_rank_moves_with_an_event_naming_it_its_host_and_the_attempt():
 
 def test_rule_the_launch_runs_and_is_healthy_again_only_once_every_worker_runs():
     state = launch(1, 2)
-    state.degraded, state.phase = True, Phase.RESTARTING
+    state.add_fault("exception", ValueError("x"), 1.0, rank=state.ranks[0])  # degraded
+    restart_workers(state, 2, "ValueError: x")
+    state.move_phase(Phase.RESTARTING)  # the phase says so until every worker runs
     state.worker_hello(state.ranks[0], 100, 2000)
     state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)  # still running
     assert state.phase is Phase.RESTARTING and state.degraded is True
@@ -913,7 +953,7 @@ def test_rule_the_launch_runs_and_is_healthy_again_only_once_every_worker_runs()
 
 def test_rule_a_fault_is_recorded_as_it_happened_and_in_the_order_learnt():
     state = running()
-    state.stopping = True
+    state.begin_stop(restart=False)
     error = ValueError("bad")
     state.add_fault("agent", AgentFailedError("node1", "gone"), 5.0, host_index=1)
     events = state.add_fault("exception", error, 3.0, rank=state.ranks[2])
@@ -973,7 +1013,7 @@ def test_rule_an_agents_hello_records_its_port_its_start_time_and_says_so():
 
 def test_rule_forked_workers_are_recorded_and_announced_with_their_global_ranks():
     state = launch(2, 2, attempt=1)
-    state.ranks[3].pid = 77  # its hello came first: the pid it gave stays
+    state.worker_hello(state.ranks[3], 103, 77)  # its hello came first: the pid it gave stays
     agent = state.agents[1]
     (event,) = state.workers_forked(agent, WorkersStarted((31, 32)))
     assert agent.pids == (31, 32) and agent.forked is True
@@ -1004,7 +1044,7 @@ def test_rule_an_agent_process_that_ends_before_its_connection_waits_to_be_judge
     assert state.next_due() == 50.0 + OUTCOME_WAIT
     assert state.due(50.0 + OUTCOME_WAIT - 0.01) == ([], [])
     assert state.due(50.0 + OUTCOME_WAIT) == ([agent], [])  # due at that very time
-    agent.judge_by = None  # judged
+    state.agent_judged(agent)
     assert state.due(99.0) == ([], []) and state.next_due() is None
 
 
@@ -1016,8 +1056,7 @@ def test_rule_an_agent_process_that_ends_after_its_connection_is_judged_at_once(
 
 
 def test_rule_a_spec_ends_the_wait_between_runs_and_numbers_local_ranks():
-    state = launch(2, 3)
-    state.between_runs = True
+    state = kept(2, 3)  # between runs (the kept workers' ranks stay)
     state.assign(state.agents[0], spec(0, 3, 2))
     assert state.between_runs is False
     assert [r.local_rank for r in state.ranks] == [0, 1, 2, 0, 1, 2, 0, 1, 2]
@@ -1079,6 +1118,7 @@ def test_rule_a_rank_whose_exit_is_unknown_does_not_settle():
 def test_rule_a_stale_rank_record_is_never_due():
     state = running(1, 2)
     old = state.ranks[1]
+    state.begin_stop(restart=True)
     state.next_attempt()
     state.assign(state.agents[0], spec(0, 1, 1))  # one rank this time
     state.worker_exited(old, WorkerExited(1, 2001, 1, None), 5.0)
@@ -1096,9 +1136,10 @@ def test_rule_a_watchdog_counts_only_while_the_rank_runs():
 def test_rule_silence_is_measured_from_the_last_word_and_over_the_limit_only():
     state = launch(3, 1, agent_timeout=10.0, start_timeout=10.0)
     for agent in state.agents:
-        agent.last_heard, agent.forked = 100.0, True
+        state.heard_from(agent, 100.0)
+        state.workers_forked(agent, WorkersStarted((2000 + agent.index,)))
     state.move_agent(state.agents[0], AgentState.DONE)  # over: never silent, and not the last
-    state.agents[2].hello = None  # never said hello: not silent either
+    state.replace_agent(2)  # its new agent never said hello: not silent either
     assert state.silent_agents(110.0) == []  # exactly the limit
     assert state.silent_agents(110.5) == [(state.agents[1], 10.5)]
 
@@ -1111,8 +1152,8 @@ def test_rule_an_agent_without_hello_is_never_silent():
 
 def test_rule_unready_agents_are_those_that_ended_or_do_not_wait():
     state = launch(3, 1)
-    state.agents[0].ready = True
-    state.agents[2].ready = True
+    state.workers_ended(state.agents[0], WorkersEnded(29600, attempt=0))
+    state.workers_ended(state.agents[2], WorkersEnded(29600, attempt=0))
     state.move_agent(state.agents[2], AgentState.FAILED)
     assert state.unready_agents() == [state.agents[1], state.agents[2]]
 
@@ -1121,8 +1162,34 @@ def kept(hosts: int = 1, workers: int = 2) -> LaunchState:
     state = running(hosts, workers, keep_workers=True)
     for rank in state.ranks:
         state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 1.0)
-    state.keep_workers_for_next_call()
+    state.results_in(110.0)
+    state.succeeded()
+    state.after_run(keep_workers=True)  # the workers stay for the next call
     return state
+
+
+def rank_1_never_connected(state: LaunchState) -> None:
+    """Robustness: the next run's workers are kept, but rank 1's moved on without its own
+    connection (no hello: moved by hand, which no message does)."""
+    state.begin_stop(restart=True)
+    state.next_attempt(keep_ready=True)
+    assign_all(state, 2)
+    state.worker_hello(state.ranks[0], 100, 2000)
+    state.move_rank(state.ranks[1], WorkerState.HEALTHY)
+    for rank in state.ranks:
+        state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 2.0)
+    state.succeeded()
+    state.after_run(keep_workers=True)
+
+
+def rank_1_failed_yet_kept(state: LaunchState) -> None:
+    """Robustness: the workers are kept though rank 1 failed before it returned (after_run
+    keeps none after a failure: kept by hand)."""
+    state.next_call()
+    state.worker_failed(state.ranks[1], "hang", ValueError("stuck"), 2.0)
+    for rank in state.ranks:
+        state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 3.0)
+    state.keep_workers_for_next_call()
 
 
 def test_rule_kept_workers_wait_between_runs():
@@ -1134,12 +1201,12 @@ def test_rule_kept_workers_wait_between_runs():
 @pytest.mark.parametrize(
     "spoil",
     [
-        lambda s: setattr(s.ranks[1], "conn", None),
-        lambda s: setattr(s.ranks[1], "conn_closed", True),
-        lambda s: setattr(s.ranks[1], "exited", WorkerExited(1, 2001, 0, None)),
-        lambda s: setattr(s.ranks[1], "state", WorkerState.FAILED),
+        rank_1_never_connected,
+        lambda s: s.worker_conn_closed(s.ranks[1]),
+        lambda s: s.worker_exited(s.ranks[1], WorkerExited(1, 2001, 0, None), 5.0),
+        rank_1_failed_yet_kept,
         lambda s: s.move_agent(s.agents[0], AgentState.LOST),
-        lambda s: setattr(s, "kept_workers", False),
+        lambda s: s.next_call(),  # they took a call: kept no more
     ],
 )
 def test_rule_kept_workers_take_a_call_only_if_each_is_alive_connected_and_its_agent_well(
@@ -1152,9 +1219,9 @@ def test_rule_kept_workers_take_a_call_only_if_each_is_alive_connected_and_its_a
 
 def test_rule_the_next_call_runs_the_same_ranks_again_from_a_clean_slate():
     state = kept(1, 2)
-    state.stopping = True
+    state.begin_stop(restart=True)
     state.add_fault("agent", AgentFailedError("node0", "x"), 1.0, host_index=0)
-    state.stacks[0] = "a stack"
+    state.add_stacks(state.agents[0], {0: "a stack"})
     old = state.ranks
     state.next_call()
     assert state.kept_workers is False and state.between_runs is False
@@ -1174,43 +1241,46 @@ def test_rule_the_next_call_runs_the_same_ranks_again_from_a_clean_slate():
 
 def test_rule_the_next_attempt_forgets_the_last_ones_ranks_faults_and_counts():
     state = running(2, 1, attempt=1)
-    state.kept_workers, state.stopping = True, True
-    state.stacks[0] = "a stack"
-    state.agents[0].ready = True
     state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    state.keep_workers_for_next_call()
+    state.begin_stop(restart=True)  # the kept workers stop: a new attempt starts
+    state.add_stacks(state.agents[0], {0: "a stack"})
+    state.workers_ended(state.agents[0], WorkersEnded(29600, attempt=1))
     state.next_attempt()
     assert state.attempt == 2 and state.kept_workers is False and state.stopping is False
     assert state.ranks == [] and state.faults == [] and state.stacks == {}
     assert [a.ready for a in state.agents] == [False, False]
     assert [a.pids for a in state.agents] == [(), ()]
-    state.phase = Phase.RESTARTING
     for agent in state.agents:
         state.assign(agent, spec(agent.index, 1, 2))
+    state.move_phase(Phase.RESTARTING)  # the phase says so until every worker runs
     state.worker_hello(state.ranks[0], 100, 2000)
     assert state.phase is Phase.RESTARTING  # one of two workers runs
     state.worker_hello(state.ranks[1], 101, 2001)
     assert state.phase is Phase.RUNNING
     state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 1.0)
-    state.agents[1].ready = True
+    state.workers_ended(state.agents[1], WorkersEnded(29600, attempt=2))
     assert not state.finished  # rank 0 has not returned, and agent 0 does not wait yet
     state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
     assert not state.finished  # agent 0 does not wait yet
-    state.agents[0].ready = True
+    state.workers_ended(state.agents[0], WorkersEnded(29600, attempt=2))
     assert state.finished
 
 
 def test_rule_warm_agents_that_wait_for_a_spec_still_do_in_the_next_attempt():
     state = running(2, 1)
-    state.agents[0].ready = True
+    state.workers_ended(state.agents[0], WorkersEnded(29600, attempt=0))
     state.next_attempt(keep_ready=True)
     assert [a.ready for a in state.agents] == [True, False]
 
 
 def test_rule_health_lists_every_agent_and_worker_as_they_are():
-    state = running(2, 1, attempt=1)
-    state.agents[0].last_heard = 110.12345
-    state.agents[1].hello = None
-    state.ranks[1].pid = 0
+    state = launch(2, 1, attempt=1)
+    state.worker_hello(state.ranks[0], 100, 2000)
+    state.worker_hello(state.ranks[1], 101, 0)  # its pid is not known
+    state.heard_from(state.agents[0], 110.12345)
+    state.replace_agent(1)  # robustness: its new agent runs, moved by hand without a hello
+    state.move_agent(state.agents[1], AgentState.RUNNING)
     report = state.health(112.5, max_restarts=3, cause=None)
     assert report == HealthReport(
         healthy=True,
@@ -1232,12 +1302,11 @@ def test_rule_health_lists_every_agent_and_worker_as_they_are():
 
 
 def test_rule_health_names_this_attempts_cause_unless_it_restarts():
-    state = running(1, 1, attempt=1)
-    state.history.append("attempt 0: ValueError: first")
+    state = running(1, 1, attempt=1, reasons=("ValueError: first",))
     report = state.health(101.0, max_restarts=3, cause="ValueError: second")
     assert report.healthy is False
     assert report.failures == ("attempt 0: ValueError: first", "attempt 1: ValueError: second")
-    state.phase = Phase.RESTARTING
+    state.begin_stop(restart=True)  # the second failure restarts too
     report = state.health(101.0, max_restarts=3, cause="ValueError: second")
     assert report.failures == ("attempt 0: ValueError: first",)
 
@@ -1245,13 +1314,15 @@ def test_rule_health_names_this_attempts_cause_unless_it_restarts():
 def test_rule_a_failed_agent_makes_the_launch_unhealthy_even_once_recovered():
     state = running(2, 1)
     state.move_agent(state.agents[1], AgentState.FAILED)
-    state.degraded = False
+    state.begin_failure()  # a warm run failed, and the agents wait for the next
+    state.failed_run()
+    state.after_run(keep_workers=False)  # recovered: degraded no more
     assert state.health(101.0, max_restarts=0, cause=None).healthy is False
 
 
 def test_rule_timings_are_read_from_each_rank_and_transfer_is_never_negative():
-    state = running(3, 1)
-    state.finished_after, state.agents_started_after = 9.0, 1.5
+    state = running(3, 1, ready_at=101.5)
+    state.results_in(109.0)
     sent = WorkerResult(0, init_seconds=0.5, function_seconds=2.0, pickle_seconds=0.25, sent_at=10)
     late = WorkerResult(1, init_seconds=0.7, function_seconds=3.0, pickle_seconds=0.5, sent_at=20)
     state.worker_result(state.ranks[0], sent, [bytearray()], 10.75)  # received 0.75 s later
@@ -2182,6 +2253,7 @@ def test_rule_connect_gives_the_last_try_at_least_a_moment(monkeypatch):
 def test_rule_after_a_restart_no_result_counts_before_it_comes():
     state = running(1, 2, keep_workers=True)
     state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    state.begin_stop(restart=True)
     state.next_attempt()
     state.assign(state.agents[0], spec(0, 2, 1))
     for rank in state.ranks:

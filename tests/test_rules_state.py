@@ -26,6 +26,7 @@ from torchrunx.events import AgentState, WorkerState, WorkerStateChanged
 from torchrunx.hosts.hostlists import HostSlots
 from torchrunx.launcher.records import AgentRecord, RankRecord
 from torchrunx.launcher.state import LaunchState
+from torchrunx.wire.messages import WorkerSpec
 
 A = AgentState
 W = WorkerState
@@ -50,12 +51,40 @@ WORKER_ALLOWED: set[tuple[WorkerState, WorkerState]] = {
 WORKER_FINAL: set[WorkerState] = {W.SUCCEEDED, W.FAILED, W.STOPPED}
 
 
+AGENT_PATHS: dict[AgentState, list[AgentState]] = {
+    A.STARTING: [],
+    A.RUNNING: [A.RUNNING],
+    A.DONE: [A.RUNNING, A.DONE],
+    A.FAILED: [A.FAILED],
+    A.LOST: [A.RUNNING, A.LOST],
+}
+"""How an agent gets to each state from STARTING (by the moves above)."""
+
+WORKER_PATHS: dict[WorkerState, list[WorkerState]] = {
+    W.INIT: [],
+    W.HEALTHY: [W.HEALTHY],
+    W.SUCCEEDED: [W.HEALTHY, W.SUCCEEDED],
+    W.FAILED: [W.FAILED],
+    W.STOPPED: [W.STOPPED],
+}
+"""How a worker gets to each state from INIT (by the moves above)."""
+
+
 def _launch() -> tuple[LaunchState, AgentRecord, RankRecord]:
     agent = AgentRecord(0, HostSlots("node0", 1), "local")
     state = LaunchState([agent], started=0.0)
-    rank = RankRecord(0, 0, 0)
-    state.ranks.append(rank)
-    return state, agent, rank
+    state.assign(agent, WorkerSpec(0, "node0", 1, 0, 1, "127.0.0.1", 29500, "gloo", 60.0))
+    return state, agent, state.ranks[0]
+
+
+def _agent_in(state: LaunchState, agent: AgentRecord, target: AgentState) -> None:
+    for new in AGENT_PATHS[target]:
+        state.move_agent(agent, new)
+
+
+def _rank_in(state: LaunchState, rank: RankRecord, target: WorkerState) -> None:
+    for new in WORKER_PATHS[target]:
+        state.move_rank(rank, new)
 
 
 def test_the_tables_name_every_state():
@@ -73,7 +102,7 @@ def test_rule_an_agent_moves_only_along_the_diagram_and_a_final_state_stays(old,
     raises ValueError); a final state (DONE, FAILED, LOST) never changes; a move to the state
     it is in changes nothing."""
     state, agent, _ = _launch()
-    agent.state = old
+    _agent_in(state, agent, old)
     if old in AGENT_FINAL or old == new:
         assert state.move_agent(agent, new) is False
         assert agent.state is old
@@ -95,7 +124,7 @@ def test_rule_a_worker_moves_only_along_the_diagram_and_a_final_state_stays(old,
     ValueError), and each move is one WorkerStateChanged event; a final state (SUCCEEDED,
     FAILED, STOPPED) never changes; a move to the state it is in changes nothing."""
     state, _, rank = _launch()
-    rank.state = old
+    _rank_in(state, rank, old)
     if old in WORKER_FINAL or old == new:
         assert state.move_rank(rank, new) == []
         assert rank.state is old
@@ -116,7 +145,7 @@ def test_rule_a_worker_moves_only_along_the_diagram_and_a_final_state_stays(old,
 def test_rule_a_failure_of_a_rank_that_ended_is_recorded_but_does_not_move_it(final):
     """Rule: a rank fails once; a fault learnt after its end is a fact, not a move."""
     state, _, rank = _launch()
-    rank.state = final
+    _rank_in(state, rank, final)
     assert state.add_fault("exception", ValueError("late"), 1.0, rank=rank) == []
     assert rank.state is final
     assert [f.kind for f in state.faults] == ["exception"]

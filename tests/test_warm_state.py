@@ -66,9 +66,11 @@ def run_once(state: LaunchState, *, now: float = 110.0) -> None:
         state.worker_result(rank, WorkerResult(rank.rank), [bytearray(b"x")], now)
     if state.keep_workers:
         assert state.finished  # every rank returned: the run is over, its workers go on
-        state.keep_workers_for_next_call()
+        state.results_in(now)
+        state.succeeded()
+        state.after_run(keep_workers=True)  # the workers stay for the next call
         for agent in state.agents:
-            agent.last_heard = now
+            state.heard_from(agent, now)
         return
     for agent in state.agents:
         for local in range(workers):
@@ -78,10 +80,11 @@ def run_once(state: LaunchState, *, now: float = 110.0) -> None:
             state.worker_conn_closed(rank)
             state.settle(rank)
         assert state.workers_ended(agent, WorkersEnded(29600, state.attempt))
-        agent.last_heard = now
+        state.heard_from(agent, now)
     assert state.finished
-    state.next_attempt(keep_ready=True)
-    state.between_runs = True
+    state.results_in(now)
+    state.succeeded()
+    state.after_run(keep_workers=False)  # the agents wait for the next run's spec
 
 
 # -- agents between runs ---------------------------------------------------------------------
@@ -122,9 +125,8 @@ def test_an_agent_that_never_forked_answers_to_start_timeout_it_may_be_importing
 def test_silence_is_not_judged_while_stopping_and_a_lost_agent_is_over():
     state = launch()
     run_once(state)
-    state.stopping = True
-    assert state.silent_agents(1000.0) == []
-    state.stopping = False
+    with state.stopping_meanwhile():
+        assert state.silent_agents(1000.0) == []
     (agent, _), *_ = state.silent_agents(1000.0)
     assert state.move_agent(agent, AgentState.LOST)
     assert agent in state.unready_agents()
@@ -178,7 +180,7 @@ def test_a_kept_worker_that_exits_while_idle_is_a_death_and_ends_the_kept_worker
     state = launch(keep_workers=True)
     run_once(state)
     rank = state.ranks[1]
-    rank.result = None  # collected
+    state.take_result(rank)  # collected
     assert state.worker_exited(rank, WorkerExited(1, rank.pid, None, 9), 120.0) is False
     state.worker_conn_closed(rank)
     events = state.settle(rank)
