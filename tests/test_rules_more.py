@@ -943,7 +943,6 @@ def test_rule_the_launch_runs_and_is_healthy_again_only_once_every_worker_runs()
     state = launch(1, 2)
     state.add_fault("exception", ValueError("x"), 1.0, rank=state.ranks[0])  # degraded
     restart_workers(state, 2, "ValueError: x")
-    state.move_phase(Phase.RESTARTING)  # the phase says so until every worker runs
     state.worker_hello(state.ranks[0], 100, 2000)
     state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)  # still running
     assert state.phase is Phase.RESTARTING and state.degraded is True
@@ -1253,7 +1252,6 @@ def test_rule_the_next_attempt_forgets_the_last_ones_ranks_faults_and_counts():
     assert [a.pids for a in state.agents] == [(), ()]
     for agent in state.agents:
         state.assign(agent, spec(agent.index, 1, 2))
-    state.move_phase(Phase.RESTARTING)  # the phase says so until every worker runs
     state.worker_hello(state.ranks[0], 100, 2000)
     assert state.phase is Phase.RESTARTING  # one of two workers runs
     state.worker_hello(state.ranks[1], 101, 2001)

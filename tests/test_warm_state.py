@@ -208,3 +208,37 @@ def test_a_new_attempt_forgets_kept_workers():
     assert not state.kept_workers
     assert not state.kept_workers_well()
     assert state.ranks == []
+
+
+# -- one answer: the restarts of the run under way -------------------------------------------
+
+
+def test_health_counts_the_restarts_of_the_run_under_way_as_its_result_does():
+    state = launch()
+    for run, now in ((1, 110.0), (2, 130.0)):
+        state.start_run(now, warm=True)
+        state.run_workers(fresh=True)
+        for agent in state.agents:
+            spec = WorkerSpec(
+                agent.index,
+                agent.slots.hostname,
+                2,
+                2 * agent.index,
+                4,
+                "a",
+                1,
+                "gloo",
+                60.0,
+                attempt=state.attempt,
+            )
+            state.assign(agent, spec)
+        state.add_fault("exception", ValueError("x"), now, rank=state.ranks[0])
+        state.begin_stop(restart=True)  # the run restarts once
+        state.record_restart("ValueError: x")
+        state.next_attempt()
+        report = state.health(now + 1.0, max_restarts=1, cause=None)
+        assert (report.restarts, state.restarts) == (1, 1)  # not the attempts of earlier runs
+        assert report.attempt == state.attempt == 2 * run - 1
+        assert report.failures == ("attempt 0: ValueError: x",)
+        run_once(state, now=now + 2.0)
+        assert state.finished_after == 2.0  # counted from the run's start, not the agents'

@@ -109,7 +109,8 @@ class AttemptState:
             raise ValueError(f"rank {rank.rank}: {rank.state.value} -> {new.value}")
         old, rank.state = rank.state, new
         self._running += (new in RUNNING_STATES) - (old in RUNNING_STATES)
-        starting = self.phase in (Phase.STARTING_WORKERS, Phase.RESTARTING)
+        # Workers that start (fresh, or a restart's) all run; never while the launch stops.
+        starting = self.phase in (Phase.STARTING_WORKERS, Phase.RESTARTING) and not self.stopping
         if new in RUNNING_STATES and self._running == len(self.ranks) and starting:
             self.degraded = False  # after a restart: healthy again once every worker runs
             self.move_phase(Phase.RUNNING)
@@ -280,7 +281,8 @@ class AttemptState:
 
     def assign(self, agent: AgentRecord, spec: WorkerSpec) -> None:
         """Give ``agent`` its workers of this attempt (ranks ``rank_offset`` onwards)."""
-        self.move_phase(Phase.STARTING_WORKERS)
+        if self.phase is not Phase.RESTARTING:  # a restart is one until its workers all run
+            self.move_phase(Phase.STARTING_WORKERS)
         self.between_runs = False
         agent.spec, agent.ready, agent.pids = spec, False, ()
         self.ranks.extend(

@@ -67,7 +67,7 @@ PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.STARTING_AGENTS: frozenset({Phase.STARTING_WORKERS, Phase.STOPPING}),
     Phase.STARTING_WORKERS: frozenset({Phase.RUNNING, Phase.RESTARTING, Phase.STOPPING}),
     Phase.RUNNING: frozenset({Phase.SUCCEEDED, Phase.RESTARTING, Phase.STOPPING}),
-    Phase.RESTARTING: frozenset({Phase.STARTING_WORKERS, Phase.RUNNING, Phase.STOPPING}),
+    Phase.RESTARTING: frozenset({Phase.RUNNING, Phase.STOPPING}),
     Phase.STOPPING: frozenset({Phase.FAILED}),
     Phase.SUCCEEDED: frozenset({Phase.IDLE}),
     Phase.FAILED: frozenset({Phase.IDLE}),

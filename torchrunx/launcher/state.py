@@ -8,13 +8,11 @@ agents and ranks by :data:`AGENT_MOVES` and :data:`WORKER_MOVES` (drawn in
 :mod:`torchrunx.events`, whose enums are the source of truth), the launch as a whole by
 :data:`PHASE_MOVES`::
 
-    STARTING_AGENTS ─▶ STARTING_WORKERS ─▶ RUNNING ─▶ SUCCEEDED ─▶ IDLE  (warm agents)
-                             ▲   │  ▲        │                   │
-                             │   ▼  │        ▼                   │ next run: specs, or the
-                             RESTARTING ◀────┘ (and from IDLE)   │ call to kept workers
-                             ▲                                   │ (RUNNING)
-                             └───────────────────────────────────┘
-    STARTING_*, RUNNING, RESTARTING, IDLE ─▶ STOPPING ─▶ FAILED ─▶ IDLE  (warm agents)
+    STARTING_AGENTS ─▶ STARTING_WORKERS ─▶ RUNNING ─▶ SUCCEEDED ─▶ IDLE   (warm agents)
+    STARTING_WORKERS, RUNNING, IDLE ─▶ RESTARTING ─▶ RUNNING   (a restart lasts until the
+                                                               new workers all run)
+    IDLE ─▶ STARTING_WORKERS (the next run's specs), RUNNING (the kept workers' call)
+    STARTING_*, RUNNING, RESTARTING, IDLE ─▶ STOPPING ─▶ FAILED ─▶ IDLE   (warm agents)
 
 A run's bookkeeping is kept here too (its start, the attempt it started with, its restarts,
 its extra failures), so that ``GET /health``, :class:`~torchrunx.LaunchResult` and the events
@@ -316,7 +314,8 @@ class LaunchState(AttemptState):
             for r in list(self.ranks)
         )
         failures = [*self.history]
-        if cause is not None and self.phase is not Phase.RESTARTING:  # else in the history
+        # While a restart stops the workers, its cause goes into the history (not twice).
+        if cause is not None and not (self.phase is Phase.RESTARTING and self.stopping):
             failures.append(f"attempt {self.attempt}: {cause}")
         unhealthy = self.degraded or any(
             a.state in (AgentState.FAILED, AgentState.LOST) for a in agents
