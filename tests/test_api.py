@@ -209,3 +209,16 @@ def test_dry_run_with_counted_workers_and_bad_fields():
     assert "known once every agent has counted" in text
     with pytest.raises(ValueError, match="agent_start='rsh' is not one of"):
         trx.Launcher(agent_start="rsh").dry_run()  # type: ignore[arg-type]
+
+
+def test_a_workers_own_failures_share_one_base_and_the_restart_category_they_answer_to():
+    for error, category in (
+        (trx.WorkerFailedError, "deaths"),
+        (trx.WorkerTimeoutError, "timeouts"),
+        (trx.WorkerRaisedError, None),  # its type name decides (restart_on's "exceptions")
+    ):
+        assert issubclass(error, trx.WorkerError) and issubclass(error, trx.TorchrunxError)
+        assert error.restart_category == category
+    assert not issubclass(trx.AgentFailedError, trx.WorkerError)
+    assert trx.AgentFailedError.restart_category == "hosts"
+    assert trx.LaunchTimeoutError.restart_category is None  # the launch's own: never restarts
