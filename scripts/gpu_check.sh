@@ -15,6 +15,10 @@ cd "$(dirname "$0")/.."
 venv="${GPU_CHECK_VENV:-/tmp/torchrunx-gpu-venv}"
 python3 -m venv --system-site-packages "$venv"
 py="$venv/bin/python"
+# Where python3 is itself a virtual environment (an image's /opt/.../.venv, conda), the new one
+# sees the base interpreter's packages only: a .pth file adds python3's own (its CUDA torch).
+python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+    >"$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/gpu-check-host.pth"
 "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q torch
 "$py" -m pip install -q -e .
 gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
