@@ -65,7 +65,12 @@ class Target:
 TARGETS: dict[str, Target] = {
     "failures": Target(
         "torchrunx/launcher/failures.py",
-        ("tests/test_rules_failures.py", "tests/test_launch_state.py", "tests/test_rules_more.py"),
+        (
+            "tests/test_rules_failures.py",
+            "tests/test_launch_state.py",
+            "tests/test_rules_more.py",
+            "tests/test_rules_runs.py",
+        ),
     ),
     "launch_state": Target(
         "torchrunx/launcher/state.py",
@@ -75,6 +80,7 @@ TARGETS: dict[str, Target] = {
             "tests/test_rules_failures.py",
             "tests/test_rules_more.py",
             "tests/test_warm_state.py",
+            "tests/test_rules_runs.py",
         ),
         note="runs, stops, restarts, phases and read-outs",
     ),
@@ -86,12 +92,16 @@ TARGETS: dict[str, Target] = {
             "tests/test_rules_failures.py",
             "tests/test_rules_more.py",
             "tests/test_warm_state.py",
+            "tests/test_rules_runs.py",
         ),
         note="the agents and ranks of an attempt: moves, hellos, exits, outcomes",
     ),
     "inbox": Target(
         "torchrunx/launcher/inbox.py",
-        ("tests/test_rules_more.py",),
+        (
+            "tests/test_rules_more.py",
+            "tests/test_rules_runs.py",
+        ),
         note="driven with stand-in peers, pool and listener: no socket, no process",
     ),
     "handshake": Target(
@@ -232,11 +242,11 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
     "torchrunx.launcher.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),
-    "torchrunx.launcher.failures.x_restarts_for__mutmut_21": (
+    "torchrunx.launcher.failures.x_restarts_for__mutmut_12": (
         'type_name.rsplit(".", )[-1]',
         _RSPLIT,
     ),
-    "torchrunx.launcher.failures.x_restarts_for__mutmut_24": (
+    "torchrunx.launcher.failures.x_restarts_for__mutmut_15": (
         'type_name.rsplit(".", 2)[-1]',
         _RSPLIT,
     ),
