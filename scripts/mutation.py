@@ -62,6 +62,16 @@ class Target:
     note: str = ""
 
 
+_STATE_TESTS = (
+    "tests/test_launch_state.py",
+    "tests/test_rules_state.py",
+    "tests/test_rules_failures.py",
+    "tests/test_rules_more.py",
+    "tests/test_warm_state.py",
+    "tests/test_rules_runs.py",
+)
+"""The launch state's rule tests: they guard state.py and attempt.py alike."""
+
 TARGETS: dict[str, Target] = {
     "failures": Target(
         "torchrunx/launcher/failures.py",
@@ -74,26 +84,12 @@ TARGETS: dict[str, Target] = {
     ),
     "launch_state": Target(
         "torchrunx/launcher/state.py",
-        (
-            "tests/test_launch_state.py",
-            "tests/test_rules_state.py",
-            "tests/test_rules_failures.py",
-            "tests/test_rules_more.py",
-            "tests/test_warm_state.py",
-            "tests/test_rules_runs.py",
-        ),
+        _STATE_TESTS,
         note="runs, stops, restarts, phases and read-outs",
     ),
     "attempt": Target(
         "torchrunx/launcher/attempt.py",
-        (
-            "tests/test_launch_state.py",
-            "tests/test_rules_state.py",
-            "tests/test_rules_failures.py",
-            "tests/test_rules_more.py",
-            "tests/test_warm_state.py",
-            "tests/test_rules_runs.py",
-        ),
+        _STATE_TESTS,
         note="the agents and ranks of an attempt: moves, hellos, exits, outcomes",
     ),
     "inbox": Target(

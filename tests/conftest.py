@@ -245,3 +245,22 @@ def wait_gone(pid: int, seconds: float = 10) -> None:
     while alive(pid):
         assert time.monotonic() < deadline, f"process {pid} did not end"
         time.sleep(0.01)
+
+
+def worker_spec(index: int, hosts: int, workers: int, attempt: int = 0, *, keep: bool = False):
+    """The WorkerSpec of host ``index`` in a launch of ``hosts`` x ``workers`` (pure tests)."""
+    from torchrunx.wire.messages import WorkerSpec
+
+    return WorkerSpec(
+        index,
+        f"node{index}",
+        workers,
+        index * workers,
+        hosts * workers,
+        "10.0.0.1",
+        29500,
+        "gloo",
+        60.0,
+        attempt=attempt,
+        keep=keep,
+    )

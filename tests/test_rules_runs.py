@@ -8,6 +8,7 @@ warm agents' code call them (torchrunx/launcher/orchestrator.py, warm.py); no pr
 from __future__ import annotations
 
 import pytest
+from conftest import worker_spec
 
 from torchrunx.errors import AgentFailedError
 from torchrunx.events import AgentState, WorkerFailed, WorkerState
@@ -16,7 +17,7 @@ from torchrunx.launcher.failures import restarts_for
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.records import PHASE_MOVES, AgentRecord, Fault, Phase
 from torchrunx.launcher.state import LaunchState
-from torchrunx.wire.messages import AgentHello, WorkerResult, WorkerSpec
+from torchrunx.wire.messages import AgentHello, WorkerResult
 
 STARTED = 100.0
 
@@ -35,19 +36,7 @@ def agents_up(hosts: int = 2, workers: int = 1) -> LaunchState:
 def assign_all(state: LaunchState) -> None:
     hosts, workers = len(state.agents), state.agents[0].slots.workers
     for agent in state.agents:
-        spec = WorkerSpec(
-            agent.index,
-            agent.slots.hostname,
-            workers,
-            agent.index * workers,
-            hosts * workers,
-            "10.0.0.1",
-            29500,
-            "gloo",
-            60.0,
-            attempt=state.attempt,
-        )
-        state.assign(agent, spec)
+        state.assign(agent, worker_spec(agent.index, hosts, workers, state.attempt))
 
 
 def all_run(state: LaunchState) -> None:

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import torchrunx_processes
+from conftest import alive, parent_pid, torchrunx_processes
 
 import torchrunx as trx
 
@@ -46,20 +46,6 @@ def kill_myself_on_rank_1() -> None:
 def kill_my_agent() -> None:
     os.kill(os.getppid(), signal.SIGKILL)
     time.sleep(30)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def parent_of(pid: int) -> int:
-    """The parent pid of a live process (its guardian, for an agent)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def gone_within(pids: set[int], seconds: float) -> bool:
@@ -187,7 +173,7 @@ def test_agents_end_when_the_launcher_process_ends_or_is_killed(tmp_path, how):
         # The launcher waits on its stdin until told to go on: no race decides these checks.
         assert process.poll() is None
         assert alive(agent)
-        guardian = parent_of(agent)  # ends after the agent, once everything below it is gone
+        guardian = parent_pid(agent)  # ends after the agent, once everything below it is gone
         assert guardian != process.pid and alive(guardian)
         process.stdin.close()  # "exit": the launcher's interpreter ends now, without close()
         if how == "sigkill":

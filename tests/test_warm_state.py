@@ -6,6 +6,8 @@ what the next run then reads from the state, in the order the launcher learns it
 
 from __future__ import annotations
 
+from conftest import worker_spec
+
 from torchrunx.errors import AgentFailedError, WorkerFailedError
 from torchrunx.events import AgentState, WorkerFailed, WorkerState
 from torchrunx.hosts.resolve import HostSlots
@@ -16,7 +18,6 @@ from torchrunx.wire.messages import (
     WorkerExited,
     WorkerResult,
     WorkersEnded,
-    WorkerSpec,
     WorkersStarted,
 )
 
@@ -45,19 +46,7 @@ def run_once(state: LaunchState, *, now: float = 110.0) -> None:
     or the workers stay (keep_workers), as the orchestrator leaves them after a run."""
     hosts, workers = len(state.agents), state.agents[0].slots.workers
     for agent in state.agents:
-        spec = WorkerSpec(
-            agent.index,
-            agent.slots.hostname,
-            workers,
-            agent.index * workers,
-            hosts * workers,
-            "10.0.0.1",
-            29500,
-            "gloo",
-            600.0,
-            attempt=state.attempt,
-            keep=state.keep_workers,
-        )
+        spec = worker_spec(agent.index, hosts, workers, state.attempt, keep=state.keep_workers)
         state.assign(agent, spec)
         pids = tuple(2000 + agent.index * workers + i for i in range(workers))
         state.workers_forked(agent, WorkersStarted(pids))
@@ -219,19 +208,7 @@ def test_health_counts_the_restarts_of_the_run_under_way_as_its_result_does():
         state.start_run(now, warm=True)
         state.run_workers(fresh=True)
         for agent in state.agents:
-            spec = WorkerSpec(
-                agent.index,
-                agent.slots.hostname,
-                2,
-                2 * agent.index,
-                4,
-                "a",
-                1,
-                "gloo",
-                60.0,
-                attempt=state.attempt,
-            )
-            state.assign(agent, spec)
+            state.assign(agent, worker_spec(agent.index, 2, 2, state.attempt))
         state.add_fault("exception", ValueError("x"), now, rank=state.ranks[0])
         state.begin_stop(restart=True)  # the run restarts once
         state.record_restart("ValueError: x")
