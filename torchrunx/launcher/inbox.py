@@ -280,10 +280,13 @@ class Inbox:
         if agent.exited:
             self.judge_agent(agent)
             return
+        if st.stopping:  # a consequence of the stop, not a fault
+            self.agent_failed(agent, None)
+            return
         error = AgentFailedError(
             agent.slots.hostname,
             "the connection to the agent closed unexpectedly (the agent process died or was "
             "killed)",
             self.stderr_tail(agent.index),
         )
-        self.agent_failed(agent, None if st.stopping else error)
+        self.agent_failed(agent, error)
