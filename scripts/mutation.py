@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Mutation testing of torchrunx's pure core with mutmut, module by module.
+"""Mutation testing of torchrunx's pure core with mutmut, scored module by module.
 
     python scripts/mutation.py                 # every module, every mutant (see docs/mutation.md)
     python scripts/mutation.py failures env    # some modules only
     python scripts/mutation.py --ci            # CI's subset (below), about 3 minutes
     python scripts/mutation.py --list          # the modules, what is mutated, the guarding tests
+    python scripts/mutation.py --separate      # one mutmut session per module (each timed)
 
-Each module is mutated in a copy of the tree in a temporary folder (the source here is never
-touched), and its mutants run only against the pure tests that guard it (``TARGETS``): rule
-tests on made-up facts, never a test that starts a process. The copy's ``tests/conftest.py``
+The modules are mutated in a copy of the tree in a temporary folder (the source here is never
+touched), in one mutmut session (each module would pay about 20 s of set-up on its own; a
+module whose tests import torch gets a session of its own, ``Target.own_session``), and
+their mutants run only against the pure tests that guard them (``TARGETS``, together; mutmut
+runs, of those, the tests that call the mutated function): rule tests on made-up facts, never
+a test that starts a process. The copy's ``tests/conftest.py``
 gets a guard that fails any test that starts one (fork, spawn, subprocess), so such a test
 cannot guard a module here unnoticed: the clean run fails and the module is reported as broken.
 
@@ -60,6 +64,10 @@ class Target:
     functions: tuple[str, ...] = ()
     """``name`` or ``Class.method`` (``fnmatch`` patterns); empty: every function."""
     note: str = ""
+    own_session: bool = False
+    """Run in a mutmut session of its own: its tests import torch, and mutmut forks a process
+    per mutant, which costs far more from a process that holds torch (the other modules' tests
+    never import it)."""
 
 
 _STATE_TESTS = (
@@ -191,6 +199,7 @@ TARGETS: dict[str, Target] = {
         ("tests/test_hosts.py", "tests/test_gpu.py", "tests/test_rules_more.py"),
         functions=("device_env", "cuda_device", "resolve_backend", "process_group_options"),
         note="not the probes of the machine (count_local_gpus, count_local_cpus)",
+        own_session=True,  # tests/test_gpu.py imports torch
     ),
 }
 
@@ -481,6 +490,8 @@ class Result:
     equivalent: dict[str, str] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0
+    shared: bool = False
+    """Run in one mutmut session with other modules: ``seconds`` is the session's share."""
 
     def count(self, statuses: frozenset[str]) -> int:
         """How many mutants ended in one of ``statuses``."""
@@ -611,9 +622,13 @@ def run_mutmut(workdir: Path, selection: list[str], jobs: int, deadline: float) 
     return ""
 
 
-def read_results(workdir: Path, target: Target, names: list[str]) -> dict[str, list[str]]:
+def read_results(
+    workdir: Path, target: Target, names: list[str]
+) -> dict[str, tuple[str, str | None]]:
     """Each mutant's status, and the diff of each one that was checked and not killed."""
     meta = workdir / "mutants" / (target.source + ".meta")
+    if not meta.exists():  # the time box ran out before mutmut got to this module
+        return dict.fromkeys(names, ("not checked", None))
     read = subprocess.run(
         [sys.executable, "-c", READ_RESULTS, str(meta)],
         cwd=workdir,
@@ -622,8 +637,8 @@ def read_results(workdir: Path, target: Target, names: list[str]) -> dict[str, l
         text=True,
         check=True,
     )
-    results: dict[str, list[str]] = json.loads(read.stdout)
-    return results
+    results: dict[str, list[str | None]] = json.loads(read.stdout)
+    return {name: (str(status), diff) for name, (status, diff) in results.items()}
 
 
 def run_group(  # noqa: PLR0913 (the run's settings, one argument each)
@@ -681,6 +696,7 @@ def run_group(  # noqa: PLR0913 (the run's settings, one argument each)
                 else:
                     result.survivors[mutant] = diff
         result.seconds = (time.monotonic() - started) / len(names)
+        result.shared = len(names) > 1
         results.append(result)
     return results
 
@@ -736,7 +752,8 @@ def report(result: Result, target_percent: float, *, gate: bool = True) -> bool:
         f" ({result.count(frozenset({'timeout'}))} by a timeout), {len(result.survivors)} left, "
         f"{len(result.equivalent)} equivalent"
         + (f", {unchecked} not checked (time box)" if unchecked else "")
-        + f": {result.score:.1f}% ({result.seconds:.0f} s)"
+        + f": {result.score:.1f}%"
+        + ("" if result.shared else f" ({result.seconds:.0f} s)")
     )
     for mutant, diff in result.survivors.items():
         say(f"    {result.statuses[mutant]}: {mutant}")
@@ -756,7 +773,9 @@ def markdown(results: list[Result]) -> str:
         rows.append(
             f"| `{target.source}` | {what} | {result.killed} / {len(result.statuses)} "
             f"({100.0 * result.killed / max(1, len(result.statuses)):.1f}%) | "
-            f"{len(result.equivalent)} | {result.score:.1f}% | {result.seconds:.0f} s |"
+            f"{len(result.equivalent)} | {result.score:.1f}% | "
+            + ("(one session)" if result.shared else f"{result.seconds:.0f} s")
+            + " |"
         )
     return "\n".join(rows)
 
@@ -769,7 +788,14 @@ def run_and_report(
     deadline = started + budget if budget else float("inf")
     work = Path(tempfile.mkdtemp(prefix="torchrunx-mutation-"))
     results: list[Result] = []
-    groups = [modules] if args.ci and sample and len(modules) > 1 else [[m] for m in modules]
+    if args.separate:
+        groups = [[m] for m in modules]
+    elif sample:  # a sample is small: one session for all, whatever its tests import
+        groups = [modules]
+    else:  # one session, but for the modules that need one of their own
+        alone = [[m] for m in modules if TARGETS[m].own_session]
+        together = [m for m in modules if not TARGETS[m].own_session]
+        groups = [together, *alone] if together else alone
     try:
         for group in groups:
             results += run_group(
@@ -781,7 +807,7 @@ def run_and_report(
         else:
             with contextlib.suppress(OSError):
                 shutil.rmtree(work)
-    pooled_sample = len(groups) == 1 and len(modules) > 1  # CI's sample: one score for all
+    pooled_sample = bool(args.ci) and len(modules) > 1  # CI's sample: one score for all
     ok = True
     for result in results:
         ok = report(result, args.target, gate=not pooled_sample) and ok
@@ -815,6 +841,11 @@ def main() -> int:
     parser.add_argument("--budget", type=float, help="seconds for the whole run (a time box)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="mutants at once")
     parser.add_argument("--target", type=float, default=TARGET_PERCENT, help="percent killed")
+    parser.add_argument(
+        "--separate",
+        action="store_true",
+        help="one mutmut session per module (slower: each pays the set-up; gives each its time)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (mutmut browse)")
     parser.add_argument(
         "--markdown", action="store_true", help="also print docs/mutation.md's table"
