@@ -10,6 +10,7 @@ stopped. The frameworks are optional extras: outside CI a missing one skips its 
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import re
@@ -29,7 +30,7 @@ from torchrunx.integrations import framework_env
 from torchrunx.wire.lines import LineSplitter
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8
@@ -49,19 +50,47 @@ def need(module: str, request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("deepspeed_ops")
 
 
+EXTENSIONS = Path.home() / ".cache" / "torchrunx-tests" / "torch_extensions"
+"""Where the tests have torch build DeepSpeed's op: a folder only :func:`deepspeed_ops` builds in."""
+
+
 @pytest.fixture(scope="session")
-def deepspeed_ops() -> None:
+def deepspeed_ops() -> Iterator[None]:
     """DeepSpeed's C++ op for CPU collectives, compiled once, before any launch needs it.
 
     The first engine on a machine compiles it (30 s or more on two cores, with a C++ compiler);
     done inside a launch, that would count against the test's time and crowd the machine.
+
+    torch guards a build with a bare ``lock`` file, which a killed build (or a worker killed
+    while it loads the op) leaves behind, and every later load then waits on it for ever. So the
+    tests build in their own folder, under an ``flock`` (which dies with its holder), and remove
+    such a leftover ``lock`` first: while the flock is held, no build of theirs is running there.
+    The launches of this session find the op through ``TORCH_EXTENSIONS_DIR`` (a ``TORCH*``
+    variable: copied to the workers by default).
     """
+    EXTENSIONS.mkdir(parents=True, exist_ok=True)
     build = "from deepspeed.accelerator import get_accelerator as a\n"
     build += "a().create_op_builder('ShareMemCommBuilder').load()"
-    done = subprocess.run(
-        [sys.executable, "-c", build], capture_output=True, text=True, timeout=600, check=False
-    )
+    with (EXTENSIONS / "tests.flock").open("w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        for stale in EXTENSIONS.glob("*/lock"):
+            stale.unlink()
+        done = subprocess.run(
+            [sys.executable, "-c", build],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)},
+        )
     assert done.returncode == 0, f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS)
+    yield
+    if before is None:
+        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+    else:
+        os.environ["TORCH_EXTENSIONS_DIR"] = before
 
 
 @dataclass(frozen=True)
