@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The whole suite (or the pytest arguments given) several times in a row, to find flaky tests.
+#
+#   bash scripts/repeat.sh 5                      # 5 runs back to back
+#   bash scripts/repeat.sh 2 --load               # 2 runs, each beside a CPU hog per core
+#   bash scripts/repeat.sh 20 tests/test_warm.py  # one file, 20 times
+#
+# Each run's summary line and failed tests go to the log (repeat-<time>.log, or $REPEAT_LOG);
+# the last line says how many runs failed, and the exit status is 1 if any did. The hogs are
+# ended by their own pids when the script ends, however it ends.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+runs=${1:?how many runs}
+shift
+load=0
+if [[ "${1:-}" == "--load" ]]; then
+    load=1
+    shift
+fi
+python=.venv/bin/python
+log=${REPEAT_LOG:-repeat-$(date +%Y%m%d-%H%M%S).log}
+hogs=()
+stop_hogs() {
+    if ((${#hogs[@]})); then
+        kill "${hogs[@]}" 2>/dev/null
+        wait "${hogs[@]}" 2>/dev/null
+    fi
+    hogs=()
+}
+trap stop_hogs EXIT
+
+echo "$(date -Is) commit $(git rev-parse --short HEAD), $runs runs, load=$load, args: ${*:-the whole suite}" | tee -a "$log"
+failed=0
+for ((i = 1; i <= runs; i++)); do
+    if ((load)); then
+        for ((c = 0; c < $(nproc); c++)); do
+            "$python" -c 'while True: pass' &
+            hogs+=($!)
+        done
+    fi
+    started=$(date +%s)
+    out=$(mktemp)
+    "$python" -m pytest -q -p no:cacheprovider -rfE "$@" >"$out" 2>&1
+    code=$?
+    stop_hogs
+    summary=$(grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed)' "$out")
+    rm -f "$out"
+    echo "run $i: exit $code in $(($(date +%s) - started)) s" | tee -a "$log"
+    echo "$summary" | sed 's/^/    /' | tee -a "$log"
+    ((code == 0)) || failed=$((failed + 1))
+done
+echo "$failed of $runs runs failed" | tee -a "$log"
+((failed == 0))
