@@ -5,7 +5,8 @@
 #   bash scripts/repeat.sh 2 --load               # 2 runs, each beside a CPU hog per core
 #   bash scripts/repeat.sh 20 tests/test_warm.py  # one file, 20 times
 #
-# Each run's summary line and failed tests go to the log (repeat-<time>.log, or $REPEAT_LOG);
+# Each run's summary line and failed tests go to the log (repeat-<time>.log, or $REPEAT_LOG),
+# and the whole output of a failed run beside it (repeat-<time>-run<N>.txt);
 # the last line says how many runs failed, and the exit status is 1 if any did. The hogs are
 # ended by their own pids when the script ends, however it ends.
 set -uo pipefail
@@ -45,7 +46,12 @@ for ((i = 1; i <= runs; i++)); do
     code=$?
     stop_hogs
     summary=$(grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed)' "$out")
-    rm -f "$out"
+    if ((code == 0)); then
+        rm -f "$out"
+    else  # the whole output of a failed run, tracebacks included, beside the log
+        mv "$out" "${log%.log}-run$i.txt"
+        summary+=$'\n'"(output: ${log%.log}-run$i.txt)"
+    fi
     echo "run $i: exit $code in $(($(date +%s) - started)) s" | tee -a "$log"
     echo "$summary" | sed 's/^/    /' | tee -a "$log"
     ((code == 0)) || failed=$((failed + 1))

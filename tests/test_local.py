@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import socket
 import struct
 import subprocess
@@ -243,7 +244,7 @@ def kill_rank_one_while_rank_zero_waits_in_barrier(marker: str) -> None:
 
 
 def test_worker_killed_during_a_collective_is_reported_not_its_peers_echo(tmp_path):
-    # Rank 0's barrier fails with gloo's "Connection closed by peer" as rank 1 dies; the death
+    # Rank 0's barrier fails as rank 1 dies (gloo: the connection closed by its peer); the death
     # is the cause and is what is raised, the echo a note. (Which of the two arrives first is
     # varied in the pure tests: tests/test_rules_failures.py.)
     launcher = trx.Launcher(**LOCAL)
@@ -254,8 +255,9 @@ def test_worker_killed_during_a_collective_is_reported_not_its_peers_echo(tmp_pa
         error = info.value
         assert (error.rank, error.signal_name) == (1, "SIGKILL")
         notes = "\n".join(getattr(error, "__notes__", []))
-        assert "other failures seen while stopping" in notes
-        assert "Connection closed by peer" in notes
+        # Rank 0's barrier error (gloo words it in several ways: "Connection closed by peer",
+        # "Connection reset by peer", a pair closure...) is a note, never the cause.
+        assert re.search(r"other failures seen while stopping: \w*Error: ", notes), notes
 
 
 def raise_an_echo_just_before(deadline: float) -> None:
