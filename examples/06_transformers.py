@@ -6,9 +6,10 @@ Usage::
     python examples/06_transformers.py --steps 40 --out-dir /shared/gpt2
     python examples/06_transformers.py --hostnames node1 node2 --out-dir /shared/gpt2
 
-Needs ``pip install "torchrunx[transformers]"``. The model is built from a config here and
-the data is made up, so nothing is downloaded (``HF_HUB_OFFLINE=1`` makes sure of it on every
-host: ``HF_*`` variables reach other hosts only when named in ``extra_env_vars``, as here).
+Needs ``pip install -e ".[transformers]"``, in a checkout of torchrunx. The model is built from
+a config here and the data is made up, so nothing is downloaded (``HF_HUB_OFFLINE=1`` makes sure
+of it on every host: ``HF_*`` variables reach other hosts only when named in ``extra_env_vars``,
+as here).
 
 ``Trainer`` needs no glue: it reads ``LOCAL_RANK`` and ``WORLD_SIZE``, keeps the process group
 that torchrunx created, shards the data with a ``DistributedSampler``, logs and shows its

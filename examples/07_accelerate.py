@@ -6,10 +6,10 @@ Usage::
     python examples/07_accelerate.py --steps 100 --out-dir /shared/mlp
     python examples/07_accelerate.py --hostnames node1 node2 --out-dir /shared/mlp
 
-Needs ``pip install "torchrunx[accelerate]"``. ``Accelerator()`` needs no glue: it reads
-``LOCAL_RANK`` and ``WORLD_SIZE`` and keeps the process group that torchrunx created. On a
-host without a GPU, torchrunx sets ``ACCELERATE_USE_CPU=true`` in the workers, so the
-processes still train one model together (``MULTI_CPU``) rather than one model each.
+Needs ``pip install -e ".[accelerate]"``, in a checkout of torchrunx. ``Accelerator()`` needs no
+glue: it reads ``LOCAL_RANK`` and ``WORLD_SIZE`` and keeps the process group that torchrunx
+created. On a host without a GPU, torchrunx sets ``ACCELERATE_USE_CPU=true`` in the workers, so
+the processes still train one model together (``MULTI_CPU``) rather than one model each.
 Settings that ``accelerate launch`` would read from ``accelerate config`` are not read here:
 pass them to ``Accelerator(...)`` (``mixed_precision="bf16"``, ``gradient_accumulation_steps``).
 """

@@ -6,12 +6,12 @@ Usage::
     python examples/08_lightning_trainer.py --steps 100 --out-dir /shared/ckpts
     python examples/08_lightning_trainer.py --hostnames node1 node2 --out-dir /shared/ckpts
 
-Needs ``pip install "torchrunx[lightning]"``. Lightning finds the launch by itself: every worker
-has ``TORCHELASTIC_RUN_ID`` set, so Lightning reads the ranks from the worker's variables
-(its ``TorchElasticEnvironment``) and keeps the process group that torchrunx created. Tell the
-``Trainer`` how many processes there are: ``devices`` is the number of workers on each host
-(``LOCAL_WORLD_SIZE``) and ``num_nodes`` the number of hosts; on CPU, ``devices`` defaults to
-1, and each worker would train a model of its own. Passing
+Needs ``pip install -e ".[lightning]"``, in a checkout of torchrunx. Lightning finds the launch
+by itself: every worker has ``TORCHELASTIC_RUN_ID`` set, so Lightning reads the ranks from the
+worker's variables (its ``TorchElasticEnvironment``) and keeps the process group that torchrunx
+created. Tell the ``Trainer`` how many processes there are: ``devices`` is the number of workers
+on each host (``LOCAL_WORLD_SIZE``) and ``num_nodes`` the number of hosts; on CPU, ``devices``
+defaults to 1, and each worker would train a model of its own. Passing
 ``plugins=[TorchrunxEnvironment()]`` (torchrunx 0.4's ``TorchrunxClusterEnvironment``) also
 checks these two numbers against the launch.
 """

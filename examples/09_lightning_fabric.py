@@ -6,10 +6,10 @@ Usage::
     python examples/09_lightning_fabric.py --steps 100 --out-dir /shared/fabric
     python examples/09_lightning_fabric.py --hostnames node1 node2 --out-dir /shared/fabric
 
-Needs ``pip install "torchrunx[lightning]"``. As with the ``Trainer`` (see
-``08_lightning_trainer.py``), Fabric reads the ranks from the worker's variables and keeps the
-process group torchrunx created; give it ``devices`` (workers on this host) and ``num_nodes``
-(hosts). ``fabric.launch()`` starts nothing here: the processes already exist.
+Needs ``pip install -e ".[lightning]"``, in a checkout of torchrunx. As with the ``Trainer``
+(see ``08_lightning_trainer.py``), Fabric reads the ranks from the worker's variables and keeps
+the process group torchrunx created; give it ``devices`` (workers on this host) and
+``num_nodes`` (hosts). ``fabric.launch()`` starts nothing here: the processes already exist.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ Usage::
     python examples/10_deepspeed.py --hostnames node1 node2 --out-dir /shared/ds
     python examples/10_deepspeed.py --backend nccl --bf16 # on GPUs (scripts/gpu_check.sh)
 
-Needs ``pip install "torchrunx[deepspeed]"`` (DeepSpeed builds from source: install torch
-first, then ``pip install --no-build-isolation "torchrunx[deepspeed]"``). ``deepspeed`` the
-command is not used: ``deepspeed.initialize`` reads ``LOCAL_RANK`` and keeps the process
-group torchrunx created.
+Needs ``pip install -e ".[deepspeed]"``, in a checkout of torchrunx (DeepSpeed builds from
+source: install torch first, then ``pip install --no-build-isolation -e ".[deepspeed]"``).
+``deepspeed`` the command is not used: ``deepspeed.initialize`` reads ``LOCAL_RANK`` and keeps
+the process group torchrunx created.
 
 On CPU, DeepSpeed uses its CPU accelerator with gloo: engine creation, ZeRO stages 0 to 3,
 steps and checkpoints all run. Its first engine on a machine compiles a C++ op
