@@ -28,3 +28,21 @@ def test_docs_build_strict(tmp_path):
     # Every exported name has its own entry (mkdocstrings gives it the id "torchrunx.NAME").
     missing = [name for name in torchrunx.__all__ if f'id="torchrunx.{name}"' not in api]
     assert not missing, f"docs/api.md does not document {missing}"
+
+
+def test_the_api_page_documents_all_of_dunder_all_and_public_modules_only():
+    # What docs/api.md says of itself: top-level entries are exactly torchrunx.__all__; every
+    # other entry lives in one of the four public modules it names, and imports from there.
+    import importlib
+    import re
+
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    entries = re.findall(r"^::: torchrunx\.([\w.]+)", text, flags=re.MULTILINE)
+    top = {entry for entry in entries if "." not in entry}
+    inner = [entry for entry in entries if "." in entry]
+    assert top - {"events"} == set(torchrunx.__all__)
+    public_modules = {"timer", "events", "hosts", "plugins"}
+    for entry in inner:
+        module, _, name = entry.rpartition(".")
+        assert module in public_modules, entry
+        assert hasattr(importlib.import_module(f"torchrunx.{module}"), name), entry
