@@ -50,6 +50,17 @@ from torchrunx.logs import LogHandlers  # noqa: TC001 (tyro reads the field type
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
+    from typing import TypeAlias
+
+    Hostnames: TypeAlias = str | list[str] | tuple[str, ...] | os.PathLike[str]
+    """What ``hostnames`` accepts, for type checkers: any provider name (``"pbs"``, ``"lsf"``,
+    ``"hostfile:PATH"``, a plugin's), a list or tuple of names, or a path."""
+else:
+    Hostnames = Literal["auto", "slurm"] | list[str] | Path
+    """What tyro reads to make ``--hostnames``: ``"auto"``, ``"slurm"`` and a path are choices,
+    any other value a list of names (one name too: ``--hostnames node1`` is a host, not a
+    file); other provider names are taken from that list (``hosts.resolve.hostnames_source``).
+    A plain ``str`` here would make ``--hostnames node1`` a hostfile's path."""
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -107,7 +118,7 @@ class Launcher:
     core) on this machine, or on every node of the SLURM allocation it runs in.
     """
 
-    hostnames: Literal["auto", "slurm"] | list[str] | Path = "auto"
+    hostnames: Hostnames = "auto"
     """Hosts to run on: a list of names; "auto" (the SLURM allocation, or another detected
 scheduler's, if inside one, else localhost); a host provider such as "slurm", "pbs", "lsf"
 or "hostfile:PATH"; or the path of a hostfile (with a slash on the command line: ./hostfile)."""
