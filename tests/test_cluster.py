@@ -30,6 +30,8 @@ def where_am_i() -> dict[str, object]:
         "world": int(os.environ["WORLD_SIZE"]),
         "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
         "group_rank": int(os.environ["GROUP_RANK"]),
+        "groups": int(os.environ["GROUP_WORLD_SIZE"]),
+        "role": (os.environ["ROLE_NAME"], os.environ["ROLE_RANK"], os.environ["ROLE_WORLD_SIZE"]),
         "sum": total.item(),
     }
 
@@ -50,6 +52,8 @@ def test_two_hosts_over_ssh_with_uneven_workers(cluster):
     ]
     assert all(r["world"] == 3 and r["sum"] == 3.0 for r in result.ranks)
     assert [r["local_world"] for r in result.ranks] == [1, 2, 2]
+    assert all(r["groups"] == 2 for r in result.ranks)  # torchrun's GROUP_WORLD_SIZE: hosts
+    assert [r["role"] for r in result.ranks] == [("default", str(i), "3") for i in range(3)]
     assert result.index("node2", 1)["rank"] == 2
     assert list(result.results) == ["node1", "node2"]
 

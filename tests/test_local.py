@@ -52,7 +52,17 @@ def rank_info() -> dict[str, object]:
         "world": dist.get_world_size(),
         "env": {
             k: os.environ[k]
-            for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+            for k in (
+                "RANK",
+                "LOCAL_RANK",
+                "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE",
+                "GROUP_RANK",
+                "GROUP_WORLD_SIZE",
+                "ROLE_NAME",
+                "ROLE_RANK",
+                "ROLE_WORLD_SIZE",
+            )
         },
         "sum": total.item(),
         "pid": os.getpid(),
@@ -77,6 +87,10 @@ def test_localhost_gloo_collectives_and_results():
         "WORLD_SIZE": "2",
         "LOCAL_WORLD_SIZE": "2",
         "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": "1",
+        "ROLE_WORLD_SIZE": "2",
     }
     assert result.index("localhost", 1) == result.rank(1)
     assert list(result.results) == ["localhost"]

@@ -752,6 +752,7 @@ def test_rule_a_worker_gets_exactly_torchruns_variables_with_its_own_values():
         world_size=8,
         local_world_size=2,
         group_rank=2,
+        group_world_size=4,
         master_addr="10.0.0.1",
         master_port=29511,
         attempt=3,
@@ -768,6 +769,10 @@ def test_rule_a_worker_gets_exactly_torchruns_variables_with_its_own_values():
         "WORLD_SIZE": "8",
         "LOCAL_WORLD_SIZE": "2",
         "GROUP_RANK": "2",
+        "GROUP_WORLD_SIZE": "4",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": "5",
+        "ROLE_WORLD_SIZE": "8",
         "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "29511",
     }

@@ -44,6 +44,10 @@ _NEVER_FORWARDED = frozenset(
         "WORLD_SIZE",
         "LOCAL_WORLD_SIZE",
         "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "ROLE_NAME",
         "MASTER_ADDR",
         "MASTER_PORT",
         "TORCHRUNX_RESTART_COUNT",
@@ -153,6 +157,7 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
     group_rank: int,
     master_addr: str,
     master_port: int,
+    group_world_size: int = 1,
     attempt: int = 0,
     max_restarts: int = 0,
 ) -> dict[str, str]:
@@ -165,7 +170,9 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
     reads the ranks from these variables (see ``torchrunx.integrations``).
     ``TORCHELASTIC_USE_AGENT_STORE=True``: the store at ``MASTER_ADDR:MASTER_PORT`` is
     hosted by host 0's agent (:mod:`torchrunx.agent.store`), so ``env://`` rendezvous makes
-    every rank a client, rank 0 included, as under torchrun.
+    every rank a client, rank 0 included, as under torchrun. A launch has one role, torchrun's
+    default ``"default"``: ``ROLE_RANK`` and ``ROLE_WORLD_SIZE`` are ``RANK`` and
+    ``WORLD_SIZE``; ``GROUP_WORLD_SIZE`` is the number of hosts (worker groups).
     """
     return {
         "TORCHRUNX_RESTART_COUNT": str(attempt),
@@ -178,6 +185,10 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(local_world_size),
         "GROUP_RANK": str(group_rank),
+        "GROUP_WORLD_SIZE": str(group_world_size),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
     }

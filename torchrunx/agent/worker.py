@@ -172,6 +172,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
             world_size=spec.world_size,
             local_world_size=spec.num_workers,
             group_rank=spec.host_index,
+            group_world_size=spec.num_hosts,
             master_addr=spec.master_addr,
             master_port=spec.master_port,
             attempt=spec.restarts,

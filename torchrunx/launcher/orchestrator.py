@@ -230,6 +230,7 @@ class Launch(LaunchLoop):
                 attempt=st.attempt,
                 max_restarts=self.plan.max_restarts,
                 restarts=st.restarts,
+                num_hosts=len(st.agents),
                 keep=self.plan.keep_workers,
             )
             st.assign(agent, spec)

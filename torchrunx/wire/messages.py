@@ -59,6 +59,8 @@ class WorkerSpec:
     max_restarts: int = 0
     restarts: int = 0
     """Restarts so far in this run (``TORCHELASTIC_RESTART_COUNT``); ``attempt`` in a launch."""
+    num_hosts: int = 1
+    """Hosts in the launch, one worker group each (torchrun's ``GROUP_WORLD_SIZE``)."""
     keep: bool = False
     """Workers that stay (``Launcher.warm(keep_workers=True)``): after its outcome a worker
     waits on its connection for the next run's :class:`WorkerCall`, in the same process and
