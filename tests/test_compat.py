@@ -6,7 +6,9 @@ to write where they cannot. These tests are our own; the original's tests are no
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import io
 import json
 import os
 import re
@@ -428,3 +430,37 @@ def test_a_0_4_script_uses_every_node_of_its_allocation(slurm, tmp_path):
     assert summary["equal"] is True
     assert summary["nonzero"] is True
     assert summary["given"] == ["given to every node"] * 2
+
+
+@pytest.mark.parametrize("module", ["torchrunx.integrations.cli", "torchrunx.integrations.parsing"])
+def test_a_0_4_argparse_script_imports_and_parses_with_a_warning_naming_the_new_names(module):
+    # 0.4's `from torchrunx.integrations.cli import add_torchrunx_argument_group,
+    # launcher_from_args` (its docs also say `.parsing`) must not fail at import.
+    import argparse
+    import importlib
+
+    old = importlib.import_module(module)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=1)
+    with pytest.warns(DeprecationWarning, match=r"torchrunx\.add_launcher_arguments\(parser\)"):
+        old.add_torchrunx_argument_group(parser)
+    args = parser.parse_args(
+        [
+            *("--steps", "3", "--hostnames", "node1", "node2", "--workers-per-host", "2"),
+            *("--backend", "gloo", "--copy-env-vars", "PATH", "HF_*"),
+        ]
+    )
+    with pytest.warns(DeprecationWarning, match=r"torchrunx\.launcher_from_args\(args\)"):
+        launcher = old.launcher_from_args(args)
+    assert args.steps == 3
+    assert launcher == trx.Launcher(
+        hostnames=["node1", "node2"],
+        workers_per_host=2,
+        backend="gloo",
+        copy_env_vars=("PATH", "HF_*"),
+    )
+    # 0.4's --worker-timeout is refused with the option that replaced it, not "unrecognized".
+    with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(io.StringIO()) as err:
+        parser.parse_args(["--worker-timeout", "60"])
+    assert info.value.code == 2
+    assert "--timeout" in err.getvalue()

@@ -260,10 +260,21 @@ class _Renamed(argparse.Action):
         raise argparse.ArgumentError(self, message)
 
 
-def _command_parser(command: str | None) -> _Parser:
-    """The parser of ``torchrunx``, of ``torchrunx run`` or of ``torchrunx builtins``."""
+def add_renamed_options(group: argparse._ArgumentGroup) -> None:
+    """Hidden options of earlier releases (``--worker-timeout``): each an error naming the new.
+
+    Args:
+        group: Where :func:`add_launcher_arguments` put the launcher's options.
+    """
     from torchrunx.launcher.launcher import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
 
+    for name in RENAMED_FIELDS:  # keywords of earlier releases, for a clear error
+        option = "--" + name.replace("_", "-")
+        group.add_argument(option, action=_Renamed, nargs="*", dest=name, help=argparse.SUPPRESS)
+
+
+def _command_parser(command: str | None) -> _Parser:
+    """The parser of ``torchrunx``, of ``torchrunx run`` or of ``torchrunx builtins``."""
     if command == "builtins":
         return _Parser(prog="torchrunx builtins", description=_BUILTINS_DESCRIPTION)
     if command == "run":
@@ -297,11 +308,8 @@ def _command_parser(command: str | None) -> _Parser:
             action="store_true",
             help="run the target as a module, like python -m (also written `-- -m module`)",
         )
-    add_launcher_arguments(parser)
+    add_renamed_options(add_launcher_arguments(parser))
     parser.set_defaults(backend=_BackendDefault())
-    for name in RENAMED_FIELDS:  # keywords of earlier releases, for a clear error
-        option = "--" + name.replace("_", "-")
-        parser.add_argument(option, action=_Renamed, nargs="*", dest=name, help=argparse.SUPPRESS)
     if command is None:
         parser.add_argument(
             "target",

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HostSlots",
+    "Hostnames",
     "HostnamesSpec",
     "HostsSource",
     "WorkersSpec",
@@ -58,6 +59,13 @@ __all__ = [
 
 HostnamesSpec = list[str] | tuple[str, ...] | str | os.PathLike[str]
 """A list of names, ``"auto"``, a host provider, or a hostfile path (see :func:`resolve_hosts`)."""
+if TYPE_CHECKING:  # what type checkers accept for Launcher.hostnames: every documented value
+    Hostnames = HostnamesSpec
+else:
+    Hostnames = Literal["auto", "slurm"] | list[str] | Path
+    """What tyro reads for ``--hostnames``: ``"auto"``, ``"slurm"`` and a path are choices, any
+    other value a list of names (``--hostnames node1`` is a host; :func:`hostnames_source`
+    finds provider names in it). A plain ``str`` would make ``--hostnames node1`` a hostfile."""
 WorkersSpec = Literal["auto", "slurm", "gpu", "cpu"] | int | list[int] | tuple[int, ...]
 
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1", "0.0.0.0"})  # noqa: S104 (a name to recognise, not an address to bind)

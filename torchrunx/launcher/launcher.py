@@ -32,7 +32,7 @@ from torchrunx import plugins, serialization
 from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
 from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
-from torchrunx.hosts.resolve import HostSlots, check_hostnames, resolve_hosts
+from torchrunx.hosts.resolve import Hostnames, HostSlots, check_hostnames, resolve_hosts
 from torchrunx.launcher.agent_starts import count_mode, slurm_cpus
 from torchrunx.launcher.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.health import (
@@ -50,17 +50,6 @@ from torchrunx.logs import LogHandlers  # noqa: TC001 (tyro reads the field type
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
-    from typing import TypeAlias
-
-    Hostnames: TypeAlias = str | list[str] | tuple[str, ...] | os.PathLike[str]
-    """What ``hostnames`` accepts, for type checkers: any provider name (``"pbs"``, ``"lsf"``,
-    ``"hostfile:PATH"``, a plugin's), a list or tuple of names, or a path."""
-else:
-    Hostnames = Literal["auto", "slurm"] | list[str] | Path
-    """What tyro reads to make ``--hostnames``: ``"auto"``, ``"slurm"`` and a path are choices,
-    any other value a list of names (one name too: ``--hostnames node1`` is a host, not a
-    file); other provider names are taken from that list (``hosts.resolve.hostnames_source``).
-    A plain ``str`` here would make ``--hostnames node1`` a hostfile's path."""
 
 logger = logging.getLogger("torchrunx.launcher")
 
