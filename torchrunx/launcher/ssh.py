@@ -124,11 +124,10 @@ def ssh_connect(
     chain: list[paramiko.SSHClient] = []
     sock: Any = None
     if target.proxy_jump is not None and depth < 8:
-        jump_alias = target.proxy_jump.split(",")[-1]
-        jump_user, _, jump_host = jump_alias.rpartition("@")
-        jump_target = resolve_ssh_target(jump_host, config_file, target.connect_timeout)
-        if jump_user:
-            jump_target = _replace_user(jump_target, jump_user)
+        try:
+            jump_target = last_jump(target.proxy_jump, config_file, target.connect_timeout)
+        except ValueError as exc:
+            raise AgentFailedError(target.alias, f"ProxyJump {target.proxy_jump!r}: {exc}") from exc
         chain = ssh_connect(jump_target, config_file, depth=depth + 1)
         transport = chain[-1].get_transport()
         assert transport is not None  # noqa: S101 (connected just above)
@@ -195,8 +194,49 @@ def _ssh_error(target: SshTarget, exc: BaseException) -> AgentFailedError:
     return AgentFailedError(target.alias, reason)
 
 
-def _replace_user(target: SshTarget, user: str) -> SshTarget:
-    fields = {**target.__dict__, "user": user}
+def parse_jump(hop: str) -> tuple[str, str, int | None]:
+    """``[user@]host[:port]`` (an IPv6 host in brackets) as ``(user, host, port)``.
+
+    Raises:
+        ValueError: The port is not a number from 1 to 65535, or the host is empty.
+    """
+    user, _, rest = hop.strip().rpartition("@")
+    port: str | None = None
+    if rest.startswith("["):  # [v6]:port or [v6]
+        host, _, tail = rest[1:].partition("]")
+        port = tail.removeprefix(":") or None
+    elif rest.count(":") == 1:
+        host, port = rest.split(":")
+    else:  # a bare name, or an IPv6 address without brackets (no port then)
+        host = rest
+    if not host:
+        raise ValueError(f"ProxyJump hop {hop!r} names no host")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"ProxyJump hop {hop!r}: {port!r} is not a port")
+    return user, host, None if port is None else int(port)
+
+
+def last_jump(proxy_jump: str, config_file: str | Path | None, timeout: float) -> SshTarget:
+    """The hop a ``ProxyJump`` list reaches its host through: the last one, as OpenSSH does.
+
+    ``ProxyJump a,b,c``: hops are visited in order, so the host is reached through ``c``, which
+    is reached through ``b`` (``ProxyJump a,b`` for ``c``, whatever ``c``'s own entry says), and
+    so on; the first hop uses its own entry's ProxyJump, if any. Each hop is resolved from the
+    same SSH config, then given the user and port written in the list.
+
+    Raises:
+        ValueError: A hop is malformed, or the SSH config cannot be read.
+    """
+    *before, last = [hop for hop in proxy_jump.split(",") if hop.strip()] or [""]
+    user, host, port = parse_jump(last)
+    target = resolve_ssh_target(host, config_file, timeout)
+    fields = dict(target.__dict__)
+    if user:
+        fields["user"] = user
+    if port is not None:
+        fields["port"] = port
+    if before:
+        fields["proxy_jump"] = ",".join(before)
     return SshTarget(**fields)
 
 
