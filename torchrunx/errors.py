@@ -25,7 +25,12 @@ touched. Third-party errors (paramiko, socket, pickle) are translated here at th
 from __future__ import annotations
 
 import signal as _signal
+import sys
 from typing import ClassVar
+
+NOTES_PRINTED = sys.version_info >= (3, 11)
+"""Whether Python prints an exception's ``__notes__`` (3.11+). On 3.10 :func:`add_note` makes
+them part of what is printed another way: see there."""
 
 
 class TorchrunxError(Exception):
@@ -33,6 +38,12 @@ class TorchrunxError(Exception):
 
     restart_category: ClassVar[str | None] = None
     """The ``restart_on`` category that restarts after this error (None: none does)."""
+
+    def __str__(self) -> str:
+        """The message; on Python 3.10, with the notes after it (3.11+ prints them itself)."""
+        text = super().__str__()
+        notes = [] if NOTES_PRINTED else getattr(self, "__notes__", [])
+        return "\n".join([text, *notes])
 
 
 class AgentFailedError(TorchrunxError):
@@ -218,13 +229,18 @@ class RemoteTraceback(Exception):  # noqa: N818 (mirrors concurrent.futures' nam
 def add_note(error: BaseException, note: str) -> None:
     """Add ``note`` to ``error``'s notes, which Python prints after its message.
 
-    ``BaseException.add_note`` where it exists (Python 3.11+); on Python 3.10 the note is kept
-    in ``__notes__`` all the same, where 3.11+ would keep it, but is not printed.
+    ``BaseException.add_note`` on Python 3.11+. Python 3.10 keeps notes in ``__notes__`` all
+    the same but does not print them, so there a torchrunx error shows them after its message
+    (:meth:`TorchrunxError.__str__`), and a worker's exception of another type after its remote
+    traceback (its ``__cause__``, which Python prints just above it).
     """
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python 3.10
-        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+    if NOTES_PRINTED:
+        error.add_note(note)  # type: ignore[attr-defined]  # (3.11+; mypy checks for 3.10)
+        return
+    error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+    cause = error.__cause__
+    if not isinstance(error, TorchrunxError) and isinstance(cause, RemoteTraceback):
+        cause.text = f"{cause.text.rstrip()}\n{note}"
 
 
 def exception_text(exc: BaseException) -> str:
