@@ -197,3 +197,21 @@ def test_closing_a_worker_group_without_grace_kills_at_once_and_reaps_by_itself(
         assert selector.get_map() == {}
     finally:
         selector.close()
+
+
+def test_an_agent_on_a_kernel_without_pidfds_says_what_it_needs(monkeypatch):
+    # Linux before 5.3 (or a Python without os.pidfd_open): the agent must say so, not crash.
+    import errno
+
+    from torchrunx.agent import guardian
+
+    assert guardian.missing_pidfds() is None  # this machine has them
+
+    def refused(_pid: int) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
+    assert "need Linux 5.3 or later" in (guardian.missing_pidfds() or "")
+    assert "Function not implemented" in (guardian.missing_pidfds() or "")
+    monkeypatch.delattr(os, "pidfd_open")
+    assert "has no os.pidfd_open" in (guardian.missing_pidfds() or "")

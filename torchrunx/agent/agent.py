@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, NoReturn
 from torchrunx.agent import leftovers
 from torchrunx.agent.attempt import Attempt
 from torchrunx.agent.capture import capture_logging
-from torchrunx.agent.guardian import fork_agent
+from torchrunx.agent.guardian import fork_agent, missing_pidfds
 from torchrunx.agent.link import LauncherLink
 from torchrunx.agent.preload import TorchPreload
 from torchrunx.agent.store import StoreSocket, listen_address
@@ -386,6 +386,10 @@ def main(line: bytes) -> None:
         sys.exit(2)
     finally:
         del line  # the raw line holds the secret: no frame of the agent or its workers keeps it
+    unsupported = missing_pidfds()
+    if unsupported is not None:
+        sys.stderr.write(f"torchrunx agent: {unsupported}\n")
+        sys.exit(2)
     # A Ctrl-C meant for the launcher must not kill the agent before it cleans up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -25,12 +25,36 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import resource
 import signal
 import sys
 from typing import NoReturn
 
 from torchrunx.agent import leftovers
+
+
+def missing_pidfds() -> str | None:
+    """Why this host cannot run an agent, or ``None``: the agent needs pidfds (Linux 5.3+).
+
+    The guardian signals the agent, and the agent watches and signals its workers, through
+    pidfds, so that no signal ever reaches a process that reused a pid. Checked before anything
+    is forked, so the launcher's ``AgentFailedError`` says this instead of a traceback.
+    """
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return (
+            f"this Python ({platform.python_version()}, {sys.platform}) has no os.pidfd_open: "
+            "torchrunx agents need Linux 5.3 or later"
+        )
+    try:
+        os.close(opener(os.getpid()))
+    except OSError as exc:
+        return (
+            f"the kernel refuses pidfd_open ({exc}; kernel {platform.release()}): torchrunx "
+            "agents need Linux 5.3 or later, to watch and signal processes without pid reuse"
+        )
+    return None
 
 
 def fork_agent() -> str | None:
