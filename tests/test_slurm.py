@@ -7,6 +7,7 @@ Jobs run on the 2-node SLURM test cluster (``slurm`` fixture): the batch script 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shlex
 import sys
@@ -26,7 +27,12 @@ def _run_example(slurm, *script_args: str, tasks_per_node: int = 2):
     result = slurm.sbatch(
         EXAMPLE,
         nodes=2,
-        env={"HOME": str(slurm.home)},  # ~/.ssh/config there reaches the nodes
+        env={
+            "HOME": str(slurm.home),  # ~/.ssh/config there reaches the nodes
+            # The script's `python3` is this interpreter, as in a job sent from an active
+            # virtual environment (pytest may run as .venv/bin/python without activating it).
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        },
         extra_args=[f"--chdir={REPO}", f"--ntasks-per-node={tasks_per_node}"],
         script_args=script_args,
     )
