@@ -200,8 +200,13 @@ class Peer:
         if self.closed:
             return
         self.closed = True
-        if self._record is None and not self._pieces and self.sock.fileno() >= 0:
-            records.send_close(self.sock, self._sealer)  # all sent: an authenticated end
+        if (  # all sent: an authenticated end (unless the peer ended first: it reads no more)
+            self._record is None
+            and not self._pieces
+            and not self.closed_by_peer
+            and self.sock.fileno() >= 0
+        ):
+            records.send_close(self.sock, self._sealer)
         self._pieces.clear()
         self._record, self._unsent = None, 0
         self._listener.forget(self)
@@ -439,8 +444,9 @@ class Listener:
         if fd >= 0:
             self.loop.remove(fd)
             self.peers.pop(fd, None)
-        with contextlib.suppress(OSError):
-            peer.sock.shutdown(socket.SHUT_RDWR)
+        if not peer.closed_by_peer:  # else its end is over already: close alone ends ours
+            with contextlib.suppress(OSError):
+                peer.sock.shutdown(socket.SHUT_RDWR)
         peer.sock.close()
 
     def stop_accepting(self) -> None:

@@ -56,7 +56,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("torchrunx.launcher")
 
 TICK = HEARTBEAT_INTERVAL / 2
-"""Seconds between two rounds of heartbeats, silence checks and agent polls."""
+"""Seconds between two rounds of silence checks, agent polls and judgements due."""
+BEAT_EVERY = HEARTBEAT_INTERVAL
+"""Seconds between two heartbeats to each agent: as often as agents send theirs (every tick
+would double the launcher's sends, a thousand a round at a thousand hosts, for nothing: an
+agent only needs to hear from the launcher within ``agent_timeout``)."""
 
 
 class LaunchLoop:
@@ -118,6 +122,7 @@ class LaunchLoop:
         )
         self.health: HealthServer | None = None
         self._next_tick = 0.0
+        self._next_beat = 0.0
         self._interrupt: tuple[object, BaseException] | None = None
         """A run's token and the error raised in it at its next wake-up (:meth:`interrupt`)."""
         self._run_token: object = None
@@ -179,9 +184,11 @@ class LaunchLoop:
     def _tick(self, now: float) -> None:
         """Heartbeats out; silent agents lost; agents' ends polled; overdue ends judged."""
         st = self.state
-        for agent in st.agents:
-            if agent.conn is not None and not agent.over:
-                self.inbox.peer_of(agent).send(Heartbeat())
+        if now >= self._next_beat:
+            self._next_beat = now + BEAT_EVERY
+            for agent in st.agents:
+                if agent.conn is not None and not agent.over:
+                    self.inbox.peer_of(agent).send(Heartbeat())
         for agent, silent in st.silent_agents(now):
             self.inbox.agent_silent(agent, silent)
         self.listener.tick(now)
