@@ -46,3 +46,29 @@ def test_the_api_page_documents_all_of_dunder_all_and_public_modules_only():
         module, _, name = entry.rpartition(".")
         assert module in public_modules, entry
         assert hasattr(importlib.import_module(f"torchrunx.{module}"), name), entry
+
+
+def test_every_test_the_docs_name_exists():
+    # docs/security.md (and any page) backs its claims with tests named `file.py::test_name`;
+    # on the same line `..._rest_of_a_name` names another test of that file (`...` stands for
+    # a shared part). A renamed or removed test must not leave a claim pointing at nothing.
+    import fnmatch
+    import re
+
+    missing, seen = [], 0
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for line in page.read_text().splitlines():
+            named = re.findall(r"`(test_\w+\.py)::([\w.]+)`", line)
+            if not named:
+                continue
+            file_name = named[0][0]
+            source = ROOT / "tests" / file_name
+            assert source.is_file(), f"{page.name} names {file_name}, which does not exist"
+            defined = re.findall(r"^def (test_\w+)", source.read_text(), flags=re.MULTILINE)
+            tests = [test for _, test in named] + re.findall(r"`(\.\.\.[\w.]+)`", line)
+            for test in tests:
+                seen += 1
+                if not fnmatch.filter(defined, test.replace("...", "*")):
+                    missing.append(f"{page.name}: {file_name}::{test}")
+    assert seen > 10  # the docs do name tests: the pattern above still finds them
+    assert not missing, "tests named in the docs but not found:\n" + "\n".join(missing)
