@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 import torchrunx as trx
+from torchrunx import devices
 from torchrunx.devices import device_env
 from torchrunx.hosts import hostlists
 from torchrunx.hosts import resolve as hosts
@@ -307,6 +309,37 @@ def test_count_local_gpus_with_nvidia_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     assert hosts.count_local_gpus({}) == 2
     assert hosts.count_local_slots({}) == 2
+
+
+def fake_kfd(root: Path, simd_counts: list[str]) -> Path:
+    """AMD's KFD topology as ``amdgpu`` writes it: one folder per node (CPU nodes: 0 SIMDs)."""
+    for index, simds in enumerate(simd_counts):
+        node = root / str(index)
+        node.mkdir(parents=True)
+        lines = ["cpu_cores_count 64", f"simd_count {simds}", "max_waves_per_simd 8"]
+        (node / "properties").write_text("\n".join(lines if simds else lines[:1]) + "\n")
+    return root
+
+
+def test_amd_gpus_are_counted_from_the_kfd_topology(tmp_path):
+    # Two CPU sockets and four MI300-like GPUs; a node without simd_count is no GPU.
+    nodes = fake_kfd(tmp_path / "nodes", ["0", "0", "304", "304", "304", "304", ""])
+    assert devices.count_amd_gpus(nodes) == 4
+    assert devices.count_amd_gpus(tmp_path / "absent") == 0
+    # ROCm's variables hide GPUs as CUDA_VISIBLE_DEVICES does, which comes first.
+    assert hosts.count_local_gpus({"HIP_VISIBLE_DEVICES": "0,1"}, kfd_nodes=nodes) == 2
+    assert hosts.count_local_gpus({"ROCR_VISIBLE_DEVICES": "3"}, kfd_nodes=nodes) == 1
+    both = {"CUDA_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": "0,1,2"}
+    assert hosts.count_local_gpus(both, kfd_nodes=nodes) == 1
+
+
+def test_an_amd_host_gets_one_worker_per_gpu(tmp_path, monkeypatch):
+    if Path("/proc/driver/nvidia/gpus").is_dir() or shutil.which("nvidia-smi"):
+        pytest.skip("this machine has NVIDIA GPUs: they answer before the KFD topology")
+    nodes = fake_kfd(tmp_path / "nodes", ["0", "220", "220"])
+    monkeypatch.setattr(devices, "_KFD_NODES", nodes)
+    assert hosts.count_local_gpus({}) == 2
+    assert hosts.count_local_slots({}) == 2  # "auto": one worker per GPU, not per CPU core
 
 
 def test_device_env():

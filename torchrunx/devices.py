@@ -119,14 +119,24 @@ def process_group_options(
 _NVIDIA_SMI_TIMEOUT = 10.0
 
 
-def count_local_gpus(environ: Mapping[str, str] | None = None) -> int:
-    """GPUs this process may use, without importing torch or initialising CUDA.
+_KFD_NODES = Path("/sys/class/kfd/kfd/topology/nodes")
+"""AMD's kernel driver (amdgpu's KFD) lists every CPU and GPU node here; a GPU has SIMDs."""
+_VISIBLE = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+"""Variables that hide GPUs: CUDA's (which ROCm builds of torch honour too), then ROCm's."""
 
-    ``CUDA_VISIBLE_DEVICES`` if set; else the NVIDIA driver's ``/proc/driver/nvidia/gpus``;
-    else ``nvidia-smi -L`` if installed; else 0.
+
+def count_local_gpus(
+    environ: Mapping[str, str] | None = None, kfd_nodes: Path | None = None
+) -> int:
+    """GPUs this process may use, NVIDIA or AMD, without importing torch or initialising CUDA.
+
+    The first of ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES`` and ``ROCR_VISIBLE_DEVICES``
+    that is set; else the NVIDIA driver's ``/proc/driver/nvidia/gpus``; else ``nvidia-smi -L``
+    if installed; else the GPU nodes of AMD's KFD topology (``kfd_nodes``: what ``rocm-smi``
+    reads); else 0.
     """
     env = os.environ if environ is None else environ
-    visible = env.get("CUDA_VISIBLE_DEVICES")
+    visible = next((env[name] for name in _VISIBLE if name in env), None)
     if visible is not None:
         devices = []
         for device in (d.strip() for d in visible.split(",")):
@@ -137,6 +147,10 @@ def count_local_gpus(environ: Mapping[str, str] | None = None) -> int:
     proc = Path("/proc/driver/nvidia/gpus")
     if proc.is_dir():
         return len(list(proc.iterdir()))
+    return _nvidia_smi_gpus() or count_amd_gpus(_KFD_NODES if kfd_nodes is None else kfd_nodes)
+
+
+def _nvidia_smi_gpus() -> int:
     nvidia_smi = shutil.which("nvidia-smi")
     if nvidia_smi is None:
         return 0
@@ -153,6 +167,24 @@ def count_local_gpus(environ: Mapping[str, str] | None = None) -> int:
     if listed.returncode != 0:
         return 0
     return sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
+
+
+def count_amd_gpus(kfd_nodes: Path) -> int:
+    """AMD GPUs in the KFD topology: the nodes whose ``properties`` give a ``simd_count`` > 0.
+
+    A CPU node has none. An unreadable node counts as none (0 where there is no ``amdgpu``).
+    """
+    count = 0
+    for properties in sorted(kfd_nodes.glob("*/properties")):
+        try:
+            lines = properties.read_text().splitlines()
+        except OSError:
+            continue
+        fields = dict(line.split(maxsplit=1) for line in lines if len(line.split()) == 2)
+        simds = fields.get("simd_count", "0")
+        if simds.isdigit() and int(simds) > 0:
+            count += 1
+    return count
 
 
 def count_local_cpus() -> int:
