@@ -197,8 +197,8 @@ def listen_sockets(monkeypatch: pytest.MonkeyPatch) -> list[socket.socket]:
     made: list[socket.socket] = []
     real_listen = listener_module.listen_socket
 
-    def spy(host: str | None = None) -> socket.socket:
-        made.append(real_listen(host))
+    def spy(host: str | None = None, ports: tuple[int, ...] = (0,)) -> socket.socket:
+        made.append(real_listen(host, ports))
         return made[-1]
 
     monkeypatch.setattr(listener_module, "listen_socket", spy)

@@ -10,6 +10,7 @@ connect, when that is known before they start.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -47,6 +48,31 @@ logger = logging.getLogger("torchrunx.agent_starts")
 
 LISTEN_ENV_VAR = "TORCHRUNX_LISTEN_ADDR"
 """Where the launcher listens for agents and workers, when set (``*``: every interface)."""
+PORT_ENV_VAR = "TORCHRUNX_LAUNCHER_PORT"
+"""The port the launcher listens on (``29400``), or a range to take the first free one of
+(``29400-29409``), so that a firewall rule can name it; unset: an ephemeral port."""
+
+
+def launcher_ports(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """The ports :data:`PORT_ENV_VAR` allows, in the order they are tried (``(0,)``: any).
+
+    Raises:
+        ValueError: The value is neither a port (1 to 65535) nor a range ``FIRST-LAST`` of them.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(PORT_ENV_VAR, "").strip()
+    if not value:
+        return (0,)
+    first, dash, last = value.partition("-")
+    bounds = (first.strip(), (last if dash else first).strip())
+    if all(b.isdigit() and 0 < int(b) < 65536 for b in bounds):
+        low, high = int(bounds[0]), int(bounds[1])
+        if low <= high:
+            return tuple(range(low, high + 1))
+    raise ValueError(
+        f"{PORT_ENV_VAR}={value!r}: expected a port from 1 to 65535 (29400) or a range of them "
+        "(29400-29409), the lower first"
+    )
 
 
 @dataclass
@@ -201,15 +227,31 @@ def listen_socket(plan: LaunchPlan) -> socket.socket:
         OSError: It cannot be bound (``TORCHRUNX_LISTEN_ADDR`` is not this machine's, say).
     """
     first, *fallback = listen_hosts(plan.launcher_address, plan.methods)
+    ports = launcher_ports()
     try:
-        return listener_module.listen_socket(first)
+        return _bind(first, fallback, ports)
     except OSError as exc:
-        if not fallback:
-            if os.environ.get(LISTEN_ENV_VAR, "").strip():
-                add_note(exc, f"{LISTEN_ENV_VAR}={os.environ[LISTEN_ENV_VAR]!r}: where to listen")
-            raise
-        logger.debug("cannot listen on %s only (%s); listening on every interface", first, exc)
-    return listener_module.listen_socket(fallback[0])
+        if ports != (0,) and exc.errno == errno.EADDRINUSE:
+            add_note(
+                exc,
+                f"{PORT_ENV_VAR}={os.environ[PORT_ENV_VAR]!r}: every port of it is in use "
+                "(another launch on this machine?); give a wider range",
+            )
+        raise
+
+
+def _bind(first: str | None, fallback: list[str | None], ports: tuple[int, ...]) -> socket.socket:
+    """Listen on ``first``, else (not for want of a free port) on the fallback."""
+    try:
+        return listener_module.listen_socket(first, ports)
+    except OSError as exc:
+        if fallback and exc.errno != errno.EADDRINUSE:
+            logger.debug("cannot listen on %s only (%s); listening on every interface", first, exc)
+            return listener_module.listen_socket(fallback[0], ports)
+        where = os.environ.get(LISTEN_ENV_VAR, "").strip()
+        if where:
+            add_note(exc, f"{LISTEN_ENV_VAR}={where!r}: where to listen")
+        raise
 
 
 def _is_ip(address: str) -> bool:

@@ -229,25 +229,40 @@ def _descriptor_share() -> int:
     return MAX_PENDING if soft == resource.RLIM_INFINITY else max(8, soft // 4)
 
 
-def listen_socket(host: str | None = None) -> socket.socket:
-    """A listening TCP socket on an ephemeral port: ``host`` only, or every interface.
+def listen_socket(host: str | None = None, ports: Sequence[int] = (0,)) -> socket.socket:
+    """A listening TCP socket on the first free port of ``ports``: ``host`` only, or everywhere.
 
     ``host``: an address (IPv4 or IPv6) or a name of this machine, ``OSError`` if it is not
     one; ``"0.0.0.0"``: every IPv4 interface; ``None``, ``""`` or ``"*"``: every interface,
-    IPv6 and IPv4 where the machine has both.
+    IPv6 and IPv4 where the machine has both. ``ports``: tried in order, a port in use
+    (``EADDRINUSE``) passed over; ``(0,)``: an ephemeral port. The last port's error is raised
+    when none is free.
     """
+    error: OSError | None = None
+    for port in ports:
+        try:
+            return _listen_on(host, port)
+        except OSError as exc:  # noqa: PERF203 (a few binds, once per launch)
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            error = exc
+    assert error is not None  # noqa: S101 (ports is never empty)
+    raise error
+
+
+def _listen_on(host: str | None, port: int) -> socket.socket:
     if host not in (None, "", "*"):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         dualstack = host == "::" and socket.has_dualstack_ipv6()
         sock = socket.create_server(
-            (host, 0), family=family, backlog=BACKLOG, dualstack_ipv6=dualstack
+            (host, port), family=family, backlog=BACKLOG, dualstack_ipv6=dualstack
         )
     elif socket.has_dualstack_ipv6():
         sock = socket.create_server(
-            ("::", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=BACKLOG
+            ("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=BACKLOG
         )
     else:
-        sock = socket.create_server(("0.0.0.0", 0), backlog=BACKLOG)  # noqa: S104 (remote agents)
+        sock = socket.create_server(("0.0.0.0", port), backlog=BACKLOG)  # noqa: S104 (remote agents)
     sock.settimeout(0.0)  # non-blocking
     return sock
 
