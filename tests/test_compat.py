@@ -123,7 +123,7 @@ def test_launch_like_0_4_log_folder_events_beside_it_and_local_environment(log_d
     after = dt.datetime.now()  # noqa: DTZ005
 
     entries = sorted(log_dir.iterdir())
-    (folder,) = [entry for entry in entries if entry.is_dir()]
+    (folder,) = [entry for entry in entries if entry.is_dir() and not entry.is_symlink()]
     stamp = dt.datetime.fromisoformat(folder.name)
     assert stamp.tzinfo is None
     assert before.replace(microsecond=0) <= stamp <= after
@@ -137,7 +137,9 @@ def test_launch_like_0_4_log_folder_events_beside_it_and_local_environment(log_d
         assert f"worker rank: {rank}\n" in (folder / f"localhost[{rank}].log").read_text()
     # The events are beside it.
     events = log_dir / f"{folder.name}.events.jsonl"
-    assert entries == sorted([folder, events])
+    latest = log_dir / "latest"  # ours, beside 0.4's layout: the newest launch's folder
+    assert entries == sorted([folder, events, latest])
+    assert os.readlink(latest) == folder.name
     assert events.stat().st_mode & 0o777 == 0o600
     kinds = [json.loads(line)["event"] for line in events.read_text().splitlines()]
     assert kinds[0] == "LaunchStarted"

@@ -44,7 +44,7 @@ def chatty() -> int:
 
 
 def launch_dir(log_dir: Path) -> Path:
-    (folder,) = (path for path in log_dir.iterdir() if path.is_dir())
+    (folder,) = (path for path in log_dir.iterdir() if path.is_dir() and not path.is_symlink())
     return folder
 
 
@@ -126,12 +126,14 @@ def test_default_log_dir_and_unique_folders(tmp_path, monkeypatch):
     for _ in range(2):
         trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None)
     entries = sorted((tmp_path / "torchrunx_logs").iterdir())
-    folders = [entry for entry in entries if entry.is_dir()]
+    folders = [entry for entry in entries if entry.is_dir() and not entry.is_symlink()]
     assert len(folders) == 2
     for folder in folders:  # ISO 8601 names that sort by time, each with its events beside it
         assert folder.name[:4].isdigit() and "T" in folder.name
         assert (folder.parent / f"{folder.name}.events.jsonl").is_file()
-    assert len(entries) == 4
+    # "latest" points at the newer launch's folder (relative: the root may move).
+    assert os.readlink(tmp_path / "torchrunx_logs" / "latest") == folders[-1].name
+    assert len(entries) == 5
 
 
 def test_log_level_from_environment(log_dir, monkeypatch):

@@ -77,7 +77,7 @@ def test_fails_twice_then_succeeds_on_the_same_agents(log_dir):
         (2, 1, trx.WorkerState.SUCCEEDED),
     ]
     # The same events, as JSON lines, beside the launch's log folder.
-    (folder,) = (path for path in log_dir.iterdir() if path.is_dir())
+    (folder,) = (path for path in log_dir.iterdir() if path.is_dir() and not path.is_symlink())
     events = log_dir / f"{folder.name}.events.jsonl"
     lines = [json.loads(line) for line in events.read_text().splitlines()]
     assert [line["event"] for line in lines] == [type(e).__name__ for e in seen]

@@ -136,13 +136,15 @@ def test_a_launch_in_a_shared_root_writes_elsewhere_than_planted_names(
     assert precious.read_text() == PRECIOUS
     assert all(each.is_symlink() for each in planted)
     made = [each for each in shared_root.iterdir() if each not in planted]
-    folders = [each for each in made if each.is_dir()]
+    folders = [each for each in made if each.is_dir() and not each.is_symlink()]
     assert len(folders) == 1
     folder = folders[0]
     assert "." in folder.name  # the microseconds name, after the second's was found taken
     assert mode(folder) == 0o700
     events = logdirs.events_file(folder)
-    assert sorted(made) == sorted([folder, events])
+    latest = shared_root / "latest"
+    assert sorted(made) == sorted([folder, events, latest])
+    assert os.readlink(latest) == folder.name
     assert mode(events) == 0o600
     assert "LaunchStarted" in events.read_text()
     files = sorted(folder.iterdir())
@@ -157,7 +159,7 @@ def test_a_missing_log_root_is_made_private_whatever_the_umask(
     monkeypatch.setenv("TORCHRUNX_LOG_DIR", str(root))
     trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None)
     assert mode(root) == 0o700
-    (folder,) = (each for each in root.iterdir() if each.is_dir())
+    (folder,) = (each for each in root.iterdir() if each.is_dir() and not each.is_symlink())
     assert mode(folder) == 0o700
     assert all(mode(each) == 0o600 for each in root.iterdir() if each.is_file())
     assert all(mode(each) == 0o600 for each in folder.iterdir())
@@ -227,7 +229,8 @@ def test_a_private_tmpdir_that_cannot_be_made_is_a_warning_of_the_agent(
     monkeypatch.setenv("TORCHRUNX_LOG_DIR", str(tmp_path / "logs"))
     result = trx.launch(report_tmpdir, hostnames=["localhost"], workers_per_host=1, backend=None)
     assert result.rank(0) == str(shared)  # the inherited one, as the warning says
-    (folder,) = (each for each in (tmp_path / "logs").iterdir() if each.is_dir())
+    logs = tmp_path / "logs"
+    (folder,) = (each for each in logs.iterdir() if each.is_dir() and not each.is_symlink())
     agent_log = (folder / "localhost.log").read_text()
     assert (
         "WARNING torchrunx.leftovers: could not make the workers' private temporary " in agent_log
@@ -236,3 +239,16 @@ def test_a_private_tmpdir_that_cannot_be_made_is_a_warning_of_the_agent(
     assert f"keep the inherited TMPDIR ({shared})" in agent_log
     console = capsys.readouterr().out  # the default console shows an agent's warnings
     assert "[localhost] could not make the workers' private temporary folder" in console
+
+
+def test_a_planted_latest_is_left_alone_and_the_launch_goes_on(tmp_path, monkeypatch):
+    # "latest" is a convenience: a folder (or a file) of that name is not replaced or followed.
+    root = tmp_path / "logs"
+    root.mkdir(mode=0o700)
+    (root / "latest").mkdir()
+    (root / "latest" / "keep").write_text("mine")
+    monkeypatch.setenv("TORCHRUNX_LOG_DIR", str(root))
+    assert trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None).ranks
+    assert (root / "latest" / "keep").read_text() == "mine"
+    assert not (root / "latest").is_symlink()
+    assert not [each for each in root.iterdir() if each.name.startswith(".latest")]
