@@ -294,8 +294,8 @@ from torchrunx.launcher import listener as listener_module
 listener_module.HANDSHAKE_TIMEOUT = 0.5
 real_listen = listener_module.listen_socket
 
-def flooded(host=None):  # the flood is queued before the launch accepts anything
-    sock = real_listen(host)
+def flooded(host=None, ports=(0,)):  # the flood is queued before the launch accepts anything
+    sock = real_listen(host, ports)
     print(sock.getsockname()[1], flush=True)
     sys.stdin.readline()
     return sock
@@ -426,8 +426,8 @@ def test_the_end_of_a_launch_closes_every_handshake_in_progress(monkeypatch):
     real_listen = listener_module.listen_socket
     drippers: list[Drippers] = []
 
-    def flooded(host: str | None = None) -> socket.socket:  # queued before the launch accepts
-        sock = real_listen(host)
+    def flooded(host: str | None = None, ports: tuple[int, ...] = (0,)) -> socket.socket:
+        sock = real_listen(host, ports)  # queued before the launch accepts
         drippers.append(Drippers(sock.getsockname()[1], 500))
         return sock
 
@@ -455,8 +455,8 @@ import torchrunx as trx
 from torchrunx.launcher import listener as listener_module
 real_listen = listener_module.listen_socket
 
-def flooded(host=None):  # the flood is queued before the launch accepts anything
-    sock = real_listen(host)
+def flooded(host=None, ports=(0,)):  # the flood is queued before the launch accepts anything
+    sock = real_listen(host, ports)
     print(sock.getsockname()[1], flush=True)
     sys.stdin.readline()
     return sock
