@@ -13,6 +13,7 @@ raised and when, this process's peak RSS, and a summary of what the ranks return
 from __future__ import annotations
 
 import json
+import os
 import resource
 import socket
 import subprocess
@@ -123,11 +124,14 @@ def start_link_cutter(veth: str, world_size: int) -> None:
 def count_lines_in_log_files(scratch: Path) -> int:
     """Worker lines written to log files under ``torchrunx_logs/`` (both versions' default)."""
     count = 0
-    for path in scratch.glob("torchrunx_logs/**/*"):
-        if not path.is_file():
-            continue
-        with path.open(errors="replace") as f:
-            count += sum(1 for line in f if workloads.LINE_MARKER in line)
+    # os.walk does not follow links, so the "latest" link does not count a launch twice.
+    for folder, _, names in os.walk(scratch / "torchrunx_logs"):
+        for name in names:
+            path = Path(folder, name)
+            if path.is_symlink() or not path.is_file():
+                continue
+            with path.open(errors="replace") as f:
+                count += sum(1 for line in f if workloads.LINE_MARKER in line)
     return count
 
 

@@ -128,7 +128,10 @@ def ours(count: int, folder: Path, *, auto: bool) -> Run:
         ended = time.time()
     loop, start = result.rank(0)
     if auto:
-        (launch,) = (path for path in (folder / "logs").iterdir() if path.is_dir())
+        # "latest" is a link to the newest launch's folder: count the real folder only.
+        (launch,) = (
+            path for path in (folder / "logs").iterdir() if path.is_dir() and not path.is_symlink()
+        )
         in_file = count_lines((launch / "localhost[0].log").read_text())
         lost = 2 * count - in_file - count_lines(console.read_text())
     else:
