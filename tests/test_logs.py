@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import logging
 import os
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import pytest
 
@@ -149,6 +150,11 @@ class Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
@@ -567,3 +573,148 @@ def test_a_handler_changed_during_a_launch_is_followed(tmp_path):
     handler.close()
     text = (tmp_path / "rank0.log").read_text()
     assert text.endswith(" INFO worker.0.stdout: as made\n3 its new format!\n")
+
+
+def _each_worker_says(hostnames: list[str], workers: int) -> list[tuple[int, int, int]]:
+    """``(host_index, rank_offset, local_rank)`` of every worker of hosts with ``workers`` each."""
+    return [(h, h * workers, w) for h in range(len(hostnames)) for w in range(workers)]
+
+
+@pytest.mark.parametrize(
+    ("console_ranks", "shown"),
+    [
+        ((0,), {"[node1:0] from rank 0"}),
+        ((0, 3), {"[node1:0] from rank 0", "[node2:1] from rank 3"}),
+        ((2,), {"[node2:0] from rank 2"}),
+        ((), set()),
+        ("all", {f"[node{h + 1}:{w}] from rank {2 * h + w}" for h in (0, 1) for w in (0, 1)}),
+    ],
+)
+def test_console_ranks_choose_the_workers_on_the_console(monkeypatch, console_ranks, shown):
+    monkeypatch.setenv("TORCHRUNX_LOG_DIR", "")
+    console = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", console)
+    hostnames = ["node1", "node2"]
+    router = LogRouter("auto", hostnames, console_ranks=console_ranks)
+    for host_index, offset in ((0, 0), (1, 2)):
+        router.add_workers(host_index, 2, offset)
+    for host_index, offset, local_rank in _each_worker_says(hostnames, 2):
+        line = Line(logging.INFO, "worker.0.stdout", f"from rank {offset + local_rank}")
+        router.emit(host_index, local_rank, offset + local_rank, line, 0.0)
+    for host_index in (0, 1):
+        router.emit(host_index, None, None, Line(logging.WARNING, "agent", "agent trouble"), 0.0)
+    router.close()
+    lines = console.getvalue().splitlines()
+    assert {line for line in lines if "from rank" in line} == shown
+    assert len(lines) == len(set(lines))  # each shown once, whoever else is shown
+    # The first host's agent always; another host's agent with a worker of its own shown.
+    agents = {line for line in lines if "agent trouble" in line}
+    node2_shown = any(line.startswith("[node2:") for line in shown)
+    assert agents == {"[node1] agent trouble"} | (
+        {"[node2] agent trouble"} if node2_shown else set()
+    )
+    missing = router.console_ranks_missing(4)
+    assert missing == []
+    assert LogRouter("auto", hostnames, console_ranks=(1, 9, 7)).console_ranks_missing(4) == [7, 9]
+
+
+def test_console_ranks_of_a_real_launch_and_on_the_command_line(log_dir, capsys, caplog):
+    host = socket.gethostname()
+    trx.launch(chatty, hostnames=[host], workers_per_host=2, backend=None, console_ranks="all")
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        assert f"[{host}:{rank}] print from rank {rank}" in out
+        assert f"[{host}:{rank}] subprocess of rank {rank}" in out
+    trx.launch(chatty, hostnames=[host], workers_per_host=2, backend=None, console_ranks=(1, 5))
+    out = capsys.readouterr().out
+    assert f"[{host}:1] print from rank 1" in out
+    assert "from rank 0" not in out
+    warned = [r.getMessage() for r in caplog.records if r.name == "torchrunx.launcher"]
+    assert any("console_ranks names rank 5, but the launch has 2 workers" in m for m in warned)
+    # Every worker is in its file whatever the console shows.
+    files = [p for p in log_dir.iterdir() if p.is_dir() and not p.is_symlink()]
+    assert len(files) == 2
+    for folder in files:
+        for rank in (0, 1):
+            assert f"print from rank {rank}" in (folder / f"{host}[{rank}].log").read_text()
+
+    parser = argparse.ArgumentParser()
+    trx.add_launcher_arguments(parser)
+    for argv, value in (([], (0,)), (["0", "3"], (0, 3)), (["all"], "all"), ([], ())):
+        words = ["--console-ranks", *argv] if value != (0,) else []
+        assert trx.launcher_from_args(parser.parse_args(words)).console_ranks == value
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "words"),
+    [
+        ({"console_ranks": (-1,)}, ValueError, "(integers >= 0), got (-1,)"),
+        ({"console_ranks": "every"}, ValueError, 'console_ranks must be "all" or global ranks'),
+        ({"console_ranks": (True,)}, ValueError, "got (True,)"),
+        (
+            {"console_ranks": (1,), "log_handlers": None},
+            ValueError,
+            'no default handlers: put "auto" in the list',
+        ),
+        (
+            {"console_ranks": "all", "log_handlers": [logging.NullHandler()]},
+            ValueError,
+            "trx.stream_handler(hostname, local_rank)",
+        ),
+        ({"log_handlers": ["auto", "files"]}, TypeError, 'with "auto" among them'),
+    ],
+)
+def test_console_ranks_and_log_handlers_refused_before_anything_starts(fields, error, words):
+    with pytest.raises(error) as caught:
+        trx.Launcher(hostnames=["localhost"], **fields).validate()
+    assert words in str(caught.value)
+
+
+def test_console_ranks_with_auto_in_a_list_is_accepted():
+    collect = Collect()
+    trx.Launcher(
+        hostnames=["localhost"], console_ranks=(1,), log_handlers=["auto", collect]
+    ).validate()
+    trx.Launcher(hostnames=["localhost"], console_ranks=(0,), log_handlers=[collect]).validate()
+
+
+def test_defaults_kept_beside_a_handler_and_a_factory_given_the_resolved_hosts(log_dir, capsys):
+    host = socket.gethostname()
+    collect = Collect()
+    trx.launch(
+        chatty, hostnames=[host], workers_per_host=2, backend=None, log_handlers=["auto", collect]
+    )
+    assert f"[{host}:0] print from rank 0" in capsys.readouterr().out  # the default console
+    folder = launch_dir(log_dir)
+    assert "print from rank 1" in (folder / f"{host}[1].log").read_text()  # the default files
+    assert {"print from rank 0", "print from rank 1"} <= {r.getMessage() for r in collect.records}
+    assert collect.closed is False  # a list's handlers stay the caller's
+
+    setups: list[trx.LogSetup] = []
+    made: list[Collect] = []
+
+    def factory(setup: trx.LogSetup) -> list[logging.Handler | Literal["auto"]]:
+        setups.append(setup)
+        made.append(Collect())
+        return ["auto", made[-1]]
+
+    hostfile = log_dir.parent / "hostfile"
+    hostfile.write_text(f"{host} slots=2\n")
+    trx.launch(
+        chatty,
+        hostnames=f"hostfile:{hostfile}",
+        workers_per_host="auto",
+        backend=None,
+        log_handlers=factory,
+    )
+    assert setups == [
+        trx.LogSetup(hostnames=(host,), workers_per_host=(2,), log_level=logging.INFO)
+    ]
+    assert any(r.getMessage() == "print from rank 1" for r in made[0].records)
+    assert made[0].closed is True  # made for the launch: closed with it
+    assert len([p for p in log_dir.iterdir() if p.is_dir() and not p.is_symlink()]) == 2
+
+    with pytest.raises(
+        TypeError, match=r"returned 'oops'; it must return a list of logging.Handler"
+    ):
+        trx.launch(chatty, hostnames=[host], backend=None, log_handlers=lambda: "oops")

@@ -8,7 +8,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 DOCUMENTED = """
+import logging
 from pathlib import Path
+from typing import Literal
 
 import torchrunx as trx
 
@@ -21,6 +23,23 @@ trx.Launcher(hostnames=["node1", "node2"])
 trx.Launcher(hostnames=("node1", "node2"))
 trx.Launcher(hostnames=Path("hostfile"))
 trx.Launcher(workers_per_host=[8, 4], backend="nccl")
+trx.Launcher(console_ranks="all")
+trx.Launcher(console_ranks=(0, 3))
+trx.Launcher(log_handlers=["auto", logging.FileHandler("errors.log")])
+handlers: list[logging.Handler] = [trx.stream_handler("node1", 0)]
+trx.Launcher(log_handlers=handlers)
+
+
+def old_factory() -> list[logging.Handler]:
+    return [trx.stream_handler("node1", 0)]
+
+
+def factory(setup: trx.LogSetup) -> list[logging.Handler | Literal["auto"]]:
+    return ["auto", trx.stream_handler(setup.hostnames[-1], 0)]
+
+
+trx.Launcher(log_handlers=old_factory)
+trx.Launcher(log_handlers=factory)
 """
 
 WRONG = """

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.launcher import Launcher, launch
     from torchrunx.launcher.results import LaunchResult, LaunchTimings
     from torchrunx.launcher.warm import WarmLauncher
-    from torchrunx.logs import add_filter_to_handler, file_handler, stream_handler
+    from torchrunx.logs import LogSetup, add_filter_to_handler, file_handler, stream_handler
 
 __version__ = "0.5.0"
 """The release: the successor of the original torchrunx 0.4 (pyproject.toml reads it here)."""
@@ -47,6 +47,7 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "LaunchTimeoutError",
     "LaunchTimings",
     "Launcher",
+    "LogSetup",
     "SerializationError",
     "TorchrunxError",
     "WarmLauncher",
@@ -80,6 +81,7 @@ _HOME = {
     "launcher_from_args": "torchrunx.cli",
     "Launcher": "torchrunx.launcher.launcher",
     "launch": "torchrunx.launcher.launcher",
+    "LogSetup": "torchrunx.logs",
     "add_filter_to_handler": "torchrunx.logs",
     "file_handler": "torchrunx.logs",
     "stream_handler": "torchrunx.logs",

@@ -8,20 +8,85 @@ launcher's :class:`~torchrunx.launcher.logrouter.LogRouter` writes to these hand
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, TypeGuard
 
 if TYPE_CHECKING:
     import io
-    from collections.abc import Sequence
 
     from torchrunx.wire.lines import Record
 
-LogHandlers = list[logging.Handler] | Callable[[], list[logging.Handler]] | Literal["auto"] | None
+
+@dataclasses.dataclass(frozen=True)
+class LogSetup:
+    """What a ``log_handlers`` function is given, if it takes an argument: the resolved launch.
+
+    Attributes:
+        hostnames: The hosts, resolved (from SLURM, a hostfile, ...), in launch order: host
+            ``i`` runs the ranks after those of hosts ``0..i-1``.
+        workers_per_host: Each host's number of workers, or ``None`` where its agent counts
+            them when it starts (``"auto"``, ``"gpu"``, ``"cpu"``).
+        log_level: The level of ``TORCHRUNX_LOG_LEVEL`` (``logging.INFO`` if unset).
+    """
+
+    hostnames: tuple[str, ...]
+    workers_per_host: tuple[int | None, ...]
+    log_level: int
+
+
+HandlerList = Sequence[logging.Handler | Literal["auto"]]
+"""Handlers (a list); an ``"auto"`` among them adds the default handlers to the others."""
+
+LogHandlers = (
+    HandlerList
+    | Callable[[], HandlerList]
+    | Callable[[LogSetup], HandlerList]
+    | Literal["auto"]
+    | None
+)
+"""What ``Launcher.log_handlers`` takes (see :class:`~torchrunx.Launcher`)."""
+
+ConsoleRanks = Literal["all"] | tuple[int, ...]
+"""What ``Launcher.console_ranks`` takes: ``"all"``, or the global ranks to show."""
+
+
+def call_handler_factory(
+    factory: Callable[..., object], setup: LogSetup
+) -> list[logging.Handler | Literal["auto"]]:
+    """Call a ``log_handlers`` function: with ``setup`` if it takes an argument, else without.
+
+    Raises:
+        TypeError: It returned something other than a list of handlers (and ``"auto"``).
+    """
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): call it bare
+        parameters = None
+    takes_setup = parameters is not None and any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        and p.default is p.empty
+        for p in parameters
+    )
+    made = factory(setup) if takes_setup else factory()
+    if not is_handler_list(made):
+        raise TypeError(
+            f"the log_handlers function {getattr(factory, '__qualname__', factory)!r} returned "
+            f'{made!r}; it must return a list of logging.Handler (and "auto" for the defaults)'
+        )
+    return list(made)
+
+
+def is_handler_list(value: object) -> TypeGuard[Sequence[logging.Handler | Literal["auto"]]]:
+    """Whether ``value`` is a list (or tuple) of handlers and ``"auto"``."""
+    return isinstance(value, list | tuple) and all(
+        isinstance(entry, logging.Handler) or entry == "auto" for entry in value
+    )
 
 
 class SourceFilter(logging.Filter):

@@ -46,7 +46,11 @@ from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.ssh import read_ssh_config, resolve_ssh_target
 from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
 from torchrunx.launcher.warm import WarmLauncher
-from torchrunx.logs import LogHandlers  # noqa: TC001 (tyro reads the field types)
+from torchrunx.logs import (
+    ConsoleRanks,
+    LogHandlers,
+    is_handler_list,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -183,14 +187,20 @@ names, for example "OSError" (those types and their subclasses only)."""
 the launch runs, on 127.0.0.1 unless $TORCHRUNX_HEALTH_CHECK_HOST names another address (*:
 every interface); 0 picks a free port; None: $TORCHRUNX_HEALTH_CHECK_PORT if set, else none."""
 
+    console_ranks: ConsoleRanks = (0,)
+    """The workers whose output the default console shows, each line prefixed [host:local_rank]:
+global ranks (--console-ranks 0 3), "all", or none (an empty tuple). Every worker's output is in
+its file either way. Like torchrun's --tee and --local-ranks-filter."""
+
     event_handlers: Annotated[tuple[EventHandler, ...], tyro.conf.Suppress] = ()
     """Functions, or objects with a record(event) method, that receive every launch event."""
 
     log_handlers: Annotated[LogHandlers, tyro.conf.Suppress] = "auto"
-    """Where forwarded logs go. "auto": the first worker on stdout, with its agent's warnings
-(its INFO lines too where the torchrunx.agent logger allows INFO), and every agent and worker
-in files under $TORCHRUNX_LOG_DIR; None: nowhere; or logging.Handlers, or a function making
-them, that receive every record."""
+    """Where forwarded logs go. "auto": the workers of console_ranks (rank 0) on stdout, with
+their agents' warnings (INFO lines too where the torchrunx.agent logger allows INFO), and every
+agent and worker in files under $TORCHRUNX_LOG_DIR; None: nowhere; or logging.Handlers that
+receive every record ("auto" among them keeps the defaults too), or a function making that list,
+given a trx.LogSetup (the resolved hosts) if it takes an argument."""
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> Launcher:  # noqa: ANN401 (field values)
@@ -313,6 +323,9 @@ them, that receive every record."""
             health_port=health_port_from_env(self.health_check_port),
             event_handlers=tuple(self.event_handlers),
             log_handlers=self.log_handlers,
+            console_ranks=(
+                "all" if self.console_ranks == "all" else tuple(int(r) for r in self.console_ranks)
+            ),
             warm=warm,
             keep_workers=warm and keep_workers,
         )
@@ -335,7 +348,7 @@ them, that receive every record."""
             if value is not None or name != "launch_timeout":
                 _validate_seconds(name, value)
         _validate_env_vars(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
-        _validate_log_handlers(self.log_handlers)
+        _validate_log_handlers(self.log_handlers, self.console_ranks)
         _validate_restarts(self.max_restarts, self.restart_on)
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
@@ -363,7 +376,7 @@ them, that receive every record."""
         Raises:
             TypeError: ``handler_factory`` is none of these.
         """
-        _validate_log_handlers(handler_factory)
+        _validate_log_handlers(handler_factory, self.console_ranks)
         # Launcher is frozen, but 0.4's method changed the launcher it was called on, and
         # scripts call it without using the return value.
         object.__setattr__(self, "log_handlers", handler_factory)
@@ -508,16 +521,36 @@ def launch(
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
 
 
-def _validate_log_handlers(handlers: object) -> None:
-    if handlers is None or handlers == "auto" or callable(handlers):
-        return
-    if not isinstance(handlers, list | tuple) or not all(
-        isinstance(h, logging.Handler) for h in handlers
+def _validate_log_handlers(handlers: object, console_ranks: object) -> None:
+    if not (handlers is None or handlers == "auto" or callable(handlers)) and not is_handler_list(
+        handlers
     ):
         raise TypeError(
-            f'log_handlers must be "auto", None, a list of logging.Handler or a function '
-            f"returning one, got {handlers!r}"
+            f'log_handlers must be "auto", None, a list of logging.Handler (with "auto" among '
+            f"them to keep the default handlers) or a function returning one, got {handlers!r}"
         )
+    if console_ranks != "all" and not (
+        isinstance(console_ranks, list | tuple)
+        and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in console_ranks)
+    ):
+        raise ValueError(
+            f'console_ranks must be "all" or global ranks (integers >= 0), got {console_ranks!r}'
+        )
+    default = console_ranks != "all" and tuple(console_ranks) == (0,)
+    if not default and not _may_have_defaults(handlers):
+        raise ValueError(
+            f"console_ranks={console_ranks!r} chooses what the default console shows, but "
+            f'log_handlers={handlers!r} has no default handlers: put "auto" in the list '
+            f'(log_handlers=["auto", ...]), or use trx.stream_handler(hostname, local_rank) for '
+            f"each worker to show"
+        )
+
+
+def _may_have_defaults(handlers: object) -> bool:
+    """Whether ``log_handlers`` has the defaults (a function may return them: not known yet)."""
+    if handlers == "auto" or callable(handlers):
+        return True
+    return isinstance(handlers, list | tuple) and "auto" in handlers
 
 
 def _validate_restarts(max_restarts: object, restart_on: object) -> None:

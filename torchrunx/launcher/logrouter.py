@@ -25,8 +25,10 @@ from torchrunx.logs import (
     BatchFlush,
     DirectWriter,
     LauncherLevelFilter,
+    LogSetup,
     SourceFilter,
     add_source_filter,
+    call_handler_factory,
     console_handler,
     direct_writer,
     private_file_handler,
@@ -36,7 +38,7 @@ from torchrunx.wire.lines import cut_line
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from torchrunx.logs import LogHandlers
+    from torchrunx.logs import ConsoleRanks, LogHandlers
     from torchrunx.wire.lines import Line, Record
 
 TAIL_LINES = 20
@@ -95,15 +97,31 @@ class LogRouter:
     ``logging`` does it.
     """
 
-    def __init__(self, spec: LogHandlers, hostnames: Sequence[str]) -> None:
+    def __init__(
+        self,
+        spec: LogHandlers,
+        hostnames: Sequence[str],
+        *,
+        console_ranks: ConsoleRanks = (0,),
+        workers_per_host: Sequence[int | None] | None = None,
+    ) -> None:
         """Resolve the ``log_handlers`` field; ``"auto"`` builds the default handlers.
+
+        Args:
+            spec: The ``log_handlers`` field. A function is called here, with a
+                :class:`~torchrunx.logs.LogSetup` if it takes an argument.
+            hostnames: The resolved hosts, in launch order.
+            console_ranks: The workers the default console shows (global ranks, or ``"all"``).
+            workers_per_host: Each host's number of workers, ``None`` where its agent counts
+                them (for :class:`~torchrunx.logs.LogSetup`).
 
         Raises:
             ValueError: ``TORCHRUNX_LOG_LEVEL`` is not a level.
+            TypeError: A ``log_handlers`` function returned something other than handlers.
         """
         self.hostnames = list(hostnames)
         self.level = log_level_from_env()
-        self.auto = spec == "auto"
+        self.console_ranks = console_ranks
         self.log_dir: Path | None = None
         self.handlers: list[logging.Handler] = []
         self.owned: list[logging.Handler] = []
@@ -112,13 +130,26 @@ class LogRouter:
         # relativeCreated counts from when logging was loaded: a record made here says when.
         probe = logging.LogRecord("", logging.INFO, "", 0, "", None, None)
         self.logging_loaded = probe.created - probe.relativeCreated / 1000
-        if spec == "auto":
+        made = callable(spec)
+        if callable(spec):
+            setup = LogSetup(
+                hostnames=tuple(self.hostnames),
+                workers_per_host=tuple(
+                    [None] * len(self.hostnames) if workers_per_host is None else workers_per_host
+                ),
+                log_level=self.level,
+            )
+            spec = call_handler_factory(spec, setup)
+        entries: list[logging.Handler | str] = (
+            [] if spec is None else ["auto"] if spec == "auto" else list(spec)
+        )
+        self.auto = "auto" in entries
+        if self.auto:
             self._add_defaults_for_agents()
-        elif callable(spec):
-            self.handlers = list(spec())
-            self.owned = list(self.handlers)  # made for this launch: closed with it
-        elif spec is not None:
-            self.handlers = list(spec)
+        given = [entry for entry in entries if isinstance(entry, logging.Handler)]
+        self.handlers.extend(given)
+        if made:
+            self.owned.extend(given)  # made for this launch: closed with it
 
     def _file_name(self, host_index: int, local_rank: int | None) -> str:
         hostname = self.hostnames[host_index]
@@ -130,23 +161,48 @@ class LogRouter:
         root = os.environ.get("TORCHRUNX_LOG_DIR", "./torchrunx_logs")
         if root:
             self.log_dir = new_log_dir(Path(root))
-        console = add_source_filter(
-            console_handler(), self.hostnames[0], None, self.level, host_index=0
-        )
-        console.addFilter(LauncherLevelFilter(AGENT_CONSOLE_LOGGER))
-        self._own(console)
+        self._add_agent_console(0)
         for index, hostname in enumerate(self.hostnames):
             self._add_file(index, hostname, None)
 
-    def add_workers(self, host_index: int, num_workers: int) -> None:
-        """Defaults for the workers of one host, once their number is known."""
+    def add_workers(self, host_index: int, num_workers: int, rank_offset: int = 0) -> None:
+        """Defaults for the workers of one host, once their number is known.
+
+        Its workers' files, and a console for each of them that ``console_ranks`` names (with
+        the host's agent, if it has none yet).
+        """
         if not self.auto:
             return
         hostname = self.hostnames[host_index]
-        if host_index == 0 and num_workers > 0:
-            self._own(add_source_filter(console_handler(), hostname, 0, self.level, host_index=0))
+        shown = [
+            local_rank
+            for local_rank in range(num_workers)
+            if self.console_ranks == "all" or rank_offset + local_rank in self.console_ranks
+        ]
+        if shown and host_index != 0:
+            self._add_agent_console(host_index)
+        for local_rank in shown:
+            self._own(
+                add_source_filter(
+                    console_handler(), hostname, local_rank, self.level, host_index=host_index
+                )
+            )
         for local_rank in range(num_workers):
             self._add_file(host_index, hostname, local_rank)
+
+    def console_ranks_missing(self, world_size: int) -> list[int]:
+        """The ranks of ``console_ranks`` that a launch of ``world_size`` workers does not have."""
+        if not self.auto or self.console_ranks == "all":
+            return []
+        return sorted({rank for rank in self.console_ranks if rank >= world_size})
+
+    def _add_agent_console(self, host_index: int) -> None:
+        """The warnings of a host's agent on the console (its INFO lines too at torchrunx INFO)."""
+        console = add_source_filter(
+            console_handler(), self.hostnames[host_index], None, self.level, host_index=host_index
+        )
+        console.addFilter(LauncherLevelFilter(AGENT_CONSOLE_LOGGER))
+        self._own(console)
 
     def _add_file(self, host_index: int, hostname: str, local_rank: int | None) -> None:
         if self.log_dir is None:

@@ -235,9 +235,18 @@ class Launch(LaunchLoop):
             )
             st.assign(agent, spec)
             if st.attempt == 0:
-                self.logs.add_workers(agent.index, spec.num_workers)
+                self.logs.add_workers(agent.index, spec.num_workers, offset)
             offset += spec.num_workers
             self.inbox.peer_of(agent).send(spec, self.call)
+        if st.attempt == 0:
+            for rank in self.logs.console_ranks_missing(offset):
+                logger.warning(
+                    "console_ranks names rank %d, but the launch has %d workers: nothing of "
+                    "rank %d is shown",
+                    rank,
+                    offset,
+                    rank,
+                )
 
     def _send_calls(self) -> None:
         """Workers that stay: send this run's call to each of them, on its own connection."""

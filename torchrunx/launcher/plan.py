@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from torchrunx.events import EventHandler
     from torchrunx.hosts import HostSlots
-    from torchrunx.logs import LogHandlers
+    from torchrunx.logs import ConsoleRanks, LogHandlers
 
 StartMethod = Literal["local", "ssh", "srun"]
 """How one host's agent starts: a subprocess of the launcher, over SSH, or as an srun step."""
@@ -60,6 +60,8 @@ class LaunchPlan:
     """The health endpoint's port (field, else ``TORCHRUNX_HEALTH_CHECK_PORT``); None: none."""
     event_handlers: tuple[EventHandler, ...] = ()
     log_handlers: LogHandlers = "auto"
+    console_ranks: ConsoleRanks = (0,)
+    """The workers the default console shows: global ranks, or ``"all"``."""
     warm: bool = False
     """Warm agents: they stay after each run for the next (see :mod:`torchrunx.launcher.warm`)."""
     keep_workers: bool = False

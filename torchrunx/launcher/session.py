@@ -78,7 +78,12 @@ class LaunchLoop:
         self.plan = plan
         self.call = call
         with contextlib.ExitStack() as undo:
-            self.logs = LogRouter(plan.log_handlers, list(plan.hostnames))
+            self.logs = LogRouter(
+                plan.log_handlers,
+                list(plan.hostnames),
+                console_ranks=plan.console_ranks,
+                workers_per_host=[host.workers for host in plan.hosts],
+            )
             undo.callback(self.logs.close)
             log_dir = self.logs.log_dir
             self.sink = EventSink(
