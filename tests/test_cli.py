@@ -634,15 +634,24 @@ def test_ctrl_c_stops_everything_and_exits_130(torchrunx_command, tmp_path):
     (tmp_path / "waits.py").write_text(
         "import time\nprint('waiting', flush=True)\ntime.sleep(60)\n"
     )
-    command = [*torchrunx_command, *LOCAL, "--", "waits.py"]
+    command = [*torchrunx_command, *LOCAL, "--console-ranks", "all", "--", "waits.py"]
     with subprocess.Popen(
         command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as process:
         assert process.stdout is not None
-        for line in process.stdout:  # rank 0 runs the script
+        waiting = set()
+        for line in process.stdout:  # both ranks run the script
             if "waiting" in line:
+                waiting.add(line.split()[0])
+            if waiting == {"[localhost:0]", "[localhost:1]"}:
                 break
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=30)
     assert process.returncode == 130
-    assert err == "torchrunx: interrupted; every agent and worker was stopped\n"
+    # Where each worker was when the launch was interrupted, then the one line of the end.
+    stacks, _, last = err.rpartition("torchrunx: interrupted;")
+    assert last == " every agent and worker was stopped\n"
+    assert stacks.startswith("Python stacks of the workers that were still running"), err
+    for rank in (0, 1):
+        assert f"--- rank {rank} (local rank {rank} on host 'localhost') ---" in stacks
+    assert stacks.count(f'File "{tmp_path / "waits.py"}", line 3 in <module>') == 2, err

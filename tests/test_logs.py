@@ -7,6 +7,7 @@ import io
 import logging
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -718,3 +719,58 @@ def test_defaults_kept_beside_a_handler_and_a_factory_given_the_resolved_hosts(l
         TypeError, match=r"returned 'oops'; it must return a list of logging.Handler"
     ):
         trx.launch(chatty, hostnames=[host], backend=None, log_handlers=lambda: "oops")
+
+
+USR1_SCRIPT = """
+import os, sys, time
+import torchrunx as trx
+
+def wait_for(folder):
+    rank = os.environ["RANK"]
+    with open(f"{folder}/pid{rank}.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(f"{folder}/pid{rank}.tmp", f"{folder}/pid{rank}")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{folder}/go") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rank
+
+result = trx.launch(wait_for, (sys.argv[1],), hostnames=["localhost"], workers_per_host=2,
+                    backend=None)
+print("results", result.rank(0), result.rank(1), flush=True)
+"""
+
+
+def test_kill_usr1_shows_a_workers_stacks_at_once_and_it_goes_on(tmp_path, log_dir):
+    process = subprocess.Popen(
+        [sys.executable, "-c", USR1_SCRIPT, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pid1").exists():
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "rank 1 did not start"
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGUSR1)  # rank 1: not on the console
+        assert process.stdout is not None
+        seen = []
+        for line in process.stdout:  # shown while the launch runs, not at its end
+            seen.append(line)
+            if "in wait_for" in line:
+                break
+        (tmp_path / "go").touch()
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    shown = "".join(seen)
+    assert "[localhost:1] Python stacks of worker 1 (pid " in shown, shown
+    assert "), on SIGUSR1:" in shown
+    assert process.returncode == 0, err
+    assert out.splitlines()[-1] == "results 0 1"  # the worker went on and returned
+    rank1 = (launch_dir(log_dir) / "localhost[1].log").read_text()
+    assert "WARNING torchrunx.stacks: Python stacks of worker 1" in rank1
+    assert " in wait_for\n" in rank1  # its own file has them too: where it was
+    assert "Python stacks" not in (launch_dir(log_dir) / "localhost[0].log").read_text()

@@ -107,6 +107,10 @@ def test_sigint_and_sigterm_stop_everything_cleanly(signum, expected, tmp_path):
         assert launcher.returncode != 0
     else:
         assert launcher.returncode == 143
+    # Either way, where the worker was when it was stopped (a note of the KeyboardInterrupt; a
+    # warning of the launcher's logger for SIGTERM, whose SystemExit Python does not print).
+    assert "Python stacks of the workers that were still running" in stderr, stderr
+    assert ", line 7 in work\n" in stderr, stderr  # time.sleep(300), in the function
     # The launcher cleaned up before it exited: nothing to wait for.
     assert torchrunx_processes() == []
 

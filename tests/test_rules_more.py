@@ -1578,8 +1578,8 @@ def test_rule_validate_checks_extra_env_vars_and_log_handlers():
     )
     refused(
         TypeError,
-        'log_handlers must be "auto", None, a list of logging.Handler or a function returning '
-        "one, got [1]",
+        'log_handlers must be "auto", None, a list of logging.Handler (with "auto" among them '
+        "to keep the default handlers) or a function returning one, got [1]",
         log_handlers=[1],
     )
 
@@ -1613,7 +1613,7 @@ def test_rule_log_handlers_are_handlers_a_function_none_or_auto(handlers):
 @pytest.mark.parametrize("handlers", [[1], [logging.Handler(), "x"], "stderr", 5])
 def test_rule_anything_else_is_no_log_handlers(handlers):
     with pytest.raises(TypeError, match=r"^log_handlers must be "):
-        launcher_module._validate_log_handlers(handlers)
+        launcher_module._validate_log_handlers(handlers, (0,))
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, "2", None])

@@ -541,8 +541,12 @@ def _launch(launcher: Launcher, target: _Target) -> int:
             result = launcher.run(plugins.registered_function(target.name), *target.args)
         else:
             result = launcher.run(_call_function, target.name, target.args)
-    except KeyboardInterrupt:
-        sys.stderr.write("torchrunx: interrupted; every agent and worker was stopped\n")
+    except KeyboardInterrupt as interrupted:
+        sys.stdout.flush()
+        notes = [str(note).rstrip() for note in getattr(interrupted, "__notes__", ())]
+        sys.stderr.write(
+            "\n".join([*notes, "torchrunx: interrupted; every agent and worker was stopped"]) + "\n"
+        )
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 (every failure is printed once, concisely)
         sys.stdout.flush()

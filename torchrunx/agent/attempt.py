@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from torchrunx.agent.watchdog import HangWatch
 from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, WorkerGroup
-from torchrunx.wire.lines import line_records
+from torchrunx.wire.lines import STACKS_LOGGER, line_records
 from torchrunx.wire.messages import LogLines, WorkerExited, WorkerStacks
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ class Attempt:
         self.send = send
         self.dump_deadline: float | None = None
         self.drain_deadline: float | None = None
+        self.shown_by: dict[Worker, float] = {}
+        """Workers whose stacks came unasked (``kill -USR1``): forwarded then as their output."""
 
     def done(self) -> bool:
         """Every worker was reaped and its output read, or the drain after that is over."""
@@ -60,7 +62,13 @@ class Attempt:
         return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
 
     def on_timers(self, now: float, *, stopping: bool) -> None:
-        """Look for hung workers, reap adopted processes, start the drain once all ended."""
+        """Look for hung workers, reap adopted processes, start the drain once all ended.
+
+        Also forwards the stacks a worker wrote unasked, once they are complete.
+        """
+        for worker, due in list(self.shown_by.items()):
+            if now >= due:
+                self._show_stacks(worker)
         self.hangs.check(now, stopping=stopping)
         self.group.reap_adopted()
         if self.drain_deadline is None and self.group.all_ended():
@@ -73,6 +81,7 @@ class Attempt:
     def deadlines(self) -> list[float]:
         """When :meth:`on_timers` or a wait of this attempt has something to do (monotonic)."""
         timers = [t for t in (self.dump_deadline, self.drain_deadline) if t is not None]
+        timers.extend(self.shown_by.values())
         if (hang_deadline := self.hangs.next_deadline()) is not None:
             timers.append(hang_deadline)
         return timers
@@ -103,6 +112,8 @@ class Attempt:
     def _on_exited(self, worker: Worker) -> None:
         for output in list(worker.outputs):  # its last words go out before its death notice
             self._forward_output(worker, output, until_empty=True)
+        if worker in self.shown_by:
+            self._show_stacks(worker)
         self.hangs.before_reap(worker)
         exitcode = self.group.reap(worker)
         sig = -exitcode if exitcode < 0 else None
@@ -125,9 +136,32 @@ class Attempt:
             return
         now = time.monotonic()
         self.hangs.stacks_arrived(worker, now)
+        if self.dump_deadline is None and not self.hangs.asked(worker):
+            # Unasked: someone sent the worker SIGUSR1 to see where it is. Shown once the dump,
+            # written in one go, is complete.
+            self.shown_by.setdefault(worker, now + STACK_SETTLE)
         if self.dump_deadline is not None and all(w.stacks for w in self.group.live()):
             # Every live worker has begun its dump; a dump is written in one go.
             self.dump_deadline = min(self.dump_deadline, now + STACK_SETTLE)
+
+    def _show_stacks(self, worker: Worker) -> None:
+        """Forward the stacks ``worker`` wrote unasked as a record of its own output."""
+        del self.shown_by[worker]
+        self.group.read_stacks(worker)
+        text = worker.stacks.decode(errors="replace").rstrip()
+        worker.stacks.clear()
+        if not text:
+            return
+        logger.info("worker %d (pid %d) wrote its Python stacks", worker.local_rank, worker.pid)
+        message = f"Python stacks of worker {worker.local_rank} (pid {worker.pid}), on SIGUSR1:"
+        record = (
+            worker.local_rank,
+            logging.WARNING,
+            STACKS_LOGGER,
+            f"{message}\n{text}",
+            time.time(),
+        )
+        self.send(LogLines((record,)))
 
     def _dump_over(self) -> bool:
         # _on_stacks brings the deadline forward once every live worker has begun its dump.
@@ -140,6 +174,7 @@ class Attempt:
         ``serve``: the agent's loop, run until the function it is given returns true.
         """
         group = self.group
+        self.shown_by.clear()  # what came unasked is part of this dump
         for worker in group.live():
             group.dump_stacks(worker)
         self.dump_deadline = time.monotonic() + STACK_DUMP_WAIT

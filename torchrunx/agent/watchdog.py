@@ -124,6 +124,11 @@ class HangWatch:
         if hang is not None and not hang.reported:
             hang.report_by = min(hang.report_by, now + STACK_SETTLE)
 
+    def asked(self, worker: Worker) -> bool:
+        """Whether this watch asked ``worker`` for stacks it has not reported yet."""
+        hang = self.hangs.get(worker)
+        return hang is not None and not hang.reported
+
     def before_reap(self, worker: Worker) -> None:
         """A worker ended: report its hang now if it overran its timer (the dump killed it?)."""
         hang = self.hangs.get(worker)

@@ -521,7 +521,7 @@ def launch(
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
 
 
-def _validate_log_handlers(handlers: object, console_ranks: object) -> None:
+def _validate_log_handlers(handlers: object, console_ranks: object = (0,)) -> None:
     if not (handlers is None or handlers == "auto" or callable(handlers)) and not is_handler_list(
         handlers
     ):

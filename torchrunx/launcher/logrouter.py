@@ -33,7 +33,7 @@ from torchrunx.logs import (
     direct_writer,
     private_file_handler,
 )
-from torchrunx.wire.lines import cut_line
+from torchrunx.wire.lines import STACKS_LOGGER, cut_line
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -79,6 +79,13 @@ class _Source:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     handlers: list[tuple[logging.Handler, DirectWriter | None]] | None = None
     templates: dict[tuple[str, int], dict[str, object]] = field(default_factory=dict)
+
+    def keep_tail(self, run: Sequence[Record]) -> None:
+        """Keep the last lines of ``run`` (cut to a bounded length) in :attr:`tail`."""
+        if len(run) == 1:
+            self.tail.append(cut_line(run[0][3]))
+        else:
+            self.tail.extend([cut_line(record[3]) for record in run[-TAIL_LINES:]])
 
 
 class LogRouter:
@@ -126,6 +133,10 @@ class LogRouter:
         self.handlers: list[logging.Handler] = []
         self.owned: list[logging.Handler] = []
         self.sources: dict[tuple[int, int | None], _Source] = {}
+        self.on_console: set[tuple[int, int | None]] = set()
+        """The agents and workers the default console shows."""
+        self.stacks_console: logging.Handler | None = None
+        """The default console for the stacks of the workers it does not show."""
         self.lock = threading.Lock()
         # relativeCreated counts from when logging was loaded: a record made here says when.
         probe = logging.LogRecord("", logging.INFO, "", 0, "", None, None)
@@ -146,6 +157,8 @@ class LogRouter:
         self.auto = "auto" in entries
         if self.auto:
             self._add_defaults_for_agents()
+            self.stacks_console = console_handler()
+            self.owned.append(self.stacks_console)
         given = [entry for entry in entries if isinstance(entry, logging.Handler)]
         self.handlers.extend(given)
         if made:
@@ -182,6 +195,7 @@ class LogRouter:
         if shown and host_index != 0:
             self._add_agent_console(host_index)
         for local_rank in shown:
+            self.on_console.add((host_index, local_rank))
             self._own(
                 add_source_filter(
                     console_handler(), hostname, local_rank, self.level, host_index=host_index
@@ -278,14 +292,13 @@ class LogRouter:
         source = self.sources.get(key)
         if source is None:
             source = self.sources.setdefault(key, _Source())
-        if len(run) == 1:
-            source.tail.append(cut_line(run[0][3]))
-        else:
-            source.tail.extend([cut_line(record[3]) for record in run[-TAIL_LINES:]])
+        source.keep_tail(run)
         handlers = source.handlers
         if handlers is None:
             handlers = self._handlers_for(source, host_index, local_rank)
         records: list[logging.LogRecord] | None = None
+        if len(run) == 1 and run[0][2] == STACKS_LOGGER and key not in self.on_console:
+            records = self._stacks_to_console(source, host_index, local_rank, rank, run)
         for index, (handler, known) in enumerate(handlers):
             direct = known
             if direct is not None and not direct.fits():  # changed since: look again
@@ -303,6 +316,27 @@ class LogRouter:
                     handler.handleError(first)
             if flushed is not None and isinstance(handler, BatchFlush):
                 flushed[id(handler)] = handler
+
+    def _stacks_to_console(
+        self,
+        source: _Source,
+        host_index: int,
+        local_rank: int | None,
+        rank: int | None,
+        run: Sequence[Record],
+    ) -> list[logging.LogRecord] | None:
+        """Stacks someone asked a worker for (``kill -USR1``), on the console: shown or not.
+
+        Returns the records made for them, if any.
+        """
+        console = self.stacks_console
+        if console is None:
+            return None
+        records = self._records(source, host_index, local_rank, rank, run)
+        _handle(console, records)
+        if isinstance(console, BatchFlush):
+            _flush(console)
+        return records
 
     def _handlers_for(
         self, source: _Source, host_index: int, local_rank: int | None

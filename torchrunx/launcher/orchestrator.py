@@ -315,10 +315,18 @@ class Launch(LaunchLoop):
             reason = "a worker exited abnormally"
         else:
             reason = (exception_text(error).splitlines() or [type(error).__name__])[0]
-        # Stacks tell where the survivors were stuck; after a Ctrl-C the user knows why.
+        # Stacks tell where the survivors were stuck: after a failure, and after a Ctrl-C or
+        # SIGTERM too (a launch stopped because it seemed stuck). Not for a cancelled warm run,
+        # or the launcher's own exit.
         if dump is None:
             dump = not restart
-        dump = dump and not isinstance(error, KeyboardInterrupt | SystemExit | CancelledError)
+        stopped_by_user = isinstance(error, KeyboardInterrupt) or (
+            isinstance(error, SystemExit) and error.code == 128 + signal.SIGTERM
+        )
+        dump = dump and (
+            stopped_by_user
+            or not isinstance(error, KeyboardInterrupt | SystemExit | CancelledError)
+        )
         stop = Stop(reason, STOP_GRACE, dump_stacks=dump, restart=restart, attempt=st.attempt)
         if not restart:
             self.inbox.final_stop = stop  # also for an agent whose start completes meanwhile
@@ -428,7 +436,10 @@ class Launch(LaunchLoop):
         )
         if st.stacks:
             where = {r.rank: (r.local_rank, st.hostname(r)) for r in st.ranks}
-            add_note(error, stacks_note(st.stacks, where))
+            note = stacks_note(st.stacks, where)
+            add_note(error, note)
+            if isinstance(error, SystemExit):  # Python prints no note of a SystemExit
+                logger.warning("%s", note)
         return error
 
     def _emit_finished(self, error: BaseException | None) -> None:

@@ -33,6 +33,12 @@ TAIL_LINE_BYTES = 4 * 1024
 """A line kept for a failure note is cut to this many UTF-8 bytes (the log files keep it all)."""
 MAX_LINE_BYTES = 1 << 20
 
+STACKS_LOGGER = "torchrunx.stacks"
+"""Logger name of the record, one of a worker's own, with the stacks it wrote on ``kill -USR1``.
+
+The agent sends it alone in its :class:`~torchrunx.wire.messages.LogLines` message; the
+default console shows it for every worker, shown or not."""
+
 
 class MarkedLineFormatter(logging.Formatter):
     """Formats a record as one marked line (used inside agents and workers)."""
