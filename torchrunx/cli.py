@@ -28,6 +28,7 @@ import re
 import runpy
 import shlex
 import sys
+import time
 import types
 import typing
 from pathlib import Path
@@ -197,6 +198,8 @@ them. Put `--` between torchrunx's options and what to run:
       call a function registered by a plugin (entry point group torchrunx.functions)
   torchrunx builtins
       list the registered functions, presets and host providers
+  torchrunx check [options]
+      check every host before a launch (SSH, interpreter, versions, ports, GPUs)
 
 A script or module initialises torch.distributed itself (--backend defaults to None), as
 under torchrun; a function finds the process group initialised (--backend defaults to auto).
@@ -217,6 +220,15 @@ _RUN_DESCRIPTION = """\
 Call the function that a plugin registered as NAME (entry point group torchrunx.functions;
 `torchrunx builtins` lists them) on every worker, with the words after `--` as its arguments
 (strings), and print rank 0's return value. --backend defaults to auto, as for any function."""
+
+_CHECK_DESCRIPTION = """\
+Check every host of a launch at once, before launching: each host is reached the way its agent
+would be (SSH with your SSH config and known_hosts, srun, or a local process, with the same
+forwarded variables, working directory, env_file and interpreter), then connects back to this
+machine, reaches host 0 on a free port (as workers reach MASTER_PORT), and reports its Python,
+torchrunx and torch versions and its GPUs. One line per host says what is wrong and what to do.
+Takes the launcher's options (--hostnames, --ssh-config-file, --launcher-address, ...); exit
+status 0 when every host is ready, 1 when one is not, 2 for a bad command line."""
 
 _BUILTINS_DESCRIPTION = """\
 List the functions, presets and host providers that installed packages registered (entry point
@@ -277,6 +289,11 @@ def _command_parser(command: str | None) -> _Parser:
     """The parser of ``torchrunx``, of ``torchrunx run`` or of ``torchrunx builtins``."""
     if command == "builtins":
         return _Parser(prog="torchrunx builtins", description=_BUILTINS_DESCRIPTION)
+    if command == "check":
+        parser = _Parser(prog="torchrunx check", description=_CHECK_DESCRIPTION)
+        parser.add_argument("--preset", metavar="NAME", help="start from a named launcher preset")
+        add_renamed_options(add_launcher_arguments(parser))
+        return parser
     if command == "run":
         usage = "torchrunx run NAME [options] -- ARGS..."
         parser = _Parser(prog="torchrunx run", usage=usage, description=_RUN_DESCRIPTION)
@@ -399,12 +416,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # As with python -m, modules in the current folder can be imported; workers get the
         # launcher's sys.path, so this reaches them too.
         sys.path.insert(0, os.getcwd())  # noqa: PTH109
-    command = argv[0] if argv[:1] in (["run"], ["builtins"]) else None
+    command = argv[0] if argv[:1] in (["run"], ["builtins"], ["check"]) else None
     words = argv[1:] if command else argv
     parser = _command_parser(command)
     if command == "builtins":
         parser.parse_args(words)
         return _builtins()
+    if command == "check":
+        return _check(parser, _parse_options(parser, words))
     # torchrunx's options, then `--`, then what to run (or a registered function's arguments).
     split = words.index("--") if "--" in words else None
     options, rest = (words, None) if split is None else (words[:split], words[split + 1 :])
@@ -526,6 +545,30 @@ def _dry_run(launcher: Launcher, target: _Target | None) -> int:
     if target is not None:
         print(f"every worker runs the {target.describe()}")  # noqa: T201
     return EXIT_OK
+
+
+def _check(parser: _Parser, namespace: argparse.Namespace) -> int:
+    """``torchrunx check``: a line per host, then a summary; 0 if every host is ready."""
+    from torchrunx.launcher.preflight import check_hosts, format_checks  # noqa: PLC0415 (workers import this module)
+
+    if isinstance(namespace.backend, _BackendDefault):
+        namespace.backend = namespace.backend.function
+    try:
+        launcher = launcher_from_args(namespace)
+        launcher.validate()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        parser.error(str(exc))
+    started = time.monotonic()
+    try:
+        checks = check_hosts(launcher)
+    except KeyboardInterrupt:
+        sys.stderr.write("torchrunx check: interrupted; nothing is left running\n")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 (hosts that cannot be resolved, a port in use)
+        sys.stderr.write(_describe_failure(exc, "the check failed"))
+        return EXIT_FAILED
+    print(format_checks(checks, time.monotonic() - started))  # noqa: T201 (the command's output)
+    return EXIT_OK if all(check.ok for check in checks) else EXIT_FAILED
 
 
 def _launch(launcher: Launcher, target: _Target) -> int:

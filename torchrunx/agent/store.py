@@ -55,7 +55,8 @@ def listen_address(*, local_only: bool) -> str:
     return "127.0.0.1" if local_only else ""
 
 
-def _listening_socket(host: str) -> socket.socket:
+def listening_socket(host: str) -> socket.socket:
+    """A socket listening on a free port of ``host`` (``""``: every interface, IPv6 too)."""
     if host == "" and socket.has_dualstack_ipv6():
         return socket.create_server(
             ("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=socket.SOMAXCONN
@@ -69,7 +70,7 @@ class StoreSocket:
     def __init__(self, host: str) -> None:
         """Open the first attempt's socket (on ``host``; ``""``: every interface)."""
         self.host = host
-        self.sock: socket.socket | None = _listening_socket(host)
+        self.sock: socket.socket | None = listening_socket(host)
         self.port = int(self.sock.getsockname()[1])
 
     def handed_over(self) -> None:
@@ -81,7 +82,7 @@ class StoreSocket:
     def renew(self) -> int:
         """Open the next attempt's socket (the last one is never reused); its port."""
         self.close()
-        self.sock = _listening_socket(self.host)
+        self.sock = listening_socket(self.host)
         self.port = int(self.sock.getsockname()[1])
         return self.port
 

@@ -53,11 +53,14 @@ BOOT_CODE = (
 _STDERR_TAIL_LINES = 40
 
 
-def agent_script(*, env: dict[str, str], cwd: str, python: str, env_file: str | None) -> bytes:
+def agent_script(
+    *, env: dict[str, str], cwd: str, python: str, env_file: str | None, code: str = BOOT_CODE
+) -> bytes:
     """The shell script (one NUL-terminated string) that the agent command evaluates.
 
     Forwarded variables are exported first, then ``env_file`` is sourced (so it can extend or
-    override them), then the interpreter replaces the shell.
+    override them), then the interpreter replaces the shell, running ``code`` (the agent's boot
+    code; ``torchrunx check`` gives its probe's).
     """
     parts: list[str] = []
     if env:
@@ -66,7 +69,7 @@ def agent_script(*, env: dict[str, str], cwd: str, python: str, env_file: str | 
     steps = [f"cd {shlex.quote(cwd)}"]
     if env_file is not None:
         steps.append(f"source {shlex.quote(env_file)}")
-    steps.append(f"exec {shlex.quote(python)} -u -c {shlex.quote(BOOT_CODE)}")
+    steps.append(f"exec {shlex.quote(python)} -u -c {shlex.quote(code)}")
     parts.append(" && ".join(steps))
     return ("; ".join(parts)).encode() + b"\0"
 

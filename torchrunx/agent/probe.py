@@ -1,0 +1,275 @@
+"""The host side of ``torchrunx check``: what one host can do, printed as one JSON line.
+
+Started exactly as an agent would be (the same command over SSH, ``srun`` or a local
+subprocess, the same forwarded variables, working directory, ``env_file`` and interpreter),
+with the boot code calling :func:`main` instead of the agent. It reads one JSON line on stdin
+(:class:`ProbeRequest`), then:
+
+1. connects back to the launcher's address and port, as an agent would, and says who it is
+   (a random token of this check, its host index, and on host 0 the port of step 2);
+2. on host 0: listens on a free port, as the agent of host 0 does for the rendezvous store
+   (``MASTER_PORT``), and waits for the other hosts to connect to it; on the other hosts:
+   connects to host 0 there;
+3. counts GPUs and CPUs as an agent does, and reads the versions of Python, torchrunx and torch
+   (torch's from its installed metadata: nothing is imported);
+
+and prints ``torchrunx-probe <JSON>`` (:class:`ProbeReport`) on stdout. Nothing it receives is
+unpickled; what it sends back is a short line of text. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import select
+import socket
+import sys
+import time
+from importlib import metadata
+from typing import Any
+
+from torchrunx.agent.guardian import missing_pidfds
+from torchrunx.agent.store import listen_address, listening_socket
+from torchrunx.devices import count_local_cpus, count_local_gpus
+
+REPORT_PREFIX = "torchrunx-probe "
+"""The start of the report's line on the probe's stdout."""
+
+_LINE_LIMIT = 256
+"""Bytes a peer may send before its line ends (a token, an index and a port)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeRequest:
+    """What the launcher tells the probe of one host (one JSON line on stdin).
+
+    Attributes:
+        sys_path: The launcher's ``sys.path`` (as for an agent; read by the boot code).
+        host_index: This host's index in the launch.
+        address: The launcher's address, as this host is told to reach it.
+        port: The launcher's port for this check.
+        token: The check's random token: said on every connection of the check.
+        timeout: Seconds each network step may take.
+        master: Host 0's address and port for the other hosts (``None`` on host 0, or when
+            host 0 did not answer).
+        peers: On host 0: how many hosts will connect to it.
+        local_only: Every host is the launcher's machine: host 0 listens on loopback only.
+    """
+
+    sys_path: tuple[str, ...]
+    host_index: int
+    address: str
+    port: int
+    token: str
+    timeout: float
+    master: tuple[str, int] | None
+    peers: int
+    local_only: bool
+
+    def to_json_line(self) -> bytes:
+        """The request as one line of JSON."""
+        return json.dumps(dataclasses.asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, line: bytes) -> ProbeRequest:
+        """Read a request from its JSON line."""
+        raw: dict[str, Any] = json.loads(line)
+        master = raw["master"]
+        return cls(
+            sys_path=tuple(raw["sys_path"]),
+            host_index=int(raw["host_index"]),
+            address=str(raw["address"]),
+            port=int(raw["port"]),
+            token=str(raw["token"]),
+            timeout=float(raw["timeout"]),
+            master=None if master is None else (str(master[0]), int(master[1])),
+            peers=int(raw["peers"]),
+            local_only=bool(raw["local_only"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeReport:
+    """What the probe of one host found (its JSON line); ``None``: not found or not checked.
+
+    Attributes:
+        hostname: The host's own name (``socket.gethostname()``).
+        python: The interpreter's path.
+        python_version: ``platform.python_version()``.
+        torchrunx: torchrunx's version, as imported by this interpreter.
+        torch: torch's installed version (its metadata), or ``None`` if it is not installed.
+        gpus: GPUs an agent would count here.
+        cpus: CPU cores an agent would count here.
+        cwd: The working directory (the launcher's).
+        route_back: ``"ok"``, or why the launcher could not be reached.
+        master: On host 0: ``"ok"`` (every other host connected), or what is missing; on the
+            others: ``"ok"`` or why host 0 could not be reached; ``None`` with one host, or
+            when host 0 did not answer (not tried).
+        pidfds: ``None``, or why this kernel cannot run an agent.
+        seconds: How long the probe took.
+    """
+
+    hostname: str
+    python: str
+    python_version: str
+    torchrunx: str
+    torch: str | None
+    gpus: int
+    cpus: int
+    cwd: str
+    route_back: str
+    master: str | None
+    pidfds: str | None
+    seconds: float
+
+    def to_line(self) -> str:
+        """The report's line on stdout."""
+        return REPORT_PREFIX + json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_line(cls, line: str) -> ProbeReport | None:
+        """The report of a line of the probe's stdout; ``None`` if it is no (valid) report."""
+        if not line.startswith(REPORT_PREFIX):
+            return None
+        try:
+            raw = json.loads(line[len(REPORT_PREFIX) :])
+            return cls(**{field.name: raw[field.name] for field in dataclasses.fields(cls)})
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def main(line: bytes) -> None:
+    """Entry point, called by the boot code with the request line."""
+    started = time.monotonic()
+    request = ProbeRequest.from_json(line)
+    deadline = time.monotonic() + request.timeout
+    listener = None
+    if request.host_index == 0 and request.peers > 0:
+        listener = listening_socket(listen_address(local_only=request.local_only))
+    back: socket.socket | None = None
+    try:
+        master_port = 0 if listener is None else listener.getsockname()[1]
+        back, route_back = _connect(
+            (request.address, request.port),
+            f"{request.token} {request.host_index} {master_port}",
+            request.timeout,
+        )
+        if listener is not None:
+            # Until every other host came, or the launcher says that those still missing
+            # will not come (it closes this connection once their checks are over).
+            master: str | None = _await_peers(
+                listener, request.token, request.peers, deadline, back
+            )
+        elif request.master is not None:
+            master = _say(request.master, request.token, request.timeout)
+        else:  # one host, or host 0 did not answer (its own line says why): not tried
+            master = None
+    finally:
+        if listener is not None:
+            listener.close()
+        if back is not None:
+            back.close()
+    try:
+        torch_version: str | None = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    import torchrunx  # noqa: PLC0415 (importable: the boot code imported this module)
+
+    report = ProbeReport(
+        hostname=socket.gethostname(),
+        python=sys.executable,
+        python_version=platform.python_version(),
+        torchrunx=torchrunx.__version__,
+        torch=torch_version,
+        gpus=count_local_gpus(),
+        cpus=count_local_cpus(),
+        cwd=os.getcwd(),  # noqa: PTH109
+        route_back=route_back,
+        master=master,
+        pidfds=missing_pidfds(),
+        seconds=round(time.monotonic() - started, 3),
+    )
+    sys.stdout.write(report.to_line() + "\n")
+    sys.stdout.flush()
+
+
+def _connect(
+    address: tuple[str, int], words: str, timeout: float
+) -> tuple[socket.socket | None, str]:
+    """Connect to ``address`` and send ``words`` as one line.
+
+    Returns the open connection and ``"ok"``, or ``None`` and why it failed.
+    """
+    try:
+        conn = socket.create_connection(address, timeout=timeout)
+    except OSError as exc:
+        return None, _why(address, exc)
+    try:
+        conn.sendall(words.encode() + b"\n")
+    except OSError as exc:
+        conn.close()
+        return None, _why(address, exc)
+    return conn, "ok"
+
+
+def _say(address: tuple[str, int], words: str, timeout: float) -> str:
+    """Send ``words`` to ``address`` and wait until it has read them: ``"ok"``, or why not."""
+    conn, said = _connect(address, words, timeout)
+    if conn is None:
+        return said
+    with conn, contextlib.suppress(OSError):
+        conn.settimeout(timeout)
+        conn.recv(1)  # the other side closes once it has read the line
+    return said
+
+
+def _why(address: tuple[str, int], exc: OSError) -> str:
+    what = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
+    return f"cannot connect to {address[0]}:{address[1]}: {what}"
+
+
+def _await_peers(
+    listener: socket.socket,
+    token: str,
+    peers: int,
+    deadline: float,
+    launcher: socket.socket | None,
+) -> str:
+    """On host 0: wait until ``peers`` hosts said ``token``; ``"ok"``, or how many did.
+
+    Stops early when ``launcher`` (the connection back) becomes readable: the launcher closes
+    it once the other hosts' checks are over.
+    """
+    heard = 0
+    watched = [listener] if launcher is None else [listener, launcher]
+    while heard < peers:
+        left = deadline - time.monotonic()
+        readable = select.select(watched, [], [], max(0.0, left))[0] if left > 0 else []
+        if (launcher is not None and launcher in readable) or left <= 0:
+            return (
+                f"{heard} of the {peers} other hosts connected to this host's port "
+                f"{listener.getsockname()[1]}"
+            )
+        if listener not in readable:
+            continue
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(max(0.1, deadline - time.monotonic()))
+                if _read_line(conn) == token:
+                    heard += 1
+    return "ok"
+
+
+def _read_line(conn: socket.socket) -> str:
+    """One short line from ``conn`` (at most :data:`_LINE_LIMIT` bytes), without its end."""
+    data = b""
+    while b"\n" not in data and len(data) < _LINE_LIMIT:
+        chunk = conn.recv(_LINE_LIMIT - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data.partition(b"\n")[0].decode(errors="replace")
