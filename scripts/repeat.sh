@@ -9,6 +9,11 @@
 # and the whole output of a failed run beside it (repeat-<time>-run<N>.txt);
 # the last line says how many runs failed, and the exit status is 1 if any did. The hogs are
 # ended by their own pids when the script ends, however it ends.
+#
+# Each run has its own pytest base folder (under $REPEAT_BASETEMP, default a new folder in /tmp),
+# not /tmp/pytest-of-$USER: another pytest session started meanwhile rotates that folder's
+# numbered entries and may delete a running suite's (its test hosts' keys and sshd config).
+# Run your own tests meanwhile with TMPDIR and --basetemp elsewhere too (CONTRIBUTING).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +26,7 @@ if [[ "${1:-}" == "--load" ]]; then
 fi
 python=.venv/bin/python
 log=${REPEAT_LOG:-repeat-$(date +%Y%m%d-%H%M%S).log}
+base=${REPEAT_BASETEMP:-$(mktemp -d /tmp/torchrunx-repeat.XXXXXX)}
 hogs=()
 stop_hogs() {
     if ((${#hogs[@]})); then
@@ -42,12 +48,13 @@ for ((i = 1; i <= runs; i++)); do
     fi
     started=$(date +%s)
     out=$(mktemp)
-    "$python" -m pytest -q -p no:cacheprovider -rfE "$@" >"$out" 2>&1
+    "$python" -m pytest -q -p no:cacheprovider -rfE --basetemp "$base/run$i" "$@" >"$out" 2>&1
     code=$?
     stop_hogs
     summary=$(grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed)' "$out")
     if ((code == 0)); then
         rm -f "$out"
+        rm -rf "$base/run$i"
     else  # the whole output of a failed run, tracebacks included, beside the log
         mv "$out" "${log%.log}-run$i.txt"
         summary+=$'\n'"(output: ${log%.log}-run$i.txt)"
