@@ -38,6 +38,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from wire_helpers import RecordReader
 
 import torchrunx as trx
+from torchrunx import logs as trx_logs
 from torchrunx import plugins, serialization
 from torchrunx.devices import cuda_device, device_env
 from torchrunx.env import (
@@ -1607,13 +1608,13 @@ def test_rule_an_ssh_config_file_must_exist_and_be_readable(tmp_path):
     "handlers", [[logging.Handler()], (logging.StreamHandler(),), [], None, "auto", list]
 )
 def test_rule_log_handlers_are_handlers_a_function_none_or_auto(handlers):
-    launcher_module._validate_log_handlers(handlers)
+    trx_logs.check_log_fields(handlers)
 
 
 @pytest.mark.parametrize("handlers", [[1], [logging.Handler(), "x"], "stderr", 5])
 def test_rule_anything_else_is_no_log_handlers(handlers):
     with pytest.raises(TypeError, match=r"^log_handlers must be "):
-        launcher_module._validate_log_handlers(handlers, (0,))
+        trx_logs.check_log_fields(handlers, (0,))
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, "2", None])

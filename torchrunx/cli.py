@@ -28,7 +28,6 @@ import re
 import runpy
 import shlex
 import sys
-import time
 import types
 import typing
 from pathlib import Path
@@ -549,7 +548,7 @@ def _dry_run(launcher: Launcher, target: _Target | None) -> int:
 
 def _check(parser: _Parser, namespace: argparse.Namespace) -> int:
     """``torchrunx check``: a line per host, then a summary; 0 if every host is ready."""
-    from torchrunx.launcher.preflight import check_hosts, format_checks  # noqa: PLC0415 (workers import this module)
+    from torchrunx.launcher.preflight import check_command  # noqa: PLC0415 (workers import this module)
 
     if isinstance(namespace.backend, _BackendDefault):
         namespace.backend = namespace.backend.function
@@ -558,17 +557,7 @@ def _check(parser: _Parser, namespace: argparse.Namespace) -> int:
         launcher.validate()
     except (ValueError, TypeError, RuntimeError) as exc:
         parser.error(str(exc))
-    started = time.monotonic()
-    try:
-        checks = check_hosts(launcher)
-    except KeyboardInterrupt:
-        sys.stderr.write("torchrunx check: interrupted; nothing is left running\n")
-        return EXIT_INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 (hosts that cannot be resolved, a port in use)
-        sys.stderr.write(_describe_failure(exc, "the check failed"))
-        return EXIT_FAILED
-    print(format_checks(checks, time.monotonic() - started))  # noqa: T201 (the command's output)
-    return EXIT_OK if all(check.ok for check in checks) else EXIT_FAILED
+    return check_command(launcher, lambda exc: _describe_failure(exc, "the check failed"))
 
 
 def _launch(launcher: Launcher, target: _Target) -> int:

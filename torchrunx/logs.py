@@ -466,3 +466,42 @@ class DirectWriter:
                 handler.stream.write(text)  # type: ignore[attr-defined]  # a stream handler
             finally:
                 handler.release()
+
+
+def check_log_fields(handlers: object, console_ranks: object = (0,)) -> None:
+    """Check ``Launcher.log_handlers`` and ``Launcher.console_ranks`` (and that they agree).
+
+    Raises:
+        TypeError: ``handlers`` is not one of the forms ``log_handlers`` takes.
+        ValueError: ``console_ranks`` is not ``"all"`` or ranks, or it chooses among default
+            handlers that ``handlers`` does not have.
+    """
+    if not (handlers is None or handlers == "auto" or callable(handlers)) and not is_handler_list(
+        handlers
+    ):
+        raise TypeError(
+            f'log_handlers must be "auto", None, a list of logging.Handler (with "auto" among '
+            f"them to keep the default handlers) or a function returning one, got {handlers!r}"
+        )
+    if console_ranks != "all" and not (
+        isinstance(console_ranks, list | tuple)
+        and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in console_ranks)
+    ):
+        raise ValueError(
+            f'console_ranks must be "all" or global ranks (integers >= 0), got {console_ranks!r}'
+        )
+    default = console_ranks != "all" and tuple(console_ranks) == (0,)
+    if not default and not _may_have_defaults(handlers):
+        raise ValueError(
+            f"console_ranks={console_ranks!r} chooses what the default console shows, but "
+            f'log_handlers={handlers!r} has no default handlers: put "auto" in the list '
+            f'(log_handlers=["auto", ...]), or use trx.stream_handler(hostname, local_rank) for '
+            f"each worker to show"
+        )
+
+
+def _may_have_defaults(handlers: object) -> bool:
+    """Whether ``log_handlers`` has the defaults (a function may return them: not known yet)."""
+    if handlers == "auto" or callable(handlers):
+        return True
+    return isinstance(handlers, list | tuple) and "auto" in handlers

@@ -176,13 +176,14 @@ def main(line: bytes) -> None:
         torch_version: str | None = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = None
-    import torchrunx  # noqa: PLC0415 (importable: the boot code imported this module)
-
+    # The package is loaded (this module is in it); its __init__ names launcher-side modules,
+    # which the host side never imports.
+    version = str(sys.modules["torchrunx"].__version__)
     report = ProbeReport(
         hostname=socket.gethostname(),
         python=sys.executable,
         python_version=platform.python_version(),
-        torchrunx=torchrunx.__version__,
+        torchrunx=version,
         torch=torch_version,
         gpus=count_local_gpus(),
         cpus=count_local_cpus(),

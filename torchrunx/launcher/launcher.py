@@ -49,7 +49,7 @@ from torchrunx.launcher.warm import WarmLauncher
 from torchrunx.logs import (
     ConsoleRanks,
     LogHandlers,
-    is_handler_list,
+    check_log_fields,
 )
 
 if TYPE_CHECKING:
@@ -348,7 +348,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             if value is not None or name != "launch_timeout":
                 _validate_seconds(name, value)
         _validate_env_vars(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
-        _validate_log_handlers(self.log_handlers, self.console_ranks)
+        check_log_fields(self.log_handlers, self.console_ranks)
         _validate_restarts(self.max_restarts, self.restart_on)
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
@@ -376,7 +376,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         Raises:
             TypeError: ``handler_factory`` is none of these.
         """
-        _validate_log_handlers(handler_factory, self.console_ranks)
+        check_log_fields(handler_factory, self.console_ranks)
         # Launcher is frozen, but 0.4's method changed the launcher it was called on, and
         # scripts call it without using the return value.
         object.__setattr__(self, "log_handlers", handler_factory)
@@ -519,38 +519,6 @@ def launch(
     _refuse_renamed("launch()", launcher_fields)
     launcher = Launcher(**launcher_fields)
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
-
-
-def _validate_log_handlers(handlers: object, console_ranks: object = (0,)) -> None:
-    if not (handlers is None or handlers == "auto" or callable(handlers)) and not is_handler_list(
-        handlers
-    ):
-        raise TypeError(
-            f'log_handlers must be "auto", None, a list of logging.Handler (with "auto" among '
-            f"them to keep the default handlers) or a function returning one, got {handlers!r}"
-        )
-    if console_ranks != "all" and not (
-        isinstance(console_ranks, list | tuple)
-        and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in console_ranks)
-    ):
-        raise ValueError(
-            f'console_ranks must be "all" or global ranks (integers >= 0), got {console_ranks!r}'
-        )
-    default = console_ranks != "all" and tuple(console_ranks) == (0,)
-    if not default and not _may_have_defaults(handlers):
-        raise ValueError(
-            f"console_ranks={console_ranks!r} chooses what the default console shows, but "
-            f'log_handlers={handlers!r} has no default handlers: put "auto" in the list '
-            f'(log_handlers=["auto", ...]), or use trx.stream_handler(hostname, local_rank) for '
-            f"each worker to show"
-        )
-
-
-def _may_have_defaults(handlers: object) -> bool:
-    """Whether ``log_handlers`` has the defaults (a function may return them: not known yet)."""
-    if handlers == "auto" or callable(handlers):
-        return True
-    return isinstance(handlers, list | tuple) and "auto" in handlers
 
 
 def _validate_restarts(max_restarts: object, restart_on: object) -> None:

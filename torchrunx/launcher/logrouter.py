@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from torchrunx.logs import ConsoleRanks, LogHandlers
     from torchrunx.wire.lines import Line, Record
 
+logger = logging.getLogger("torchrunx.launcher")
+
 TAIL_LINES = 20
 TAIL_BYTES = 32 * 1024
 """At most this many bytes of lines in one failure note: older lines are left out."""
@@ -209,6 +211,17 @@ class LogRouter:
         if not self.auto or self.console_ranks == "all":
             return []
         return sorted({rank for rank in self.console_ranks if rank >= world_size})
+
+    def warn_missing_console_ranks(self, world_size: int) -> None:
+        """Log a warning for each rank of ``console_ranks`` that the launch does not have."""
+        for rank in self.console_ranks_missing(world_size):
+            logger.warning(
+                "console_ranks names rank %d, but the launch has %d workers: nothing of rank %d "
+                "is shown",
+                rank,
+                world_size,
+                rank,
+            )
 
     def _add_agent_console(self, host_index: int) -> None:
         """The warnings of a host's agent on the console (its INFO lines too at torchrunx INFO)."""

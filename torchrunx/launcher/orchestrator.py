@@ -56,6 +56,20 @@ class Failed(Exception):  # noqa: N818 (control flow of a launch, never raised t
     """A failure was recorded: stop, then raise the cause or restart."""
 
 
+def wants_stacks(error: BaseException | None) -> bool:
+    """Whether a stop for ``error`` asks the survivors for their stacks.
+
+    They tell where the survivors were stuck: after a failure, and after Ctrl-C or SIGTERM too
+    (a launch stopped because it seemed stuck). Not for a cancelled warm run, or the
+    launcher's own exit.
+    """
+    if isinstance(error, KeyboardInterrupt):
+        return True
+    if isinstance(error, SystemExit):
+        return error.code == 128 + signal.SIGTERM
+    return not isinstance(error, CancelledError)
+
+
 class Launch(LaunchLoop):
     """One launch in progress; owned by the thread that calls :meth:`execute`."""
 
@@ -239,14 +253,7 @@ class Launch(LaunchLoop):
             offset += spec.num_workers
             self.inbox.peer_of(agent).send(spec, self.call)
         if st.attempt == 0:
-            for rank in self.logs.console_ranks_missing(offset):
-                logger.warning(
-                    "console_ranks names rank %d, but the launch has %d workers: nothing of "
-                    "rank %d is shown",
-                    rank,
-                    offset,
-                    rank,
-                )
+            self.logs.warn_missing_console_ranks(offset)
 
     def _send_calls(self) -> None:
         """Workers that stay: send this run's call to each of them, on its own connection."""
@@ -315,18 +322,7 @@ class Launch(LaunchLoop):
             reason = "a worker exited abnormally"
         else:
             reason = (exception_text(error).splitlines() or [type(error).__name__])[0]
-        # Stacks tell where the survivors were stuck: after a failure, and after a Ctrl-C or
-        # SIGTERM too (a launch stopped because it seemed stuck). Not for a cancelled warm run,
-        # or the launcher's own exit.
-        if dump is None:
-            dump = not restart
-        stopped_by_user = isinstance(error, KeyboardInterrupt) or (
-            isinstance(error, SystemExit) and error.code == 128 + signal.SIGTERM
-        )
-        dump = dump and (
-            stopped_by_user
-            or not isinstance(error, KeyboardInterrupt | SystemExit | CancelledError)
-        )
+        dump = (not restart if dump is None else dump) and wants_stacks(error)
         stop = Stop(reason, STOP_GRACE, dump_stacks=dump, restart=restart, attempt=st.attempt)
         if not restart:
             self.inbox.final_stop = stop  # also for an agent whose start completes meanwhile

@@ -28,7 +28,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torchrunx
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.records import AgentRecord
@@ -36,7 +35,7 @@ from torchrunx.launcher.transport import agent_script
 
 if TYPE_CHECKING:
     import socket
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from torchrunx.agent.probe import ProbeReport
     from torchrunx.launcher.launcher import Launcher
@@ -73,7 +72,7 @@ class Local:
             torch_version = None
         return cls(
             python_version=platform.python_version(),
-            torchrunx=torchrunx.__version__,
+            torchrunx=str(sys.modules["torchrunx"].__version__),
             torch=torch_version,
             backend=plan.backend,
             workers_per_host=plan.workers_per_host,
@@ -107,6 +106,29 @@ class HostCheck:
     def ok(self) -> bool:
         """Whether nothing is wrong on this host."""
         return not self.problems
+
+
+def check_command(launcher: Launcher, describe: Callable[[BaseException], str]) -> int:
+    """``torchrunx check``: print a line per host and a summary; the exit status.
+
+    Args:
+        launcher: The launch to check, its fields checked already.
+        describe: How the command prints an error that stopped the whole check.
+
+    Returns:
+        0 when every host is ready, 1 when one is not (or the check failed), 130 on Ctrl-C.
+    """
+    started = time.monotonic()
+    try:
+        checks = check_hosts(launcher)
+    except KeyboardInterrupt:
+        sys.stderr.write("torchrunx check: interrupted; nothing is left running\n")
+        return 130
+    except Exception as exc:  # noqa: BLE001 (hosts that cannot be resolved, a port in use)
+        sys.stderr.write(describe(exc))
+        return 1
+    print(format_checks(checks, time.monotonic() - started))  # noqa: T201 (the command's output)
+    return 0 if all(check.ok for check in checks) else 1
 
 
 def check_hosts(launcher: Launcher) -> list[HostCheck]:
