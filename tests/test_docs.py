@@ -1,9 +1,12 @@
-"""The documentation site builds with no warning, and its API page covers every public name."""
+"""The documentation site builds with no warning, covers every public name, and its runnable snippets run."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import torchrunx
 
@@ -72,3 +75,66 @@ def test_every_test_the_docs_name_exists():
                     missing.append(f"{page.name}: {file_name}::{test}")
     assert seen > 10  # the docs do name tests: the pattern above still finds them
     assert not missing, "tests named in the docs but not found:\n" + "\n".join(missing)
+
+
+RUNNABLE = "<!-- runnable -->"
+
+
+def runnable_snippets() -> list[tuple[str, str, str, str]]:
+    """``(where, language, file name, code)`` of each block marked runnable in the docs."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = page.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if line.strip() != RUNNABLE:
+                continue
+            fence = lines[number + 1]
+            assert fence.startswith("```"), f"{page.name}:{number + 2}: a fence must follow"
+            match = re.match(r"```(\w+)(?:\s+title=\"([^\"]+)\")?", fence)
+            assert match, f"{page.name}:{number + 2}: {fence!r}"
+            language, title = match.group(1), match.group(2)
+            end = lines.index("```", number + 2)
+            code = "\n".join(lines[number + 2 : end]) + "\n"
+            where = f"{page.relative_to(ROOT)}:{number + 2}"
+            found.append(
+                (
+                    where,
+                    language,
+                    title or f"snippet.{'py' if language == 'python' else 'sh'}",
+                    code,
+                )
+            )
+    return found
+
+
+SNIPPETS = runnable_snippets()
+
+
+def test_the_docs_mark_their_first_steps_runnable():
+    places = {where.split(":")[0] for where, *_ in SNIPPETS}
+    assert {"README.md", "docs/index.md"} <= places
+    assert all(language in {"bash", "python"} for _, language, _, _ in SNIPPETS)
+
+
+@pytest.mark.parametrize(
+    ("where", "language", "name", "code"), SNIPPETS, ids=[s[0] for s in SNIPPETS]
+)
+def test_every_runnable_snippet_runs(where, language, name, code, tmp_path):
+    # In a fresh folder, as a reader would run it: the checkout importable, its examples at
+    # hand, `python` and `torchrunx` those of this environment.
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    (tmp_path / name).write_text(code)
+    bin_dir = os.path.dirname(sys.executable)
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "TORCHRUNX_LOG_DIR": str(tmp_path / "logs"),
+    }
+    argv = [sys.executable, name] if language == "python" else ["bash", "-euo", "pipefail", name]
+    done = subprocess.run(
+        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, (
+        f"{where}\n{code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    )
