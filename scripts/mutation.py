@@ -201,6 +201,31 @@ TARGETS: dict[str, Target] = {
         note="not the probes of the machine (count_local_gpus, count_local_cpus)",
         own_session=True,  # tests/test_gpu.py imports torch
     ),
+    "logs": Target(
+        "torchrunx/logs.py",
+        ("tests/test_rules_logs.py",),
+        functions=(
+            "check_log_fields",
+            "_may_have_defaults",
+            "is_handler_list",
+            "call_handler_factory",
+            "_takes_an_argument",
+            "SourceFilter.*",
+        ),
+        note="the checks of log_handlers and console_ranks, a handler function's call",
+    ),
+    "preflight": Target(
+        "torchrunx/launcher/preflight.py",
+        ("tests/test_rules_check.py",),
+        functions=("judge", "_no_report", "_compare", "format_checks", "HostCheck.*"),
+        note="torchrunx check's judgement of each host's answer, and its lines",
+    ),
+    "probe": Target(
+        "torchrunx/agent/probe.py",
+        ("tests/test_rules_check.py",),
+        functions=("ProbeRequest.*", "ProbeReport.*"),
+        note="the lines between torchrunx check and its probes",
+    ),
 }
 
 IMPURE = (

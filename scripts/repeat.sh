@@ -27,6 +27,7 @@ fi
 python=.venv/bin/python
 log=${REPEAT_LOG:-repeat-$(date +%Y%m%d-%H%M%S).log}
 base=${REPEAT_BASETEMP:-$(mktemp -d /tmp/torchrunx-repeat.XXXXXX)}
+mkdir -p "$base"
 hogs=()
 stop_hogs() {
     if ((${#hogs[@]})); then

@@ -202,3 +202,23 @@ def test_warm_agents_in_an_allocation_are_srun_steps_that_end_with_the_block(slu
     assert "same agents True" in lines, result
     assert "steps during 2" in lines, result  # the batch step and snode2's agent step
     assert "steps after ['batch']" in lines, result
+
+
+def test_check_in_an_allocation_starts_its_probes_as_srun_steps(slurm):
+    # Inside the job, hostnames="auto" is the allocation; host 0 is this node (local), the
+    # other one is probed through an srun step, which ends with the check.
+    python = shlex.quote(sys.executable)
+    squeue = 'squeue -h -s -j "$SLURM_JOB_ID" -o "%j" | sort | tr "\\n" " "'
+    result = slurm.sbatch(
+        f"{python} -m torchrunx check --agent-start srun --start-timeout 30; echo status $?\n"
+        f'echo "steps $({squeue})"\n',
+        nodes=2,
+        extra_args=["--ntasks-per-node=1"],
+    )
+    assert result.exit_code == 0, result
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("snode1  ok    local  python "), result
+    assert lines[1].startswith("snode2  ok    srun   python "), result
+    assert lines[2].startswith("2 hosts checked in ") and lines[2].endswith(": all ready")
+    assert "status 0" in lines
+    assert "steps batch " in lines, result  # no probe step left

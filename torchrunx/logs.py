@@ -64,22 +64,26 @@ def call_handler_factory(
     Raises:
         TypeError: It returned something other than a list of handlers (and ``"auto"``).
     """
-    try:
-        parameters = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (some builtins): call it bare
-        parameters = None
-    takes_setup = parameters is not None and any(
-        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-        and p.default is p.empty
-        for p in parameters
-    )
-    made = factory(setup) if takes_setup else factory()
+    made = factory(setup) if _takes_an_argument(factory) else factory()
     if not is_handler_list(made):
         raise TypeError(
             f"the log_handlers function {getattr(factory, '__qualname__', factory)!r} returned "
             f'{made!r}; it must return a list of logging.Handler (and "auto" for the defaults)'
         )
     return list(made)
+
+
+def _takes_an_argument(function: Callable[..., object]) -> bool:
+    """Whether ``function`` has a positional parameter without a default (or ``*args``)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): call it bare
+        return False
+    return any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        and p.default is p.empty
+        for p in parameters
+    )
 
 
 def is_handler_list(value: object) -> TypeGuard[Sequence[logging.Handler | Literal["auto"]]]:
@@ -490,7 +494,7 @@ def check_log_fields(handlers: object, console_ranks: object = (0,)) -> None:
         raise ValueError(
             f'console_ranks must be "all" or global ranks (integers >= 0), got {console_ranks!r}'
         )
-    default = console_ranks != "all" and tuple(console_ranks) == (0,)
+    default = tuple(console_ranks) == (0,)  # "all" is no such tuple
     if not default and not _may_have_defaults(handlers):
         raise ValueError(
             f"console_ranks={console_ranks!r} chooses what the default console shows, but "

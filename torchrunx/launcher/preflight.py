@@ -480,7 +480,7 @@ def _compare(report: ProbeReport, local: Local) -> list[str]:
 
 def format_checks(checks: Sequence[HostCheck], seconds: float) -> str:
     """The command's output: a line per host (its problems below it), then a summary."""
-    width = max((len(c.hostname) for c in checks), default=0)
+    width = max(len(c.hostname) for c in checks)  # a launch has a host at least
     lines = []
     for c in checks:
         head = f"{c.hostname:<{width}}  {'ok  ' if c.ok else 'FAIL'}  {c.method:<5}"

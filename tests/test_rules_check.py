@@ -1,0 +1,344 @@
+"""Rules of ``torchrunx check``'s judgement of one host's answer, and of its wire lines (pure).
+
+What a probe answered (or why it did not) becomes the host's problems, each with what to do;
+the launcher's side of the comparison is a :class:`Local`. No process, no socket.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from torchrunx.agent.probe import ProbeReport, ProbeRequest
+from torchrunx.launcher.preflight import Local, format_checks, judge
+
+LOCAL = Local(
+    python_version="3.11.7",
+    torchrunx="0.5.0",
+    torch="2.13.0",
+    backend="auto",
+    workers_per_host="auto",
+    env_file=None,
+)
+
+
+def report(**changes: object) -> ProbeReport:
+    fields: dict[str, object] = {
+        "hostname": "node2",
+        "python": "/venv/bin/python",
+        "python_version": "3.11.9",
+        "torchrunx": "0.5.0",
+        "torch": "2.13.0",
+        "gpus": 4,
+        "cpus": 32,
+        "cwd": "/work",
+        "route_back": "ok",
+        "master": "ok",
+        "pidfds": None,
+        "seconds": 0.2,
+    }
+    fields.update(changes)
+    return ProbeReport(**fields)  # type: ignore[arg-type]
+
+
+def judged(index: int = 1, local: Local = LOCAL, status: int | None = 0, **answer: object):
+    lines = [(False, "some output"), (False, report(**answer).to_line())]
+    return judge(
+        index,
+        "node2",
+        "ssh",
+        local,
+        start_failure=None,
+        status=status,
+        lines=lines,
+        seconds=0.5,
+        timeout=60,
+    )
+
+
+def test_a_ready_host_has_its_facts_and_no_problem():
+    host = judged()
+    assert host.ok
+    assert host.facts == (
+        "python 3.11.9 (/venv/bin/python)",
+        "torchrunx 0.5.0",
+        "torch 2.13.0",
+        "4 GPUs",
+        "32 CPUs",
+    )
+
+
+@pytest.mark.parametrize(
+    ("answer", "problem"),
+    [
+        (
+            {"python_version": "3.10.13"},
+            (
+                "Python 3.10.13 here, 3.11.7 in the launcher: functions and results are pickled "
+                "between them; use the same Python minor version"
+            ),
+        ),
+        (
+            {"torchrunx": "0.4.0"},
+            "torchrunx 0.4.0 here, 0.5.0 in the launcher: install the same version on every host",
+        ),
+        (
+            {"torch": None},
+            (
+                "torch is not installed here, 2.13.0 in the launcher: install the same torch on "
+                "every host"
+            ),
+        ),
+        (
+            {"route_back": "cannot connect to 10.0.0.1:29400: timed out"},
+            (
+                "the host cannot reach this machine: cannot connect to 10.0.0.1:29400: timed out; "
+                "set launcher_address (or TORCHRUNX_LAUNCHER_ADDR) to an address of this machine "
+                "that the host can reach, and let it through the firewall (TORCHRUNX_LAUNCHER_PORT "
+                "fixes the port)"
+            ),
+        ),
+        (
+            {"master": "cannot connect to 10.0.0.2:41000: [Errno 111] Connection refused"},
+            (
+                "the host cannot reach host 0: cannot connect to 10.0.0.2:41000: [Errno 111] "
+                "Connection refused; workers connect to host 0 on a free port it picks (MASTER_PORT): "
+                "open the ports between the hosts"
+            ),
+        ),
+        ({"pidfds": "this kernel has no pidfd_open"}, "this kernel has no pidfd_open"),
+    ],
+)
+def test_each_difference_that_breaks_a_launch_is_a_problem_saying_what_to_do(answer, problem):
+    host = judged(**answer)
+    assert host.problems == (problem,)
+    assert not host.ok
+
+
+def test_host_0_is_not_blamed_for_the_hosts_that_did_not_reach_it():
+    assert judged(index=0, master="0 of the 1 other hosts connected to this host's port 4").ok
+
+
+def test_gpus_the_launch_asks_for():
+    nccl = Local(**{**LOCAL.__dict__, "backend": "nccl"})
+    assert judged(local=nccl, gpus=0).problems == (
+        "no GPU found, but the launch asks for backend='nccl'",
+    )
+    gpu = Local(**{**LOCAL.__dict__, "workers_per_host": "gpu"})
+    assert judged(local=gpu, gpus=0).problems == (
+        "no GPU found, but the launch asks for workers_per_host='gpu'",
+    )
+    assert judged(local=gpu, gpus=1).ok
+    assert judged(gpus=0).facts[3] == "no GPU"
+
+
+def no_report(status: int | None, *errors: str, local: Local = LOCAL) -> tuple[str, ...]:
+    lines = [(True, error) for error in errors]
+    return judge(
+        1,
+        "node2",
+        "ssh",
+        local,
+        start_failure=None,
+        status=status,
+        lines=lines,
+        seconds=1.0,
+        timeout=60,
+    ).problems
+
+
+def test_a_probe_that_did_not_answer_says_why():
+    python = sys.executable
+    assert no_report(None) == ("no answer within start_timeout=60 s",)
+    assert no_report(127, f"bash: line 1: {python}: No such file or directory") == (
+        (
+            f"the interpreter {python} is missing on this host (bash: line 1: {python}: No such file "
+            "or directory): install the same environment at the same path on every host"
+        ),
+    )
+    (problem,) = no_report(1, "ModuleNotFoundError: No module named 'torchrunx'")
+    assert problem.startswith(f"{python} on this host cannot import torchrunx (ModuleNotFound")
+    assert problem.endswith("install this project in that environment on every host")
+    (problem,) = no_report(1, "bash: line 1: cd: /home/me/proj: No such file or directory")
+    assert problem.endswith(
+        "workers start there; use a folder that every host has (a shared file system)"
+    )
+    assert no_report(1, "boom") == ("the probe exited with status 1: boom",)
+    with_env = Local(**{**LOCAL.__dict__, "env_file": "/etc/env.sh"})
+    assert no_report(1, "boom", local=with_env) == (
+        (
+            "the probe exited with status 1: boom; it sourced env_file '/etc/env.sh' first: "
+            "check that file"
+        ),
+    )
+    start = judge(
+        1,
+        "node2",
+        "ssh",
+        LOCAL,
+        start_failure="SSH authentication failed",
+        status=None,
+        lines=[],
+        seconds=0.1,
+        timeout=60,
+    )
+    assert start.problems == ("SSH authentication failed",) and start.report is None
+
+
+def test_the_lines_printed():
+    ready, failed = judged(index=0), judged(torch=None)
+    text = format_checks([ready, failed], 1.25)
+    assert text.splitlines() == [
+        (
+            "node2  ok    ssh    python 3.11.9 (/venv/bin/python), torchrunx 0.5.0, torch 2.13.0, "
+            "4 GPUs, 32 CPUs"
+        ),
+        "node2  FAIL  ssh  ",
+        (
+            "    - torch is not installed here, 2.13.0 in the launcher: install the same torch on "
+            "every host"
+        ),
+        "2 hosts checked in 1.2 s: 1 not ready",
+    ]
+
+
+def test_rule_a_report_and_a_request_travel_as_one_line_each():
+    answer = report(torch=None, master=None, pidfds="no pidfd")
+    line = answer.to_line()
+    assert "\n" not in line and line.startswith("torchrunx-probe {")
+    assert ProbeReport.from_line(line) == answer
+    assert ProbeReport.from_line("torchrunx-probe {not json") is None
+    assert ProbeReport.from_line('torchrunx-probe {"hostname": "x"}') is None  # fields missing
+    assert ProbeReport.from_line(line[1:]) is None  # not the report's line
+    request = ProbeRequest(
+        sys_path=("/a", "/b"),
+        host_index=1,
+        address="10.0.0.1",
+        port=29400,
+        token="t" * 32,
+        timeout=5.5,
+        master=("10.0.0.2", 41000),
+        peers=0,
+        local_only=True,
+    )
+    raw = request.to_json_line()
+    assert raw.endswith(b"\n") and raw.count(b"\n") == 1
+    assert ProbeRequest.from_json(raw) == request
+    first = ProbeRequest(**{**request.__dict__, "host_index": 0, "master": None, "peers": 3})
+    assert ProbeRequest.from_json(first.to_json_line()) == first
+
+
+def test_rule_only_a_stdout_line_is_a_report():
+    line = report().to_line()
+    stderr = judge(
+        1,
+        "node2",
+        "ssh",
+        LOCAL,
+        start_failure=None,
+        status=0,
+        lines=[(True, line)],
+        seconds=0.1,
+        timeout=60,
+    )
+    assert stderr.report is None and stderr.problems == ("the probe exited with status 0: " + line,)
+
+
+def test_rule_a_host_check_keeps_where_and_when_whatever_happened():
+    failed = judge(
+        2,
+        "node3",
+        "srun",
+        LOCAL,
+        start_failure="srun: error",
+        status=None,
+        lines=[],
+        seconds=1.5,
+        timeout=60,
+    )
+    silent = judge(
+        2,
+        "node3",
+        "srun",
+        LOCAL,
+        start_failure=None,
+        status=1,
+        lines=[],
+        seconds=2.5,
+        timeout=60,
+    )
+    answered = judged(index=2, gpus=1)
+    for check, seconds in ((failed, 1.5), (silent, 2.5)):
+        assert (check.index, check.hostname, check.method, check.facts, check.seconds) == (
+            2,
+            "node3",
+            "srun",
+            (),
+            seconds,
+        )
+        assert check.report is None
+    assert (answered.index, answered.hostname, answered.method, answered.seconds) == (
+        2,
+        "node2",
+        "ssh",
+        0.5,
+    )
+    assert answered.report == report(gpus=1)
+    assert answered.facts[3] == "1 GPU"
+    assert judged(gpus=2).facts[3] == "2 GPUs"
+
+
+def test_rule_without_torch_on_either_side_there_is_nothing_to_compare():
+    no_torch = Local(**{**LOCAL.__dict__, "torch": None})
+    host = judged(local=no_torch, torch=None)
+    assert host.ok and host.facts[2] == "no torch"
+    assert judged(local=no_torch, torch="2.1.0").problems == (
+        "torch 2.1.0 here: install the same torch on every host",
+    )
+
+
+def test_rule_only_the_last_five_stderr_lines_of_a_silent_probe_are_quoted():
+    lines = [(False, "stdout noise"), *((True, f"line {n}") for n in range(7)), (True, "  ")]
+    problem = judge(
+        1,
+        "node2",
+        "ssh",
+        LOCAL,
+        start_failure=None,
+        status=4,
+        lines=lines,
+        seconds=1.0,
+        timeout=60,
+    ).problems
+    assert problem == ("the probe exited with status 4: line 2; line 3; line 4; line 5; line 6",)
+    assert no_report(3) == ("the probe exited with status 3",)
+    assert no_report(None, "still importing") == (
+        "no answer within start_timeout=60 s (still importing)",
+    )
+
+
+def test_rule_what_bash_and_python_said_tells_which_part_is_missing():
+    missing = f"bash: line 1: exec: {sys.executable}: No such file or directory"
+    (problem,) = no_report(1, missing)
+    assert problem.startswith(f"the interpreter {sys.executable} is missing on this host")
+    (problem,) = no_report(1, "bash: line 1: exec: foo: not found")  # no file missing
+    assert problem.startswith("the probe exited with status 1")
+    (problem,) = no_report(1, "ImportError: cannot import name 'x' from 'torchrunx'")
+    assert "cannot import torchrunx" in problem
+    (problem,) = no_report(1, "bash: line 1: cd: /gone: No such file or directory")
+    assert problem.startswith("the working directory ")
+
+
+def test_rule_the_summary_counts_the_hosts_not_ready():
+    ok, bad = judged(), judged(torch=None)
+    assert format_checks([ok, bad, bad], 2.0).splitlines()[-1] == (
+        "3 hosts checked in 2.0 s: 2 not ready"
+    )
+    assert format_checks([ok], 0.25).splitlines() == [
+        (
+            "node2  ok    ssh    python 3.11.9 (/venv/bin/python), torchrunx 0.5.0, torch 2.13.0, "
+            "4 GPUs, 32 CPUs"
+        ),
+        "1 host checked in 0.2 s: all ready",
+    ]
