@@ -122,3 +122,45 @@ def test_ssh_hosts_ready_then_an_unknown_key_and_no_route_back(cluster, tmp_path
     assert done.returncode == 1, done.stdout
     assert done.stdout.count("- the host cannot reach this machine: cannot connect to ") == 2
     assert "the host cannot reach host 0" not in done.stdout  # node2 still reached node1
+
+
+def test_a_flood_of_idle_connections_and_a_strangers_line_do_not_stop_the_check(monkeypatch):
+    import socket
+    import threading
+
+    import torchrunx as trx
+    from torchrunx.launcher.preflight import check_hosts
+
+    with socket.socket() as probe:  # a free port, named so that the flood knows where to go
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("TORCHRUNX_LAUNCHER_PORT", str(port))
+    flood: list[socket.socket] = []
+    threads: list[int] = []
+    stop = threading.Event()
+
+    def fill() -> None:
+        # Before the probes connect back: idle connections, more than the check reads at once,
+        # and a stranger's line with a wrong token.
+        while not stop.is_set() and len(flood) < 1100:
+            try:
+                flood.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            except OSError:  # noqa: PERF203 (not listening yet: try again)
+                time.sleep(0.001)
+        if flood:
+            flood[0].sendall(b"0123456789abcdef 0 1234\n")
+            time.sleep(0.2)
+            threads.append(threading.active_count())
+
+    filler = threading.Thread(target=fill)
+    filler.start()
+    try:
+        checks = check_hosts(trx.Launcher(hostnames=["localhost", "localhost"], start_timeout=20))
+    finally:
+        stop.set()
+        filler.join()
+        for conn in flood:
+            conn.close()
+    assert len(flood) >= 1024, len(flood)  # the flood reached the port during the check
+    assert threads[0] < 20, threads  # read in one thread, not one per connection
+    assert [check.ok for check in checks] == [True, True], [c.problems for c in checks]

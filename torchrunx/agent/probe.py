@@ -258,8 +258,8 @@ def _await_peers(
             continue
         with contextlib.suppress(OSError):
             conn, _ = listener.accept()
-            with conn:
-                conn.settimeout(max(0.1, deadline - time.monotonic()))
+            with conn:  # a stranger that sends nothing holds the others up 2 s at most
+                conn.settimeout(max(0.1, min(2.0, deadline - time.monotonic())))
                 if _read_line(conn) == token:
                     heard += 1
     return "ok"

@@ -21,6 +21,7 @@ import logging
 import platform
 import secrets
 import select
+import selectors
 import sys
 import threading
 import time
@@ -50,6 +51,29 @@ PROBE_CODE = (
 """What the probe's interpreter runs: the agent's boot code, calling the probe instead."""
 
 _LINE_LIMIT = 256
+"""Bytes a probe's line may have (a token, an index and a port)."""
+_PENDING = 1024
+"""Connections read at once at most; past it the oldest is dropped (a probe sends its line as
+soon as it connects)."""
+_READ_TIMEOUT = 5.0
+"""Seconds a connection gets to send its line."""
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A connection to the check's port whose line is being read."""
+
+    peer: str
+    data: bytes = b""
+    until: float = dataclasses.field(default_factory=lambda: time.monotonic() + _READ_TIMEOUT)
+
+
+def _drop(
+    selector: selectors.BaseSelector, pending: dict[socket.socket, _Pending], conn: socket.socket
+) -> None:
+    selector.unregister(conn)
+    del pending[conn]
+    conn.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,39 +246,92 @@ class _Check:
     # -- the launcher's port: each probe says who it is -------------------------------------
 
     def _accept(self) -> None:
-        self.sock.settimeout(0.1)
-        while not self.stopping.is_set() and time.monotonic() < self.deadline:
+        """Accept and read the probes' lines, all in this one thread, until the check ends.
+
+        Connections are read as their bytes come (a selector): one that sends nothing is
+        dropped after :data:`_READ_TIMEOUT`, and past :data:`_PENDING` unread connections the
+        oldest is dropped, so a flood or a slow stranger never holds up a probe's line.
+        """
+        pending: dict[socket.socket, _Pending] = {}
+        with selectors.DefaultSelector() as selector:
+            self.sock.setblocking(False)  # noqa: FBT003 (socket API)
+            selector.register(self.sock, selectors.EVENT_READ)
+            try:
+                while not self.stopping.is_set() and time.monotonic() < self.deadline:
+                    for key, _ in selector.select(0.1):
+                        if key.fileobj is self.sock:
+                            self._take_new(selector, pending)
+                        else:
+                            self._read_some(selector, pending, key.fileobj)  # type: ignore[arg-type]
+                    now = time.monotonic()
+                    for conn in [c for c, p in pending.items() if p.until <= now]:
+                        _drop(selector, pending, conn)
+            finally:
+                for conn in list(pending):
+                    _drop(selector, pending, conn)
+
+    def _take_new(
+        self, selector: selectors.BaseSelector, pending: dict[socket.socket, _Pending]
+    ) -> None:
+        while True:
             try:
                 conn, peer = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 return
-            threading.Thread(target=self._hear, args=(conn, peer), daemon=True).start()
+            except OSError:  # out of descriptors: the next turn tries again
+                return
+            if len(pending) >= _PENDING:
+                _drop(selector, pending, next(iter(pending)))  # the oldest
+            conn.setblocking(False)  # noqa: FBT003 (socket API)
+            pending[conn] = _Pending(str(peer[0]).removeprefix("::ffff:"))
+            selector.register(conn, selectors.EVENT_READ)
 
-    def _hear(self, conn: socket.socket, peer: tuple[str, int] | tuple[str, int, int, int]) -> None:
-        """One probe's line: ``token host_index master_port``; a stranger's is ignored."""
-        with conn, contextlib.suppress(OSError, ValueError):
-            conn.settimeout(max(0.1, min(5.0, self.deadline - time.monotonic())))
-            data = b""
-            while b"\n" not in data and len(data) < _LINE_LIMIT:
-                chunk = conn.recv(_LINE_LIMIT - len(data))
-                if not chunk:
-                    break
-                data += chunk
-            token, index_word, port_word = data.partition(b"\n")[0].decode().split()
+    def _read_some(
+        self,
+        selector: selectors.BaseSelector,
+        pending: dict[socket.socket, _Pending],
+        conn: socket.socket,
+    ) -> None:
+        entry = pending[conn]
+        try:
+            chunk = conn.recv(_LINE_LIMIT - len(entry.data))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        entry.data += chunk
+        if chunk and b"\n" not in entry.data and len(entry.data) < _LINE_LIMIT:
+            return  # more to come
+        selector.unregister(conn)
+        del pending[conn]
+        if not self._hear(entry.data.partition(b"\n")[0], entry.peer, conn):
+            conn.close()
+
+    def _hear(self, line: bytes, peer: str, conn: socket.socket) -> bool:
+        """One probe's line, ``token host_index master_port``; whether ``conn`` is kept.
+
+        A stranger's line is ignored. Host 0's connection is kept open: host 0 waits for the
+        other hosts until it closes (:meth:`run`).
+        """
+        try:
+            token, index_word, port_word = line.decode().split()
             index, port = int(index_word), int(port_word)
-            if not secrets.compare_digest(token, self.token) or not 0 <= index < len(self.agents):
-                return
-            with self.lock:
-                self.heard[index] = str(peer[0]).removeprefix("::ffff:")
-                if index == 0 and not self.others_done:
-                    # Kept open: host 0 waits for the others until it closes (run()).
-                    self.host0_conn = conn.dup()
-                if index == 0:
-                    self.master_port = port
+        except ValueError:
+            return False
+        if not secrets.compare_digest(token, self.token) or not 0 <= index < len(self.agents):
+            return False
+        keep = False
+        with self.lock:
+            self.heard[index] = peer
             if index == 0:
-                self.master_known.set()
+                self.master_port = port
+                if not self.others_done:
+                    conn.setblocking(True)  # noqa: FBT003 (socket API)
+                    self.host0_conn = conn
+                    keep = True
+        if index == 0:
+            self.master_known.set()
+        return keep
 
     def master_for(self, address: str) -> tuple[str, int] | None:
         """Host 0's address and port, as another host reaches it (waits for host 0's answer).
