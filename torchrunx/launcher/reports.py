@@ -10,6 +10,7 @@ that were still running.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -129,16 +130,69 @@ def output_tail_note(tail: Sequence[str], path: object | None) -> str | None:
 def stacks_note(stacks: dict[int, str], where: dict[int, tuple[int, str]]) -> str:
     """The note with the Python stacks of ranks still running when the launch stopped.
 
-    ``where`` maps a rank to its local rank and host name.
+    Ranks whose stacks are the same (thread ids aside) share one section, headed by their
+    ranks and the innermost frame of the dumping thread, so a rank stuck elsewhere stands out::
+
+        --- ranks 0-6,8 on hosts 'node1', 'node2' (the same stack; innermost: train.py:41 in
+        step) ---
+
+    One rank's section keeps its local rank: ``--- rank 7 (local rank 7 on host 'node1') ---``.
+    At most :data:`MAX_STACKS_SHOWN` sections. ``where`` maps a rank to its local rank and host.
     """
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(stacks):
+        groups.setdefault(_same_stack(stacks[rank]), []).append(rank)
     lines = ["Python stacks of the workers that were still running when the launch stopped:"]
-    for rank in sorted(stacks)[:MAX_STACKS_SHOWN]:
-        local_rank, host = where[rank]
-        lines.append(f"--- rank {rank} (local rank {local_rank} on host {host!r}) ---")
-        lines.append(stacks[rank].rstrip())
-    if len(stacks) > MAX_STACKS_SHOWN:
-        lines.append(f"... and {len(stacks) - MAX_STACKS_SHOWN} more workers")
+    for ranks in list(groups.values())[:MAX_STACKS_SHOWN]:
+        if len(ranks) == 1:
+            local_rank, host = where[ranks[0]]
+            lines.append(f"--- rank {ranks[0]} (local rank {local_rank} on host {host!r}) ---")
+        else:
+            names = list(dict.fromkeys(where[r][1] for r in ranks))
+            hosts = ("host " if len(names) == 1 else "hosts ") + ", ".join(map(repr, names))
+            inner = innermost_frame(stacks[ranks[0]])
+            what = "the same stack" + (f"; innermost: {inner}" if inner else "")
+            lines.append(f"--- ranks {rank_ranges(ranks)} on {hosts} ({what}) ---")
+        lines.append(stacks[ranks[0]].rstrip())
+    if len(groups) > MAX_STACKS_SHOWN:
+        left = [r for ranks in list(groups.values())[MAX_STACKS_SHOWN:] for r in ranks]
+        more = len(groups) - MAX_STACKS_SHOWN
+        lines.append(f"... and {more} more stacks, of ranks {rank_ranges(sorted(left))}")
     return "\n".join(lines)
+
+
+def _same_stack(text: str) -> str:
+    """A stack as compared with others: thread ids (which differ per process) left out."""
+    return re.sub(r"0x[0-9a-fA-F]+", "0x", text).strip()
+
+
+def innermost_frame(text: str) -> str | None:
+    """``file.py:LINE in function`` of the innermost frame of the thread that dumped, or ``None``.
+
+    That thread is ``faulthandler``'s "Current thread" (else the first one listed); its first
+    frame is its innermost.
+    """
+    current = text.find("Current thread")
+    frame = re.compile(r'File "([^"]*)", line (\d+) in (\S+)')
+    match = frame.search(text, max(current, 0)) or frame.search(text)
+    if match is None:
+        return None
+    path, line, function = match.groups()
+    return f"{path.rsplit('/', 1)[-1]}:{line} in {function}"
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """Sorted ranks as ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    parts: list[str] = []
+    start = previous = ranks[0]
+    for rank in [*ranks[1:], None]:
+        if rank is not None and rank == previous + 1:
+            previous = rank
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if rank is not None:
+            start = previous = rank
+    return ",".join(parts)
 
 
 def finish_report(
