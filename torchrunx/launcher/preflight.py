@@ -25,11 +25,13 @@ import selectors
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchrunx.errors import AgentFailedError
+from torchrunx.launcher.agent_pool import START_THREADS
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.records import AgentRecord
 from torchrunx.launcher.transport import agent_script
@@ -215,18 +217,17 @@ class _Check:
         acceptor = threading.Thread(target=self._accept, name="torchrunx-check-accept", daemon=True)
         acceptor.start()
         results: list[HostCheck | None] = [None] * len(self.agents)
-        threads = [
-            threading.Thread(
-                target=self._host, args=(index, results), name=f"torchrunx-check-{index}"
-            )
-            for index in range(len(self.agents))
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads[1:]:
-            thread.join()
+        # Host 0 in a thread of its own (the others wait for its port); the others as a launch
+        # starts its agents: START_THREADS at a time, so the check meets the same limits.
+        first = threading.Thread(target=self._host, args=(0, results), name="torchrunx-check-0")
+        first.start()
+        others = range(1, len(self.agents))
+        if others:
+            workers = max(1, min(START_THREADS, len(others)))
+            with ThreadPoolExecutor(workers, thread_name_prefix="torchrunx-check") as pool:
+                list(pool.map(lambda index: self._host(index, results), others))
         self._release_host0()  # the others are over: host 0 stops waiting for them
-        threads[0].join()
+        first.join()
         self.stopping.set()
         acceptor.join(timeout=2.0)
         return [result for result in results if result is not None]
