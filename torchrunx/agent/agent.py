@@ -78,7 +78,15 @@ from torchrunx.devices import count_local_cpus, count_local_gpus
 from torchrunx.errors import ProtocolError
 from torchrunx.wire import handshake
 from torchrunx.wire.bootstrap import AgentBootstrap
-from torchrunx.wire.messages import AgentHello, Stop, WorkersEnded, WorkerSpec, WorkersStarted
+from torchrunx.wire.messages import (
+    AgentHello,
+    ShowStacks,
+    Stop,
+    WorkersEnded,
+    WorkerSpec,
+    WorkersStarted,
+    WorkerStacks,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -334,6 +342,12 @@ class Agent:
                 self.received = (message, payload)
         elif isinstance(message, Stop):
             self._on_stop(message)
+        elif isinstance(message, ShowStacks):
+            current = self.current
+            if current is None or self.stopping or not current.group.live():
+                self.link.send(WorkerStacks({}, shown=True))  # no worker runs here now
+            else:
+                current.show_stacks()
 
     def _on_stop(self, message: Stop) -> None:
         if message.restart and self.waiting:

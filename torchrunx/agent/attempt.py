@@ -54,6 +54,8 @@ class Attempt:
         self.drain_deadline: float | None = None
         self.shown_by: dict[Worker, float] = {}
         """Workers whose stacks came unasked (``kill -USR1``): forwarded then as their output."""
+        self.show_deadline: float | None = None
+        """When the stacks the launcher asked for (:class:`ShowStacks`) are sent, at the latest."""
 
     def done(self) -> bool:
         """Every worker was reaped and its output read, or the drain after that is over."""
@@ -69,6 +71,8 @@ class Attempt:
         for worker, due in list(self.shown_by.items()):
             if now >= due:
                 self._show_stacks(worker)
+        if self.show_deadline is not None and now >= self.show_deadline:
+            self._send_shown()
         self.hangs.check(now, stopping=stopping)
         self.group.reap_adopted()
         if self.drain_deadline is None and self.group.all_ended():
@@ -82,6 +86,8 @@ class Attempt:
         """When :meth:`on_timers` or a wait of this attempt has something to do (monotonic)."""
         timers = [t for t in (self.dump_deadline, self.drain_deadline) if t is not None]
         timers.extend(self.shown_by.values())
+        if self.show_deadline is not None:
+            timers.append(self.show_deadline)
         if (hang_deadline := self.hangs.next_deadline()) is not None:
             timers.append(hang_deadline)
         return timers
@@ -136,13 +142,41 @@ class Attempt:
             return
         now = time.monotonic()
         self.hangs.stacks_arrived(worker, now)
-        if self.dump_deadline is None and not self.hangs.asked(worker):
+        if self.show_deadline is not None:  # the launcher asked (ShowStacks)
+            if all(w.stacks for w in self.group.live()):
+                self.show_deadline = min(self.show_deadline, now + STACK_SETTLE)
+        elif self.dump_deadline is None and not self.hangs.asked(worker):
             # Unasked: someone sent the worker SIGUSR1 to see where it is. Shown once the dump,
             # written in one go, is complete.
             self.shown_by.setdefault(worker, now + STACK_SETTLE)
         if self.dump_deadline is not None and all(w.stacks for w in self.group.live()):
             # Every live worker has begun its dump; a dump is written in one go.
             self.dump_deadline = min(self.dump_deadline, now + STACK_SETTLE)
+
+    def show_stacks(self) -> None:
+        """The launcher asks where every worker is: ask each live one for its stacks.
+
+        They are sent (:class:`WorkerStacks` with ``shown``) once every live worker has
+        written its dump, or after :data:`STACK_DUMP_WAIT`; the workers go on. A request
+        while one is under way is answered by it.
+        """
+        if self.show_deadline is not None:
+            return
+        for worker in self.group.live():
+            worker.stacks.clear()
+            self.shown_by.pop(worker, None)
+            self.group.dump_stacks(worker)
+        self.show_deadline = time.monotonic() + STACK_DUMP_WAIT
+
+    def _send_shown(self) -> None:
+        self.show_deadline = None
+        stacks = {}
+        for worker in self.group.live():
+            self.group.read_stacks(worker)
+            if worker.stacks:
+                stacks[worker.local_rank] = worker.stacks.decode(errors="replace")
+                worker.stacks.clear()
+        self.send(WorkerStacks(stacks, shown=True))
 
     def _show_stacks(self, worker: Worker) -> None:
         """Forward the stacks ``worker`` wrote unasked as a record of its own output."""
@@ -175,6 +209,9 @@ class Attempt:
         """
         group = self.group
         self.shown_by.clear()  # what came unasked is part of this dump
+        if self.show_deadline is not None:  # a look under way: these stacks answer it below
+            self.show_deadline = None
+            self.send(WorkerStacks({}, shown=True))
         for worker in group.live():
             group.dump_stacks(worker)
         self.dump_deadline = time.monotonic() + STACK_DUMP_WAIT

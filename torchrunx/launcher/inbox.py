@@ -37,6 +37,8 @@ from torchrunx.wire.messages import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torchrunx.events import Event, EventSink
     from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
     from torchrunx.launcher.listener import Listener, NetEvent, Peer
@@ -72,6 +74,8 @@ class Inbox:
         self.peers: dict[int, Peer] = {}
         self.final_stop: Stop | None = None
         """The launch's last Stop, also sent to an agent that says hello after it."""
+        self.on_shown: Callable[[AgentRecord, dict[int, str]], None] | None = None
+        """Where an agent's answer to ShowStacks goes (the launch's look, see ``where``)."""
 
     # -- what the orchestrator asks for -------------------------------------------------------
 
@@ -233,7 +237,10 @@ class Inbox:
         """What an agent says about its workers: an exit, a watchdog, the stacks."""
         st = self.state
         if isinstance(message, WorkerStacks):
-            st.add_stacks(agent, message.stacks)
+            if not message.shown:
+                st.add_stacks(agent, message.stacks)
+            elif self.on_shown is not None:
+                self.on_shown(agent, message.stacks)
             return
         rank = st.rank_of(agent, message.local_rank)
         if rank is None:

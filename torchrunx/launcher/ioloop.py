@@ -78,6 +78,14 @@ class IOLoop:
             with contextlib.suppress(BlockingIOError):
                 os.write(self._wake_write, b"\0")
 
+    def wake(self) -> None:
+        """Make the loop's current or next wait return at once; safe in a signal handler.
+
+        Takes no lock (a handler may run while its own thread holds one) and runs nothing.
+        """
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway), or closed
+            os.write(self._wake_write, b"\0")
+
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_read, 4096):

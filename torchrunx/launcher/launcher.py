@@ -46,6 +46,7 @@ from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.ssh import read_ssh_config, resolve_ssh_target
 from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
 from torchrunx.launcher.warm import WarmLauncher
+from torchrunx.launcher.where import sigquit_shows_stacks
 from torchrunx.logs import (
     ConsoleRanks,
     LogHandlers,
@@ -248,7 +249,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         call = serialization.dumps_call(func, args, kwargs)
         launch = Launch(plan, call)
         try:
-            with sigterm_raises_system_exit():
+            with sigterm_raises_system_exit(), sigquit_shows_stacks(launch.ask_stacks):
                 per_host = launch.execute()
         finally:
             launch.close()

@@ -43,8 +43,9 @@ from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.records import AgentRecord
 from torchrunx.launcher.reports import summary
 from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.where import StacksLook, print_look
 from torchrunx.wire import handshake
-from torchrunx.wire.messages import HEARTBEAT_INTERVAL, Heartbeat
+from torchrunx.wire.messages import HEARTBEAT_INTERVAL, Heartbeat, ShowStacks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -132,6 +133,11 @@ class LaunchLoop:
         """A run's token and the error raised in it at its next wake-up (:meth:`interrupt`)."""
         self._run_token: object = None
         """The token of the run under way (``Launch.run_call``)."""
+        self._want_stacks = False
+        """Set by SIGQUIT (:meth:`ask_stacks`): look at every rank's stacks at the next wake."""
+        self.look: StacksLook | None = None
+        """The look at every rank's stacks under way, if any."""
+        self.inbox.on_shown = self._on_shown
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -146,6 +152,27 @@ class LaunchLoop:
         """
         self._interrupt = (token, error)
         self.loop.post(lambda: None)
+
+    def ask_stacks(self) -> None:
+        """From SIGQUIT's handler: print every rank's stacks soon; the launch goes on."""
+        self._want_stacks = True
+        self.loop.wake()
+
+    def _look(self, now: float) -> None:
+        """Ask the agents for their workers' stacks, or print the answers once they are in."""
+        if self._want_stacks and self.look is None:
+            agents = [a for a in self.state.agents if a.conn is not None and not a.over]
+            for agent in agents:
+                self.inbox.peer_of(agent).send(ShowStacks())
+            self.look = StacksLook(agents, now)
+        self._want_stacks = False
+        if self.look is not None and self.look.due(now):
+            look, self.look = self.look, None
+            print_look(look.text(self.state.ranks, self.state.hostname))
+
+    def _on_shown(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
+        if self.look is not None:
+            self.look.answer(agent, stacks)
 
     def run_until(
         self, done: Callable[[], bool], deadline: float | None, *, interruptible: bool = True
@@ -176,12 +203,18 @@ class LaunchLoop:
         next deadline, or ``deadline``, whichever comes first.
         """
         now = time.monotonic()
+        if self._want_stacks or self.look is not None:
+            self._look(now)
         if now >= self._next_tick:
             self._tick(now)
             self._next_tick = now + TICK
             return
         wake = earliest(
-            self._next_tick, deadline, self.state.next_due(), self.listener.next_deadline
+            self._next_tick,
+            deadline,
+            self.state.next_due(),
+            self.listener.next_deadline,
+            None if self.look is None else self.look.deadline,
         )
         self.loop.run_once(max(0.0, (wake or now) - now))
         self.apply_queue()

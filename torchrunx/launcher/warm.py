@@ -39,6 +39,7 @@ from torchrunx.launcher.records import Phase
 from torchrunx.launcher.reports import summary
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.session import earliest
+from torchrunx.launcher.where import sigquit_shows_stacks
 from torchrunx.serialization import dumps_call
 
 if TYPE_CHECKING:
@@ -474,7 +475,7 @@ class WarmLauncher:
         try:
             if self.closed:
                 raise RuntimeError(_CLOSED)
-            with sigterm_raises_system_exit():
+            with sigterm_raises_system_exit(), sigquit_shows_stacks(self._agents.launch.ask_stacks):
                 result: LaunchResult[R] = self._agents.run(call)
         finally:
             self._agents.lock.release()

@@ -150,6 +150,17 @@ class WorkerStacks:
     """Agent: the Python stacks of its workers that were still running, by local rank."""
 
     stacks: dict[int, str]
+    shown: bool = False
+    """An answer to :class:`ShowStacks` (the workers go on), not a dump before a stop."""
+
+
+@dataclass(frozen=True)
+class ShowStacks:
+    """Launcher: send the stacks of your live workers, and let them go on.
+
+    Someone asked where every rank is (SIGQUIT, Ctrl-Backslash): the answer is a
+    :class:`WorkerStacks` with ``shown``.
+    """
 
 
 @dataclass(frozen=True)
@@ -224,6 +235,7 @@ Message = (
     | AgentDone
     | Stop
     | WorkerStacks
+    | ShowStacks
     | WorkersEnded
     | WorkerTimedOut
     | Heartbeat

@@ -1,0 +1,155 @@
+"""Where is every rank: SIGQUIT (Ctrl-\\) prints every worker's stacks, and the launch goes on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import os, sys, time
+import torchrunx as trx
+
+def wait_in_step(folder):
+    while not os.path.exists(f"{folder}/go"):
+        time.sleep(0.02)
+
+def work(folder):
+    rank = os.environ["RANK"]
+    open(f"{folder}/started{rank}", "w").close()
+    deadline = time.monotonic() + 60
+    if rank == "2":
+        while not os.path.exists(f"{folder}/go") and time.monotonic() < deadline:
+            time.sleep(0.02)  # rank 2 waits elsewhere
+    else:
+        wait_in_step(folder)
+    return int(rank)
+
+launcher = trx.Launcher(hostnames=["localhost"], workers_per_host=3, backend=None)
+if sys.argv[2] == "warm":
+    with launcher.warm() as warm:
+        warm.run(os.getpid)  # a first run: the look is in the second
+        result = warm.run(work, sys.argv[1])
+else:
+    result = launcher.run(work, sys.argv[1])
+print("results", result.ranks, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["run", "warm"])
+def test_sigquit_prints_every_ranks_stack_grouped_and_the_launch_goes_on(how, tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"started{rank}").exists() for rank in range(3)):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.05)
+        asked = time.monotonic()
+        process.send_signal(signal.SIGQUIT)
+        while not any("--- rank 2 " in line for line in errors):
+            assert process.poll() is None, "".join(errors)
+            assert time.monotonic() < asked + 30, "".join(errors)
+            time.sleep(0.02)
+        (tmp_path / "go").touch()
+        out, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    reader.join(timeout=5)
+    text = "".join(errors)
+    assert process.returncode == 0, text  # nothing was stopped
+    assert out.splitlines()[-1] == "results [0, 1, 2]"
+    lines = text.splitlines()
+    start = lines.index(
+        "torchrunx: where every rank is (the launch goes on; Ctrl-\\ to look again):"
+    )
+    # Ranks 0 and 1 wait in the same line: one section; rank 2 elsewhere: its own.
+    assert lines[start + 1] == (
+        "--- ranks 0-1 on host 'localhost' (the same stack; innermost: <dynamic-code>:7 in wait_in_step) ---"
+    ), text
+    assert "--- rank 2 (local rank 2 on host 'localhost') ---" in lines, text
+    section = lines[lines.index("--- rank 2 (local rank 2 on host 'localhost') ---") + 1 :]
+    assert any(", line 15 in work" in line for line in section), text
+
+
+def test_rule_a_look_waits_for_every_asked_agent_or_its_deadline_and_says_who_did_not_answer():
+    from torchrunx.hosts.hostlists import HostSlots
+    from torchrunx.launcher.records import AgentRecord, RankRecord
+    from torchrunx.launcher.where import ANSWER_WAIT, StacksLook
+    from torchrunx.wire.messages import WorkerSpec
+
+    agents = [AgentRecord(i, HostSlots(f"node{i + 1}", 2), "ssh") for i in range(3)]
+    for agent in agents[:2]:
+        agent.spec = WorkerSpec(
+            host_index=agent.index,
+            hostname=agent.slots.hostname,
+            num_workers=2,
+            rank_offset=2 * agent.index,
+            world_size=4,
+            master_addr="a",
+            master_port=1,
+            backend=None,
+            timeout=1.0,
+        )
+    look = StacksLook(agents, now=100.0)
+    assert not look.due(100.0)
+    look.answer(agents[0], {0: "stack A\n", 1: "stack A\n"})
+    look.answer(agents[1], {1: "stack B\n"})  # its local rank 0 had ended
+    assert not look.due(101.0) and look.due(100.0 + ANSWER_WAIT)
+    ranks = [RankRecord(r, r // 2, r % 2) for r in range(4)]
+    text = look.text(ranks, lambda r: agents[r.host_index].slots.hostname)
+    assert text.splitlines() == [
+        "torchrunx: where every rank is (the launch goes on; Ctrl-\\ to look again):",
+        "--- ranks 0-1 on host 'node1' (the same stack) ---",
+        "stack A",
+        "--- rank 3 (local rank 1 on host 'node2') ---",
+        "stack B",
+        f"no answer in {ANSWER_WAIT:g} s from host index [2]",
+    ]
+    look.answer(agents[2], {})
+    assert look.due(101.0)  # every agent answered
+    empty = StacksLook([], now=0.0)
+    assert empty.due(0.0)
+    assert empty.text([], str).splitlines()[1] == "no worker is running"
+
+
+def test_rule_sigquit_is_taken_only_where_it_has_its_default_action():
+    from torchrunx.launcher.where import sigquit_shows_stacks
+
+    asked: list[int] = []
+    assert signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL
+    with sigquit_shows_stacks(lambda: asked.append(1)):
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(0.05)  # let Python run the handler
+    assert asked == [1]
+    assert signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL  # restored
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    try:
+        with sigquit_shows_stacks(lambda: asked.append(2)):
+            assert signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN  # yours, left alone
+    finally:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    assert asked == [1]
