@@ -26,14 +26,18 @@ def work(folder):
     rank = os.environ["RANK"]
     open(f"{folder}/started{rank}", "w").close()
     deadline = time.monotonic() + 60
-    if rank == "2":
+    if rank == str(int(os.environ["WORLD_SIZE"]) - 1):
         while not os.path.exists(f"{folder}/go") and time.monotonic() < deadline:
             time.sleep(0.02)  # rank 2 waits elsewhere
     else:
         wait_in_step(folder)
-    return int(rank)
+    return int(rank)  # the last rank waits in work itself, the others in wait_in_step
 
-launcher = trx.Launcher(hostnames=["localhost"], workers_per_host=3, backend=None)
+hosts = sys.argv[3].split(",") if len(sys.argv) > 3 else ["localhost"]
+launcher = trx.Launcher(
+    hostnames=hosts, workers_per_host=3 if len(hosts) == 1 else 2, backend=None,
+    ssh_config_file=sys.argv[4] if len(sys.argv) > 4 else None,
+)
 if sys.argv[2] == "warm":
     with launcher.warm() as warm:
         warm.run(os.getpid)  # a first run: the look is in the second
@@ -153,3 +157,48 @@ def test_rule_sigquit_is_taken_only_where_it_has_its_default_action():
     finally:
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     assert asked == [1]
+
+
+@pytest.mark.cluster
+def test_sigquit_shows_the_stacks_of_workers_on_ssh_hosts(cluster, tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    hosts = ",".join(cluster.names())
+    process = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), "run", hosts, str(cluster.ssh_config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"started{rank}").exists() for rank in range(4)):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGQUIT)
+        while not any("--- rank 3 " in line for line in errors):
+            assert process.poll() is None, "".join(errors)
+            assert time.monotonic() < deadline + 30, "".join(errors)
+            time.sleep(0.02)
+        (tmp_path / "go").touch()
+        out, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    reader.join(timeout=5)
+    text = "".join(errors)
+    assert process.returncode == 0, text
+    assert out.splitlines()[-1] == "results [0, 1, 2, 3]"
+    assert (
+        "--- ranks 0-2 on hosts 'node1', 'node2' "
+        "(the same stack; innermost: <dynamic-code>:7 in wait_in_step) ---"
+    ) in text.splitlines(), text
+    assert "--- rank 3 (local rank 1 on host 'node2') ---" in text.splitlines(), text
