@@ -70,6 +70,45 @@ assert got == [(str(i), 1, 0, float(n)) for i in range(n)], got
 print("isolate_gpus=True (CUDA_VISIBLE_DEVICES, device_count, current_device, sum):", got)
 EOF
 
+# torchrunx check counts this host's GPUs as an agent would, and passes a launch asking for NCCL.
+out=$("$py" -m torchrunx check --hostnames localhost --backend nccl --workers-per-host gpu)
+echo "$out"
+want="$gpus GPU"
+[ "$gpus" -ge 2 ] && want="$gpus GPUs"
+grep -q "^localhost  ok    local  .*, $want, " <<<"$out" ||
+    { echo "gpu_check: torchrunx check did not find $want ready" >&2; exit 1; }
+
+# Ctrl-\ (SIGQUIT) on NCCL workers: every rank's stack printed, the launch goes on.
+"$py" - "$workers" <<'EOF'
+import os, signal, subprocess, sys, tempfile, time
+
+folder = tempfile.mkdtemp()
+script = f"""
+import os, time, torch, torch.distributed as dist, torchrunx as trx
+def hold():
+    open(f"{folder}/started" + os.environ["RANK"], "w").close()
+    while not os.path.exists("{folder}/go"):
+        time.sleep(0.02)
+    dist.barrier()
+    return torch.cuda.current_device()
+print("devices", trx.launch(hold, hostnames=["localhost"], workers_per_host={sys.argv[1]}, backend="nccl").ranks)
+"""
+p = subprocess.Popen(
+    [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    preexec_fn=lambda: signal.signal(signal.SIGQUIT, signal.SIG_DFL),  # as in a terminal
+)
+while not all(os.path.exists(f"{folder}/started{r}") for r in range(int(sys.argv[1]))):
+    assert p.poll() is None, p.communicate()
+    time.sleep(0.05)
+p.send_signal(signal.SIGQUIT)
+time.sleep(3)
+open(f"{folder}/go", "w").close()
+out, err = p.communicate(timeout=120)
+print(out, err[-3000:])
+assert p.returncode == 0 and "where every rank is" in err, err
+print("gpu_check: SIGQUIT showed every NCCL rank's stack and the launch went on")
+EOF
+
 if [ "$gpus" -ge 2 ]; then
     "$py" benchmarks/run.py --backend nccl --tools ours torchrun floor --runs 3 \
         --only launch-overhead back-to-back failure-latency

@@ -32,6 +32,9 @@ def ctrl_c_reaches_started_commands() -> None:
     """
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The same for SIGQUIT (Ctrl-\, tests/test_where.py): its default action, as in a terminal.
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")
