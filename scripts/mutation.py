@@ -220,6 +220,18 @@ TARGETS: dict[str, Target] = {
         functions=("judge", "_no_report", "_compare", "format_checks", "HostCheck.*"),
         note="torchrunx check's judgement of each host's answer, and its lines",
     ),
+    "reports": Target(
+        "torchrunx/launcher/reports.py",
+        ("tests/test_rules_reports.py",),
+        functions=("stacks_note", "_same_stack", "innermost_frame", "rank_ranges"),
+        note="the stacks note: ranks with the same stack together",
+    ),
+    "where": Target(
+        "torchrunx/launcher/where.py",
+        ("tests/test_rules_reports.py",),
+        functions=("StacksLook.*",),
+        note="a look at every rank's stacks (Ctrl-\\): who answered, when to print, what",
+    ),
     "probe": Target(
         "torchrunx/agent/probe.py",
         ("tests/test_rules_check.py",),
@@ -269,6 +281,14 @@ _UNREACHABLE = (
 _ALNUM = "a character replaced by 'XXXX' is as alphanumeric as one removed"
 
 EQUIVALENT: dict[str, tuple[str, str]] = {
+    "torchrunx.launcher.reports.x__same_stack__mutmut_16": (
+        'lines.append(line.rpartition(" 0x")[0])  # "Current thread" or "Thread"',
+        "a thread's header holds ' 0x' once (its id): the first occurrence is the last",
+    ),
+    "torchrunx.launcher.reports.x_innermost_frame__mutmut_3": (
+        '_, current, after = text.rpartition("Current thread")',
+        "faulthandler writes 'Current thread' once: the first occurrence is the last",
+    ),
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
     "torchrunx.launcher.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),

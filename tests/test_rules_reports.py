@@ -1,4 +1,5 @@
-"""Rules of the stacks note: ranks with the same stack share a section (pure)."""
+"""Rules of the stacks note and of a look at every rank (pure): ranks with the same stack share
+a section."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def test_rule_the_innermost_frame_is_the_current_threads_first():
     )
     assert innermost_frame(other_first) == "data.py:12 in __next__"
     assert innermost_frame('Thread 0x1:\n  File "/a/b.py", line 7 in run\n') == "b.py:7 in run"
+    assert innermost_frame('  File "<string>", line 3 in <module>') == "<string>:3 in <module>"
     assert innermost_frame("Stack (most recent call first):\n  <no Python frame>\n") is None
     same = {0: "no frame at all", 1: "no frame at all"}
     assert (
@@ -90,3 +92,97 @@ def test_rule_the_innermost_frame_is_the_current_threads_first():
 )
 def test_rule_ranks_are_written_as_ranges(ranks, text):
     assert rank_ranges(ranks) == text
+
+
+def test_rule_a_look_waits_for_every_asked_agent_or_its_deadline_and_says_who_did_not_answer():
+    from torchrunx.hosts.hostlists import HostSlots
+    from torchrunx.launcher.records import AgentRecord, RankRecord
+    from torchrunx.launcher.where import ANSWER_WAIT, StacksLook
+    from torchrunx.wire.messages import WorkerSpec
+
+    agents = [AgentRecord(i, HostSlots(f"node{i + 1}", 2), "ssh") for i in range(3)]
+    for agent in agents[:2]:
+        agent.spec = WorkerSpec(
+            host_index=agent.index,
+            hostname=agent.slots.hostname,
+            num_workers=2,
+            rank_offset=2 * agent.index,
+            world_size=4,
+            master_addr="a",
+            master_port=1,
+            backend=None,
+            timeout=1.0,
+        )
+    look = StacksLook(agents, now=100.0)
+    assert not look.due(100.0)
+    look.answer(agents[0], {0: "stack A\n", 1: "stack A\n"})
+    look.answer(agents[1], {1: "stack B\n"})  # its local rank 0 had ended
+    assert not look.due(101.0) and look.due(100.0 + ANSWER_WAIT)
+    ranks = [RankRecord(r, r // 2, r % 2) for r in range(4)]
+    text = look.text(ranks, lambda r: agents[r.host_index].slots.hostname)
+    assert text.splitlines() == [
+        "torchrunx: where every rank is (the launch goes on; Ctrl-\\ to look again):",
+        "--- ranks 0-1 on host 'node1' (the same stack) ---",
+        "stack A",
+        "--- rank 3 (local rank 1 on host 'node2') ---",
+        "stack B",
+        f"no answer in {ANSWER_WAIT:g} s from host index [2]",
+    ]
+    look.answer(agents[2], {})
+    assert look.due(101.0)  # every agent answered
+    empty = StacksLook([], now=0.0)
+    assert empty.due(0.0)
+    assert empty.text([], str).splitlines()[1] == "no worker is running"
+
+
+def test_rule_exactly_sixteen_sections_leave_nothing_out():
+    stacks = {r: dump("0x1", f"/w/f.py:{r + 1}:f{r}") for r in range(MAX_STACKS_SHOWN)}
+    note = stacks_note(stacks, WHERE)
+    assert note.count("\n--- ") == MAX_STACKS_SHOWN
+    assert "more stacks" not in note
+
+
+def test_rule_stacks_are_the_same_by_their_frames_only():
+    a = dump("0x00007FAB12", *STEP)  # ids in any case, any length
+    b = dump("0x0000000001", *STEP)
+    c = dump("0x00007FAB12", *DATA)
+    note = stacks_note({0: a, 1: b, 2: c}, WHERE)
+    assert (
+        "--- ranks 0-1 on host 'node1' (the same stack; innermost: train.py:41 in step) ---" in note
+    )
+    assert "--- rank 2 (local rank 2 on host 'node1') ---" in note
+    frameless = stacks_note({0: "odd text", 1: "other text"}, WHERE)
+    assert frameless.count("\n--- rank ") == 2  # different texts without frames: apart
+
+
+def test_rule_an_agent_without_workers_places_no_stack():
+    from torchrunx.hosts.hostlists import HostSlots
+    from torchrunx.launcher.records import AgentRecord
+    from torchrunx.launcher.where import StacksLook
+
+    agent = AgentRecord(0, HostSlots("node1", None), "ssh")  # no spec: no workers given yet
+    look = StacksLook([agent], now=0.0)
+    look.answer(agent, {0: "stack"})
+    assert look.stacks == {} and look.due(0.0)
+
+
+def test_rule_the_heading_names_the_dumping_threads_frame_even_after_another_thread():
+    def two_threads(thread_id: str) -> str:
+        return (
+            f"Thread 0x{thread_id}1 (most recent call first):\n"
+            '  File "/usr/lib/threading.py", line 320 in wait\n'
+            "\n" + dump(f"0x{thread_id}2", *DATA)
+        )
+
+    note = stacks_note({0: two_threads("aa"), 1: two_threads("bb")}, WHERE)
+    assert note.splitlines()[1] == (
+        "--- ranks 0-1 on host 'node1' (the same stack; innermost: data.py:12 in __next__) ---"
+    )
+    one_thread = stacks_note({0: two_threads("aa"), 1: dump("0x1", *DATA)}, WHERE)
+    assert one_thread.count("\n--- rank ") == 2  # one more thread: not the same stack
+
+
+def test_rule_where_a_thread_begins_is_part_of_the_stack():
+    two = 'Current thread 0x1 (most recent call first):\n  File "/a.py", line 1 in f\n\nThread 0x2 (most recent call first):\n  File "/b.py", line 2 in g\n'
+    one = 'Current thread 0x3 (most recent call first):\n  File "/a.py", line 1 in f\n  File "/b.py", line 2 in g\n'
+    assert stacks_note({0: two, 1: one}, WHERE).count("\n--- rank ") == 2

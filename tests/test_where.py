@@ -99,47 +99,6 @@ def test_sigquit_prints_every_ranks_stack_grouped_and_the_launch_goes_on(how, tm
     assert any(", line 15 in work" in line for line in section), text
 
 
-def test_rule_a_look_waits_for_every_asked_agent_or_its_deadline_and_says_who_did_not_answer():
-    from torchrunx.hosts.hostlists import HostSlots
-    from torchrunx.launcher.records import AgentRecord, RankRecord
-    from torchrunx.launcher.where import ANSWER_WAIT, StacksLook
-    from torchrunx.wire.messages import WorkerSpec
-
-    agents = [AgentRecord(i, HostSlots(f"node{i + 1}", 2), "ssh") for i in range(3)]
-    for agent in agents[:2]:
-        agent.spec = WorkerSpec(
-            host_index=agent.index,
-            hostname=agent.slots.hostname,
-            num_workers=2,
-            rank_offset=2 * agent.index,
-            world_size=4,
-            master_addr="a",
-            master_port=1,
-            backend=None,
-            timeout=1.0,
-        )
-    look = StacksLook(agents, now=100.0)
-    assert not look.due(100.0)
-    look.answer(agents[0], {0: "stack A\n", 1: "stack A\n"})
-    look.answer(agents[1], {1: "stack B\n"})  # its local rank 0 had ended
-    assert not look.due(101.0) and look.due(100.0 + ANSWER_WAIT)
-    ranks = [RankRecord(r, r // 2, r % 2) for r in range(4)]
-    text = look.text(ranks, lambda r: agents[r.host_index].slots.hostname)
-    assert text.splitlines() == [
-        "torchrunx: where every rank is (the launch goes on; Ctrl-\\ to look again):",
-        "--- ranks 0-1 on host 'node1' (the same stack) ---",
-        "stack A",
-        "--- rank 3 (local rank 1 on host 'node2') ---",
-        "stack B",
-        f"no answer in {ANSWER_WAIT:g} s from host index [2]",
-    ]
-    look.answer(agents[2], {})
-    assert look.due(101.0)  # every agent answered
-    empty = StacksLook([], now=0.0)
-    assert empty.due(0.0)
-    assert empty.text([], str).splitlines()[1] == "no worker is running"
-
-
 def test_rule_sigquit_is_taken_only_where_it_has_its_default_action():
     from torchrunx.launcher.where import sigquit_shows_stacks
 

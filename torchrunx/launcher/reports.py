@@ -143,14 +143,14 @@ def stacks_note(stacks: dict[int, str], where: dict[int, tuple[int, str]]) -> st
     for rank in sorted(stacks):
         groups.setdefault(_same_stack(stacks[rank]), []).append(rank)
     lines = ["Python stacks of the workers that were still running when the launch stopped:"]
-    for ranks in list(groups.values())[:MAX_STACKS_SHOWN]:
+    for key, ranks in list(groups.items())[:MAX_STACKS_SHOWN]:
         if len(ranks) == 1:
             local_rank, host = where[ranks[0]]
             lines.append(f"--- rank {ranks[0]} (local rank {local_rank} on host {host!r}) ---")
         else:
             names = list(dict.fromkeys(where[r][1] for r in ranks))
             hosts = ("host " if len(names) == 1 else "hosts ") + ", ".join(map(repr, names))
-            inner = innermost_frame(stacks[ranks[0]])
+            inner = innermost_frame(key)
             what = "the same stack" + (f"; innermost: {inner}" if inner else "")
             lines.append(f"--- ranks {rank_ranges(ranks)} on {hosts} ({what}) ---")
         lines.append(stacks[ranks[0]].rstrip())
@@ -162,8 +162,20 @@ def stacks_note(stacks: dict[int, str], where: dict[int, tuple[int, str]]) -> st
 
 
 def _same_stack(text: str) -> str:
-    """A stack as compared with others: thread ids (which differ per process) left out."""
-    return re.sub(r"0x[0-9a-fA-F]+", "0x", text).strip()
+    """A stack as compared with others: its threads' headers and frames, without thread ids.
+
+    The ids differ from process to process; the whole text stands for a stack with no frame.
+    """
+    lines = []
+    for line in (raw.strip() for raw in text.splitlines()):
+        if line.startswith("File "):
+            lines.append(line)
+        elif line.startswith(("Current thread", "Thread ")):
+            lines.append(line.partition(" 0x")[0])  # "Current thread" or "Thread"
+    return "\n".join(lines) if lines else text.strip()
+
+
+_FRAME = re.compile(r'File "([^"]*)", line (\d+) in (\S+)')
 
 
 def innermost_frame(text: str) -> str | None:
@@ -172,13 +184,12 @@ def innermost_frame(text: str) -> str | None:
     That thread is ``faulthandler``'s "Current thread" (else the first one listed); its first
     frame is its innermost.
     """
-    current = text.find("Current thread")
-    frame = re.compile(r'File "([^"]*)", line (\d+) in (\S+)')
-    match = frame.search(text, max(current, 0)) or frame.search(text)
+    _, current, after = text.partition("Current thread")
+    match = _FRAME.search(after if current else text)
     if match is None:
         return None
     path, line, function = match.groups()
-    return f"{path.rsplit('/', 1)[-1]}:{line} in {function}"
+    return f"{path.rpartition('/')[2]}:{line} in {function}"
 
 
 def rank_ranges(ranks: Sequence[int]) -> str:

@@ -41,9 +41,10 @@ class StacksLook:
     def answer(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
         """An agent's answer: its workers' stacks by local rank."""
         self.pending.discard(agent.index)
-        offset = agent.spec.rank_offset if agent.spec is not None else 0
+        if agent.spec is None:  # no workers were given to it: nothing to place
+            return
         for local_rank, text in stacks.items():
-            self.stacks[offset + local_rank] = text
+            self.stacks[agent.spec.rank_offset + local_rank] = text
 
     def due(self, now: float) -> bool:
         """Whether to print now: every agent answered, or the wait is over."""
