@@ -48,14 +48,18 @@ print("results", result.ranks, flush=True)
 """
 
 
-@pytest.mark.parametrize("how", ["run", "warm"])
-def test_sigquit_prints_every_ranks_stack_grouped_and_the_launch_goes_on(how, tmp_path):
+def launch_and_look(
+    tmp_path: Path, args: list[str], workers: int, last: str
+) -> tuple[int, str, str]:
+    """Run SCRIPT with ``args``; once its ``workers`` have started, SIGQUIT it, wait for the
+    section of rank ``last`` on its stderr, let the workers finish. Its status, stdout, stderr.
+    """
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     process = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(tmp_path), how],
+        [sys.executable, "-c", SCRIPT, str(tmp_path), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -66,16 +70,15 @@ def test_sigquit_prints_every_ranks_stack_grouped_and_the_launch_goes_on(how, tm
     reader = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"started{rank}").exists() for rank in range(3)):
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"started{rank}").exists() for rank in range(workers)):
             assert process.poll() is None, process.communicate()
             assert time.monotonic() < deadline, "the workers did not start"
             time.sleep(0.05)
-        asked = time.monotonic()
         process.send_signal(signal.SIGQUIT)
-        while not any("--- rank 2 " in line for line in errors):
+        while not any(f"--- rank {last} " in line for line in errors):
             assert process.poll() is None, "".join(errors)
-            assert time.monotonic() < asked + 30, "".join(errors)
+            assert time.monotonic() < deadline + 30, "".join(errors)
             time.sleep(0.02)
         (tmp_path / "go").touch()
         out, _ = process.communicate(timeout=60)
@@ -83,8 +86,13 @@ def test_sigquit_prints_every_ranks_stack_grouped_and_the_launch_goes_on(how, tm
         process.kill()
         process.wait()
     reader.join(timeout=5)
-    text = "".join(errors)
-    assert process.returncode == 0, text  # nothing was stopped
+    return process.returncode, out, "".join(errors)
+
+
+@pytest.mark.parametrize("how", ["run", "warm"])
+def test_sigquit_prints_every_ranks_stack_grouped_and_the_launch_goes_on(how, tmp_path):
+    status, out, text = launch_and_look(tmp_path, [how], workers=3, last="2")
+    assert status == 0, text  # nothing was stopped
     assert out.splitlines()[-1] == "results [0, 1, 2]"
     lines = text.splitlines()
     start = lines.index(
@@ -120,41 +128,10 @@ def test_rule_sigquit_is_taken_only_where_it_has_its_default_action():
 
 @pytest.mark.cluster
 def test_sigquit_shows_the_stacks_of_workers_on_ssh_hosts(cluster, tmp_path):
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
     hosts = ",".join(cluster.names())
-    process = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(tmp_path), "run", hosts, str(cluster.ssh_config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
-    errors: list[str] = []
-    reader = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 90
-        while not all((tmp_path / f"started{rank}").exists() for rank in range(4)):
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "the workers did not start"
-            time.sleep(0.05)
-        process.send_signal(signal.SIGQUIT)
-        while not any("--- rank 3 " in line for line in errors):
-            assert process.poll() is None, "".join(errors)
-            assert time.monotonic() < deadline + 30, "".join(errors)
-            time.sleep(0.02)
-        (tmp_path / "go").touch()
-        out, _ = process.communicate(timeout=60)
-    finally:
-        process.kill()
-        process.wait()
-    reader.join(timeout=5)
-    text = "".join(errors)
-    assert process.returncode == 0, text
+    args = ["run", hosts, str(cluster.ssh_config)]
+    status, out, text = launch_and_look(tmp_path, args, workers=4, last="3")
+    assert status == 0, text
     assert out.splitlines()[-1] == "results [0, 1, 2, 3]"
     assert (
         "--- ranks 0-2 on hosts 'node1', 'node2' "

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from torchrunx.env import local_agent_env
 from torchrunx.errors import AgentFailedError, add_note
@@ -26,6 +26,7 @@ from torchrunx.hosts.resolve import slurm_allocation
 from torchrunx.launcher import listener as listener_module
 from torchrunx.launcher.ssh import SshAgent
 from torchrunx.launcher.transport import (
+    BOOT_CODE,
     AgentProcess,
     LocalAgent,
     SrunAgent,
@@ -91,6 +92,8 @@ class AgentStarts:
     """The agents' script (forwarded variables' values): never in a repr."""
     local_env: dict[str, str] = field(default_factory=local_agent_env, repr=False)
     """This machine's agents start with the launcher's environment."""
+    boot_code: ClassVar[str] = BOOT_CODE
+    """What the agent's interpreter runs (``torchrunx check``'s probes run their own)."""
 
     def prepare(self) -> None:
         """Build the script every agent runs first (the forwarded variables, ``env_file``)."""
@@ -100,6 +103,7 @@ class AgentStarts:
             cwd=str(Path.cwd()),
             python=sys.executable,
             env_file=None if env_file is None else str(Path(env_file).expanduser().resolve()),
+            code=self.boot_code,
         )
 
     def __call__(self, index: int) -> AgentProcess:

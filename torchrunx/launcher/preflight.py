@@ -34,7 +34,6 @@ from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.agent_pool import START_THREADS
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.records import AgentRecord
-from torchrunx.launcher.transport import agent_script
 
 if TYPE_CHECKING:
     import socket
@@ -391,19 +390,11 @@ class _Check:
 class _ProbeStarts(AgentStarts):
     """:class:`AgentStarts` whose agents are probes: the probe's code and request line."""
 
+    boot_code = PROBE_CODE
+
     def __init__(self, *, check: _Check, **fields: object) -> None:
         super().__init__(**fields)  # type: ignore[arg-type]  # AgentStarts' own fields
         self.check = check
-
-    def prepare(self) -> None:
-        env_file = self.plan.env_file
-        self.script = agent_script(
-            env=dict(self.plan.env),
-            cwd=str(Path.cwd()),
-            python=sys.executable,
-            env_file=None if env_file is None else str(Path(env_file).expanduser().resolve()),
-            code=PROBE_CODE,
-        )
 
     def bootstrap(self, agent: AgentRecord, local_address: str) -> bytes:
         from torchrunx.agent.probe import ProbeRequest  # noqa: PLC0415 (the probe's module)
