@@ -14,7 +14,8 @@ started, worker exits, done) and one connection per worker (hello, the result of
 function).
 
 Prints: the time from the call to the result; the launcher's own CPU time, in total and per
-host; its threads at their peak (which must not grow with hosts and workers); and its memory
+host (and that split into user and system time: the system time is the sockets' own work);
+its threads at their peak (which must not grow with hosts and workers); and its memory
 growth per connection (peak RSS over the baseline, divided by the connections). A second,
 smaller run (``--hosts / 10``) is printed beside it so the per-host figures can be compared.
 """
@@ -80,14 +81,41 @@ class _Link:
         return self.frames.pop(0)
 
 
-async def _connect(address: tuple[str, int], secret: bytes, role: handshake.Role) -> _Link:
+async def _connect_once(address: tuple[str, int], secret: bytes, role: handshake.Role) -> _Link:
     reader, writer = await asyncio.open_connection(*address)
-    greeting = await reader.readexactly(handshake.GREETING_BYTES)
-    reply, expected, keys = handshake.client_reply(secret, greeting, role)
-    writer.write(reply)
-    if await reader.readexactly(handshake.MAC_BYTES) != expected:
+    try:
+        greeting = await reader.readexactly(handshake.GREETING_BYTES)
+        reply, expected, keys = handshake.client_reply(secret, greeting, role)
+        writer.write(reply)
+        proof = await reader.readexactly(handshake.MAC_BYTES)
+    except BaseException:
+        writer.close()
+        raise
+    if proof != expected:
+        writer.close()
         raise RuntimeError("launcher failed to authenticate")
     return _Link(reader, writer, keys)
+
+
+async def _connect(address: tuple[str, int], secret: bytes, role: handshake.Role) -> _Link:
+    """As :func:`torchrunx.wire.handshake.connect`: a handshake the launcher sheds is tried again.
+
+    The launcher sheds the oldest handshake when more than its cap are pending; a real agent or
+    worker then tries again with a short growing pause, and so does the simulator (whose loop,
+    holding thousands of connections on a shared core, may answer a greeting late).
+    """
+    pause = 0.05
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            return await _connect_once(address, secret, role)
+        except (ConnectionRefusedError, RuntimeError):
+            raise
+        except (ConnectionError, asyncio.IncompleteReadError):
+            if time.monotonic() + pause > deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 1.0)
 
 
 async def _worker(
@@ -98,6 +126,7 @@ async def _worker(
     rank = spec.rank_offset + local
     link.send(messages.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
     link.send(messages.WorkerResult(rank, sent_at=time.time()), NOOP_RESULT)
+    writer.write(link.sealer.seal_close())  # as a real worker: the authenticated end, then FIN
     writer.write_eof()
     await writer.drain()
     while await reader.read(65536):  # until the launcher closes: never close with unread data
@@ -121,18 +150,24 @@ async def _agent(boot: dict[str, Any]) -> None:
             link.send(messages.Heartbeat(), [])
 
     beating = asyncio.create_task(heartbeats())
-    while True:
-        message, _payload = await link.recv()
-        if isinstance(message, messages.WorkerSpec):
-            spec = message
-            break
-    pids = tuple(100000 + spec.rank_offset + i for i in range(spec.num_workers))
-    link.send(messages.WorkersStarted(pids), [])
-    await asyncio.gather(*(_worker(address, secret, spec, i) for i in range(spec.num_workers)))
+    try:
+        while True:
+            message, _payload = await link.recv()
+            if isinstance(message, messages.WorkerSpec):
+                spec = message
+                break
+        pids = tuple(100000 + spec.rank_offset + i for i in range(spec.num_workers))
+        link.send(messages.WorkersStarted(pids), [])
+        await asyncio.gather(*(_worker(address, secret, spec, i) for i in range(spec.num_workers)))
+    except BaseException:
+        writer.close()  # as a real agent that fails: its connection ends, the launcher sees it
+        raise
+    finally:
+        beating.cancel()
     for local, pid in enumerate(pids):
         link.send(messages.WorkerExited(local, pid, 0, None, at=time.time()), [])
     link.send(messages.AgentDone(), [])
-    beating.cancel()
+    writer.write(link.sealer.seal_close())
     # As the real agent: half-close, then read (heartbeats) until the launcher closes. A socket
     # closed with unread data is reset, and a reset may drop what was still being sent.
     writer.write_eof()
@@ -242,6 +277,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         return _SimulatedAgent(agent.slots.hostname)
 
     cpu_before = time.process_time()
+    usage_before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     launch = Launch(plan, call, starter=start)
     sampler_stop = threading.Event()
@@ -262,6 +298,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         sampler_stop.set()
         sampler.join()
     cpu = time.process_time() - cpu_before
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     for _, sender in pipes:
         sender.send(None)
     for process in processes:
@@ -275,6 +312,8 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         "seconds": elapsed,
         "cpu_seconds": cpu,
         "cpu_ms_per_host": cpu / hosts * 1000,
+        "user_ms_per_host": (usage.ru_utime - usage_before.ru_utime) / hosts * 1000,
+        "system_ms_per_host": (usage.ru_stime - usage_before.ru_stime) / hosts * 1000,
         "peak_threads": peak_threads,
         "kib_per_connection": max(peak_rss - baseline, 0) / connections,
     }

@@ -608,3 +608,32 @@ def test_an_idle_connection_costs_the_launcher_little_memory(served):
                 conn.close()
     finally:
         tracemalloc.stop()
+
+
+def test_ioloop_past_deadline_returns_at_once_and_hangup_reaches_the_reader() -> None:
+    """A negative timeout (a deadline already past) polls; it never waits forever.
+
+    epoll takes any negative timeout as "forever": the loop must clamp it. A peer that hangs up
+    makes its descriptor readable, so the reader sees the end; a removed descriptor is not
+    called again.
+    """
+    loop = IOLoop()
+    mine, theirs = socket.socketpair()
+    try:
+        started = time.monotonic()
+        loop.run_once(-5.0)
+        assert time.monotonic() - started < 1.0
+        seen: list[bytes] = []
+        loop.add_reader(mine.fileno(), lambda: seen.append(mine.recv(16)))
+        theirs.close()  # a hang-up, no data
+        loop.run_once(2.0)
+        assert seen == [b""]
+        loop.remove(mine.fileno())
+        started = time.monotonic()
+        loop.run_once(0.2)
+        assert seen == [b""]
+        assert time.monotonic() - started >= 0.15  # nothing else was ready: it waited
+    finally:
+        mine.close()
+        theirs.close()
+        loop.close()

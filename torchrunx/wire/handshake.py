@@ -17,9 +17,6 @@ import socket
 import time
 from typing import Literal
 
-from cryptography.hazmat.primitives.hashes import SHA256
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
 from torchrunx.errors import ProtocolError
 from torchrunx.wire.records import Connection, SessionKeys, _recv_exact_into
 
@@ -44,7 +41,7 @@ def new_secret() -> bytes:
 
 
 def _mac(secret: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, b"|".join(parts), hashlib.sha256).digest()
+    return hmac.digest(secret, b"|".join(parts), "sha256")
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytearray:
@@ -70,14 +67,13 @@ def session_keys(
 
     Both nonces are fresh, so every connection has keys of its own; the role is bound in too.
     """
+    # HKDF-SHA256 (RFC 5869) with one-shot HMACs: one extract for both keys, then one expand
+    # block each (a 32-byte key is the first block, T(1) = HMAC(PRK, info | 0x01)).
+    prk = hmac.digest(server_nonce + client_nonce, secret, "sha256")
 
     def derive(direction: bytes) -> bytes:
-        return HKDF(
-            algorithm=SHA256(),
-            length=KEY_BYTES,
-            salt=server_nonce + client_nonce,
-            info=b"torchrunx %d %s %s" % (PROTOCOL_VERSION, role_byte, direction),
-        ).derive(secret)
+        info = b"torchrunx %d %s %s" % (PROTOCOL_VERSION, role_byte, direction)
+        return hmac.digest(prk, info + b"\x01", "sha256")[:KEY_BYTES]
 
     to_server, to_client = derive(b"client->server"), derive(b"server->client")
     if server:
