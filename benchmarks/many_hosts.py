@@ -15,8 +15,11 @@ function).
 
 Prints: the time from the call to the result; the launcher's own CPU time, in total and per
 host (and that split into user and system time: the system time is the sockets' own work);
-its threads at their peak (which must not grow with hosts and workers); and its memory
-growth per connection (peak RSS over the baseline, divided by the connections). A second,
+its threads at their peak (which must not grow with hosts and workers); its memory
+growth per connection (peak RSS over the baseline, divided by the connections); and the
+simulators' CPU time, with the launch time this machine's cores allow at best
+(``cpu_bound_seconds``: the launcher's and the simulators' CPU time over the cores), the floor
+under the time from the call to the result. A second,
 smaller run (``--hosts / 10``) is printed beside it so the per-host figures can be compared.
 """
 
@@ -244,6 +247,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         multiprocessing.Process(target=_simulator, args=(receiver,), daemon=True)
         for receiver, _ in pipes
     ]
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     for process in processes:
         process.start()
     launcher = trx.Launcher(
@@ -303,6 +307,10 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         sender.send(None)
     for process in processes:
         process.join(30)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the simulators, once joined
+    simulators_cpu = (children.ru_utime + children.ru_stime) - (
+        children_before.ru_utime + children_before.ru_stime
+    )
     ranks = sum(len(per_host) for per_host in results)
     assert ranks == hosts * workers, ranks
     connections = hosts * (workers + 1)
@@ -316,6 +324,8 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         "system_ms_per_host": (usage.ru_stime - usage_before.ru_stime) / hosts * 1000,
         "peak_threads": peak_threads,
         "kib_per_connection": max(peak_rss - baseline, 0) / connections,
+        "simulators_cpu_seconds": simulators_cpu,
+        "cpu_bound_seconds": (cpu + simulators_cpu) / (os.cpu_count() or 1),
     }
 
 
