@@ -12,10 +12,14 @@ A tensor's bytes are exposed through :mod:`ctypes` over its data pointer, not th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
+import linecache
 import pickle
 import sys
+import types
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -96,14 +100,74 @@ def dumps_call(
 ) -> list[memoryview]:
     """Pickle ``func(*args, **kwargs)`` for the workers, with a clear error if it cannot be.
 
+    The launching script's path and text travel with it (:func:`main_source`): cloudpickle
+    writes the code of functions pickled by value without their file, and the worker gives it
+    back (:func:`load_call`), so pdb, tracebacks and stacks in the workers show the script's
+    lines, also on hosts where the script is not.
+
     Raises:
         SerializationError: The function or an argument cannot be pickled.
     """
     try:
-        return dumps((func, args, kwargs))
+        return dumps((func, args, kwargs, main_source()))
     except Exception as exc:
         name = getattr(func, "__qualname__", repr(func))
         raise SerializationError(
             f"cannot pickle the function {name} or its arguments with cloudpickle: {exc}. "
             "Everything passed to a launch must be picklable (no open files, locks, sockets)."
         ) from exc
+
+
+_DYNAMIC_CODE = "<dynamic-code>"
+"""The file name cloudpickle gives the code of functions it pickles by value."""
+_MAX_SOURCE_BYTES = 4 << 20
+
+
+def main_source() -> tuple[str, str] | None:
+    """The launching script's path and text, if it is a file of reasonable size (else None)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(path, str):
+        return None
+    try:
+        with Path(path).open("rb") as file:
+            data = file.read(_MAX_SOURCE_BYTES + 1)
+    except OSError:
+        return None
+    if len(data) > _MAX_SOURCE_BYTES:
+        return None
+    return str(Path(path).absolute()), data.decode("utf-8", errors="replace")
+
+
+def load_call(
+    payload: list[bytearray],
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """Unpickle a call made by :func:`dumps_call`; its by-value code gets the script's file back.
+
+    The script's text is put in :mod:`linecache` under its path, so the lines show even where
+    the file is not (another host) or has changed since.
+    """
+    func, args, kwargs, source = loads(payload)
+    if source is not None:
+        path, text = source
+        lines = text.splitlines(keepends=True)
+        linecache.cache[path] = (len(text), None, lines, path)  # mtime None: kept as it is
+        _give_file(func, path)
+        for value in list(getattr(func, "__globals__", {}).values()):
+            _give_file(value, path)
+    return func, args, kwargs
+
+
+def _give_file(obj: object, path: str) -> None:
+    code = getattr(obj, "__code__", None)
+    if isinstance(code, types.CodeType) and code.co_filename == _DYNAMIC_CODE:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            obj.__code__ = _with_file(code, path)  # type: ignore[attr-defined]
+
+
+def _with_file(code: types.CodeType, path: str) -> types.CodeType:
+    consts = tuple(
+        _with_file(c, path) if isinstance(c, types.CodeType) else c for c in code.co_consts
+    )
+    if code.co_filename != _DYNAMIC_CODE:
+        return code.replace(co_consts=consts)
+    return code.replace(co_filename=path, co_consts=consts)

@@ -97,10 +97,15 @@ def serve_when_torch_imported(fd: int, port: int, timeout: float) -> None:
     At once if torch is imported, else right after the function's own ``import torch``
     (an import hook that removes itself). ``timeout``: the process group's, in seconds.
     """
-    if "torch" in sys.modules:
-        _serve(fd, port, timeout)
-        return
-    sys.meta_path.insert(0, _AfterImport("torch", lambda: _serve(fd, port, timeout)))
+    after_import("torch", lambda: _serve(fd, port, timeout))
+
+
+def after_import(name: str, then: Callable[[], None]) -> None:
+    """Call ``then()`` now if module ``name`` is imported, else right after its import."""
+    if name in sys.modules:
+        then()
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, then))
 
 
 def _serve(fd: int, port: int, timeout: float) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from torchrunx import serialization
+from torchrunx.agent import debugger
 from torchrunx.agent.capture import capture_logging
 from torchrunx.devices import cuda_device, device_env, process_group_options
 from torchrunx.env import worker_env
@@ -188,6 +189,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
         return 1
     del boot  # from here on only the connection: no frame below the function holds the secret
     conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid(), attempt=spec.attempt))
+    debugger.install(conn, rank, spec.hostname, terminal=spec.debugger)
     call: list[bytearray] | None = payload
     first = True
     while call is not None:
@@ -216,7 +218,7 @@ def _call(  # noqa: PLR0913 (what one call needs)
     the process group first (the first call of a worker with a backend).
     """
     try:
-        func, args, kwargs = serialization.loads(payload)
+        func, args, kwargs = serialization.load_call(payload)
         payload.clear()
         init_started = time.perf_counter()
         if join_group:

@@ -23,6 +23,7 @@ from torchrunx.launcher.reports import (
 from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
+    DebugOutput,
     Heartbeat,
     LogLines,
     Stop,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
     from torchrunx.events import Event, EventSink
     from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
+    from torchrunx.launcher.debugger import Debugger
     from torchrunx.launcher.listener import Listener, NetEvent, Peer
     from torchrunx.launcher.logrouter import LogRouter
     from torchrunx.launcher.plan import LaunchPlan
@@ -75,6 +77,8 @@ class Inbox:
         self.final_stop: Stop | None = None
         """The launch's last Stop, also sent to an agent that says hello after it."""
         self.on_shown: Callable[[AgentRecord, dict[int, str]], None] | None = None
+        self.debugger: Debugger | None = None
+        """Where a worker's debugger output goes (``breakpoint()``), once the launch has one."""
         """Where an agent's answer to ShowStacks goes (the launch's look, see ``where``)."""
 
     # -- what the orchestrator asks for -------------------------------------------------------
@@ -265,6 +269,8 @@ class Inbox:
             collective = message.collective or is_collective_error(error)
             kind: FaultKind = "collective" if collective else "exception"
             self.emit(st.worker_failed(rank, kind, error, message.at or at))
+        elif isinstance(message, DebugOutput) and self.debugger is not None:
+            self.debugger.on_output(rank.rank, message)
         else:
             self.drop(rank.conn)  # agents' messages, or a second outcome: not a worker's
 
@@ -276,6 +282,8 @@ class Inbox:
             return
         st = self.state
         if owner[0] == "rank":
+            if self.debugger is not None:
+                self.debugger.forget(owner[1])
             if owner[1] < len(st.ranks) and st.ranks[owner[1]].conn == peer.ident:
                 rank = st.ranks[owner[1]]
                 if st.worker_conn_closed(rank):

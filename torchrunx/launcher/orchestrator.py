@@ -246,6 +246,7 @@ class Launch(LaunchLoop):
                 restarts=st.restarts,
                 num_hosts=len(st.agents),
                 keep=self.plan.keep_workers,
+                debugger=self.debugger.terminal,
             )
             st.assign(agent, spec)
             if st.attempt == 0:

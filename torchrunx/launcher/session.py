@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from torchrunx.events import AgentState, EventSink
 from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
+from torchrunx.launcher.debugger import Debugger
 from torchrunx.launcher.failures import choose_cause
 from torchrunx.launcher.health import HealthReport, health_details_from_env, health_host_from_env
 from torchrunx.launcher.health_server import HealthServer
@@ -45,7 +46,7 @@ from torchrunx.launcher.reports import summary
 from torchrunx.launcher.state import LaunchState
 from torchrunx.launcher.where import StacksLook, print_look
 from torchrunx.wire import handshake
-from torchrunx.wire.messages import HEARTBEAT_INTERVAL, Heartbeat, ShowStacks
+from torchrunx.wire.messages import HEARTBEAT_INTERVAL, DebugInput, Heartbeat, ShowStacks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -138,6 +139,17 @@ class LaunchLoop:
         self.look: StacksLook | None = None
         """The look at every rank's stacks under way, if any."""
         self.inbox.on_shown = self._on_shown
+        self.debugger = Debugger(
+            self.loop, self._send_debug, lambda rank: self.state.hostname(self.state.ranks[rank])
+        )
+        """``breakpoint()`` in the workers: pdb sessions in this terminal."""
+        self.inbox.debugger = self.debugger
+
+    def _send_debug(self, rank: int, message: DebugInput) -> None:
+        record = self.state.ranks[rank] if rank < len(self.state.ranks) else None
+        peer = None if record is None or record.conn is None else self.inbox.peers.get(record.conn)
+        if peer is not None:
+            peer.send(message)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -192,9 +204,12 @@ class LaunchLoop:
                     raise error
             if not st.stopping and (st.failed or st.alarm):
                 return
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            # Time with a rank in the debugger does not count: the deadline moves by it.
+            limit = None if deadline is None else deadline + self.debugger.paused(now)
+            if limit is not None and now >= limit:
                 return
-            self.step(deadline)
+            self.step(limit)
 
     def step(self, deadline: float | None = None) -> None:
         """One turn of the loop: the periodic round if due, else wait and apply what comes.
@@ -277,6 +292,7 @@ class LaunchLoop:
 
     def close(self) -> None:
         """Release everything: agents, connections, the port, the loop, and helper threads."""
+        self.debugger.close()
         self.listener.stop_accepting()
         for agent in self.state.agents:
             if agent.state is AgentState.DONE:  # it reads until this end closes, then exits

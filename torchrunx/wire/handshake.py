@@ -20,10 +20,12 @@ from typing import Literal
 from torchrunx.errors import ProtocolError
 from torchrunx.wire.records import Connection, SessionKeys, _recv_exact_into
 
-PROTOCOL_VERSION = 4
-"""4: the message classes live in :mod:`torchrunx.wire.messages` (a frame's header names its
-class's module, so a peer of version 3 could not read them). 3: a stream ends with an
-authenticated close record (an empty one), see :class:`~torchrunx.wire.records.FrameReader`."""
+PROTOCOL_VERSION = 5
+"""5: a worker's debugger speaks on its connection (``DebugOutput``, ``DebugInput``) and
+``WorkerSpec`` says whether the launcher has a terminal. 4: the message classes live in
+:mod:`torchrunx.wire.messages` (a frame's header names its class's module, so a peer of
+version 3 could not read them). 3: a stream ends with an authenticated close record (an empty
+one), see :class:`~torchrunx.wire.records.FrameReader`."""
 MAGIC = b"TORCHRUNX/%03d\n" % PROTOCOL_VERSION
 NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size

@@ -65,6 +65,9 @@ class WorkerSpec:
     """Workers that stay (``Launcher.warm(keep_workers=True)``): after its outcome a worker
     waits on its connection for the next run's :class:`WorkerCall`, in the same process and
     process group."""
+    debugger: bool = False
+    """The launcher has a terminal (its stdin is a TTY): ``breakpoint()`` in a worker opens pdb
+    there. Without one a breakpoint is skipped with a warning naming the rank and line."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,31 @@ class WorkerResult:
 
 
 @dataclass(frozen=True)
+class DebugOutput:
+    """Worker: what its debugger wrote, and whether it now waits for a line.
+
+    ``breakpoint()`` in a worker runs pdb with its input and output on the worker's connection;
+    the launcher prints this in its terminal and answers a prompt with :class:`DebugInput`.
+    """
+
+    rank: int
+    text: str
+    waiting: bool
+    """The text ends with pdb's prompt: the worker waits for a :class:`DebugInput`."""
+    where: str = ""
+    """``file:line in function`` of the frame the debugger stopped in."""
+    resumed: bool = False
+    """The rank left the debugger (``c``, or quit): it runs on."""
+
+
+@dataclass(frozen=True)
+class DebugInput:
+    """Launcher: the line typed at a worker's pdb prompt (``None``: no terminal, go on)."""
+
+    line: str | None
+
+
+@dataclass(frozen=True)
 class WorkerException:
     """Worker: the function raised.
 
@@ -243,6 +271,8 @@ Message = (
     | WorkerCall
     | WorkerResult
     | WorkerException
+    | DebugOutput
+    | DebugInput
 )
 """Every message; a frame's header is one of these, and nothing else."""
 _MESSAGE_TYPES: tuple[type[Message], ...] = typing.get_args(Message)

@@ -1,0 +1,249 @@
+"""``breakpoint()`` in a worker opens pdb in the launcher's terminal (a real pseudo-terminal).
+
+Each test writes a launching script to a file (so the workers get its lines, as a user's script
+would), runs it in a pseudo-terminal with pexpect and types at it as a user at a shell would.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pexpect
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import os, sys
+import torchrunx as trx
+
+def work(stops):
+    rank = int(os.environ["RANK"])
+    value = 41 + rank
+    if rank in stops:
+        breakpoint()
+    return value + 1
+
+hosts = sys.argv[1].split(",")
+stops = [int(r) for r in sys.argv[2].split(",") if r]
+launcher = trx.Launcher(
+    hostnames=hosts, workers_per_host=2, backend=None,
+    ssh_config_file=sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None,
+    launch_timeout=float(sys.argv[4]) if len(sys.argv) > 4 else None,
+)
+result = launcher.run(work, stops)
+print("RESULTS", result.ranks, flush=True)
+"""
+
+DIST_SCRIPT = """
+import os, sys
+import torch.distributed as dist
+import torchrunx as trx
+
+def work():
+    rank = dist.get_rank()
+    value = 41 + rank
+    dist.breakpoint(rank=1)
+    return value + 1
+
+result = trx.launch(work, hostnames=["localhost"], workers_per_host=2, backend="gloo")
+print("RESULTS", result.ranks, flush=True)
+"""
+
+BREAK_LINE = 9
+"""The line of ``breakpoint()`` in SCRIPT (the stop is at the line after it)."""
+
+
+def _env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TERM": "dumb",
+    }
+
+
+def _spawn(tmp_path: Path, *args: str, text: str = SCRIPT) -> pexpect.spawn:
+    script = tmp_path / "launch.py"
+    script.write_text(text)
+    child = pexpect.spawn(
+        sys.executable,
+        [str(script), *args],
+        cwd=str(tmp_path),
+        env=_env(),
+        encoding="utf-8",
+        timeout=90,
+        codec_errors="replace",
+    )
+    child.logfile_read = open(tmp_path / "terminal.log", "w")  # noqa: SIM115 (closed with it)
+    return child
+
+
+def _close(child: pexpect.spawn) -> None:
+    child.close(force=True)
+    child.logfile_read.close()
+
+
+def _prompt(rank: int, host: str = "localhost") -> str:
+    return re.escape(f"(Pdb rank {rank} on {host}) ")
+
+
+def _finish(child: pexpect.spawn) -> str:
+    child.expect(pexpect.EOF)
+    child.close()
+    return str(child.before)
+
+
+def test_breakpoint_opens_pdb_in_the_launchers_terminal_and_c_resumes(tmp_path):
+    child = _spawn(tmp_path, "localhost", "1")
+    try:
+        started = time.monotonic()
+        child.expect(_prompt(1))
+        assert time.monotonic() - started < 60
+        header = str(child.before)
+        assert "--- pdb: rank 1 on localhost at " in header
+        assert f"launch.py:{BREAK_LINE + 1} in work ---" in header  # the script's own file
+        assert "-> return value + 1" in header  # its line, from the script's text
+        child.sendline("p value")
+        child.expect(_prompt(1))
+        assert "42" in str(child.before)
+        child.sendline("value = 100")
+        child.expect(_prompt(1))
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [42, 101]"))  # rank 1 went on with the changed value
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+def test_torch_distributed_breakpoint_works_unchanged(tmp_path):
+    child = _spawn(tmp_path, text=DIST_SCRIPT)
+    try:
+        child.expect(_prompt(1))
+        assert "Type 'up' to get to the frame that called dist.breakpoint(rank=1)" in str(
+            child.before
+        )
+        child.sendline("up")
+        child.expect(_prompt(1))
+        assert "-> dist.breakpoint(rank=1)" in str(child.before)
+        child.sendline("p value")
+        child.expect(_prompt(1))
+        assert "42" in str(child.before)
+        child.sendline("c")  # rank 0 waited in torch's barrier meanwhile
+        child.expect(re.escape("RESULTS [42, 43]"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+def test_two_ranks_at_a_breakpoint_wait_their_turn_and_can_be_switched(tmp_path):
+    child = _spawn(tmp_path, "localhost", "0,1")
+    try:
+        child.expect(r"\(Pdb rank (\d) on localhost\) ")
+        first = int(child.match.group(1))
+        other = 1 - first
+        child.expect(re.escape(f"rank {other} on localhost stopped in the debugger at "))
+        child.sendline(":ranks")
+        child.expect(_prompt(first))
+        listing = str(child.before)
+        assert f"* rank {first} on localhost: waits" in listing
+        assert f"  rank {other} on localhost: waits" in listing
+        child.sendline(f":rank {other}")  # switch: the other rank's prompt
+        child.expect(_prompt(other))
+        child.sendline("p value")
+        child.expect(_prompt(other))
+        assert str(41 + other) in str(child.before)
+        child.sendline("c")  # it runs on; the first rank gets the terminal back
+        child.expect(_prompt(first))
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [42, 43]"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+def test_a_paused_rank_does_not_trip_launch_timeout(tmp_path):
+    child = _spawn(tmp_path, "localhost", "1", "", "3")  # launch_timeout=3 s
+    try:
+        child.expect(_prompt(1))
+        time.sleep(5)  # longer than launch_timeout, in the debugger
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [42, 43]"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+def test_q_in_the_debugger_fails_the_launch_with_bdbquit(tmp_path):
+    child = _spawn(tmp_path, "localhost", "1")
+    try:
+        child.expect(_prompt(1))
+        child.sendline("q")
+        rest = _finish(child)
+        assert child.exitstatus == 1
+        assert "BdbQuit" in rest
+        assert "RESULTS" not in rest
+    finally:
+        _close(child)
+
+
+def test_ctrl_c_in_the_debugger_stops_the_launch_cleanly(tmp_path):
+    child = _spawn(tmp_path, "localhost", "1")
+    try:
+        child.expect(_prompt(1))
+        child.sendintr()
+        rest = _finish(child)
+        assert "KeyboardInterrupt" in rest
+        assert child.exitstatus not in (0, None) or child.signalstatus is not None
+    finally:
+        _close(child)
+    # No agent or worker is left: the autouse fixture no_leftover_processes checks every host.
+
+
+def test_without_a_terminal_a_breakpoint_is_skipped_with_a_warning(tmp_path):
+    script = tmp_path / "launch.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), "localhost", "1"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "RESULTS [42, 43]"
+    assert (
+        f"breakpoint() at {script}:{BREAK_LINE} in rank 1 skipped: the launcher has no terminal"
+        in done.stderr
+    ), done.stderr
+    assert "BdbQuit" not in done.stderr
+
+
+@pytest.mark.cluster
+def test_breakpoint_on_an_ssh_host_opens_pdb_in_the_launchers_terminal(cluster, tmp_path):
+    hosts = cluster.names()
+    child = _spawn(tmp_path, ",".join(hosts), "3", str(cluster.ssh_config))
+    try:
+        child.expect(_prompt(3, hosts[1]))
+        assert f"--- pdb: rank 3 on {hosts[1]} at " in str(child.before)
+        assert "-> return value + 1" in str(child.before)  # the script is not on that host
+        child.sendline("p value, os.environ['LOCAL_RANK']")
+        child.expect(_prompt(3, hosts[1]))
+        assert "(44, '1')" in str(child.before)
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [42, 43, 44, 45]"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)

@@ -1,0 +1,217 @@
+"""``breakpoint()`` in a worker: pdb with its input and output on the worker's connection.
+
+A worker installs :func:`install` as ``sys.breakpointhook``. When the function calls
+``breakpoint()``, a :class:`RankPdb` stops in the caller's frame: everything pdb writes goes to
+the launcher as :class:`~torchrunx.wire.messages.DebugOutput`, and each prompt waits for the
+line the user types in the launcher's terminal (:class:`~torchrunx.wire.messages.DebugInput`).
+The launcher's side is :mod:`torchrunx.launcher.debugger`.
+
+Without a terminal at the launcher (its stdin is not a TTY: a batch job, a notebook, a pipe) a
+breakpoint is skipped with a warning on the worker's stderr naming the rank and the line; the
+function goes on. ``PYTHONBREAKPOINT`` is honoured as Python does: ``0`` disables breakpoints,
+another hook (``ipdb.set_trace``, ...) is called instead of ours.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pdb  # noqa: T100 (the debugger is the feature)
+import sys
+import threading
+from typing import IO, TYPE_CHECKING, Any, cast
+
+from torchrunx.agent.store import after_import
+from torchrunx.errors import ProtocolError
+from torchrunx.wire.messages import DebugInput, DebugOutput
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from torchrunx.wire.records import Connection
+
+
+class _Output(io.TextIOBase):
+    """pdb's stdout: text collected until the next prompt (or the end of the interaction)."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+
+    def writable(self) -> bool:
+        """Always."""
+        return True
+
+    def write(self, text: str) -> int:
+        """Keep ``text`` for the next :class:`DebugOutput`."""
+        self._parts.append(text)
+        return len(text)
+
+    def take(self) -> str:
+        """Everything written since the last take."""
+        text = "".join(self._parts)
+        self._parts.clear()
+        return text
+
+
+class _Input(io.TextIOBase):
+    """pdb's stdin: each line is asked of the launcher."""
+
+    def __init__(self, session: _Session) -> None:
+        self._session = session
+
+    def readable(self) -> bool:
+        """Always."""
+        return True
+
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]  # noqa: ARG002
+        """Send what pdb wrote (ending with its prompt) and wait for the typed line."""
+        return self._session.ask()
+
+
+class _Session:
+    """One worker's channel to the launcher's terminal (one debugger at a time)."""
+
+    def __init__(self, conn: Connection, rank: int) -> None:
+        self.conn = conn
+        self.rank = rank
+        self.output = _Output()
+        self.lock = threading.Lock()
+        self.where = ""
+        self.detached = False
+        """The launcher said it has no terminal (any more): continue, do not ask again."""
+
+    def ask(self) -> str:
+        if self.detached:
+            return "c\n"
+        self.conn.send(DebugOutput(self.rank, self.output.take(), waiting=True, where=self.where))
+        while True:
+            try:
+                message, _payload = self.conn.recv()
+            except (OSError, ProtocolError):
+                self.detached = True  # the launcher is gone: nothing will answer
+                return "c\n"
+            if isinstance(message, DebugInput):
+                if message.line is None:
+                    self.detached = True
+                    return "c\n"
+                return message.line.rstrip("\r\n") + "\n"
+
+    def ended(self, *, resumed: bool) -> None:
+        text = self.output.take()
+        if text or resumed:
+            self.conn.send(
+                DebugOutput(self.rank, text, waiting=False, where=self.where, resumed=resumed)
+            )
+
+
+class RankPdb(pdb.Pdb):
+    """pdb for one rank, speaking through the launcher's terminal."""
+
+    def __init__(self, session: _Session, hostname: str) -> None:
+        """A debugger on ``session``'s channel; the prompt names the rank and host."""
+        super().__init__(
+            stdin=cast("IO[str]", _Input(session)),
+            stdout=cast("IO[str]", session.output),
+            nosigint=True,
+            readrc=False,
+        )
+        self.use_rawinput = False
+        self.prompt = f"(Pdb rank {session.rank} on {hostname}) "
+        self._session = session
+        self._resumed = False
+
+    def interaction(self, frame: FrameType | None, tb: Any) -> None:  # noqa: ANN401 (pdb's)
+        """One stop: the whole exchange holds the session, then says whether the rank resumed."""
+        session = self._session
+        with session.lock:
+            if frame is not None:
+                code = frame.f_code
+                session.where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+            self._resumed = False
+            try:
+                super().interaction(frame, tb)
+            finally:
+                session.ended(resumed=self._resumed)
+
+    def set_continue(self) -> None:
+        """``c``: the rank runs on (the launcher may turn to another rank)."""
+        self._resumed = True
+        super().set_continue()
+
+    def set_quit(self) -> None:
+        """``q``: the rank raises ``BdbQuit`` (its run fails, as with pdb anywhere)."""
+        self._resumed = True
+        super().set_quit()
+
+
+_hook_state: dict[str, Any] = {}
+
+
+def install(conn: Connection, rank: int, hostname: str, *, terminal: bool) -> None:
+    """Make ``breakpoint()`` and ``torch.distributed.breakpoint()`` open pdb at the launcher.
+
+    ``terminal``: the launcher has one (:attr:`~torchrunx.wire.messages.WorkerSpec.debugger`);
+    without one, breakpoints are skipped with a warning. ``torch.distributed.breakpoint`` makes
+    its debugger with ``torch.distributed._make_distributed_pdb`` (which reads ``/dev/stdin``):
+    once torch is imported, that function makes ours instead.
+    """
+    _hook_state.update(
+        session=_Session(conn, rank), hostname=hostname, terminal=terminal, rank=rank
+    )
+    sys.breakpointhook = _breakpointhook
+    after_import("torch", _use_in_torch)
+
+
+def _use_in_torch() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and callable(getattr(dist, "_make_distributed_pdb", None)):
+        setattr(dist, "_make_distributed_pdb", _make_pdb)  # noqa: B010 (torch's private name)
+
+
+def _make_pdb() -> pdb.Pdb:
+    """The debugger for ``torch.distributed.breakpoint()``: ours, or one that skips."""
+    if _hook_state.get("terminal"):
+        return RankPdb(_hook_state["session"], _hook_state["hostname"])
+    return _SkippingPdb()
+
+
+class _SkippingPdb(pdb.Pdb):
+    """No terminal at the launcher: ``set_trace`` says so and the rank goes on."""
+
+    def message(self, msg: str) -> None:
+        """Nothing to show it in."""
+        del msg
+
+    def set_trace(self, frame: FrameType | None = None) -> None:
+        """Report the skipped breakpoint at the caller of ``torch.distributed.breakpoint``."""
+        _skip(frame or sys._getframe(2))  # noqa: SLF001 (torch's breakpoint, then its caller)
+
+
+def _breakpointhook(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (breakpoint()'s)
+    chosen = os.environ.get("PYTHONBREAKPOINT", "")
+    if chosen == "0":
+        return None
+    if chosen not in ("", "pdb.set_trace"):  # the user's own hook, as Python would call it
+        return sys.__breakpointhook__(*args, **kwargs)  # noqa: T100
+    frame = sys._getframe(1)  # noqa: SLF001 (the caller of breakpoint())
+    if not _hook_state.get("terminal"):
+        _skip(frame)
+        return None
+    RankPdb(_hook_state["session"], _hook_state["hostname"]).set_trace(frame)
+    return None
+
+
+def _skip(frame: FrameType) -> None:
+    """Report a breakpoint skipped for want of a terminal, on the launcher's stderr."""
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    warning = (
+        f"torchrunx: breakpoint() at {where} in rank {_hook_state.get('rank')} skipped: the "
+        "launcher has no terminal (its stdin is not a TTY), so there is nowhere to debug "
+        "it; see docs/debugging.md\n"
+    )
+    session: _Session = _hook_state["session"]
+    skipped = DebugOutput(session.rank, warning, waiting=False, where=where, resumed=True)
+    try:  # the launcher prints it on its stderr, whichever rank this is
+        session.conn.send(skipped)
+    except OSError:
+        sys.stderr.write(warning)
