@@ -247,3 +247,28 @@ def test_breakpoint_on_an_ssh_host_opens_pdb_in_the_launchers_terminal(cluster, 
         assert child.exitstatus == 0
     finally:
         _close(child)
+
+
+def test_the_debugging_example_stops_rank_1_and_finishes_after_c(tmp_path):
+    child = pexpect.spawn(
+        sys.executable,
+        [str(ROOT / "examples" / "12_debug_a_rank.py"), "--steps", "5"],
+        cwd=str(tmp_path),
+        env=_env(),
+        encoding="utf-8",
+        timeout=120,
+        codec_errors="replace",
+    )
+    child.logfile_read = open(tmp_path / "terminal.log", "w")  # noqa: SIM115 (closed with it)
+    try:
+        child.expect(_prompt(1))
+        assert "12_debug_a_rank.py" in str(child.before)
+        child.sendline("p step, rank")
+        child.expect(_prompt(1))
+        assert "(3, 1)" in str(child.before)
+        child.sendline("c")
+        child.expect(r"final loss per rank: \[[\d.]+, [\d.]+\]")
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)

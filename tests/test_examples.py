@@ -49,6 +49,10 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
             r"loaded after 30 steps: weights \[1\.0, 2\.0, 3\.0\]",
         ],
     ),
+    "12_debug_a_rank.py": (  # no terminal here: the breakpoint is skipped (test_debugger)
+        ["--steps", "5"],
+        [r"final loss per rank: \[[\d.]+, [\d.]+\]"],
+    ),
     "11_warm_sweep.py": (
         ["--lrs", "0.05", "1000", "0.2", "--steps", "20"],
         [

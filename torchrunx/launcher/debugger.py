@@ -78,6 +78,10 @@ class Debugger:
 
     def on_output(self, rank: int, message: DebugOutput) -> None:
         """A rank's debugger wrote ``message.text``; it waits for a line if ``waiting``."""
+        if message.waiting and not self.terminal:  # no terminal (any more): it runs on
+            self._write(message.text.rsplit("\n", 1)[0] + "\n" if "\n" in message.text else "")
+            self._answer(rank, None)
+            return
         stop = self.stops.get(rank)
         if stop is None:
             if message.resumed:  # not in the debugger: a breakpoint skipped (no terminal)
