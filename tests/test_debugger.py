@@ -55,26 +55,43 @@ result = trx.launch(work, hostnames=["localhost"], workers_per_host=2, backend="
 print("RESULTS", result.ranks, flush=True)
 """
 
+RAISE_SCRIPT = """
+import os
+import torchrunx as trx
+
+def work():
+    rank = int(os.environ["RANK"])
+    value = 41 + rank
+    if rank == 1:
+        raise ValueError(f"boom in rank {rank}")
+    return value
+
+trx.launch(work, hostnames=["localhost"], workers_per_host=2, backend=None)
+"""
+
 BREAK_LINE = 9
 """The line of ``breakpoint()`` in SCRIPT (the stop is at the line after it)."""
 
 
-def _env() -> dict[str, str]:
+def _env(**extra: str) -> dict[str, str]:
     return {
         **os.environ,
+        **extra,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "TERM": "dumb",
     }
 
 
-def _spawn(tmp_path: Path, *args: str, text: str = SCRIPT) -> pexpect.spawn:
+def _spawn(
+    tmp_path: Path, *args: str, text: str = SCRIPT, env: dict[str, str] | None = None
+) -> pexpect.spawn:
     script = tmp_path / "launch.py"
     script.write_text(text)
     child = pexpect.spawn(
         sys.executable,
         [str(script), *args],
         cwd=str(tmp_path),
-        env=_env(),
+        env=env or _env(),
         encoding="utf-8",
         timeout=90,
         codec_errors="replace",
@@ -138,6 +155,24 @@ def test_torch_distributed_breakpoint_works_unchanged(tmp_path):
         child.expect(re.escape("RESULTS [42, 43]"))
         _finish(child)
         assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+def test_post_mortem_opens_pdb_at_the_raising_frame_then_the_launch_raises(tmp_path):
+    child = _spawn(tmp_path, text=RAISE_SCRIPT, env=_env(TORCHRUNX_POST_MORTEM="1"))
+    try:
+        child.expect(_prompt(1))
+        before = str(child.before)
+        assert "rank 1 raised ValueError: boom in rank 1; post-mortem" in before
+        assert "launch.py:9 in work ---" in before  # the raising line
+        child.sendline("p value")
+        child.expect(_prompt(1))
+        assert "42" in str(child.before)
+        child.sendline("c")
+        rest = _finish(child)
+        assert child.exitstatus == 1
+        assert "ValueError: boom in rank 1" in rest  # raised as without the post-mortem
     finally:
         _close(child)
 
@@ -272,3 +307,25 @@ def test_the_debugging_example_stops_rank_1_and_finishes_after_c(tmp_path):
         assert child.exitstatus == 0
     finally:
         _close(child)
+
+
+def test_a_post_mortem_variable_that_is_not_yes_or_no_is_an_error_before_anything_starts(
+    tmp_path,
+):
+    script = tmp_path / "launch.py"
+    script.write_text(RAISE_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=_env(TORCHRUNX_POST_MORTEM="maybe", TORCHRUNX_LOG_DIR=str(tmp_path / "logs")),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert (
+        "ValueError: TORCHRUNX_POST_MORTEM='maybe' is not one of 1, true, yes, on, 0, false, no, off"
+        in done.stderr
+    ), done.stderr
+    assert not list((tmp_path / "logs").glob("*")), "a log folder was made"  # nothing started

@@ -192,3 +192,21 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
     }
+
+
+def flag_from_env(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """A yes/no variable's value.
+
+    Yes: ``1``, ``true``, ``yes``, ``on``; no: ``0``, ``false``, ``no``, ``off``, empty or unset
+    (any case).
+
+    Raises:
+        ValueError: Any other value (so a typo never passes for "off").
+    """
+    raw = (os.environ if environ is None else environ).get(name, "")
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r} is not one of 1, true, yes, on, 0, false, no, off")

@@ -14,6 +14,8 @@ another hook (``ipdb.set_trace``, ...) is called instead of ours.
 
 from __future__ import annotations
 
+import bdb
+import contextlib
 import io
 import os
 import pdb  # noqa: T100 (the debugger is the feature)
@@ -124,9 +126,14 @@ class RankPdb(pdb.Pdb):
         """One stop: the whole exchange holds the session, then says whether the rank resumed."""
         session = self._session
         with session.lock:
-            if frame is not None:
-                code = frame.f_code
-                session.where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+            where, lineno, last = frame, None if frame is None else frame.f_lineno, tb
+            while where is None and last is not None:  # post-mortem: the frame that raised
+                if last.tb_next is None:
+                    where, lineno = last.tb_frame, last.tb_lineno
+                last = last.tb_next
+            if where is not None:
+                code = where.f_code
+                session.where = f"{code.co_filename}:{lineno} in {code.co_name}"
             self._resumed = False
             try:
                 super().interaction(frame, tb)
@@ -215,3 +222,18 @@ def _skip(frame: FrameType) -> None:
         session.conn.send(skipped)
     except OSError:
         sys.stderr.write(warning)
+
+
+def post_mortem(exc: BaseException) -> None:
+    """Pdb at the frame that raised ``exc``, in the launcher's terminal (then return)."""
+    if not _hook_state.get("terminal") or exc.__traceback__ is None:
+        return
+    debugger = RankPdb(_hook_state["session"], _hook_state["hostname"])
+    debugger.reset()
+    session: _Session = _hook_state["session"]
+    session.output.write(
+        f"torchrunx: rank {session.rank} raised {type(exc).__name__}: {exc}; post-mortem "
+        "(c or q lets its exception go to the launcher)\n"
+    )
+    with contextlib.suppress(bdb.BdbQuit):
+        debugger.interaction(None, exc.__traceback__)

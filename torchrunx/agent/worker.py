@@ -14,6 +14,7 @@ After an exception it exits as any worker does: its run failed, and its state wi
 
 from __future__ import annotations
 
+import bdb
 import inspect
 import io
 import os
@@ -84,6 +85,11 @@ def _destroy_process_group() -> None:
 def _looks_like_timeout(exc: BaseException) -> bool:
     text = f"{type(exc).__name__} {exception_text(exc)}".lower()
     return "timeout" in text or "timed out" in text
+
+
+def _echo_or_quit(exc: BaseException) -> bool:
+    """Not worth a post-mortem: another rank's failure seen in a collective, a quit debugger."""
+    return isinstance(exc, bdb.BdbQuit | KeyboardInterrupt) or is_collective_error(exc)
 
 
 def _add_hints(exc: BaseException, spec: WorkerSpec) -> None:
@@ -233,6 +239,8 @@ def _call(  # noqa: PLR0913 (what one call needs)
         sys.stderr.write(f"{exc.code}\n")
         return 1
     except BaseException as exc:  # noqa: BLE001 (every failure goes back to the launcher)
+        if spec.post_mortem and not _echo_or_quit(exc):
+            debugger.post_mortem(exc)
         if spec.backend is not None:
             _add_hints(exc, spec)
         conn.send(*_exception_message(rank, exc))

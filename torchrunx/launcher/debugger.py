@@ -20,12 +20,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from torchrunx.env import flag_from_env
 from torchrunx.wire.messages import DebugInput, DebugOutput
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torchrunx.launcher.ioloop import IOLoop
+
+POST_MORTEM_ENV_VAR = "TORCHRUNX_POST_MORTEM"
+"""Set (``1``): a rank that raises opens pdb at the raising frame in the launcher's terminal."""
 
 HELP = (
     "torchrunx: lines go to the rank whose prompt is shown; ':ranks' lists the ranks in the "
@@ -67,6 +71,8 @@ class Debugger:
         self._out = out
         self.terminal = _is_tty(stdin_fd)
         """Whether the launcher has a terminal to debug in (its stdin is a TTY)."""
+        self.post_mortem = flag_from_env(POST_MORTEM_ENV_VAR) and self.terminal
+        """A rank that raises opens pdb at the raising frame first (``TORCHRUNX_POST_MORTEM``)."""
         self.stops: dict[int, _Stop] = {}
         self.current: int | None = None
         self._reading = False

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from torchrunx.env import flag_from_env
 from torchrunx.events import AgentState, WorkerState, dataclass_to_dict
 
 if TYPE_CHECKING:
@@ -185,10 +186,4 @@ def health_details_from_env(environ: Mapping[str, str] | None = None) -> bool:
         ValueError: The variable is neither ``1``, ``true``, ``yes``, ``on`` nor ``0``,
             ``false``, ``no``, ``off`` or empty (any case).
     """
-    raw = (os.environ if environ is None else environ).get(DETAILS_ENV_VAR, "")
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{DETAILS_ENV_VAR}={raw!r} is not one of 1, true, yes, on, 0, false, no, off")
+    return flag_from_env(DETAILS_ENV_VAR, environ)

@@ -247,6 +247,7 @@ class Launch(LaunchLoop):
                 num_hosts=len(st.agents),
                 keep=self.plan.keep_workers,
                 debugger=self.debugger.terminal,
+                post_mortem=self.debugger.post_mortem,
             )
             st.assign(agent, spec)
             if st.attempt == 0:

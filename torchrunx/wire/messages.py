@@ -68,6 +68,9 @@ class WorkerSpec:
     debugger: bool = False
     """The launcher has a terminal (its stdin is a TTY): ``breakpoint()`` in a worker opens pdb
     there. Without one a breakpoint is skipped with a warning naming the rank and line."""
+    post_mortem: bool = False
+    """``TORCHRUNX_POST_MORTEM`` at the launcher (with a terminal): a rank that raises opens pdb
+    at the raising frame there first, then its exception is sent as usual."""
 
 
 @dataclass(frozen=True)
