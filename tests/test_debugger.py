@@ -55,6 +55,22 @@ result = trx.launch(work, hostnames=["localhost"], workers_per_host=2, backend="
 print("RESULTS", result.ranks, flush=True)
 """
 
+TIMER_SCRIPT = """
+import os
+import torchrunx as trx
+
+def work():
+    rank = int(os.environ["RANK"])
+    with trx.timer.expires(after=2, scope="step"):
+        if rank == 1:
+            breakpoint()
+        value = rank
+    return value
+
+result = trx.launch(work, hostnames=["localhost"], workers_per_host=2, backend=None)
+print("RESULTS", result.ranks, flush=True)
+"""
+
 RAISE_SCRIPT = """
 import os
 import torchrunx as trx
@@ -211,6 +227,19 @@ def test_a_paused_rank_does_not_trip_launch_timeout(tmp_path):
         time.sleep(5)  # longer than launch_timeout, in the debugger
         child.sendline("c")
         child.expect(re.escape("RESULTS [42, 43]"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+def test_a_paused_rank_does_not_trip_its_timer_expires_block(tmp_path):
+    child = _spawn(tmp_path, text=TIMER_SCRIPT)
+    try:
+        child.expect(_prompt(1))
+        time.sleep(4)  # twice the block's limit, in the debugger
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [0, 1]"))
         _finish(child)
         assert child.exitstatus == 0
     finally:

@@ -140,3 +140,24 @@ class expires:  # noqa: N801 (used like a function: ``with timer.expires(...)``)
             _arm(page, *_stack[-1])
         else:
             _pack_deadline(page, 0, 0.0)
+
+
+def pause() -> float | None:
+    """The worker stops in the debugger: its watchdog sees no block until :func:`resume`.
+
+    Returns:
+        When it paused (for :func:`resume`), or ``None`` if no block runs (nothing to pause).
+    """
+    if _page is None or not _stack:
+        return None
+    _pack_deadline(_page, 0, 0.0)
+    return _monotonic()
+
+
+def resume(paused_at: float | None) -> None:
+    """The worker runs on: every open block's deadline moves by the time it was paused."""
+    if _page is None or paused_at is None or not _stack:
+        return
+    shift = _monotonic() - paused_at
+    _stack[:] = [(deadline + shift, details) for deadline, details in _stack]
+    _arm(_page, *_stack[-1])

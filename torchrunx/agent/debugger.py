@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import IO, TYPE_CHECKING, Any, cast
 
+from torchrunx import timer
 from torchrunx.agent.store import after_import
 from torchrunx.errors import ProtocolError
 from torchrunx.wire.messages import DebugInput, DebugOutput
@@ -135,9 +136,11 @@ class RankPdb(pdb.Pdb):
                 code = where.f_code
                 session.where = f"{code.co_filename}:{lineno} in {code.co_name}"
             self._resumed = False
+            paused = timer.pause()  # a timer.expires block's limit does not count meanwhile
             try:
                 super().interaction(frame, tb)
             finally:
+                timer.resume(paused)
                 session.ended(resumed=self._resumed)
 
     def set_continue(self) -> None:
