@@ -358,3 +358,48 @@ def test_a_post_mortem_variable_that_is_not_yes_or_no_is_an_error_before_anythin
         in done.stderr
     ), done.stderr
     assert not list((tmp_path / "logs").glob("*")), "a log folder was made"  # nothing started
+
+
+def test_breakpoint_in_a_script_run_by_the_torchrunx_command(tmp_path):
+    (tmp_path / "train.py").write_text(
+        "import os\n"
+        "rank = int(os.environ['RANK'])\n"
+        "value = 41 + rank\n"
+        "if rank == 1:\n"
+        "    breakpoint()\n"
+        "print(f'rank {rank} value {value}', flush=True)\n"
+    )
+    child = pexpect.spawn(
+        sys.executable,
+        [
+            "-m",
+            "torchrunx",
+            "--hostnames",
+            "localhost",
+            "--workers-per-host",
+            "2",
+            "--backend",
+            "None",
+            "--console-ranks",
+            "all",
+            "--",
+            "train.py",
+        ],
+        cwd=str(tmp_path),
+        env=_env(),
+        encoding="utf-8",
+        timeout=90,
+        codec_errors="replace",
+    )
+    child.logfile_read = open(tmp_path / "terminal.log", "w")  # noqa: SIM115 (closed with it)
+    try:
+        child.expect(_prompt(1))
+        assert "train.py(6)<module>()" in str(child.before)
+        child.sendline("value = 7")
+        child.expect(_prompt(1))
+        child.sendline("c")
+        child.expect(re.escape("rank 1 value 7"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
