@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -399,6 +400,67 @@ def test_breakpoint_in_a_script_run_by_the_torchrunx_command(tmp_path):
         child.expect(_prompt(1))
         child.sendline("c")
         child.expect(re.escape("rank 1 value 7"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+SLURM_SCRIPT = """
+import os, sys
+import torchrunx as trx
+
+def work():
+    rank = int(os.environ["RANK"])
+    value = 41 + rank
+    if rank == 1:
+        breakpoint()
+    return value + 1
+
+result = trx.Launcher(workers_per_host=1, backend=None).run(work)  # the allocation's nodes
+print("RESULTS", result.ranks, flush=True)
+"""
+
+
+@pytest.mark.slurm
+def test_in_a_batch_job_a_breakpoint_on_an_srun_started_rank_is_skipped(slurm, tmp_path):
+    script = tmp_path / "launch.py"
+    script.write_text(SLURM_SCRIPT)
+    result = slurm.sbatch(
+        f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}\n",
+        nodes=2,
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    assert result.exit_code == 0, result
+    assert "RESULTS [42, 43]" in result.stdout.splitlines(), result
+    assert (
+        f"breakpoint() at {script}:9 in rank 1 skipped: the launcher has no terminal"
+        in result.stderr
+    ), result
+
+
+@pytest.mark.slurm
+def test_salloc_in_a_terminal_opens_pdb_for_a_rank_started_by_srun(slurm, tmp_path):
+    script = tmp_path / "launch.py"
+    script.write_text(SLURM_SCRIPT)
+    child = pexpect.spawn(
+        "salloc",
+        ["--nodes=2", sys.executable, str(script)],
+        cwd=str(tmp_path),
+        env={**_env(), **slurm.env},
+        encoding="utf-8",
+        timeout=120,
+        codec_errors="replace",
+    )
+    child.logfile_read = open(tmp_path / "terminal.log", "w")  # noqa: SIM115 (closed with it)
+    try:
+        child.expect(r"\(Pdb rank 1 on (snode\d)\) ")
+        host = child.match.group(1)
+        child.sendline("p value, os.environ['SLURM_STEP_ID'] != ''")
+        child.expect(_prompt(1, host))
+        assert "(42, True)" in str(child.before)
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [42, 43]"))
         _finish(child)
         assert child.exitstatus == 0
     finally:
