@@ -232,6 +232,12 @@ TARGETS: dict[str, Target] = {
         functions=("StacksLook.*",),
         note="a look at every rank's stacks (Ctrl-\\): who answered, when to print, what",
     ),
+    "debugger": Target(
+        "torchrunx/launcher/debugger.py",
+        ("tests/test_rules_debugger.py",),
+        functions=("Debugger.*",),
+        note="pdb in a rank, the launcher's side: who has the terminal, what is sent, pauses",
+    ),
     "probe": Target(
         "torchrunx/agent/probe.py",
         ("tests/test_rules_check.py",),
@@ -280,7 +286,36 @@ _UNREACHABLE = (
 )
 _ALNUM = "a character replaced by 'XXXX' is as alphanumeric as one removed"
 
+_LAST_LINE = "the last piece of an rsplit is the same whatever the number of splits"
 EQUIVALENT: dict[str, tuple[str, str]] = {
+    "torchrunx.launcher.debugger.xǁDebuggerǁ__init____mutmut_13": (
+        "self._reading = None",
+        "read only as a truth value, where None and False are alike",
+    ),
+    "torchrunx.launcher.debugger.xǁDebuggerǁ_answer__mutmut_4": (
+        "stop.waiting = None",
+        "read only as a truth value, where None and False are alike",
+    ),
+    "torchrunx.launcher.debugger.xǁDebuggerǁon_output__mutmut_22": (
+        'stop.prompt = message.text.rsplit("\\n", )[-1]',
+        _LAST_LINE,
+    ),
+    "torchrunx.launcher.debugger.xǁDebuggerǁon_output__mutmut_25": (
+        'stop.prompt = message.text.rsplit("\\n", 2)[-1]',
+        _LAST_LINE,
+    ),
+    "torchrunx.launcher.debugger.xǁDebuggerǁ_current__mutmut_1": (
+        "return None if (self.current is None) and False else self.stops.get(self.current)",
+        "stops has no None key: get(None) is None too",
+    ),
+    "torchrunx.launcher.debugger.xǁDebuggerǁ_on_readable__mutmut_7": (
+        "data = None",
+        "read only as a truth value (the end of input), where None and b'' are alike",
+    ),
+    "torchrunx.launcher.debugger.xǁDebuggerǁ_on_readable__mutmut_6": (
+        "data = os.read(self._fd, 65537)",
+        "a terminal's line is far shorter than either size; lines are joined across reads",
+    ),
     "torchrunx.launcher.reports.x__same_stack__mutmut_16": (
         'lines.append(line.rpartition(" 0x")[0])  # "Current thread" or "Thread"',
         "a thread's header holds ' 0x' once (its id): the first occurrence is the last",

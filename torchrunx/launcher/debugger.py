@@ -60,10 +60,10 @@ class Debugger:
         send: Callable[[int, DebugInput], None],
         hostname: Callable[[int], str],
         *,
-        stdin_fd: int = 0,
+        stdin_fd: int,
         out: TextIO | None = None,
     ) -> None:
-        """Sessions on ``loop``; ``send(rank, message)`` reaches a rank's worker."""
+        """Sessions on ``loop``, typed on ``stdin_fd``; ``send(rank, message)`` reaches a rank."""
         self._loop = loop
         self._send = send
         self._hostname = hostname
@@ -85,7 +85,6 @@ class Debugger:
     def on_output(self, rank: int, message: DebugOutput) -> None:
         """A rank's debugger wrote ``message.text``; it waits for a line if ``waiting``."""
         if message.waiting and not self.terminal:  # no terminal (any more): it runs on
-            self._write(message.text.rsplit("\n", 1)[0] + "\n" if "\n" in message.text else "")
             self._answer(rank, None)
             return
         stop = self.stops.get(rank)
@@ -102,7 +101,7 @@ class Debugger:
         if message.waiting:
             stop.prompt = message.text.rsplit("\n", 1)[-1]
         stop.unseen += message.text
-        current = None if self.current is None else self.stops.get(self.current)
+        current = self._current()
         if current is None or (message.waiting and not current.waiting and rank != self.current):
             self._switch(rank, stop)  # the terminal's rank runs: this one needs it
         elif rank == self.current:
@@ -150,9 +149,13 @@ class Debugger:
             self._write(HELP)
         text = stop.unseen
         stop.unseen = ""
-        if stop.waiting and not text.endswith(stop.prompt):
-            text += stop.prompt
+        if stop.waiting and not text:  # its prompt was shown before: again
+            text = stop.prompt
         self._write(text)
+
+    def _current(self) -> _Stop | None:
+        """The rank that has the terminal, if any."""
+        return None if self.current is None else self.stops.get(self.current)
 
     def _leave(self, rank: int) -> None:
         del self.stops[rank]
@@ -161,8 +164,9 @@ class Debugger:
             waiting = [r for r, s in self.stops.items() if s.waiting]
             if waiting:
                 self._switch(waiting[0], self.stops[waiting[0]])
-            elif self.stops:
-                self.current = next(iter(self.stops))
+            elif self.stops:  # only running ones: the first keeps the terminal
+                first = next(iter(self.stops))
+                self._switch(first, self.stops[first])
         if not self.stops and self._paused_since is not None:
             self._paused_total += time.monotonic() - self._paused_since
             self._paused_since = None
@@ -211,7 +215,7 @@ class Debugger:
                 )
                 self._prompt_again()
             return
-        current = None if self.current is None else self.stops.get(self.current)
+        current = self._current()
         if current is None or not current.waiting:
             self._write(
                 "torchrunx: no rank waits for a line now (the rank in the debugger runs); "
@@ -229,7 +233,7 @@ class Debugger:
             self._send(rank, DebugInput(line))
 
     def _prompt_again(self) -> None:
-        current = None if self.current is None else self.stops.get(self.current)
+        current = self._current()
         if current is not None and current.waiting:
             self._write(current.prompt)
 

@@ -140,7 +140,10 @@ class LaunchLoop:
         """The look at every rank's stacks under way, if any."""
         self.inbox.on_shown = self._on_shown
         self.debugger = Debugger(
-            self.loop, self._send_debug, lambda rank: self.state.hostname(self.state.ranks[rank])
+            self.loop,
+            self._send_debug,
+            lambda rank: self.state.hostname(self.state.ranks[rank]),
+            stdin_fd=0,  # the process's standard input, whatever sys.stdin is now
         )
         """``breakpoint()`` in the workers: pdb sessions in this terminal."""
         self.inbox.debugger = self.debugger
