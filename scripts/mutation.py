@@ -286,8 +286,21 @@ _UNREACHABLE = (
 )
 _ALNUM = "a character replaced by 'XXXX' is as alphanumeric as one removed"
 
+_DIGEST_NAME = "OpenSSL takes a digest's name in either case"
 _LAST_LINE = "the last piece of an rsplit is the same whatever the number of splits"
 EQUIVALENT: dict[str, tuple[str, str]] = {
+    "torchrunx.wire.handshake.x__mac__mutmut_10": (
+        'return hmac.digest(secret, b"|".join(parts), "SHA256")',
+        _DIGEST_NAME,
+    ),
+    "torchrunx.wire.handshake.x_session_keys__mutmut_10": (
+        'prk = hmac.digest(server_nonce + client_nonce, secret, "SHA256")',
+        _DIGEST_NAME,
+    ),
+    "torchrunx.wire.handshake.x_session_keys__mutmut_24": (
+        'return hmac.digest(prk, info + b"\\x01", "SHA256")[:KEY_BYTES]',
+        _DIGEST_NAME,
+    ),
     "torchrunx.launcher.debugger.xǁDebuggerǁ__init____mutmut_13": (
         "self._reading = None",
         "read only as a truth value, where None and False are alike",

@@ -13,6 +13,7 @@ import pytest
 
 from torchrunx.env import (
     exported_env,
+    flag_from_env,
     forwarded_env,
     local_agent_env,
     split_extra_env_vars,
@@ -123,3 +124,27 @@ def test_rule_extra_env_vars_refuses_a_name_bash_cannot_export(name):
 def test_patterns_are_case_sensitive():
     assert forwarded_env(("path",), {"PATH": "/bin"}) == {}
     assert forwarded_env(("PATH",), {"PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes", "on", "TRUE", " Yes ", "On"])
+def test_rule_a_flag_is_on_for_1_true_yes_on_in_any_case(value, monkeypatch):
+    assert flag_from_env("X_FLAG", {"X_FLAG": value}) is True
+    monkeypatch.setenv("X_FLAG", value)
+    assert flag_from_env("X_FLAG") is True  # the process's environment by default
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "no", "off", "FALSE", " No ", "OFF"])
+def test_rule_a_flag_is_off_for_0_false_no_off_empty_or_unset(value, monkeypatch):
+    assert flag_from_env("X_FLAG", {"X_FLAG": value}) is False
+    assert flag_from_env("X_FLAG", {}) is False
+    monkeypatch.setenv("X_FLAG", "1")
+    assert flag_from_env("X_FLAG", {"X_FLAG": value}) is False  # the mapping given, not os.environ
+
+
+@pytest.mark.parametrize("value", ["2", "y", "enable", "of", "truee"])
+def test_rule_any_other_flag_value_is_an_error_that_names_the_variable(value):
+    with pytest.raises(ValueError, match=r"^X_FLAG=") as raised:
+        flag_from_env("X_FLAG", {"X_FLAG": value})
+    assert str(raised.value) == (
+        f"X_FLAG={value!r} is not one of 1, true, yes, on, 0, false, no, off"
+    )

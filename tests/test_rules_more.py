@@ -75,6 +75,7 @@ from torchrunx.wire import handshake, messages
 from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
+    DebugOutput,
     Heartbeat,
     LogLines,
     Stop,
@@ -411,6 +412,50 @@ def test_rule_a_reported_exit_waits_for_the_workers_connection_to_end():
     assert not rank.settled and inbox.state.faults == []
     inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
     assert rank.settled and [f.kind for f in inbox.state.faults] == ["death"]
+
+
+class StubDebugger:
+    """The inbox's debugger, recorded: what each rank's pdb wrote, and which ranks ended."""
+
+    def __init__(self) -> None:
+        self.outputs: list[tuple[int, DebugOutput]] = []
+        self.forgotten: list[int] = []
+
+    def on_output(self, rank: int, message: DebugOutput) -> None:
+        self.outputs.append((rank, message))
+
+    def forget(self, rank: int) -> None:
+        self.forgotten.append(rank)
+
+
+def test_rule_a_ranks_debugger_output_goes_to_the_debugger_and_its_end_forgets_it():
+    inbox, parts, _, ranks = with_workers()
+    debugger = StubDebugger()
+    inbox.debugger = debugger  # type: ignore[assignment]
+    message = DebugOutput(3, "(Pdb) ", waiting=True)
+    inbox.apply(frame(ranks[3], message))
+    assert debugger.outputs == [(3, message)]
+    assert parts.dropped == [] and not ranks[3].closed
+    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    assert debugger.forgotten == [3]
+
+
+def test_rule_debugger_output_without_a_debugger_drops_that_connection():
+    inbox, parts, _, ranks = with_workers()
+    inbox.apply(frame(ranks[2], DebugOutput(2, "(Pdb) ", waiting=True)))
+    assert parts.dropped == [ranks[2]]
+
+
+def test_rule_stacks_shown_on_request_go_to_the_look_and_are_not_kept():
+    inbox, _, peers, _ = with_workers()
+    shown: list[tuple[object, dict[int, str]]] = []
+    inbox.on_shown = lambda agent, stacks: shown.append((agent, stacks))
+    inbox.apply(frame(peers[1], WorkerStacks({0: "  File a\n"}, shown=True)))
+    assert shown == [(inbox.state.agents[1], {0: "  File a\n"})]
+    assert inbox.state.stacks == {}  # a look, not a dump before a stop
+    inbox.on_shown = None
+    inbox.apply(frame(peers[1], WorkerStacks({1: "  File b\n"}, shown=True)))  # no look: dropped
+    assert len(shown) == 1
 
 
 def test_rule_a_watchdog_report_is_a_hang_of_that_rank():
