@@ -109,6 +109,49 @@ assert p.returncode == 0 and "where every rank is" in err, err
 print("gpu_check: SIGQUIT showed every NCCL rank's stack and the launch went on")
 EOF
 
+# pdb in an NCCL rank: breakpoint() in the last rank opens pdb in this (pseudo-)terminal while
+# the others wait in an all-reduce on their GPUs; "c" lets the launch finish.
+"$py" - "$workers" <<'EOF'
+import os, pty, re, select, subprocess, sys, time
+
+script = f"""
+import os, torch, torch.distributed as dist, torchrunx as trx
+def stop():
+    if dist.get_rank() == dist.get_world_size() - 1:
+        value = torch.cuda.current_device()
+        breakpoint()
+    dist.all_reduce(torch.ones(1, device="cuda"))
+    return torch.cuda.current_device()
+print("devices", trx.launch(stop, hostnames=["localhost"], workers_per_host={sys.argv[1]}, backend="nccl").ranks)
+"""
+main, other = pty.openpty()
+p = subprocess.Popen([sys.executable, "-c", script], stdin=other, stdout=other, stderr=other)
+os.close(other)
+seen = ""
+
+def until(pattern, seconds=120):
+    global seen
+    deadline = time.monotonic() + seconds
+    while not re.search(pattern, seen):
+        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{seen[-3000:]}"
+        if select.select([main], [], [], 1)[0]:
+            try:
+                seen += os.read(main, 65536).decode(errors="replace")
+            except OSError:  # the launcher ended
+                break
+    return re.search(pattern, seen)
+
+last = int(sys.argv[1]) - 1
+until(rf"\(Pdb rank {last} on localhost\) $")
+os.write(main, b"p value, torch.cuda.current_device()\n")
+until(rf"\({last}, {last}\)\r?\n\(Pdb rank {last} on localhost\) $")
+os.write(main, b"c\n")
+until(r"devices \[[\d, ]+\]")
+assert p.wait(timeout=60) == 0, seen[-3000:]
+print(seen[-1500:])
+print("gpu_check: pdb in an NCCL rank opened in the launcher's terminal; c finished the launch")
+EOF
+
 if [ "$gpus" -ge 2 ]; then
     "$py" benchmarks/run.py --backend nccl --tools ours torchrun floor --runs 3 \
         --only launch-overhead back-to-back failure-latency
