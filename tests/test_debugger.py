@@ -72,6 +72,41 @@ result = trx.launch(work, hostnames=["localhost"], workers_per_host=2, backend=N
 print("RESULTS", result.ranks, flush=True)
 """
 
+WARM_SCRIPT = """
+import os
+import torchrunx as trx
+
+def work(stop):
+    rank = int(os.environ["RANK"])
+    value = 41 + rank
+    if stop and rank == 1:
+        breakpoint()
+    return value + 1
+
+launcher = trx.Launcher(hostnames=["localhost"], workers_per_host=2, backend=None)
+with launcher.warm(keep_workers=True) as warm:
+    print("FIRST", warm.run(work, False).ranks, flush=True)
+    print("SECOND", warm.run(work, True).ranks, flush=True)
+    print("THIRD", warm.run(work, True).ranks, flush=True)
+"""
+
+FAIL_WHILE_PAUSED_SCRIPT = """
+import os, sys, time
+import torchrunx as trx
+
+def work(folder):
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        breakpoint()
+        return rank
+    while not os.path.exists(f"{folder}/go"):
+        time.sleep(0.02)
+    raise ValueError("rank 0 failed while rank 1 was in the debugger")
+
+trx.launch(work, func_args=(sys.argv[1],), hostnames=["localhost"], workers_per_host=2,
+           backend=None)
+"""
+
 RAISE_SCRIPT = """
 import os
 import torchrunx as trx
@@ -243,6 +278,36 @@ def test_a_paused_rank_does_not_trip_its_timer_expires_block(tmp_path):
         child.expect(re.escape("RESULTS [0, 1]"))
         _finish(child)
         assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+def test_breakpoints_in_warm_runs_with_workers_that_stay(tmp_path):
+    child = _spawn(tmp_path, text=WARM_SCRIPT)
+    try:
+        child.expect(re.escape("FIRST [42, 43]"))
+        child.expect(_prompt(1))  # the second run's breakpoint, in the same worker
+        child.sendline("value = 0")
+        child.expect(_prompt(1))
+        child.sendline("c")
+        child.expect(re.escape("SECOND [42, 1]"))
+        child.expect(_prompt(1))  # and the third's
+        child.sendline("c")
+        child.expect(re.escape("THIRD [42, 43]"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+def test_a_failure_elsewhere_while_a_rank_is_in_the_debugger_ends_the_launch(tmp_path):
+    child = _spawn(tmp_path, str(tmp_path), text=FAIL_WHILE_PAUSED_SCRIPT)
+    try:
+        child.expect(_prompt(1))
+        (tmp_path / "go").touch()  # rank 0 raises now; nobody types anything
+        rest = _finish(child)
+        assert child.exitstatus == 1
+        assert "ValueError: rank 0 failed while rank 1 was in the debugger" in rest
     finally:
         _close(child)
 
