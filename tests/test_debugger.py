@@ -6,16 +6,22 @@ would), runs it in a pseudo-terminal with pexpect and types at it as a user at a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pexpect
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -530,3 +536,158 @@ def test_salloc_in_a_terminal_opens_pdb_for_a_rank_started_by_srun(slurm, tmp_pa
         assert child.exitstatus == 0
     finally:
         _close(child)
+
+
+IDE_SCRIPT = """
+import os, sys
+import torchrunx as trx
+
+def work(folder):
+    rank = int(os.environ["RANK"])
+    open(f"{folder}/ran{rank}", "w").close()
+    return rank * 10
+
+hosts = sys.argv[2].split(",")
+result = trx.Launcher(
+    hostnames=hosts, workers_per_host=2, backend=None,
+    ssh_config_file=sys.argv[3] if len(sys.argv) > 3 else None,
+).run(work, sys.argv[1])
+print("RESULTS", result.ranks, flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _dap_messages(sock: socket.socket) -> Iterator[dict]:
+    buffer = b""
+    while True:
+        while b"\r\n\r\n" not in buffer:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return
+            buffer += chunk
+        head, _, buffer = buffer.partition(b"\r\n\r\n")
+        length = int(head.split(b":")[1])
+        while len(buffer) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return
+            buffer += chunk
+        body, buffer = buffer[:length], buffer[length:]
+        yield json.loads(body)
+
+
+def _dap_send(sock: socket.socket, seq: int, command: str, arguments: dict) -> None:
+    body = json.dumps(
+        {"seq": seq, "type": "request", "command": command, "arguments": arguments}
+    ).encode()
+    sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+def _attach_as_an_ide(port: int) -> socket.socket:
+    """Connect to debugpy and attach as an IDE does: initialize, attach, configurationDone."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on 127.0.0.1:{port}"
+            time.sleep(0.1)
+    messages = _dap_messages(sock)
+    _dap_send(sock, 1, "initialize", {"adapterID": "python", "clientID": "torchrunx-test"})
+    assert next(m for m in messages if m.get("request_seq") == 1)["success"]
+    _dap_send(sock, 2, "attach", {"justMyCode": False})
+    next(m for m in messages if m.get("event") == "initialized")
+    _dap_send(sock, 3, "configurationDone", {})
+    assert next(m for m in messages if m.get("request_seq") == 3)["success"]
+    return sock
+
+
+def _launch_for_an_ide(tmp_path: Path, port: int, *args: str) -> subprocess.Popen[str]:
+    script = tmp_path / "launch.py"
+    script.write_text(IDE_SCRIPT)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(TORCHRUNX_DEBUGPY=f"1:{port}" if not args[1:] else f"3:{port}"),
+        cwd=tmp_path,
+    )
+
+
+def _until_waiting(process: subprocess.Popen[str]) -> str:
+    assert process.stderr is not None
+    for line in process.stderr:
+        if "waits for an IDE's debugger (debugpy)" in line:
+            return line
+    raise AssertionError(f"the launch ended first: {process.communicate()}")
+
+
+def test_debugpy_rank_waits_for_an_ide_and_runs_once_one_attaches(tmp_path):
+    port = _free_port()
+    process = _launch_for_an_ide(tmp_path, port, "localhost")
+    try:
+        line = _until_waiting(process)
+        assert line.strip() == (
+            f"torchrunx: rank 1 on localhost waits for an IDE's debugger (debugpy): attach to "
+            f"127.0.0.1:{port} on this machine"
+        )
+        time.sleep(1)
+        assert not (tmp_path / "ran1").exists()  # it waits for the IDE before the function
+        ide = _attach_as_an_ide(port)
+        out, err = process.communicate(timeout=120)
+        ide.close()
+        assert process.returncode == 0, err
+        assert out.splitlines()[-1] == "RESULTS [0, 10]"
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.cluster
+def test_debugpy_on_an_ssh_host_is_forwarded_to_this_machine(cluster, tmp_path):
+    port = _free_port()
+    hosts = cluster.names()
+    process = _launch_for_an_ide(tmp_path, port, ",".join(hosts), str(cluster.ssh_config))
+    try:
+        line = _until_waiting(process)
+        assert line.strip() == (
+            f"torchrunx: rank 3 on {hosts[1]} waits for an IDE's debugger (debugpy): attach to "
+            f"127.0.0.1:{port} on this machine (forwarded to {hosts[1]} over SSH)"
+        )
+        ide = _attach_as_an_ide(port)  # this machine's port: the test host's, through SSH
+        out, err = process.communicate(timeout=120)
+        ide.close()
+        assert process.returncode == 0, err
+        assert out.splitlines()[-1] == "RESULTS [0, 10, 20, 30]"
+    finally:
+        process.kill()
+        process.wait()
+    with socket.socket() as sock:  # the forward is closed with the launch
+        assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_bad_debugpy_variable_is_an_error_before_anything_starts(tmp_path):
+    script = tmp_path / "launch.py"
+    script.write_text(IDE_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "localhost"],
+        capture_output=True,
+        text=True,
+        env=_env(TORCHRUNX_DEBUGPY="one", TORCHRUNX_LOG_DIR=str(tmp_path / "logs")),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert (
+        "ValueError: TORCHRUNX_DEBUGPY='one' is not RANK or RANK:PORT (a rank from 0, a port "
+        "from 1 to 65535), for example 0 or 1:5678"
+    ) in done.stderr, done.stderr
+    assert not list((tmp_path / "logs").glob("*"))

@@ -19,6 +19,7 @@ import contextlib
 import io
 import os
 import pdb  # noqa: T100 (the debugger is the feature)
+import socket
 import sys
 import threading
 from typing import IO, TYPE_CHECKING, Any, cast
@@ -26,7 +27,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 from torchrunx import timer
 from torchrunx.agent.store import after_import
 from torchrunx.errors import ProtocolError
-from torchrunx.wire.messages import DebugInput, DebugOutput
+from torchrunx.wire.messages import DebugInput, DebugOutput, DebugpyListening
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -240,3 +241,32 @@ def post_mortem(exc: BaseException) -> None:
     )
     with contextlib.suppress(bdb.BdbQuit):
         debugger.interaction(None, exc.__traceback__)
+
+
+_ide: dict[str, bool] = {}
+
+
+def wait_for_ide(conn: Connection, rank: int, chosen: tuple[int, int] | None) -> None:
+    """If ``TORCHRUNX_DEBUGPY`` chose this rank: listen with debugpy and wait for an IDE.
+
+    Once per worker process (a worker that stays runs later calls attached already). debugpy
+    listens on this host's ``127.0.0.1`` only; the launcher makes the port reachable.
+
+    Raises:
+        ModuleNotFoundError: debugpy is not installed on this host (said how to install it).
+        RuntimeError: debugpy cannot listen there (the port is in use).
+    """
+    if chosen is None or chosen[0] != rank or _ide.get("attached"):
+        return
+    port = chosen[1]
+    try:
+        import debugpy  # noqa: PLC0415, T100 (only in the chosen rank)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"TORCHRUNX_DEBUGPY chose rank {rank}, but debugpy is not installed on "
+            f"{socket.gethostname()}: pip install debugpy in that host's environment"
+        ) from exc
+    debugpy.listen(("127.0.0.1", port))  # noqa: T100
+    conn.send(DebugpyListening(rank, port))
+    debugpy.wait_for_client()  # noqa: T100
+    _ide["attached"] = True

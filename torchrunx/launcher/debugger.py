@@ -24,12 +24,17 @@ from torchrunx.env import flag_from_env
 from torchrunx.wire.messages import DebugInput, DebugOutput
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     from torchrunx.launcher.ioloop import IOLoop
 
 POST_MORTEM_ENV_VAR = "TORCHRUNX_POST_MORTEM"
 """Set (``1``): a rank that raises opens pdb at the raising frame in the launcher's terminal."""
+
+DEBUGPY_ENV_VAR = "TORCHRUNX_DEBUGPY"
+"""``RANK`` or ``RANK:PORT``: that rank waits for an IDE's debugger (debugpy) before it runs."""
+DEBUGPY_PORT = 5678
+"""debugpy's own default port."""
 
 HELP = (
     "torchrunx: lines go to the rank whose prompt is shown; ':ranks' lists the ranks in the "
@@ -73,6 +78,8 @@ class Debugger:
         """Whether the launcher has a terminal to debug in (its stdin is a TTY)."""
         self.post_mortem = flag_from_env(POST_MORTEM_ENV_VAR) and self.terminal
         """A rank that raises opens pdb at the raising frame first (``TORCHRUNX_POST_MORTEM``)."""
+        self.debugpy = debugpy_from_env()
+        """``(rank, port)``: that rank waits for an IDE's debugger (``TORCHRUNX_DEBUGPY``)."""
         self.stops: dict[int, _Stop] = {}
         self.current: int | None = None
         self._reading = False
@@ -250,3 +257,22 @@ def _is_tty(fd: int) -> bool:
         return os.isatty(fd)
     except OSError:
         return False
+
+
+def debugpy_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``TORCHRUNX_DEBUGPY``: ``RANK`` or ``RANK:PORT`` (port 5678 if not given); unset: None.
+
+    Raises:
+        ValueError: Not a rank (an integer from 0), or a port outside 1 to 65535.
+    """
+    raw = (os.environ if environ is None else environ).get(DEBUGPY_ENV_VAR, "").strip()
+    if not raw:
+        return None
+    rank_text, _, port_text = raw.partition(":")
+    port_text = port_text or str(DEBUGPY_PORT)
+    if not (rank_text.isdigit() and port_text.isdigit() and 1 <= int(port_text) <= 65535):
+        raise ValueError(
+            f"{DEBUGPY_ENV_VAR}={raw!r} is not RANK or RANK:PORT (a rank from 0, a port from 1 "
+            "to 65535), for example 0 or 1:5678"
+        )
+    return int(rank_text), int(port_text)

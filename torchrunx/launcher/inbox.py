@@ -24,6 +24,7 @@ from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
     DebugOutput,
+    DebugpyListening,
     Heartbeat,
     LogLines,
     Stop,
@@ -77,9 +78,11 @@ class Inbox:
         self.final_stop: Stop | None = None
         """The launch's last Stop, also sent to an agent that says hello after it."""
         self.on_shown: Callable[[AgentRecord, dict[int, str]], None] | None = None
+        """Where an agent's answer to ShowStacks goes (the launch's look, see ``where``)."""
         self.debugger: Debugger | None = None
         """Where a worker's debugger output goes (``breakpoint()``), once the launch has one."""
-        """Where an agent's answer to ShowStacks goes (the launch's look, see ``where``)."""
+        self.on_debugpy: Callable[[int, int], None] | None = None
+        """A rank's debugpy listens on its host's port: make it reachable (TORCHRUNX_DEBUGPY)."""
 
     # -- what the orchestrator asks for -------------------------------------------------------
 
@@ -271,6 +274,8 @@ class Inbox:
             self.emit(st.worker_failed(rank, kind, error, message.at or at))
         elif isinstance(message, DebugOutput) and self.debugger is not None:
             self.debugger.on_output(rank.rank, message)
+        elif isinstance(message, DebugpyListening) and self.on_debugpy is not None:
+            self.on_debugpy(rank.rank, message.port)
         else:
             self.drop(rank.conn)  # agents' messages, or a second outcome: not a worker's
 

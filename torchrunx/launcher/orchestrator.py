@@ -248,6 +248,7 @@ class Launch(LaunchLoop):
                 keep=self.plan.keep_workers,
                 debugger=self.debugger.terminal,
                 post_mortem=self.debugger.post_mortem,
+                debugpy=self.debugger.debugpy,
             )
             st.assign(agent, spec)
             if st.attempt == 0:
@@ -256,6 +257,14 @@ class Launch(LaunchLoop):
             self.inbox.peer_of(agent).send(spec, self.call)
         if st.attempt == 0:
             self.logs.warn_missing_console_ranks(offset)
+            chosen = self.debugger.debugpy
+            if chosen is not None and chosen[0] >= offset:
+                logger.warning(
+                    "TORCHRUNX_DEBUGPY chose rank %d, but the launch has ranks 0 to %d: no rank "
+                    "waits for an IDE",
+                    chosen[0],
+                    offset - 1,
+                )
 
     def _send_calls(self) -> None:
         """Workers that stay: send this run's call to each of them, on its own connection."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torchrunx.launcher.agent_pool import Starter
+    from torchrunx.launcher.forward import PortForward
     from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.results import LaunchTimings
 
@@ -147,6 +149,42 @@ class LaunchLoop:
         )
         """``breakpoint()`` in the workers: pdb sessions in this terminal."""
         self.inbox.debugger = self.debugger
+        self.inbox.on_debugpy = self._on_debugpy
+        self._forwards: list[PortForward] = []
+        """Ports of remote hosts made reachable here (``TORCHRUNX_DEBUGPY``), closed at the end."""
+
+    def _on_debugpy(self, rank: int, port: int) -> None:
+        """Rank ``rank``'s debugpy listens on its host's ``127.0.0.1:port``: say where to attach.
+
+        Over SSH the port is forwarded to this machine's own ``127.0.0.1:port`` through the
+        agent's SSH connection; an agent on this machine needs nothing; an ``srun`` step's host
+        is named, with the ``ssh -L`` that reaches it.
+        """
+        record = self.state.ranks[rank]
+        host = self.state.hostname(record)
+        process = self.pool.processes.get(record.host_index)
+        forward = getattr(process, "forward", None)
+        if forward is not None:
+            try:
+                self._forwards.append(forward(port, port))
+                where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
+            except OSError as exc:
+                where = (
+                    f"127.0.0.1:{port} on {host} (not forwarded: {exc}; choose another port "
+                    f"with TORCHRUNX_DEBUGPY={rank}:PORT, or run ssh -L {port}:127.0.0.1:{port} "
+                    f"{host})"
+                )
+        elif self.plan.methods[record.host_index] == "local":
+            where = f"127.0.0.1:{port} on this machine"
+        else:
+            where = (
+                f"127.0.0.1:{port} on {host} (reach it with ssh -L {port}:127.0.0.1:{port} {host})"
+            )
+        sys.stderr.write(
+            f"torchrunx: rank {rank} on {host} waits for an IDE's debugger (debugpy): attach to "
+            f"{where}\n"
+        )
+        sys.stderr.flush()
 
     def _send_debug(self, rank: int, message: DebugInput) -> None:
         record = self.state.ranks[rank] if rank < len(self.state.ranks) else None
@@ -296,6 +334,8 @@ class LaunchLoop:
     def close(self) -> None:
         """Release everything: agents, connections, the port, the loop, and helper threads."""
         self.debugger.close()
+        for forward in self._forwards:
+            forward.close()
         self.listener.stop_accepting()
         for agent in self.state.agents:
             if agent.state is AgentState.DONE:  # it reads until this end closes, then exits

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchrunx.errors import AgentFailedError
+from torchrunx.launcher.forward import PortForward
 from torchrunx.launcher.transport import (
     _READS_PER_CALL,
     AGENT_COMMAND,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     import paramiko
+    from paramiko import Channel
 
     from torchrunx.launcher.transport import OnLine, Reader
 
@@ -298,6 +300,20 @@ class SshAgent:
             address = str(sock.getsockname()[0])
             return address.removeprefix("::ffff:")
         return "127.0.0.1"
+
+    def forward(self, port: int, remote_port: int) -> PortForward:
+        """This machine's ``127.0.0.1:port`` carried to the host's ``127.0.0.1:remote_port``.
+
+        Raises:
+            OSError: ``port`` cannot be listened on here.
+        """
+        transport = self._clients[-1].get_transport()
+        assert transport is not None  # noqa: S101 (connected while the agent runs)
+
+        def open_channel(destination: tuple[str, int], origin: tuple[str, int]) -> Channel:
+            return transport.open_channel("direct-tcpip", destination, origin)
+
+        return PortForward(open_channel, port, remote_port)
 
     @property
     def exit_fd(self) -> int:

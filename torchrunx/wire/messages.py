@@ -68,6 +68,9 @@ class WorkerSpec:
     debugger: bool = False
     """The launcher has a terminal (its stdin is a TTY): ``breakpoint()`` in a worker opens pdb
     there. Without one a breakpoint is skipped with a warning naming the rank and line."""
+    debugpy: tuple[int, int] | None = None
+    """``TORCHRUNX_DEBUGPY``: ``(rank, port)``: that rank listens for an IDE's debugger (debugpy)
+    on its host's ``127.0.0.1:port`` and waits for it before it runs the function."""
     post_mortem: bool = False
     """``TORCHRUNX_POST_MORTEM`` at the launcher (with a terminal): a rank that raises opens pdb
     at the raising frame there first, then its exception is sent as usual."""
@@ -230,6 +233,14 @@ class DebugOutput:
 
 
 @dataclass(frozen=True)
+class DebugpyListening:
+    """Worker: debugpy listens on this host's ``127.0.0.1:port``; the rank waits for an IDE."""
+
+    rank: int
+    port: int
+
+
+@dataclass(frozen=True)
 class DebugInput:
     """Launcher: the line typed at a worker's pdb prompt (``None``: no terminal, go on)."""
 
@@ -276,6 +287,7 @@ Message = (
     | WorkerException
     | DebugOutput
     | DebugInput
+    | DebugpyListening
 )
 """Every message; a frame's header is one of these, and nothing else."""
 _MESSAGE_TYPES: tuple[type[Message], ...] = typing.get_args(Message)
