@@ -235,7 +235,7 @@ TARGETS: dict[str, Target] = {
     "debugger": Target(
         "torchrunx/launcher/debugger.py",
         ("tests/test_rules_debugger.py",),
-        functions=("Debugger.*",),
+        functions=("Debugger.*", "debugpy_from_env"),
         note="pdb in a rank, the launcher's side: who has the terminal, what is sent, pauses",
     ),
     "probe": Target(
@@ -301,7 +301,7 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         'return hmac.digest(prk, info + b"\\x01", "SHA256")[:KEY_BYTES]',
         _DIGEST_NAME,
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ__init____mutmut_13": (
+    "torchrunx.launcher.debugger.xǁDebuggerǁ__init____mutmut_14": (
         "self._reading = None",
         "read only as a truth value, where None and False are alike",
     ),

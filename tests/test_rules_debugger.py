@@ -207,6 +207,7 @@ def _drop(rank: int, message: DebugInput) -> None:
 
 def test_rule_only_a_tty_is_a_terminal_and_post_mortem_needs_one(monkeypatch):
     monkeypatch.setenv("TORCHRUNX_POST_MORTEM", "1")
+    monkeypatch.setenv("TORCHRUNX_DEBUGPY", "2:6000")
     main, other = os.openpty()
     read_fd, write_fd = os.pipe()
     try:
@@ -214,6 +215,7 @@ def test_rule_only_a_tty_is_a_terminal_and_post_mortem_needs_one(monkeypatch):
         with_pipe = Debugger(_Loop(), _drop, str, stdin_fd=read_fd)  # type: ignore[arg-type]
         assert (with_tty.terminal, with_tty.post_mortem) == (True, True)
         assert (with_pipe.terminal, with_pipe.post_mortem) == (False, False)
+        assert with_tty.debugpy == with_pipe.debugpy == (2, 6000)  # with or without a terminal
         monkeypatch.setenv("TORCHRUNX_POST_MORTEM", "0")
         again = Debugger(_Loop(), _drop, str, stdin_fd=other)  # type: ignore[arg-type]
         assert (again.terminal, again.post_mortem) == (True, False)
@@ -367,3 +369,32 @@ def test_rule_the_prompt_shown_again_is_the_last_line_alone(term):
     term.printed()
     term.type(":ranks\n")
     assert term.printed() == "* rank 0 on node1: waits, \n(Pdb rank 0) "
+
+
+@pytest.mark.parametrize(
+    ("value", "chosen"),
+    [
+        ("", None),
+        ("0", (0, 5678)),
+        (" 2 ", (2, 5678)),
+        ("3:5690", (3, 5690)),
+        ("1:1", (1, 1)),
+        ("7:65535", (7, 65535)),
+        ("4:", (4, 5678)),
+    ],
+)
+def test_rule_debugpy_names_a_rank_and_maybe_a_port(value, chosen, monkeypatch):
+    assert debugger_module.debugpy_from_env({"TORCHRUNX_DEBUGPY": value}) == chosen
+    assert debugger_module.debugpy_from_env({}) is None
+    monkeypatch.setenv("TORCHRUNX_DEBUGPY", value)
+    assert debugger_module.debugpy_from_env() == chosen
+
+
+@pytest.mark.parametrize("value", ["one", "-1", "1:0", "1:65536", "1:x", ":5678", "1.5", "1:2:3"])
+def test_rule_any_other_debugpy_value_is_an_error(value):
+    with pytest.raises(ValueError, match=r"^TORCHRUNX_DEBUGPY=") as raised:
+        debugger_module.debugpy_from_env({"TORCHRUNX_DEBUGPY": value})
+    assert str(raised.value) == (
+        f"TORCHRUNX_DEBUGPY={value.strip()!r} is not RANK or RANK:PORT (a rank from 0, a port "
+        "from 1 to 65535), for example 0 or 1:5678"
+    )
