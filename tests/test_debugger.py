@@ -58,7 +58,11 @@ def work():
     dist.breakpoint(rank=1)
     return value + 1
 
-result = trx.launch(work, hostnames=["localhost"], workers_per_host=2, backend="gloo")
+hosts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["localhost"]
+result = trx.Launcher(
+    hostnames=hosts, workers_per_host=2, backend="gloo",
+    ssh_config_file=sys.argv[2] if len(sys.argv) > 2 else None,
+).run(work)
 print("RESULTS", result.ranks, flush=True)
 """
 
@@ -114,7 +118,7 @@ trx.launch(work, func_args=(sys.argv[1],), hostnames=["localhost"], workers_per_
 """
 
 RAISE_SCRIPT = """
-import os
+import os, sys
 import torchrunx as trx
 
 def work():
@@ -124,7 +128,11 @@ def work():
         raise ValueError(f"boom in rank {rank}")
     return value
 
-trx.launch(work, hostnames=["localhost"], workers_per_host=2, backend=None)
+hosts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["localhost"]
+trx.Launcher(
+    hostnames=hosts, workers_per_host=2, backend=None,
+    ssh_config_file=sys.argv[2] if len(sys.argv) > 2 else None,
+).run(work)
 """
 
 BREAK_LINE = 9
@@ -691,3 +699,95 @@ def test_a_bad_debugpy_variable_is_an_error_before_anything_starts(tmp_path):
         "from 1 to 65535), for example 0 or 1:5678"
     ) in done.stderr, done.stderr
     assert not list((tmp_path / "logs").glob("*"))
+
+
+# -- the same on SSH test hosts (2 hosts x 2 workers: ranks 0-1 on the first, 2-3 on the second)
+
+
+@pytest.mark.cluster
+def test_on_ssh_hosts_torch_distributed_breakpoint(cluster, tmp_path):
+    hosts = cluster.names()
+    child = _spawn(tmp_path, ",".join(hosts), str(cluster.ssh_config), text=DIST_SCRIPT)
+    try:
+        child.expect(_prompt(1, hosts[0]))
+        child.sendline("up")
+        child.expect(_prompt(1, hosts[0]))
+        assert "-> dist.breakpoint(rank=1)" in str(child.before)
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [42, 43, 44, 45]"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+@pytest.mark.cluster
+def test_on_ssh_hosts_two_ranks_on_two_hosts_take_turns(cluster, tmp_path):
+    hosts = cluster.names()
+    child = _spawn(tmp_path, ",".join(hosts), "1,2", str(cluster.ssh_config))
+    try:
+        child.expect(r"\(Pdb rank ([12]) on [^)]+\) ")
+        first = int(child.match.group(1))
+        other = 3 - first
+        child.sendline("c")
+        child.expect(_prompt(other, hosts[other // 2]))  # the waiting one gets the terminal
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [42, 43, 44, 45]"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
+@pytest.mark.cluster
+def test_on_ssh_hosts_post_mortem(cluster, tmp_path):
+    hosts = cluster.names()
+    child = _spawn(
+        tmp_path,
+        ",".join(hosts),
+        str(cluster.ssh_config),
+        text=RAISE_SCRIPT,
+        env=_env(TORCHRUNX_POST_MORTEM="1"),
+    )
+    try:
+        child.expect(_prompt(1, hosts[0]))
+        assert "rank 1 raised ValueError: boom in rank 1; post-mortem" in str(child.before)
+        child.sendline("c")
+        rest = _finish(child)
+        assert child.exitstatus == 1
+        assert "ValueError: boom in rank 1" in rest
+    finally:
+        _close(child)
+
+
+@pytest.mark.cluster
+def test_on_ssh_hosts_ctrl_c_in_the_debugger_stops_everything(cluster, tmp_path):
+    hosts = cluster.names()
+    child = _spawn(tmp_path, ",".join(hosts), "3", str(cluster.ssh_config))
+    try:
+        child.expect(_prompt(3, hosts[1]))
+        child.sendintr()
+        rest = _finish(child)
+        assert "KeyboardInterrupt" in rest
+    finally:
+        _close(child)
+    # No agent or worker is left on any host: the autouse fixture no_leftover_processes.
+
+
+@pytest.mark.cluster
+def test_on_ssh_hosts_without_a_terminal_a_breakpoint_is_skipped(cluster, tmp_path):
+    script = tmp_path / "launch.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), ",".join(cluster.names()), "3", str(cluster.ssh_config)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "RESULTS [42, 43, 44, 45]"
+    assert f"breakpoint() at {script}:{BREAK_LINE} in rank 3 skipped" in done.stderr, done.stderr
