@@ -547,12 +547,15 @@ def test_salloc_in_a_terminal_opens_pdb_for_a_rank_started_by_srun(slurm, tmp_pa
 
 
 IDE_SCRIPT = """
-import os, sys
+import os, sys, time
 import torchrunx as trx
 
 def work(folder):
     rank = int(os.environ["RANK"])
     open(f"{folder}/ran{rank}", "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{folder}/go") and time.monotonic() < deadline:
+        time.sleep(0.02)  # alive until the test has seen the IDE attached
     return rank * 10
 
 hosts = sys.argv[2].split(",")
@@ -606,13 +609,17 @@ def _attach_as_an_ide(port: int) -> socket.socket:
         except OSError:
             assert time.monotonic() < deadline, f"nothing listens on 127.0.0.1:{port}"
             time.sleep(0.1)
-    messages = _dap_messages(sock)
-    _dap_send(sock, 1, "initialize", {"adapterID": "python", "clientID": "torchrunx-test"})
-    assert next(m for m in messages if m.get("request_seq") == 1)["success"]
-    _dap_send(sock, 2, "attach", {"justMyCode": False})
-    next(m for m in messages if m.get("event") == "initialized")
-    _dap_send(sock, 3, "configurationDone", {})
-    assert next(m for m in messages if m.get("request_seq") == 3)["success"]
+    try:
+        messages = _dap_messages(sock)
+        _dap_send(sock, 1, "initialize", {"adapterID": "python", "clientID": "torchrunx-test"})
+        assert next(m for m in messages if m.get("request_seq") == 1)["success"]
+        _dap_send(sock, 2, "attach", {"justMyCode": False})
+        next(m for m in messages if m.get("event") == "initialized")
+        _dap_send(sock, 3, "configurationDone", {})
+        assert next(m for m in messages if m.get("request_seq") == 3)["success"]
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -648,14 +655,14 @@ def test_debugpy_rank_waits_for_an_ide_and_runs_once_one_attaches(tmp_path):
         )
         time.sleep(1)
         assert not (tmp_path / "ran1").exists()  # it waits for the IDE before the function
-        ide = _attach_as_an_ide(port)
-        out, err = process.communicate(timeout=120)
-        ide.close()
+        with _attach_as_an_ide(port):
+            (tmp_path / "go").touch()
+            out, err = process.communicate(timeout=120)
         assert process.returncode == 0, err
         assert out.splitlines()[-1] == "RESULTS [0, 10]"
     finally:
         process.kill()
-        process.wait()
+        process.communicate()
 
 
 @pytest.mark.cluster
@@ -669,14 +676,14 @@ def test_debugpy_on_an_ssh_host_is_forwarded_to_this_machine(cluster, tmp_path):
             f"torchrunx: rank 3 on {hosts[1]} waits for an IDE's debugger (debugpy): attach to "
             f"127.0.0.1:{port} on this machine (forwarded to {hosts[1]} over SSH)"
         )
-        ide = _attach_as_an_ide(port)  # this machine's port: the test host's, through SSH
-        out, err = process.communicate(timeout=120)
-        ide.close()
+        with _attach_as_an_ide(port):  # this machine's port: the test host's, through SSH
+            (tmp_path / "go").touch()
+            out, err = process.communicate(timeout=120)
         assert process.returncode == 0, err
         assert out.splitlines()[-1] == "RESULTS [0, 10, 20, 30]"
     finally:
         process.kill()
-        process.wait()
+        process.communicate()
     with socket.socket() as sock:  # the forward is closed with the launch
         assert sock.connect_ex(("127.0.0.1", port)) != 0
 
