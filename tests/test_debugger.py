@@ -243,6 +243,23 @@ def test_post_mortem_opens_pdb_at_the_raising_frame_then_the_launch_raises(tmp_p
         _close(child)
 
 
+def test_pdb_set_trace_works_as_breakpoint(tmp_path):
+    text = SCRIPT.replace(
+        "        breakpoint()", "        import pdb; pdb.set_trace(header='hello from rank 1')"
+    )
+    child = _spawn(tmp_path, "localhost", "1", text=text)
+    try:
+        child.expect(_prompt(1))
+        assert "hello from rank 1" in str(child.before)
+        assert "-> return value + 1" in str(child.before)
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [42, 43]"))
+        _finish(child)
+        assert child.exitstatus == 0
+    finally:
+        _close(child)
+
+
 def test_two_ranks_at_a_breakpoint_wait_their_turn_and_can_be_switched(tmp_path):
     child = _spawn(tmp_path, "localhost", "0,1")
     try:

@@ -1,7 +1,8 @@
 """``breakpoint()`` in a worker: pdb with its input and output on the worker's connection.
 
-A worker installs :func:`install` as ``sys.breakpointhook``. When the function calls
-``breakpoint()``, a :class:`RankPdb` stops in the caller's frame: everything pdb writes goes to
+A worker installs :func:`install` as ``sys.breakpointhook`` (and as ``pdb.set_trace``). When
+the function calls ``breakpoint()`` (or ``pdb.set_trace()``), a :class:`RankPdb` stops in the
+caller's frame: everything pdb writes goes to
 the launcher as :class:`~torchrunx.wire.messages.DebugOutput`, and each prompt waits for the
 line the user types in the launcher's terminal (:class:`~torchrunx.wire.messages.DebugInput`).
 The launcher's side is :mod:`torchrunx.launcher.debugger`.
@@ -170,6 +171,7 @@ def install(conn: Connection, rank: int, hostname: str, *, terminal: bool) -> No
         session=_Session(conn, rank), hostname=hostname, terminal=terminal, rank=rank
     )
     sys.breakpointhook = _breakpointhook
+    pdb.set_trace = _set_trace  # import pdb; pdb.set_trace(), as common as breakpoint()
     after_import("torch", _use_in_torch)
 
 
@@ -210,6 +212,18 @@ def _breakpointhook(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (breakpoi
         return None
     RankPdb(_hook_state["session"], _hook_state["hostname"]).set_trace(frame)
     return None
+
+
+def _set_trace(*, header: str | None = None, **_: Any) -> None:  # noqa: ANN401
+    """``pdb.set_trace()`` in a worker: as ``breakpoint()`` (``header`` shown first)."""
+    frame = sys._getframe(1)  # noqa: SLF001 (the caller of pdb.set_trace())
+    if not _hook_state.get("terminal"):
+        _skip(frame)
+        return
+    debugger = RankPdb(_hook_state["session"], _hook_state["hostname"])
+    if header is not None:
+        debugger.message(header)
+    debugger.set_trace(frame)
 
 
 def _skip(frame: FrameType) -> None:
