@@ -398,3 +398,17 @@ def test_rule_any_other_debugpy_value_is_an_error(value):
         f"TORCHRUNX_DEBUGPY={value.strip()!r} is not RANK or RANK:PORT (a rank from 0, a port "
         "from 1 to 65535), for example 0 or 1:5678"
     )
+
+
+def test_rule_a_debugpy_rank_outside_the_launch_is_a_warning(term, caplog):
+    term.debugger.debugpy = (4, 5678)
+    with caplog.at_level("WARNING", logger="torchrunx.launcher"):
+        term.debugger.warn_missing_rank(5)  # ranks 0 to 4: there
+        assert caplog.messages == []
+        term.debugger.warn_missing_rank(4)
+    assert caplog.messages == [
+        "TORCHRUNX_DEBUGPY chose rank 4, but the launch has ranks 0 to 3: no rank waits for an IDE"
+    ]
+    term.debugger.debugpy = None
+    term.debugger.warn_missing_rank(1)
+    assert len(caplog.messages) == 1

@@ -14,6 +14,7 @@ debugger, ``launch_timeout`` does not count (:meth:`Debugger.paused`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -35,6 +36,8 @@ DEBUGPY_ENV_VAR = "TORCHRUNX_DEBUGPY"
 """``RANK`` or ``RANK:PORT``: that rank waits for an IDE's debugger (debugpy) before it runs."""
 DEBUGPY_PORT = 5678
 """debugpy's own default port."""
+
+logger = logging.getLogger("torchrunx.launcher")
 
 HELP = (
     "torchrunx: lines go to the rank whose prompt is shown; ':ranks' lists the ranks in the "
@@ -129,6 +132,16 @@ class Debugger:
         if rank in self.stops:
             self._leave(rank)
             self._listen()
+
+    def warn_missing_rank(self, world_size: int) -> None:
+        """Warn if ``TORCHRUNX_DEBUGPY`` chose a rank the launch does not have."""
+        if self.debugpy is not None and self.debugpy[0] >= world_size:
+            logger.warning(
+                "TORCHRUNX_DEBUGPY chose rank %d, but the launch has ranks 0 to %d: no rank "
+                "waits for an IDE",
+                self.debugpy[0],
+                world_size - 1,
+            )
 
     def paused(self, now: float) -> float:
         """Seconds so far with at least one rank in the debugger (not counted by timeouts)."""
@@ -257,6 +270,12 @@ def _is_tty(fd: int) -> bool:
         return os.isatty(fd)
     except OSError:
         return False
+
+
+def check_debug_env() -> None:
+    """Raise ``ValueError`` now for a bad ``TORCHRUNX_POST_MORTEM`` or ``TORCHRUNX_DEBUGPY``."""
+    flag_from_env(POST_MORTEM_ENV_VAR)
+    debugpy_from_env()
 
 
 def debugpy_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:

@@ -30,11 +30,11 @@ import tyro
 
 from torchrunx import plugins, serialization
 from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
-from torchrunx.env import DEFAULT_ENV_VARS, exported_env, flag_from_env, split_extra_env_vars
+from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
 from torchrunx.hosts.resolve import Hostnames, HostSlots, check_hostnames, resolve_hosts
 from torchrunx.launcher.agent_starts import count_mode, slurm_cpus
-from torchrunx.launcher.debugger import POST_MORTEM_ENV_VAR, debugpy_from_env
+from torchrunx.launcher.debugger import check_debug_env
 from torchrunx.launcher.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.health import (
     health_details_from_env,
@@ -356,8 +356,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
         health_details_from_env()  # raises ValueError for a bad TORCHRUNX_HEALTH_CHECK_DETAILS
         log_level_from_env()  # raises ValueError for a bad TORCHRUNX_LOG_LEVEL
-        flag_from_env(POST_MORTEM_ENV_VAR)  # and for a bad TORCHRUNX_POST_MORTEM
-        debugpy_from_env()  # and for a bad TORCHRUNX_DEBUGPY
+        check_debug_env()  # and for a bad TORCHRUNX_POST_MORTEM or TORCHRUNX_DEBUGPY
         if self.env_file is not None and not Path(self.env_file).expanduser().is_file():
             raise ValueError(f"env_file {str(self.env_file)!r} does not exist or is not a file")
         if self.ssh_config_file is not None:

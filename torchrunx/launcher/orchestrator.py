@@ -257,14 +257,7 @@ class Launch(LaunchLoop):
             self.inbox.peer_of(agent).send(spec, self.call)
         if st.attempt == 0:
             self.logs.warn_missing_console_ranks(offset)
-            chosen = self.debugger.debugpy
-            if chosen is not None and chosen[0] >= offset:
-                logger.warning(
-                    "TORCHRUNX_DEBUGPY chose rank %d, but the launch has ranks 0 to %d: no rank "
-                    "waits for an IDE",
-                    chosen[0],
-                    offset - 1,
-                )
+            self.debugger.warn_missing_rank(offset)
 
     def _send_calls(self) -> None:
         """Workers that stay: send this run's call to each of them, on its own connection."""
