@@ -708,6 +708,11 @@ def run_mutmut(workdir: Path, selection: list[str], jobs: int, deadline: float) 
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
             return ""
+        except BaseException:  # Ctrl-C or SIGTERM here: mutmut's own session goes with us
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
     if code != 0:
         text = log.read_text(errors="replace").replace("\r", "\n")
         lines = [line for line in text.splitlines() if line.strip() and "⠋" not in line]
@@ -969,6 +974,9 @@ def main() -> int:
         + (f"; a sample of {sample} mutants per module (seed {args.seed})" if sample else "")
         + (f"; time box {budget:.0f} s" if budget else "")
     )
+    # SIGTERM (a timeout, a CI's limit) ends the run as Ctrl-C does: the work folder in the
+    # system's temporary folder is removed on the way out (a default SIGTERM left it behind).
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     ok = run_and_report(modules, args, sample=sample, budget=budget)
     return 0 if ok else 1
 
