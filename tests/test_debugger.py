@@ -6,6 +6,7 @@ would), runs it in a pseudo-terminal with pexpect and types at it as a user at a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -148,27 +149,58 @@ def _env(**extra: str) -> dict[str, str]:
     }
 
 
-def _spawn(
-    tmp_path: Path, *args: str, text: str = SCRIPT, env: dict[str, str] | None = None
+def _terminal(
+    tmp_path: Path, command: str, argv: list[str], env: dict[str, str] | None = None
 ) -> pexpect.spawn:
-    script = tmp_path / "launch.py"
-    script.write_text(text)
+    """``command argv`` in a pseudo-terminal in ``tmp_path``, logged to terminal.log."""
     child = pexpect.spawn(
-        sys.executable,
-        [str(script), *args],
+        command,
+        argv,
         cwd=str(tmp_path),
         env=env or _env(),
         encoding="utf-8",
-        timeout=90,
+        timeout=120,
         codec_errors="replace",
     )
     child.logfile_read = open(tmp_path / "terminal.log", "w")  # noqa: SIM115 (closed with it)
     return child
 
 
-def _close(child: pexpect.spawn) -> None:
-    child.close(force=True)
-    child.logfile_read.close()
+def _spawn(
+    tmp_path: Path, *args: str, text: str = SCRIPT, env: dict[str, str] | None = None
+) -> pexpect.spawn:
+    """The launching script ``text`` with ``args``, in a pseudo-terminal."""
+    script = tmp_path / "launch.py"
+    script.write_text(text)
+    return _terminal(tmp_path, sys.executable, [str(script), *args], env)
+
+
+def _without_terminal(
+    tmp_path: Path, text: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The launching script ``text`` with ``args``, stdin not a terminal; its outcome."""
+    script = tmp_path / "launch.py"
+    script.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env or _env(),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+
+
+@contextlib.contextmanager
+def _closing(child: pexpect.spawn) -> Iterator[pexpect.spawn]:
+    """The terminal's process ended (killed if still running) and its log closed after."""
+    try:
+        yield child
+    finally:
+        child.close(force=True)
+        child.logfile_read.close()
 
 
 def _prompt(rank: int, host: str = "localhost") -> str:
@@ -182,8 +214,7 @@ def _finish(child: pexpect.spawn) -> str:
 
 
 def test_breakpoint_opens_pdb_in_the_launchers_terminal_and_c_resumes(tmp_path):
-    child = _spawn(tmp_path, "localhost", "1")
-    try:
+    with _closing(_spawn(tmp_path, "localhost", "1")) as child:
         started = time.monotonic()
         child.expect(_prompt(1))
         assert time.monotonic() - started < 60
@@ -200,13 +231,10 @@ def test_breakpoint_opens_pdb_in_the_launchers_terminal_and_c_resumes(tmp_path):
         child.expect(re.escape("RESULTS [42, 101]"))  # rank 1 went on with the changed value
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 def test_torch_distributed_breakpoint_works_unchanged(tmp_path):
-    child = _spawn(tmp_path, text=DIST_SCRIPT)
-    try:
+    with _closing(_spawn(tmp_path, text=DIST_SCRIPT)) as child:
         child.expect(_prompt(1))
         assert "Type 'up' to get to the frame that called dist.breakpoint(rank=1)" in str(
             child.before
@@ -221,13 +249,12 @@ def test_torch_distributed_breakpoint_works_unchanged(tmp_path):
         child.expect(re.escape("RESULTS [42, 43]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 def test_post_mortem_opens_pdb_at_the_raising_frame_then_the_launch_raises(tmp_path):
-    child = _spawn(tmp_path, text=RAISE_SCRIPT, env=_env(TORCHRUNX_POST_MORTEM="1"))
-    try:
+    with _closing(
+        _spawn(tmp_path, text=RAISE_SCRIPT, env=_env(TORCHRUNX_POST_MORTEM="1"))
+    ) as child:
         child.expect(_prompt(1))
         before = str(child.before)
         assert "rank 1 raised ValueError: boom in rank 1; post-mortem" in before
@@ -239,16 +266,13 @@ def test_post_mortem_opens_pdb_at_the_raising_frame_then_the_launch_raises(tmp_p
         rest = _finish(child)
         assert child.exitstatus == 1
         assert "ValueError: boom in rank 1" in rest  # raised as without the post-mortem
-    finally:
-        _close(child)
 
 
 def test_pdb_set_trace_works_as_breakpoint(tmp_path):
     text = SCRIPT.replace(
         "        breakpoint()", "        import pdb; pdb.set_trace(header='hello from rank 1')"
     )
-    child = _spawn(tmp_path, "localhost", "1", text=text)
-    try:
+    with _closing(_spawn(tmp_path, "localhost", "1", text=text)) as child:
         child.expect(_prompt(1))
         assert "hello from rank 1" in str(child.before)
         assert "-> return value + 1" in str(child.before)
@@ -256,13 +280,10 @@ def test_pdb_set_trace_works_as_breakpoint(tmp_path):
         child.expect(re.escape("RESULTS [42, 43]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 def test_two_ranks_at_a_breakpoint_wait_their_turn_and_can_be_switched(tmp_path):
-    child = _spawn(tmp_path, "localhost", "0,1")
-    try:
+    with _closing(_spawn(tmp_path, "localhost", "0,1")) as child:
         child.expect(r"\(Pdb rank (\d) on localhost\) ")
         first = int(child.match.group(1))
         other = 1 - first
@@ -283,39 +304,31 @@ def test_two_ranks_at_a_breakpoint_wait_their_turn_and_can_be_switched(tmp_path)
         child.expect(re.escape("RESULTS [42, 43]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 def test_a_paused_rank_does_not_trip_launch_timeout(tmp_path):
-    child = _spawn(tmp_path, "localhost", "1", "", "3")  # launch_timeout=3 s
-    try:
+    launch_timeout = "3"  # seconds
+    with _closing(_spawn(tmp_path, "localhost", "1", "", launch_timeout)) as child:
         child.expect(_prompt(1))
         time.sleep(5)  # longer than launch_timeout, in the debugger
         child.sendline("c")
         child.expect(re.escape("RESULTS [42, 43]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 def test_a_paused_rank_does_not_trip_its_timer_expires_block(tmp_path):
-    child = _spawn(tmp_path, text=TIMER_SCRIPT)
-    try:
+    with _closing(_spawn(tmp_path, text=TIMER_SCRIPT)) as child:
         child.expect(_prompt(1))
         time.sleep(4)  # twice the block's limit, in the debugger
         child.sendline("c")
         child.expect(re.escape("RESULTS [0, 1]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 def test_breakpoints_in_warm_runs_with_workers_that_stay(tmp_path):
-    child = _spawn(tmp_path, text=WARM_SCRIPT)
-    try:
+    with _closing(_spawn(tmp_path, text=WARM_SCRIPT)) as child:
         child.expect(re.escape("FIRST [42, 43]"))
         child.expect(_prompt(1))  # the second run's breakpoint, in the same worker
         child.sendline("value = 0")
@@ -327,61 +340,40 @@ def test_breakpoints_in_warm_runs_with_workers_that_stay(tmp_path):
         child.expect(re.escape("THIRD [42, 43]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 def test_a_failure_elsewhere_while_a_rank_is_in_the_debugger_ends_the_launch(tmp_path):
-    child = _spawn(tmp_path, str(tmp_path), text=FAIL_WHILE_PAUSED_SCRIPT)
-    try:
+    with _closing(_spawn(tmp_path, str(tmp_path), text=FAIL_WHILE_PAUSED_SCRIPT)) as child:
         child.expect(_prompt(1))
         (tmp_path / "go").touch()  # rank 0 raises now; nobody types anything
         rest = _finish(child)
         assert child.exitstatus == 1
         assert "ValueError: rank 0 failed while rank 1 was in the debugger" in rest
-    finally:
-        _close(child)
 
 
 def test_q_in_the_debugger_fails_the_launch_with_bdbquit(tmp_path):
-    child = _spawn(tmp_path, "localhost", "1")
-    try:
+    with _closing(_spawn(tmp_path, "localhost", "1")) as child:
         child.expect(_prompt(1))
         child.sendline("q")
         rest = _finish(child)
         assert child.exitstatus == 1
         assert "BdbQuit" in rest
         assert "RESULTS" not in rest
-    finally:
-        _close(child)
 
 
 def test_ctrl_c_in_the_debugger_stops_the_launch_cleanly(tmp_path):
-    child = _spawn(tmp_path, "localhost", "1")
-    try:
+    with _closing(_spawn(tmp_path, "localhost", "1")) as child:
         child.expect(_prompt(1))
         child.sendintr()
         rest = _finish(child)
         assert "KeyboardInterrupt" in rest
         assert child.exitstatus not in (0, None) or child.signalstatus is not None
-    finally:
-        _close(child)
     # No agent or worker is left: the autouse fixture no_leftover_processes checks every host.
 
 
 def test_without_a_terminal_a_breakpoint_is_skipped_with_a_warning(tmp_path):
+    done = _without_terminal(tmp_path, SCRIPT, "localhost", "1")
     script = tmp_path / "launch.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script), "localhost", "1"],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        env=_env(),
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
-    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "RESULTS [42, 43]"
     assert (
@@ -394,8 +386,7 @@ def test_without_a_terminal_a_breakpoint_is_skipped_with_a_warning(tmp_path):
 @pytest.mark.cluster
 def test_breakpoint_on_an_ssh_host_opens_pdb_in_the_launchers_terminal(cluster, tmp_path):
     hosts = cluster.names()
-    child = _spawn(tmp_path, ",".join(hosts), "3", str(cluster.ssh_config))
-    try:
+    with _closing(_spawn(tmp_path, ",".join(hosts), "3", str(cluster.ssh_config))) as child:
         child.expect(_prompt(3, hosts[1]))
         assert f"--- pdb: rank 3 on {hosts[1]} at " in str(child.before)
         assert "-> return value + 1" in str(child.before)  # the script is not on that host
@@ -406,22 +397,11 @@ def test_breakpoint_on_an_ssh_host_opens_pdb_in_the_launchers_terminal(cluster, 
         child.expect(re.escape("RESULTS [42, 43, 44, 45]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 def test_the_debugging_example_stops_rank_1_and_finishes_after_c(tmp_path):
-    child = pexpect.spawn(
-        sys.executable,
-        [str(ROOT / "examples" / "12_debug_a_rank.py"), "--steps", "5"],
-        cwd=str(tmp_path),
-        env=_env(),
-        encoding="utf-8",
-        timeout=120,
-        codec_errors="replace",
-    )
-    child.logfile_read = open(tmp_path / "terminal.log", "w")  # noqa: SIM115 (closed with it)
-    try:
+    example = ROOT / "examples" / "12_debug_a_rank.py"
+    with _closing(_terminal(tmp_path, sys.executable, [str(example), "--steps", "5"])) as child:
         child.expect(_prompt(1))
         assert "12_debug_a_rank.py" in str(child.before)
         child.sendline("p step, rank")
@@ -431,24 +411,13 @@ def test_the_debugging_example_stops_rank_1_and_finishes_after_c(tmp_path):
         child.expect(r"final loss per rank: \[[\d.]+, [\d.]+\]")
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 def test_a_post_mortem_variable_that_is_not_yes_or_no_is_an_error_before_anything_starts(
     tmp_path,
 ):
-    script = tmp_path / "launch.py"
-    script.write_text(RAISE_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        env=_env(TORCHRUNX_POST_MORTEM="maybe", TORCHRUNX_LOG_DIR=str(tmp_path / "logs")),
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
-    )
+    env = _env(TORCHRUNX_POST_MORTEM="maybe", TORCHRUNX_LOG_DIR=str(tmp_path / "logs"))
+    done = _without_terminal(tmp_path, RAISE_SCRIPT, env=env)
     assert done.returncode == 1
     assert (
         "ValueError: TORCHRUNX_POST_MORTEM='maybe' is not one of 1, true, yes, on, 0, false, no, off"
@@ -466,30 +435,9 @@ def test_breakpoint_in_a_script_run_by_the_torchrunx_command(tmp_path):
         "    breakpoint()\n"
         "print(f'rank {rank} value {value}', flush=True)\n"
     )
-    child = pexpect.spawn(
-        sys.executable,
-        [
-            "-m",
-            "torchrunx",
-            "--hostnames",
-            "localhost",
-            "--workers-per-host",
-            "2",
-            "--backend",
-            "None",
-            "--console-ranks",
-            "all",
-            "--",
-            "train.py",
-        ],
-        cwd=str(tmp_path),
-        env=_env(),
-        encoding="utf-8",
-        timeout=90,
-        codec_errors="replace",
-    )
-    child.logfile_read = open(tmp_path / "terminal.log", "w")  # noqa: SIM115 (closed with it)
-    try:
+    options = "--hostnames localhost --workers-per-host 2 --backend None --console-ranks all"
+    argv = ["-m", "torchrunx", *options.split(), "--", "train.py"]
+    with _closing(_terminal(tmp_path, sys.executable, argv)) as child:
         child.expect(_prompt(1))
         assert "train.py(6)<module>()" in str(child.before)
         child.sendline("value = 7")
@@ -498,8 +446,6 @@ def test_breakpoint_in_a_script_run_by_the_torchrunx_command(tmp_path):
         child.expect(re.escape("rank 1 value 7"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 SLURM_SCRIPT = """
@@ -539,17 +485,8 @@ def test_in_a_batch_job_a_breakpoint_on_an_srun_started_rank_is_skipped(slurm, t
 def test_salloc_in_a_terminal_opens_pdb_for_a_rank_started_by_srun(slurm, tmp_path):
     script = tmp_path / "launch.py"
     script.write_text(SLURM_SCRIPT)
-    child = pexpect.spawn(
-        "salloc",
-        ["--nodes=2", sys.executable, str(script)],
-        cwd=str(tmp_path),
-        env={**_env(), **slurm.env},
-        encoding="utf-8",
-        timeout=120,
-        codec_errors="replace",
-    )
-    child.logfile_read = open(tmp_path / "terminal.log", "w")  # noqa: SIM115 (closed with it)
-    try:
+    argv = ["--nodes=2", sys.executable, str(script)]
+    with _closing(_terminal(tmp_path, "salloc", argv, env={**_env(), **slurm.env})) as child:
         child.expect(r"\(Pdb rank 1 on (snode\d)\) ")
         host = child.match.group(1)
         child.sendline("p value, os.environ['SLURM_STEP_ID'] != ''")
@@ -559,8 +496,6 @@ def test_salloc_in_a_terminal_opens_pdb_for_a_rank_started_by_srun(slurm, tmp_pa
         child.expect(re.escape("RESULTS [42, 43]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 IDE_SCRIPT = """
@@ -706,17 +641,8 @@ def test_debugpy_on_an_ssh_host_is_forwarded_to_this_machine(cluster, tmp_path):
 
 
 def test_a_bad_debugpy_variable_is_an_error_before_anything_starts(tmp_path):
-    script = tmp_path / "launch.py"
-    script.write_text(IDE_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), "localhost"],
-        capture_output=True,
-        text=True,
-        env=_env(TORCHRUNX_DEBUGPY="one", TORCHRUNX_LOG_DIR=str(tmp_path / "logs")),
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
-    )
+    env = _env(TORCHRUNX_DEBUGPY="one", TORCHRUNX_LOG_DIR=str(tmp_path / "logs"))
+    done = _without_terminal(tmp_path, IDE_SCRIPT, str(tmp_path), "localhost", env=env)
     assert done.returncode == 1
     assert (
         "ValueError: TORCHRUNX_DEBUGPY='one' is not RANK or RANK:PORT (a rank from 0, a port "
@@ -731,8 +657,9 @@ def test_a_bad_debugpy_variable_is_an_error_before_anything_starts(tmp_path):
 @pytest.mark.cluster
 def test_on_ssh_hosts_torch_distributed_breakpoint(cluster, tmp_path):
     hosts = cluster.names()
-    child = _spawn(tmp_path, ",".join(hosts), str(cluster.ssh_config), text=DIST_SCRIPT)
-    try:
+    with _closing(
+        _spawn(tmp_path, ",".join(hosts), str(cluster.ssh_config), text=DIST_SCRIPT)
+    ) as child:
         child.expect(_prompt(1, hosts[0]))
         child.sendline("up")
         child.expect(_prompt(1, hosts[0]))
@@ -741,15 +668,12 @@ def test_on_ssh_hosts_torch_distributed_breakpoint(cluster, tmp_path):
         child.expect(re.escape("RESULTS [42, 43, 44, 45]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 @pytest.mark.cluster
 def test_on_ssh_hosts_two_ranks_on_two_hosts_take_turns(cluster, tmp_path):
     hosts = cluster.names()
-    child = _spawn(tmp_path, ",".join(hosts), "1,2", str(cluster.ssh_config))
-    try:
+    with _closing(_spawn(tmp_path, ",".join(hosts), "1,2", str(cluster.ssh_config))) as child:
         child.expect(r"\(Pdb rank ([12]) on [^)]+\) ")
         first = int(child.match.group(1))
         other = 3 - first
@@ -759,59 +683,44 @@ def test_on_ssh_hosts_two_ranks_on_two_hosts_take_turns(cluster, tmp_path):
         child.expect(re.escape("RESULTS [42, 43, 44, 45]"))
         _finish(child)
         assert child.exitstatus == 0
-    finally:
-        _close(child)
 
 
 @pytest.mark.cluster
 def test_on_ssh_hosts_post_mortem(cluster, tmp_path):
     hosts = cluster.names()
-    child = _spawn(
-        tmp_path,
-        ",".join(hosts),
-        str(cluster.ssh_config),
-        text=RAISE_SCRIPT,
-        env=_env(TORCHRUNX_POST_MORTEM="1"),
-    )
-    try:
+    with _closing(
+        _spawn(
+            tmp_path,
+            ",".join(hosts),
+            str(cluster.ssh_config),
+            text=RAISE_SCRIPT,
+            env=_env(TORCHRUNX_POST_MORTEM="1"),
+        )
+    ) as child:
         child.expect(_prompt(1, hosts[0]))
         assert "rank 1 raised ValueError: boom in rank 1; post-mortem" in str(child.before)
         child.sendline("c")
         rest = _finish(child)
         assert child.exitstatus == 1
         assert "ValueError: boom in rank 1" in rest
-    finally:
-        _close(child)
 
 
 @pytest.mark.cluster
 def test_on_ssh_hosts_ctrl_c_in_the_debugger_stops_everything(cluster, tmp_path):
     hosts = cluster.names()
-    child = _spawn(tmp_path, ",".join(hosts), "3", str(cluster.ssh_config))
-    try:
+    with _closing(_spawn(tmp_path, ",".join(hosts), "3", str(cluster.ssh_config))) as child:
         child.expect(_prompt(3, hosts[1]))
         child.sendintr()
         rest = _finish(child)
         assert "KeyboardInterrupt" in rest
-    finally:
-        _close(child)
     # No agent or worker is left on any host: the autouse fixture no_leftover_processes.
 
 
 @pytest.mark.cluster
 def test_on_ssh_hosts_without_a_terminal_a_breakpoint_is_skipped(cluster, tmp_path):
+    hosts = ",".join(cluster.names())
+    done = _without_terminal(tmp_path, SCRIPT, hosts, "3", str(cluster.ssh_config))
     script = tmp_path / "launch.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script), ",".join(cluster.names()), "3", str(cluster.ssh_config)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        env=_env(),
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
-    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "RESULTS [42, 43, 44, 45]"
     assert f"breakpoint() at {script}:{BREAK_LINE} in rank 3 skipped" in done.stderr, done.stderr
