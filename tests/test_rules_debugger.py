@@ -412,3 +412,29 @@ def test_rule_a_debugpy_rank_outside_the_launch_is_a_warning(term, caplog):
     term.debugger.debugpy = None
     term.debugger.warn_missing_rank(1)
     assert len(caplog.messages) == 1
+
+
+def test_rule_only_a_function_of_the_launching_script_carries_its_text(monkeypatch, tmp_path):
+    import linecache
+    import pickle
+    import types
+
+    from torchrunx import serialization
+
+    script = tmp_path / "train.py"
+    script.write_text("def work():\n    return 1\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    exec(compile(script.read_text(), str(script), "exec"), main.__dict__)  # noqa: S102
+    monkeypatch.setitem(__import__("sys").modules, "__main__", main)
+    work = main.__dict__["work"]
+
+    parts = [bytearray(p) for p in serialization.dumps_call(work, (), {})]
+    assert pickle.loads(parts[0])[3] == (str(script), script.read_text())  # noqa: S301
+    linecache.cache.pop(str(script), None)
+    func, _, _ = serialization.load_call(parts)
+    assert func.__code__.co_filename == str(script)  # not cloudpickle's <dynamic-code>
+    assert linecache.getline(str(script), 2) == "    return 1\n"
+
+    parts = [bytearray(p) for p in serialization.dumps_call(os.getpid, (), {})]
+    assert pickle.loads(parts[0])[3] is None  # importable: nothing more travels  # noqa: S301

@@ -100,16 +100,17 @@ def dumps_call(
 ) -> list[memoryview]:
     """Pickle ``func(*args, **kwargs)`` for the workers, with a clear error if it cannot be.
 
-    The launching script's path and text travel with it (:func:`main_source`): cloudpickle
-    writes the code of functions pickled by value without their file, and the worker gives it
-    back (:func:`load_call`), so pdb, tracebacks and stacks in the workers show the script's
-    lines, also on hosts where the script is not.
+    For a function of the launching script (``__main__``), the script's path and text travel
+    with it (:func:`main_source`): cloudpickle writes the code of functions pickled by value
+    without their file, and the worker gives it back (:func:`load_call`), so pdb, tracebacks
+    and stacks in the workers show the script's lines, also on hosts where the script is not.
 
     Raises:
         SerializationError: The function or an argument cannot be pickled.
     """
     try:
-        return dumps((func, args, kwargs, main_source()))
+        by_value = getattr(func, "__module__", None) == "__main__"  # else its file is importable
+        return dumps((func, args, kwargs, main_source() if by_value else None))
     except Exception as exc:
         name = getattr(func, "__qualname__", repr(func))
         raise SerializationError(

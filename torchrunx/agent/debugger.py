@@ -23,6 +23,7 @@ import pdb  # noqa: T100 (the debugger is the feature)
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from torchrunx import timer
@@ -156,7 +157,17 @@ class RankPdb(pdb.Pdb):
         super().set_quit()
 
 
-_hook_state: dict[str, Any] = {}
+@dataclass
+class _Installed:
+    """This worker's debugging set-up (:func:`install`)."""
+
+    session: _Session
+    hostname: str
+    terminal: bool
+    ide_attached: bool = False
+
+
+_installed: _Installed | None = None
 
 
 def install(conn: Connection, rank: int, hostname: str, *, terminal: bool) -> None:
@@ -167,12 +178,20 @@ def install(conn: Connection, rank: int, hostname: str, *, terminal: bool) -> No
     its debugger with ``torch.distributed._make_distributed_pdb`` (which reads ``/dev/stdin``):
     once torch is imported, that function makes ours instead.
     """
-    _hook_state.update(
-        session=_Session(conn, rank), hostname=hostname, terminal=terminal, rank=rank
-    )
+    global _installed  # noqa: PLW0603 (one set-up per worker process)
+    _installed = _Installed(_Session(conn, rank), hostname, terminal)
     sys.breakpointhook = _breakpointhook
     pdb.set_trace = _set_trace  # import pdb; pdb.set_trace(), as common as breakpoint()
     after_import("torch", _use_in_torch)
+
+
+def _ours() -> _Installed:
+    assert _installed is not None  # noqa: S101 (the hooks exist only once installed)
+    return _installed
+
+
+def _new_pdb() -> RankPdb:
+    return RankPdb(_ours().session, _ours().hostname)
 
 
 def _use_in_torch() -> None:
@@ -183,9 +202,7 @@ def _use_in_torch() -> None:
 
 def _make_pdb() -> pdb.Pdb:
     """The debugger for ``torch.distributed.breakpoint()``: ours, or one that skips."""
-    if _hook_state.get("terminal"):
-        return RankPdb(_hook_state["session"], _hook_state["hostname"])
-    return _SkippingPdb()
+    return _new_pdb() if _ours().terminal else _SkippingPdb()
 
 
 class _SkippingPdb(pdb.Pdb):
@@ -206,21 +223,21 @@ def _breakpointhook(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (breakpoi
         return None
     if chosen not in ("", "pdb.set_trace"):  # the user's own hook, as Python would call it
         return sys.__breakpointhook__(*args, **kwargs)  # noqa: T100
-    frame = sys._getframe(1)  # noqa: SLF001 (the caller of breakpoint())
-    if not _hook_state.get("terminal"):
-        _skip(frame)
-        return None
-    RankPdb(_hook_state["session"], _hook_state["hostname"]).set_trace(frame)
+    _stop_at(sys._getframe(1))  # noqa: SLF001 (the caller of breakpoint())
     return None
 
 
 def _set_trace(*, header: str | None = None, **_: Any) -> None:  # noqa: ANN401
     """``pdb.set_trace()`` in a worker: as ``breakpoint()`` (``header`` shown first)."""
-    frame = sys._getframe(1)  # noqa: SLF001 (the caller of pdb.set_trace())
-    if not _hook_state.get("terminal"):
+    _stop_at(sys._getframe(1), header)  # noqa: SLF001 (the caller of pdb.set_trace())
+
+
+def _stop_at(frame: FrameType, header: str | None = None) -> None:
+    """Stop in ``frame`` in the launcher's terminal, or say why not and go on."""
+    if not _ours().terminal:
         _skip(frame)
         return
-    debugger = RankPdb(_hook_state["session"], _hook_state["hostname"])
+    debugger = _new_pdb()
     if header is not None:
         debugger.message(header)
     debugger.set_trace(frame)
@@ -228,13 +245,13 @@ def _set_trace(*, header: str | None = None, **_: Any) -> None:  # noqa: ANN401
 
 def _skip(frame: FrameType) -> None:
     """Report a breakpoint skipped for want of a terminal, on the launcher's stderr."""
+    session = _ours().session
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
     warning = (
-        f"torchrunx: breakpoint() at {where} in rank {_hook_state.get('rank')} skipped: the "
-        "launcher has no terminal (its stdin is not a TTY), so there is nowhere to debug "
-        "it; see docs/debugging.md\n"
+        f"torchrunx: breakpoint() at {where} in rank {session.rank} skipped: the launcher has "
+        "no terminal (its stdin is not a TTY), so there is nowhere to debug it; see "
+        "docs/debugging.md\n"
     )
-    session: _Session = _hook_state["session"]
     skipped = DebugOutput(session.rank, warning, waiting=False, where=where, resumed=True)
     try:  # the launcher prints it on its stderr, whichever rank this is
         session.conn.send(skipped)
@@ -244,11 +261,11 @@ def _skip(frame: FrameType) -> None:
 
 def post_mortem(exc: BaseException) -> None:
     """Pdb at the frame that raised ``exc``, in the launcher's terminal (then return)."""
-    if not _hook_state.get("terminal") or exc.__traceback__ is None:
+    if not _ours().terminal or exc.__traceback__ is None:
         return
-    debugger = RankPdb(_hook_state["session"], _hook_state["hostname"])
+    debugger = _new_pdb()
     debugger.reset()
-    session: _Session = _hook_state["session"]
+    session = _ours().session
     session.output.write(
         f"torchrunx: rank {session.rank} raised {type(exc).__name__}: {exc}; post-mortem "
         "(c or q lets its exception go to the launcher)\n"
@@ -257,10 +274,7 @@ def post_mortem(exc: BaseException) -> None:
         debugger.interaction(None, exc.__traceback__)
 
 
-_ide: dict[str, bool] = {}
-
-
-def wait_for_ide(conn: Connection, rank: int, chosen: tuple[int, int] | None) -> None:
+def wait_for_ide(chosen: tuple[int, int] | None) -> None:
     """If ``TORCHRUNX_DEBUGPY`` chose this rank: listen with debugpy and wait for an IDE.
 
     Once per worker process (a worker that stays runs later calls attached already). debugpy
@@ -270,9 +284,10 @@ def wait_for_ide(conn: Connection, rank: int, chosen: tuple[int, int] | None) ->
         ModuleNotFoundError: debugpy is not installed on this host (said how to install it).
         RuntimeError: debugpy cannot listen there (the port is in use).
     """
-    if chosen is None or chosen[0] != rank or _ide.get("attached"):
+    session = _ours().session
+    if chosen is None or chosen[0] != session.rank or _ours().ide_attached:
         return
-    port = chosen[1]
+    rank, port = chosen
     try:
         import debugpy  # noqa: PLC0415, T100 (only in the chosen rank)
     except ModuleNotFoundError as exc:
@@ -281,6 +296,6 @@ def wait_for_ide(conn: Connection, rank: int, chosen: tuple[int, int] | None) ->
             f"{socket.gethostname()}: pip install debugpy in that host's environment"
         ) from exc
     debugpy.listen(("127.0.0.1", port))  # noqa: T100
-    conn.send(DebugpyListening(rank, port))
+    session.conn.send(DebugpyListening(rank, port))
     debugpy.wait_for_client()  # noqa: T100
-    _ide["attached"] = True
+    _ours().ide_attached = True

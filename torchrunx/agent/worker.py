@@ -224,7 +224,7 @@ def _call(  # noqa: PLR0913 (what one call needs)
     the process group first (the first call of a worker with a backend).
     """
     try:
-        debugger.wait_for_ide(conn, rank, spec.debugpy)
+        debugger.wait_for_ide(spec.debugpy)
         func, args, kwargs = serialization.load_call(payload)
         payload.clear()
         init_started = time.perf_counter()
