@@ -351,6 +351,16 @@ def test_a_failure_elsewhere_while_a_rank_is_in_the_debugger_ends_the_launch(tmp
         assert "ValueError: rank 0 failed while rank 1 was in the debugger" in rest
 
 
+def test_ctrl_d_lets_every_rank_in_the_debugger_run_on(tmp_path):
+    with _closing(_spawn(tmp_path, "localhost", "0,1")) as child:
+        child.expect(r"\(Pdb rank \d on localhost\) ")
+        child.sendeof()  # Ctrl-D at an empty line: the end of the terminal's input
+        child.expect("torchrunx: end of input: every rank in the debugger runs on")
+        child.expect(re.escape("RESULTS [42, 43]"))  # the other rank did not wait either
+        _finish(child)
+        assert child.exitstatus == 0
+
+
 def test_q_in_the_debugger_fails_the_launch_with_bdbquit(tmp_path):
     with _closing(_spawn(tmp_path, "localhost", "1")) as child:
         child.expect(_prompt(1))

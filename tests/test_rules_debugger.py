@@ -432,6 +432,7 @@ def test_rule_only_a_function_of_the_launching_script_carries_its_text(monkeypat
     parts = [bytearray(p) for p in serialization.dumps_call(work, (), {})]
     assert pickle.loads(parts[0])[3] == (str(script), script.read_text())  # noqa: S301
     linecache.cache.pop(str(script), None)
+    script.unlink()  # as on a host without the file
     func, _, _ = serialization.load_call(parts)
     assert func.__code__.co_filename == str(script)  # not cloudpickle's <dynamic-code>
     assert linecache.getline(str(script), 2) == "    return 1\n"
