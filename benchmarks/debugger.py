@@ -168,10 +168,10 @@ def stacks(
         cwd=str(folder),
         env=_env(),
         encoding="utf-8",
-        timeout=120,
+        timeout=600,
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # 16 ranks on a loaded 2-core machine start slowly
         while not all((folder / f"started{rank}").exists() for rank in range(ranks)):
             if time.monotonic() > deadline:
                 raise TimeoutError("the ranks did not start")
