@@ -82,6 +82,8 @@ class LaunchStarted:
     max_restarts: int
     health_url: str | None = None
     """Where ``GET /health`` is served, if the endpoint is on (the port 0 picked, too)."""
+    spare_hosts: tuple[str, ...] = ()
+    """The spare hosts, whose agents start too and wait to replace a failed host."""
     time: float = field(default_factory=_now)
 
 
@@ -153,6 +155,34 @@ class Restarting:
 
 
 @dataclass(frozen=True)
+class HostQuarantined:
+    """A host's agent failed or was lost: it takes no further part (spare hosts, ``min_hosts``).
+
+    Nor in later runs of warm agents.
+    """
+
+    host_index: int
+    """The agent's index (its host's position in ``hostnames``, spares after them)."""
+    hostname: str
+    state: str
+    """The agent's state when it was quarantined: ``"FAILED"`` or ``"LOST"``."""
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class HostsChanged:
+    """The hosts of the next attempt differ: spares took failed hosts' places, or fewer go on."""
+
+    attempt: int
+    """The attempt that runs on them."""
+    hostnames: tuple[str, ...]
+    """The hosts of that attempt, in rank order."""
+    changes: tuple[str, ...]
+    """What changed, one line each (``spare node4 replaces node2 (host 1)``)."""
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class LaunchFinished:
     """The launch (or a warm run) ended: with every result, or with the error it raises."""
 
@@ -172,6 +202,8 @@ Event = (
     | WorkerStateChanged
     | WorkerFailed
     | Restarting
+    | HostQuarantined
+    | HostsChanged
     | LaunchFinished
 )
 

@@ -145,6 +145,8 @@ class Agent:
         self.received: tuple[WorkerSpec, list[bytearray]] | None = None
         self.preload_pending = False
         self.preloaded = False
+        self.offered_port: int | None = None
+        """The ``MASTER_PORT`` of the last ``WorkersEnded`` (None: none sent yet)."""
         # How the attempt's workers are being stopped.
         self.attempt = -1
         """The attempt of the workers last started."""
@@ -208,6 +210,7 @@ class Agent:
         current = Attempt(self.selector, root=self.pid, send=self.link.send)
         self.current = current
         group = current.group
+        self._place_store(spec)
 
         store = None if self.store is None else self.store.sock
 
@@ -244,6 +247,24 @@ class Agent:
         self.current = None
         leftovers.empty_dir(self.tmpdir)  # the next attempt starts with nothing of this one
 
+    def _place_store(self, spec: WorkerSpec) -> None:
+        """The store listens on the host that runs rank 0 (``spec.host_index`` 0), only there.
+
+        A spare host (or a host moved up when the world shrank) that now runs rank 0 opens it
+        on ``spec.master_port``, the port it last reported free. If that port was taken
+        meanwhile, rank 0 fails to serve it and the attempt fails like any other.
+        """
+        if spec.host_index == 0 and self.store is None:
+            try:
+                self.store = StoreSocket(
+                    listen_address(local_only=self.boot.local_only), spec.master_port
+                )
+            except OSError:
+                logger.exception("cannot listen on MASTER_PORT %d", spec.master_port)
+        elif spec.host_index != 0 and self.store is not None:
+            self.store.close()
+            self.store = None
+
     def prepare_restart(self) -> bool:
         """After the workers of an attempt ended: say we are ready for the next one.
 
@@ -254,7 +275,8 @@ class Agent:
         self.restart_requested = False
         if not self.link.alive:
             return False
-        self.link.send(WorkersEnded(self._next_port(), self.attempt))
+        self.offered_port = self._next_port()
+        self.link.send(WorkersEnded(self.offered_port, self.attempt))
         return self.link.alive
 
     def _next_port(self) -> int:
@@ -352,9 +374,15 @@ class Agent:
     def _on_stop(self, message: Stop) -> None:
         if message.restart and self.waiting:
             # No workers run here: ready at once. A spec that came before this Stop belongs
-            # to the attempt being abandoned.
+            # to the attempt being abandoned, and its ranks may have reached the store's
+            # port: a fresh one then. Otherwise the port already offered stays: the launcher
+            # may have sent it in specs already (the Stop crossed this agent's WorkersEnded).
+            renew = self.received is not None or self.offered_port is None
             self.received = None
-            self.link.send(WorkersEnded(self._next_port(), message.attempt))
+            port = self._next_port() if renew else self.offered_port
+            assert port is not None  # noqa: S101 (renewed, or offered before)
+            self.offered_port = port
+            self.link.send(WorkersEnded(port, message.attempt))
             return
         what = "the workers to restart them" if message.restart else "on request"
         logger.info("stopping %s: %s", what, message.reason)

@@ -55,22 +55,26 @@ def listen_address(*, local_only: bool) -> str:
     return "127.0.0.1" if local_only else ""
 
 
-def listening_socket(host: str) -> socket.socket:
-    """A socket listening on a free port of ``host`` (``""``: every interface, IPv6 too)."""
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A socket listening on ``port`` (0: a free one) of ``host`` (``""``: every interface)."""
     if host == "" and socket.has_dualstack_ipv6():
         return socket.create_server(
-            ("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=socket.SOMAXCONN
+            ("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=socket.SOMAXCONN
         )
-    return socket.create_server((host or "0.0.0.0", 0), backlog=socket.SOMAXCONN)  # noqa: S104
+    return socket.create_server((host or "0.0.0.0", port), backlog=socket.SOMAXCONN)  # noqa: S104
 
 
 class StoreSocket:
     """Host 0's agent side: the next attempt's listening socket (owned by the agent)."""
 
-    def __init__(self, host: str) -> None:
-        """Open the first attempt's socket (on ``host``; ``""``: every interface)."""
+    def __init__(self, host: str, port: int = 0) -> None:
+        """Open the first attempt's socket (on ``host``; ``""``: every interface).
+
+        ``port``: the port to listen on (0: a free one). A spare host's agent that takes host
+        0's place opens its store on the port it last reported free.
+        """
         self.host = host
-        self.sock: socket.socket | None = listening_socket(host)
+        self.sock: socket.socket | None = listening_socket(host, port)
         self.port = int(self.sock.getsockname()[1])
 
     def handed_over(self) -> None:

@@ -46,13 +46,16 @@ class AgentHealth:
     """One host's agent, as seen by the launcher."""
 
     host_index: int
-    """Position of the host in the launch's host list."""
+    """The agent's index: its host's position in the launch's host list (spares after it)."""
     hostname: str
     """The host's name, as given to the launcher."""
     state: AgentState
     """Where the agent is in its life."""
     last_heartbeat_age: float | None
     """Seconds since the launcher last heard from the agent; None before it first did."""
+    role: str = "host"
+    """``"host"`` (it runs ranks), ``"spare"`` (it waits to replace a failed host) or
+    ``"quarantined"`` (its host failed; it takes no further part)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ class HealthReport:
     """Every worker of the current attempt, by host index and local rank."""
     failures: tuple[str, ...]
     """One line per failure seen so far in this launch, oldest first."""
+    world_changes: tuple[str, ...] = ()
+    """One line per host quarantined, replaced by a spare, or dropped, oldest first."""
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain JSON-ready data.

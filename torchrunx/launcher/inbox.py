@@ -8,15 +8,19 @@ decides what the launch does next; :mod:`torchrunx.launcher.orchestrator` reads 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
 from torchrunx.errors import AgentFailedError, is_collective_error
+from torchrunx.events import HostQuarantined
 from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
 from torchrunx.launcher.listener import FrameReceived, PeerClosed
+from torchrunx.launcher.records import STOP_GRACE, Phase
 from torchrunx.launcher.reports import (
     agent_exit_error,
     rebuild_exception,
+    summary,
     watchdog_error,
     worker_where,
 )
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
     from torchrunx.launcher.records import AgentRecord, FaultKind, RankRecord
     from torchrunx.launcher.state import LaunchState
     from torchrunx.wire.messages import Message
+
+logger = logging.getLogger("torchrunx.launcher")
 
 
 class Inbox:
@@ -137,8 +143,46 @@ class Inbox:
     def agent_failed(
         self, agent: AgentRecord, error: BaseException | None, *, lost: bool = False
     ) -> None:
-        """An agent failed (``lost``: fell silent); ``error`` is its fault (None: no fault)."""
+        """An agent failed (``lost``: fell silent); ``error`` is its fault (None: no fault).
+
+        A spare's failure leaves one spare fewer. With spares or ``min_hosts``, a host of the
+        world that fails while the launch runs is quarantined at once.
+        """
+        role = agent.role
         self.emit(self.state.agent_failed(agent, error, time.time(), lost=lost))
+        if role == "spare":
+            logger.warning(
+                "spare host %s is not available: %s",
+                agent.slots.hostname,
+                "its agent failed" if error is None else summary(error),
+            )
+        elif (
+            error is not None
+            and self.plan.quarantines
+            and self.state.phase is not Phase.STARTING_AGENTS
+        ):
+            self.quarantine(agent)
+
+    def quarantine(self, agent: AgentRecord) -> None:
+        """A host of the world failed: it takes no further part in the launch.
+
+        An agent still alive (it did not get ready in time) is told to stop for good.
+        """
+        if agent.role != "host":
+            return
+        if not agent.over:
+            if agent.conn is not None:
+                stop = Stop(
+                    "its host was quarantined",
+                    STOP_GRACE,
+                    restart=False,
+                    attempt=self.state.attempt,
+                )
+                self.peer_of(agent).send(stop)
+            self.emit(self.state.agent_failed(agent, None, time.time()))
+        line = self.state.quarantine(agent)
+        logger.warning("%s", line)
+        self.sink.emit(HostQuarantined(agent.index, agent.slots.hostname, agent.state.value))
 
     def agent_silent(self, agent: AgentRecord, silent: float) -> None:
         """No heartbeat from an agent for too long: it is lost."""

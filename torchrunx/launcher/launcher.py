@@ -21,7 +21,6 @@ import functools
 import logging
 import math
 import os
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
@@ -29,12 +28,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 import tyro
 
 from torchrunx import plugins, serialization
-from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
+from torchrunx.devices import count_local_gpus
 from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
-from torchrunx.hosts.resolve import Hostnames, HostSlots, check_hostnames, resolve_hosts
-from torchrunx.launcher.agent_starts import count_mode, slurm_cpus
+from torchrunx.hosts.resolve import Hostnames, check_hostnames, resolve_hosts
 from torchrunx.launcher.debugger import check_debug_env
+from torchrunx.launcher.dryrun import describe_plan
 from torchrunx.launcher.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.health import (
     health_details_from_env,
@@ -42,10 +41,10 @@ from torchrunx.launcher.health import (
 )
 from torchrunx.launcher.logrouter import log_level_from_env
 from torchrunx.launcher.orchestrator import Launch, sigterm_raises_system_exit
-from torchrunx.launcher.plan import Backend, LaunchPlan, StartMethod, start_methods
+from torchrunx.launcher.plan import Backend, LaunchPlan, start_methods
 from torchrunx.launcher.results import LaunchResult
-from torchrunx.launcher.ssh import read_ssh_config, resolve_ssh_target
-from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
+from torchrunx.launcher.spares import check_resilience, split_spares
+from torchrunx.launcher.ssh import read_ssh_config
 from torchrunx.launcher.warm import WarmLauncher
 from torchrunx.launcher.where import sigquit_shows_stacks
 from torchrunx.logs import (
@@ -55,7 +54,9 @@ from torchrunx.logs import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Callable, Iterable
+
+    from torchrunx.hosts import HostSlots
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -184,6 +185,17 @@ or was killed), "timeouts" (a torchrunx.timer watchdog expired), "hosts" (an age
 its host was lost: a new agent is started there; not in the default), or exception type
 names, for example "OSError" (those types and their subclasses only)."""
 
+    spare_hosts: int | tuple[str, ...] = 0
+    """Hosts that wait to replace a failed one (with "hosts" in restart_on): a count taken from
+the end of hostnames (the last nodes of a SLURM allocation or hostfile), or the names of other
+hosts. Their agents start with the launch and wait, torch imported; a failed or lost host is
+quarantined and a spare takes its place and its ranks (see docs/resilience.md)."""
+
+    min_hosts: int | None = None
+    """With "hosts" in restart_on: when a host fails and no spare is left, go on with the hosts
+left, down to this many (WORLD_SIZE and the ranks change), like torchrun's --nnodes=MIN:MAX.
+None: never fewer hosts (without spare_hosts, a failed host gets a new agent in place)."""
+
     health_check_port: int | None = None
     """Serve GET /health (JSON; 200 while healthy, 503 after a failure) on this port while
 the launch runs, on 127.0.0.1 unless $TORCHRUNX_HEALTH_CHECK_HOST names another address (*:
@@ -227,6 +239,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
                 "copy_env_vars",
                 "extra_env_vars",
                 "restart_on",
+                "spare_hosts",
             ):
                 values[key] = tuple(value)
         return cls(**values)
@@ -254,7 +267,13 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
                 per_host = launch.execute()
         finally:
             launch.close()
-        return LaunchResult(plan.hostnames, per_host, launch.state.restarts, launch.timings())
+        return LaunchResult(
+            launch.hostnames(),
+            per_host,
+            launch.state.restarts,
+            launch.timings(),
+            world_changes=tuple(launch.state.world_changes),
+        )
 
     def warm(self, *, keep_workers: bool = False) -> WarmLauncher:
         """Start the agents now and keep them for many runs, each on fresh workers.
@@ -305,10 +324,13 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
 
     def _resolve(self, *, warm: bool, keep_workers: bool) -> LaunchPlan:
         """The plan of fields already checked (:meth:`validate`)."""
-        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
+        world, spares = self._world_and_spares()
+        hosts = world + spares
         return LaunchPlan(
             hosts=tuple(hosts),
             methods=tuple(start_methods(self.agent_start, [h.hostname for h in hosts])),
+            spares=len(spares),
+            min_hosts=self.min_hosts,
             env=self.exported_env(),
             workers_per_host=self.workers_per_host,
             backend=self.backend,
@@ -332,6 +354,14 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             keep_workers=warm and keep_workers,
         )
 
+    def _world_and_spares(self) -> tuple[list[HostSlots], list[HostSlots]]:
+        """The resolved hosts that run the first attempt, and the spare hosts."""
+        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
+        if isinstance(self.spare_hosts, int):
+            return split_spares(hosts, self.spare_hosts, self.min_hosts)
+        named = resolve_hosts(list(self.spare_hosts), self.workers_per_host)
+        return split_spares(hosts, tuple(self.spare_hosts), self.min_hosts, named)
+
     def validate(self) -> None:
         """Check every field; raise a clear error before anything starts.
 
@@ -352,6 +382,15 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         _validate_env_vars(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
         check_log_fields(self.log_handlers, self.console_ranks)
         _validate_restarts(self.max_restarts, self.restart_on)
+        check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
+        if isinstance(self.spare_hosts, list | tuple):
+            check_hostnames(list(self.spare_hosts))
+            if isinstance(self.workers_per_host, list | tuple):
+                raise ValueError(  # noqa: TRY004 (a value that does not fit another)
+                    "spare_hosts names hosts, but workers_per_host is a list (one count per "
+                    "host of hostnames): give one count for every host, or make the spares "
+                    "the last hosts of hostnames and set spare_hosts to their number"
+                )
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
         health_details_from_env()  # raises ValueError for a bad TORCHRUNX_HEALTH_CHECK_DETAILS
@@ -416,94 +455,6 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         here = count_local_gpus() if counts_gpus and "local" in methods else None
         gpus = [here if method == "local" else None for method in methods]
         return describe_plan(self, list(plan.hosts), methods, sorted(plan.env), gpus)
-
-
-def describe_plan(
-    launcher: Launcher,
-    hosts: list[HostSlots],
-    methods: list[StartMethod],
-    env_names: list[str],
-    gpus: Sequence[int | None] | None = None,
-) -> str:
-    """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more).
-
-    ``gpus``: each host's GPU count where known (hosts that are this machine), else None.
-    """
-    known = all(h.workers is not None for h in hosts)
-    world = sum(h.workers or 0 for h in hosts) if known else None
-    lines = [
-        "torchrunx dry run: nothing was started",
-        f"hosts: {len(hosts)}",
-        f"world size: {world if world is not None else 'known once every agent has counted'}",
-        *_backend_lines(launcher, hosts, gpus or [None] * len(hosts)),
-        "",
-        "host  name                 workers  ranks      agent start",
-    ]
-    offset: int | None = 0
-    count = count_mode(launcher.workers_per_host)
-    for index, (host, method) in enumerate(zip(hosts, methods, strict=True)):
-        if host.workers is None:
-            workers, ranks = count, "-"
-            offset = None
-        else:
-            workers = str(host.workers)
-            if offset is None:
-                ranks = "-"
-            else:
-                last = offset + host.workers - 1
-                ranks = f"{offset}" if last == offset else f"{offset}-{last}"
-                offset += host.workers
-        lines.append(f"{index:<5} {host.hostname:<20} {workers:<8} {ranks:<10} {method}")
-    if not known:
-        counted = {"gpu": "GPUs", "cpu": "CPU cores"}.get(count, "GPUs, else CPU cores")
-        lines.append(f"({count}: the agent counts its {counted}; ranks follow host order)")
-    if count == "gpu":
-        without = [h.hostname for h, g in zip(hosts, gpus or [], strict=False) if g == 0]
-        if without:
-            lines.append(f"workers_per_host='gpu' would fail: no GPU on {', '.join(without)}")
-    lines += ["", f"forwarded environment variables ({len(env_names)}, values not shown):"]
-    lines.append("  " + (" ".join(env_names) or "(none)"))
-    if "local" in methods:
-        lines.append("  (workers on this machine also see the rest of the launcher's environment)")
-    if launcher.env_file is not None:
-        lines.append(f"sourced on every host first: {launcher.env_file}")
-    lines += ["", "agent command lines (the script and secret go on stdin, never here):"]
-    for host, method in zip(hosts, methods, strict=True):
-        lines.append(f"  {host.hostname}: {_agent_command_line(launcher, host.hostname, method)}")
-    return "\n".join(lines)
-
-
-def _backend_lines(
-    launcher: Launcher, hosts: list[HostSlots], gpus: Sequence[int | None]
-) -> list[str]:
-    """The dry run's backend: ``"auto"`` resolved where the GPU counts allow it."""
-    line = f"(process-group timeout {launcher.timeout:g} s)"
-    if launcher.backend != "auto":
-        return [f"backend: {launcher.backend} {line}"]
-    pairs = list(zip(hosts, gpus, strict=True))
-    backend = resolve_backend("auto", [(h.workers, g) for h, g in pairs])
-    counted = ", ".join(f"{h.hostname} {g}" for h, g in pairs if g is not None)
-    seen = f" (GPUs counted here: {counted})" if counted else ""
-    if backend == "auto":
-        why = f"auto: decided when the agents report their GPUs: {AUTO_BACKEND_RULE}{seen}"
-    elif backend == "nccl":
-        why = f"auto resolves to nccl: every worker has a GPU{seen}"
-    else:
-        why = f"auto resolves to gloo: not every worker has a GPU{seen}"
-    return [f"backend: {backend} {line}", f"  {why}"]
-
-
-def _agent_command_line(launcher: Launcher, hostname: str, method: StartMethod) -> str:
-    if method == "local":
-        return AGENT_COMMAND
-    if method == "srun":
-        return shlex.join(srun_command(hostname, cpus=slurm_cpus(hostname)))
-    try:
-        target = resolve_ssh_target(hostname, launcher.ssh_config_file, launcher.start_timeout)
-    except ValueError as exc:
-        return f"ssh (cannot read the SSH config: {exc})"
-    via = f" via {target.proxy_jump}" if target.proxy_jump else ""
-    return f"ssh {target.user}@{target.hostname} -p {target.port}{via} {AGENT_COMMAND}"
 
 
 def launch(

@@ -16,6 +16,7 @@ are :mod:`~torchrunx.launcher.reports` (pure). What happens between two runs of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -32,22 +33,28 @@ from torchrunx.errors import (
     add_note,
     exception_text,
 )
-from torchrunx.events import AgentState, LaunchFinished, LaunchStarted, Restarting, WorkerState
+from torchrunx.events import (
+    AgentState,
+    HostsChanged,
+    LaunchFinished,
+    LaunchStarted,
+    Restarting,
+    WorkerState,
+)
 from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
-from torchrunx.launcher.records import Phase
+from torchrunx.launcher.records import STOP_GRACE, Phase
 from torchrunx.launcher.reports import finish_report, output_tail_note, stacks_note, summary
 from torchrunx.launcher.session import LaunchLoop, earliest
+from torchrunx.launcher.spares import reshape
 from torchrunx.wire.messages import Stop, WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from torchrunx.launcher.records import Fault
+    from torchrunx.launcher.records import AgentRecord, Fault
 
 logger = logging.getLogger("torchrunx.launcher")
 
-STOP_GRACE = 3.0
-"""Seconds workers get between SIGTERM and SIGKILL when the launch stops them."""
 STOP_WAIT = STOP_GRACE + 5.0
 """Seconds a stop waits for every agent to report its workers' ends."""
 
@@ -89,10 +96,11 @@ class Launch(LaunchLoop):
         self.open_health()
         self.sink.emit(
             LaunchStarted(
-                tuple(a.slots.hostname for a in st.agents),
-                tuple(a.slots.workers for a in st.agents),
+                tuple(a.slots.hostname for a in st.world),
+                tuple(a.slots.workers for a in st.world),
                 self.plan.max_restarts,
                 None if self.health is None else self.health.url,
+                spare_hosts=tuple(a.slots.hostname for a in st.agents if a.role == "spare"),
             )
         )
         try:
@@ -162,6 +170,10 @@ class Launch(LaunchLoop):
             after()
         return results
 
+    def hostnames(self) -> tuple[str, ...]:
+        """The hosts of the current (or last) attempt, in rank order."""
+        return tuple(a.slots.hostname for a in self.state.world)
+
     def _deadline(self, start: float) -> float | None:
         limit = self.plan.launch_timeout
         return None if limit is None else start + limit
@@ -206,7 +218,7 @@ class Launch(LaunchLoop):
 
     def _send_specs(self) -> None:
         st = self.state
-        for agent in st.agents:  # a spec to an agent that ended would wait for nothing
+        for agent in st.world:  # a spec to an agent that ended would wait for nothing
             if agent.over or agent.conn is None:
                 if not st.failed:
                     self.inbox.fault(
@@ -219,7 +231,7 @@ class Launch(LaunchLoop):
                         host_index=agent.index,
                     )
                 raise Failed
-        hellos = [a.hello for a in st.agents]
+        hellos = [a.hello for a in st.world]
         world_size = sum(h.slots for h in hellos if h is not None)
         # Decided once for every worker of every host: a group that mixes backends hangs.
         backend = resolve_backend(
@@ -227,10 +239,10 @@ class Launch(LaunchLoop):
         )
         master_addr, master_port = self._master_address()
         offset = 0
-        for agent in st.agents:
+        for position, agent in enumerate(st.world):
             assert agent.hello is not None  # noqa: S101 (all hellos are in)
             spec = WorkerSpec(
-                host_index=agent.index,
+                host_index=position,
                 hostname=agent.slots.hostname,
                 num_workers=agent.hello.slots,
                 rank_offset=offset,
@@ -244,14 +256,15 @@ class Launch(LaunchLoop):
                 attempt=st.attempt,
                 max_restarts=self.plan.max_restarts,
                 restarts=st.restarts,
-                num_hosts=len(st.agents),
+                num_hosts=len(st.world),
                 keep=self.plan.keep_workers,
                 debugger=self.debugger.terminal,
                 post_mortem=self.debugger.post_mortem,
                 debugpy=self.debugger.debugpy,
             )
             st.assign(agent, spec)
-            if st.attempt == 0:
+            if agent.index not in self._logged:  # its files and consoles, once
+                self._logged.add(agent.index)
                 self.logs.add_workers(agent.index, spec.num_workers, offset)
             offset += spec.num_workers
             self.inbox.peer_of(agent).send(spec, self.call)
@@ -270,7 +283,7 @@ class Launch(LaunchLoop):
 
     def _master_address(self) -> tuple[str, int]:
         """Rank 0 runs on host 0: its address as the other hosts can reach it, and its port."""
-        agents = self.state.agents
+        agents = self.state.world
         first = agents[0]
         if first.remote:
             address = self.inbox.peer_of(first).peer_address
@@ -283,7 +296,8 @@ class Launch(LaunchLoop):
 
     def _collect(self) -> tuple[tuple[Any, ...], ...]:
         st = self.state
-        per_host: list[list[Any]] = [[] for _ in st.agents]
+        position = {a.index: i for i, a in enumerate(st.world)}
+        per_host: list[list[Any]] = [[] for _ in st.world]
         for rank in st.ranks:
             try:
                 value = serialization.loads(st.take_result(rank))
@@ -292,7 +306,7 @@ class Launch(LaunchLoop):
                     f"cannot unpickle the return value of rank {rank.rank} in the launcher: "
                     f"{exc}; is every module it needs importable here?"
                 ) from exc
-            per_host[rank.host_index].append(value)
+            per_host[position[rank.host_index]].append(value)
         return tuple(tuple(values) for values in per_host)
 
     # -- stopping, restarting, failing ------------------------------------------------------
@@ -369,7 +383,14 @@ class Launch(LaunchLoop):
         st.next_attempt()
 
     def replace_agents(self, deadline: float | None) -> None:
-        """Start a new agent for every host whose agent died or was lost (new SSH or srun)."""
+        """Start a new agent for every host whose agent died or was lost (new SSH or srun).
+
+        With spare hosts or ``min_hosts``, the failed hosts are quarantined instead: spares
+        take their places, or the world shrinks (:meth:`_reshape`).
+        """
+        if self.plan.quarantines:
+            self._reshape(deadline)
+            return
         st = self.state
         replaced = [a.index for a in st.unready_agents()]
         for index in replaced:
@@ -383,6 +404,52 @@ class Launch(LaunchLoop):
                 earliest(time.monotonic() + self.plan.start_timeout, deadline),
             )
         st.replacements_started(replaced)
+
+    def _reshape(self, deadline: float | None) -> None:
+        """Quarantine the world's failed hosts; spares take their places, or the world shrinks.
+
+        A spare that has not said hello yet is waited for (``start_timeout``); one that fails
+        meanwhile is replaced in turn. Raises :class:`Failed` (the cause is raised) when fewer
+        than ``min_hosts`` hosts would be left.
+        """
+        st = self.state
+        while True:
+            failed = st.unready_agents()
+            if not failed:
+                return
+            for agent in failed:
+                if agent.role == "host":  # alive but not ready in time, or not yet noted
+                    self.inbox.quarantine(agent)
+                self.inbox.drop(agent.conn)
+            spares = sorted(
+                (a for a in st.agents if a.role == "spare" and not a.over),
+                key=lambda a: (not a.ready, a.index),
+            )
+            decision = reshape(
+                [a.index for a in st.world],
+                [a.index for a in failed],
+                [a.index for a in spares],
+                self.plan.min_hosts,
+            )
+            if decision.short is not None:
+                st.restart_failed(decision.short)
+                raise Failed
+            lines = st.reshape_world(decision)
+            for line in lines:
+                logger.warning("%s", line)
+            self.sink.emit(
+                HostsChanged(
+                    st.attempt + 1,
+                    tuple(a.slots.hostname for a in st.world),
+                    tuple(lines),
+                )
+            )
+            waiting = [st.agents[spare] for _, spare in decision.replaced]
+            with st.stopping_meanwhile():  # a spare's failure now is this restart's
+                self.run_until(
+                    functools.partial(_all_ready, waiting),
+                    earliest(time.monotonic() + self.plan.start_timeout, deadline),
+                )
 
     def _start_timed_out(self) -> None:
         missing = next(a for a in self.state.agents if a.hello is None)
@@ -434,6 +501,8 @@ class Launch(LaunchLoop):
             history=st.history,
             max_restarts=self.plan.max_restarts,
         )
+        if st.world_changes:
+            add_note(error, "hosts changed during the launch:\n  " + "\n  ".join(st.world_changes))
         if st.stacks:
             where = {r.rank: (r.local_rank, st.hostname(r)) for r in st.ranks}
             note = stacks_note(st.stacks, where)
@@ -466,6 +535,10 @@ class Launch(LaunchLoop):
                     self.inbox.peer_of(agent).send(stop)
             self.run_until(self.all_over, time.monotonic() + STOP_WAIT, interruptible=False)
             self.apply_queue()
+
+
+def _all_ready(agents: list[AgentRecord]) -> bool:
+    return all(a.ready or a.over for a in agents)
 
 
 @contextlib.contextmanager

@@ -66,6 +66,20 @@ class LaunchPlan:
     """Warm agents: they stay after each run for the next (see :mod:`torchrunx.launcher.warm`)."""
     keep_workers: bool = False
     """Warm agents whose workers stay from run to run too."""
+    spares: int = 0
+    """The last ``spares`` of ``hosts`` are spare hosts (:mod:`torchrunx.launcher.spares`)."""
+    min_hosts: int | None = None
+    """The fewest hosts a restart may go on with (None: never fewer)."""
+
+    @property
+    def quarantines(self) -> bool:
+        """Whether a failed host is quarantined (replaced by a spare, or dropped), not restarted."""
+        return self.spares > 0 or self.min_hosts is not None
+
+    @property
+    def world_hosts(self) -> int:
+        """How many of ``hosts`` run the first attempt (the others are spares)."""
+        return len(self.hosts) - self.spares
 
     @property
     def hostnames(self) -> tuple[str, ...]:

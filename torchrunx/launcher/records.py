@@ -79,6 +79,12 @@ PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
 IDLE: warm agents wait for the next run."""
 
 
+STOP_GRACE = 3.0
+"""Seconds workers get between SIGTERM and SIGKILL when the launch stops them."""
+
+AgentRole = Literal["host", "spare", "quarantined"]
+"""An agent's part in the launch (:attr:`AgentRecord.role`)."""
+
 FaultKind = Literal[
     "exception",  # a worker raised (or its value could not be pickled)
     "collective",  # a worker raised a peer's echo (torchrunx.errors.is_collective_error)
@@ -133,6 +139,9 @@ class AgentRecord:
     conn_closed: bool = False
     judge_by: float | None = None
     """Its process ended before its connection: judged when the connection ends, or then."""
+    role: AgentRole = "host"
+    """``"host"``: one of the world's (it runs ranks); ``"spare"``: waits to replace one;
+    ``"quarantined"``: it failed, and takes no further part (:mod:`torchrunx.launcher.spares`)."""
 
     @property
     def remote(self) -> bool:

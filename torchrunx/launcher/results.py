@@ -60,6 +60,9 @@ class LaunchResult(Generic[R]):
             ``False`` says the last run's workers took this call, with whatever they had
             loaded, and ``True`` that new ones were started (the first run, or after a
             failure), so nothing of earlier runs is in them.
+        world_changes: With spare hosts or ``min_hosts``: one line per host quarantined,
+            replaced by a spare or dropped, oldest first (``hostnames`` are the hosts of the
+            attempt that succeeded); empty if none was.
     """
 
     hostnames: tuple[str, ...]
@@ -67,6 +70,7 @@ class LaunchResult(Generic[R]):
     restarts: int = 0
     timings: LaunchTimings = field(default_factory=LaunchTimings)
     fresh_workers: bool = True
+    world_changes: tuple[str, ...] = ()
 
     @property
     def ranks(self) -> list[R]:

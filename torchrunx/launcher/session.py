@@ -104,11 +104,13 @@ class LaunchLoop:
             self.listener = Listener(self.loop, self.secret, sock, self.queue.append)
             undo.pop_all()  # all open: close() releases them
         self.port = self.listener.port
+        agents = [
+            AgentRecord(i, h, m, role="host" if i < plan.world_hosts else "spare")
+            for i, (h, m) in enumerate(zip(plan.hosts, plan.methods, strict=True))
+        ]
         self.state = LaunchState(
-            [
-                AgentRecord(i, h, m)
-                for i, (h, m) in enumerate(zip(plan.hosts, plan.methods, strict=True))
-            ],
+            agents,
+            world=agents[: plan.world_hosts],
             started=time.monotonic(),
             max_restarts=plan.max_restarts,
             agent_timeout=plan.agent_timeout,
@@ -130,6 +132,8 @@ class LaunchLoop:
             plan, self.state, listener=self.listener, pool=self.pool, logs=self.logs, sink=self.sink
         )
         self.health: HealthServer | None = None
+        self._logged: set[int] = set()
+        """Agents whose workers' log files and consoles were added."""
         self._next_tick = 0.0
         self._next_beat = 0.0
         self._interrupt: tuple[object, BaseException] | None = None
@@ -324,8 +328,7 @@ class LaunchLoop:
         """Phase durations of the attempt that succeeded."""
         processes = self.pool.processes
         connect = tuple(
-            float(getattr(processes.get(a.index), "connect_seconds", 0.0))
-            for a in self.state.agents
+            float(getattr(processes.get(a.index), "connect_seconds", 0.0)) for a in self.state.world
         )
         return self.state.timings(connect)
 

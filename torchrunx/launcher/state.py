@@ -46,6 +46,10 @@ from torchrunx.launcher.results import LaunchTimings
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from torchrunx.events import Event
+    from torchrunx.launcher.spares import Reshape
+    from torchrunx.wire.messages import AgentHello
+
 
 @dataclass
 class LaunchState(AttemptState):
@@ -71,6 +75,10 @@ class LaunchState(AttemptState):
     """Whether the run started its own workers (else the kept ones took its call)."""
     extra_failures: list[str] = field(default_factory=list)
     """Failures of the run that are no fault of an agent or rank (a failed restart)."""
+    world: list[AgentRecord] = field(default_factory=list)
+    """The agents that run ranks, in rank order (the others are spares, or quarantined)."""
+    world_changes: list[str] = field(default_factory=list)
+    """One line per host quarantined, replaced by a spare, or dropped (the whole launch)."""
     _agents_seen: int = 0
     """Agents before this index said hello (the start phase only: replacements come later)."""
     _agents_ended: int = 0
@@ -101,9 +109,10 @@ class LaunchState(AttemptState):
     @property
     def all_hellos(self) -> bool:
         """Whether every agent has connected back (in the start phase)."""
-        while self._agents_seen < len(self.agents) and self.agents[self._agents_seen].hello:
+        world = self.world
+        while self._agents_seen < len(world) and world[self._agents_seen].hello:
             self._agents_seen += 1
-        return self._agents_seen == len(self.agents)
+        return self._agents_seen == len(world)
 
     @property
     def finished(self) -> bool:
@@ -112,7 +121,7 @@ class LaunchState(AttemptState):
             return False
         if self.keep_workers:
             return True
-        agents = self.agents
+        agents = self.world
         while self._agents_ended < len(agents) and (
             agents[self._agents_ended].over or agents[self._agents_ended].ready
         ):
@@ -121,12 +130,12 @@ class LaunchState(AttemptState):
 
     def unready_agents(self) -> list[AgentRecord]:
         """Before a warm run: agents that cannot take a spec (ended, lost, or not waiting)."""
-        return [a for a in self.agents if a.over or not a.ready]
+        return [a for a in self.world if a.over or not a.ready]
 
     @property
     def stopped(self) -> bool:
         """After a Stop: whether every agent has ended or waits for the next attempt."""
-        return all(a.over or a.ready or a.conn is None for a in self.agents)
+        return all(a.over or a.ready or a.conn is None for a in self.world)
 
     @property
     def ranks_known(self) -> bool:
@@ -145,8 +154,8 @@ class LaunchState(AttemptState):
     def agents_ready(self, now: float) -> None:
         """Every agent said hello: each waits for its first spec."""
         self.agents_started_after = now - self.started
-        for agent in self.agents:
-            agent.ready = True
+        for agent in self.agents:  # spares that said hello wait too
+            agent.ready = agent.hello is not None
 
     def start_run(self, now: float, *, warm: bool) -> None:
         """A run begins: a launch's one run counts from the launch's start, a warm run from now."""
@@ -216,8 +225,60 @@ class LaunchState(AttemptState):
     def replace_agent(self, index: int) -> AgentRecord:
         """A new record for host ``index``'s agent, about to be started again; the old one."""
         old = self.agents[index]
-        self.agents[index] = AgentRecord(index, old.slots, old.method)
+        new = AgentRecord(index, old.slots, old.method)
+        self.agents[index] = new
+        self.world[self.world.index(old)] = new
         return old
+
+    def agent_hello(
+        self, agent: AgentRecord, conn: int, hello: AgentHello, now: float
+    ) -> list[Event]:
+        """An agent connected back; a spare that does so after the start waits at once."""
+        events = super().agent_hello(agent, conn, hello, now)
+        if agent.role == "spare" and self.phase is not Phase.STARTING_AGENTS:
+            agent.ready = True
+        return events
+
+    def agent_failed(
+        self, agent: AgentRecord, error: BaseException | None, at: float, *, lost: bool = False
+    ) -> list[Event]:
+        """``agent`` failed; a spare's or a quarantined host's failure is no fault of the run."""
+        if agent.role != "host":
+            agent.judge_by = None
+            self.move_agent(agent, AgentState.LOST if lost else AgentState.FAILED)
+            return []
+        return super().agent_failed(agent, error, at, lost=lost)
+
+    def quarantine(self, agent: AgentRecord) -> str:
+        """A host of the world failed: it takes no further part; the line that says so."""
+        agent.role = "quarantined"
+        line = (
+            f"attempt {self.attempt}: {agent.slots.hostname} (host {self.world.index(agent)}, "
+            f"{agent.state.value}) quarantined"
+        )
+        self.world_changes.append(line)
+        return line
+
+    def reshape_world(self, reshape: Reshape) -> list[str]:
+        """The next attempt runs on ``reshape.world``; the lines that say what changed."""
+        by_id = {a.index: a for a in self.agents}
+        lines = []
+        for failed, spare in reshape.replaced:
+            by_id[spare].role = "host"
+            lines.append(
+                f"attempt {self.attempt + 1}: spare {by_id[spare].slots.hostname} replaces "
+                f"{by_id[failed].slots.hostname} (host {self.world.index(by_id[failed])})"
+            )
+        if reshape.dropped:
+            names = [by_id[i].slots.hostname for i in reshape.dropped]
+            lines.append(
+                f"attempt {self.attempt + 1}: no spare for {', '.join(names)}: "
+                f"{len(reshape.world)} hosts go on"
+            )
+        self.world = [by_id[i] for i in reshape.world]
+        self._agents_seen = len(self.world)
+        self.world_changes.extend(lines)
+        return lines
 
     def replacements_started(self, indices: list[int]) -> None:
         """The new agents of ``indices`` that said hello wait for a spec."""
@@ -292,7 +353,7 @@ class LaunchState(AttemptState):
         self.stopping = False
         self._results, self._agents_ended, self._running = 0, 0, 0
         self._alarmed, self._waiting_ranks = set(), set()
-        for agent in self.agents:
+        for agent in self.world:  # spares keep waiting
             agent.ready = agent.ready and keep_ready
             agent.pids = ()
 
@@ -304,6 +365,7 @@ class LaunchState(AttemptState):
                 a.slots.hostname,
                 a.state,
                 None if a.hello is None else round(now - a.last_heard, 3),
+                a.role,
             )
             for a in list(self.agents)
         )
@@ -317,8 +379,10 @@ class LaunchState(AttemptState):
         # While a restart stops the workers, its cause goes into the history (not twice).
         if cause is not None and not (self.phase is Phase.RESTARTING and self.stopping):
             failures.append(f"attempt {self.attempt}: {cause}")
+        # A quarantined host's failure was dealt with (a spare took its place, or the world
+        # shrank); a failed spare only leaves fewer spares.
         unhealthy = self.degraded or any(
-            a.state in (AgentState.FAILED, AgentState.LOST) for a in agents
+            a.state in (AgentState.FAILED, AgentState.LOST) for a in list(self.world)
         )
         return HealthReport(
             healthy=not unhealthy and cause is None,
@@ -330,6 +394,7 @@ class LaunchState(AttemptState):
             agents=agents,
             workers=workers,
             failures=tuple(failures),
+            world_changes=tuple(self.world_changes),
         )
 
     def timings(self, connect: tuple[float, ...]) -> LaunchTimings:
@@ -339,7 +404,7 @@ class LaunchState(AttemptState):
             total=self.finished_after,
             agents_started=self.agents_started_after,
             connect=connect,
-            agent_start=tuple(a.started_after for a in self.agents),
+            agent_start=tuple(a.started_after for a in self.world),
             process_group_init=tuple(t.init_seconds if t else 0.0 for t in ranks),
             function=tuple(t.function_seconds if t else 0.0 for t in ranks),
             result_transfer=tuple(

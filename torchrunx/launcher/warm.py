@@ -112,7 +112,7 @@ class _Agents:
 
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
-        self.hostnames = tuple(a.slots.hostname for a in launch.state.agents)
+        self.hostnames = launch.hostnames()
         self.idle = _Idle(launch)
         self.lock = threading.Lock()
         """Held by the run under way (one at a time), and by :meth:`WarmLauncher.close`."""
@@ -138,11 +138,12 @@ class _Agents:
             self.idle.resume()
         assert self._timings is not None  # noqa: S101 (set by a successful run)
         return LaunchResult(
-            self.hostnames,
+            self.launch.hostnames(),
             per_host,
             self._restarts,
             self._timings,
             fresh_workers=self.launch.state.fresh_workers,
+            world_changes=tuple(self.launch.state.world_changes),
         )
 
     # -- between two runs ---------------------------------------------------------------------
@@ -191,7 +192,8 @@ class _Agents:
                 + "; add 'hosts' to restart_on to start new ones at the next run, or open "
                 "new warm agents",
             )
-        logger.warning("starting new agents on %s before this run", names)
+        if not launch.plan.quarantines:
+            logger.warning("starting new agents on %s before this run", names)
         launch.replace_agents(deadline)
         unready = [a.slots.hostname for a in st.unready_agents()]
         if unready:
