@@ -6,7 +6,7 @@ It reads the SSH config to name each host's target, nothing more: no host is con
 from __future__ import annotations
 
 import shlex
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from torchrunx.devices import AUTO_BACKEND_RULE, resolve_backend
 from torchrunx.launcher.agent_starts import count_mode, slurm_cpus
@@ -15,10 +15,27 @@ from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from pathlib import Path
 
     from torchrunx.hosts import HostSlots
-    from torchrunx.launcher.launcher import Launcher
     from torchrunx.launcher.plan import StartMethod
+
+
+class Launcher(Protocol):
+    """The fields of :class:`torchrunx.Launcher` the description reads."""
+
+    @property
+    def workers_per_host(self) -> object: ...  # noqa: D102
+    @property
+    def backend(self) -> str | None: ...  # noqa: D102
+    @property
+    def timeout(self) -> float: ...  # noqa: D102
+    @property
+    def env_file(self) -> str | Path | None: ...  # noqa: D102
+    @property
+    def ssh_config_file(self) -> str | Path | None: ...  # noqa: D102
+    @property
+    def start_timeout(self) -> float: ...  # noqa: D102
 
 
 def describe_plan(
@@ -27,16 +44,19 @@ def describe_plan(
     methods: list[StartMethod],
     env_names: list[str],
     gpus: Sequence[int | None] | None = None,
+    spares: int = 0,
 ) -> str:
     """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more).
 
     ``gpus``: each host's GPU count where known (hosts that are this machine), else None.
+    ``spares``: the last ``spares`` of ``hosts`` are spare hosts (they run no rank at first).
     """
-    known = all(h.workers is not None for h in hosts)
-    world = sum(h.workers or 0 for h in hosts) if known else None
+    running = hosts[: len(hosts) - spares]
+    known = all(h.workers is not None for h in running)
+    world = sum(h.workers or 0 for h in running) if known else None
     lines = [
         "torchrunx dry run: nothing was started",
-        f"hosts: {len(hosts)}",
+        f"hosts: {len(running)}" + (f", and {spares} spare host(s)" if spares else ""),
         f"world size: {world if world is not None else 'known once every agent has counted'}",
         *_backend_lines(launcher, hosts, gpus or [None] * len(hosts)),
         "",
@@ -45,7 +65,10 @@ def describe_plan(
     offset: int | None = 0
     count = count_mode(launcher.workers_per_host)
     for index, (host, method) in enumerate(zip(hosts, methods, strict=True)):
-        if host.workers is None:
+        if index >= len(running):
+            workers = count if host.workers is None else str(host.workers)
+            ranks = "spare"
+        elif host.workers is None:
             workers, ranks = count, "-"
             offset = None
         else:

@@ -454,7 +454,9 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         counts_gpus = self.backend == "auto" or self.workers_per_host == "gpu"
         here = count_local_gpus() if counts_gpus and "local" in methods else None
         gpus = [here if method == "local" else None for method in methods]
-        return describe_plan(self, list(plan.hosts), methods, sorted(plan.env), gpus)
+        return describe_plan(
+            self, list(plan.hosts), methods, sorted(plan.env), gpus, spares=plan.spares
+        )
 
 
 def launch(

@@ -16,7 +16,6 @@ are :mod:`~torchrunx.launcher.reports` (pure). What happens between two runs of 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import signal
 import threading
@@ -34,8 +33,6 @@ from torchrunx.errors import (
     exception_text,
 )
 from torchrunx.events import (
-    AgentState,
-    HostsChanged,
     LaunchFinished,
     LaunchStarted,
     Restarting,
@@ -43,24 +40,20 @@ from torchrunx.events import (
 )
 from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
 from torchrunx.launcher.records import STOP_GRACE, Phase
+from torchrunx.launcher.replace import Failed, HostChanges
 from torchrunx.launcher.reports import finish_report, output_tail_note, stacks_note, summary
-from torchrunx.launcher.session import LaunchLoop, earliest
-from torchrunx.launcher.spares import reshape
+from torchrunx.launcher.session import earliest
 from torchrunx.wire.messages import Stop, WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from torchrunx.launcher.records import AgentRecord, Fault
+    from torchrunx.launcher.records import Fault
 
 logger = logging.getLogger("torchrunx.launcher")
 
 STOP_WAIT = STOP_GRACE + 5.0
 """Seconds a stop waits for every agent to report its workers' ends."""
-
-
-class Failed(Exception):  # noqa: N818 (control flow of a launch, never raised to the user)
-    """A failure was recorded: stop, then raise the cause or restart."""
 
 
 def wants_stacks(error: BaseException | None) -> bool:
@@ -77,7 +70,7 @@ def wants_stacks(error: BaseException | None) -> bool:
     return not isinstance(error, CancelledError)
 
 
-class Launch(LaunchLoop):
+class Launch(HostChanges):
     """One launch in progress; owned by the thread that calls :meth:`execute`."""
 
     def execute(self) -> tuple[tuple[Any, ...], ...]:
@@ -382,75 +375,6 @@ class Launch(LaunchLoop):
             raise Failed
         st.next_attempt()
 
-    def replace_agents(self, deadline: float | None) -> None:
-        """Start a new agent for every host whose agent died or was lost (new SSH or srun).
-
-        With spare hosts or ``min_hosts``, the failed hosts are quarantined instead: spares
-        take their places, or the world shrinks (:meth:`_reshape`).
-        """
-        if self.plan.quarantines:
-            self._reshape(deadline)
-            return
-        st = self.state
-        replaced = [a.index for a in st.unready_agents()]
-        for index in replaced:
-            old = st.replace_agent(index)
-            logger.warning("starting a new agent on %s", old.slots.hostname)
-            self.inbox.drop(old.conn)
-            self.pool.replace(index, lost=old.state is AgentState.LOST)
-        with st.stopping_meanwhile():  # their failures now are the restart's
-            self.run_until(
-                lambda: all(st.agents[i].hello is not None or st.agents[i].over for i in replaced),
-                earliest(time.monotonic() + self.plan.start_timeout, deadline),
-            )
-        st.replacements_started(replaced)
-
-    def _reshape(self, deadline: float | None) -> None:
-        """Quarantine the world's failed hosts; spares take their places, or the world shrinks.
-
-        A spare that has not said hello yet is waited for (``start_timeout``); one that fails
-        meanwhile is replaced in turn. Raises :class:`Failed` (the cause is raised) when fewer
-        than ``min_hosts`` hosts would be left.
-        """
-        st = self.state
-        while True:
-            failed = st.unready_agents()
-            if not failed:
-                return
-            for agent in failed:
-                if agent.role == "host":  # alive but not ready in time, or not yet noted
-                    self.inbox.quarantine(agent)
-                self.inbox.drop(agent.conn)
-            spares = sorted(
-                (a for a in st.agents if a.role == "spare" and not a.over),
-                key=lambda a: (not a.ready, a.index),
-            )
-            decision = reshape(
-                [a.index for a in st.world],
-                [a.index for a in failed],
-                [a.index for a in spares],
-                self.plan.min_hosts,
-            )
-            if decision.short is not None:
-                st.restart_failed(decision.short)
-                raise Failed
-            lines = st.reshape_world(decision)
-            for line in lines:
-                logger.warning("%s", line)
-            self.sink.emit(
-                HostsChanged(
-                    st.attempt + 1,
-                    tuple(a.slots.hostname for a in st.world),
-                    tuple(lines),
-                )
-            )
-            waiting = [st.agents[spare] for _, spare in decision.replaced]
-            with st.stopping_meanwhile():  # a spare's failure now is this restart's
-                self.run_until(
-                    functools.partial(_all_ready, waiting),
-                    earliest(time.monotonic() + self.plan.start_timeout, deadline),
-                )
-
     def _start_timed_out(self) -> None:
         missing = next(a for a in self.state.agents if a.hello is None)
         address = self.starts.configured_address()
@@ -535,10 +459,6 @@ class Launch(LaunchLoop):
                     self.inbox.peer_of(agent).send(stop)
             self.run_until(self.all_over, time.monotonic() + STOP_WAIT, interruptible=False)
             self.apply_queue()
-
-
-def _all_ready(agents: list[AgentRecord]) -> bool:
-    return all(a.ready or a.over for a in agents)
 
 
 @contextlib.contextmanager

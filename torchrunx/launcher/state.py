@@ -84,6 +84,11 @@ class LaunchState(AttemptState):
     _agents_ended: int = 0
     """Agents before this index are over or ready (within one attempt)."""
 
+    def __post_init__(self) -> None:
+        """Without a world given, every agent runs ranks (no spare)."""
+        if not self.world:
+            self.world = list(self.agents)
+
     def silent_agents(self, now: float) -> list[tuple[AgentRecord, float]]:
         """Agents silent for longer than they may be, with how long (none while stopping).
 

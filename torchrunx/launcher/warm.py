@@ -34,8 +34,9 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, final
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.launcher.orchestrator import STOP_WAIT, Failed, sigterm_raises_system_exit
+from torchrunx.launcher.orchestrator import STOP_WAIT, sigterm_raises_system_exit
 from torchrunx.launcher.records import Phase
+from torchrunx.launcher.replace import Failed
 from torchrunx.launcher.reports import summary
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.session import earliest

@@ -1,0 +1,300 @@
+"""Spare hosts, a shrinking world and frozen hosts (docs/resilience.md), with real agents.
+
+Each name of this machine ("localhost", "127.0.0.1", "127.0.0.2", ...) gets its own agent, so
+a host's loss is real: its agent is SIGKILLed or SIGSTOPped by its own worker. The SSH test
+hosts' tests cut a link.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import torchrunx_processes
+
+import torchrunx as trx
+import torchrunx.events as ev
+
+LOCAL = ["localhost", "127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
+
+
+def fail_host_in_attempt(plan: dict[int, tuple[int, str]], folder: str) -> dict[str, object]:
+    """In attempt ``a``, the rank ``plan[a][0]`` takes its host down (``plan[a][1]``)."""
+    import torch
+    import torch.distributed as dist
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank = int(os.environ["RANK"])
+    with open(f"{folder}/start-{attempt}-{rank}", "w") as f:
+        f.write(repr(time.time()))
+    if attempt in plan and plan[attempt][0] == rank:
+        how = plan[attempt][1]
+        with open(f"{folder}/down-{attempt}", "w") as f:
+            f.write(repr(time.time()))
+        if how == "freeze":  # the agent, then this worker: the whole host stops answering
+            os.kill(os.getppid(), signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(60)
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    return {
+        "rank": rank,
+        "world": int(os.environ["WORLD_SIZE"]),
+        "group_rank": int(os.environ["GROUP_RANK"]),
+        "groups": int(os.environ["GROUP_WORLD_SIZE"]),
+        "attempt": attempt,
+        "agent": os.getppid(),
+        "sum": int(total),
+    }
+
+
+def _launch(plan, folder, hostnames, **fields):
+    seen: list[ev.Event] = []
+    fields.setdefault("max_restarts", 1)
+    result = trx.launch(
+        fail_host_in_attempt,
+        (plan, str(folder)),
+        hostnames=hostnames,
+        workers_per_host=1,
+        backend="gloo",
+        restart_on=("hosts",),
+        event_handlers=(seen.append,),
+        log_handlers=None,
+        **fields,
+    )
+    return result, seen
+
+
+def _of(seen, kind):
+    return [e for e in seen if isinstance(e, kind)]
+
+
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_spare_takes_a_dead_hosts_place_and_ranks(tmp_path, lost):
+    # Host ``lost`` (host 0 too: rank 0's store moves to the spare) dies in attempt 0.
+    result, seen = _launch(
+        {0: (lost, "kill")}, tmp_path, LOCAL[:3], spare_hosts=(LOCAL[3],), agent_timeout=2
+    )
+    hosts = LOCAL[:3]
+    hosts[lost] = LOCAL[3]
+    assert list(result.hostnames) == hosts
+    assert result.restarts == 1
+    # Same world size, the spare has the dead host's ranks; the process group works.
+    assert [(r["rank"], r["group_rank"], r["world"], r["sum"]) for r in result.ranks] == [
+        (i, i, 3, 6) for i in range(3)
+    ]
+    assert all(r["attempt"] == 1 for r in result.ranks)  # TORCHELASTIC_RESTART_COUNT raised
+    started = {e.hostname: e.pid for e in _of(seen, ev.AgentStarted)}
+    assert result.ranks[lost]["agent"] == started[LOCAL[3]]  # the spare's agent, started early
+    (launch_started,) = _of(seen, ev.LaunchStarted)
+    assert (launch_started.hostnames, launch_started.spare_hosts) == (tuple(LOCAL[:3]), (LOCAL[3],))
+    (quarantined,) = _of(seen, ev.HostQuarantined)
+    assert (quarantined.hostname, quarantined.host_index) == (LOCAL[lost], lost)
+    (changed,) = _of(seen, ev.HostsChanged)
+    assert changed.hostnames == tuple(hosts)
+    assert changed.changes == (f"attempt 1: spare {LOCAL[3]} replaces {LOCAL[lost]} (host {lost})",)
+    assert result.world_changes == (
+        f"attempt 0: {LOCAL[lost]} (host {lost}, FAILED) quarantined",
+        f"attempt 1: spare {LOCAL[3]} replaces {LOCAL[lost]} (host {lost})",
+    )
+    assert result.index(LOCAL[3], 0)["rank"] == lost
+    assert not torchrunx_processes()
+
+
+def test_the_world_shrinks_down_to_min_hosts(tmp_path):
+    # No spare: host 1 dies in attempt 0, the two others go on as ranks 0 and 1 (WORLD_SIZE 2).
+    result, seen = _launch({0: (1, "kill")}, tmp_path, LOCAL[:3], min_hosts=2)
+    assert list(result.hostnames) == [LOCAL[0], LOCAL[2]]
+    assert [
+        (r["rank"], r["group_rank"], r["world"], r["groups"], r["sum"]) for r in result.ranks
+    ] == [
+        (0, 0, 2, 2, 3),
+        (1, 1, 2, 2, 3),
+    ]
+    (changed,) = _of(seen, ev.HostsChanged)
+    assert changed.changes == (f"attempt 1: no spare for {LOCAL[1]}: 2 hosts go on",)
+    assert (tmp_path / "start-1-1").exists() and not (tmp_path / "start-1-2").exists()
+
+
+def test_below_min_hosts_the_last_failure_is_raised_with_the_earlier_ones(tmp_path):
+    # Attempt 0 loses host 2 (two go on); attempt 1 loses host 1: one host is below min_hosts=2.
+    with pytest.raises(trx.AgentFailedError, match=f"agent on host '{LOCAL[1]}'") as info:
+        _launch({0: (2, "kill"), 1: (1, "kill")}, tmp_path, LOCAL[:3], min_hosts=2, max_restarts=3)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"attempt 0: AgentFailedError: agent on host '{LOCAL[2]}'" in notes
+    assert "1 host(s) would be fewer than min_hosts=2" in notes
+    assert f"attempt 1: no spare for {LOCAL[2]}: 2 hosts go on" in notes
+    assert not torchrunx_processes()
+
+
+def test_spares_are_used_in_turn_then_the_world_shrinks(tmp_path):
+    result, seen = _launch(
+        {0: (0, "kill"), 1: (1, "kill")},
+        tmp_path,
+        LOCAL[:3],
+        spare_hosts=(LOCAL[3],),
+        min_hosts=2,
+        max_restarts=2,
+    )
+    assert list(result.hostnames) == [LOCAL[3], LOCAL[2]]
+    assert [r["world"] for r in result.ranks] == [2, 2]
+    assert [e.changes for e in _of(seen, ev.HostsChanged)] == [
+        (f"attempt 1: spare {LOCAL[3]} replaces {LOCAL[0]} (host 0)",),
+        (f"attempt 2: no spare for {LOCAL[1]}: 2 hosts go on",),
+    ]
+
+
+def test_a_frozen_host_is_quarantined_within_agent_timeout(tmp_path):
+    # SIGSTOP of host 1's agent and worker: no heartbeat, no exit, no closed connection.
+    result, seen = _launch(
+        {0: (1, "freeze")}, tmp_path, LOCAL[:3], spare_hosts=(LOCAL[3],), agent_timeout=2
+    )
+    frozen = float((tmp_path / "down-0").read_text())
+    (quarantined,) = _of(seen, ev.HostQuarantined)
+    assert quarantined.state == "LOST"
+    assert quarantined.time - frozen <= 2 + 1
+    assert list(result.hostnames) == [LOCAL[0], LOCAL[3], LOCAL[2]]
+    assert not torchrunx_processes()  # the frozen agent and worker were killed too
+
+
+def test_a_spare_that_cannot_start_leaves_the_launch_alone(tmp_path, caplog):
+    # A spare that does not resolve fails to start: a warning, and the launch runs.
+    result, _ = _launch(
+        {}, tmp_path, LOCAL[:2], spare_hosts=("no-such-host.invalid",), start_timeout=10
+    )
+    assert [r["sum"] for r in result.ranks] == [3, 3]
+    assert "spare host no-such-host.invalid is not available" in caplog.text
+    assert result.world_changes == ()
+
+
+def test_health_names_spares_quarantined_hosts_and_changes(tmp_path):
+    reports: list[tuple[int, dict[str, object]]] = []
+    url: list[str] = []
+
+    def look(event: ev.Event) -> None:
+        if isinstance(event, ev.LaunchStarted) and event.health_url:
+            url.append(event.health_url)
+        running = (
+            event.new is ev.WorkerState.HEALTHY
+            if isinstance(event, ev.WorkerStateChanged)
+            else False
+        )
+        if running and event.attempt == 1:  # type: ignore[union-attr]
+            try:
+                with urllib.request.urlopen(url[0], timeout=5) as answer:  # noqa: S310 (http)
+                    reports.append((answer.status, json.loads(answer.read())))
+            except urllib.error.HTTPError as error:
+                reports.append((error.code, json.loads(error.read())))
+
+    result = trx.launch(
+        fail_host_in_attempt,
+        ({0: (1, "kill")}, str(tmp_path)),
+        hostnames=LOCAL[:2],
+        spare_hosts=(LOCAL[2],),
+        workers_per_host=1,
+        backend="gloo",
+        max_restarts=1,
+        restart_on=("hosts",),
+        health_check_port=0,
+        event_handlers=(look,),
+        log_handlers=None,
+    )
+    assert result.restarts == 1
+    code, report = reports[-1]  # every rank of the spare's attempt runs: healthy again
+    assert code == 200
+    roles = {a["hostname"]: (a["role"], a["state"]) for a in report["agents"]}
+    assert roles == {
+        LOCAL[0]: ("host", "RUNNING"),
+        LOCAL[1]: ("quarantined", "FAILED"),
+        LOCAL[2]: ("host", "RUNNING"),
+    }
+    assert report["world_changes"] == list(result.world_changes)
+
+
+def test_warm_agents_run_on_the_spare_after_a_host_is_lost(tmp_path):
+    launcher = trx.Launcher(
+        hostnames=LOCAL[:2],
+        spare_hosts=(LOCAL[2],),
+        workers_per_host=1,
+        backend="gloo",
+        max_restarts=1,
+        restart_on=("hosts",),
+        log_handlers=None,
+    )
+    with launcher.warm() as warm:
+        first = warm.run(fail_host_in_attempt, {0: (1, "kill")}, str(tmp_path))
+        assert list(first.hostnames) == [LOCAL[0], LOCAL[2]]
+        # The next run starts on the spare: the quarantined host is not tried again.
+        second = warm.run(fail_host_in_attempt, {}, str(tmp_path))
+        assert list(second.hostnames) == [LOCAL[0], LOCAL[2]]
+        assert second.world_changes == first.world_changes
+    assert not torchrunx_processes()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"spare_hosts": 1}, "add 'hosts' to restart_on"),
+        ({"min_hosts": 1, "restart_on": ("hosts",)}, "set max_restarts >= 1"),
+        ({"spare_hosts": 2, "max_restarts": 1, "restart_on": ("hosts",)}, "takes every one"),
+        (
+            {"spare_hosts": ("localhost",), "max_restarts": 1, "restart_on": ("hosts",)},
+            "also in hostnames",
+        ),
+        ({"min_hosts": 3, "max_restarts": 1, "restart_on": ("hosts",)}, "more than the 2 hosts"),
+        ({"spare_hosts": -1}, "0 or more"),
+        ({"min_hosts": 0}, "1 or more"),
+        (
+            {
+                "spare_hosts": ("node9",),
+                "workers_per_host": [1, 1],
+                "max_restarts": 1,
+                "restart_on": ("hosts",),
+            },
+            "set spare_hosts to their number",
+        ),
+    ],
+)
+def test_bad_resilience_fields_are_refused_before_anything_starts(fields, message):
+    launcher = trx.Launcher(hostnames=["localhost", "127.0.0.1"], **fields)
+    with pytest.raises(ValueError, match=message):
+        launcher.run(os.getpid)
+    assert not torchrunx_processes()
+
+
+@pytest.mark.parametrize(
+    ("value", "field"), [("2", "spare_hosts"), (True, "min_hosts"), ([3], "spare_hosts")]
+)
+def test_resilience_fields_of_the_wrong_type_are_refused(value, field):
+    with pytest.raises(TypeError, match=field):
+        trx.Launcher(hostnames=["localhost"], **{field: value}).validate()
+
+
+def test_the_dry_run_and_the_plan_keep_spares_apart():
+    launcher = trx.Launcher(
+        hostnames=["localhost", "127.0.0.1", "127.0.0.2"],
+        spare_hosts=1,
+        workers_per_host=1,
+        max_restarts=1,
+        restart_on=("hosts",),
+    )
+    plan = launcher.plan()
+    assert (plan.world_hosts, plan.spares) == (2, 1)
+    assert plan.hostnames == ("localhost", "127.0.0.1", "127.0.0.2")
+    text = launcher.dry_run()
+    assert "hosts: 2, and 1 spare host(s)" in text
+    assert "world size: 2" in text
+    assert [
+        line.split()[3] for line in text.splitlines() if line.startswith(("0 ", "1 ", "2 "))
+    ] == [
+        "0",
+        "1",
+        "spare",
+    ]

@@ -1,0 +1,108 @@
+"""Hosts that change between attempts: new agents in place, or spares and a smaller world.
+
+After a failure that ``"hosts"`` in ``restart_on`` covers, :class:`HostChanges` gets every host
+of the world ready for the next attempt (the launch, :mod:`~torchrunx.launcher.orchestrator`,
+and warm agents between runs call it):
+
+- without spares or ``min_hosts``: a new agent on each failed host (a new SSH connection or
+  ``srun`` step), the host keeping its place;
+- with them: each failed host is quarantined, and a spare takes its place, or the world
+  shrinks (which one is :func:`torchrunx.launcher.spares.reshape`'s decision).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from torchrunx.events import AgentState, HostsChanged
+from torchrunx.launcher.session import LaunchLoop, earliest
+from torchrunx.launcher.spares import reshape
+
+if TYPE_CHECKING:
+    from torchrunx.launcher.records import AgentRecord
+
+logger = logging.getLogger("torchrunx.launcher")
+
+
+class Failed(Exception):  # noqa: N818 (control flow of a launch, never raised to the user)
+    """A failure was recorded: stop, then raise the cause or restart."""
+
+
+class HostChanges(LaunchLoop):
+    """Replacing failed hosts between attempts; owned by the launch's thread."""
+
+    def replace_agents(self, deadline: float | None) -> None:
+        """Start a new agent for every host whose agent died or was lost (new SSH or srun).
+
+        With spare hosts or ``min_hosts``, the failed hosts are quarantined instead: spares
+        take their places, or the world shrinks (:meth:`_reshape`).
+        """
+        if self.plan.quarantines:
+            self._reshape(deadline)
+            return
+        st = self.state
+        replaced = [a.index for a in st.unready_agents()]
+        for index in replaced:
+            old = st.replace_agent(index)
+            logger.warning("starting a new agent on %s", old.slots.hostname)
+            self.inbox.drop(old.conn)
+            self.pool.replace(index, lost=old.state is AgentState.LOST)
+        with st.stopping_meanwhile():  # their failures now are the restart's
+            self.run_until(
+                lambda: all(st.agents[i].hello is not None or st.agents[i].over for i in replaced),
+                earliest(time.monotonic() + self.plan.start_timeout, deadline),
+            )
+        st.replacements_started(replaced)
+
+    def _reshape(self, deadline: float | None) -> None:
+        """Quarantine the world's failed hosts; spares take their places, or the world shrinks.
+
+        A spare that has not said hello yet is waited for (``start_timeout``); one that fails
+        meanwhile is replaced in turn. Raises :class:`Failed` (the cause is raised) when fewer
+        than ``min_hosts`` hosts would be left.
+        """
+        st = self.state
+        while True:
+            failed = st.unready_agents()
+            if not failed:
+                return
+            for agent in failed:
+                if agent.role == "host":  # alive but not ready in time, or not yet noted
+                    self.inbox.quarantine(agent)
+                self.inbox.drop(agent.conn)
+            spares = sorted(
+                (a for a in st.agents if a.role == "spare" and not a.over),
+                key=lambda a: (not a.ready, a.index),
+            )
+            decision = reshape(
+                [a.index for a in st.world],
+                [a.index for a in failed],
+                [a.index for a in spares],
+                self.plan.min_hosts,
+            )
+            if decision.short is not None:
+                st.restart_failed(decision.short)
+                raise Failed
+            lines = st.reshape_world(decision)
+            for line in lines:
+                logger.warning("%s", line)
+            self.sink.emit(
+                HostsChanged(
+                    st.attempt + 1,
+                    tuple(a.slots.hostname for a in st.world),
+                    tuple(lines),
+                )
+            )
+            waiting = [st.agents[spare] for _, spare in decision.replaced]
+            with st.stopping_meanwhile():  # a spare's failure now is this restart's
+                self.run_until(
+                    functools.partial(_all_ready, waiting),
+                    earliest(time.monotonic() + self.plan.start_timeout, deadline),
+                )
+
+
+def _all_ready(agents: list[AgentRecord]) -> bool:
+    return all(a.ready or a.over for a in agents)
