@@ -77,6 +77,7 @@ _STATE_TESTS = (
     "tests/test_rules_more.py",
     "tests/test_warm_state.py",
     "tests/test_rules_runs.py",
+    "tests/test_rules_spares.py",
 )
 """The launch state's rule tests: they guard state.py and attempt.py alike."""
 
@@ -99,6 +100,11 @@ TARGETS: dict[str, Target] = {
         "torchrunx/launcher/attempt.py",
         _STATE_TESTS,
         note="the agents and ranks of an attempt: moves, hellos, exits, outcomes",
+    ),
+    "spares": Target(
+        "torchrunx/launcher/spares.py",
+        ("tests/test_rules_spares.py",),
+        note="spare_hosts and min_hosts: their checks and the next world",
     ),
     "inbox": Target(
         "torchrunx/launcher/inbox.py",

@@ -298,3 +298,149 @@ def test_the_dry_run_and_the_plan_keep_spares_apart():
         "1",
         "spare",
     ]
+
+
+def _wait_for_no_processes(timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while torchrunx_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return torchrunx_processes()
+
+
+def sleep_in_attempt_0(folder: str) -> tuple[int, str]:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank = int(os.environ["RANK"])
+    with open(f"{folder}/start-{attempt}-{rank}", "w") as f:
+        f.write(repr(time.time()))
+    if attempt == 0:
+        time.sleep(60)
+    total = torch.tensor([1])
+    dist.all_reduce(total)
+    return int(total), socket.gethostname()
+
+
+@pytest.mark.cluster
+def test_a_cut_link_is_replaced_by_an_ssh_spare_within_agent_timeout_and_2_s(cluster, tmp_path):
+    # Three hosts (two agents here, node1 over SSH) and node2 as the spare, over SSH too. Once
+    # every rank runs, node1's link is cut: the function must run again on node2 within
+    # agent_timeout + 2 s of the cut, and return.
+    import threading
+
+    agent_timeout = 2.0
+    seen: list[ev.Event] = []
+    cut_at: list[float] = []
+
+    def cut_once_running() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if all((tmp_path / f"start-0-{rank}").exists() for rank in range(3)):
+                cut_at.append(time.time())
+                cluster.cut_link("node1")
+                return
+            time.sleep(0.05)
+
+    cutter = threading.Thread(target=cut_once_running)
+    cutter.start()
+    try:
+        result = trx.launch(
+            sleep_in_attempt_0,
+            (str(tmp_path),),
+            hostnames=["localhost", "127.0.0.1", "node1"],
+            spare_hosts=("node2",),
+            workers_per_host=1,
+            backend="gloo",
+            max_restarts=1,
+            restart_on=("hosts",),
+            agent_timeout=agent_timeout,
+            ssh_config_file=cluster.ssh_config,
+            event_handlers=(seen.append,),
+            log_handlers=None,
+        )
+    finally:
+        cutter.join()
+        cluster.restore_link("node1")
+    assert [total for total, _ in result.ranks] == [3, 3, 3]
+    assert result.ranks[2][1] == "node2"
+    assert list(result.hostnames) == ["localhost", "127.0.0.1", "node2"]
+    again = float((tmp_path / "start-1-2").read_text())
+    assert again - cut_at[0] <= agent_timeout + 2, again - cut_at[0]
+    (quarantined,) = _of(seen, ev.HostQuarantined)
+    assert (quarantined.hostname, quarantined.state) == ("node1", "LOST")
+    # The cut-off agent notices the silence too, and ends with its worker.
+    assert _wait_for_no_processes(agent_timeout + 10) == []
+
+
+@pytest.mark.cluster
+def test_a_frozen_ssh_host_is_quarantined_within_agent_timeout_and_1_s(cluster, tmp_path):
+    agent_timeout = 2.0
+    result, seen = _launch(
+        {0: (1, "freeze")},
+        tmp_path,
+        ["localhost", "node1"],
+        spare_hosts=("node2",),
+        agent_timeout=agent_timeout,
+        ssh_config_file=cluster.ssh_config,
+    )
+    frozen = float((tmp_path / "down-0").read_text())
+    (quarantined,) = _of(seen, ev.HostQuarantined)
+    assert (quarantined.hostname, quarantined.state) == ("node1", "LOST")
+    assert quarantined.time - frozen <= agent_timeout + 1
+    assert list(result.hostnames) == ["localhost", "node2"]
+    assert [r["sum"] for r in result.ranks] == [3, 3]
+    # The frozen agent and worker on node1 are killed (its guardian saw the SSH session end).
+    assert _wait_for_no_processes(agent_timeout + 10) == []
+
+
+SPARE_NODE_SCRIPT = r"""
+import os, signal, subprocess, sys, time
+import torchrunx as trx
+
+def node_fails_once():
+    import torch, torch.distributed as dist
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os.kill(os.getppid(), signal.SIGKILL)  # this node's agent dies
+        time.sleep(60)
+    total = torch.tensor([1])
+    dist.all_reduce(total)
+    return os.environ["SLURMD_NODENAME"], int(os.environ["WORLD_SIZE"]), int(total)
+
+result = trx.Launcher(
+    spare_hosts=1, max_restarts=1, restart_on=("hosts",), workers_per_host=1, agent_start="srun"
+).run(node_fails_once)
+print("hosts", list(result.hostnames))
+print("ranks", result.ranks)
+print("changes", list(result.world_changes))
+out = subprocess.run(["squeue", "-h", "-s", "-j", sys.argv[1], "-o", "%j"],
+                     capture_output=True, text=True, check=True).stdout
+print("steps", sorted(out.split()))
+"""
+
+
+@pytest.mark.slurm
+def test_a_spare_node_of_the_allocation_replaces_a_failed_one(slurm, tmp_path):
+    # sbatch --nodes=2 with spare_hosts=1: snode1 runs, snode2 (an srun step) waits; snode1's
+    # agent dies and snode2 runs the next attempt as host 0 (the rendezvous store moves too).
+    import shlex
+    import sys
+
+    script = tmp_path / "spare.py"
+    script.write_text(SPARE_NODE_SCRIPT)
+    result = slurm.sbatch(
+        f'{shlex.quote(sys.executable)} {shlex.quote(str(script))} "$SLURM_JOB_ID"\n',
+        nodes=2,
+        extra_args=["--ntasks-per-node=1"],
+    )
+    assert result.exit_code == 0, result
+    lines = result.stdout.splitlines()
+    assert "hosts ['snode2']" in lines, result
+    assert "ranks [('snode2', 1, 1)]" in lines, result
+    assert (
+        "changes ['attempt 0: snode1 (host 0, FAILED) quarantined', "
+        "'attempt 1: spare snode2 replaces snode1 (host 0)']"
+    ) in lines, result
+    assert "steps ['batch']" in lines, result  # the spare's step ended with the launch

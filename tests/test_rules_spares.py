@@ -1,0 +1,214 @@
+"""Rules of spare hosts and a shrinking world (torchrunx.launcher.spares), pure.
+
+- a spare takes a failed host's place: same position, so the same ranks (docs/resilience.md);
+- spares are used in the order given, ready ones first (the launch sorts them);
+- without a spare, the failed host's place is dropped and the later hosts move up;
+- below ``min_hosts`` (or with none given, below the launch's hosts) the world cannot go on;
+- a count of spares takes the last hosts; named spares must be other hosts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from torchrunx.errors import AgentFailedError
+from torchrunx.events import AgentState
+from torchrunx.hosts import HostSlots
+from torchrunx.launcher.records import AgentRecord, Phase
+from torchrunx.launcher.spares import Reshape, check_resilience, reshape, split_spares
+from torchrunx.launcher.state import LaunchState
+from torchrunx.wire.messages import AgentHello, WorkersEnded, WorkerSpec
+
+
+def test_a_spare_takes_the_failed_hosts_position():
+    assert reshape([0, 1, 2], [1], [3, 4], None) == Reshape((0, 3, 2), replaced=((1, 3),))
+
+
+def test_spares_are_taken_in_order_for_failed_hosts_in_rank_order():
+    decision = reshape([0, 1, 2], [2, 0], [5, 3], None)
+    assert decision == Reshape((5, 1, 3), replaced=((0, 5), (2, 3)))
+
+
+def test_without_a_spare_the_later_hosts_move_up():
+    assert reshape([0, 1, 2, 3], [1], [], 2) == Reshape((0, 2, 3), dropped=(1,))
+
+
+def test_spares_first_then_dropped_places():
+    assert reshape([0, 1, 2], [0, 2], [3], 1) == Reshape((3, 1), replaced=((0, 3),), dropped=(2,))
+
+
+def test_min_hosts_is_a_floor_the_world_may_reach():
+    assert reshape([0, 1, 2], [2], [], 2).short is None
+    short = reshape([0, 1, 2], [1, 2], [], 2).short
+    assert short is not None
+    assert "1 host(s) would be fewer than min_hosts=2" in short
+
+
+def test_without_min_hosts_the_world_never_shrinks():
+    short = reshape([0, 1], [1], [], None).short
+    assert short is not None
+    assert "set min_hosts to go on with fewer" in short
+    assert reshape([0, 1], [1], [2], None).short is None
+
+
+def test_nothing_failed_nothing_changes():
+    assert reshape([4, 2], [], [7], 1) == Reshape((4, 2))
+
+
+def _hosts(*names: str) -> list[HostSlots]:
+    return [HostSlots(name, 2) for name in names]
+
+
+def test_a_count_of_spares_takes_the_last_hosts():
+    world, spares = split_spares(_hosts("a", "b", "c", "d"), 1, None)
+    assert [h.hostname for h in world] == ["a", "b", "c"]
+    assert [h.hostname for h in spares] == ["d"]
+    assert split_spares(_hosts("a", "b"), 0, None) == (_hosts("a", "b"), [])
+
+
+def test_named_spares_come_beside_the_hosts():
+    world, spares = split_spares(_hosts("a", "b"), ("c",), 2, _hosts("c"))
+    assert ([h.hostname for h in world], [h.hostname for h in spares]) == (["a", "b"], ["c"])
+
+
+@pytest.mark.parametrize(
+    ("hosts", "spare_hosts", "min_hosts", "named", "message"),
+    [
+        (("a", "b"), 2, None, (), "takes every one of the 2 hosts"),
+        (("a", "b"), ("b",), None, ("b",), r"spare_hosts \['b'\] are also in hostnames"),
+        (("a", "b", "c"), 1, 3, (), "min_hosts=3 is more than the 2 hosts that run"),
+    ],
+)
+def test_spares_that_leave_nothing_to_run_are_refused(
+    hosts, spare_hosts, min_hosts, named, message
+):
+    with pytest.raises(ValueError, match=message):
+        split_spares(_hosts(*hosts), spare_hosts, min_hosts, _hosts(*named))
+
+
+def test_spares_or_min_hosts_need_hosts_restarts():
+    check_resilience(1, 2, ("hosts",), 1)
+    check_resilience(0, None, (), 0)  # nothing asked: nothing needed
+    with pytest.raises(ValueError, match="add 'hosts' to restart_on"):
+        check_resilience(("node9",), None, ("deaths",), 3)
+    with pytest.raises(ValueError, match="min_hosts is used only"):
+        check_resilience(0, 1, ("hosts",), 0)
+
+
+@pytest.mark.parametrize(
+    ("spare_hosts", "min_hosts", "error"),
+    [
+        ("node9", None, TypeError),
+        (True, None, TypeError),
+        (("",), None, TypeError),
+        ((3,), None, TypeError),
+        (-1, None, ValueError),
+        (0, 0, ValueError),
+        (0, 1.5, TypeError),
+        (0, False, TypeError),
+    ],
+)
+def test_bad_values_are_named(spare_hosts, min_hosts, error):
+    with pytest.raises(error, match=r"spare_hosts|min_hosts"):
+        check_resilience(spare_hosts, min_hosts, ("hosts",), 1)
+
+
+# -- the launch state: spares wait, failed hosts are quarantined, the world is reshaped --------
+
+
+def _launch_with_spare(hosts: int = 2, spares: int = 1) -> tuple[LaunchState, list[AgentRecord]]:
+    """Agents said hello (the spare too) and every host runs its workers."""
+    agents = [
+        AgentRecord(i, HostSlots(f"node{i}", 1), "ssh", role="host" if i < hosts else "spare")
+        for i in range(hosts + spares)
+    ]
+    state = LaunchState(agents, started=100.0, world=agents[:hosts], max_restarts=1)
+    for agent in agents:
+        hello = AgentHello(agent.index, agent.slots.hostname, 1000 + agent.index, 1, 29500)
+        state.agent_hello(agent, conn=agent.index, hello=hello, now=101.0)
+    assert state.all_hellos
+    state.agents_ready(102.0)
+    for position, agent in enumerate(agents[:hosts]):
+        spec = WorkerSpec(position, agent.slots.hostname, 1, position, hosts, "h", 1, "gloo", 9.0)
+        state.assign(agent, spec)
+    return state, agents
+
+
+def test_the_start_waits_only_for_the_worlds_hosts():
+    agents = [AgentRecord(0, HostSlots("a", 1), "ssh"), AgentRecord(1, HostSlots("b", 1), "ssh")]
+    agents[1].role = "spare"
+    state = LaunchState(agents, started=0.0, world=agents[:1])
+    state.agent_hello(agents[0], 0, AgentHello(0, "a", 1, 1, 2), 1.0)
+    assert state.all_hellos  # the spare's hello may come later
+    state.agents_ready(1.0)
+    assert (agents[0].ready, agents[1].ready) == (True, False)  # no hello: not ready
+    state.move_phase(Phase.STARTING_WORKERS)
+    state.agent_hello(agents[1], 1, AgentHello(1, "b", 2, 1, 3), 2.0)
+    assert agents[1].ready  # a spare that says hello later waits at once
+
+
+def test_a_spare_that_fails_is_no_fault_of_the_run():
+    state, agents = _launch_with_spare()
+    assert state.agent_failed(agents[2], AgentFailedError("node2", "x"), 1.0, lost=True) == []
+    assert (agents[2].state, state.faults, state.degraded) == (AgentState.LOST, [], True)
+    # ... and it does not make the launch unhealthy: only the world's hosts do.
+    state.degraded = False
+    report = state.health(105.0, max_restarts=1, cause=None)
+    assert report.healthy
+    assert [(a.hostname, a.role, a.state) for a in report.agents] == [
+        ("node0", "host", AgentState.RUNNING),
+        ("node1", "host", AgentState.RUNNING),
+        ("node2", "spare", AgentState.LOST),
+    ]
+
+
+def test_a_hosts_failure_is_a_fault_and_quarantine_says_so():
+    state, agents = _launch_with_spare()
+    state.agent_failed(agents[1], AgentFailedError("node1", "x"), 1.0)
+    assert [(f.kind, f.host_index) for f in state.faults] == [("agent", 1)]
+    line = state.quarantine(agents[1])
+    assert line == "attempt 0: node1 (host 1, FAILED) quarantined"
+    assert agents[1].role == "quarantined"
+    # A quarantined host's later end is no fault either.
+    assert state.agent_failed(agents[1], AgentFailedError("node1", "y"), 2.0) == []
+    assert len(state.faults) == 1
+
+
+def test_reshaping_puts_the_spare_in_the_failed_hosts_place():
+    state, agents = _launch_with_spare()
+    state.agent_failed(agents[0], AgentFailedError("node0", "x"), 1.0)
+    state.quarantine(agents[0])
+    lines = state.reshape_world(Reshape((2, 1), replaced=((0, 2),)))
+    assert lines == ["attempt 1: spare node2 replaces node0 (host 0)"]
+    assert state.world == [agents[2], agents[1]]
+    assert agents[2].role == "host"
+    assert state.world_changes == ["attempt 0: node0 (host 0, FAILED) quarantined", *lines]
+    assert state.unready_agents() == [agents[1]]  # the survivor still runs its workers
+    report = state.health(105.0, max_restarts=1, cause=None)
+    assert report.world_changes == tuple(state.world_changes)
+    assert [a.role for a in report.agents] == ["quarantined", "host", "host"]
+
+
+def test_reshaping_without_a_spare_drops_the_place():
+    state, agents = _launch_with_spare(hosts=3, spares=0)
+    lines = state.reshape_world(Reshape((0, 2), dropped=(1,)))
+    assert lines == ["attempt 1: no spare for node1: 2 hosts go on"]
+    assert state.world == [agents[0], agents[2]]
+
+
+def test_a_new_attempt_leaves_spares_waiting():
+    state, agents = _launch_with_spare()
+    assert agents[2].ready and not agents[0].ready
+    state.next_attempt()
+    assert agents[2].ready
+    assert state.finished is False
+
+
+def test_the_stop_and_the_end_are_the_worlds():
+    state, agents = _launch_with_spare()
+    agents[2].ready = False  # a spare that is busy is not waited for
+    for agent in agents[:2]:
+        state.workers_ended(agent, WorkersEnded(1, attempt=0))
+    assert state.stopped
+    timings = state.timings(connect=(0.0, 0.0))
+    assert len(timings.agent_start) == 2
