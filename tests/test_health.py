@@ -158,11 +158,24 @@ def test_report_to_json_is_stable_and_plain():
         "agents",
         "workers",
         "failures",
+        "world_changes",
     ]
     assert data["uptime"] == 12.346  # rounded to the millisecond
     assert data["agents"] == [
-        {"host_index": 0, "hostname": "node1", "state": "RUNNING", "last_heartbeat_age": 0.25},
-        {"host_index": 1, "hostname": "node2", "state": "STARTING", "last_heartbeat_age": None},
+        {
+            "host_index": 0,
+            "hostname": "node1",
+            "state": "RUNNING",
+            "last_heartbeat_age": 0.25,
+            "role": "host",
+        },
+        {
+            "host_index": 1,
+            "hostname": "node2",
+            "state": "STARTING",
+            "last_heartbeat_age": None,
+            "role": "host",
+        },
     ]
     assert list(data["workers"][0]) == [
         "rank",

@@ -57,7 +57,7 @@ from torchrunx.errors import (
     WorkerTimeoutError,
 )
 from torchrunx.events import AgentStarted as AgentStartedEvent
-from torchrunx.events import AgentState, WorkerFailed, WorkerState
+from torchrunx.events import AgentState, HostQuarantined, WorkerFailed, WorkerState
 from torchrunx.events import WorkersStarted as WorkersStartedEvent
 from torchrunx.hosts import hostlists
 from torchrunx.hosts import resolve as hosts
@@ -144,6 +144,8 @@ class Parts:
     agent_timeout: float = 7.5
     start_timeout: float = 42.0
     env_file: str | None = None
+    quarantines: bool = False
+    """Spare hosts or min_hosts: a failed host of the world is quarantined."""
 
     # the listener, the pool, the log router and the event sink in one
     def drop(self, peer: StubPeer) -> None:
@@ -2376,3 +2378,57 @@ def test_rule_connect_does_not_pause_past_its_deadline(monkeypatch):
     with pytest.raises(ConnectionResetError):
         handshake.connect(("h", 1), SECRET, "agent", handshake._RETRY_FIRST)  # left == pause
     assert clock.sleeps == []
+
+
+# -- spare hosts and min_hosts: quarantine (docs/resilience.md) --------------------------------
+
+
+def test_rule_with_spares_a_failed_host_is_quarantined_at_once():
+    inbox, parts, _ = connected(quarantines=True)
+    inbox.agent_silent(inbox.state.agents[1], 8.0)
+    agent = inbox.state.agents[1]
+    assert (agent.state, agent.role) == (AgentState.LOST, "quarantined")
+    assert [f.kind for f in inbox.state.faults] == ["lost"]  # the cause of the restart
+    (event,) = [e for e in parts.events if isinstance(e, HostQuarantined)]
+    assert (event.host_index, event.hostname, event.state) == (1, "node1", "LOST")
+    assert inbox.state.world_changes == ["attempt 0: node1 (host 1, LOST) quarantined"]
+
+
+def test_rule_without_spares_a_failed_host_is_not_quarantined():
+    inbox, parts, _ = connected()
+    inbox.agent_silent(inbox.state.agents[1], 8.0)
+    assert inbox.state.agents[1].role == "host"
+    assert not [e for e in parts.events if isinstance(e, HostQuarantined)]
+
+
+def test_rule_an_end_while_stopping_or_starting_quarantines_nothing():
+    inbox, _, _ = connected(quarantines=True)
+    inbox.agent_failed(inbox.state.agents[0], None)  # no fault: a consequence of a stop
+    assert inbox.state.agents[0].role == "host"
+    starting, _ = new_inbox(quarantines=True)
+    starting.agent_failed(starting.state.agents[0], AgentFailedError("node0", "cannot start"))
+    assert starting.state.agents[0].role == "host"  # a start failure fails the launch instead
+
+
+def test_rule_a_live_agent_that_is_quarantined_is_told_to_stop_for_good():
+    inbox, parts, peers = connected(quarantines=True)
+    agent = inbox.state.agents[0]
+    inbox.quarantine(agent)
+    (stop,) = peers[0].sent
+    assert isinstance(stop, Stop) and not stop.restart
+    assert stop.reason == "its host was quarantined"
+    assert (agent.state, agent.role, inbox.state.faults) == (AgentState.FAILED, "quarantined", [])
+    inbox.quarantine(agent)  # once only
+    assert len(peers[0].sent) == 1
+    assert len([e for e in parts.events if isinstance(e, HostQuarantined)]) == 1
+
+
+def test_rule_a_spares_failure_is_a_warning_not_a_fault(caplog):
+    inbox, _, _ = connected(quarantines=True)
+    spare = inbox.state.agents[1]
+    spare.role = "spare"
+    inbox.agent_failed(spare, AgentFailedError("node1", "cannot resolve"))
+    assert (spare.state, spare.role, inbox.state.faults) == (AgentState.FAILED, "spare", [])
+    assert "spare host node1 is not available: AgentFailedError" in caplog.text
+    inbox.agent_failed(spare, None)
+    assert "spare host node1 is not available: its agent failed" in caplog.text
