@@ -435,7 +435,8 @@ def main(line: bytes) -> None:
     # A Ctrl-C meant for the launcher must not kill the agent before it cleans up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    tmpdir = fork_agent()  # from here on, this process is the agent, below its guardian
+    # From here on, this process is the agent, below its guardian.
+    tmpdir = fork_agent(grace=2 * boot.agent_timeout + _DEFAULT_GRACE)
     capture_logging(boot.log_level)
     address = (boot.launcher_address, boot.launcher_port)
     try:

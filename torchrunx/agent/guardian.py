@@ -8,11 +8,14 @@ its guardian and only waits for it. Every process below the agent is below the g
 and an orphan there is adopted by the agent (itself a subreaper) or, once the agent is gone,
 by the guardian: nothing a worker starts can leave the tree, daemons included.
 
-While the agent runs, the guardian passes SIGTERM on to it (SIGINT stays ignored). When the
-agent has ended, however (its own exit, SIGKILL, a crash), the guardian sends SIGKILL to every
-process still below it and reaps them, removes the private temporary directory (the agent
-removes it itself when it can), and ends the way the agent ended: the same exit status, or
-the same signal. So the launcher sees the
+While the agent runs, the guardian passes SIGTERM on to it (SIGINT stays ignored), and watches
+the launcher's end of the agent's stdin (the SSH session, the ``srun`` step's or the local
+pipe): once it is closed, the agent has ``grace`` seconds to end by itself (it stops on that
+EOF), then the guardian sends it SIGKILL. So an agent that cannot act (``SIGSTOP``, a hung
+interpreter) does not outlive its launcher. When the agent has ended, however (its own exit,
+SIGKILL, a crash), the guardian sends SIGKILL to every process still below it and reaps them,
+removes the private temporary directory (the agent removes it itself when it can), and ends
+the way the agent ended: the same exit status, or the same signal. So the launcher sees the
 agent's end as before, only after everything below it is gone.
 
 The agent leaves the guardian's process group right after the fork (``setpgid``), and gets
@@ -27,8 +30,10 @@ import contextlib
 import os
 import platform
 import resource
+import select
 import signal
 import sys
+import time
 from typing import NoReturn
 
 from torchrunx.agent import leftovers
@@ -57,8 +62,10 @@ def missing_pidfds() -> str | None:
     return None
 
 
-def fork_agent() -> str | None:
+def fork_agent(grace: float = 30.0) -> str | None:
     """Fork the agent; only the agent returns, this process becomes its guardian.
+
+    ``grace``: seconds the agent has to end once its stdin is closed (see the module).
 
     Returns the workers' private temporary directory (one for all the agent's workers), or
     ``None`` if none could be made: :func:`torchrunx.agent.leftovers.make_private_dir` has then
@@ -71,7 +78,7 @@ def fork_agent() -> str | None:
     sys.stderr.flush()
     agent = os.fork()
     if agent != 0:
-        _guard(agent, tmpdir)  # never returns
+        _guard(agent, tmpdir, grace)  # never returns
     os.setpgid(0, 0)  # out of the group the launcher may SIGKILL: see the module
     leftovers.set_parent_death_signal(signal.SIGTERM)
     leftovers.set_child_subreaper()  # not inherited
@@ -80,7 +87,7 @@ def fork_agent() -> str | None:
     return tmpdir
 
 
-def _guard(agent: int, tmpdir: str | None) -> NoReturn:
+def _guard(agent: int, tmpdir: str | None, grace: float) -> NoReturn:
     status = 1 << 8  # exit status 1, if anything below fails
     try:
         pidfd = os.pidfd_open(agent)  # signals reach the agent, never a reuser of its pid
@@ -90,9 +97,12 @@ def _guard(agent: int, tmpdir: str | None) -> NoReturn:
                 signal.pidfd_send_signal(pidfd, signum)
 
         signal.signal(signal.SIGTERM, forward)
+        stdin = os.dup(0)  # watched for its end only: the agent alone reads it
         devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)  # the agent alone reads the launcher's end of stdin
+        os.dup2(devnull, 0)
         os.close(devnull)
+        _wait_for(pidfd, stdin, grace)
+        os.close(stdin)
         while True:
             pid, status = os.waitpid(-1, 0)  # only the agent: orphans go to it while it lives
             if pid == agent:
@@ -106,6 +116,26 @@ def _guard(agent: int, tmpdir: str | None) -> NoReturn:
         leftovers.remove_dir(tmpdir)
     finally:
         _end_like(status)
+
+
+def _wait_for(pidfd: int, stdin: int, grace: float) -> None:
+    """Wait until the agent ends; SIGKILL it ``grace`` s after its stdin's other end closed."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    poller.register(stdin, select.POLLRDHUP)  # and POLLHUP, POLLERR: always reported
+    kill_at: float | None = None
+    while True:
+        wait = None if kill_at is None else max(0, round((kill_at - time.monotonic()) * 1000))
+        ready = dict(poller.poll(wait))
+        if pidfd in ready:
+            return
+        if stdin in ready:  # the launcher's end is gone: the agent should end now
+            poller.unregister(stdin)
+            kill_at = time.monotonic() + grace
+        if kill_at is not None and time.monotonic() >= kill_at:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            kill_at = None  # its end wakes the poll
 
 
 def _end_like(status: int) -> NoReturn:

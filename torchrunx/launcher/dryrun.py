@@ -38,12 +38,13 @@ class Launcher(Protocol):
     def start_timeout(self) -> float: ...  # noqa: D102
 
 
-def describe_plan(
+def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     launcher: Launcher,
     hosts: list[HostSlots],
     methods: list[StartMethod],
     env_names: list[str],
     gpus: Sequence[int | None] | None = None,
+    *,
     spares: int = 0,
 ) -> str:
     """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more).
@@ -62,24 +63,8 @@ def describe_plan(
         "",
         "host  name                 workers  ranks      agent start",
     ]
-    offset: int | None = 0
     count = count_mode(launcher.workers_per_host)
-    for index, (host, method) in enumerate(zip(hosts, methods, strict=True)):
-        if index >= len(running):
-            workers = count if host.workers is None else str(host.workers)
-            ranks = "spare"
-        elif host.workers is None:
-            workers, ranks = count, "-"
-            offset = None
-        else:
-            workers = str(host.workers)
-            if offset is None:
-                ranks = "-"
-            else:
-                last = offset + host.workers - 1
-                ranks = f"{offset}" if last == offset else f"{offset}-{last}"
-                offset += host.workers
-        lines.append(f"{index:<5} {host.hostname:<20} {workers:<8} {ranks:<10} {method}")
+    lines += _host_rows(hosts, methods, count, len(running))
     if not known:
         counted = {"gpu": "GPUs", "cpu": "CPU cores"}.get(count, "GPUs, else CPU cores")
         lines.append(f"({count}: the agent counts its {counted}; ranks follow host order)")
@@ -97,6 +82,26 @@ def describe_plan(
     for host, method in zip(hosts, methods, strict=True):
         lines.append(f"  {host.hostname}: {_agent_command_line(launcher, host.hostname, method)}")
     return "\n".join(lines)
+
+
+def _host_rows(
+    hosts: list[HostSlots], methods: list[StartMethod], count: str, running: int
+) -> list[str]:
+    """One row per host: its workers and ranks (``"spare"`` from index ``running`` on)."""
+    rows = []
+    offset: int | None = 0
+    for index, (host, method) in enumerate(zip(hosts, methods, strict=True)):
+        workers = count if host.workers is None else str(host.workers)
+        if index >= running:
+            ranks = "spare"
+        elif host.workers is None or offset is None:
+            ranks, offset = "-", None
+        else:
+            last = offset + host.workers - 1
+            ranks = f"{offset}" if last == offset else f"{offset}-{last}"
+            offset += host.workers
+        rows.append(f"{index:<5} {host.hostname:<20} {workers:<8} {ranks:<10} {method}")
+    return rows
 
 
 def _backend_lines(
