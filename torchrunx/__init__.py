@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torchrunx.errors import (
         AgentFailedError,
         LaunchTimeoutError,
+        Preempted,
         SerializationError,
         TorchrunxError,
         WorkerError,
@@ -35,6 +36,12 @@ if TYPE_CHECKING:
     from torchrunx.launcher.results import LaunchResult, LaunchTimings
     from torchrunx.launcher.warm import WarmLauncher
     from torchrunx.logs import LogSetup, add_filter_to_handler, file_handler, stream_handler
+    from torchrunx.preemption import (
+        on_preemption,
+        preemption_deadline,
+        preemption_reason,
+        preemption_requested,
+    )
 
 __version__ = "0.5.0"
 """The release: the successor of the original torchrunx 0.4 (pyproject.toml reads it here)."""
@@ -48,6 +55,7 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "LaunchTimings",
     "Launcher",
     "LogSetup",
+    "Preempted",
     "SerializationError",
     "TorchrunxError",
     "WarmLauncher",
@@ -61,6 +69,10 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "file_handler",
     "launch",
     "launcher_from_args",
+    "on_preemption",
+    "preemption_deadline",
+    "preemption_reason",
+    "preemption_requested",
     "stream_handler",
     "worker_cache",
 ]
@@ -70,6 +82,11 @@ _HOME = {
     "LaunchTimeoutError": "torchrunx.errors",
     "SerializationError": "torchrunx.errors",
     "TorchrunxError": "torchrunx.errors",
+    "Preempted": "torchrunx.errors",
+    "on_preemption": "torchrunx.preemption",
+    "preemption_deadline": "torchrunx.preemption",
+    "preemption_reason": "torchrunx.preemption",
+    "preemption_requested": "torchrunx.preemption",
     "WorkerError": "torchrunx.errors",
     "WorkerFailedError": "torchrunx.errors",
     "WorkerRaisedError": "torchrunx.errors",

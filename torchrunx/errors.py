@@ -17,6 +17,12 @@
     └── <the user's own exception>      re-raised with its own type when a worker raises it;
                                         its remote traceback is attached as ``__cause__``
 
+    SystemExit
+    └── Preempted                       the launch was stopped for a preemption (SIGTERM with
+                                        ``preemption_grace``): the values of the ranks that
+                                        returned in the grace period; exit status 143 if
+                                        uncaught, as a SIGTERM without a grace gives
+
 Validation of ``Launcher`` fields raises plain ``ValueError`` / ``TypeError`` before any host is
 touched. Third-party errors (paramiko, socket, pickle) are translated here at the boundary with
 ``raise ... from exc``.
@@ -207,6 +213,45 @@ class SerializationError(TorchrunxError, TypeError):
 
 class ProtocolError(TorchrunxError):
     """A peer sent something that is not torchrunx's wire protocol, or failed to authenticate."""
+
+
+class Preempted(SystemExit):
+    """The launch was preempted: its ranks were told, had the grace period, then were stopped.
+
+    A ``SystemExit`` (code 143, as after SIGTERM), so a script that does not catch it exits
+    as it did before, and ``except Exception`` does not swallow it. Catch it to see what was
+    saved, or to requeue the job yourself.
+
+    Attributes:
+        reason: Why (``"the launcher received SIGTERM"``, ``"the agent on node3 received
+            SIGTERM"``).
+        returned: The value of each rank that returned within the grace period, by rank.
+        world_size: The ranks of the attempt that was preempted (0 if none had started).
+        requeued: Whether the SLURM job was requeued (``requeue_on_preemption``).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        returned: dict[int, object],
+        world_size: int,
+        *,
+        requeued: bool = False,
+    ) -> None:
+        """A preemption: ``returned`` maps ranks to the values they returned in time."""
+        super().__init__(128 + _signal.SIGTERM)
+        self.reason = reason
+        self.returned = returned
+        self.world_size = world_size
+        self.requeued = requeued
+
+    def __str__(self) -> str:
+        """``the launch was preempted (reason): N of M ranks returned[; the job was requeued]``."""
+        text = (
+            f"the launch was preempted ({self.reason}): {len(self.returned)} of "
+            f"{self.world_size} ranks returned in the grace period"
+        )
+        return text + ("; the SLURM job was requeued" if self.requeued else "")
 
 
 class RemoteTraceback(Exception):  # noqa: N818 (mirrors concurrent.futures' name; not an error)

@@ -155,6 +155,17 @@ class Restarting:
 
 
 @dataclass(frozen=True)
+class Preempting:
+    """The launch is preempted: every rank was told, and has ``grace`` seconds to return."""
+
+    reason: str
+    """``"the launcher received SIGTERM"``, or ``"the agent on node3 received SIGTERM"``."""
+    grace: float
+    """``Launcher.preemption_grace``, resolved."""
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class HostQuarantined:
     """A host's agent failed or was lost: it takes no further part (spare hosts, ``min_hosts``).
 
@@ -202,6 +213,7 @@ Event = (
     | WorkerStateChanged
     | WorkerFailed
     | Restarting
+    | Preempting
     | HostQuarantined
     | HostsChanged
     | LaunchFinished

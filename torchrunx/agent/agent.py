@@ -65,6 +65,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, NoReturn
 
+from torchrunx import preemption
 from torchrunx.agent import leftovers
 from torchrunx.agent.attempt import Attempt
 from torchrunx.agent.capture import capture_logging
@@ -80,6 +81,8 @@ from torchrunx.wire import handshake
 from torchrunx.wire.bootstrap import AgentBootstrap
 from torchrunx.wire.messages import (
     AgentHello,
+    Preempt,
+    PreemptionNotice,
     ShowStacks,
     Stop,
     WorkersEnded,
@@ -98,6 +101,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("torchrunx.agent")
 
 _DEFAULT_GRACE = 3.0
+_SAME_NOTICE = 1.0
+"""Seconds in which a second SIGTERM is the same preemption notice (see ``on_sigterm``)."""
 
 
 def _free_port() -> int:
@@ -147,6 +152,16 @@ class Agent:
         self.preloaded = False
         self.offered_port: int | None = None
         """The ``MASTER_PORT`` of the last ``WorkersEnded`` (None: none sent yet)."""
+        # Preemption (see on_sigterm).
+        self.grace = 0.0
+        """The attempt's preemption grace (``WorkerSpec.preemption_grace``)."""
+        self.noticed: float | None = None
+        """When SIGTERM brought a preemption notice (monotonic), if it did."""
+        self.guardian = os.getppid()
+        self._wake = socket.socketpair()
+        for end in self._wake:
+            end.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+        self.selector.register(self._wake[0], selectors.EVENT_READ, "sigterm")
         # How the attempt's workers are being stopped.
         self.attempt = -1
         """The attempt of the workers last started."""
@@ -211,6 +226,7 @@ class Agent:
         self.current = current
         group = current.group
         self._place_store(spec)
+        self.grace = spec.preemption_grace
 
         store = None if self.store is None else self.store.sock
 
@@ -228,6 +244,7 @@ class Agent:
                 agent_objects=(
                     self.selector,
                     self.link.conn.sock,
+                    *self._wake,
                     *((store,) if store is not None and not keeps else ()),
                 ),
                 store_fd=store.fileno() if store is not None and keeps else None,
@@ -303,6 +320,8 @@ class Agent:
         leftovers.remove_dir(self.tmpdir)
         if self.store is not None:
             self.store.close()
+        for end in self._wake:
+            end.close()
         self.selector.close()
         self.link.conn.close()
 
@@ -342,6 +361,46 @@ class Agent:
             timers += self.current.deadlines()
         return max(min(timers) - now, 0.0)
 
+    # -- preemption -------------------------------------------------------------------------
+
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        """SIGTERM: while workers run with a grace period, a preemption notice; else the end.
+
+        The notice goes to this host's workers and to the launcher, which tells every host
+        (:mod:`torchrunx.preemption`). A second SIGTERM (more than a second after the first:
+        SLURM signals the agent and its guardian, which passes its own on, at once), one while
+        stopping or between attempts, or one sent because the guardian died, ends the agent as
+        before.
+        """
+        del signum, frame
+        if self.noticed is not None and time.monotonic() - self.noticed < _SAME_NOTICE:
+            return  # the same notice, twice
+        if (
+            self.noticed is not None
+            or self.stopping
+            or self.current is None
+            or self.grace <= 0
+            or os.getppid() != self.guardian
+        ):
+            sys.exit(143)
+        self.noticed = time.monotonic()
+        with contextlib.suppress(OSError):
+            self._wake[1].send(b"t")  # the loop sends the notice (never from a handler)
+
+    def _on_sigterm_notice(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake[0].recv(64)
+        reason = f"the agent on {self.boot.hostname} received SIGTERM"
+        logger.warning("%s: telling the launcher (preemption)", reason)
+        self._tell_workers(time.time() + self.grace, reason)
+        self.link.send(PreemptionNotice(reason))
+
+    def _tell_workers(self, deadline: float, reason: str) -> None:
+        """Every live worker of this host: save and return by ``deadline``."""
+        if self.current is not None:
+            for worker in self.current.group.live():
+                preemption.request(worker.notice, deadline, reason)
+
     def _dispatch(self, data: object, events: int) -> None:
         if isinstance(data, Ready):
             assert self.current is not None  # noqa: S101 (only while a group runs)
@@ -352,6 +411,8 @@ class Agent:
                 self._on_message(*received)
         elif data == "stdin":
             self.link.on_stdin()
+        elif data == "sigterm":
+            self._on_sigterm_notice()
         elif isinstance(data, TorchPreload):
             self.preload_pending = False
             self.selector.unregister(data.fileno())  # else it stays readable: a spin
@@ -364,6 +425,8 @@ class Agent:
                 self.received = (message, payload)
         elif isinstance(message, Stop):
             self._on_stop(message)
+        elif isinstance(message, Preempt):
+            self._tell_workers(message.deadline, message.reason)
         elif isinstance(message, ShowStacks):
             current = self.current
             if current is None or self.stopping or not current.group.live():
@@ -461,6 +524,7 @@ def main(line: bytes) -> None:
         )
     )
     agent = Agent(boot, conn, gpus=gpus, cpus=cpus, tmpdir=tmpdir, store=store)
+    signal.signal(signal.SIGTERM, agent.on_sigterm)  # a preemption notice, while workers run
     agent.link.forward_logging()
     logger.info(
         "agent of host %d started on %s (pid %d)",

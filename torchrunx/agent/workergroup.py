@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NoReturn
 
-from torchrunx import timer
+from torchrunx import preemption, timer
 from torchrunx.agent import leftovers
 from torchrunx.wire.lines import LineSplitter
 
@@ -70,6 +70,8 @@ class Worker:
     """Its stdout and stderr pipes still open (a pipe leaves the list at its end)."""
     page: mmap.mmap
     """Shared with the worker: its watchdog deadline (see :mod:`torchrunx.timer`)."""
+    notice: mmap.mmap
+    """Shared with the worker: a preemption notice (see :mod:`torchrunx.preemption`)."""
     stacks: bytearray = field(default_factory=bytearray)
     """What its stack pipe has brought so far (the last 16 KiB)."""
     ended: bool = False
@@ -102,6 +104,8 @@ class Fork:
     stack: int
     """Write end of its stack pipe, for ``faulthandler``."""
     page: mmap.mmap
+    notice: mmap.mmap
+    """Shared with the agent: a preemption notice (:mod:`torchrunx.preemption`)."""
     inherited: tuple[int, ...]
     """The agent's descriptors of this group (its siblings' and its own read ends): the child
     closes them."""
@@ -139,19 +143,20 @@ class WorkerGroup:
             out_read, out_write = os.pipe()
             err_read, err_write = os.pipe()
             page = timer.new_page()
+            notice = preemption.new_page()
             pid = os.fork()
             if pid == 0:
                 try:
                     inherited = (stack_read, out_read, err_read, *self._fds())
                     become_worker(
-                        Fork(local_rank, out_write, err_write, stack_write, page, inherited)
+                        Fork(local_rank, out_write, err_write, stack_write, page, notice, inherited)
                     )
                 finally:
                     os._exit(1)  # never back into the agent's code
             for fd in (stack_write, out_write, err_write):
                 os.close(fd)
             outputs = [Output(out_read, is_stderr=False), Output(err_read, is_stderr=True)]
-            worker = Worker(local_rank, pid, os.pidfd_open(pid), stack_read, outputs, page)
+            worker = Worker(local_rank, pid, os.pidfd_open(pid), stack_read, outputs, page, notice)
             self.workers.append(worker)
             self.selector.register(worker.pidfd, selectors.EVENT_READ, Ready("exited", worker))
             os.set_blocking(stack_read, False)
@@ -381,6 +386,7 @@ class WorkerGroup:
                 os.close(output.fd)
             worker.outputs.clear()
             worker.page.close()
+            worker.notice.close()
 
 
 def _sleep_until(deadline: float) -> None:
@@ -392,6 +398,8 @@ def _signal_group(worker: Worker, signum: int) -> None:
     if worker.ended:  # never signal a reaped pid: it may belong to someone else now
         return
     worker.signalled = worker.signalled or signum in (signal.SIGTERM, signal.SIGKILL)
+    if signum == signal.SIGTERM:  # this SIGTERM ends the worker: it is no preemption notice
+        preemption.mark_stopping(worker.notice)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         try:
             os.killpg(worker.pid, signum)

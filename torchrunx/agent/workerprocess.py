@@ -31,7 +31,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
-from torchrunx import timer
+from torchrunx import preemption, timer
 from torchrunx.agent import leftovers
 from torchrunx.agent.store import serve_when_torch_imported
 
@@ -90,6 +90,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
         leftovers.set_parent_death_signal(signal.SIGKILL)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
+        preemption.attach(fork.notice, spec.preemption_grace)  # an outside SIGTERM: a notice
         for agent_object in agent_objects:
             agent_object.close()
         for fd in fork.inherited:

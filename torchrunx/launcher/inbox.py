@@ -31,6 +31,7 @@ from torchrunx.wire.messages import (
     DebugpyListening,
     Heartbeat,
     LogLines,
+    PreemptionNotice,
     Stop,
     WorkerException,
     WorkerExited,
@@ -87,6 +88,8 @@ class Inbox:
         """Where an agent's answer to ShowStacks goes (the launch's look, see ``where``)."""
         self.debugger: Debugger | None = None
         """Where a worker's debugger output goes (``breakpoint()``), once the launch has one."""
+        self.on_preempt: Callable[[str], None] | None = None
+        """An agent received SIGTERM: preempt the launch (:meth:`LaunchLoop.preempt`)."""
         self.on_debugpy: Callable[[int, int], None] | None = None
         """A rank's debugpy listens on its host's port: make it reachable (TORCHRUNX_DEBUGPY)."""
 
@@ -279,6 +282,9 @@ class Inbox:
             st.workers_ended(agent, message)
         elif isinstance(message, AgentDone):
             st.agent_done(agent)
+        elif isinstance(message, PreemptionNotice):
+            if self.on_preempt is not None and self.plan.preemption_grace > 0:
+                self.on_preempt(message.reason)
         elif not isinstance(message, Heartbeat):  # a worker's message on an agent's connection
             self.drop(agent.conn)
 

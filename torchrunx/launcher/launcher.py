@@ -40,8 +40,9 @@ from torchrunx.launcher.health import (
     health_port_from_env,
 )
 from torchrunx.launcher.logrouter import log_level_from_env
-from torchrunx.launcher.orchestrator import Launch, sigterm_raises_system_exit
+from torchrunx.launcher.orchestrator import Launch
 from torchrunx.launcher.plan import Backend, LaunchPlan, start_methods
+from torchrunx.launcher.preempt import default_grace, sigterm_preempts
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.spares import check_resilience, split_spares
 from torchrunx.launcher.ssh import read_ssh_config
@@ -196,6 +197,16 @@ quarantined and a spare takes its place and its ranks (see docs/resilience.md)."
 left, down to this many (WORLD_SIZE and the ranks change), like torchrun's --nnodes=MIN:MAX.
 None: never fewer hosts (without spare_hosts, a failed host gets a new agent in place)."""
 
+    preemption_grace: float | None = None
+    """Seconds the ranks get, after a SIGTERM to the launcher or to one host's agent, to save
+and return (torchrunx.preemption_requested() turns True); then everything stops and the
+caller gets torchrunx.Preempted. None: inside a SLURM job, SLURM's KillWait less 2 s, else 0
+(SIGTERM stops the launch at once, exit status 143)."""
+
+    requeue_on_preemption: bool = False
+    """Inside an sbatch job: after a preemption, requeue the job (scontrol requeue), as
+submitit does; the job's script runs again and the function resumes from its checkpoint."""
+
     health_check_port: int | None = None
     """Serve GET /health (JSON; 200 while healthy, 503 after a failure) on this port while
 the launch runs, on 127.0.0.1 unless $TORCHRUNX_HEALTH_CHECK_HOST names another address (*:
@@ -263,7 +274,10 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         call = serialization.dumps_call(func, args, kwargs)
         launch = Launch(plan, call)
         try:
-            with sigterm_raises_system_exit(), sigquit_shows_stacks(launch.ask_stacks):
+            with (
+                sigterm_preempts(launch.preempt, plan.preemption_grace),
+                sigquit_shows_stacks(launch.ask_stacks),
+            ):
                 per_host = launch.execute()
         finally:
             launch.close()
@@ -297,7 +311,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         plan = self.plan(warm=True, keep_workers=keep_workers)
         launch = Launch(plan, [])
         try:
-            with sigterm_raises_system_exit():
+            with sigterm_preempts(launch.preempt, 0.0):  # nothing runs yet: SIGTERM stops
                 launch.open()
         except BaseException:
             launch.close()
@@ -331,6 +345,10 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             methods=tuple(start_methods(self.agent_start, [h.hostname for h in hosts])),
             spares=len(spares),
             min_hosts=self.min_hosts,
+            preemption_grace=(
+                default_grace() if self.preemption_grace is None else float(self.preemption_grace)
+            ),
+            requeue=self.requeue_on_preemption,
             env=self.exported_env(),
             workers_per_host=self.workers_per_host,
             backend=self.backend,
@@ -362,6 +380,24 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         named = resolve_hosts(list(self.spare_hosts), self.workers_per_host)
         return split_spares(hosts, tuple(self.spare_hosts), self.min_hosts, named)
 
+    def _validate_resilience(self) -> None:
+        """``spare_hosts``, ``min_hosts``, ``preemption_grace``, ``requeue_on_preemption``."""
+        check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
+        if isinstance(self.spare_hosts, list | tuple):
+            check_hostnames(list(self.spare_hosts))
+            if isinstance(self.workers_per_host, list | tuple):
+                raise ValueError(  # noqa: TRY004 (a value that does not fit another)
+                    "spare_hosts names hosts, but workers_per_host is a list (one count per "
+                    "host of hostnames): give one count for every host, or make the spares "
+                    "the last hosts of hostnames and set spare_hosts to their number"
+                )
+        if self.preemption_grace is not None:
+            _validate_seconds("preemption_grace", self.preemption_grace, zero=True)
+        if not isinstance(self.requeue_on_preemption, bool):
+            raise TypeError(
+                f"requeue_on_preemption must be True or False, got {self.requeue_on_preemption!r}"
+            )
+
     def validate(self) -> None:
         """Check every field; raise a clear error before anything starts.
 
@@ -382,15 +418,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         _validate_env_vars(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
         check_log_fields(self.log_handlers, self.console_ranks)
         _validate_restarts(self.max_restarts, self.restart_on)
-        check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
-        if isinstance(self.spare_hosts, list | tuple):
-            check_hostnames(list(self.spare_hosts))
-            if isinstance(self.workers_per_host, list | tuple):
-                raise ValueError(  # noqa: TRY004 (a value that does not fit another)
-                    "spare_hosts names hosts, but workers_per_host is a list (one count per "
-                    "host of hostnames): give one count for every host, or make the spares "
-                    "the last hosts of hostnames and set spare_hosts to their number"
-                )
+        self._validate_resilience()
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
         health_details_from_env()  # raises ValueError for a bad TORCHRUNX_HEALTH_CHECK_DETAILS
@@ -508,13 +536,19 @@ def _validate_choice(name: str, value: object, choices: tuple[object, ...]) -> N
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
 
 
-def _validate_seconds(name: str, value: object) -> None:
-    """A timeout must be a finite number of seconds above 0 (an int or a float)."""
+def _validate_seconds(name: str, value: object, *, zero: bool = False) -> None:
+    """A timeout must be a finite number of seconds above 0 (``zero``: or 0), an int or a float."""
     if isinstance(value, int | float) and not isinstance(value, bool) and not math.isfinite(value):
         no_limit = " (for no limit, use launch_timeout=None)" if name == "launch_timeout" else ""
         raise ValueError(f"{name} must be a finite number of seconds, got {value!r}{no_limit}")
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        least = "0 or more" if zero else "a positive number of"
+        raise ValueError(f"{name} must be {least} seconds, got {value!r}")
 
 
 def _validate_env_vars(default: object, copy: object, extra: object) -> None:

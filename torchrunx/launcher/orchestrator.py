@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import threading
 import time
 from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from torchrunx.devices import resolve_backend
 from torchrunx.errors import (
     AgentFailedError,
     LaunchTimeoutError,
+    Preempted,
     SerializationError,
     add_note,
     exception_text,
@@ -39,6 +39,7 @@ from torchrunx.events import (
     WorkerState,
 )
 from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
+from torchrunx.launcher.preempt import requeue_job
 from torchrunx.launcher.records import STOP_GRACE, Phase
 from torchrunx.launcher.replace import Failed, HostChanges
 from torchrunx.launcher.reports import finish_report, output_tail_note, stacks_note, summary
@@ -46,7 +47,7 @@ from torchrunx.launcher.session import earliest
 from torchrunx.wire.messages import Stop, WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
     from torchrunx.launcher.records import Fault
 
@@ -102,6 +103,8 @@ class Launch(HostChanges):
                 self.pool.start(agent.index)
             start_by = st.started + self.plan.start_timeout
             self.run_until(lambda: st.all_hellos, earliest(start_by, deadline))
+            if self.preemption is not None:
+                raise self._preempted()  # noqa: TRY301 (it stopped everything and reported)
             if not st.all_hellos and not st.failed:
                 if deadline is not None and time.monotonic() >= deadline:
                     self._launch_timed_out()
@@ -109,6 +112,8 @@ class Launch(HostChanges):
                     self._start_timed_out()
             if st.failed:
                 raise Failed  # noqa: TRY301 (stopped and reported below, like every failure)
+        except Preempted:
+            raise
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
             error = self._end_with_failure(exc, final=True)
             raise error from error.__cause__
@@ -138,20 +143,13 @@ class Launch(HostChanges):
         try:
             kept = prepare is not None and prepare(deadline)
             st.run_workers(fresh=not kept)
-            while True:
-                if kept:
-                    self._send_calls()
-                    kept = False
-                else:
-                    self._send_specs()
-                self.run_until(lambda: st.finished, deadline)
-                if not st.finished and not st.failed and not st.alarm:
-                    self._launch_timed_out()
-                if st.finished and not st.failed:
-                    break
-                self._restart_or_raise(deadline)
+            self._run_attempts(kept=kept, deadline=deadline)
             st.results_in(time.monotonic())
             results = self._collect()
+        except Preempted:
+            if after is not None:
+                after()
+            raise
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
             error = self._end_with_failure(exc, final=not self.plan.warm)
             if after is not None:
@@ -162,6 +160,26 @@ class Launch(HostChanges):
         if after is not None:
             after()
         return results
+
+    def _run_attempts(self, *, kept: bool, deadline: float | None) -> None:
+        """Attempts until every rank of one returned; else raise (a failure, a preemption)."""
+        st = self.state
+        while True:
+            if self.preemption is not None:  # SIGTERM during a restart: no new attempt
+                raise self._preempted()
+            if kept:
+                self._send_calls()
+                kept = False
+            else:
+                self._send_specs()
+            self.run_until(lambda: st.finished, deadline)
+            if self.preemption is not None:
+                raise self._preempted()
+            if not st.finished and not st.failed and not st.alarm:
+                self._launch_timed_out()
+            if st.finished and not st.failed:
+                return
+            self._restart_or_raise(deadline)
 
     def hostnames(self) -> tuple[str, ...]:
         """The hosts of the current (or last) attempt, in rank order."""
@@ -254,6 +272,7 @@ class Launch(HostChanges):
                 debugger=self.debugger.terminal,
                 post_mortem=self.debugger.post_mortem,
                 debugpy=self.debugger.debugpy,
+                preemption_grace=self.plan.preemption_grace,
             )
             st.assign(agent, spec)
             if agent.index not in self._logged:  # its files and consoles, once
@@ -435,6 +454,41 @@ class Launch(HostChanges):
                 logger.warning("%s", note)
         return error
 
+    def _preempted(self) -> Preempted:
+        """The preemption's end: keep what returned, stop everything, requeue if asked."""
+        st = self.state
+        assert self.preemption is not None  # noqa: S101 (called once it began)
+        reason = self.preemption[0]
+        returned: dict[int, object] = {}
+        lost: list[str] = []
+        for rank in st.ranks:
+            if rank.result is not None:
+                try:
+                    returned[rank.rank] = serialization.loads(st.take_result(rank))
+                except Exception as exc:  # noqa: BLE001 (one rank's value, named below)
+                    lost.append(f"rank {rank.rank}'s return value cannot be unpickled here: {exc}")
+        world = len(st.ranks)
+        st.begin_failure()
+        with contextlib.suppress(KeyboardInterrupt, SystemExit):  # a second signal: stop now
+            if not self.all_over():
+                self.stop_workers(restart=False, dump=False)
+        why_not = requeue_job() if self.plan.requeue else None
+        if why_not is not None:
+            logger.warning("the SLURM job was not requeued: %s", why_not)
+        error = Preempted(reason, returned, world, requeued=self.plan.requeue and why_not is None)
+        missing = [r.rank for r in st.ranks if r.rank not in returned]
+        if missing:
+            add_note(
+                error,
+                f"ranks {missing} did not return within preemption_grace="
+                f"{self.plan.preemption_grace:g} s and were stopped",
+            )
+        for line in [*lost, *([f"the SLURM job was not requeued: {why_not}"] if why_not else [])]:
+            add_note(error, line)
+        st.failed_run()
+        self._emit_finished(error)
+        return error
+
     def _emit_finished(self, error: BaseException | None) -> None:
         st = self.state
         self.sink.emit(
@@ -459,27 +513,3 @@ class Launch(HostChanges):
                     self.inbox.peer_of(agent).send(stop)
             self.run_until(self.all_over, time.monotonic() + STOP_WAIT, interruptible=False)
             self.apply_queue()
-
-
-@contextlib.contextmanager
-def sigterm_raises_system_exit() -> Iterator[None]:
-    """During a launch, SIGTERM stops everything cleanly, then exits with status 143.
-
-    Only where SIGTERM still has its default action (which would kill the launcher before it
-    could stop its agents) and only in the main thread; the handler is restored afterwards.
-    """
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        del signum, frame
-        raise SystemExit(128 + signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)

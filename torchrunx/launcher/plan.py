@@ -70,6 +70,10 @@ class LaunchPlan:
     """The last ``spares`` of ``hosts`` are spare hosts (:mod:`torchrunx.launcher.spares`)."""
     min_hosts: int | None = None
     """The fewest hosts a restart may go on with (None: never fewer)."""
+    preemption_grace: float = 0.0
+    """Seconds the ranks get to save and return after a SIGTERM (0: it stops at once)."""
+    requeue: bool = False
+    """Requeue the SLURM job after a preemption."""
 
     @property
     def quarantines(self) -> bool:

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from torchrunx.events import AgentState, EventSink
+from torchrunx.events import AgentState, EventSink, Preempting
 from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.debugger import Debugger
@@ -47,7 +47,13 @@ from torchrunx.launcher.reports import summary
 from torchrunx.launcher.state import LaunchState
 from torchrunx.launcher.where import StacksLook, print_look
 from torchrunx.wire import handshake
-from torchrunx.wire.messages import HEARTBEAT_INTERVAL, DebugInput, Heartbeat, ShowStacks
+from torchrunx.wire.messages import (
+    HEARTBEAT_INTERVAL,
+    DebugInput,
+    Heartbeat,
+    Preempt,
+    ShowStacks,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -142,9 +148,14 @@ class LaunchLoop:
         """The token of the run under way (``Launch.run_call``)."""
         self._want_stacks = False
         """Set by SIGQUIT (:meth:`ask_stacks`): look at every rank's stacks at the next wake."""
+        self._preempt_request: str | None = None
+        """Set by SIGTERM or an agent's notice (:meth:`preempt`): the reason."""
+        self.preemption: tuple[str, float] | None = None
+        """The preemption under way: its reason and its deadline (monotonic)."""
         self.look: StacksLook | None = None
         """The look at every rank's stacks under way, if any."""
         self.inbox.on_shown = self._on_shown
+        self.inbox.on_preempt = self.preempt
         self.debugger = Debugger(
             self.loop,
             self._send_debug,
@@ -210,6 +221,27 @@ class LaunchLoop:
         self._interrupt = (token, error)
         self.loop.post(lambda: None)
 
+    def preempt(self, reason: str) -> None:
+        """From SIGTERM's handler or an agent's notice: preempt the launch at the next wake.
+
+        Every agent is told (its workers see :func:`torchrunx.preemption_requested`), and the
+        run goes on until every rank returned or ``preemption_grace`` passed (see
+        :mod:`torchrunx.launcher.preempt`). Only the first request counts.
+        """
+        if self._preempt_request is None:
+            self._preempt_request = reason
+        self.loop.wake()
+
+    def _begin_preemption(self, reason: str) -> None:
+        grace = self.plan.preemption_grace
+        self.preemption = (reason, time.monotonic() + grace)
+        message = Preempt(time.time() + grace, reason)
+        for agent in self.state.world:
+            if agent.conn is not None and not agent.over:
+                self.inbox.peer_of(agent).send(message)
+        logger.warning("%s: every rank has %g s to save and return (preemption)", reason, grace)
+        self.sink.emit(Preempting(reason, grace))
+
     def ask_stacks(self) -> None:
         """From SIGQUIT's handler: print every rank's stacks soon; the launch goes on."""
         self._want_stacks = True
@@ -242,6 +274,12 @@ class LaunchLoop:
         """
         st = self.state
         while not done():
+            if self._preempt_request is not None and self.preemption is None:
+                self._begin_preemption(self._preempt_request)
+            if interruptible and self.preemption is not None:
+                if time.monotonic() >= self.preemption[1]:
+                    return  # the grace is over
+                deadline = earliest(deadline, self.preemption[1])
             if interruptible and self._interrupt is not None:
                 token, error = self._interrupt
                 if token is self._run_token:

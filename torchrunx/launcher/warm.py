@@ -34,7 +34,8 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, final
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.launcher.orchestrator import STOP_WAIT, sigterm_raises_system_exit
+from torchrunx.launcher.orchestrator import STOP_WAIT
+from torchrunx.launcher.preempt import sigterm_preempts
 from torchrunx.launcher.records import Phase
 from torchrunx.launcher.replace import Failed
 from torchrunx.launcher.reports import summary
@@ -478,7 +479,11 @@ class WarmLauncher:
         try:
             if self.closed:
                 raise RuntimeError(_CLOSED)
-            with sigterm_raises_system_exit(), sigquit_shows_stacks(self._agents.launch.ask_stacks):
+            launch = self._agents.launch
+            with (
+                sigterm_preempts(launch.preempt, launch.plan.preemption_grace),
+                sigquit_shows_stacks(launch.ask_stacks),
+            ):
                 result: LaunchResult[R] = self._agents.run(call)
         finally:
             self._agents.lock.release()

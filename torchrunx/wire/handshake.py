@@ -20,7 +20,7 @@ from typing import Literal
 from torchrunx.errors import ProtocolError
 from torchrunx.wire.records import Connection, SessionKeys, _recv_exact_into
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """5: a worker's debugger speaks on its connection (``DebugOutput``, ``DebugInput``) and
 ``WorkerSpec`` says whether the launcher has a terminal. 4: the message classes live in
 :mod:`torchrunx.wire.messages` (a frame's header names its class's module, so a peer of

@@ -74,6 +74,9 @@ class WorkerSpec:
     post_mortem: bool = False
     """``TORCHRUNX_POST_MORTEM`` at the launcher (with a terminal): a rank that raises opens pdb
     at the raising frame there first, then its exception is sent as usual."""
+    preemption_grace: float = 0.0
+    """Seconds the ranks get to save and return after a preemption notice; more than 0: a
+    SIGTERM that reaches a worker from outside is such a notice (:mod:`torchrunx.preemption`)."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,21 @@ class WorkerStacks:
     stacks: dict[int, str]
     shown: bool = False
     """An answer to :class:`ShowStacks` (the workers go on), not a dump before a stop."""
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """Launcher: the launch stops at ``deadline`` (``time.time()``); tell your workers now."""
+
+    deadline: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """Agent: this host was told to stop (its agent received SIGTERM): preempt the launch."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -278,6 +296,8 @@ Message = (
     | Stop
     | WorkerStacks
     | ShowStacks
+    | Preempt
+    | PreemptionNotice
     | WorkersEnded
     | WorkerTimedOut
     | Heartbeat

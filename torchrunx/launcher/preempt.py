@@ -1,0 +1,127 @@
+"""Preemption on the launcher's side: the grace period, SIGTERM, and requeueing the job.
+
+With a grace period (``Launcher.preemption_grace``; inside a SLURM job, by default, what
+SLURM leaves between its SIGTERM and its SIGKILL), a SIGTERM to the launcher, or to one host's
+agent, preempts the launch::
+
+    SIGTERM ─▶ every agent: Preempt(deadline) ─▶ every worker's page (torchrunx.preemption)
+        ─▶ the ranks save and return ... until every rank returned, or the deadline
+        ─▶ stop everything as after any launch ─▶ [requeue the SLURM job] ─▶ raise Preempted
+
+A second SIGTERM stops everything at once (``SystemExit(143)``), as without a grace period.
+The loop's side is :meth:`torchrunx.launcher.session.LaunchLoop.preempt`; the outcome is
+:class:`torchrunx.errors.Preempted`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+from typing import TYPE_CHECKING
+
+from torchrunx.hosts.resolve import in_slurm_allocation
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Mapping
+
+logger = logging.getLogger("torchrunx.launcher")
+
+SLURM_MARGIN = 2.0
+"""Seconds kept back from SLURM's ``KillWait`` for stopping everything after the grace."""
+
+_KILL_WAIT = re.compile(r"^KillWait\s*=\s*(\d+)\s*sec", re.MULTILINE)
+
+
+def slurm_kill_wait(config: str) -> float | None:
+    """``KillWait`` (seconds) in the output of ``scontrol show config``; None if absent."""
+    found = _KILL_WAIT.search(config)
+    return None if found is None else float(found.group(1))
+
+
+def default_grace(
+    environ: Mapping[str, str] | None = None, read_config: Callable[[], str] | None = None
+) -> float:
+    """``preemption_grace=None``: inside a SLURM job, its ``KillWait`` less 2 s; else 0.
+
+    SLURM sends SIGKILL ``KillWait`` seconds after the SIGTERM of a preemption, a cancel or
+    the time limit; outside SLURM nothing says how long there is, and a SIGTERM stops the
+    launch at once, as it always did.
+    """
+    env = os.environ if environ is None else environ
+    if not in_slurm_allocation(env) or (read_config is None and shutil.which("scontrol") is None):
+        return 0.0
+    try:
+        config = (read_config or _scontrol_config)()
+    except (OSError, subprocess.SubprocessError):
+        return 0.0
+    kill_wait = slurm_kill_wait(config)
+    return 0.0 if kill_wait is None else max(kill_wait - SLURM_MARGIN, 1.0)
+
+
+def _scontrol_config() -> str:
+    return subprocess.run(
+        ["scontrol", "show", "config"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    ).stdout
+
+
+def requeue_job(environ: Mapping[str, str] | None = None) -> str | None:
+    """``scontrol requeue`` the SLURM job this runs in; None if done, else why not."""
+    env = os.environ if environ is None else environ
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if not job:
+        return "not inside a SLURM job (no SLURM_JOB_ID)"
+    if shutil.which("scontrol") is None:
+        return "scontrol is not installed here"
+    try:
+        done = subprocess.run(
+            ["scontrol", "requeue", job],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"scontrol requeue {job} failed: {exc}"
+    if done.returncode != 0:
+        return f"scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}"
+    return None
+
+
+@contextlib.contextmanager
+def sigterm_preempts(preempt: Callable[[str], None], grace: float) -> Iterator[None]:
+    """During a launch: SIGTERM preempts it (``grace`` > 0), or stops it at once (exit 143).
+
+    Only where SIGTERM still has its default action (which would kill the launcher before it
+    could stop its agents) and only in the main thread; the handler is restored afterwards.
+    With a grace, the first SIGTERM calls ``preempt(reason)``; a second one stops at once.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    told = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal told
+        del signum, frame
+        if grace <= 0 or told:
+            raise SystemExit(128 + signal.SIGTERM)
+        told = True
+        preempt("the launcher received SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
