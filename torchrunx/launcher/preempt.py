@@ -75,7 +75,10 @@ def _scontrol_config() -> str:
 
 
 def requeue_job(environ: Mapping[str, str] | None = None) -> str | None:
-    """``scontrol requeue`` the SLURM job this runs in; None if done, else why not."""
+    """``scontrol requeue`` the SLURM job this runs in; None if done, else why not.
+
+    Once it is requeued, this process ignores SIGTERM (SLURM sends it to end the job).
+    """
     env = os.environ if environ is None else environ
     job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     if not job:
@@ -94,6 +97,10 @@ def requeue_job(environ: Mapping[str, str] | None = None) -> str | None:
         return f"scontrol requeue {job} failed: {exc}"
     if done.returncode != 0:
         return f"scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}"
+    # SLURM now ends this job (SIGTERM, then SIGKILL after KillWait) to queue it again: let
+    # the caller's code after the launch run meanwhile (the handler below is not restored).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return None
 
 
@@ -124,4 +131,5 @@ def sigterm_preempts(preempt: Callable[[str], None], grace: float) -> Iterator[N
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:  # not after a requeue: ignored then
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
