@@ -53,6 +53,14 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
         ["--steps", "5"],
         [r"final loss per rank: \[[\d.]+, [\d.]+\]"],
     ),
+    "13_preempt_and_resume.py": (  # SIGTERM to itself once rank 0 has run 3 s
+        ["--steps", "400", "--ckpt", "{tmp}/ckpt.pt"],
+        [
+            r"preempted \(the launcher received SIGTERM\): saved at step \[\d+\], by rank 0",
+            r"resumed from step \d+, finished at step 400",
+            r"weights \[1\.0, 2\.0, 3\.0\]",
+        ],
+    ),
     "11_warm_sweep.py": (
         ["--lrs", "0.05", "1000", "0.2", "--steps", "20"],
         [

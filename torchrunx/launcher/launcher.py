@@ -200,8 +200,8 @@ None: never fewer hosts (without spare_hosts, a failed host gets a new agent in 
     preemption_grace: float | None = None
     """Seconds the ranks get, after a SIGTERM to the launcher or to one host's agent, to save
 and return (torchrunx.preemption_requested() turns True); then everything stops and the
-caller gets torchrunx.Preempted. None: inside a SLURM job, SLURM's KillWait less 2 s, else 0
-(SIGTERM stops the launch at once, exit status 143)."""
+caller gets torchrunx.Preempted. None: inside a SLURM job, SLURM's KillWait less 2 s, else 0,
+where SIGTERM stops the launch at once, with exit status 143."""
 
     requeue_on_preemption: bool = False
     """Inside an sbatch job: after a preemption, requeue the job (scontrol requeue), as

@@ -15,7 +15,6 @@ are :mod:`~torchrunx.launcher.reports` (pure). What happens between two runs of 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import time
@@ -26,7 +25,6 @@ from torchrunx import serialization
 from torchrunx.devices import resolve_backend
 from torchrunx.errors import (
     AgentFailedError,
-    LaunchTimeoutError,
     Preempted,
     SerializationError,
     add_note,
@@ -39,10 +37,17 @@ from torchrunx.events import (
     WorkerState,
 )
 from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
-from torchrunx.launcher.preempt import requeue_job
+from torchrunx.launcher.preempt import end_preemption
 from torchrunx.launcher.records import STOP_GRACE, Phase
 from torchrunx.launcher.replace import Failed, HostChanges
-from torchrunx.launcher.reports import finish_report, output_tail_note, stacks_note, summary
+from torchrunx.launcher.reports import (
+    finish_report,
+    launch_timeout_error,
+    output_tail_note,
+    stacks_note,
+    start_timeout_error,
+    summary,
+)
 from torchrunx.launcher.session import earliest
 from torchrunx.wire.messages import Stop, WorkerCall, WorkerSpec
 
@@ -181,10 +186,6 @@ class Launch(HostChanges):
                 return
             self._restart_or_raise(deadline)
 
-    def hostnames(self) -> tuple[str, ...]:
-        """The hosts of the current (or last) attempt, in rank order."""
-        return tuple(a.slots.hostname for a in self.state.world)
-
     def _deadline(self, start: float) -> float | None:
         limit = self.plan.launch_timeout
         return None if limit is None else start + limit
@@ -248,7 +249,7 @@ class Launch(HostChanges):
         backend = resolve_backend(
             self.plan.backend, [(h.slots, h.gpus) for h in hellos if h is not None]
         )
-        master_addr, master_port = self._master_address()
+        master_addr, master_port = self.master_address()
         offset = 0
         for position, agent in enumerate(st.world):
             assert agent.hello is not None  # noqa: S101 (all hellos are in)
@@ -292,19 +293,6 @@ class Launch(HostChanges):
         for rank in st.ranks:
             assert rank.conn is not None  # noqa: S101 (checked by kept_workers_well)
             self.inbox.peers[rank.conn].send(message, self.call)
-
-    def _master_address(self) -> tuple[str, int]:
-        """Rank 0 runs on host 0: its address as the other hosts can reach it, and its port."""
-        agents = self.state.world
-        first = agents[0]
-        if first.remote:
-            address = self.inbox.peer_of(first).peer_address
-        elif any(a.remote for a in agents):
-            # Host 0 is this machine: use the address the remote agents reached us on.
-            address = self.inbox.peer_of(next(a for a in agents if a.remote)).local_address
-        else:
-            address = "127.0.0.1"
-        return address, first.free_port
 
     def _collect(self) -> tuple[tuple[Any, ...], ...]:
         st = self.state
@@ -395,37 +383,22 @@ class Launch(HostChanges):
         st.next_attempt()
 
     def _start_timed_out(self) -> None:
-        missing = next(a for a in self.state.agents if a.hello is None)
-        address = self.starts.configured_address()
-        self.inbox.fault(
-            "agent",
-            AgentFailedError(
-                missing.slots.hostname,
-                "the agent did not connect back within "
-                f"start_timeout={self.plan.start_timeout:g} s; "
-                f"can that host reach this machine on port {self.port}"
-                + (f" at {address}" if address else "")
-                + "? Set launcher_address / TORCHRUNX_LAUNCHER_ADDR to an address it can reach",
-                self.inbox.stderr_tail(missing.index),
-            ),
-            time.time(),
-            host_index=missing.index,
+        missing = next(a for a in self.state.world if a.hello is None)
+        error = start_timeout_error(
+            missing.slots.hostname,
+            self.plan.start_timeout,
+            self.port,
+            self.starts.configured_address(),
+            self.inbox.stderr_tail(missing.index),
         )
+        self.inbox.fault("agent", error, time.time(), host_index=missing.index)
 
     def _launch_timed_out(self) -> None:
         st = self.state
-        now = time.monotonic()
-        limit = self.plan.launch_timeout
         running = [r.rank for r in st.ranks if r.result is None]
-        self.inbox.fault(
-            "launch",
-            LaunchTimeoutError(
-                f"launch_timeout={limit:g} s was hit: the launch was stopped after "
-                f"{now - st.started:.1f} s with ranks {running or 'not yet started'} still "
-                "running (their stacks are below, if they could be read)"
-            ),
-            time.time(),
-        )
+        elapsed = time.monotonic() - st.started
+        error = launch_timeout_error(self.plan.launch_timeout or 0.0, elapsed, running)
+        self.inbox.fault("launch", error, time.time())
 
     def _report(self, cause: Fault) -> BaseException:
         st = self.state
@@ -456,38 +429,14 @@ class Launch(HostChanges):
 
     def _preempted(self) -> Preempted:
         """The preemption's end: keep what returned, stop everything, requeue if asked."""
-        st = self.state
         assert self.preemption is not None  # noqa: S101 (called once it began)
-        reason = self.preemption[0]
-        returned: dict[int, object] = {}
-        lost: list[str] = []
-        for rank in st.ranks:
-            if rank.result is not None:
-                try:
-                    returned[rank.rank] = serialization.loads(st.take_result(rank))
-                except Exception as exc:  # noqa: BLE001 (one rank's value, named below)
-                    lost.append(f"rank {rank.rank}'s return value cannot be unpickled here: {exc}")
-        world = len(st.ranks)
-        st.begin_failure()
-        with contextlib.suppress(KeyboardInterrupt, SystemExit):  # a second signal: stop now
-            if not self.all_over():
-                self.stop_workers(restart=False, dump=False)
-        why_not = requeue_job() if self.plan.requeue else None
-        if why_not is not None:
-            logger.warning("the SLURM job was not requeued: %s", why_not)
-        error = Preempted(reason, returned, world, requeued=self.plan.requeue and why_not is None)
-        missing = [r.rank for r in st.ranks if r.rank not in returned]
-        if missing:
-            add_note(
-                error,
-                f"ranks {missing} did not return within preemption_grace="
-                f"{self.plan.preemption_grace:g} s and were stopped",
-            )
-        for line in [*lost, *([f"the SLURM job was not requeued: {why_not}"] if why_not else [])]:
-            add_note(error, line)
-        st.failed_run()
-        self._emit_finished(error)
-        return error
+        return end_preemption(
+            self.state, self.plan, self.preemption[0], self._stop_for_good, self._emit_finished
+        )
+
+    def _stop_for_good(self) -> None:
+        if not self.all_over():
+            self.stop_workers(restart=False, dump=False)
 
     def _emit_finished(self, error: BaseException | None) -> None:
         st = self.state

@@ -25,10 +25,15 @@ import subprocess
 import threading
 from typing import TYPE_CHECKING
 
+from torchrunx import serialization
+from torchrunx.errors import Preempted, add_note
 from torchrunx.hosts.resolve import in_slurm_allocation
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
+
+    from torchrunx.launcher.plan import LaunchPlan
+    from torchrunx.launcher.state import LaunchState
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -102,6 +107,50 @@ def requeue_job(environ: Mapping[str, str] | None = None) -> str | None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return None
+
+
+def end_preemption(
+    state: LaunchState,
+    plan: LaunchPlan,
+    reason: str,
+    stop: Callable[[], None],
+    finished: Callable[[BaseException | None], None],
+) -> Preempted:
+    """The end of a preemption: keep what returned, ``stop()`` everything, requeue if asked.
+
+    ``finished(error)`` reports the end (the ``LaunchFinished`` event). Returns the
+    :class:`~torchrunx.errors.Preempted` to raise, with a note naming the ranks that did not
+    return in time.
+    """
+    returned: dict[int, object] = {}
+    notes: list[str] = []
+    for rank in state.ranks:
+        if rank.result is not None:
+            try:
+                returned[rank.rank] = serialization.loads(state.take_result(rank))
+            except Exception as exc:  # noqa: BLE001 (one rank's value, named in a note)
+                notes.append(f"rank {rank.rank}'s return value cannot be unpickled here: {exc}")
+    world = len(state.ranks)
+    state.begin_failure()
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):  # a second signal: stop now
+        stop()
+    why_not = requeue_job() if plan.requeue else None
+    if why_not is not None:
+        logger.warning("the SLURM job was not requeued: %s", why_not)
+        notes.append(f"the SLURM job was not requeued: {why_not}")
+    error = Preempted(reason, returned, world, requeued=plan.requeue and why_not is None)
+    missing = [r.rank for r in state.ranks if r.rank not in returned]
+    if missing:
+        notes.insert(
+            0,
+            f"ranks {missing} did not return within preemption_grace="
+            f"{plan.preemption_grace:g} s and were stopped",
+        )
+    for note in notes:
+        add_note(error, note)
+    state.failed_run()
+    finished(error)
+    return error
 
 
 @contextlib.contextmanager

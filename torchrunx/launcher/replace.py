@@ -1,4 +1,4 @@
-"""Hosts that change between attempts: new agents in place, or spares and a smaller world.
+"""The world's hosts: where rank 0 runs, and new agents in place, or spares and a smaller world.
 
 After a failure that ``"hosts"`` in ``restart_on`` covers, :class:`HostChanges` gets every host
 of the world ready for the next attempt (the launch, :mod:`~torchrunx.launcher.orchestrator`,
@@ -32,7 +32,24 @@ class Failed(Exception):  # noqa: N818 (control flow of a launch, never raised t
 
 
 class HostChanges(LaunchLoop):
-    """Replacing failed hosts between attempts; owned by the launch's thread."""
+    """The world's hosts, and replacing failed ones between attempts (the launch's thread)."""
+
+    def hostnames(self) -> tuple[str, ...]:
+        """The hosts of the current (or last) attempt, in rank order."""
+        return tuple(a.slots.hostname for a in self.state.world)
+
+    def master_address(self) -> tuple[str, int]:
+        """Rank 0 runs on host 0: its address as the other hosts can reach it, and its port."""
+        agents = self.state.world
+        first = agents[0]
+        if first.remote:
+            address = self.inbox.peer_of(first).peer_address
+        elif any(a.remote for a in agents):
+            # Host 0 is this machine: use the address the remote agents reached us on.
+            address = self.inbox.peer_of(next(a for a in agents if a.remote)).local_address
+        else:
+            address = "127.0.0.1"
+        return address, first.free_port
 
     def replace_agents(self, deadline: float | None) -> None:
         """Start a new agent for every host whose agent died or was lost (new SSH or srun).

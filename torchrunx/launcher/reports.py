@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from torchrunx import serialization
 from torchrunx.errors import (
     AgentFailedError,
+    LaunchTimeoutError,
     RemoteTraceback,
     SerializationError,
     WorkerRaisedError,
@@ -225,3 +226,27 @@ def finish_report(
             f"(max_restarts={max_restarts}); earlier failures:\n{earlier}",
         )
     return error
+
+
+def start_timeout_error(
+    hostname: str, start_timeout: float, port: int, address: str | None, stderr_tail: str
+) -> AgentFailedError:
+    """An agent that did not connect back within ``start_timeout``: what to check."""
+    return AgentFailedError(
+        hostname,
+        "the agent did not connect back within "
+        f"start_timeout={start_timeout:g} s; "
+        f"can that host reach this machine on port {port}"
+        + (f" at {address}" if address else "")
+        + "? Set launcher_address / TORCHRUNX_LAUNCHER_ADDR to an address it can reach",
+        stderr_tail,
+    )
+
+
+def launch_timeout_error(limit: float, elapsed: float, running: list[int]) -> LaunchTimeoutError:
+    """``launch_timeout`` was hit after ``elapsed`` seconds, ``running`` ranks still running."""
+    return LaunchTimeoutError(
+        f"launch_timeout={limit:g} s was hit: the launch was stopped after "
+        f"{elapsed:.1f} s with ranks {running or 'not yet started'} still "
+        "running (their stacks are below, if they could be read)"
+    )
