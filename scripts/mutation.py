@@ -77,7 +77,7 @@ _STATE_TESTS = (
     "tests/test_rules_more.py",
     "tests/test_warm_state.py",
     "tests/test_rules_runs.py",
-    "tests/test_rules_spares.py",
+    "tests/test_rules_resilience.py",
 )
 """The launch state's rule tests: they guard state.py and attempt.py alike."""
 
@@ -103,8 +103,14 @@ TARGETS: dict[str, Target] = {
     ),
     "spares": Target(
         "torchrunx/launcher/spares.py",
-        ("tests/test_rules_spares.py",),
+        ("tests/test_rules_resilience.py",),
         note="spare_hosts and min_hosts: their checks and the next world",
+    ),
+    "preempt": Target(
+        "torchrunx/launcher/preempt.py",
+        ("tests/test_rules_resilience.py",),
+        functions=("slurm_kill_wait", "default_grace"),
+        note="the default preemption grace (the rest signals and runs scontrol)",
     ),
     "inbox": Target(
         "torchrunx/launcher/inbox.py",

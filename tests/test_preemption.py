@@ -20,7 +20,6 @@ import pytest
 from conftest import torchrunx_processes
 
 import torchrunx as trx
-from torchrunx.launcher.preempt import default_grace, slurm_kill_wait
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -285,19 +284,6 @@ def test_a_bad_grace_is_refused(value, error):
         trx.Launcher(hostnames=["localhost"], preemption_grace=value).validate()
     with pytest.raises(TypeError, match="requeue_on_preemption"):
         trx.Launcher(hostnames=["localhost"], requeue_on_preemption="yes").validate()  # type: ignore[arg-type]
-
-
-def test_the_default_grace_is_slurms_kill_wait_less_2_s():
-    config = (
-        "AuthType                = auth/munge\nKillWait                = 30 sec\nMaxJobCount = 10\n"
-    )
-    assert slurm_kill_wait(config) == 30
-    assert slurm_kill_wait("nothing here") is None
-    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}
-    assert default_grace(job, lambda: config) == 28
-    assert default_grace(job, lambda: "KillWait = 2 sec") == 1  # never below 1 s in a job
-    assert default_grace({}, lambda: config) == 0  # outside SLURM: at once, as before
-    assert default_grace(job, lambda: "") == 0
 
 
 @pytest.mark.cluster

@@ -1,10 +1,11 @@
-"""Rules of spare hosts and a shrinking world (torchrunx.launcher.spares), pure.
+"""Rules of spare hosts, a shrinking world and the preemption grace, pure.
 
 - a spare takes a failed host's place: same position, so the same ranks (docs/resilience.md);
 - spares are used in the order given, ready ones first (the launch sorts them);
 - without a spare, the failed host's place is dropped and the later hosts move up;
 - below ``min_hosts`` (or with none given, below the launch's hosts) the world cannot go on;
-- a count of spares takes the last hosts; named spares must be other hosts.
+- a count of spares takes the last hosts; named spares must be other hosts;
+- the default preemption grace is SLURM's KillWait less 2 s inside a job, else 0.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from torchrunx.errors import AgentFailedError
 from torchrunx.events import AgentState
 from torchrunx.hosts import HostSlots
+from torchrunx.launcher.preempt import default_grace, slurm_kill_wait
 from torchrunx.launcher.records import AgentRecord, Phase
 from torchrunx.launcher.spares import Reshape, check_resilience, reshape, split_spares
 from torchrunx.launcher.state import LaunchState
@@ -212,3 +214,16 @@ def test_the_stop_and_the_end_are_the_worlds():
     assert state.stopped
     timings = state.timings(connect=(0.0, 0.0))
     assert len(timings.agent_start) == 2
+
+
+def test_the_default_grace_is_slurms_kill_wait_less_2_s():
+    config = (
+        "AuthType                = auth/munge\nKillWait                = 30 sec\nMaxJobCount = 10\n"
+    )
+    assert slurm_kill_wait(config) == 30
+    assert slurm_kill_wait("nothing here") is None
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}
+    assert default_grace(job, lambda: config) == 28
+    assert default_grace(job, lambda: "KillWait = 2 sec") == 1  # never below 1 s in a job
+    assert default_grace({}, lambda: config) == 0  # outside SLURM: at once, as before
+    assert default_grace(job, lambda: "") == 0
