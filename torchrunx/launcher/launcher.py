@@ -183,9 +183,8 @@ worker fails; then raise the last failure, with the earlier ones in its notes.""
     restart_on: tuple[str, ...] = RESTART_CATEGORIES
     """Failures that restart: "exceptions" (the function raised), "deaths" (a worker exited
 or was killed), "timeouts" (a torchrunx.timer watchdog expired), "hosts" (an agent died or
-its host was lost: a new agent is started there, or a spare takes its place, see spare_hosts;
-not in the default), or exception type names, for example "OSError" (those types and their
-subclasses only)."""
+its host was lost: a new agent there, or a spare, takes over; not in the default), or
+exception type names, for example "OSError" (those types and their subclasses only)."""
 
     spare_hosts: int | tuple[str, ...] = 0
     """Hosts that wait to replace a failed one (with "hosts" in restart_on): a count taken from
