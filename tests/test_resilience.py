@@ -108,6 +108,16 @@ def test_a_spare_takes_a_dead_hosts_place_and_ranks(tmp_path, lost):
     assert not torchrunx_processes()
 
 
+def test_a_hostfiles_last_host_is_the_spare(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{name} slots=1\n" for name in LOCAL[:3]))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    result, _ = _launch({0: (0, "kill")}, folder, str(hostfile), spare_hosts=1)
+    assert list(result.hostnames) == [LOCAL[2], LOCAL[1]]  # the spare took host 0's place
+    assert [r["world"] for r in result.ranks] == [2, 2]
+
+
 def test_the_world_shrinks_down_to_min_hosts(tmp_path):
     # No spare: host 1 dies in attempt 0, the two others go on as ranks 0 and 1 (WORLD_SIZE 2).
     result, seen = _launch({0: (1, "kill")}, tmp_path, LOCAL[:3], min_hosts=2)
