@@ -337,7 +337,13 @@ REQUEUE_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slurm
-def test_an_sbatch_job_preempted_once_requeues_and_finishes_from_its_checkpoint(slurm, tmp_path):
+@pytest.mark.parametrize("whom", ["--batch", "--full"])
+def test_an_sbatch_job_preempted_once_requeues_and_finishes_from_its_checkpoint(
+    slurm, tmp_path, whom
+):
+    # --batch: the batch shell only (the launcher, by exec), as --signal=B:TERM@... does;
+    # --full: every process of every step (launcher, agents, guardians, workers), as a
+    # preemption or a cancel does.
     import shlex
     import threading
 
@@ -348,13 +354,12 @@ def test_an_sbatch_job_preempted_once_requeues_and_finishes_from_its_checkpoint(
     job_file = tmp_path / "job"
 
     def preempt_once() -> None:
-        # Once both ranks of the first run run: SIGTERM to the batch shell (the launcher, by
-        # exec), as #SBATCH --signal=B:TERM@... does.
+        # Once both ranks of the first run run: SIGTERM.
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if job_file.exists() and all((folder / f"running-0-{r}").exists() for r in range(2)):
                 job = job_file.read_text().strip()
-                slurm.run(["scancel", "--batch", "--signal=TERM", job])
+                slurm.run(["scancel", whom, "--signal=TERM", job])
                 break
             time.sleep(0.1)
         # SLURM holds a requeued job back for a while (its BeginTime); the test does not wait.
