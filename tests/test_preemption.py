@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -362,17 +363,19 @@ def test_an_sbatch_job_preempted_once_requeues_and_finishes_from_its_checkpoint(
                 slurm.run(["scancel", whom, "--signal=TERM", job])
                 break
             time.sleep(0.1)
-        # SLURM holds a requeued job back for a while (its BeginTime); the test does not wait.
+        # SLURM holds a requeued job back for a while (its BeginTime); the test does not wait,
+        # until the requeued run runs (a BeginTime set again after an update is moved again).
         while time.monotonic() < deadline:
             state = slurm.run(["scontrol", "show", "job", job]).stdout
-            if "JobState=PENDING" in state:
-                slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+            if "Restarts=1" in state and re.search(r"JobState=(RUNNING|COMPLETED)", state):
                 return
-            time.sleep(0.1)
+            if "JobState=PENDING" in state and "Reason=BeginTime" in state:
+                slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+            time.sleep(0.2)
 
     thread = threading.Thread(target=preempt_once)
     thread.start()
-    result = slurm.sbatch(
+    slurm.sbatch(
         f'echo "$SLURM_JOB_ID" > {shlex.quote(str(job_file))}\n'
         f"exec {shlex.quote(sys.executable)} {shlex.quote(str(script))} {shlex.quote(str(folder))}\n",
         nodes=2,
@@ -380,15 +383,30 @@ def test_an_sbatch_job_preempted_once_requeues_and_finishes_from_its_checkpoint(
         timeout=240,
     )
     thread.join()
-    lines = [line for line in result.stdout.splitlines() if line.startswith("run ")]
-    assert len(lines) == 2, result
+    # sbatch() may return in the moment between the first run's end and the requeue (a state
+    # it does not wait for): wait here for the requeued run's end, and read its output then.
+    job = job_file.read_text().strip()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        fields = slurm.run(["scontrol", "show", "job", job]).stdout
+        # The first run's end may show as CANCELLED a moment before the job is pending again:
+        # only the requeued run's own end counts (its output has its line by then).
+        stdout = (slurm.jobs_dir / f"{job}.out").read_text()
+        ended = re.search(r"JobState=(COMPLETED|FAILED|CANCELLED)", fields) is not None
+        if "Restarts=1" in fields and ended and "run 1 " in stdout:
+            break
+        time.sleep(0.2)
+    stdout = (slurm.jobs_dir / f"{job}.out").read_text()
+    lines = [line for line in stdout.splitlines() if line.startswith("run ")]
+    stderr = (slurm.jobs_dir / f"{job}.err").read_text()
+    assert len(lines) == 2, f"{stdout}\n{fields}\n--- stderr ---\n{stderr}"
     first, second = lines
-    assert first.startswith("run 0 preempted True "), result
+    assert first.startswith("run 0 preempted True "), stdout
     saved = json.loads(first.split(" ", 4)[4])
     assert sorted(saved) == ["0", "1"]
-    assert second.startswith("run 1 done "), result
+    assert second.startswith("run 1 done "), stdout
     finished = json.loads(second.split(" ", 3)[3])
     assert [r["done"] for r in finished] == [60, 60]
     # The requeued run resumed from each rank's checkpoint.
     assert [r["first"] for r in finished] == [saved["0"]["saved"], saved["1"]["saved"]]
-    assert result.exit_code == 0, result
+    assert "JobState=COMPLETED" in fields and "ExitCode=0:0" in fields, fields
