@@ -301,6 +301,10 @@ _ALNUM = "a character replaced by 'XXXX' is as alphanumeric as one removed"
 _DIGEST_NAME = "OpenSSL takes a digest's name in either case"
 _LAST_LINE = "the last piece of an rsplit is the same whatever the number of splits"
 EQUIVALENT: dict[str, tuple[str, str]] = {
+    "torchrunx.launcher.preempt.x_default_grace__mutmut_2": (
+        "env = os.environ if (environ is None) and False else environ",
+        "None is passed on, and in_slurm_allocation(None) reads os.environ itself",
+    ),
     "torchrunx.wire.handshake.x__mac__mutmut_10": (
         'return hmac.digest(secret, b"|".join(parts), "SHA256")',
         _DIGEST_NAME,

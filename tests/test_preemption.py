@@ -410,3 +410,18 @@ def test_an_sbatch_job_preempted_once_requeues_and_finishes_from_its_checkpoint(
     # The requeued run resumed from each rank's checkpoint.
     assert [r["first"] for r in finished] == [saved["0"]["saved"], saved["1"]["saved"]]
     assert "JobState=COMPLETED" in fields and "ExitCode=0:0" in fields, fields
+
+
+def test_the_default_grace_runs_scontrol_show_config(monkeypatch, tmp_path):
+    # SLURM's own tool, found on PATH: a stand-in that prints a config, then one that fails.
+    from torchrunx.launcher.preempt import default_grace
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho 'KillWait                = 9 sec'\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert default_grace() == 7
+    scontrol.write_text("#!/bin/sh\nexit 1\n")
+    assert default_grace() == 0

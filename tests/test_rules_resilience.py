@@ -227,3 +227,38 @@ def test_the_default_grace_is_slurms_kill_wait_less_2_s():
     assert default_grace(job, lambda: "KillWait = 2 sec") == 1  # never below 1 s in a job
     assert default_grace({}, lambda: config) == 0  # outside SLURM: at once, as before
     assert default_grace(job, lambda: "") == 0
+
+
+def test_the_messages_name_the_field_and_the_way_out():
+    with pytest.raises(ValueError, match=r"^spare_hosts is used only when a failed host"):
+        check_resilience(("node9",), None, ("deaths",), 3)
+    with pytest.raises(
+        ValueError,
+        match=r"another host \(a failed host's spare on the same host would fail with it\)$",
+    ):
+        split_spares(_hosts("a", "b"), ("b",), None, _hosts("b"))
+    short = reshape([0, 1], [1], [], None).short
+    assert short == (
+        "1 host(s) failed and no spare host was left: 1 host(s) would be fewer than the "
+        "launch's hosts (set min_hosts to go on with fewer)"
+    )
+
+
+def test_the_default_grace_reads_this_process_and_scontrol(monkeypatch):
+    from torchrunx.launcher import preempt
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
+    assert default_grace(read_config=lambda: "KillWait = 12 sec") == 10  # os.environ read
+    monkeypatch.setattr(preempt, "_scontrol_config", lambda: "KillWait = 9 sec")
+    monkeypatch.setattr(
+        preempt.shutil, "which", lambda name: "/usr/bin/scontrol" if name == "scontrol" else None
+    )
+    assert default_grace() == 7  # scontrol found: its config is read
+    monkeypatch.setattr(preempt.shutil, "which", lambda _: None)
+    assert default_grace() == 0  # no scontrol: no grace, nothing is run
+
+    def broken() -> str:
+        raise OSError("no such file")
+
+    assert default_grace(read_config=broken) == 0
