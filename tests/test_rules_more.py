@@ -76,8 +76,10 @@ from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
     DebugOutput,
+    DebugpyListening,
     Heartbeat,
     LogLines,
+    PreemptionNotice,
     Stop,
     WorkerException,
     WorkerExited,
@@ -146,6 +148,7 @@ class Parts:
     env_file: str | None = None
     quarantines: bool = False
     """Spare hosts or min_hosts: a failed host of the world is quarantined."""
+    preemption_grace: float = 0.0
 
     # the listener, the pool, the log router and the event sink in one
     def drop(self, peer: StubPeer) -> None:
@@ -2415,8 +2418,7 @@ def test_rule_a_live_agent_that_is_quarantined_is_told_to_stop_for_good():
     agent = inbox.state.agents[0]
     inbox.quarantine(agent)
     (stop,) = peers[0].sent
-    assert isinstance(stop, Stop) and not stop.restart
-    assert stop.reason == "its host was quarantined"
+    assert stop == Stop("its host was quarantined", 3.0, restart=False, attempt=0)
     assert (agent.state, agent.role, inbox.state.faults) == (AgentState.FAILED, "quarantined", [])
     inbox.quarantine(agent)  # once only
     assert len(peers[0].sent) == 1
@@ -2429,6 +2431,57 @@ def test_rule_a_spares_failure_is_a_warning_not_a_fault(caplog):
     spare.role = "spare"
     inbox.agent_failed(spare, AgentFailedError("node1", "cannot resolve"))
     assert (spare.state, spare.role, inbox.state.faults) == (AgentState.FAILED, "spare", [])
-    assert "spare host node1 is not available: AgentFailedError" in caplog.text
-    inbox.agent_failed(spare, None)
-    assert "spare host node1 is not available: its agent failed" in caplog.text
+    assert caplog.messages == [
+        (
+            "spare host node1 is not available: AgentFailedError: agent on host 'node1' "
+            "failed: cannot resolve"
+        )
+    ]
+    other = inbox.state.agents[0]
+    other.role = "spare"
+    inbox.agent_failed(other, None)
+    assert caplog.messages[-1] == "spare host node0 is not available: its agent failed"
+
+
+def test_rule_the_quarantine_is_logged_once_with_its_line(caplog):
+    inbox, _, _ = connected(quarantines=True)
+    agent = inbox.state.agents[1]
+    agent.last_heard = 0.0
+    inbox.agent_silent(agent, 8.0)
+    assert caplog.messages[-1] == "attempt 0: node1 (host 1, LOST) quarantined"
+    (fault,) = inbox.state.faults
+    assert abs(fault.at - time.time()) < 60  # a real time, not None
+
+
+def test_rule_a_quarantined_live_agent_fails_without_a_fault_at_a_real_time():
+    inbox, _, _ = connected(quarantines=True)
+    inbox.quarantine(inbox.state.agents[0])
+    assert inbox.state.agents[0].judge_by is None and inbox.state.faults == []
+
+
+def test_rule_an_agents_preemption_notice_preempts_only_with_a_grace():
+    told: list[str] = []
+    for grace, expected in ((0.0, []), (30.0, ["the agent on node1 received SIGTERM"])):
+        inbox, _, peers = connected(preemption_grace=grace)
+        inbox.on_preempt = told.append
+        inbox.apply(frame(peers[1], PreemptionNotice("the agent on node1 received SIGTERM")))
+        assert told == expected
+        assert not peers[1].closed  # an agent's own message: its connection stays
+    quiet, _, peers = connected(preemption_grace=30.0)
+    assert quiet.on_preempt is None and quiet.on_debugpy is None and quiet.on_shown is None
+    quiet.apply(frame(peers[0], PreemptionNotice("no one listens")))  # nothing to call: ignored
+    assert not peers[0].closed
+
+
+def test_rule_a_ranks_debugpy_port_goes_to_its_handler_and_nothing_else_does():
+    inbox, parts, _, ranks = with_workers()
+    seen: list[tuple[int, int]] = []
+    inbox.apply(frame(ranks[1], DebugpyListening(1, 5678)))  # no handler: dropped
+    assert parts.dropped == [ranks[1]]
+    inbox, parts, _, ranks = with_workers()
+    inbox.on_debugpy = lambda rank, port: seen.append((rank, port))
+    inbox.apply(frame(ranks[1], DebugpyListening(1, 5678)))
+    assert seen == [(1, 5678)] and parts.dropped == []
+    inbox.apply(frame(ranks[0], WorkerResult(0, sent_at=1.0)))  # a result is no debugpy port
+    assert seen == [(1, 5678)]
+    assert inbox.state.ranks[0].result is not None

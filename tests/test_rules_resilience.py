@@ -262,3 +262,29 @@ def test_the_default_grace_reads_this_process_and_scontrol(monkeypatch):
         raise OSError("no such file")
 
     assert default_grace(read_config=broken) == 0
+
+
+def test_a_spare_that_says_hello_during_the_start_waits_like_the_others():
+    agents = [AgentRecord(0, HostSlots("a", 1), "ssh"), AgentRecord(1, HostSlots("b", 1), "ssh")]
+    agents[1].role = "spare"
+    state = LaunchState(agents, started=0.0, world=agents[:1])
+    state.agent_hello(agents[1], 1, AgentHello(1, "b", 2, 1, 3), 1.0)
+    assert not agents[1].ready  # the start: agents_ready makes every agent that said hello wait
+    agents[0].role = "quarantined"  # a quarantined host's late hello makes it wait for nothing
+    state.move_phase(Phase.STARTING_WORKERS)
+    state.agent_hello(agents[0], 0, AgentHello(0, "a", 1, 1, 2), 2.0)
+    assert not agents[0].ready
+
+
+def test_a_failed_spare_is_judged_no_longer():
+    state, agents = _launch_with_spare()
+    agents[2].judge_by = 5.0
+    state.agent_failed(agents[2], None, 1.0)
+    assert agents[2].judge_by is None
+
+
+def test_a_dropped_place_names_every_failed_host_and_the_next_start_is_the_worlds():
+    state, _ = _launch_with_spare(hosts=4, spares=0)
+    lines = state.reshape_world(Reshape((0, 3), dropped=(1, 2)))
+    assert lines == ["attempt 1: no spare for node1, node2: 2 hosts go on"]
+    assert state.all_hellos  # the hosts left all said hello: nothing to wait for
