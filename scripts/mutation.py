@@ -301,6 +301,22 @@ _ALNUM = "a character replaced by 'XXXX' is as alphanumeric as one removed"
 _DIGEST_NAME = "OpenSSL takes a digest's name in either case"
 _LAST_LINE = "the last piece of an rsplit is the same whatever the number of splits"
 EQUIVALENT: dict[str, tuple[str, str]] = {
+    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_13": (
+        "-                STOP_GRACE,",
+        "Stop's grace_period defaults to 3.0, which STOP_GRACE is",
+    ),
+    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_15": (
+        "-                restart=False,",
+        "Stop's restart defaults to False",
+    ),
+    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_25": (
+        "self.emit(self.state.agent_failed(agent, None, None))",
+        "with no error, agent_failed records no fault: its time is never read",
+    ),
+    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_33": (
+        "logger.warning(line)",
+        "the line holds host names and numbers: no % in it for logging to expand",
+    ),
     "torchrunx.launcher.preempt.x_default_grace__mutmut_2": (
         "env = os.environ if (environ is None) and False else environ",
         "None is passed on, and in_slurm_allocation(None) reads os.environ itself",

@@ -2415,10 +2415,11 @@ def test_rule_an_end_while_stopping_or_starting_quarantines_nothing():
 
 def test_rule_a_live_agent_that_is_quarantined_is_told_to_stop_for_good():
     inbox, parts, peers = connected(quarantines=True)
+    inbox.state.attempt = 2
     agent = inbox.state.agents[0]
     inbox.quarantine(agent)
     (stop,) = peers[0].sent
-    assert stop == Stop("its host was quarantined", 3.0, restart=False, attempt=0)
+    assert stop == Stop("its host was quarantined", 3.0, dump_stacks=False, attempt=2)
     assert (agent.state, agent.role, inbox.state.faults) == (AgentState.FAILED, "quarantined", [])
     inbox.quarantine(agent)  # once only
     assert len(peers[0].sent) == 1
@@ -2461,7 +2462,7 @@ def test_rule_a_quarantined_live_agent_fails_without_a_fault_at_a_real_time():
 
 def test_rule_an_agents_preemption_notice_preempts_only_with_a_grace():
     told: list[str] = []
-    for grace, expected in ((0.0, []), (30.0, ["the agent on node1 received SIGTERM"])):
+    for grace, expected in ((0.0, []), (0.5, ["the agent on node1 received SIGTERM"])):
         inbox, _, peers = connected(preemption_grace=grace)
         inbox.on_preempt = told.append
         inbox.apply(frame(peers[1], PreemptionNotice("the agent on node1 received SIGTERM")))

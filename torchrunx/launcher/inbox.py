@@ -178,6 +178,7 @@ class Inbox:
                 stop = Stop(
                     "its host was quarantined",
                     STOP_GRACE,
+                    dump_stacks=False,  # nobody waits for them
                     restart=False,
                     attempt=self.state.attempt,
                 )
