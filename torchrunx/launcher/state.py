@@ -248,11 +248,7 @@ class LaunchState(AttemptState):
         self, agent: AgentRecord, error: BaseException | None, at: float, *, lost: bool = False
     ) -> list[Event]:
         """``agent`` failed; a spare's or a quarantined host's failure is no fault of the run."""
-        if agent.role != "host":
-            agent.judge_by = None
-            self.move_agent(agent, AgentState.LOST if lost else AgentState.FAILED)
-            return []
-        return super().agent_failed(agent, error, at, lost=lost)
+        return super().agent_failed(agent, error if agent.role == "host" else None, at, lost=lost)
 
     def quarantine(self, agent: AgentRecord) -> str:
         """A host of the world failed: it takes no further part; the line that says so."""
