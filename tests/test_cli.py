@@ -131,7 +131,7 @@ def test_tyro_help_shows_the_forms_of_each_value(tyro_help):
     assert blocks["workers_per_host"].startswith(
         "--workers-per-host {auto,slurm,gpu,cpu}|INT|{[INT [INT ...]]}"
     )
-    assert blocks["agent_start"].startswith("--agent-start {auto,ssh,srun}")
+    assert blocks["agent_start"].startswith("--agent-start STR")  # a transport, maybe NAME:ARG
     assert blocks["backend"].startswith("--backend {None,nccl,gloo,mpi,ucc,auto}")
 
 
@@ -275,7 +275,6 @@ def test_argparse_defaults_can_be_changed_and_show_in_help():
         (["--workers-per-host", "two"], "argument --workers-per-host: invalid value two"),
         (["--backend", "tcp"], "argument --backend: invalid value tcp: expected {None,nccl"),
         (["--timeout", "soon"], "argument --timeout: invalid value soon: expected FLOAT"),
-        (["--agent-start", "rsh"], "argument --agent-start: invalid value rsh"),
     ],
 )
 def test_argparse_rejects_bad_values_like_argparse_does(argv, message, capsys):

@@ -1,9 +1,12 @@
 """Plugin points, found through Python entry points (``importlib.metadata``).
 
-Three groups; a package declares entries in its ``pyproject.toml``::
+Four groups; a package declares entries in its ``pyproject.toml``::
 
     [project.entry-points."torchrunx.hosts"]        # hostnames="NAME" or "NAME:ARGUMENT"
     pbs = "torchrunx.plugins:PBS"
+
+    [project.entry-points."torchrunx.transports"]   # agent_start="NAME" or "NAME:ARGUMENT"
+    kubectl = "torchrunx.engines.kubernetes:KubectlTransport"
 
     [project.entry-points."torchrunx.presets"]      # Launcher.from_preset("NAME"), --preset NAME
     gpu_x8 = "torchrunx.plugins:GPU_X8"
@@ -14,7 +17,11 @@ Three groups; a package declares entries in its ``pyproject.toml``::
 * A **host provider** is an object with ``detect(environ) -> bool`` (used by
   ``hostnames="auto"``) and ``hosts(argument, environ) -> list[HostSlots]`` (the hosts, with
   their slots, or ``None`` slots to let each agent count). torchrunx's own SLURM, hostfile,
-  PBS/Torque and LSF providers are registered the same way.
+  PBS/Torque and LSF providers are registered the same way. A provider may pair with a
+  transport: its optional ``transport(argument) -> str`` names the one its hosts' agents
+  start with (``"kubectl:namespace=ml"``), used when ``agent_start`` is ``"auto"``.
+* A **transport** starts an agent on a host (:class:`torchrunx.engines.Transport`): a callable
+  that takes the argument after ``NAME:`` (or ``None``) and returns one.
 * A **preset** is a mapping of ``Launcher`` field names to values (or a function returning
   one), like TorchX's named resources.
 * A **function** is any picklable callable, like a TorchX component; it receives the
@@ -46,6 +53,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HOSTS_GROUP = "torchrunx.hosts"
+TRANSPORTS_GROUP = "torchrunx.transports"
 PRESETS_GROUP = "torchrunx.presets"
 FUNCTIONS_GROUP = "torchrunx.functions"
 
@@ -89,7 +97,7 @@ def _mtime(path: Path) -> int | None:
 
 
 def _entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
-    # Scanning every installed distribution takes 10-30 ms: once for all three groups, again
+    # Scanning every installed distribution takes 10-30 ms: once for all four groups, again
     # only after something was installed or removed.
     state = _install_state()
     if not _SCANNED or _SCANNED[0][0] != state:
@@ -99,7 +107,7 @@ def _entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
 
         installed = importlib.metadata.entry_points()
         groups: dict[str, dict[str, importlib.metadata.EntryPoint]] = {}
-        for name in (HOSTS_GROUP, PRESETS_GROUP, FUNCTIONS_GROUP):
+        for name in (HOSTS_GROUP, TRANSPORTS_GROUP, PRESETS_GROUP, FUNCTIONS_GROUP):
             found = groups[name] = {}
             for entry in installed.select(group=name):
                 found.setdefault(entry.name, entry)  # the first installed distribution wins
@@ -124,15 +132,15 @@ def _load(group: str, name: str, what: str) -> object:
 
 def host_provider_names() -> list[str]:
     """Names of every host provider: the installed ones and torchrunx's own."""
-    return sorted({*_entry_points(HOSTS_GROUP), *_BUILTIN_PROVIDERS})
+    return sorted({*_entry_points(HOSTS_GROUP), *_BUILTIN_PROVIDERS, *_LAZY_PROVIDERS})
 
 
 def host_provider(name: str) -> HostProvider:
     """The host provider registered under ``name``.
 
-    torchrunx's own (``slurm``, ``hostfile``, ``pbs``, ``lsf``) are registered as entry points
-    like any plugin, and are also found when torchrunx runs from a source tree that was not
-    installed.
+    torchrunx's own (``slurm``, ``hostfile``, ``pbs``, ``lsf``, ``ray``, ``kubernetes``) are
+    registered as entry points like any plugin, and are also found when torchrunx runs from a
+    source tree that was not installed.
 
     Raises:
         ValueError: No provider has that name.
@@ -141,7 +149,11 @@ def host_provider(name: str) -> HostProvider:
     """
     if name in _BUILTIN_PROVIDERS and name not in _entry_points(HOSTS_GROUP):
         return _BUILTIN_PROVIDERS[name]
-    provider = _load(HOSTS_GROUP, name, "host provider")
+    provider = (
+        _import_ref(_LAZY_PROVIDERS[name])
+        if name in _LAZY_PROVIDERS and name not in _entry_points(HOSTS_GROUP)
+        else _load(HOSTS_GROUP, name, "host provider")
+    )
     if not isinstance(provider, HostProvider):
         raise TypeError(
             f"host provider {name!r} is {provider!r}, which has no detect() and hosts() methods"
@@ -161,6 +173,59 @@ def provider_spec(spec: str) -> tuple[str, str | None] | None:
     if spec == "auto" or name not in host_provider_names():
         return None
     return name, (argument if sep else None)
+
+
+def provider_transport(name: str, argument: str | None) -> str | None:
+    """The transport the provider ``name`` pairs with (``"NAME[:ARGUMENT]"``), if it names one.
+
+    Raises:
+        ValueError, RuntimeError, TypeError: As :func:`host_provider`.
+    """
+    pick = getattr(host_provider(name), "transport", None)
+    return None if pick is None else str(pick(argument))
+
+
+def transport_names() -> list[str]:
+    """Names of every transport: the installed ones and torchrunx's own."""
+    return sorted({*_entry_points(TRANSPORTS_GROUP), *_BUILTIN_TRANSPORTS})
+
+
+def transport_spec(spec: str) -> tuple[str, str | None]:
+    """A transport and its argument: ``"kubectl:namespace=ml"``, ``"ssh"`` (no argument)."""
+    name, sep, argument = spec.partition(":")
+    return name, (argument if sep else None)
+
+
+def transport(name: str, argument: str | None = None, **settings: Any) -> Any:  # noqa: ANN401
+    """A new transport of the kind registered under ``name``, for one launch.
+
+    ``settings`` go to torchrunx's own transports that take them (``ssh_config_file``).
+
+    Raises:
+        ValueError: No transport has that name, or it refuses ``argument``.
+        RuntimeError: The transport's package failed to import.
+        TypeError: The entry point does not make a transport.
+    """
+    if name in _BUILTIN_TRANSPORTS and name not in _entry_points(TRANSPORTS_GROUP):
+        factory: object = _import_ref(_BUILTIN_TRANSPORTS[name])
+    else:
+        factory = _load(TRANSPORTS_GROUP, name, "transport")
+    if not callable(factory):
+        raise TypeError(f"transport {name!r} is {factory!r}, which is not callable")
+    accepted = getattr(factory, "settings", ())
+    made = factory(argument, **{k: v for k, v in settings.items() if k in accepted})
+    for needed in ("start", "describe", "close"):
+        if not callable(getattr(made, needed, None)):
+            raise TypeError(f"transport {name!r} made {made!r}, which has no {needed}() method")
+    return made
+
+
+def _import_ref(ref: str) -> object:
+    """The object at ``"module:attribute"`` (torchrunx's own plugins, imported on use)."""
+    import importlib  # noqa: PLC0415
+
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def detected_hosts(environ: Mapping[str, str]) -> list[HostSlots] | None:
@@ -322,6 +387,18 @@ _BUILTIN_PROVIDERS: dict[str, HostProvider] = {
     "hostfile": HOSTFILE,
     "pbs": PBS,
     "lsf": LSF,
+}
+# Imported on use (they read a cluster through an engine's client): also entry points.
+_LAZY_PROVIDERS = {
+    "ray": "torchrunx.engines.ray:PROVIDER",
+    "kubernetes": "torchrunx.engines.kubernetes:PROVIDER",
+}
+_BUILTIN_TRANSPORTS = {
+    "local": "torchrunx.engines.builtin:LocalTransport",
+    "ssh": "torchrunx.engines.builtin:SshTransport",
+    "srun": "torchrunx.engines.builtin:SrunTransport",
+    "ray": "torchrunx.engines.ray:RayTransport",
+    "kubectl": "torchrunx.engines.kubernetes:KubectlTransport",
 }
 
 

@@ -1,8 +1,8 @@
 """How the agent of one host is started: its script, its bootstrap line, and the transport.
 
 The launcher's start threads (:mod:`torchrunx.launcher.agent_pool`) call :class:`AgentStarts` with a
-host index; it picks the transport: a local subprocess or ``srun``
-(:mod:`torchrunx.launcher.transport`), or SSH (:mod:`torchrunx.launcher.ssh`); and builds the one
+host index; it hands the start to the host's transport (:mod:`torchrunx.engines`: a local
+subprocess, SSH, ``srun``, Ray, ``kubectl`` or a plugin's), made once per launch, and builds the one
 JSON line the agent reads first (:class:`AgentBootstrap`), including the address the agent calls
 back on; and where the launcher listens for them (:func:`listen_socket`): only where they
 connect, when that is known before they start.
@@ -15,24 +15,18 @@ import ipaddress
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from torchrunx import plugins
+from torchrunx.engines import AgentStart
 from torchrunx.env import local_agent_env
-from torchrunx.errors import AgentFailedError, add_note
-from torchrunx.hosts.resolve import slurm_allocation
+from torchrunx.errors import add_note
 from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.ssh import SshAgent
-from torchrunx.launcher.transport import (
-    BOOT_CODE,
-    AgentProcess,
-    LocalAgent,
-    SrunAgent,
-    agent_script,
-    route_address,
-)
+from torchrunx.launcher.transport import BOOT_CODE, agent_script
 from torchrunx.wire.bootstrap import AgentBootstrap
 from torchrunx.wire.lines import parse_line
 from torchrunx.wire.messages import HEARTBEAT_INTERVAL
@@ -41,8 +35,10 @@ if TYPE_CHECKING:
     import socket
     from collections.abc import Callable, Mapping, Sequence
 
+    from torchrunx.engines import Transport
     from torchrunx.launcher.plan import LaunchPlan, StartMethod
     from torchrunx.launcher.records import AgentRecord
+    from torchrunx.launcher.transport import AgentProcess
     from torchrunx.wire.lines import Record
 
 logger = logging.getLogger("torchrunx.agent_starts")
@@ -92,11 +88,23 @@ class AgentStarts:
     """The agents' script (forwarded variables' values): never in a repr."""
     local_env: dict[str, str] = field(default_factory=local_agent_env, repr=False)
     """This machine's agents start with the launcher's environment."""
+    transports: dict[str, Transport] = field(default_factory=dict, repr=False)
+    """The launch's transports by name, made on first use (:meth:`transport`)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     boot_code: ClassVar[str] = BOOT_CODE
     """What the agent's interpreter runs (``torchrunx check``'s probes run their own)."""
 
     def prepare(self) -> None:
-        """Build the script every agent runs first (the forwarded variables, ``env_file``)."""
+        """Build the script every agent runs first (the forwarded variables, ``env_file``).
+
+        The launch's transports are made here too (they connect to nothing yet), so that
+        :meth:`close` releases what a provider opened for them even if no agent starts.
+
+        Raises:
+            ValueError, RuntimeError: A transport cannot be made (see :func:`open_transport`).
+        """
+        for method in dict.fromkeys(self.plan.methods):
+            self.transport(method)
         env_file = self.plan.env_file
         self.script = agent_script(
             env=dict(self.plan.env),
@@ -107,65 +115,53 @@ class AgentStarts:
         )
 
     def __call__(self, index: int) -> AgentProcess:
-        """Start the agent of host ``index``.
+        """Start the agent of host ``index`` with its transport.
 
         Raises:
-            AgentFailedError: It cannot be started (SSH, ``srun`` or ``fork`` failed).
+            AgentFailedError: It cannot be started (SSH, ``srun``, Ray or ``fork`` failed).
         """
         agent = self.agents[index]
-        hostname = agent.slots.hostname
 
         def on_line(is_stderr: bool, text: str) -> None:
             line = parse_line(text, is_stderr=is_stderr, default_name="agent")
             self.emit(index, (None, line.levelno, line.name, line.text, time.time()))
 
-        if agent.method == "srun":
-            address = self.srun_address(hostname)
-            return SrunAgent(
-                hostname,
-                self.script,
-                lambda: self.bootstrap(agent, address),
-                on_line,
-                cpus=slurm_cpus(hostname),
-            )
-        if agent.method == "ssh":
-            return SshAgent(
-                hostname,
-                self.script,
-                lambda local_address: self.bootstrap(agent, local_address),
-                self.plan.ssh_config_file,
-                connect_timeout=min(self.plan.start_timeout, 30.0),
+        return self.transport(agent.method).start(
+            AgentStart(
+                index=agent.index,
+                hostname=agent.slots.hostname,
+                script=self.script,
+                bootstrap=lambda address: self.bootstrap(agent, address),
                 on_line=on_line,
+                launcher_address=self.configured_address(),
+                connect_timeout=min(self.plan.start_timeout, 30.0),
+                ssh_config_file=self.plan.ssh_config_file,
+                environ=self.local_env,
+                hostnames=tuple(a.slots.hostname for a in self.agents if a.method == agent.method),
             )
-        return LocalAgent(
-            hostname,
-            self.script,
-            lambda: self.bootstrap(agent, "127.0.0.1"),
-            on_line,
-            environ=self.local_env,
         )
+
+    def transport(self, method: str) -> Transport:
+        """The launch's transport named ``method``, made on first use (from any start thread)."""
+        with self._lock:
+            made = self.transports.get(method)
+            if made is None:
+                made = self.transports[method] = open_transport(self.plan, method)
+            return made
+
+    def close(self) -> None:
+        """Close the transports (once every agent has closed): what they hold for the launch."""
+        with self._lock:
+            made, self.transports = list(self.transports.values()), {}
+        for transport in made:
+            try:
+                transport.close()
+            except Exception:  # noqa: PERF203 (each transport closes, whatever the others do)
+                logger.warning("closing the %s transport failed", transport.name, exc_info=True)
 
     def configured_address(self) -> str | None:
         """The launcher address the user set (field, else environment), if any."""
         return configured_address(self.plan.launcher_address)
-
-    def srun_address(self, hostname: str) -> str:
-        """The address an srun-started agent connects back to (no SSH socket to ask).
-
-        Raises:
-            AgentFailedError: No route to ``hostname`` and no address was set.
-        """
-        configured = self.configured_address()
-        if configured:
-            return configured
-        try:
-            return route_address(hostname)
-        except OSError as exc:
-            raise AgentFailedError(
-                hostname,
-                f"cannot find this machine's address on the route to {hostname}: {exc}; "
-                "set launcher_address (or TORCHRUNX_LAUNCHER_ADDR)",
-            ) from exc
 
     def bootstrap(self, agent: AgentRecord, local_address: str) -> bytes:
         """The agent's bootstrap line; ``local_address``: this machine's, as the host sees it."""
@@ -266,12 +262,16 @@ def _is_ip(address: str) -> bool:
     return True
 
 
-def slurm_cpus(hostname: str) -> int | None:
-    """CPUs the allocation has on ``hostname``, for the srun step of its agent."""
-    try:
-        return slurm_allocation().cpus(hostname)
-    except (RuntimeError, ValueError):
-        return None
+def open_transport(plan: LaunchPlan, method: str) -> Transport:
+    """A new transport named ``method`` for a launch of ``plan`` (its argument from the plan).
+
+    Raises:
+        ValueError: No transport has that name, or it refuses the plan's argument.
+        RuntimeError: The transport's package failed to import.
+    """
+    argument = None if method == "local" else plan.transport_argument
+    made: Transport = plugins.transport(method, argument, ssh_config_file=plan.ssh_config_file)
+    return made
 
 
 def count_mode(workers_per_host: object) -> str:

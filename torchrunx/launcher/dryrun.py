@@ -1,29 +1,31 @@
 """The text of :meth:`torchrunx.Launcher.dry_run`: what a launch would start (pure).
 
-It reads the SSH config to name each host's target, nothing more: no host is contacted.
+It reads the SSH config to name each host's target, nothing more: no host is contacted. Each
+host's command line comes from its transport's ``describe`` (:mod:`torchrunx.engines`).
 """
 
 from __future__ import annotations
 
-import shlex
 from typing import TYPE_CHECKING, Protocol
 
-from torchrunx.devices import AUTO_BACKEND_RULE, resolve_backend
-from torchrunx.launcher.agent_starts import count_mode, slurm_cpus
-from torchrunx.launcher.ssh import resolve_ssh_target
-from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
+from torchrunx import plugins
+from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
+from torchrunx.hosts.resolve import hostnames_source
+from torchrunx.launcher.agent_starts import count_mode
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from pathlib import Path
 
     from torchrunx.hosts import HostSlots
-    from torchrunx.launcher.plan import StartMethod
+    from torchrunx.launcher.plan import LaunchPlan, StartMethod
 
 
 class Launcher(Protocol):
     """The fields of :class:`torchrunx.Launcher` the description reads."""
 
+    @property
+    def hostnames(self) -> object: ...  # noqa: D102
     @property
     def workers_per_host(self) -> object: ...  # noqa: D102
     @property
@@ -38,6 +40,22 @@ class Launcher(Protocol):
     def start_timeout(self) -> float: ...  # noqa: D102
 
 
+def describe_launch(launcher: Launcher, plan: LaunchPlan) -> str:
+    """The dry run of ``plan``: GPUs counted where the hosts are this machine, then the text."""
+    methods = list(plan.methods)
+    counts_gpus = launcher.backend == "auto" or launcher.workers_per_host == "gpu"
+    here = count_local_gpus() if counts_gpus and "local" in methods else None
+    return describe_plan(
+        launcher,
+        list(plan.hosts),
+        methods,
+        sorted(plan.env),
+        [here if method == "local" else None for method in methods],
+        spares=plan.spares,
+        transport_argument=plan.transport_argument,
+    )
+
+
 def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     launcher: Launcher,
     hosts: list[HostSlots],
@@ -46,11 +64,13 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     gpus: Sequence[int | None] | None = None,
     *,
     spares: int = 0,
+    transport_argument: str | None = None,
 ) -> str:
     """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more).
 
     ``gpus``: each host's GPU count where known (hosts that are this machine), else None.
     ``spares``: the last ``spares`` of ``hosts`` are spare hosts (they run no rank at first).
+    ``transport_argument``: the argument of the launch's transport (``"namespace=ml"``).
     """
     running = hosts[: len(hosts) - spares]
     known = all(h.workers is not None for h in running)
@@ -58,6 +78,8 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     lines = [
         "torchrunx dry run: nothing was started",
         f"hosts: {len(running)}" + (f", and {spares} spare host(s)" if spares else ""),
+        f"hosts from: {_source(launcher.hostnames)}",
+        f"agent start: {_transports(methods, transport_argument)}",
         f"world size: {world if world is not None else 'known once every agent has counted'}",
         *_backend_lines(launcher, hosts, gpus or [None] * len(hosts)),
         "",
@@ -79,9 +101,38 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     if launcher.env_file is not None:
         lines.append(f"sourced on every host first: {launcher.env_file}")
     lines += ["", "agent command lines (the script and secret go on stdin, never here):"]
-    for host, method in zip(hosts, methods, strict=True):
-        lines.append(f"  {host.hostname}: {_agent_command_line(launcher, host.hostname, method)}")
+    transports: dict[str, object] = {}
+    try:
+        for host, method in zip(hosts, methods, strict=True):
+            lines.append(
+                f"  {host.hostname}: "
+                + _agent_command_line(launcher, transports, method, transport_argument, host)
+            )
+    finally:
+        for made in transports.values():
+            getattr(made, "close", lambda: None)()
     return "\n".join(lines)
+
+
+def _source(hostnames: object) -> str:
+    """Where the hosts come from: a provider (and its argument), a hostfile, or a list."""
+    source = hostnames_source(hostnames)
+    if source.provider is not None:
+        name, argument = source.provider
+        return f"host provider {name}" + (f" ({argument})" if argument else "")
+    if source.hostfile is not None:
+        return f"hostfile {source.hostfile}"
+    return "the list given" if source.names else "auto (no scheduler detected: this machine)"
+
+
+def _transports(methods: Sequence[str], argument: str | None) -> str:
+    """Each transport the hosts use, with its argument: ``"ssh (2 hosts), local (1 host)"``."""
+    named = []
+    for method in dict.fromkeys(methods):
+        count = methods.count(method)
+        spec = method if method == "local" or argument is None else f"{method}:{argument}"
+        named.append(f"{spec} ({count} host{'s' if count != 1 else ''})")
+    return ", ".join(named)
 
 
 def _host_rows(
@@ -124,14 +175,22 @@ def _backend_lines(
     return [f"backend: {backend} {line}", f"  {why}"]
 
 
-def _agent_command_line(launcher: Launcher, hostname: str, method: StartMethod) -> str:
-    if method == "local":
-        return AGENT_COMMAND
-    if method == "srun":
-        return shlex.join(srun_command(hostname, cpus=slurm_cpus(hostname)))
-    try:
-        target = resolve_ssh_target(hostname, launcher.ssh_config_file, launcher.start_timeout)
-    except ValueError as exc:
-        return f"ssh (cannot read the SSH config: {exc})"
-    via = f" via {target.proxy_jump}" if target.proxy_jump else ""
-    return f"ssh {target.user}@{target.hostname} -p {target.port}{via} {AGENT_COMMAND}"
+def _agent_command_line(
+    launcher: Launcher,
+    transports: dict[str, object],
+    method: str,
+    argument: str | None,
+    host: HostSlots,
+) -> str:
+    """The host's command line, as its transport describes it (made once per transport)."""
+    made = transports.get(method)
+    if made is None:
+        try:
+            made = transports[method] = plugins.transport(
+                method,
+                None if method == "local" else argument,
+                ssh_config_file=launcher.ssh_config_file,
+            )
+        except (ValueError, RuntimeError, TypeError) as exc:
+            return f"{method} (cannot be described: {exc})"
+    return str(made.describe(host.hostname))  # type: ignore[attr-defined]

@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 import tyro
 
 from torchrunx import plugins, serialization
-from torchrunx.devices import count_local_gpus
 from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
 from torchrunx.hosts.resolve import Hostnames, check_hostnames, resolve_hosts
 from torchrunx.launcher.debugger import check_debug_env
-from torchrunx.launcher.dryrun import describe_plan
+from torchrunx.launcher.dryrun import describe_launch
 from torchrunx.launcher.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.health import (
     health_details_from_env,
@@ -41,7 +40,13 @@ from torchrunx.launcher.health import (
 )
 from torchrunx.launcher.logrouter import log_level_from_env
 from torchrunx.launcher.orchestrator import Launch
-from torchrunx.launcher.plan import Backend, LaunchPlan, start_methods
+from torchrunx.launcher.plan import (
+    Backend,
+    LaunchPlan,
+    check_agent_start,
+    paired_transport,
+    start_methods,
+)
 from torchrunx.launcher.preempt import default_grace, sigterm_preempts
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.spares import check_resilience, split_spares
@@ -65,7 +70,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
-_AGENT_STARTS = ("auto", "ssh", "srun")
 
 RENAMED_FIELDS = {
     "worker_timeout": "renamed in torchrunx 0.5: use timeout=SECONDS (the process-group timeout)",
@@ -117,18 +121,20 @@ class Launcher:
 
     hostnames: Hostnames = "auto"
     """Hosts to run on: a list of names; "auto" (the SLURM allocation, or another detected
-scheduler's, if inside one, else localhost); a host provider such as "slurm", "pbs", "lsf"
-or "hostfile:PATH"; or the path of a hostfile (with a slash on the command line: ./hostfile)."""
+scheduler's, if inside one, else localhost); a host provider such as "slurm", "pbs", "lsf",
+the engines "ray" and "kubernetes:SELECTOR", or "hostfile:PATH"; or the path of a
+hostfile (with a slash on the command line: ./hostfile)."""
 
     workers_per_host: Literal["auto", "slurm", "gpu", "cpu"] | int | list[int] = "auto"
     """Workers per host: one number, one per host, "slurm" (what SLURM gave each node), or
 the GPUs of each host with "gpu" (an error for a host without any), its CPU cores with "cpu",
 or the default "auto" (a hostfile's or scheduler's slots, else GPUs, else CPU cores)."""
 
-    agent_start: Literal["auto", "ssh", "srun"] = "auto"
-    """How agents start on other hosts. "srun": one SLURM job step per host (inside an
-allocation); "ssh": over SSH; "auto": srun inside an allocation whose nodes are the hosts,
-else ssh. An agent on this machine is always a plain subprocess."""
+    agent_start: str = "auto"
+    """How agents start, a transport: "ssh"; "srun", a job step per node of the allocation;
+the engines' "ray" and "kubectl:namespace=NS"; or "auto", the host provider's own, else srun in
+an allocation whose nodes are the hosts, else ssh. With ssh and srun, this machine's agent is
+a plain subprocess."""
 
     ssh_config_file: str | Path | None = None
     """SSH config for reaching hosts; None: ~/.ssh/config if it exists."""
@@ -340,9 +346,13 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         """The plan of fields already checked (:meth:`validate`)."""
         world, spares = self._world_and_spares()
         hosts = world + spares
+        methods, argument = start_methods(
+            self.agent_start, [h.hostname for h in hosts], paired_transport(self.hostnames)
+        )
         return LaunchPlan(
             hosts=tuple(hosts),
-            methods=tuple(start_methods(self.agent_start, [h.hostname for h in hosts])),
+            methods=tuple(methods),
+            transport_argument=argument,
             spares=len(spares),
             min_hosts=self.min_hosts,
             preemption_grace=(
@@ -407,7 +417,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         """
         check_hostnames(self.hostnames)
         _validate_workers(self.workers_per_host, self.hostnames)
-        _validate_choice("agent_start", self.agent_start, _AGENT_STARTS)
+        check_agent_start(self.agent_start)
         _validate_choice("backend", self.backend, _BACKENDS)
         if not isinstance(self.isolate_gpus, bool):
             raise TypeError(f"isolate_gpus must be True or False, got {self.isolate_gpus!r}")
@@ -477,14 +487,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             ValueError: A field is invalid, as for :meth:`run`.
             RuntimeError: ``"slurm"`` outside an allocation, as for :meth:`run`.
         """
-        plan = self.plan()
-        methods = list(plan.methods)
-        counts_gpus = self.backend == "auto" or self.workers_per_host == "gpu"
-        here = count_local_gpus() if counts_gpus and "local" in methods else None
-        gpus = [here if method == "local" else None for method in methods]
-        return describe_plan(
-            self, list(plan.hosts), methods, sorted(plan.env), gpus, spares=plan.spares
-        )
+        return describe_launch(self, self.plan())
 
 
 def launch(

@@ -15,7 +15,13 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from torchrunx.hosts.resolve import in_slurm_allocation, is_local_host, slurm_allocation
+from torchrunx import plugins
+from torchrunx.hosts.resolve import (
+    hostnames_source,
+    in_slurm_allocation,
+    is_local_host,
+    slurm_allocation,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -25,8 +31,9 @@ if TYPE_CHECKING:
     from torchrunx.hosts import HostSlots
     from torchrunx.logs import ConsoleRanks, LogHandlers
 
-StartMethod = Literal["local", "ssh", "srun"]
-"""How one host's agent starts: a subprocess of the launcher, over SSH, or as an srun step."""
+StartMethod = str
+"""How one host's agent starts: a transport's name (``"local"``, ``"ssh"``, ``"srun"``,
+``"ray"``, ``"kubectl"`` or a plugin's, see :mod:`torchrunx.engines`)."""
 
 Backend = Literal["nccl", "gloo", "mpi", "ucc", "auto"] | None
 
@@ -41,6 +48,8 @@ class LaunchPlan:
     env: Mapping[str, str] = field(repr=False)
     """The variables every agent exports (forwarded patterns and given values): never in a
     repr, since values may be secrets."""
+    transport_argument: str | None = None
+    """The argument of the launch's transport (``"namespace=ml"`` of ``"kubectl:namespace=ml"``)."""
     workers_per_host: object = "auto"
     """As given: how an agent counts its workers where the plan does not say."""
     backend: Backend = "auto"
@@ -91,32 +100,72 @@ class LaunchPlan:
         return tuple(h.hostname for h in self.hosts)
 
 
-def start_methods(agent_start: str, hostnames: list[str]) -> list[StartMethod]:
-    """How each host's agent starts: ``"local"`` for this machine, else ssh or srun.
+def check_agent_start(agent_start: object) -> None:
+    """Refuse an ``agent_start`` that names no transport, or an argument its transport refuses.
 
-    ``agent_start="auto"`` picks srun when this process runs in a SLURM allocation, ``srun`` is
-    installed and every remote host is a node of the allocation; otherwise ssh.
+    Raises:
+        TypeError: Not a string.
+        ValueError: No transport has that name, or it refuses the argument.
+    """
+    if not isinstance(agent_start, str):
+        raise TypeError(f"agent_start must be a string such as 'ssh', got {agent_start!r}")
+    if agent_start == "auto":
+        return
+    name, argument = plugins.transport_spec(agent_start)
+    known = plugins.transport_names()
+    if name not in known:
+        raise ValueError(
+            f"agent_start={agent_start!r}: no transport named {name!r} (known: "
+            f"{', '.join(['auto', *known])}; a package adds one under the entry point group "
+            f"{plugins.TRANSPORTS_GROUP!r}, see docs/engines.md)"
+        )
+    plugins.transport(name, argument).close()  # it checks its argument, starts nothing
+
+
+def paired_transport(hostnames: object) -> str | None:
+    """The transport the host provider of ``hostnames`` names, if it names one (Ray's: ray)."""
+    source = hostnames_source(hostnames)
+    if source.provider is None:
+        return None
+    return plugins.provider_transport(*source.provider)
+
+
+def start_methods(
+    agent_start: str, hostnames: list[str], paired: str | None = None
+) -> tuple[list[StartMethod], str | None]:
+    """How each host's agent starts (a transport per host), and the transport's argument.
+
+    ``agent_start`` is ``"auto"`` or a transport, optionally with an argument
+    (``"kubectl:namespace=ml"``). ``"auto"`` takes ``paired``, the transport the host provider
+    names (Ray's nodes start through Ray), if any; else srun when this process runs in a SLURM
+    allocation, ``srun`` is installed and every remote host is a node of the allocation;
+    otherwise ssh. With ssh and srun, a host that is this machine gets a plain subprocess
+    (``"local"``); any other transport starts every host's agent.
 
     Raises:
         RuntimeError: ``"srun"`` outside an allocation, without ``srun``, or for a host that is
             not a node of the allocation.
     """
-    local = [is_local_host(name) for name in hostnames]
-    remote = [name for name, here in zip(hostnames, local, strict=True) if not here]
+    spec = paired if agent_start == "auto" and paired else agent_start
+    name, sep, argument = spec.partition(":")
+    if name not in ("auto", "ssh", "srun"):
+        return [name] * len(hostnames), (argument if sep else None)
+    local = [is_local_host(host) for host in hostnames]
+    remote = [host for host, here in zip(hostnames, local, strict=True) if not here]
     method: StartMethod = "ssh"
-    if agent_start == "srun":
+    if name == "srun":
         allocation = slurm_allocation(what="agent_start='srun'")
         if shutil.which("srun") is None:
             raise RuntimeError("agent_start='srun' but srun is not installed on this machine")
-        outside = [name for name in remote if name not in allocation.nodes]
+        outside = [host for host in remote if host not in allocation.nodes]
         if outside:
             raise RuntimeError(
                 f"agent_start='srun' but {outside} are not nodes of SLURM job "
                 f"{allocation.job_id} ({list(allocation.nodes)}); use agent_start='ssh'"
             )
         method = "srun"
-    elif agent_start == "auto" and remote and in_slurm_allocation() and shutil.which("srun"):
+    elif name == "auto" and remote and in_slurm_allocation() and shutil.which("srun"):
         nodes = set(slurm_allocation().nodes)
-        if all(name in nodes for name in remote):
+        if all(host in nodes for host in remote):
             method = "srun"
-    return ["local" if here else method for here in local]
+    return ["local" if here else method for here in local], None

@@ -235,6 +235,7 @@ class _Check:
         self.stopping.set()
         self._release_host0()
         self.sock.close()
+        self.starts.close()
 
     def _release_host0(self) -> None:
         with self.lock:

@@ -383,6 +383,7 @@ class LaunchLoop:
                 self.inbox.drop(agent.conn)
         lost = {a.index for a in self.state.agents if a.state is AgentState.LOST}
         self.pool.close(lost)
+        self.starts.close()  # the transports: Ray's actors and placement group, say
         self.listener.close()
         self.loop.close()
         if self.health is not None:

@@ -173,12 +173,22 @@ def _drain(readers: list[Reader], timeout: float) -> None:
 _LOGIN_VARIABLES = ("HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "PATH")
 
 
+_TERM_GRACE = 3.0
+"""Seconds a relaying command gets after SIGTERM before SIGKILL."""
+
+
 AGENT_ARGV = ("bash", "--noprofile", "--norc", "-c", 'IFS= read -r -d "" s && eval "$s"')
 """:data:`AGENT_COMMAND` as an argument vector."""
 
 
-class _SubprocessAgent:
-    """An agent behind a local child process: the agent itself, or ``srun`` relaying it."""
+class CommandAgent:
+    """An agent behind a local child process: the agent itself, or a command that relays it.
+
+    ``srun``, ``kubectl exec -i`` and ``docker exec -i`` relay their stdin, stdout and stderr to
+    a process elsewhere: started with :data:`AGENT_ARGV` at the end of their command line, the
+    agent behaves as over SSH. :meth:`close` closes stdin (the agent stops), then SIGTERMs and
+    SIGKILLs the command (not its process group) if it has not ended.
+    """
 
     def __init__(  # noqa: PLR0913, PLR0917 (what a start needs)
         self,
@@ -278,6 +288,24 @@ class _SubprocessAgent:
             os.close(pidfd)
         return self._process.wait()  # it has ended: returns at once
 
+    def close(self, grace: float = 5.0) -> None:
+        """Close stdin (the agent stops on EOF); then SIGTERM the command, then SIGKILL it.
+
+        SIGTERM (``srun`` passes it on to the step's task) and SIGKILL come only if the agent
+        has not ended. A lost agent (``grace=0``) is not waited for: it stops its workers by
+        itself once ``agent_timeout`` passes without a heartbeat.
+        """
+        self._close_stdin()
+        if grace > 0 and self.wait(grace) is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._process.pid, signal.SIGTERM)
+            self.wait(_TERM_GRACE)
+        if self.wait(0) is None:
+            # The command alone, not its process group: srun's helper child then cancels
+            # the step (killing the whole group would leave it running until the job ends).
+            self._kill(group=False)
+        self._release()
+
     def _close_stdin(self) -> None:
         if self._process.stdin is not None:
             with contextlib.suppress(OSError):
@@ -310,7 +338,7 @@ def _readable(fd: int, timeout: float | None) -> bool:
     return bool(poller.poll(None if timeout is None else math.ceil(max(timeout, 0.0) * 1000)))
 
 
-class LocalAgent(_SubprocessAgent):
+class LocalAgent(CommandAgent):
     """An agent on this machine: a plain subprocess in its own session (no SSH)."""
 
     def __init__(
@@ -365,7 +393,7 @@ def srun_command(hostname: str, *, cpus: int | None, srun: str = "srun") -> list
     return [*command, *AGENT_ARGV]
 
 
-class SrunAgent(_SubprocessAgent):
+class SrunAgent(CommandAgent):
     """An agent on another node of the SLURM allocation, started as a job step by ``srun``.
 
     ``srun`` relays the agent's stdin, stdout and stderr, so the agent behaves as over SSH; its
@@ -397,28 +425,6 @@ class SrunAgent(_SubprocessAgent):
         super().__init__(
             hostname, srun_command(hostname, cpus=cpus, srun=srun), env, script, bootstrap, on_line
         )
-
-    def close(self, grace: float = 5.0) -> None:
-        """Close stdin (the agent stops on EOF); then SIGTERM srun, then SIGKILL it.
-
-        SIGTERM makes srun signal the step's task; both come only if the agent has not ended.
-
-        A lost agent (``grace=0``) is not waited for: it stops its workers by itself once
-        ``agent_timeout`` passes without a heartbeat, and SLURM ends the step with the job.
-        """
-        self._close_stdin()
-        if grace > 0 and self.wait(grace) is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._process.pid, signal.SIGTERM)
-            self.wait(_SRUN_TERM_GRACE)
-        if self.wait(0) is None:
-            # srun alone, not its process group: its helper child then cancels the step.
-            # Killing the whole group would leave the step running until the job ends.
-            self._kill(group=False)
-        self._release()
-
-
-_SRUN_TERM_GRACE = 3.0
 
 
 def route_address(hostname: str) -> str:

@@ -1,0 +1,159 @@
+"""torchrunx's own transports: ``local``, ``ssh`` and ``srun`` (see :mod:`torchrunx.engines`).
+
+Each is a thin, stateless front for the agent processes of :mod:`torchrunx.launcher.transport`
+and :mod:`torchrunx.launcher.ssh`; they are registered as entry points like any plugin's.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import TYPE_CHECKING, ClassVar
+
+from torchrunx.errors import AgentFailedError
+from torchrunx.hosts.resolve import slurm_allocation
+from torchrunx.launcher.ssh import SshAgent, resolve_ssh_target
+from torchrunx.launcher.transport import (
+    AGENT_COMMAND,
+    LocalAgent,
+    SrunAgent,
+    route_address,
+    srun_command,
+)
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torchrunx.engines import AgentStart
+    from torchrunx.launcher.transport import AgentProcess
+
+
+def no_argument(name: str, argument: str | None) -> None:
+    """Refuse an argument for a transport that takes none.
+
+    Raises:
+        ValueError: ``argument`` is set.
+    """
+    if argument is not None:
+        raise ValueError(f"agent_start={name}:{argument!r}: the {name} transport takes no argument")
+
+
+class LocalTransport:
+    """An agent on this machine: a plain subprocess in its own session."""
+
+    name: ClassVar[str] = "local"
+    remote: ClassVar[bool] = False
+
+    def __init__(self, argument: str | None = None) -> None:
+        """Takes no argument (raises ValueError for one)."""
+        no_argument(self.name, argument)
+
+    def start(self, start: AgentStart) -> AgentProcess:
+        """Fork the agent, with the launcher's environment."""
+        return LocalAgent(
+            start.hostname,
+            start.script,
+            lambda: start.bootstrap("127.0.0.1"),
+            start.on_line,
+            environ=dict(start.environ),
+        )
+
+    def describe(self, hostname: str) -> str:  # noqa: ARG002 (the same for every host)
+        """The agent command itself."""
+        return AGENT_COMMAND
+
+    def close(self) -> None:
+        """Nothing is held."""
+
+
+class SshTransport:
+    """An agent over one SSH connection (``~/.ssh/config`` or ``ssh_config_file``)."""
+
+    name: ClassVar[str] = "ssh"
+    remote: ClassVar[bool] = True
+    settings: ClassVar[tuple[str, ...]] = ("ssh_config_file",)
+    """What :func:`torchrunx.plugins.transport` passes on from the launch."""
+
+    def __init__(
+        self, argument: str | None = None, ssh_config_file: str | Path | None = None
+    ) -> None:
+        """Takes no argument (raises ValueError for one); ``ssh_config_file`` for ``describe``."""
+        no_argument(self.name, argument)
+        self.ssh_config_file = ssh_config_file
+
+    def start(self, start: AgentStart) -> AgentProcess:
+        """Connect, run the agent command, write its script and bootstrap."""
+        return SshAgent(
+            start.hostname,
+            start.script,
+            start.bootstrap,
+            start.ssh_config_file,
+            connect_timeout=start.connect_timeout,
+            on_line=start.on_line,
+        )
+
+    def describe(self, hostname: str) -> str:
+        """``ssh USER@HOST -p PORT [via JUMP] COMMAND``, from the SSH config."""
+        try:
+            target = resolve_ssh_target(hostname, self.ssh_config_file, 30.0)
+        except ValueError as exc:
+            return f"ssh (cannot read the SSH config: {exc})"
+        via = f" via {target.proxy_jump}" if target.proxy_jump else ""
+        return f"ssh {target.user}@{target.hostname} -p {target.port}{via} {AGENT_COMMAND}"
+
+    def close(self) -> None:
+        """Nothing is held (each agent owns its connection)."""
+
+
+class SrunTransport:
+    """An agent as a job step on a node of the SLURM allocation."""
+
+    name: ClassVar[str] = "srun"
+    remote: ClassVar[bool] = True
+
+    def __init__(self, argument: str | None = None) -> None:
+        """Takes no argument (raises ValueError for one)."""
+        no_argument(self.name, argument)
+
+    def start(self, start: AgentStart) -> AgentProcess:
+        """Start ``srun`` for the host; the agent connects back on the route to its node."""
+        address = start.launcher_address or agent_route(start.hostname)
+        return SrunAgent(
+            start.hostname,
+            start.script,
+            lambda: start.bootstrap(address),
+            start.on_line,
+            cpus=slurm_cpus(start.hostname),  # srun runs with this process's environment
+        )
+
+    def describe(self, hostname: str) -> str:
+        """The ``srun`` command line."""
+        return shlex.join(srun_command(hostname, cpus=slurm_cpus(hostname)))
+
+    def close(self) -> None:
+        """Nothing is held (SLURM owns the steps)."""
+
+
+def agent_route(hostname: str, address: str | None = None) -> str:
+    """This machine's address on the route to ``hostname`` (or to its ``address``).
+
+    For transports without a connection of their own to ask (``srun``, ``kubectl``, Ray).
+
+    Raises:
+        AgentFailedError: No route; the message says to set ``launcher_address``.
+    """
+    try:
+        return route_address(address or hostname)
+    except OSError as exc:
+        raise AgentFailedError(
+            hostname,
+            f"cannot find this machine's address on the route to {address or hostname}: {exc}; "
+            "set launcher_address (or TORCHRUNX_LAUNCHER_ADDR) to an address the host can reach",
+        ) from exc
+
+
+def slurm_cpus(hostname: str) -> int | None:
+    """CPUs the allocation has on ``hostname``, for the srun step of its agent."""
+    try:
+        return slurm_allocation().cpus(hostname)
+    except (RuntimeError, ValueError):
+        return None
