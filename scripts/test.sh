@@ -21,6 +21,8 @@ python -m pip install -q -e ".[dev]"
 # DeepSpeed builds from source and imports torch to do it: without build isolation it uses
 # the torch above (an isolated build would download a CUDA torch of several GB).
 python -m pip install -q --no-build-isolation -e ".[frameworks]"
+# Ray, for tests/test_ray.py's real multi-node cluster on the namespace test hosts.
+python -m pip install -q -e ".[ray]"
 ruff check .
 ruff format --check .
 mypy

@@ -6,11 +6,12 @@ namespaces, so that it has its own hostname (``node1``) and its own ``/etc/hosts
 name resolves to the host's own address. The root ``/etc/hosts`` gets the test host names too, so
 that a launcher in the root namespace can reach them by name.
 
-Every name and address comes from a :class:`Profile`. Three profiles exist, with disjoint names,
+Every name and address comes from a :class:`Profile`. Four profiles exist, with disjoint names,
 links, subnets and ``/etc/hosts`` markers, so that one cluster of each can run at the same time:
 ``"test"`` (``node1``... on ``10.200.0``, for the test suite), ``"bench"`` (``bnode1``... on
-``10.201.0``, for ``benchmarks/``) and ``"slurm"`` (``snode1``... on ``10.202.0``, the hosts under
-the SLURM cluster of ``slurm_cluster.py``). Only one cluster per profile can exist on a machine at
+``10.201.0``, for ``benchmarks/``), ``"slurm"`` (``snode1``... on ``10.202.0``, the hosts under
+the SLURM cluster of ``slurm_cluster.py``) and ``"ray"`` (``rnode1``... on ``10.203.0``, the
+nodes of the Ray cluster of ``ray_cluster.py``). Only one cluster per profile can exist on a machine at
 a time. Starting a cluster first removes whatever a crashed earlier run of the same profile left
 behind. Requires root (see :func:`cluster_unavailable_reason`).
 """
@@ -44,7 +45,7 @@ ETC_HOSTS_LOCK = Path("/run/torchrunx-cluster.lock")
 MAX_HOSTS = 99
 """Host addresses are ``.11`` to ``.109``, clear of the launcher and the unreachable address."""
 
-ProfileName = Literal["test", "bench", "slurm"]
+ProfileName = Literal["test", "bench", "slurm", "ray"]
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,21 @@ PROFILES: dict[str, Profile] = {
         unreachable_name="sunreachable",
         hosts_marker="# torchrunx-slurm-cluster",
     ),
+    "ray": Profile(
+        name="ray",
+        netns_prefix="trxr-",
+        bridge="trxrbr0",
+        veth_prefix="trxrv",
+        subnet="10.203.0",
+        host_prefix="rnode",
+        launcher_name="trxr-launcher",
+        unreachable_name="runreachable",
+        hosts_marker="# torchrunx-ray-cluster",
+    ),
 }
 """Every profile by name: ``"test"`` for the test suite, ``"bench"`` for ``benchmarks/``,
-``"slurm"`` for the hosts of the SLURM test cluster (``slurm_cluster.py``)."""
+``"slurm"`` for the hosts of the SLURM test cluster (``slurm_cluster.py``), ``"ray"`` for the
+hosts of the Ray test cluster (``ray_cluster.py``)."""
 
 _REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname", "ssh", "ssh-keygen")
 

@@ -207,7 +207,10 @@ def test_dry_run_with_counted_workers_and_bad_fields():
     text = trx.Launcher(hostnames=["localhost"]).dry_run()
     assert "auto" in text
     assert "known once every agent has counted" in text
-    with pytest.raises(ValueError, match=r"agent_start='rsh': no transport named 'rsh' \(known: auto, kubectl, local, ray, srun, ssh"):
+    with pytest.raises(
+        ValueError,
+        match=r"agent_start='rsh': no transport named 'rsh' \(known: auto, kubectl, local, ray, srun, ssh",
+    ):
         trx.Launcher(agent_start="rsh").dry_run()  # type: ignore[arg-type]
 
 

@@ -240,9 +240,9 @@ class RayTransport:
         Raises:
             AgentFailedError: Ray, the node or the actor failed, or it did not start in time.
         """
+        ray = self._open(start)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
-        ray = self._open(start)
         assert self._nodes is not None  # noqa: S101 (opened)
         node = self._nodes[start.hostname]
         address = start.launcher_address or agent_route(
@@ -351,7 +351,9 @@ class RayAgent:
         try:
             while not self._stopping.is_set():
                 try:
-                    chunks, status = ray.get(self._actor.read.remote(_READ_WAIT), timeout=30.0)
+                    chunks, status = ray.get(
+                        self._actor.read.remote(_READ_WAIT), timeout=_READ_WAIT + 2.0
+                    )
                 except ray.exceptions.GetTimeoutError:
                     continue  # a slow or cut-off node: the heartbeats judge it
                 for is_stderr, chunk in chunks:
@@ -424,11 +426,11 @@ class RayAgent:
         """
         if grace > 0 and not self._done.is_set():
             with contextlib.suppress(Exception):
-                _ray().get(self._actor.close.remote(grace), timeout=grace + 5.0)
+                _ray().get(self._actor.close.remote(grace), timeout=grace + 1.0)
             self._done.wait(_READ_WAIT + 1.0)
         self._stopping.set()
         self._forget(self._actor)
-        self._reader.join(timeout=5.0)
+        self._reader.join(timeout=_READ_WAIT + 3.0)
         _drain(self.readers(), 0.5)
         for fd in (*(p[0] for p in self._pipes.values()), *self._exit):
             with contextlib.suppress(OSError):

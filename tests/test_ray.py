@@ -1,0 +1,209 @@
+"""The Ray engine on a real multi-node Ray cluster: ``ray start`` on namespace test hosts.
+
+The launcher runs here, outside the cluster's hosts, and connects as a Ray driver; agents start
+through one actor per node. After every test: no actor alive, no placement group left, no
+Ray connection left open by torchrunx, and (conftest) no agent or worker process on any host.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from cluster import cluster_unavailable_reason
+from conftest import SESSION_MARKER
+from ray_cluster import RayCluster, ray_unavailable_reason, start_ray_cluster
+
+import torchrunx as trx
+
+on_ray = pytest.mark.cluster
+
+
+def test_without_ray_installed_the_error_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(RuntimeError, match=r"need Ray: pip install 'torchrunx\[ray\]'"):
+        trx.Launcher(hostnames="ray").plan()
+    with pytest.raises(trx.AgentFailedError, match=r"need Ray: pip install 'torchrunx\[ray\]'"):
+        trx.launch(
+            os.getpid, hostnames=["10.0.0.1"], agent_start="ray", workers_per_host=1, backend=None
+        )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
+    reason = cluster_unavailable_reason() or ray_unavailable_reason()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"Ray test cluster required on CI: {reason}")
+        pytest.skip(reason)
+    cluster = start_ray_cluster(2, tmp_path_factory.mktemp("ray"), marker=SESSION_MARKER)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def ray_hosts(ray_cluster: RayCluster):
+    """The provider spec of the cluster; after the test, nothing of the launch is left in Ray."""
+    yield f"ray:{ray_cluster.address}"
+    import ray
+
+    assert not ray.is_initialized()  # torchrunx disconnected what it connected
+    assert ray_cluster.leftovers() == {"actors": [], "placement_groups": []}
+
+
+def where() -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = f.read().replace(b"\0", b" ").decode()
+    return {
+        "host": socket.gethostname(),
+        "rank": int(os.environ["RANK"]),
+        "sum": total.item(),
+        "parent": parent,
+        "ray_vars": sorted(k for k in os.environ if k.startswith("RAY_")),
+    }
+
+
+@on_ray
+def test_ray_nodes_run_the_function_and_every_rank_returns(ray_cluster, ray_hosts):
+    result = trx.launch(where, hostnames=ray_hosts, workers_per_host=2, backend="gloo")
+    addresses = [h.address for h in ray_cluster.hosts.hosts]
+    assert list(result.results) == addresses  # the nodes, by address, in address order
+    assert [r["host"] for r in result.ranks] == ["rnode1", "rnode1", "rnode2", "rnode2"]
+    assert [r["rank"] for r in result.ranks] == [0, 1, 2, 3]
+    assert all(r["sum"] == 6.0 for r in result.ranks)
+    # Workers are forked from our agent (whose parent is the actor), never from a Ray worker,
+    # and Ray's own variables do not reach them.
+    assert all("torchrunx.agent.agent" in str(r["parent"]) for r in result.ranks)
+    assert all(r["ray_vars"] == [] for r in result.ranks)
+    assert result.index(addresses[1], 1)["rank"] == 3
+
+
+@on_ray
+def test_ray_dry_run_names_the_provider_and_the_transport(ray_cluster, ray_hosts):
+    text = trx.Launcher(hostnames=ray_hosts, workers_per_host=2).dry_run()
+    assert f"hosts from: host provider ray ({ray_cluster.address})" in text
+    assert f"agent start: ray:{ray_cluster.address} (2 hosts)" in text
+    for host in ray_cluster.hosts.hosts:
+        assert f"{host.address}: a Ray actor on node {host.address}" in text
+
+
+@on_ray
+def test_ray_raising_rank_is_raised_with_its_node(ray_cluster, ray_hosts):
+    def fail_on_rank_3() -> int:
+        if int(os.environ["RANK"]) == 3:
+            raise ValueError("rank 3 cannot go on")
+        return 0
+
+    with pytest.raises(ValueError, match="rank 3 cannot go on") as info:
+        trx.launch(fail_on_rank_3, hostnames=ray_hosts, workers_per_host=2, backend=None)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert ray_cluster.hosts.hosts[1].address in notes
+
+
+@on_ray
+def test_ray_warm_agents_run_twice_in_the_same_processes(ray_cluster, ray_hosts):
+    def pid() -> int:
+        return os.getpid()
+
+    launcher = trx.Launcher(hostnames=ray_hosts, workers_per_host=1, backend=None)
+    with launcher.warm(keep_workers=True) as warm:
+        first = warm.run(pid).ranks
+        second = warm.run(pid).ranks
+    assert first == second
+    assert len(set(first)) == 2
+
+
+@on_ray
+def test_ray_hosts_that_are_not_nodes_are_refused_by_name(ray_cluster, ray_hosts):
+    with pytest.raises(
+        trx.AgentFailedError, match=r"10\.203\.0\.99 is no alive node of the Ray cluster"
+    ):
+        trx.launch(
+            os.getpid,
+            hostnames=["10.203.0.99"],
+            agent_start=ray_hosts,  # the transport, at the same address
+            workers_per_host=1,
+            backend=None,
+            start_timeout=30,
+        )
+
+
+@on_ray
+def test_ray_killed_node_is_an_agent_failure_naming_the_node(ray_cluster, ray_hosts, tmp_path):
+    second = ray_cluster.hosts.hosts[1]
+    started = tmp_path / "started"
+
+    def wait_forever() -> None:
+        Path(f"{started}-{os.environ['RANK']}").touch()
+        time.sleep(600)
+
+    def kill_when_started() -> None:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{started}-{r}").exists() for r in range(2)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        ray_cluster.kill_node(second)
+
+    killer = threading.Thread(target=kill_when_started)
+    killer.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(trx.AgentFailedError) as info:
+            trx.launch(
+                wait_forever, hostnames=ray_hosts, workers_per_host=1, backend=None, agent_timeout=3
+            )
+    finally:
+        killer.join()
+        ray_cluster.start_node(second)  # the cluster is whole again for the next tests
+        ray_cluster.wait_nodes(2)
+    assert info.value.hostname == second.address
+    assert second.address in str(info.value)
+    assert time.monotonic() - began < 60
+
+
+@on_ray
+def test_ray_killed_actor_ends_its_agent_and_fails_its_node(ray_cluster, ray_hosts, tmp_path):
+    second = ray_cluster.hosts.hosts[1]
+    started = tmp_path / "started"
+
+    def wait_forever() -> None:
+        Path(f"{started}-{os.environ['RANK']}").touch()
+        time.sleep(600)
+
+    kill = (
+        f"import ray;ray.init(address={ray_cluster.address!r},logging_level='ERROR',log_to_driver=False)\n"
+        "import ray.util\n"
+        "names=[a['name'] for a in ray.util.list_named_actors(all_namespaces=True)"
+        " if a['name'].startswith('torchrunx-agent-') and '-1-' in a['name']]\n"
+        "assert len(names)==1, names\n"
+        "ray.kill(ray.get_actor(names[0], namespace='torchrunx'))\n"
+    )
+
+    def kill_when_started() -> None:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{started}-{r}").exists() for r in range(2)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        ray_cluster.driver(kill)
+
+    killer = threading.Thread(target=kill_when_started)
+    killer.start()
+    try:
+        with pytest.raises(trx.AgentFailedError) as info:
+            trx.launch(wait_forever, hostnames=ray_hosts, workers_per_host=1, backend=None)
+    finally:
+        killer.join()
+    assert info.value.hostname == second.address
