@@ -283,6 +283,42 @@ def test_workers_get_a_private_tmpdir_under_the_users_which_is_removed_after(tmp
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_private_dir_whose_tree_was_sigkilled_goes_at_the_next_agents_start(
+    tmp_path, monkeypatch
+):
+    # An agent, its guardian and its workers SIGKILLed together (a Ray actor killed takes its
+    # whole process tree) cannot remove their folder: the next agent on the host does, once
+    # no process holds its lock. A folder in use, one without a lock, and what is not a
+    # folder stay.
+    import fcntl
+
+    from torchrunx.agent.leftovers import LOCK_NAME
+
+    stale, live, unlocked = (tmp_path / f"torchrunx-{name}" for name in ("stale", "live", "nolock"))
+    for folder in (stale, live, unlocked):
+        folder.mkdir(mode=0o700)
+        (folder / "scratch").write_text("x")
+    (stale / LOCK_NAME).touch()
+    (live / LOCK_NAME).touch()
+    holder = os.open(live / LOCK_NAME, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # as a live agent's tree holds it
+    (tmp_path / "torchrunx-file").write_text("not a folder")
+    try:
+        monkeypatch.setenv("TMPDIR", str(tmp_path))
+        result = trx.launch(
+            look_at_tmpdir, hostnames=["localhost"], workers_per_host=1, backend=None
+        )
+        assert Path(result.rank(0)["TMPDIR"]).parent == tmp_path
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "torchrunx-file",
+            "torchrunx-live",
+            "torchrunx-nolock",
+        ]
+        assert (live / "scratch").exists()
+    finally:
+        os.close(holder)
+
+
 # -- the pure parts ----------------------------------------------------------------------------
 
 

@@ -302,3 +302,32 @@ def test_a_raising_rank_and_warm_agents_over_kubectl(cluster, kubectl):
         first = warm.run(os.getpid).ranks
         second = warm.run(os.getpid).ranks
     assert first == second
+
+
+@pytest.mark.cluster
+def test_the_kubernetes_example_launches_on_the_selected_pods(cluster, kubectl, tmp_path):
+    import subprocess
+
+    kubectl.pods(_cluster_pods(cluster))
+    script = Path(__file__).resolve().parent.parent / "examples" / "kubernetes" / "launch.py"
+    args = ["--selector", "app=trainer", "--namespace", "ml", "--context", "prod", "--workers", "1"]
+    root = str(script.parent.parent.parent)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (
+        "agent start: kubectl:namespace=ml&context=prod&container=trainer (2 hosts)" in done.stdout
+    )
+    assert "pod train-0: ranks [0], each saw a world of 2" in done.stdout
+    assert "pod train-1: ranks [1], each saw a world of 2" in done.stdout

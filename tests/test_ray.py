@@ -175,6 +175,9 @@ def test_ray_killed_node_is_an_agent_failure_naming_the_node(ray_cluster, ray_ho
 
 @on_ray
 def test_ray_killed_actor_ends_its_agent_and_fails_its_node(ray_cluster, ray_hosts, tmp_path):
+    import tempfile
+
+    private_dirs = set(Path(tempfile.gettempdir()).glob("torchrunx-*"))
     second = ray_cluster.hosts.hosts[1]
     started = tmp_path / "started"
 
@@ -207,3 +210,7 @@ def test_ray_killed_actor_ends_its_agent_and_fails_its_node(ray_cluster, ray_hos
     finally:
         killer.join()
     assert info.value.hostname == second.address
+    # Ray took the agent's whole tree, its private folder could not go with it: the next
+    # agent on that node removes it.
+    trx.launch(os.getpid, hostnames=ray_hosts, workers_per_host=1, backend=None)
+    assert set(Path(tempfile.gettempdir()).glob("torchrunx-*")) <= private_dirs

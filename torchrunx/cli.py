@@ -530,6 +530,8 @@ def _builtins() -> int:
         lines.append(f"  {name}  {settings}")
     lines.append("host providers (--hostnames NAME[:ARGUMENT]):")
     lines += [f"  {name}" for name in plugins.host_provider_names()]
+    lines.append("transports (--agent-start NAME[:ARGUMENT]):")
+    lines += [f"  {name}" for name in plugins.transport_names()]
     print("\n".join(lines))  # noqa: T201 (the command's output)
     return EXIT_OK
 

@@ -22,13 +22,17 @@ container runtime, ``ssh`` to this host) are out of reach: they are not descenda
 The workers' temporary files go in one private directory per agent (:func:`make_private_dir`),
 their ``TMPDIR``, emptied between attempts (:func:`empty_dir`) and removed when the agent ends
 (:func:`remove_dir`): a worker ends with ``os._exit``, so ``atexit`` clean-ups, such as
-``multiprocessing``'s ``pymp-*`` folders, never run.
+``multiprocessing``'s ``pymp-*`` folders, never run. A directory whose agent and guardian were
+both SIGKILLed (a Ray actor killed takes its whole process tree) is removed by the next agent
+that starts on the host: each directory holds a lock file that its agent, guardian and workers
+keep locked while any of them lives (:func:`sweep_stale_dirs`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import logging
 import os
 import shutil
@@ -263,7 +267,9 @@ def make_private_dir() -> str | None:
     launch.
     """
     try:
-        return tempfile.mkdtemp(prefix="torchrunx-")
+        path = tempfile.mkdtemp(prefix="torchrunx-")
+        lock = os.open(Path(path) / LOCK_NAME, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held open (and locked) until this process tree ends
     except OSError as error:
         where = tempfile.tempdir or os.environ.get("TMPDIR") or "/tmp"  # noqa: S108 (a name)
         inherited = os.environ.get("TMPDIR")
@@ -274,6 +280,37 @@ def make_private_dir() -> str | None:
             f"the launch ends. Free space there, or point TMPDIR to a writable folder"
         )
         return None
+    sweep_stale_dirs(Path(path).parent, keep=path)
+    return path
+
+
+LOCK_NAME = ".torchrunx-lock"
+"""The lock file of a private directory: locked while its agent, guardian or a worker lives."""
+
+
+def sweep_stale_dirs(parent: Path, keep: str) -> list[str]:
+    """Remove this user's private directories in ``parent`` whose lock nobody holds.
+
+    A directory without a lock file is left alone (its agent may be making it, or it is of
+    another release). Returns the directories removed.
+    """
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in parent.glob("torchrunx-*"):
+            if str(entry) == keep:
+                continue
+            with contextlib.suppress(OSError):
+                info = entry.lstat()
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                    continue
+                fd = os.open(entry / LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: it lives
+                    _remove(entry)
+                    removed.append(str(entry))
+                finally:
+                    os.close(fd)
+    return removed
 
 
 def _warn_agent(message: str) -> None:
@@ -320,8 +357,9 @@ def empty_dir(path: str | None) -> None:
     except OSError:
         return
     for entry in entries:
-        with contextlib.suppress(OSError):
-            _remove(entry)
+        if entry.name != LOCK_NAME:  # the lock says the directory is in use
+            with contextlib.suppress(OSError):
+                _remove(entry)
 
 
 def remove_dir(path: str | None) -> None:

@@ -365,12 +365,14 @@ class RayAgent:
                 note = f"torchrunx: the Ray actor of this agent died ({self._where}): "
                 self._write(self._pipes[True][1], f"{note}{_first_line(exc)}\n".encode())
             status = 255
-        finally:
+        finally:  # this thread owns the write ends: it closes them, never close()
             self._status = 255 if status is None else status
             for _, write_end in self._pipes.values():
                 os.close(write_end)
             self._done.set()
-            os.write(self._exit[1], b"x")
+            with contextlib.suppress(OSError):  # the launcher closed its end already
+                os.write(self._exit[1], b"x")
+            os.close(self._exit[1])
 
     def _write(self, fd: int, data: bytes) -> None:
         """Write all of ``data`` as the launcher reads; drop it once the agent is being closed."""
@@ -382,6 +384,8 @@ class RayAgent:
                 if self._stopping.is_set():
                     return
                 time.sleep(0.01)
+            except OSError:  # the launcher closed its end: nobody reads any more
+                return
 
     @property
     def exit_fd(self) -> int:
@@ -432,6 +436,6 @@ class RayAgent:
         self._forget(self._actor)
         self._reader.join(timeout=_READ_WAIT + 3.0)
         _drain(self.readers(), 0.5)
-        for fd in (*(p[0] for p in self._pipes.values()), *self._exit):
+        for fd in (*(p[0] for p in self._pipes.values()), self._exit[0]):
             with contextlib.suppress(OSError):
                 os.close(fd)
