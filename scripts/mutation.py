@@ -101,6 +101,27 @@ TARGETS: dict[str, Target] = {
         _STATE_TESTS,
         note="the agents and ranks of an attempt: moves, hellos, exits, outcomes",
     ),
+    "kubernetes": Target(
+        "torchrunx/engines/kubernetes.py",
+        ("tests/test_rules_engines.py",),
+        functions=(
+            "parse_options",
+            "split_provider_argument",
+            "KubectlOptions.*",
+            "read_pods",
+            "_pod",
+            "_order",
+            "_state",
+            "KubernetesProvider.transport",
+        ),
+        note="kubectl's options, command lines and pods (kubectl itself runs in test_kubernetes)",
+    ),
+    "ray_nodes": Target(
+        "torchrunx/engines/ray.py",
+        ("tests/test_rules_engines.py",),
+        functions=("node_table", "_ip_key", "ray_address", "RayProvider.transport"),
+        note="which Ray nodes are hosts, in which order (Ray itself runs in test_ray)",
+    ),
     "spares": Target(
         "torchrunx/launcher/spares.py",
         ("tests/test_rules_resilience.py",),

@@ -90,6 +90,48 @@ def test_ray_nodes_run_the_function_and_every_rank_returns(ray_cluster, ray_host
 
 
 @on_ray
+def test_ray_uses_and_keeps_the_callers_own_connection(ray_cluster, ray_hosts, monkeypatch):
+    import ray
+
+    ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
+    try:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        result = trx.launch(where, hostnames="ray", workers_per_host=1, backend="gloo")
+        assert [r["host"] for r in result.ranks] == ["rnode1", "rnode2"]
+        assert ray.is_initialized()  # the caller's connection stays theirs
+    finally:
+        ray.shutdown()
+
+
+@on_ray
+def test_the_ray_example_trains_on_the_clusters_nodes(ray_cluster, ray_hosts, tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    argv = [sys.executable, str(root / "examples" / "14_ray.py"), "--address", ray_cluster.address]
+    done = subprocess.run(
+        [*argv, "--workers", "1", "--steps", "30"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [
+        line for line in done.stdout.splitlines() if not line.startswith("[")
+    ]  # ranks' own lines
+    assert lines[:2] == [f"node {h.address}: 1 ranks on {h.name}" for h in ray_cluster.hosts.hosts]
+    assert lines[2] == "every rank holds weights [1.0, 2.0, 3.0]: True"
+
+
+@on_ray
 def test_ray_dry_run_names_the_provider_and_the_transport(ray_cluster, ray_hosts):
     text = trx.Launcher(hostnames=ray_hosts, workers_per_host=2).dry_run()
     assert f"hosts from: host provider ray ({ray_cluster.address})" in text
@@ -119,6 +161,9 @@ def test_ray_warm_agents_run_twice_in_the_same_processes(ray_cluster, ray_hosts)
     launcher = trx.Launcher(hostnames=ray_hosts, workers_per_host=1, backend=None)
     with launcher.warm(keep_workers=True) as warm:
         first = warm.run(pid).ranks
+        # Other launchers' dry runs and checks meanwhile leave the warm agents' connection be.
+        assert "agent start: ray:" in trx.Launcher(hostnames=ray_hosts).dry_run()
+        trx.Launcher(hostnames=["10.0.0.1"], agent_start="ray").validate()
         second = warm.run(pid).ranks
     assert first == second
     assert len(set(first)) == 2
@@ -137,40 +182,6 @@ def test_ray_hosts_that_are_not_nodes_are_refused_by_name(ray_cluster, ray_hosts
             backend=None,
             start_timeout=30,
         )
-
-
-@on_ray
-def test_ray_killed_node_is_an_agent_failure_naming_the_node(ray_cluster, ray_hosts, tmp_path):
-    second = ray_cluster.hosts.hosts[1]
-    started = tmp_path / "started"
-
-    def wait_forever() -> None:
-        Path(f"{started}-{os.environ['RANK']}").touch()
-        time.sleep(600)
-
-    def kill_when_started() -> None:
-        deadline = time.monotonic() + 60
-        while not all(Path(f"{started}-{r}").exists() for r in range(2)):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        ray_cluster.kill_node(second)
-
-    killer = threading.Thread(target=kill_when_started)
-    killer.start()
-    began = time.monotonic()
-    try:
-        with pytest.raises(trx.AgentFailedError) as info:
-            trx.launch(
-                wait_forever, hostnames=ray_hosts, workers_per_host=1, backend=None, agent_timeout=3
-            )
-    finally:
-        killer.join()
-        ray_cluster.start_node(second)  # the cluster is whole again for the next tests
-        ray_cluster.wait_nodes(2)
-    assert info.value.hostname == second.address
-    assert second.address in str(info.value)
-    assert time.monotonic() - began < 60
 
 
 @on_ray
@@ -214,3 +225,35 @@ def test_ray_killed_actor_ends_its_agent_and_fails_its_node(ray_cluster, ray_hos
     # agent on that node removes it.
     trx.launch(os.getpid, hostnames=ray_hosts, workers_per_host=1, backend=None)
     assert set(Path(tempfile.gettempdir()).glob("torchrunx-*")) <= private_dirs
+
+
+@on_ray
+def test_ray_killed_node_is_an_agent_failure_naming_the_node(ray_cluster, ray_hosts, tmp_path):
+    second = ray_cluster.hosts.hosts[1]
+    started = tmp_path / "started"
+
+    def wait_forever() -> None:
+        Path(f"{started}-{os.environ['RANK']}").touch()
+        time.sleep(600)
+
+    def kill_when_started() -> None:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{started}-{r}").exists() for r in range(2)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        ray_cluster.kill_node(second)
+
+    killer = threading.Thread(target=kill_when_started)
+    killer.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(trx.AgentFailedError) as info:
+            trx.launch(
+                wait_forever, hostnames=ray_hosts, workers_per_host=1, backend=None, agent_timeout=3
+            )
+    finally:
+        killer.join()  # the node stays dead: this is the module's last test
+    assert info.value.hostname == second.address
+    assert second.address in str(info.value)
+    assert time.monotonic() - began < 60

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import logging
 import os
 import threading
@@ -50,8 +51,9 @@ logger = logging.getLogger("torchrunx.ray")
 
 _READ_WAIT = 1.0
 """Seconds one read of an actor waits for output (a long poll: output comes at once)."""
-_STATE: dict[str, Any] = {"owned": False}
-"""Whether torchrunx connected this process to Ray (then it disconnects at the launch's end)."""
+_STATE: dict[str, Any] = {"owned": False, "open": set()}
+"""Whether torchrunx connected this process to Ray (then it disconnects once no launch uses
+it), and the transports that use the connection (their ids), launches and warm agents alike."""
 _CONNECT_LOCK = threading.Lock()
 
 
@@ -95,10 +97,15 @@ def connect(address: str) -> Any:  # noqa: ANN401 (Ray's module, untyped)
     return ray
 
 
-def disconnect() -> None:
-    """Disconnect from Ray if torchrunx connected (a caller's own ``ray.init`` stays)."""
+def disconnect(user: object) -> None:
+    """``user`` no longer needs Ray: disconnect if torchrunx connected and nothing else uses it.
+
+    A caller's own ``ray.init`` stays, and so does a connection that warm agents (or a launch
+    in another thread) still use.
+    """
     with _CONNECT_LOCK:
-        if _STATE["owned"]:
+        _STATE["open"].discard(id(user))
+        if _STATE["owned"] and not _STATE["open"]:
             _STATE["owned"] = False
             _ray().shutdown()
 
@@ -118,9 +125,13 @@ def node_table(nodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return table
 
 
-def _ip_key(address: str) -> tuple[int, ...] | tuple[str]:
-    parts = address.split(".")
-    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else (address,)
+def _ip_key(address: str) -> tuple[int, int, str]:
+    """IPv4 addresses in numeric order, then IPv6, then anything else by name."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return (7, 0, address)
+    return (ip.version, int(ip), "")
 
 
 class RayProvider:
@@ -189,6 +200,8 @@ class RayTransport:
                 ray = connect(ray_address(self.argument, os.environ))
             except RuntimeError as exc:
                 raise AgentFailedError(start.hostname, str(exc)) from exc
+            with _CONNECT_LOCK:
+                _STATE["open"].add(id(self))
             if self._group is None:
                 self._nodes = node_table(ray.nodes())
                 hosts = list(dict.fromkeys(start.hostnames or (start.hostname,)))
@@ -307,7 +320,7 @@ class RayTransport:
 
                 with contextlib.suppress(Exception):
                     remove_placement_group(group)
-        disconnect()
+        disconnect(self)
 
 
 def _first_line(exc: BaseException) -> str:

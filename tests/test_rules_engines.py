@@ -1,0 +1,278 @@
+"""Rules of the engines (pure): kubectl's options and pods, Ray's nodes, which transport starts what."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchrunx import plugins
+from torchrunx.engines.kubernetes import (
+    KubectlOptions,
+    KubectlTransport,
+    KubernetesProvider,
+    parse_options,
+    read_pods,
+    split_provider_argument,
+)
+from torchrunx.engines.ray import RayProvider, RayTransport, _ip_key, node_table, ray_address
+from torchrunx.engines.ray_actor import agent_environ
+from torchrunx.launcher.plan import check_agent_start, paired_transport, start_methods
+from torchrunx.launcher.transport import AGENT_ARGV
+
+# -- kubectl ----------------------------------------------------------------------------------
+
+
+def test_options_are_key_value_entries_joined_by_ampersands():
+    assert parse_options(None, "x") == KubectlOptions()
+    assert parse_options("", "x") == KubectlOptions()
+    assert parse_options(
+        "namespace=ml&context=prod&container=c&kubectl=/bin/k", "x"
+    ) == KubectlOptions(namespace="ml", context="prod", container="c", kubectl="/bin/k")
+    assert parse_options("namespace=ml&&", "x") == KubectlOptions(namespace="ml")
+    for bad in ("namespace", "zone=eu", "namespace=", "=ml"):
+        with pytest.raises(
+            ValueError, match=rf"^where: cannot read {bad!r}; expected KEY=VALUE"
+        ) as info:
+            parse_options(f"context=a&{bad}", "where")
+        assert "namespace, context, container, kubectl" in str(info.value)
+
+
+def test_the_provider_argument_is_a_selector_then_options():
+    assert split_provider_argument("app=x") == ("app=x", KubectlOptions())
+    assert split_provider_argument(" app in (a,b),tier!=db ?namespace=ml") == (
+        "app in (a,b),tier!=db",
+        KubectlOptions(namespace="ml"),
+    )
+    for empty in (None, "", "?namespace=ml", "  "):
+        with pytest.raises(ValueError, match="hostnames='kubernetes' needs a label selector"):
+            split_provider_argument(empty)
+    with pytest.raises(ValueError, match=r"hostnames='kubernetes:...\?OPTIONS'"):
+        split_provider_argument("app=x?ns=ml")
+
+
+def test_kubectl_command_lines_follow_its_documented_form():
+    options = KubectlOptions(namespace="ml", context="prod", container="trainer", kubectl="kc")
+    assert options.exec_argv("pod-0") == [
+        "kc",
+        "--context=prod",
+        "--namespace=ml",
+        "exec",
+        "-i",
+        "pod-0",
+        "-c",
+        "trainer",
+        "--",
+        *AGENT_ARGV,
+    ]
+    assert KubectlOptions().exec_argv("p") == ["kubectl", "exec", "-i", "p", "--", *AGENT_ARGV]
+    assert options.get_argv(selector="app=x") == [
+        "kc",
+        "--context=prod",
+        "--namespace=ml",
+        "get",
+        "pods",
+        "--request-timeout=30s",
+        "-l",
+        "app=x",
+        "-o",
+        "json",
+    ]
+    assert KubectlOptions().get_argv(names=["a", "b"]) == [
+        "kubectl",
+        "get",
+        "pods",
+        "--request-timeout=30s",
+        "a",
+        "b",
+        "-o",
+        "json",
+    ]
+    assert options.where() == "namespace ml of context prod"
+    assert KubectlOptions().where() == "the default namespace of the current context"
+    assert (
+        KubectlTransport("container=t")
+        .describe("p")
+        .startswith("kubectl exec -i p -c t -- bash --noprofile")
+    )
+
+
+def _pod(name: str, containers: list[dict[str, object]], **meta: object) -> dict[str, object]:
+    return {
+        "metadata": {"name": name, **meta},
+        "spec": {"containers": containers},
+        "status": {"phase": "Running", "podIP": "10.0.0.9"},
+    }
+
+
+def test_a_pods_gpus_are_those_of_the_container_exec_enters():
+    gpu = {"limits": {"nvidia.com/gpu": "4"}}
+    pods = [
+        _pod("first", [{"name": "a", "resources": gpu}, {"name": "b"}]),
+        _pod(
+            "default",
+            [{"name": "a"}, {"name": "b", "resources": gpu}],
+            annotations={"kubectl.kubernetes.io/default-container": "b"},
+        ),
+        _pod("requests", [{"name": "a", "resources": {"requests": {"nvidia.com/gpu": 2}}}]),
+        _pod("none", []),
+    ]
+    text = json.dumps({"kind": "List", "items": pods})
+    assert [(p.name, p.gpus) for p in read_pods(text)] == [
+        ("first", 4),
+        ("default", 4),
+        ("requests", 2),
+        ("none", 0),
+    ]
+    assert [p.gpus for p in read_pods(text, container="b")] == [0, 4, 0, 0]
+    assert [p.gpus for p in read_pods(text, container="zzz")] == [0, 0, 0, 0]
+
+
+def test_a_pod_runs_only_when_running_and_not_being_deleted():
+    base = _pod("p", [])
+    cases = [
+        (base, ("Running", "10.0.0.9", True)),
+        ({**base, "status": {"phase": "Pending"}}, ("Pending", None, False)),
+        ({**base, "status": {}}, ("Unknown", None, False)),
+        (
+            {**base, "metadata": {"name": "p", "deletionTimestamp": "t"}},
+            ("Running", "10.0.0.9", False),
+        ),
+    ]
+    for item, expected in cases:
+        (pod,) = read_pods(json.dumps(item))
+        assert (pod.phase, pod.ip, pod.running) == expected
+    for text in ("", "[]", '{"kind": "List"}', '{"kind": "Pod"}', "null"):
+        with pytest.raises(ValueError, match="cannot read kubectl's pod list"):
+            read_pods(text)
+
+
+def test_pods_come_in_the_jobs_own_order():
+    def pod(name: str, **marks: str) -> dict[str, object]:
+        return _pod(name, [], labels=marks)
+
+    index = "batch.kubernetes.io/job-completion-index"
+    jobset = "jobset.sigs.k8s.io/job-index"
+    items = [
+        pod("w-10"),
+        pod("w-9"),
+        pod("b-1", **{jobset: "1", index: "0"}),
+        pod("a-0", **{jobset: "0", index: "1"}),
+        pod("a-1", **{jobset: "0", index: "0"}),
+        pod("m", **{"training.kubeflow.org/replica-type": "Master"}),
+        pod("x", **{index: "not-a-number"}),
+    ]
+    pods = sorted(read_pods(json.dumps({"kind": "List", "items": items})), key=lambda p: p.order)
+    # master first; then by completion index within job index 0; unindexed by natural name
+    assert [p.name for p in pods] == ["m", "w-9", "w-10", "x", "a-1", "a-0", "b-1"]
+
+
+def test_the_kubernetes_provider_pairs_with_kubectl_and_its_options():
+    provider = KubernetesProvider()
+    assert provider.transport("app=x") == "kubectl"
+    assert provider.transport("app=x?namespace=ml&context=c") == "kubectl:namespace=ml&context=c"
+    assert provider.detect({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) is False
+
+
+# -- Ray ----------------------------------------------------------------------------------------
+
+
+def _node(
+    address: str, alive: bool = True, cpus: float = 2, gpus: float = 0, name: str = ""
+) -> dict[str, object]:
+    resources = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    return {
+        "NodeID": address,
+        "Alive": alive,
+        "NodeManagerAddress": address,
+        "NodeManagerHostname": name or f"host-{address}",
+        "Resources": resources,
+    }
+
+
+def test_ray_hosts_are_alive_nodes_that_can_run_work_by_address_and_unique_name():
+    nodes = [
+        _node("10.0.0.2", name="gpu-a", gpus=8),
+        _node("10.0.0.3", alive=False),
+        _node("10.0.0.4", cpus=0, name="head"),
+        _node("10.0.0.5", name="same"),
+        _node("10.0.0.6", name="same", cpus=0, gpus=1),
+    ]
+    table = node_table(nodes)
+    assert sorted(table) == ["10.0.0.2", "10.0.0.5", "10.0.0.6", "gpu-a"]
+    assert table["gpu-a"] is table["10.0.0.2"]
+    assert node_table([]) == {}
+
+
+def test_ray_addresses_sort_as_numbers_and_the_address_comes_from_the_argument_or_env():
+    assert sorted(["10.0.0.10", "fd00::1", "10.0.0.9", "b", "10.0.1.1"], key=_ip_key) == [
+        "10.0.0.9",
+        "10.0.0.10",
+        "10.0.1.1",
+        "fd00::1",
+        "b",
+    ]
+    assert ray_address("h:1", {"RAY_ADDRESS": "e:2"}) == "h:1"
+    assert ray_address(None, {"RAY_ADDRESS": "e:2"}) == "e:2"
+    assert ray_address(None, {}) == "auto"
+    assert RayProvider().transport(None) == "ray"
+    assert RayProvider().transport("h:1") == "ray:h:1"
+    assert RayProvider().detect({"RAY_ADDRESS": "h:1"}) is False
+    assert "a Ray actor on node 10.0.0.2 (cluster h:1;" in RayTransport("h:1").describe("10.0.0.2")
+
+
+def test_the_agent_started_by_an_actor_gets_the_nodes_environment_less_rays():
+    environ = {
+        "RAY_JOB_ID": "01",
+        "RAY_RAYLET_PID": "7",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+        "PATH": "/bin",
+        "XRAY": "x",
+    }
+    assert agent_environ(environ) == {"CUDA_VISIBLE_DEVICES": "2,3", "PATH": "/bin", "XRAY": "x"}
+
+
+# -- which transport starts each host -----------------------------------------------------------
+
+
+def test_a_paired_transport_starts_every_host_unless_agent_start_names_another():
+    hosts = ["localhost", "10.9.9.9"]
+    assert start_methods("auto", hosts, "ray:h:1") == (["ray", "ray"], "h:1")
+    assert start_methods("auto", hosts, "kubectl") == (["kubectl", "kubectl"], None)
+    assert start_methods("ssh", hosts, "ray") == (["local", "ssh"], None)
+    assert start_methods("auto", hosts, None) == (["local", "ssh"], None)
+    assert start_methods("kubectl:namespace=ml", hosts) == (["kubectl", "kubectl"], "namespace=ml")
+    assert start_methods("local", hosts) == (["local", "local"], None)
+    assert paired_transport(["node1"]) is None
+    assert paired_transport("ray:h:1") == "ray:h:1"
+    assert paired_transport("kubernetes:app=x?namespace=ml") == "kubectl:namespace=ml"
+
+
+def test_agent_start_must_name_a_transport_that_takes_its_argument():
+    for good in (
+        "auto",
+        "ssh",
+        "srun",
+        "local",
+        "ray",
+        "ray:h:1",
+        "kubectl",
+        "kubectl:namespace=ml",
+    ):
+        check_agent_start(good)
+    with pytest.raises(
+        ValueError,
+        match=r"agent_start='rsh': no transport named 'rsh' \(known: auto, kubectl, local, ray, srun, ssh;",
+    ):
+        check_agent_start("rsh")
+    with pytest.raises(
+        ValueError, match=r"agent_start=ssh:'x': the ssh transport takes no argument"
+    ):
+        check_agent_start("ssh:x")
+    with pytest.raises(ValueError, match=r"agent_start='kubectl:zone=eu': cannot read 'zone=eu'"):
+        check_agent_start("kubectl:zone=eu")
+    with pytest.raises(TypeError, match="agent_start must be a string"):
+        check_agent_start(["ssh"])
+    assert plugins.transport_spec("ray:h:1") == ("ray", "h:1")
+    assert plugins.transport_spec("ssh") == ("ssh", None)
+    assert plugins.transport_spec("kubectl:") == ("kubectl", "")
