@@ -111,7 +111,8 @@ TARGETS: dict[str, Target] = {
             "read_pods",
             "_pod",
             "_order",
-            "_state",
+            "_number",
+            "Pod.*",
             "KubernetesProvider.transport",
         ),
         note="kubectl's options, command lines and pods (kubectl itself runs in test_kubernetes)",
@@ -119,7 +120,14 @@ TARGETS: dict[str, Target] = {
     "ray_nodes": Target(
         "torchrunx/engines/ray.py",
         ("tests/test_rules_engines.py",),
-        functions=("node_table", "_ip_key", "ray_address", "RayProvider.transport"),
+        functions=(
+            "node_table",
+            "_can_work",
+            "_hostname",
+            "ordered",
+            "ray_address",
+            "RayProvider.transport",
+        ),
         note="which Ray nodes are hosts, in which order (Ray itself runs in test_ray)",
     ),
     "spares": Target(

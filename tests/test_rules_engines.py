@@ -15,7 +15,7 @@ from torchrunx.engines.kubernetes import (
     read_pods,
     split_provider_argument,
 )
-from torchrunx.engines.ray import RayProvider, RayTransport, _ip_key, node_table, ray_address
+from torchrunx.engines.ray import RayProvider, RayTransport, node_table, ordered, ray_address
 from torchrunx.engines.ray_actor import agent_environ
 from torchrunx.launcher.plan import check_agent_start, paired_transport, start_methods
 from torchrunx.launcher.transport import AGENT_ARGV
@@ -30,6 +30,7 @@ def test_options_are_key_value_entries_joined_by_ampersands():
         "namespace=ml&context=prod&container=c&kubectl=/bin/k", "x"
     ) == KubectlOptions(namespace="ml", context="prod", container="c", kubectl="/bin/k")
     assert parse_options("namespace=ml&&", "x") == KubectlOptions(namespace="ml")
+    assert parse_options("context=kind=x", "x") == KubectlOptions(context="kind=x")  # the first =
     for bad in ("namespace", "zone=eu", "namespace=", "=ml"):
         with pytest.raises(
             ValueError, match=rf"^where: cannot read {bad!r}; expected KEY=VALUE"
@@ -44,10 +45,18 @@ def test_the_provider_argument_is_a_selector_then_options():
         "app in (a,b),tier!=db",
         KubectlOptions(namespace="ml"),
     )
+    message = (
+        "hostnames='kubernetes' needs a label selector: 'kubernetes:SELECTOR', for example "
+        "'kubernetes:jobset.sigs.k8s.io/jobset-name=train' or "
+        "'kubernetes:app=trainer?namespace=ml&context=prod'"
+    )
     for empty in (None, "", "?namespace=ml", "  "):
-        with pytest.raises(ValueError, match="hostnames='kubernetes' needs a label selector"):
+        with pytest.raises(ValueError, match=r"^hostnames='kubernetes' needs") as info:
             split_provider_argument(empty)
-    with pytest.raises(ValueError, match=r"hostnames='kubernetes:...\?OPTIONS'"):
+        assert str(info.value) == message
+    with pytest.raises(
+        ValueError, match=r"^hostnames='kubernetes:...\?OPTIONS': cannot read 'ns=ml'"
+    ):
         split_provider_argument("app=x?ns=ml")
 
 
@@ -152,24 +161,28 @@ def test_pods_come_in_the_jobs_own_order():
         return _pod(name, [], labels=marks)
 
     index = "batch.kubernetes.io/job-completion-index"
+    replica = "training.kubeflow.org/replica-index"
     jobset = "jobset.sigs.k8s.io/job-index"
     items = [
         pod("w-10"),
         pod("w-9"),
-        pod("b-1", **{jobset: "1", index: "0"}),
-        pod("a-0", **{jobset: "0", index: "1"}),
-        pod("a-1", **{jobset: "0", index: "0"}),
-        pod("m", **{"training.kubeflow.org/replica-type": "Master"}),
+        pod("j1-0", **{jobset: "1", index: "0"}),
+        pod("i-a", **{index: "1"}),
+        pod("g0", **{jobset: "0", replica: "2"}),
+        pod("i-b", **{replica: "0"}),
+        pod("z-master", **{"training.kubeflow.org/replica-type": "Master"}),
         pod("x", **{index: "not-a-number"}),
     ]
     pods = sorted(read_pods(json.dumps({"kind": "List", "items": items})), key=lambda p: p.order)
-    # master first; then by completion index within job index 0; unindexed by natural name
-    assert [p.name for p in pods] == ["m", "w-9", "w-10", "x", "a-1", "a-0", "b-1"]
+    # the master first; then job 0 (unset is 0) by index; the unindexed by natural name; job 1
+    assert [p.name for p in pods] == ["z-master", "i-b", "i-a", "g0", "w-9", "w-10", "x", "j1-0"]
 
 
 def test_the_kubernetes_provider_pairs_with_kubectl_and_its_options():
     provider = KubernetesProvider()
     assert provider.transport("app=x") == "kubectl"
+    assert provider.transport(None) == "kubectl"
+    assert provider.transport("app=x?") == "kubectl"
     assert provider.transport("app=x?namespace=ml&context=c") == "kubectl:namespace=ml&context=c"
     assert provider.detect({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) is False
 
@@ -197,20 +210,39 @@ def test_ray_hosts_are_alive_nodes_that_can_run_work_by_address_and_unique_name(
         _node("10.0.0.4", cpus=0, name="head"),
         _node("10.0.0.5", name="same"),
         _node("10.0.0.6", name="same", cpus=0, gpus=1),
+        _node("10.0.0.7", cpus=1, name="small"),
+        {"NodeID": "n8", "Alive": True, "NodeManagerAddress": "10.0.0.8", "Resources": {"GPU": 1}},
+        {"NodeID": "n9", "NodeManagerAddress": "10.0.0.9", "Resources": {"CPU": 4}},
+        {
+            "NodeID": "n10",
+            "Alive": True,
+            "NodeManagerAddress": "10.0.0.10",
+            "Resources": {"memory": 1},
+        },
     ]
     table = node_table(nodes)
-    assert sorted(table) == ["10.0.0.2", "10.0.0.5", "10.0.0.6", "gpu-a"]
+    assert sorted(table) == [
+        "10.0.0.2",
+        "10.0.0.5",
+        "10.0.0.6",
+        "10.0.0.7",
+        "10.0.0.8",
+        "gpu-a",
+        "small",
+    ]
     assert table["gpu-a"] is table["10.0.0.2"]
     assert node_table([]) == {}
 
 
 def test_ray_addresses_sort_as_numbers_and_the_address_comes_from_the_argument_or_env():
-    assert sorted(["10.0.0.10", "fd00::1", "10.0.0.9", "b", "10.0.1.1"], key=_ip_key) == [
+    assert ordered(["10.0.0.10", "fd00::1", "10.0.0.9", "c", "::1", "b", "10.0.1.1"]) == [
         "10.0.0.9",
         "10.0.0.10",
         "10.0.1.1",
+        "::1",
         "fd00::1",
         "b",
+        "c",
     ]
     assert ray_address("h:1", {"RAY_ADDRESS": "e:2"}) == "h:1"
     assert ray_address(None, {"RAY_ADDRESS": "e:2"}) == "e:2"

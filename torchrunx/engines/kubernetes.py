@@ -141,6 +141,11 @@ class Pod:
         """Running and not being deleted."""
         return self.phase == "Running" and not self.deleting
 
+    @property
+    def state(self) -> str:
+        """Its phase, or ``"deleting"``: what an error says of it."""
+        return "deleting" if self.deleting else self.phase
+
 
 def read_pods(text: str, container: str | None = None) -> list[Pod]:
     """The pods of ``kubectl get pods -o json`` output (a ``List`` or one ``Pod``), unsorted.
@@ -185,16 +190,26 @@ def _pod(item: dict[str, Any], container: str | None) -> Pod:
 
 
 def _order(name: str, marks: Mapping[str, str]) -> tuple[Any, ...]:
-    """The job's own order: JobSet job index, master first, completion or replica index, name."""
-    group = next((int(marks[k]) for k in _GROUP_KEYS if str(marks.get(k, "")).isdigit()), 0)
-    kind = str(marks.get(_REPLICA_TYPE_KEY, "")).lower()
-    index = next((int(marks[k]) for k in _INDEX_KEYS if str(marks.get(k, "")).isdigit()), -1)
-    natural = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name))
-    return (group, 0 if kind == "master" else 1, index, natural)
+    """The job's own order: JobSet job index, master first, completion or replica index, name.
+
+    A pod without a job index is in job 0; one without a completion or replica index comes
+    after the indexed ones; names compare their numbers as numbers (``w-9`` before ``w-10``).
+    """
+    group = _number(marks, _GROUP_KEYS)
+    index = _number(marks, _INDEX_KEYS)
+    master = str(marks.get(_REPLICA_TYPE_KEY)).lower() == "master"
+    parts = re.split(r"(\d+)", name)  # text, number, text...: numbers at the odd places
+    natural = tuple(int(part) if place % 2 else part for place, part in enumerate(parts))
+    return (group or 0, not master, index is None, index or 0, natural)
 
 
-def _state(pod: Pod) -> str:
-    return "deleting" if pod.deleting else pod.phase
+def _number(marks: Mapping[str, str], keys: tuple[str, ...]) -> int | None:
+    """The first of ``keys`` whose value is a whole number, as one."""
+    for key in keys:
+        value = str(marks.get(key))
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def run_kubectl(argv: list[str], what: str) -> str:
@@ -245,7 +260,7 @@ class KubernetesProvider:
         )
         if not pods:
             raise RuntimeError(f"{what}: no pod matches {selector!r} in {options.where()}")
-        waiting = [f"{pod.name} ({_state(pod)})" for pod in pods if not pod.running]
+        waiting = [f"{pod.name} ({pod.state})" for pod in pods if not pod.running]
         if waiting:
             raise RuntimeError(
                 f"{what}: {len(waiting)} of {len(pods)} pods do not run: {', '.join(waiting)}; "
@@ -255,7 +270,7 @@ class KubernetesProvider:
 
     def transport(self, argument: str | None) -> str:
         """``kubectl`` with the provider's options."""
-        _, _, options = (argument or "").partition("?")
+        options = str(argument).partition("?")[2]
         return f"kubectl:{options}" if options else "kubectl"
 
 
@@ -312,7 +327,7 @@ class KubectlTransport:
             ) from exc
         pod = pods[0] if pods else None
         if pod is None or not pod.running or not pod.ip:
-            state = "not found" if pod is None else _state(pod)
+            state = "not found" if pod is None else pod.state
             raise AgentFailedError(
                 start.hostname, f"pod {start.hostname} does not run ({state}): no agent can start"
             )

@@ -21,6 +21,7 @@ made, removes the placement group, and disconnects from Ray if it connected.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import ipaddress
@@ -112,26 +113,36 @@ def disconnect(user: object) -> None:
 
 def node_table(nodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Alive nodes that can run work, by IP address (and by hostname where it is unique)."""
-    usable = [
-        n
-        for n in nodes
-        if n.get("Alive") and (n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0)
-    ]
+    usable = [n for n in nodes if n.get("Alive") and _can_work(n["Resources"])]
     table = {str(n["NodeManagerAddress"]): n for n in usable}
-    names = [str(n.get("NodeManagerHostname", "")) for n in usable]
-    for node, name in zip(usable, names, strict=True):
-        if name and names.count(name) == 1:
+    names = collections.Counter(_hostname(n) for n in usable)
+    for node in usable:
+        name = _hostname(node)
+        if name and names[name] == 1:
             table.setdefault(name, node)
     return table
 
 
-def _ip_key(address: str) -> tuple[int, int, str]:
-    """IPv4 addresses in numeric order, then IPv6, then anything else by name."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return (7, 0, address)
-    return (ip.version, int(ip), "")
+def _can_work(resources: Mapping[str, float]) -> bool:
+    return any(resources.get(kind) for kind in ("CPU", "GPU"))
+
+
+def _hostname(node: Mapping[str, Any]) -> str:
+    return str(node.get("NodeManagerHostname") or "")
+
+
+def ordered(addresses: list[str]) -> list[str]:
+    """IPv4 addresses in numeric order, then IPv6 ones, then anything else by name."""
+    ips: list[tuple[int, int, str]] = []
+    others = []
+    for address in addresses:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:  # noqa: PERF203 (a name, not an address)
+            others.append(address)
+        else:
+            ips.append((ip.version, int(ip), address))
+    return [address for *_, address in sorted(ips)] + sorted(others)
 
 
 class RayProvider:
@@ -155,7 +166,7 @@ class RayProvider:
                 "hostnames='ray': the Ray cluster has no alive node with CPUs or GPUs"
             )
         hosts = []
-        for address in sorted(nodes, key=_ip_key):
+        for address in ordered(list(nodes)):
             resources = nodes[address]["Resources"]
             count = int(resources.get("GPU", 0)) or int(resources.get("CPU", 0))
             hosts.append(HostSlots(address, count or None))
