@@ -57,6 +57,18 @@ def ray_hosts(ray_cluster: RayCluster):
     assert ray_cluster.leftovers() == {"actors": [], "placement_groups": []}
 
 
+def kill_actor_of_host(ray_cluster: RayCluster, index: int) -> None:
+    """Kill, from a driver of its own, the actor that started host ``index``'s agent."""
+    ray_cluster.driver(
+        f"import ray;ray.init(address={ray_cluster.address!r},logging_level='ERROR',log_to_driver=False)\n"
+        "import ray.util\n"
+        "names=[a['name'] for a in ray.util.list_named_actors(all_namespaces=True)"
+        f" if a['name'].startswith('torchrunx-agent-') and '-{index}-' in a['name']]\n"
+        "assert len(names)==1, names\n"
+        "ray.kill(ray.get_actor(names[0], namespace='torchrunx'))\n"
+    )
+
+
 def where() -> dict[str, object]:
     import torch
     import torch.distributed as dist
@@ -196,22 +208,13 @@ def test_ray_killed_actor_ends_its_agent_and_fails_its_node(ray_cluster, ray_hos
         Path(f"{started}-{os.environ['RANK']}").touch()
         time.sleep(600)
 
-    kill = (
-        f"import ray;ray.init(address={ray_cluster.address!r},logging_level='ERROR',log_to_driver=False)\n"
-        "import ray.util\n"
-        "names=[a['name'] for a in ray.util.list_named_actors(all_namespaces=True)"
-        " if a['name'].startswith('torchrunx-agent-') and '-1-' in a['name']]\n"
-        "assert len(names)==1, names\n"
-        "ray.kill(ray.get_actor(names[0], namespace='torchrunx'))\n"
-    )
-
     def kill_when_started() -> None:
         deadline = time.monotonic() + 60
         while not all(Path(f"{started}-{r}").exists() for r in range(2)):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.05)
-        ray_cluster.driver(kill)
+        kill_actor_of_host(ray_cluster, 1)
 
     killer = threading.Thread(target=kill_when_started)
     killer.start()
@@ -225,6 +228,76 @@ def test_ray_killed_actor_ends_its_agent_and_fails_its_node(ray_cluster, ray_hos
     # agent on that node removes it.
     trx.launch(os.getpid, hostnames=ray_hosts, workers_per_host=1, backend=None)
     assert set(Path(tempfile.gettempdir()).glob("torchrunx-*")) <= private_dirs
+
+
+@on_ray
+def test_ray_warm_agent_whose_actor_is_killed_between_runs_is_replaced(ray_cluster, ray_hosts):
+
+    def where_now() -> tuple[str, int]:
+        return socket.gethostname(), os.getppid()
+
+    launcher = trx.Launcher(
+        hostnames=ray_hosts, workers_per_host=1, backend=None, restart_on=("hosts",), max_restarts=1
+    )
+    with launcher.warm() as warm:
+        first = warm.run(where_now).ranks
+        kill_actor_of_host(
+            ray_cluster, 1
+        )  # between runs: the agent's whole tree goes with its actor
+        time.sleep(1.0)
+        second_run = warm.run(where_now).ranks
+    assert [host for host, _ in second_run] == ["rnode1", "rnode2"]
+    assert second_run[0][1] == first[0][1]  # host 0 keeps its agent
+    assert second_run[1][1] != first[1][1]  # host 1 has a new one, started by a new actor
+
+
+CTRL_C_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+import torchrunx as trx
+
+def wait(folder):
+    Path(folder, os.environ["RANK"]).touch()
+    time.sleep(600)
+
+trx.launch(wait, func_args=(sys.argv[2],), hostnames=sys.argv[1], workers_per_host=1, backend=None)
+"""
+
+
+@on_ray
+def test_ray_ctrl_c_while_ranks_run_ends_everything_it_made(ray_cluster, ray_hosts, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "launch.py"
+    script.write_text(CTRL_C_SCRIPT)
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    launcher = subprocess.Popen(
+        [sys.executable, str(script), ray_hosts, str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / str(rank)).exists() for rank in range(2)):
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode != 0
+    assert "KeyboardInterrupt" in stderr
 
 
 @on_ray
