@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -151,7 +152,11 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="trx-engines-"))
     print("starting a 3-node Ray cluster on the bench hosts...", file=sys.stderr)
-    ray = start_ray_cluster(3, workdir, profile="bench")
+    try:
+        ray = start_ray_cluster(3, workdir, profile="bench")
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
     try:
         modes = ["ssh", "ray", "ray-connected", "floor"]
         figures: dict[str, list[float]] = {m: [] for m in modes}
@@ -166,6 +171,7 @@ def main() -> None:
                 warm_rows.append((spec, keep, opened, times))
     finally:
         ray.stop()
+        shutil.rmtree(workdir, ignore_errors=True)  # the hosts' keys and SSH configs
     ssh = statistics.median(figures["ssh"])
     print("| 3 hosts x 2 workers, gloo: call to every rank's start | median | min | max |")
     print("|---|---|---|---|")
