@@ -53,8 +53,9 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
         ["--steps", "5"],
         [r"final loss per rank: \[[\d.]+, [\d.]+\]"],
     ),
-    "13_preempt_and_resume.py": (  # SIGTERM to itself once rank 0 has run 3 s
-        ["--steps", "400", "--ckpt", "{tmp}/ckpt.pt"],
+    "13_preempt_and_resume.py": (  # SIGTERM to itself once rank 0 has run 0.2 s
+        # (its default 3 s raced the 400 steps, which an idle machine runs in under 3 s)
+        ["--steps", "400", "--preempt-after", "0.2", "--ckpt", "{tmp}/ckpt.pt"],
         [
             r"preempted \(the launcher received SIGTERM\): saved at step \[\d+\], by rank 0",
             r"resumed from step \d+, finished at step 400",
