@@ -78,6 +78,23 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
 ELSEWHERE = {"14_ray.py": "tests/test_ray.py (on its Ray cluster)"}
 
 
+def run_example(path: Path, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run an example as a reader would, from ``cwd``, with this checkout importable."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, str(path), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
 def test_every_example_is_run_here():
     assert sorted([*RUNS, *FRAMEWORK_SCRIPTS, *ELSEWHERE]) == [path.name for path in EXAMPLES]
 
@@ -93,19 +110,7 @@ def test_example_has_a_usage_docstring(path):
 def test_example_runs(path, tmp_path):
     args, patterns = RUNS[path.name]
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    done = subprocess.run(
-        [sys.executable, str(path), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    done = run_example(path, args, tmp_path)
     assert done.returncode == 0, f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
     lines = iter(done.stdout.splitlines())
     for pattern in patterns:

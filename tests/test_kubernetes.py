@@ -306,25 +306,12 @@ def test_a_raising_rank_and_warm_agents_over_kubectl(cluster, kubectl):
 
 @pytest.mark.cluster
 def test_the_kubernetes_example_launches_on_the_selected_pods(cluster, kubectl, tmp_path):
-    import subprocess
+    from test_examples import run_example
 
     kubectl.pods(_cluster_pods(cluster))
     script = Path(__file__).resolve().parent.parent / "examples" / "kubernetes" / "launch.py"
     args = ["--selector", "app=trainer", "--namespace", "ml", "--context", "prod", "--workers", "1"]
-    root = str(script.parent.parent.parent)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    }
-    done = subprocess.run(
-        [sys.executable, str(script), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    done = run_example(script, args, tmp_path)
     assert done.returncode == 0, done.stderr
     assert (
         "agent start: kubectl:namespace=ml&context=prod&container=trainer (2 hosts)" in done.stdout

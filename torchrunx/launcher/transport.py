@@ -181,7 +181,44 @@ AGENT_ARGV = ("bash", "--noprofile", "--norc", "-c", 'IFS= read -r -d "" s && ev
 """:data:`AGENT_COMMAND` as an argument vector."""
 
 
-class CommandAgent:
+class PipeReaders:
+    """An agent's stdout and stderr read from two non-blocking pipes, as whole lines.
+
+    Its owner sets ``_output`` and ``_streams`` (``False``: stdout's read end, ``True``:
+    stderr's): a local child's pipes, or those a relay thread writes (Ray).
+    """
+
+    _output: _AgentOutput
+    _streams: dict[bool, int]
+
+    def readers(self) -> list[Reader]:
+        """The agent's stdout and stderr pipes, while they are open."""
+        return [
+            (fd, functools.partial(self._read, fd, is_stderr=is_stderr))
+            for is_stderr, fd in self._streams.items()
+            if not self._output.ended[is_stderr]
+        ]
+
+    def _read(self, fd: int, *, is_stderr: bool) -> bool:
+        for _ in range(_READS_PER_CALL):
+            try:
+                chunk = os.read(fd, 65536)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                chunk = b""
+            self._output.feed(chunk, is_stderr=is_stderr)
+            if not chunk:
+                return False
+        return True
+
+    def stderr_tail(self) -> str:
+        """The last lines the agent wrote to stderr (read for up to 0.5 s more)."""
+        _drain(self.readers(), 0.5)
+        return "\n".join(self._output.tail)
+
+
+class CommandAgent(PipeReaders):
     """An agent behind a local child process: the agent itself, or a command that relays it.
 
     ``srun``, ``kubectl exec -i`` and ``docker exec -i`` relay their stdin, stdout and stderr to
@@ -245,32 +282,6 @@ class CommandAgent:
     def exit_fd(self) -> int:
         """The child's pidfd (readable once it has ended), or -1 without one."""
         return self._pidfd
-
-    def readers(self) -> list[Reader]:
-        """The agent's stdout and stderr pipes, while they are open."""
-        return [
-            (fd, functools.partial(self._read, fd, is_stderr=is_stderr))
-            for is_stderr, fd in self._streams.items()
-            if not self._output.ended[is_stderr]
-        ]
-
-    def _read(self, fd: int, *, is_stderr: bool) -> bool:
-        for _ in range(_READS_PER_CALL):
-            try:
-                chunk = os.read(fd, 65536)
-            except (BlockingIOError, InterruptedError):
-                return True
-            except OSError:
-                chunk = b""
-            self._output.feed(chunk, is_stderr=is_stderr)
-            if not chunk:
-                return False
-        return True
-
-    def stderr_tail(self) -> str:
-        """The last lines the agent wrote to stderr (read for up to 0.5 s more)."""
-        _drain(self.readers(), 0.5)
-        return "\n".join(self._output.tail)
 
     def wait(self, timeout: float | None) -> int | None:
         """Wait for the child to end; its exit status, or ``None`` if still running."""
