@@ -69,6 +69,34 @@ def kill_actor_of_host(ray_cluster: RayCluster, index: int) -> None:
     )
 
 
+def fault_while_ranks_run(
+    hosts: str, tmp_path: Path, fault, **options: object
+) -> trx.AgentFailedError:
+    """Launch 2 ranks that wait; once both run, call ``fault()``; the AgentFailedError raised."""
+    started = tmp_path / "started"
+
+    def wait_forever() -> None:
+        Path(f"{started}-{os.environ['RANK']}").touch()
+        time.sleep(600)
+
+    def fault_when_started() -> None:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{started}-{r}").exists() for r in range(2)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        fault()
+
+    faulter = threading.Thread(target=fault_when_started)
+    faulter.start()
+    try:
+        with pytest.raises(trx.AgentFailedError) as info:
+            trx.launch(wait_forever, hostnames=hosts, workers_per_host=1, backend=None, **options)
+    finally:
+        faulter.join()
+    return info.value
+
+
 def where() -> dict[str, object]:
     import torch
     import torch.distributed as dist
@@ -83,12 +111,15 @@ def where() -> dict[str, object]:
         "sum": total.item(),
         "parent": parent,
         "ray_vars": sorted(k for k in os.environ if k.startswith("RAY_")),
+        "breakpoint": os.environ.get("PYTHONBREAKPOINT"),
     }
 
 
 @on_ray
 def test_ray_nodes_run_the_function_and_every_rank_returns(ray_cluster, ray_hosts):
+    breakpoint_before = os.environ.get("PYTHONBREAKPOINT")
     result = trx.launch(where, hostnames=ray_hosts, workers_per_host=2, backend="gloo")
+    assert os.environ.get("PYTHONBREAKPOINT") == breakpoint_before  # ray.init's is undone
     addresses = [h.address for h in ray_cluster.hosts.hosts]
     assert list(result.results) == addresses  # the nodes, by address, in address order
     assert [r["host"] for r in result.ranks] == ["rnode1", "rnode1", "rnode2", "rnode2"]
@@ -98,6 +129,7 @@ def test_ray_nodes_run_the_function_and_every_rank_returns(ray_cluster, ray_host
     # and Ray's own variables do not reach them.
     assert all("torchrunx.agent.agent" in str(r["parent"]) for r in result.ranks)
     assert all(r["ray_vars"] == [] for r in result.ranks)
+    assert all(not str(r["breakpoint"]).startswith("ray.") for r in result.ranks)
     assert result.index(addresses[1], 1)["rank"] == 3
 
 
@@ -105,6 +137,8 @@ def test_ray_nodes_run_the_function_and_every_rank_returns(ray_cluster, ray_host
 def test_ray_uses_and_keeps_the_callers_own_connection(ray_cluster, ray_hosts, monkeypatch):
     import ray
 
+    # ray.init points this process's breakpoint() at Ray's debugger: not past this test
+    monkeypatch.setenv("PYTHONBREAKPOINT", os.environ.get("PYTHONBREAKPOINT", "0"))
     ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
     try:
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -117,24 +151,10 @@ def test_ray_uses_and_keeps_the_callers_own_connection(ray_cluster, ray_hosts, m
 
 @on_ray
 def test_the_ray_example_trains_on_the_clusters_nodes(ray_cluster, ray_hosts, tmp_path):
-    import subprocess
-    import sys
+    from test_examples import ROOT, run_example
 
-    root = Path(__file__).resolve().parent.parent
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-    }
-    argv = [sys.executable, str(root / "examples" / "14_ray.py"), "--address", ray_cluster.address]
-    done = subprocess.run(
-        [*argv, "--workers", "1", "--steps", "30"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    args = ["--address", ray_cluster.address, "--workers", "1", "--steps", "30"]
+    done = run_example(ROOT / "examples" / "14_ray.py", args, tmp_path)
     assert done.returncode == 0, done.stderr
     lines = [
         line for line in done.stdout.splitlines() if not line.startswith("[")
@@ -202,28 +222,8 @@ def test_ray_killed_actor_ends_its_agent_and_fails_its_node(ray_cluster, ray_hos
 
     private_dirs = set(Path(tempfile.gettempdir()).glob("torchrunx-*"))
     second = ray_cluster.hosts.hosts[1]
-    started = tmp_path / "started"
-
-    def wait_forever() -> None:
-        Path(f"{started}-{os.environ['RANK']}").touch()
-        time.sleep(600)
-
-    def kill_when_started() -> None:
-        deadline = time.monotonic() + 60
-        while not all(Path(f"{started}-{r}").exists() for r in range(2)):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        kill_actor_of_host(ray_cluster, 1)
-
-    killer = threading.Thread(target=kill_when_started)
-    killer.start()
-    try:
-        with pytest.raises(trx.AgentFailedError) as info:
-            trx.launch(wait_forever, hostnames=ray_hosts, workers_per_host=1, backend=None)
-    finally:
-        killer.join()
-    assert info.value.hostname == second.address
+    error = fault_while_ranks_run(ray_hosts, tmp_path, lambda: kill_actor_of_host(ray_cluster, 1))
+    assert error.hostname == second.address
     # Ray took the agent's whole tree, its private folder could not go with it: the next
     # agent on that node removes it.
     trx.launch(os.getpid, hostnames=ray_hosts, workers_per_host=1, backend=None)
@@ -303,30 +303,11 @@ def test_ray_ctrl_c_while_ranks_run_ends_everything_it_made(ray_cluster, ray_hos
 @on_ray
 def test_ray_killed_node_is_an_agent_failure_naming_the_node(ray_cluster, ray_hosts, tmp_path):
     second = ray_cluster.hosts.hosts[1]
-    started = tmp_path / "started"
-
-    def wait_forever() -> None:
-        Path(f"{started}-{os.environ['RANK']}").touch()
-        time.sleep(600)
-
-    def kill_when_started() -> None:
-        deadline = time.monotonic() + 60
-        while not all(Path(f"{started}-{r}").exists() for r in range(2)):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        ray_cluster.kill_node(second)
-
-    killer = threading.Thread(target=kill_when_started)
-    killer.start()
     began = time.monotonic()
-    try:
-        with pytest.raises(trx.AgentFailedError) as info:
-            trx.launch(
-                wait_forever, hostnames=ray_hosts, workers_per_host=1, backend=None, agent_timeout=3
-            )
-    finally:
-        killer.join()  # the node stays dead: this is the module's last test
-    assert info.value.hostname == second.address
-    assert second.address in str(info.value)
+    # the node stays dead: this is the module's last test
+    error = fault_while_ranks_run(
+        ray_hosts, tmp_path, lambda: ray_cluster.kill_node(second), agent_timeout=3
+    )
+    assert error.hostname == second.address
+    assert second.address in str(error)
     assert time.monotonic() - began < 60

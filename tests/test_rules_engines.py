@@ -260,8 +260,11 @@ def test_the_agent_started_by_an_actor_gets_the_nodes_environment_less_rays():
         "CUDA_VISIBLE_DEVICES": "2,3",
         "PATH": "/bin",
         "XRAY": "x",
+        "PYTHONBREAKPOINT": "ray.util.rpdb.set_trace",  # Ray's debugger, set for its workers
     }
     assert agent_environ(environ) == {"CUDA_VISIBLE_DEVICES": "2,3", "PATH": "/bin", "XRAY": "x"}
+    own = {"PYTHONBREAKPOINT": "ipdb.set_trace"}  # the node's own choice stays
+    assert agent_environ(own) == own
 
 
 # -- which transport starts each host -----------------------------------------------------------

@@ -35,18 +35,13 @@ from torchrunx.engines import ray_actor
 from torchrunx.engines.builtin import agent_route
 from torchrunx.errors import AgentFailedError
 from torchrunx.hosts.hostlists import HostSlots
-from torchrunx.launcher.transport import (
-    _READS_PER_CALL,
-    AGENT_ARGV,
-    _AgentOutput,
-    _drain,
-)
+from torchrunx.launcher.transport import AGENT_ARGV, PipeReaders, _AgentOutput, _drain
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from torchrunx.engines import AgentStart
-    from torchrunx.launcher.transport import AgentProcess, Reader
+    from torchrunx.launcher.transport import AgentProcess
 
 logger = logging.getLogger("torchrunx.ray")
 
@@ -82,6 +77,9 @@ def connect(address: str) -> Any:  # noqa: ANN401 (Ray's module, untyped)
     ray = _ray()
     with _CONNECT_LOCK:
         if not ray.is_initialized():
+            # ray.init points this process's breakpoint() at Ray's debugger (PYTHONBREAKPOINT);
+            # a connection torchrunx makes leaves the caller's environment as it was.
+            breakpoint_hook = os.environ.get("PYTHONBREAKPOINT")
             try:
                 ray.init(
                     address=address,
@@ -94,6 +92,11 @@ def connect(address: str) -> Any:  # noqa: ANN401 (Ray's module, untyped)
                     f"cannot connect to the Ray cluster at {address!r}: {exc}; start it (ray start "
                     "--head) or give its address: hostnames='ray:ADDRESS' or RAY_ADDRESS"
                 ) from exc
+            finally:
+                if breakpoint_hook is None:
+                    os.environ.pop("PYTHONBREAKPOINT", None)
+                else:
+                    os.environ["PYTHONBREAKPOINT"] = breakpoint_hook
             _STATE["owned"] = True
     return ray
 
@@ -339,7 +342,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else repr(exc)
 
 
-class RayAgent:
+class RayAgent(PipeReaders):
     """An agent started by a Ray actor; its output comes through the actor, read by a thread."""
 
     def __init__(
@@ -357,6 +360,7 @@ class RayAgent:
         self._forget = forget
         self._output = _AgentOutput(start.on_line)
         self._pipes = {False: os.pipe(), True: os.pipe()}
+        self._streams = {is_stderr: pipe[0] for is_stderr, pipe in self._pipes.items()}
         self._exit = os.pipe()
         for read_end, write_end in self._pipes.values():
             os.set_blocking(read_end, False)
@@ -415,32 +419,6 @@ class RayAgent:
     def exit_fd(self) -> int:
         """Readable once the agent's end (or its actor's) is known."""
         return self._exit[0]
-
-    def readers(self) -> list[Reader]:
-        """The relayed stdout and stderr, while they are open."""
-        return [
-            (pipe[0], functools.partial(self._read, pipe[0], is_stderr=is_stderr))
-            for is_stderr, pipe in self._pipes.items()
-            if not self._output.ended[is_stderr]
-        ]
-
-    def _read(self, fd: int, *, is_stderr: bool) -> bool:
-        for _ in range(_READS_PER_CALL):
-            try:
-                chunk = os.read(fd, 65536)
-            except (BlockingIOError, InterruptedError):
-                return True
-            except OSError:
-                chunk = b""
-            self._output.feed(chunk, is_stderr=is_stderr)
-            if not chunk:
-                return False
-        return True
-
-    def stderr_tail(self) -> str:
-        """The last lines the agent wrote to stderr (read for up to 0.5 s more)."""
-        _drain(self.readers(), 0.5)
-        return "\n".join(self._output.tail)
 
     def wait(self, timeout: float | None) -> int | None:
         """The agent's exit status once known, or ``None`` after ``timeout`` seconds."""

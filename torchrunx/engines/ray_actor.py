@@ -20,11 +20,21 @@ _READ_SIZE = 65536
 
 
 def agent_environ(environ: dict[str, str]) -> dict[str, str]:
-    """The environment the agent starts with: the node's, less Ray's own ``RAY_*`` variables.
+    """The environment the agent starts with: the node's, less what Ray set for its workers.
 
-    ``CUDA_VISIBLE_DEVICES`` stays: Ray sets it to the GPUs it reserved for the actor.
+    Ray's ``RAY_*`` variables go, and the ``PYTHONBREAKPOINT`` that points ``breakpoint()`` at
+    Ray's debugger (the ranks' ``breakpoint()`` is torchrunx's). ``CUDA_VISIBLE_DEVICES`` stays:
+    Ray sets it to the GPUs it reserved for the actor.
     """
-    return {name: value for name, value in environ.items() if not name.startswith("RAY_")}
+    return {
+        name: value
+        for name, value in environ.items()
+        if not name.startswith("RAY_") and not _rays_debugger(name, value)
+    }
+
+
+def _rays_debugger(name: str, value: str) -> bool:
+    return name == "PYTHONBREAKPOINT" and value.startswith("ray.")
 
 
 class AgentRunner:
