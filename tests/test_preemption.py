@@ -363,14 +363,20 @@ def test_an_sbatch_job_preempted_once_requeues_and_finishes_from_its_checkpoint(
                 slurm.run(["scancel", whom, "--signal=TERM", job])
                 break
             time.sleep(0.1)
-        # SLURM holds a requeued job back for a while (its BeginTime); the test does not wait,
-        # until the requeued run runs (a BeginTime set again after an update is moved again).
+        # SLURM holds a requeued job back for a while (its BeginTime); the test does not wait
+        # that long, until the requeued run runs (a BeginTime set again after an update is moved
+        # again). Not at once, though: slurmd refuses a job credential made in the second its
+        # last one was revoked ("Job credential revoked", and the job fails), so the test waits
+        # 2 s from the requeue, as SLURM's own delay does for longer.
+        pending_since = None
         while time.monotonic() < deadline:
             state = slurm.run(["scontrol", "show", "job", job]).stdout
             if "Restarts=1" in state and re.search(r"JobState=(RUNNING|COMPLETED)", state):
                 return
             if "JobState=PENDING" in state and "Reason=BeginTime" in state:
-                slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+                pending_since = pending_since or time.monotonic()
+                if time.monotonic() - pending_since >= 2:
+                    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
             time.sleep(0.2)
 
     thread = threading.Thread(target=preempt_once)
