@@ -17,8 +17,7 @@ import pytest
 
 from torchrunx.agent.outbox import Outbox
 from torchrunx.agent.workergroup import WorkerGroup
-from torchrunx.launcher.transport import BOOT_CODE
-from torchrunx.wire.bootstrap import AgentBootstrap
+from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap
 from torchrunx.wire.messages import Heartbeat, LogLines
 from torchrunx.wire.records import Connection, Sealer, SessionKeys
 

@@ -505,7 +505,11 @@ def main(line: bytes) -> None:
     try:
         conn = handshake.connect(address, boot.secret, "agent", timeout=boot.agent_timeout * 2)
     except (OSError, ProtocolError) as exc:
-        sys.stderr.write(f"torchrunx agent: cannot reach the launcher at {address}: {exc}\n")
+        sys.stderr.write(
+            f"torchrunx agent: cannot reach the launcher at {address}: {exc} (if this host "
+            "cannot open connections to the launcher, give Launcher(relay='auto'), or --relay "
+            "auto: the connections then travel over the agent's own channel)\n"
+        )
         sys.exit(2)
     gpus = count_local_gpus()
     cpus = count_local_cpus()

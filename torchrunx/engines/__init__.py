@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from pathlib import Path
 
+    from torchrunx.launcher.relay import Adopt
+
 __all__ = [
     "AGENT_ARGV",
     "AGENT_COMMAND",
@@ -77,6 +79,10 @@ class AgentStart:
             such as ``kubectl`` runs with it).
         hostnames: Every host of the launch that this transport starts, spares included, for
             a transport that reserves them all at once (Ray's placement group).
+        relay: Set when this host relays (``Launcher(relay=...)``): the agent's stdout and
+            stdin then carry the relay's frames, not lines. A transport that declares
+            ``relays = True`` passes it to :class:`CommandAgent` (``relay=``), which handles
+            them; other transports are never given one.
     """
 
     index: int
@@ -89,6 +95,7 @@ class AgentStart:
     ssh_config_file: str | Path | None = None
     environ: Mapping[str, str] = field(default_factory=dict, repr=False)
     hostnames: tuple[str, ...] = ()
+    relay: Adopt | None = field(default=None, repr=False)
 
     @property
     def payload(self) -> Callable[[str], bytes]:

@@ -70,6 +70,8 @@ class SshTransport:
 
     name: ClassVar[str] = "ssh"
     remote: ClassVar[bool] = True
+    relays: ClassVar[bool] = True
+    """Its agents can relay connections (``AgentStart.relay``) over the SSH channel."""
     settings: ClassVar[tuple[str, ...]] = ("ssh_config_file",)
     """What :func:`torchrunx.plugins.transport` passes on from the launch."""
 
@@ -89,6 +91,7 @@ class SshTransport:
             start.ssh_config_file,
             connect_timeout=start.connect_timeout,
             on_line=start.on_line,
+            relay=start.relay,
         )
 
     def describe(self, hostname: str) -> str:
@@ -109,6 +112,8 @@ class SrunTransport:
 
     name: ClassVar[str] = "srun"
     remote: ClassVar[bool] = True
+    relays: ClassVar[bool] = True
+    """Its agents can relay connections (``AgentStart.relay``) over the step's stdio."""
 
     def __init__(self, argument: str | None = None) -> None:
         """Takes no argument (raises ValueError for one)."""
@@ -123,6 +128,7 @@ class SrunTransport:
             lambda: start.bootstrap(address),
             start.on_line,
             cpus=slurm_cpus(start.hostname),  # srun runs with this process's environment
+            relay=start.relay,
         )
 
     def describe(self, hostname: str) -> str:

@@ -282,6 +282,8 @@ class KubectlTransport:
 
     name: ClassVar[str] = "kubectl"
     remote: ClassVar[bool] = True
+    relays: ClassVar[bool] = True
+    """Its agents can relay connections (``AgentStart.relay``) over ``kubectl exec -i``."""
 
     def __init__(self, argument: str | None = None) -> None:
         """``argument``: ``namespace=``, ``context=``, ``container=``, ``kubectl=`` joined by ``&``.
@@ -309,6 +311,7 @@ class KubectlTransport:
             start.script,
             lambda: start.bootstrap(address),
             start.on_line,
+            relay=start.relay,
         )
 
     def _pod_ip(self, start: AgentStart) -> str:

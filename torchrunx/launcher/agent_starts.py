@@ -11,7 +11,9 @@ connect, when that is known before they start.
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
+import json
 import logging
 import os
 import sys
@@ -26,8 +28,8 @@ from torchrunx.engines import AgentStart
 from torchrunx.env import local_agent_env
 from torchrunx.errors import add_note
 from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.transport import BOOT_CODE, agent_script
-from torchrunx.wire.bootstrap import AgentBootstrap
+from torchrunx.launcher.transport import agent_script
+from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap
 from torchrunx.wire.lines import parse_line
 from torchrunx.wire.messages import HEARTBEAT_INTERVAL
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from torchrunx.engines import Transport
     from torchrunx.launcher.plan import LaunchPlan, StartMethod
     from torchrunx.launcher.records import AgentRecord
+    from torchrunx.launcher.relay import Adopt
     from torchrunx.launcher.transport import AgentProcess
     from torchrunx.wire.lines import Record
 
@@ -91,6 +94,10 @@ class AgentStarts:
     transports: dict[str, Transport] = field(default_factory=dict, repr=False)
     """The launch's transports by name, made on first use (:meth:`transport`)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    adopt: Adopt | None = field(default=None, repr=False)
+    """Hands a relayed connection to the launch's listener (from any thread); None: none relay."""
+    relay_script: bytes = field(default=b"", repr=False)
+    """The script of a relaying host: the same, but its interpreter runs the relay first."""
     boot_code: ClassVar[str] = BOOT_CODE
     """What the agent's interpreter runs (``torchrunx check``'s probes run their own)."""
 
@@ -106,13 +113,25 @@ class AgentStarts:
         for method in dict.fromkeys(self.plan.methods):
             self.transport(method)
         env_file = self.plan.env_file
-        self.script = agent_script(
+        script = functools.partial(
+            agent_script,
             env=dict(self.plan.env),
             cwd=str(Path.cwd()),
             python=sys.executable,
             env_file=None if env_file is None else str(Path(env_file).expanduser().resolve()),
-            code=self.boot_code,
         )
+        self.script = script(code=self.boot_code)
+        if self.plan.relay != "off" and self.adopt is not None:
+            self.relay_script = script(code=RELAY_BOOT_CODE)
+        if self.plan.relay == "on":
+            for method, transport in self.transports.items():
+                if transport.remote and not getattr(transport, "relays", False):
+                    msg = (
+                        f"relay='on': agents started with {method!r} cannot relay connections "
+                        "(ssh, srun and kubectl can); use relay='auto', which connects them "
+                        "back directly, or another agent_start"
+                    )
+                    raise ValueError(msg)
 
     def __call__(self, index: int) -> AgentProcess:
         """Start the agent of host ``index`` with its transport.
@@ -126,18 +145,21 @@ class AgentStarts:
             line = parse_line(text, is_stderr=is_stderr, default_name="agent")
             self.emit(index, (None, line.levelno, line.name, line.text, time.time()))
 
-        return self.transport(agent.method).start(
+        transport = self.transport(agent.method)
+        relays = bool(self.relay_script) and agent.remote and getattr(transport, "relays", False)
+        return transport.start(
             AgentStart(
                 index=agent.index,
                 hostname=agent.slots.hostname,
-                script=self.script,
-                bootstrap=lambda address: self.bootstrap(agent, address),
+                script=self.relay_script if relays else self.script,
+                bootstrap=lambda address: self.bootstrap(agent, address, relays=relays),
                 on_line=on_line,
                 launcher_address=self.configured_address(),
                 connect_timeout=min(self.plan.start_timeout, 30.0),
                 ssh_config_file=self.plan.ssh_config_file,
                 environ=self.local_env,
                 hostnames=tuple(a.slots.hostname for a in self.agents if a.method == agent.method),
+                relay=self.adopt if relays else None,
             )
         )
 
@@ -163,8 +185,17 @@ class AgentStarts:
         """The launcher address the user set (field, else environment), if any."""
         return configured_address(self.plan.launcher_address)
 
-    def bootstrap(self, agent: AgentRecord, local_address: str) -> bytes:
-        """The agent's bootstrap line; ``local_address``: this machine's, as the host sees it."""
+    def bootstrap(self, agent: AgentRecord, local_address: str, *, relays: bool = False) -> bytes:
+        """The agent's bootstrap line; ``local_address``: this machine's, as the host sees it.
+
+        ``relays``: for the host's relay, which reads its mode (``"relay"``) and removes it.
+        """
+        line = self._bootstrap(agent, local_address)
+        if not relays:
+            return line
+        return json.dumps({**json.loads(line), "relay": self.plan.relay}).encode() + b"\n"
+
+    def _bootstrap(self, agent: AgentRecord, local_address: str) -> bytes:
         address = (self.configured_address() or local_address) if agent.remote else local_address
         return AgentBootstrap(
             host_index=agent.index,

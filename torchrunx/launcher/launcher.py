@@ -44,6 +44,7 @@ from torchrunx.launcher.plan import (
     Backend,
     LaunchPlan,
     check_agent_start,
+    check_relay,
     paired_transport,
     start_methods,
 )
@@ -172,6 +173,11 @@ dict of names and values, as in torchrunx 0.4)."""
     """Address remote agents connect back to; None: $TORCHRUNX_LAUNCHER_ADDR if set, else the
 local address of each SSH connection (srun agents: this machine's address on the route to
 their node)."""
+
+    relay: Literal["off", "auto", "on"] = "off"
+    """Carry remote agents' and workers' connections to the launcher over each agent's own
+channel (the stdio of ssh, srun or kubectl exec) instead of connecting back: "on"; "auto": for
+hosts that cannot open a connection to the launcher; "off": always connect back."""
 
     agent_timeout: float = 5.0
     """Seconds without a heartbeat after which a host counts as lost (cut link, frozen host)."""
@@ -366,6 +372,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             isolate_gpus=self.isolate_gpus,
             env_file=self.env_file,
             launcher_address=self.launcher_address,
+            relay=self.relay,
             ssh_config_file=self.ssh_config_file,
             agent_timeout=float(self.agent_timeout),
             start_timeout=float(self.start_timeout),
@@ -418,6 +425,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         check_hostnames(self.hostnames)
         _validate_workers(self.workers_per_host, self.hostnames)
         check_agent_start(self.agent_start)
+        check_relay(self.relay)
         _validate_choice("backend", self.backend, _BACKENDS)
         if not isinstance(self.isolate_gpus, bool):
             raise TypeError(f"isolate_gpus must be True or False, got {self.isolate_gpus!r}")

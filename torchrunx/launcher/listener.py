@@ -63,6 +63,13 @@ _WARN_EVERY = 60.0
 """Seconds between two warnings of one kind (out of descriptors, at the cap); else DEBUG."""
 
 
+def _host_of(name: object) -> str:
+    """The address of a socket name: a TCP ``(host, port, ...)``; "" for a socket pair's."""
+    if isinstance(name, tuple) and name:
+        return str(name[0]).removeprefix("::ffff:")
+    return ""
+
+
 @dataclass(frozen=True)
 class FrameReceived:
     """A peer sent a message (and its payload parts); ``at``: Unix time it was read."""
@@ -109,6 +116,8 @@ class Peer:
         """The sealed record being sent (``None``: none)."""
         self._unsent = 0
         self._listener = listener
+        self.relayed: tuple[str, str] | None = None
+        """Set for a relayed connection: the host's address, and the launcher's it was given."""
 
     def __repr__(self) -> str:
         """``Peer(ident, role)``."""
@@ -116,16 +125,26 @@ class Peer:
 
     @property
     def peer_address(self) -> str:
-        """The address the peer connected from (IPv4-mapped IPv6 unmapped)."""
+        """The address the peer connected from (IPv4-mapped IPv6 unmapped).
+
+        A relayed peer's is its host's address on the route to the launcher, as the relay saw it.
+        """
+        if self.relayed is not None:
+            return self.relayed[0]
         with contextlib.suppress(OSError):
-            return str(self.sock.getpeername()[0]).removeprefix("::ffff:")
+            return _host_of(self.sock.getpeername())
         return ""
 
     @property
     def local_address(self) -> str:
-        """This machine's address the peer reached (IPv4-mapped IPv6 unmapped)."""
+        """This machine's address the peer reached (IPv4-mapped IPv6 unmapped).
+
+        A relayed peer's is the address its host was given for the launcher.
+        """
+        if self.relayed is not None:
+            return self.relayed[1]
         with contextlib.suppress(OSError):
-            return str(self.sock.getsockname()[0]).removeprefix("::ffff:")
+            return _host_of(self.sock.getsockname())
         return ""
 
     @property
@@ -221,6 +240,8 @@ class _Pending:
         self.deadline = deadline
         self.nonce = os.urandom(handshake.NONCE_BYTES)
         self.reply = bytearray()
+        self.relayed: tuple[str, str] | None = None
+        """A relayed connection's addresses (the host's, the launcher's as the host knows it)."""
 
 
 def _descriptor_share() -> int:
@@ -369,11 +390,29 @@ class Listener:
             self._accepting = False
         self._paused_until = math.inf if seconds is None else time.monotonic() + seconds
 
+    def adopt(self, sock: socket.socket, addresses: tuple[str, str]) -> None:
+        """Take a connection that came another way (a relayed channel) as if it was accepted.
+
+        It authenticates like any other, under the same cap (the oldest handshake is shed at
+        it); after :meth:`stop_accepting` it is closed at once. ``addresses``: the host's, and
+        the launcher's as the host was given it (:attr:`Peer.relayed`).
+        """
+        if self.sock.fileno() < 0:
+            sock.close()
+            return
+        if self._pending and len(self._pending) >= min(MAX_PENDING, self.max_pending):
+            self._reject(next(iter(self._pending)))
+        self._begin_handshake(sock)
+        pending = self._pending.get(sock.fileno())
+        if pending is not None:
+            pending.relayed = addresses
+
     def _begin_handshake(self, sock: socket.socket) -> None:
         pending = _Pending(sock, time.monotonic() + HANDSHAKE_TIMEOUT)
         try:
             sock.settimeout(0.0)  # non-blocking
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.send(handshake.server_greeting(pending.nonce))  # small: fits any fresh buffer
         except OSError:
             sock.close()
@@ -407,6 +446,7 @@ class Listener:
         del self._pending[fd]
         self._handshake_ended()
         peer = Peer(next(self._ids), role, pending.sock, keys, self)
+        peer.relayed = pending.relayed
         self.peers[fd] = peer
         self.loop.add_reader(fd, peer._on_readable)  # noqa: SLF001 (the peer's own reader)
         peer._on_readable()  # noqa: SLF001 (frames may have come with the reply)

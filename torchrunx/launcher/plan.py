@@ -22,6 +22,7 @@ from torchrunx.hosts.resolve import (
     is_local_host,
     slurm_allocation,
 )
+from torchrunx.wire.relay import MODES as RELAY_MODES
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -59,6 +60,8 @@ class LaunchPlan:
     """The file sourced on every host first, as given (resolved when the agents start)."""
     launcher_address: str | None = None
     """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR`` is read where it is used)."""
+    relay: str = "off"
+    """Whether remote agents relay their connections (:mod:`torchrunx.launcher.relay`)."""
     ssh_config_file: str | Path | None = None
     agent_timeout: float = 5.0
     start_timeout: float = 60.0
@@ -120,6 +123,19 @@ def check_agent_start(agent_start: object) -> None:
             f"{plugins.TRANSPORTS_GROUP!r}, see docs/engines.md)"
         )
     plugins.transport(name, argument).close()  # it checks its argument, starts nothing
+
+
+def check_relay(relay: object) -> None:
+    """Refuse a ``relay`` other than "off", "auto" and "on".
+
+    Raises:
+        ValueError: Any other value.
+    """
+    if relay not in RELAY_MODES:
+        raise ValueError(
+            f'relay={relay!r}: expected one of {", ".join(map(repr, RELAY_MODES))} ("auto" '
+            "relays only for hosts that cannot open a connection to the launcher)"
+        )
 
 
 def paired_transport(hostnames: object) -> str | None:

@@ -397,7 +397,13 @@ class _ProbeStarts(AgentStarts):
         super().__init__(**fields)  # type: ignore[arg-type]  # AgentStarts' own fields
         self.check = check
 
-    def bootstrap(self, agent: AgentRecord, local_address: str) -> bytes:
+    def bootstrap(
+        self,
+        agent: AgentRecord,
+        local_address: str,
+        *,
+        relays: bool = False,  # noqa: ARG002 (checks connect back: they never relay)
+    ) -> bytes:
         from torchrunx.agent.probe import ProbeRequest  # noqa: PLC0415 (the probe's module)
 
         check = self.check

@@ -56,6 +56,7 @@ from torchrunx.wire.messages import (
 )
 
 if TYPE_CHECKING:
+    import socket
     from collections.abc import Callable
 
     from torchrunx.launcher.agent_pool import Starter
@@ -130,6 +131,7 @@ class LaunchLoop:
             self.secret,
             self.logs.level,
             lambda index, record: self.logs.emit_batch(index, 0, (record,)),
+            adopt=self._adopt,
         )
         self.pool = AgentPool(
             self.loop, self.queue.append, starter or self.starts, list(plan.hostnames)
@@ -371,6 +373,10 @@ class LaunchLoop:
         return self.state.timings(connect)
 
     # -- the end ----------------------------------------------------------------------------
+
+    def _adopt(self, sock: socket.socket, addresses: tuple[str, str]) -> None:
+        """A relayed connection (from a relay's thread): the listener takes it in the loop."""
+        self.loop.post(lambda: self.listener.adopt(sock, addresses))
 
     def close(self) -> None:
         """Release everything: agents, connections, the port, the loop, and helper threads."""

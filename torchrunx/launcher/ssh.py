@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.forward import PortForward
+from torchrunx.launcher.relay import Adopt, LauncherRelay
 from torchrunx.launcher.transport import (
     _READS_PER_CALL,
     AGENT_COMMAND,
+    PipeReaders,
     _AgentOutput,
     _drain,
+    write_all,
 )
+from torchrunx.wire.relay import MAX_DATA
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -248,8 +254,12 @@ def _close_all(clients: list[paramiko.SSHClient]) -> None:
             client.close()
 
 
-class SshAgent:
-    """An agent on a remote host, started with paramiko over one SSH connection."""
+class SshAgent(PipeReaders):
+    """An agent on a remote host, started with paramiko over one SSH connection.
+
+    Its output is read from the channel by the launch's loop; when the host relays, threads
+    read it instead (the relay's frames on stdout, stderr into a pipe) and the loop reads pipes.
+    """
 
     def __init__(  # noqa: PLR0913, PLR0917 (what a remote start needs)
         self,
@@ -259,11 +269,13 @@ class SshAgent:
         config_file: str | Path | None,
         connect_timeout: float,
         on_line: OnLine,
+        relay: Adopt | None = None,
     ) -> None:
         """Connect, start the agent command and hand it its script and bootstrap on stdin.
 
         ``bootstrap_for`` builds the bootstrap line from the launcher address that this
         connection's local end has (the address the host can reach the launcher on).
+        ``relay``: the host relays (:mod:`torchrunx.launcher.relay`); its channels go to it.
 
         Raises:
             AgentFailedError: SSH failed, or the command could not be started.
@@ -287,6 +299,24 @@ class SshAgent:
         except (paramiko.SSHException, OSError) as exc:
             _close_all(self._clients)
             raise AgentFailedError(hostname, f"cannot start the agent over SSH: {exc}") from exc
+        self._relay: LauncherRelay | None = None
+        if relay is not None:
+            channel = self._channel
+            self._relay = LauncherRelay(
+                hostname,
+                read_out=lambda: channel.recv(MAX_DATA),
+                write_in=channel.sendall,
+                adopt=relay,
+            )
+            err_read, err_write = os.pipe()
+            os.set_blocking(err_read, False)
+            self._streams = {False: self._relay.out_read, True: err_read}
+            threading.Thread(
+                target=_pump_stderr,
+                args=(channel, err_write),
+                daemon=True,
+                name=f"torchrunx-relay-err-{hostname}",
+            ).start()
 
     def _local_address(self, transport: paramiko.Transport) -> str:
         import paramiko  # noqa: PLC0415
@@ -321,10 +351,15 @@ class SshAgent:
         return -1
 
     def readers(self) -> list[Reader]:
-        """The channel (one descriptor for both streams), until both have ended."""
-        return [] if self._output.done else [(self._channel_fd, self._read)]
+        """The channel (one descriptor for both streams), until both have ended.
 
-    def _read(self) -> bool:
+        When relaying: the pipes the relay's threads write instead.
+        """
+        if self._relay is not None:
+            return super().readers()
+        return [] if self._output.done else [(self._channel_fd, self._read_channel)]
+
+    def _read_channel(self) -> bool:
         channel = self._channel
         for _ in range(_READS_PER_CALL):
             if channel.recv_ready():
@@ -339,11 +374,6 @@ class SshAgent:
                 return True
         return True
 
-    def stderr_tail(self) -> str:
-        """The last lines the agent (or the remote shell) wrote to stderr."""
-        _drain(self.readers(), 0.5)
-        return "\n".join(self._output.tail)
-
     def wait(self, timeout: float | None) -> int | None:
         """Wait for the remote command to end; its exit status, or ``None`` if still running."""
         if not self._channel.status_event.wait(timeout):
@@ -356,6 +386,8 @@ class SshAgent:
         A lost agent (``grace=0``) is not waited for: cut off from the launcher, it stops its
         workers by itself once ``agent_timeout`` passes without a heartbeat.
         """
+        if self._relay is not None:
+            self._relay.stop()
         with contextlib.suppress(Exception):
             self._channel.shutdown_write()
         if grace > 0:
@@ -364,3 +396,21 @@ class SshAgent:
         with contextlib.suppress(Exception):
             self._channel.close()
         _close_all(self._clients)
+        if self._relay is not None:  # the channel is closed: its reading threads end
+            self._relay.join(2.0)
+            _drain(self.readers(), 0.2)
+            self._relay.close_output()
+            with contextlib.suppress(OSError):
+                os.close(self._streams[True])
+
+
+def _pump_stderr(channel: Channel, fd: int) -> None:
+    """Copy ``channel``'s stderr to ``fd`` (a pipe the loop reads) until it ends; close ``fd``."""
+    try:
+        while data := channel.recv_stderr(65536):
+            write_all(fd, data)
+    except OSError:
+        pass  # the loop closed its end: the agent is closed
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)

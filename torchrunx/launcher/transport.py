@@ -32,23 +32,15 @@ from collections.abc import Callable
 from typing import Protocol
 
 from torchrunx.errors import AgentFailedError
+from torchrunx.launcher.relay import Adopt, LauncherRelay
+from torchrunx.wire.bootstrap import BOOT_CODE
 from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
+from torchrunx.wire.relay import MAX_DATA
 
 logger = logging.getLogger("torchrunx.transport")
 
 AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'"""
 """The only command line an agent is started with (constant, holds no values)."""
-
-# Runs inside the agent's interpreter: reads the bootstrap line (an AgentBootstrap), takes the
-# launcher's sys.path from it so that torchrunx can be imported, and hands the whole line to
-# the agent, which decodes and checks it (AgentBootstrap.from_json_line).
-# The line is handed over without staying behind: ``globals().pop`` takes ``b`` (which holds
-# the secret) out of ``__main__`` as it passes it, so neither the agent nor its forked workers
-# keep it as a global.
-BOOT_CODE = (
-    "import sys,json;b=sys.stdin.buffer.readline();sys.path[:]=json.loads(b)['sys_path'];"
-    "import torchrunx.agent.agent as a;a.main(globals().pop('b'))"
-)
 
 _STDERR_TAIL_LINES = 40
 
@@ -235,11 +227,13 @@ class CommandAgent(PipeReaders):
         script: bytes,
         bootstrap: Callable[[], bytes],
         on_line: OnLine,
+        relay: Adopt | None = None,
     ) -> None:
         """Start ``argv``; write ``script`` and then what ``bootstrap()`` makes to its stdin.
 
         The bootstrap line (it holds the secret) is made only once the child has started, as
         it is written, and never held in a variable: no frame of a traceback shows it.
+        ``relay``: the host relays (:mod:`torchrunx.launcher.relay`); its channels go to it.
         """
         self.hostname = hostname
         self._output = _AgentOutput(on_line)
@@ -272,6 +266,19 @@ class CommandAgent(PipeReaders):
             self._process.stdin.flush()
         except OSError:
             pass  # it died at once; wait() and stderr_tail() tell why
+        self._relay: LauncherRelay | None = None
+        if relay is not None:
+            # The relay's frames come on stdout: a thread of the relay reads it (blocking), and
+            # the loop reads the agent's own stdout from the relay's pipe instead.
+            stdout, stdin = self._streams[False], self._process.stdin.fileno()
+            os.set_blocking(stdout, True)
+            self._relay = LauncherRelay(
+                hostname,
+                read_out=lambda: os.read(stdout, MAX_DATA),
+                write_in=functools.partial(write_all, stdin),
+                adopt=relay,
+            )
+            self._streams = {False: self._relay.out_read, True: self._streams[True]}
 
     @property
     def pid(self) -> int:
@@ -318,6 +325,8 @@ class CommandAgent(PipeReaders):
         self._release()
 
     def _close_stdin(self) -> None:
+        if self._relay is not None:
+            self._relay.stop()
         if self._process.stdin is not None:
             with contextlib.suppress(OSError):
                 self._process.stdin.close()
@@ -331,7 +340,11 @@ class CommandAgent(PipeReaders):
         self._process.wait()
 
     def _release(self) -> None:
+        if self._relay is not None:
+            self._relay.join(2.0)
         _drain(self.readers(), 2.0)  # its last lines (a child it left may keep a pipe open)
+        if self._relay is not None:
+            self._relay.close_output()
         for stream in (self._process.stdout, self._process.stderr):
             if stream is not None:
                 stream.close()
@@ -339,6 +352,13 @@ class CommandAgent(PipeReaders):
             if self._pidfd >= 0:
                 os.close(self._pidfd)
                 self._pidfd = -1
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to the blocking descriptor ``fd``."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _readable(fd: int, timeout: float | None) -> bool:
@@ -420,6 +440,7 @@ class SrunAgent(CommandAgent):
         *,
         cpus: int | None,
         environ: dict[str, str] | None = None,
+        relay: Adopt | None = None,
     ) -> None:
         """Start ``srun`` and hand the agent its script and bootstrap (``bootstrap()``) on stdin.
 
@@ -434,7 +455,13 @@ class SrunAgent(CommandAgent):
             raise AgentFailedError(hostname, "cannot start the agent with srun: srun not found")
         env = dict(os.environ if environ is None else environ)
         super().__init__(
-            hostname, srun_command(hostname, cpus=cpus, srun=srun), env, script, bootstrap, on_line
+            hostname,
+            srun_command(hostname, cpus=cpus, srun=srun),
+            env,
+            script,
+            bootstrap,
+            on_line,
+            relay,
         )
 
 

@@ -13,6 +13,25 @@ from typing import Any
 
 from torchrunx.errors import ProtocolError
 
+# Runs inside the agent's interpreter: reads the bootstrap line (an AgentBootstrap), takes the
+# launcher's sys.path from it so that torchrunx can be imported, and hands the whole line to
+# the agent, which decodes and checks it (AgentBootstrap.from_json_line).
+# The line is handed over without staying behind: ``globals().pop`` takes ``b`` (which holds
+# the secret) out of ``__main__`` as it passes it, so neither the agent nor its forked workers
+# keep it as a global.
+BOOT_CODE = (
+    "import sys,json;b=sys.stdin.buffer.readline();sys.path[:]=json.loads(b)['sys_path'];"
+    "import torchrunx.agent.agent as a;a.main(globals().pop('b'))"
+)
+
+# The same for a relaying host (``Launcher(relay=...)``): the relay process starts first and
+# runs the agent (BOOT_CODE) as its child (:mod:`torchrunx.agent.relay`).
+RELAY_BOOT_CODE = (
+    "import sys,json;b=sys.stdin.buffer.readline();sys.path[:]=json.loads(b)['sys_path'];"
+    "import torchrunx.agent.relay as r;r.main(globals().pop('b'))"
+)
+
+
 COUNT_MODES = ("auto", "gpu", "cpu")
 """What an agent counts for its worker count when the launcher gave none."""
 

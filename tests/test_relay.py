@@ -1,0 +1,198 @@
+"""Relayed launches: hosts that cannot open a connection back to the launcher (``relay=``).
+
+A firewall rule (``iptables``, in the root namespace, where the launcher runs) drops every new
+TCP connection from the test hosts to the launcher's address: SSH still works (the launcher
+connects out), but an agent or worker that connects back never gets an answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+import torchrunx as trx
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+pytestmark = pytest.mark.cluster
+
+
+@contextlib.contextmanager
+def connections_back_dropped(cluster) -> Iterator[None]:
+    """New TCP connections from the test hosts to the launcher's address: dropped."""
+    if shutil.which("iptables") is None:
+        pytest.fail("iptables is needed (scripts/test.sh installs it)")
+    subnet = cluster.hosts[0].address.rsplit(".", 1)[0]
+    rule = [
+        "INPUT", "-s", f"{subnet}.0/24", "-d", f"{subnet}.1", "-p", "tcp", "--syn", "-j", "DROP",
+    ]  # fmt: skip
+    subprocess.run(["iptables", "-I", *rule], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["iptables", "-D", *rule], check=True)
+
+
+def _host_sum(size: int) -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    return {
+        "host": socket.gethostname(),
+        "rank": int(os.environ["RANK"]),
+        "sum": total.item(),
+        "blob": bytes(range(256)) * (size // 256),
+    }
+
+
+def test_relay_on_runs_where_hosts_cannot_connect_back(cluster):
+    with connections_back_dropped(cluster):
+        started = time.monotonic()
+        result = trx.launch(
+            _host_sum,
+            func_args=(1 << 20,),
+            hostnames=cluster.names(),
+            workers_per_host=[1, 2],
+            backend="gloo",
+            ssh_config_file=cluster.ssh_config,
+            relay="on",
+        )
+        took = time.monotonic() - started
+    assert [r["host"] for r in result.ranks] == ["node1", "node2", "node2"]
+    assert [r["rank"] for r in result.ranks] == [0, 1, 2]
+    assert all(r["sum"] == 3.0 for r in result.ranks)
+    assert all(r["blob"] == bytes(range(256)) * 4096 for r in result.ranks)
+    assert took < 30, took
+
+
+def test_without_relay_a_host_that_cannot_connect_back_fails_naming_the_option(cluster):
+    with connections_back_dropped(cluster), pytest.raises(trx.AgentFailedError) as info:
+        trx.launch(
+            _host_sum,
+            func_args=(256,),
+            hostnames=cluster.names(),
+            workers_per_host=1,
+            backend="gloo",
+            ssh_config_file=cluster.ssh_config,
+            agent_timeout=2,
+            start_timeout=60,
+        )
+    text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
+    assert "cannot reach the launcher" in text, text
+    assert "relay='auto'" in text, text
+    assert "start timeout" not in text.lower(), text
+
+
+def test_relay_auto_relays_only_the_hosts_that_cannot_connect_back(cluster, capfd):
+    # Without the rule, auto connects back (no relay message); with it, the hosts relay.
+    fields = {
+        "hostnames": cluster.names(),
+        "workers_per_host": 1,
+        "backend": "gloo",
+        "ssh_config_file": cluster.ssh_config,
+        "relay": "auto",
+    }
+    direct = trx.launch(_host_sum, func_args=(256,), **fields)
+    assert [r["sum"] for r in direct.ranks] == [1.0, 1.0]
+    assert "relayed" not in capfd.readouterr().out  # the relay says so when it relays
+    with connections_back_dropped(cluster):
+        relayed = trx.launch(_host_sum, func_args=(256,), **fields)
+    assert [r["host"] for r in relayed.ranks] == ["node1", "node2"]
+    assert [r["sum"] for r in relayed.ranks] == [1.0, 1.0]
+    said = capfd.readouterr()
+    # The console shows rank 0's host (node2's line is in its log file).
+    assert "[node1] torchrunx relay: this host cannot connect to the launcher" in said.out, said
+    assert "its connections are relayed over the agent's channel" in said.out, said
+
+
+def _die_on(rank: int) -> None:
+    import signal
+
+    if int(os.environ["RANK"]) == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+
+
+def _raise_on(rank: int) -> None:
+    if int(os.environ["RANK"]) == rank:
+        raise KeyError("relayed")
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "raise"])
+def test_relayed_faults_are_reported_like_direct_ones(cluster, fault):
+    func, expected = (
+        (_die_on, trx.WorkerFailedError) if fault == "sigkill" else (_raise_on, KeyError)
+    )
+    started = time.monotonic()
+    with connections_back_dropped(cluster), pytest.raises(expected) as info:
+        trx.launch(
+            func,
+            func_args=(2,),
+            hostnames=cluster.names(),
+            workers_per_host=[1, 2],
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+            relay="on",
+        )
+    assert time.monotonic() - started < 60
+    if fault == "sigkill":
+        assert (info.value.hostname, info.value.rank) == ("node2", 2)
+        assert "SIGKILL" in str(info.value)
+    else:
+        assert info.value.args == ("relayed",)
+
+
+def _kill_agent_on_node2() -> None:
+    import signal
+
+    if socket.gethostname() == "node2":
+        os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(120)
+
+
+def test_a_relayed_agent_killed_mid_run_is_an_agent_failed_error(cluster):
+    with connections_back_dropped(cluster), pytest.raises(trx.AgentFailedError) as info:
+        trx.launch(
+            _kill_agent_on_node2,
+            hostnames=cluster.names(),
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+            relay="on",
+        )
+    assert info.value.hostname == "node2"
+
+
+def _rank_and_pid() -> tuple[int, int]:
+    return int(os.environ["RANK"]), os.getpid()
+
+
+def test_warm_relayed_agents_run_again_and_stop(cluster):
+    launcher = trx.Launcher(
+        hostnames=cluster.names(),
+        workers_per_host=1,
+        backend=None,
+        ssh_config_file=cluster.ssh_config,
+        relay="on",
+    )
+    with connections_back_dropped(cluster), launcher.warm(keep_workers=True) as warm:
+        first = warm.run(_rank_and_pid)
+        second = warm.run(_rank_and_pid)
+    assert [r for r, _ in first.ranks] == [0, 1]
+    assert first.ranks == second.ranks  # the same workers ran both
+
+
+def test_relay_values_are_checked():
+    with pytest.raises(ValueError, match="relay='yes'"):
+        trx.Launcher(relay="yes").validate()  # type: ignore[arg-type]

@@ -1,0 +1,354 @@
+"""The relay on a host: the agent's and workers' connections carried on the agent's own stdio.
+
+Started instead of the agent when the launch relays (``Launcher(relay="on")``, or ``"auto"``
+and this host cannot open a connection to the launcher): it reads the bootstrap line, listens on
+``127.0.0.1`` (an ephemeral port), and starts the agent as its child with that address in place
+of the launcher's, so the agent and its workers connect here. Each connection becomes a channel
+of :mod:`torchrunx.wire.relay`, written to this process's stdout; what the launcher sends comes on
+its stdin. The agent's own stdout travels as :data:`~torchrunx.wire.relay.OUT` frames; its stderr
+is this process's (plain lines, as without a relay).
+
+The relay holds no key: the handshake and the sealed records run end to end between the agent or
+worker and the launcher. It never blocks: every descriptor is non-blocking, and while more than
+:data:`BUFFER_LIMIT` bytes wait for stdout it stops reading the connections (they wait in their
+socket buffers), while more than that wait for the connections it stops reading stdin.
+
+It ends with its agent (with its exit status). At EOF on stdin (the launcher is gone) it closes
+the agent's stdin, which stops the agent as it would without a relay; it forwards SIGTERM to the
+agent (a preemption notice) and ignores SIGINT, as the agent does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from torchrunx.errors import ProtocolError
+from torchrunx.wire.bootstrap import BOOT_CODE
+from torchrunx.wire.relay import DATA, EOF, MAX_DATA, OPEN, OUT, FrameSplitter, frame
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+BUFFER_LIMIT = 16 << 20
+"""Bytes waiting for stdout (or for the connections) above which the relay stops reading more."""
+PROBE_TIMEOUT = 3.0
+"""Seconds ``relay="auto"`` waits for its test connection to the launcher."""
+_STOP_GRACE = 60.0
+"""Seconds the agent has to end after the launcher is gone, before the relay SIGKILLs it."""
+_END_GRACE = 10.0
+"""Seconds the relay goes on writing after its agent ended (its last output, its channels)."""
+
+
+class _Channel:
+    """One relayed connection: its socket here and the bytes waiting for it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.pending = bytearray()
+        """Bytes from the launcher, not yet written to the socket."""
+        self.eof_from_launcher = False
+        """The launcher's side ended: shut down writing once ``pending`` is written."""
+        self.eof_to_launcher = False
+        """This side ended (EOF read from the socket, sent as an EOF frame)."""
+        self.shut = False
+
+
+def reaches(address: tuple[str, int], timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether a TCP connection to ``address`` opens within ``timeout`` seconds."""
+    try:
+        with socket.create_connection(address, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def own_address(launcher: tuple[str, int]) -> str:
+    """This host's address on its route to ``launcher`` (no packet sent); else its name's.
+
+    The launcher gives it to the other hosts as ``MASTER_ADDR`` when rank 0 runs here.
+    """
+    with contextlib.suppress(OSError, IndexError):
+        family, _, _, _, sockaddr = socket.getaddrinfo(*launcher, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0]).removeprefix("::ffff:")
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(socket.gethostname())
+    return socket.gethostname()
+
+
+class HostRelay:
+    """The relay's loop: the listening socket, the channels, stdin, stdout and the agent."""
+
+    def __init__(
+        self, listener: socket.socket | None, child: subprocess.Popen[bytes], opened: bytes = b""
+    ) -> None:
+        """Relay for ``child`` (the agent), whose stdout is a pipe; ``listener``: None if direct.
+
+        ``opened``: what each OPEN frame carries (this host's address, and the launcher's).
+        """
+        self.listener = listener
+        self.opened = opened
+        self.child = child
+        self.channels: dict[int, _Channel] = {}
+        self.next_channel = 1
+        self.out = bytearray()
+        """Frames waiting for stdout."""
+        self.splitter = FrameSplitter()
+        self.stdin_open = True
+        assert child.stdout is not None  # noqa: S101 (started with a pipe)
+        self.child_out: int | None = child.stdout.fileno()
+        self.exit_code: int | None = None
+        self.stopping_since: float | None = None
+        self.ended_at: float | None = None
+        for fd in (0, 1, self.child_out):
+            os.set_blocking(fd, False)
+        if listener is not None:
+            listener.setblocking(False)  # noqa: FBT003 (the socket API)
+        self.pidfd = os.pidfd_open(child.pid)
+
+    def run(self) -> int:
+        """Relay until the agent has ended and its output is written; its exit status."""
+        while not self._done():
+            poller, handlers = self._poll_set()
+            for fd, events in poller.poll(self._timeout_ms()):
+                handlers[fd](events)
+            self._check_deadlines()
+        return self.exit_code if self.exit_code is not None else 1
+
+    def _done(self) -> bool:
+        if self.exit_code is None or self.child_out is not None:
+            return False
+        flushed = not self.out and (not self.channels or not self.stdin_open)
+        return flushed or time.monotonic() - (self.ended_at or 0.0) > _END_GRACE
+
+    def _timeout_ms(self) -> int:
+        return 1000
+
+    def _waiting(self) -> int:
+        return sum(len(c.pending) for c in self.channels.values())
+
+    def _poll_set(self) -> tuple[select.poll, dict[int, Callable[[int], None]]]:
+        poller = select.poll()
+        handlers: dict[int, Callable[[int], None]] = {}
+        room = len(self.out) < BUFFER_LIMIT
+
+        def watch(fd: int, mask: int, handler: Callable[[int], None]) -> None:
+            poller.register(fd, mask)
+            handlers[fd] = handler
+
+        if self.stdin_open and self._waiting() < BUFFER_LIMIT:
+            watch(0, select.POLLIN, lambda _e: self._read_stdin())
+        if self.out:
+            watch(1, select.POLLOUT, lambda _e: self._write_stdout())
+        if self.listener is not None and room:
+            watch(self.listener.fileno(), select.POLLIN, lambda _e: self._accept())
+        if self.child_out is not None and room:
+            watch(self.child_out, select.POLLIN, lambda _e: self._read_child())
+        if self.exit_code is None:
+            watch(self.pidfd, select.POLLIN, lambda _e: self._reap())
+        self._watch_channels(watch, room=room)
+        return poller, handlers
+
+    def _watch_channels(
+        self, watch: Callable[[int, int, Callable[[int], None]], None], *, room: bool
+    ) -> None:
+        for number, channel in self.channels.items():
+            mask = (select.POLLIN if room and not channel.eof_to_launcher else 0) | (
+                select.POLLOUT if channel.pending else 0
+            )
+            if mask:
+                watch(channel.sock.fileno(), mask, functools.partial(self._on_channel, number))
+
+    def _send(self, kind: int, channel: int, data: bytes = b"") -> None:
+        for piece in frame(kind, channel, data):
+            self.out += piece
+
+    def _write_stdout(self) -> None:
+        try:
+            written = os.write(1, self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # the launcher's end is gone: nothing more can reach it
+            self.out.clear()
+            self._launcher_gone()
+            return
+        del self.out[:written]
+
+    def _read_stdin(self) -> None:
+        try:
+            chunk = os.read(0, MAX_DATA)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._launcher_gone()
+            return
+        try:
+            frames = self.splitter.feed(chunk)
+        except ProtocolError as exc:
+            sys.stderr.write(f"torchrunx relay: {exc}\n")
+            self._launcher_gone()
+            return
+        for kind, number, data in frames:
+            channel = self.channels.get(number)
+            if channel is None:
+                continue  # closed here already: what the launcher still sent is dropped
+            if kind == DATA:
+                channel.pending += data
+                self._flush_channel(number)
+            elif kind == EOF:
+                channel.eof_from_launcher = True
+                self._flush_channel(number)
+
+    def _launcher_gone(self) -> None:
+        """Stdin ended (or stdout broke): stop the agent as its own EOF would, drop channels."""
+        if not self.stdin_open:
+            return
+        self.stdin_open = False
+        self.stopping_since = time.monotonic()
+        if self.child.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.child.stdin.close()
+        for number in list(self.channels):
+            self._close_channel(number)
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def _accept(self) -> None:
+        assert self.listener is not None  # noqa: S101 (watched only while listening)
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError:
+            return  # out of descriptors: the connection waits in the backlog
+        sock.setblocking(False)  # noqa: FBT003 (the socket API)
+        number = self.next_channel
+        self.next_channel += 1
+        self.channels[number] = _Channel(sock)
+        self._send(OPEN, number, self.opened)
+
+    def _on_channel(self, number: int, events: int) -> None:
+        channel = self.channels.get(number)
+        if channel is None:
+            return
+        if events & select.POLLOUT:
+            self._flush_channel(number)
+        if number in self.channels and events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+            try:
+                chunk = channel.sock.recv(MAX_DATA)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                chunk = b""
+            if chunk:
+                self._send(DATA, number, chunk)
+            else:
+                channel.eof_to_launcher = True
+                self._send(EOF, number)
+                self._maybe_forget(number)
+
+    def _flush_channel(self, number: int) -> None:
+        channel = self.channels[number]
+        if channel.pending:
+            try:
+                sent = channel.sock.send(channel.pending)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # the agent or worker is gone: what it was sent is dropped
+                channel.pending.clear()
+                sent = 0
+                channel.eof_from_launcher = True
+            del channel.pending[:sent]
+        if not channel.pending and channel.eof_from_launcher and not channel.shut:
+            channel.shut = True
+            with contextlib.suppress(OSError):
+                channel.sock.shutdown(socket.SHUT_WR)
+        self._maybe_forget(number)
+
+    def _maybe_forget(self, number: int) -> None:
+        channel = self.channels[number]
+        if channel.shut and channel.eof_to_launcher:
+            self._close_channel(number)
+
+    def _close_channel(self, number: int) -> None:
+        channel = self.channels.pop(number)
+        channel.sock.close()
+
+    def _read_child(self) -> None:
+        assert self.child_out is not None  # noqa: S101 (watched only while open)
+        try:
+            chunk = os.read(self.child_out, MAX_DATA)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            if self.stdin_open:
+                self._send(OUT, 0, chunk)
+            return
+        os.close(self.child_out)
+        self.child_out = None
+
+    def _reap(self) -> None:
+        code = self.child.wait()
+        self.exit_code = code if code >= 0 else 128 - code
+        self.ended_at = time.monotonic()
+
+    def _check_deadlines(self) -> None:
+        since = self.stopping_since
+        if since is not None and self.exit_code is None and time.monotonic() - since > _STOP_GRACE:
+            with contextlib.suppress(ProcessLookupError):
+                self.child.kill()
+
+
+def main(line: bytes) -> None:
+    """Entry point of the relay process (its boot code passes the bootstrap line)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        data = json.loads(line)
+        mode = data.pop("relay")
+        host, port = data["launcher"]
+        address = (str(host), int(port))
+    except (ValueError, KeyError, TypeError) as exc:
+        sys.stderr.write(f"torchrunx relay: malformed bootstrap line ({exc!r})\n")
+        sys.exit(2)
+    finally:
+        del line
+    listener = None
+    if mode != "auto" or not reaches(address):
+        if mode == "auto":
+            sys.stderr.write(
+                f"torchrunx relay: this host cannot connect to the launcher at {host}:{port}: "
+                "its connections are relayed over the agent's channel\n"
+            )
+        listener = socket.create_server(("127.0.0.1", 0), backlog=4096)
+        data["launcher"] = ["127.0.0.1", listener.getsockname()[1]]
+    child = subprocess.Popen(
+        [sys.executable, "-u", "-c", BOOT_CODE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        close_fds=True,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+    assert child.stdin is not None  # noqa: S101 (started with a pipe)
+    with contextlib.suppress(OSError):  # it died at once: its stderr (ours) says why
+        child.stdin.write(json.dumps(data).encode() + b"\n")
+        child.stdin.flush()
+    del data  # the secret: no frame keeps it
+    opened = f"{own_address(address)}\n{address[0]}".encode()
+    code = HostRelay(listener, child, opened).run()
+    os._exit(code)
