@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from typing import TYPE_CHECKING
 
 import pytest
+from conftest import listened_during_launch
 
 import torchrunx as trx
 
@@ -196,3 +199,61 @@ def test_warm_relayed_agents_run_again_and_stop(cluster):
 def test_relay_values_are_checked():
     with pytest.raises(ValueError, match="relay='yes'"):
         trx.Launcher(relay="yes").validate()  # type: ignore[arg-type]
+
+
+def test_relay_on_listens_on_loopback_only(cluster, listen_sockets):
+    # Every remote connection comes over the agents' channels: nothing else need listen.
+    bound, result = listened_during_launch(
+        listen_sockets,
+        _rank,
+        hostnames=cluster.names(),
+        workers_per_host=1,
+        backend=None,
+        ssh_config_file=cluster.ssh_config,
+        relay="on",
+    )
+    assert bound == {"127.0.0.1"}
+    assert result.ranks == [0, 1]
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+SRUN_SCRIPT = """
+import os, socket
+import torchrunx as trx
+
+def where():
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([1.0])
+    dist.all_reduce(total)
+    return socket.gethostname(), int(os.environ["RANK"]), total.item()
+
+result = trx.Launcher(agent_start="srun", relay="on", workers_per_host=1, backend="gloo").run(where)
+print("ranks", result.ranks, flush=True)
+"""
+
+
+@pytest.mark.slurm
+def test_relay_over_srun_steps(slurm, tmp_path):
+    # The launcher runs on snode1 (the batch step), in its own network namespace: there a
+    # rule drops new connections to its port, so snode2's agent (an srun step) relays.
+    script = tmp_path / "relay.py"
+    script.write_text(SRUN_SCRIPT)
+    netns = slurm.ssh.hosts[0].netns
+    rule = ["INPUT", "!", "-i", "lo", "-p", "tcp", "--dport", "29433", "--syn", "-j", "DROP"]
+    subprocess.run(["ip", "netns", "exec", netns, "iptables", "-I", *rule], check=True)
+    try:
+        result = slurm.sbatch(
+            f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}\n",
+            nodes=2,
+            env={"TORCHRUNX_LAUNCHER_PORT": "29433"},
+            extra_args=["--ntasks-per-node=1"],
+        )
+    finally:
+        subprocess.run(["ip", "netns", "exec", netns, "iptables", "-D", *rule], check=True)
+    assert result.exit_code == 0, result.stderr
+    assert "ranks [('snode1', 0, 2.0), ('snode2', 1, 2.0)]" in result.stdout, result

@@ -96,7 +96,8 @@ def test_a_ready_host_has_its_facts_and_no_problem():
                 "the host cannot reach this machine: cannot connect to 10.0.0.1:29400: timed out; "
                 "set launcher_address (or TORCHRUNX_LAUNCHER_ADDR) to an address of this machine "
                 "that the host can reach, and let it through the firewall (TORCHRUNX_LAUNCHER_PORT "
-                "fixes the port)"
+                "fixes the port); or launch with relay='auto' (--relay auto): its connections "
+                "then travel over its agent's channel"
             ),
         ),
         (

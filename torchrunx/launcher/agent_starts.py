@@ -227,11 +227,13 @@ def listen_hosts(
     launcher_address: str | None,
     methods: Sequence[StartMethod],
     environ: Mapping[str, str] | None = None,
+    relay: str = "off",
 ) -> list[str | None]:
     """Where the launcher may listen for agents and workers, best first (``None``: everywhere).
 
     - ``TORCHRUNX_LISTEN_ADDR`` when set, and nothing else (``*``: every interface);
-    - every host is this machine: ``127.0.0.1``, the address its agents are given;
+    - every host is this machine, or ``relay="on"`` (every other host's connections come over
+      its agent's channel): ``127.0.0.1``, the address this machine's agents are given;
     - every host is another one and the address they are given (``launcher_address``, else
       ``TORCHRUNX_LAUNCHER_ADDR``) is an IP address: that one, then every interface, for an
       address that is not this machine's (behind NAT, say);
@@ -243,7 +245,7 @@ def listen_hosts(
     override = env.get(LISTEN_ENV_VAR, "").strip()
     if override:
         return [None if override == "*" else override]
-    if all(method == "local" for method in methods):
+    if relay == "on" or all(method == "local" for method in methods):
         return ["127.0.0.1"]
     address = configured_address(launcher_address, env)
     if address is not None and "local" not in methods and _is_ip(address):
@@ -257,7 +259,7 @@ def listen_socket(plan: LaunchPlan) -> socket.socket:
     Raises:
         OSError: It cannot be bound (``TORCHRUNX_LISTEN_ADDR`` is not this machine's, say).
     """
-    first, *fallback = listen_hosts(plan.launcher_address, plan.methods)
+    first, *fallback = listen_hosts(plan.launcher_address, plan.methods, relay=plan.relay)
     ports = launcher_ports()
     try:
         return _bind(first, fallback, ports)

@@ -485,7 +485,9 @@ def judge(  # noqa: PLR0913 (what one host's check found)
         problems.append(
             f"the host cannot reach this machine: {report.route_back}; set launcher_address "
             "(or TORCHRUNX_LAUNCHER_ADDR) to an address of this machine that the host can "
-            "reach, and let it through the firewall (TORCHRUNX_LAUNCHER_PORT fixes the port)"
+            "reach, and let it through the firewall (TORCHRUNX_LAUNCHER_PORT fixes the port); "
+            "or launch with relay='auto' (--relay auto): its connections then travel over "
+            "its agent's channel"
         )
     # Host 0's own count is not its problem: each other host says whether it reached host 0.
     if index != 0 and report.master not in (None, "ok"):

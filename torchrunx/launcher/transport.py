@@ -399,14 +399,17 @@ class LocalAgent(CommandAgent):
         self._release()
 
 
-def srun_command(hostname: str, *, cpus: int | None, srun: str = "srun") -> list[str]:
+def srun_command(
+    hostname: str, *, cpus: int | None, srun: str = "srun", unbuffered: bool = False
+) -> list[str]:
     """The ``srun`` command line that starts the agent of ``hostname`` as a job step.
 
     One task on that one node, sharing the job's resources with other steps (``--overlap``),
     unbound (``--cpu-bind=none``) and given the node's CPUs (``cpus``), so that all workers the
     agent forks can use them. The step's environment is only what a login would have
     (``--export`` lists names, never values) plus SLURM's own variables; everything else travels
-    on stdin as for every agent.
+    on stdin as for every agent. ``unbuffered``: the step's stdout as it comes, not line by line
+    (a relaying host's frames are not lines).
     """
     command = [
         srun,
@@ -421,6 +424,8 @@ def srun_command(hostname: str, *, cpus: int | None, srun: str = "srun") -> list
     ]
     if cpus is not None:
         command.append(f"--cpus-per-task={cpus}")
+    if unbuffered:
+        command.append("--unbuffered")
     return [*command, *AGENT_ARGV]
 
 
@@ -456,7 +461,7 @@ class SrunAgent(CommandAgent):
         env = dict(os.environ if environ is None else environ)
         super().__init__(
             hostname,
-            srun_command(hostname, cpus=cpus, srun=srun),
+            srun_command(hostname, cpus=cpus, srun=srun, unbuffered=relay is not None),
             env,
             script,
             bootstrap,
