@@ -6,7 +6,9 @@ and :mod:`torchrunx.launcher.ssh`; they are registered as entry points like any 
 
 from __future__ import annotations
 
+import math
 import shlex
+import shutil
 from typing import TYPE_CHECKING, ClassVar
 
 from torchrunx.errors import AgentFailedError
@@ -14,6 +16,7 @@ from torchrunx.hosts.resolve import slurm_allocation
 from torchrunx.launcher.ssh import SshAgent, resolve_ssh_target
 from torchrunx.launcher.transport import (
     AGENT_COMMAND,
+    CommandAgent,
     LocalAgent,
     SrunAgent,
     route_address,
@@ -83,7 +86,15 @@ class SshTransport:
         self.ssh_config_file = ssh_config_file
 
     def start(self, start: AgentStart) -> AgentProcess:
-        """Connect, run the agent command, write its script and bootstrap."""
+        """Connect, run the agent command, write its script and bootstrap.
+
+        A relaying host's agent starts with OpenSSH's ``ssh`` when it is installed: in a
+        process of its own, its C ciphers carry the relayed bytes without taking the launcher's
+        CPU and interpreter lock (paramiko's, in the launcher, would); else with paramiko.
+        """
+        ssh = shutil.which("ssh") if start.relay is not None else None
+        if ssh is not None:
+            return self._openssh(start, ssh)
         return SshAgent(
             start.hostname,
             start.script,
@@ -91,6 +102,32 @@ class SshTransport:
             start.ssh_config_file,
             connect_timeout=start.connect_timeout,
             on_line=start.on_line,
+            relay=start.relay,
+        )
+
+    def _openssh(self, start: AgentStart, ssh: str) -> AgentProcess:
+        try:
+            target = resolve_ssh_target(
+                start.hostname, start.ssh_config_file, start.connect_timeout
+            )
+        except ValueError as exc:
+            raise AgentFailedError(start.hostname, f"cannot read the SSH config: {exc}") from exc
+        address = start.launcher_address
+        if address is None:  # what relay="auto" tries first; "on" never uses it
+            try:
+                address = route_address(target.hostname)
+            except OSError:
+                address = "127.0.0.1"  # no route: the host relays
+        argv = openssh_command(
+            ssh, start.hostname, start.ssh_config_file, math.ceil(target.connect_timeout)
+        )
+        return CommandAgent(
+            start.hostname,
+            argv,
+            dict(start.environ),
+            start.script,
+            lambda: start.bootstrap(address),
+            start.on_line,
             relay=start.relay,
         )
 
@@ -155,6 +192,19 @@ def agent_route(hostname: str, address: str | None = None) -> str:
             f"cannot find this machine's address on the route to {address or hostname}: {exc}; "
             "set launcher_address (or TORCHRUNX_LAUNCHER_ADDR) to an address the host can reach",
         ) from exc
+
+
+def openssh_command(
+    ssh: str, hostname: str, config_file: str | Path | None, connect_timeout: int
+) -> list[str]:
+    """OpenSSH's command line that runs the agent command on ``hostname`` (no values in it).
+
+    No terminal (``-T``), never a prompt (``BatchMode``: keys or an agent, as with paramiko),
+    the launch's SSH config if it has one, and the config's ``ConnectTimeout`` else ours.
+    """
+    config = ["-F", str(config_file)] if config_file is not None else []
+    options = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={connect_timeout}"]
+    return [ssh, "-T", *config, *options, "--", hostname, AGENT_COMMAND]
 
 
 def slurm_cpus(hostname: str) -> int | None:

@@ -34,6 +34,10 @@ Adopt = Callable[[socket.socket, tuple[str, str]], None]
 host's address and the launcher's as the host was given it."""
 
 
+_PAIR_BUFFER = 4 << 20
+"""Socket buffer asked for each end of a channel's socket pair."""
+
+
 class _Pair:
     """One channel: the launcher's end of its socket pair, and which ways have ended."""
 
@@ -120,6 +124,9 @@ class LauncherRelay:
         if kind == OPEN:
             host, _, launcher = data.decode(errors="replace").partition("\n")
             ours, theirs = socket.socketpair()
+            for end in (ours, theirs):  # room for whole frames: fewer wake-ups of the loop
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _PAIR_BUFFER)
             with self._lock:
                 self._pairs[number] = _Pair(ours)
             self._adopt(theirs, (host, launcher))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import functools
 import logging
 import math
@@ -35,7 +36,7 @@ from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.relay import Adopt, LauncherRelay
 from torchrunx.wire.bootstrap import BOOT_CODE
 from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
-from torchrunx.wire.relay import MAX_DATA
+from torchrunx.wire.relay import MAX_DATA, PIPE_SIZE
 
 logger = logging.getLogger("torchrunx.transport")
 
@@ -272,6 +273,9 @@ class CommandAgent(PipeReaders):
             # the loop reads the agent's own stdout from the relay's pipe instead.
             stdout, stdin = self._streams[False], self._process.stdin.fileno()
             os.set_blocking(stdout, True)
+            for fd in (stdout, stdin):
+                with contextlib.suppress(OSError):  # fewer, larger reads and writes
+                    fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
             self._relay = LauncherRelay(
                 hostname,
                 read_out=lambda: os.read(stdout, MAX_DATA),

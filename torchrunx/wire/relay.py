@@ -21,10 +21,15 @@ endian), then ``length`` bytes:
 
 from __future__ import annotations
 
+import collections
+import itertools
 import struct
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from torchrunx.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 OPEN: Final = 1
 DATA: Final = 2
@@ -36,6 +41,12 @@ HEADER = struct.Struct("!BII")
 """kind, channel, length."""
 MAX_DATA = 1 << 20
 """Bytes one frame carries at most (a longer stream is cut into frames of this size)."""
+PIPE_SIZE = 1 << 20
+"""Capacity asked for the pipes that carry frames (Linux's default, 64 KiB, means many small
+reads and writes; an unprivileged process may get up to ``/proc/sys/fs/pipe-max-size``)."""
+
+_IOV_PIECES = 64
+"""Pieces one write takes at most (below any system's ``IOV_MAX``)."""
 
 MODES: Final = ("off", "auto", "on")
 """``Launcher.relay`` values: never relay; relay where the host cannot connect back; always."""
@@ -48,11 +59,13 @@ def frame(kind: int, channel: int, data: bytes | memoryview = b"") -> list[bytes
 
 
 class FrameSplitter:
-    """Cuts a byte stream into frames, as its chunks come."""
+    """Cuts a byte stream into frames, as its chunks come; each byte is copied once."""
 
     def __init__(self) -> None:
         """An empty splitter."""
-        self._buffer = bytearray()
+        self._chunks: collections.deque[memoryview] = collections.deque()
+        self._size = 0
+        self._header: tuple[int, int, int] | None = None
 
     def feed(self, chunk: bytes) -> list[tuple[int, int, bytes]]:
         """The whole frames that ``chunk`` completes: ``(kind, channel, data)``.
@@ -61,27 +74,87 @@ class FrameSplitter:
             ProtocolError: A frame of an unknown kind, or longer than :data:`MAX_DATA` (the
                 stream is not the relay's: something else wrote to it).
         """
-        self._buffer += chunk
+        if chunk:
+            self._chunks.append(memoryview(chunk))
+            self._size += len(chunk)
         frames: list[tuple[int, int, bytes]] = []
-        start = 0
-        buffer = self._buffer
-        while len(buffer) - start >= HEADER.size:
-            kind, channel, length = HEADER.unpack_from(buffer, start)
-            if kind not in _KINDS or length > MAX_DATA:
-                shown = bytes(buffer[start : start + 40])
-                raise ProtocolError(
-                    f"the relay's stream is broken: frame kind {kind}, length {length} "
-                    f"(it begins {shown!r}; did something else write to the agent's stdout?)"
-                )
-            end = start + HEADER.size + length
-            if len(buffer) < end:
-                break
-            frames.append((kind, channel, bytes(buffer[start + HEADER.size : end])))
-            start = end
-        del buffer[:start]
-        return frames
+        while True:
+            if self._header is None:
+                if self._size < HEADER.size:
+                    return frames
+                head = self._take(HEADER.size)
+                kind, channel, length = HEADER.unpack(head)
+                if kind not in _KINDS or length > MAX_DATA:
+                    shown = head + self._take(min(self._size, 31))
+                    raise ProtocolError(
+                        f"the relay's stream is broken: frame kind {kind}, length {length} "
+                        f"(it begins {shown!r}; did something else write to the agent's stdout?)"
+                    )
+                self._header = (kind, channel, length)
+            kind, channel, length = self._header
+            if self._size < length:
+                return frames
+            frames.append((kind, channel, self._take(length)))
+            self._header = None
+
+    def _take(self, size: int) -> bytes:
+        parts: list[memoryview] = []
+        left = size
+        while left:
+            head = self._chunks[0]
+            if len(head) <= left:
+                parts.append(self._chunks.popleft())
+                left -= len(head)
+            else:
+                parts.append(head[:left])
+                self._chunks[0] = head[left:]
+                left = 0
+        self._size -= size
+        return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
 
     @property
     def pending(self) -> int:
         """Bytes of a frame not yet whole."""
-        return len(self._buffer)
+        return self._size
+
+
+class ByteQueue:
+    """Bytes waiting to be written, as the pieces they came in (no copy until written)."""
+
+    def __init__(self) -> None:
+        """An empty queue."""
+        self._pieces: collections.deque[memoryview] = collections.deque()
+        self.size = 0
+
+    def __len__(self) -> int:
+        """Bytes waiting."""
+        return self.size
+
+    def append(self, data: bytes | memoryview) -> None:
+        """Queue ``data`` (kept, not copied: do not change it)."""
+        if data:
+            self._pieces.append(memoryview(data))
+            self.size += len(data)
+
+    def clear(self) -> None:
+        """Drop everything."""
+        self._pieces.clear()
+        self.size = 0
+
+    def write_to(self, write: Callable[[list[memoryview]], int]) -> int:
+        """Write what ``write`` takes (``os.writev`` or ``socket.sendmsg``); drop it from here.
+
+        Raises:
+            OSError: As ``write`` does (``BlockingIOError`` when nothing fits now).
+        """
+        count = written = write(list(itertools.islice(self._pieces, _IOV_PIECES)))
+        self.size -= written
+        while written:
+            head = self._pieces[0]
+            if len(head) <= written:
+                self._pieces.popleft()
+                written -= len(head)
+            else:
+                self._pieces[0] = head[written:]
+                written = 0
+        return count
