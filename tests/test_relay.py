@@ -257,3 +257,110 @@ def test_relay_over_srun_steps(slurm, tmp_path):
         subprocess.run(["ip", "netns", "exec", netns, "iptables", "-D", *rule], check=True)
     assert result.exit_code == 0, result.stderr
     assert "ranks [('snode1', 0, 2.0), ('snode2', 1, 2.0)]" in result.stdout, result
+
+
+def test_a_cut_link_to_a_relaying_host_is_noticed_within_agent_timeout(cluster):
+    import threading
+
+    from conftest import torchrunx_processes
+
+    def sleep_then_return() -> str:
+        time.sleep(30)
+        return socket.gethostname()
+
+    host = cluster.hosts[1]
+    timer = threading.Timer(3.0, cluster.cut_link, args=(host,))
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(trx.AgentFailedError, match="no heartbeat for") as info:
+            trx.launch(
+                sleep_then_return,
+                hostnames=cluster.names(),
+                workers_per_host=1,
+                backend=None,
+                ssh_config_file=cluster.ssh_config,
+                agent_timeout=2,
+                relay="on",
+            )
+        assert info.value.hostname == "node2"
+        assert time.monotonic() - started < 25
+    finally:
+        timer.join()
+        cluster.restore_link(host)
+    # Cut off, the agent stops its workers by itself, and its relay ends with it.
+    deadline = time.monotonic() + 30
+    while torchrunx_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _relay_pid() -> int:
+    """In a worker: its host's relay (above its agent and the agent's guardian)."""
+    pid = os.getppid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"torchrunx.agent.relay" in f.read():
+                return pid
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    raise LookupError("no relay above this worker")
+
+
+def test_a_relay_killed_between_warm_runs_fails_the_next_run_naming_its_host(cluster):
+    import signal
+
+    launcher = trx.Launcher(
+        hostnames=cluster.names(),
+        workers_per_host=1,
+        backend=None,
+        ssh_config_file=cluster.ssh_config,
+        relay="on",
+    )
+    with launcher.warm() as warm:
+        relays = warm.run(_relay_pid).ranks
+        os.kill(relays[1], signal.SIGKILL)
+        time.sleep(1)  # its agent sees the end of its stdin, and stops
+        with pytest.raises(trx.AgentFailedError) as info:
+            warm.run(_rank)
+    assert info.value.hostname == "node2"
+
+
+def _flood_my_relay_then_sum(connections: int) -> float:
+    """On host 1: open ``connections`` idle connections and a few of garbage to the relay."""
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ["RANK"]) == 1:
+        relay = _relay_pid()
+        inodes = set()
+        for fd in os.listdir(f"/proc/{relay}/fd"):
+            target = os.readlink(f"/proc/{relay}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        with open("/proc/net/tcp") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        port = next(int(r[1].split(":")[1], 16) for r in rows if r[3] == "0A" and r[9] in inodes)
+        held = []
+        for index in range(connections):
+            sock = socket.create_connection(("127.0.0.1", port))
+            if index % 10 == 0:
+                sock.sendall(os.urandom(4096))
+            held.append(sock)
+    total = torch.tensor([1.0])
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_a_flood_at_a_hosts_relay_does_not_stall_the_launch(cluster):
+    started = time.monotonic()
+    result = trx.launch(
+        _flood_my_relay_then_sum,
+        func_args=(300,),
+        hostnames=cluster.names(),
+        workers_per_host=1,
+        backend="gloo",
+        ssh_config_file=cluster.ssh_config,
+        relay="on",
+    )
+    assert result.ranks == [2.0, 2.0]
+    assert time.monotonic() - started < 30

@@ -1,0 +1,126 @@
+"""The relay's pure parts: frames, queues, command lines, options (no hosts; see test_relay.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from torchrunx.engines.builtin import openssh_command
+from torchrunx.errors import ProtocolError
+from torchrunx.launcher.agent_starts import listen_hosts
+from torchrunx.launcher.plan import check_relay
+from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
+from torchrunx.wire.relay import (
+    DATA,
+    EOF,
+    HEADER,
+    MAX_DATA,
+    OPEN,
+    OUT,
+    ByteQueue,
+    FrameSplitter,
+    frame,
+)
+
+
+def test_frames_survive_any_cutting_of_the_stream():
+    rng = random.Random(7)  # noqa: S311 (a reproducible cutting, not a secret)
+    sent = [
+        (OPEN, 1, b"10.0.0.2\n10.0.0.1"),
+        (DATA, 1, rng.randbytes(MAX_DATA)),
+        (DATA, 2, b""),
+        (OUT, 0, b"a line\n"),
+        (EOF, 1, b""),
+        (DATA, 7, rng.randbytes(12345)),
+    ]
+    stream = b"".join(b"".join(frame(*f)) for f in sent)
+    for _ in range(20):
+        splitter = FrameSplitter()
+        got = []
+        at = 0
+        while at < len(stream):
+            size = rng.choice([1, 2, 8, 9, 100, 65536, 1 << 21])
+            got += splitter.feed(stream[at : at + size])
+            at += size
+        assert got == sent
+        assert splitter.pending == 0
+
+
+def test_a_stream_that_is_not_the_relays_is_refused_with_what_it_began_with():
+    splitter = FrameSplitter()
+    with pytest.raises(ProtocolError, match=r"frame kind 72.*it begins b'Hello") as info:
+        splitter.feed(b"Hello, I am a banner that a login script printed\n")
+    assert "did something else write to the agent's stdout?" in str(info.value)
+    too_long = HEADER.pack(DATA, 1, MAX_DATA + 1)
+    with pytest.raises(ProtocolError, match=f"length {MAX_DATA + 1}"):
+        FrameSplitter().feed(too_long)
+
+
+def test_a_byte_queue_writes_in_order_across_partial_writes():
+    queue = ByteQueue()
+    pieces = [b"abc", b"", b"defgh", b"i" * 1000, b"jk"]
+    for piece in pieces:
+        queue.append(piece)
+    assert len(queue) == sum(map(len, pieces))
+    out = bytearray()
+
+    def write_some(views: list[memoryview]) -> int:
+        data = b"".join(views)[:7]  # a pipe that takes 7 bytes at a time
+        out.extend(data)
+        return len(data)
+
+    while queue:
+        assert queue.write_to(write_some) > 0
+    assert bytes(out) == b"".join(pieces)
+    queue.append(b"x")
+    queue.clear()
+    assert len(queue) == 0
+
+
+def test_openssh_runs_the_constant_agent_command_without_prompting():
+    argv = openssh_command("/usr/bin/ssh", "node1", "/cfg", 30)
+    assert argv == [
+        "/usr/bin/ssh", "-T", "-F", "/cfg", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30",
+        "--", "node1", AGENT_COMMAND,
+    ]  # fmt: skip
+    assert "-F" not in openssh_command("ssh", "node1", None, 5)
+
+
+def test_srun_steps_of_relaying_hosts_are_unbuffered_only():
+    assert "--unbuffered" in srun_command("n1", cpus=None, unbuffered=True)
+    assert "--unbuffered" not in srun_command("n1", cpus=None)
+
+
+def test_relay_on_listens_on_loopback_only_unless_told_otherwise():
+    assert listen_hosts(None, ["ssh", "ssh"], {}, relay="on") == ["127.0.0.1"]
+    assert listen_hosts(None, ["ssh", "ssh"], {}, relay="auto") == [None]
+    assert listen_hosts(None, ["ssh"], {"TORCHRUNX_LISTEN_ADDR": "*"}, relay="on") == [None]
+
+
+@pytest.mark.parametrize("value", ["yes", True, None, "ON"])
+def test_relay_takes_off_auto_or_on(value):
+    with pytest.raises(ValueError, match=r"expected one of 'off', 'auto', 'on'"):
+        check_relay(value)
+    for good in ("off", "auto", "on"):
+        check_relay(good)
+
+
+def test_a_relaying_hosts_bootstrap_line_carries_the_mode_for_the_relay_alone():
+    from torchrunx.hosts import HostSlots
+    from torchrunx.launcher.agent_starts import AgentStarts
+    from torchrunx.launcher.plan import LaunchPlan
+    from torchrunx.launcher.records import AgentRecord
+    from torchrunx.wire.bootstrap import AgentBootstrap
+
+    plan = LaunchPlan(hosts=(HostSlots("node1", 1),), methods=("ssh",), env={}, relay="auto")
+    agent = AgentRecord(0, plan.hosts[0], "ssh", role="host")
+    starts = AgentStarts(plan, [agent], 1234, b"s" * 32, 20, lambda *_: None)
+    line = starts.bootstrap(agent, "10.0.0.1", relays=True)
+    data = json.loads(line)
+    assert data.pop("relay") == "auto"
+    assert AgentBootstrap.from_json_line(json.dumps(data)).launcher_port == 1234
+    with pytest.raises(ProtocolError):  # the agent itself would refuse the relay's field
+        AgentBootstrap.from_json_line(line)
+    assert "relay" not in json.loads(starts.bootstrap(agent, "10.0.0.1"))
