@@ -318,3 +318,19 @@ def test_the_kubernetes_example_launches_on_the_selected_pods(cluster, kubectl, 
     )
     assert "pod train-0: ranks [0], each saw a world of 2" in done.stdout
     assert "pod train-1: ranks [1], each saw a world of 2" in done.stdout
+
+
+@pytest.mark.cluster
+def test_pods_that_cannot_reach_the_launcher_relay_over_kubectl_exec(cluster, kubectl):
+    # relay="on": the launcher listens on 127.0.0.1 only, which the pods (the test hosts'
+    # namespaces) cannot reach: every connection travels over `kubectl exec -i`'s stdio.
+    kubectl.pods(_cluster_pods(cluster))
+    result = trx.launch(
+        where,
+        hostnames="kubernetes:app=trainer?namespace=ml&context=prod&container=trainer",
+        workers_per_host=2,
+        backend="gloo",
+        relay="on",
+    )
+    assert [r["host"] for r in result.ranks] == ["node1", "node1", "node2", "node2"]
+    assert all(r["sum"] == 6.0 for r in result.ranks)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -50,6 +51,7 @@ def _host_sum(size: int) -> dict[str, object]:
 
     total = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(total)
+    print(f"rank {dist.get_rank()} summed {total.item()}", flush=True)
     return {
         "host": socket.gethostname(),
         "rank": int(os.environ["RANK"]),
@@ -58,7 +60,7 @@ def _host_sum(size: int) -> dict[str, object]:
     }
 
 
-def test_relay_on_runs_where_hosts_cannot_connect_back(cluster):
+def test_relay_on_runs_where_hosts_cannot_connect_back(cluster, capfd):
     with connections_back_dropped(cluster):
         started = time.monotonic()
         result = trx.launch(
@@ -76,6 +78,7 @@ def test_relay_on_runs_where_hosts_cannot_connect_back(cluster):
     assert all(r["sum"] == 3.0 for r in result.ranks)
     assert all(r["blob"] == bytes(range(256)) * 4096 for r in result.ranks)
     assert took < 30, took
+    assert "[node1:0] rank 0 summed 3.0" in capfd.readouterr().out  # logs come relayed too
 
 
 def test_without_relay_a_host_that_cannot_connect_back_fails_naming_the_option(cluster):
@@ -364,3 +367,24 @@ def test_a_flood_at_a_hosts_relay_does_not_stall_the_launch(cluster):
     )
     assert result.ranks == [2.0, 2.0]
     assert time.monotonic() - started < 30
+
+
+def test_breakpoint_on_a_relaying_host_opens_pdb_in_the_launchers_terminal(cluster, tmp_path):
+    from test_debugger import SCRIPT, _closing, _finish, _prompt, _spawn
+
+    hosts = cluster.names()
+    text = SCRIPT.replace("backend=None,", "backend=None, relay='on',")
+    with (
+        connections_back_dropped(cluster),
+        _closing(
+            _spawn(tmp_path, ",".join(hosts), "3", str(cluster.ssh_config), text=text)
+        ) as child,
+    ):
+        child.expect(_prompt(3, hosts[1]))
+        child.sendline("p value, os.environ['LOCAL_RANK']")
+        child.expect(_prompt(3, hosts[1]))
+        assert "(44, '1')" in str(child.before)
+        child.sendline("c")
+        child.expect(re.escape("RESULTS [42, 43, 44, 45]"))
+        _finish(child)
+        assert child.exitstatus == 0
