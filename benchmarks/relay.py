@@ -22,8 +22,6 @@ relay >= 0.5 x scp's speed (MB/s, medians, same run), and the relay is also give
 floor. Prints Markdown on stdout.
 """
 
-# ruff: noqa: E501 (the child's code is kept as it runs)
-
 from __future__ import annotations
 
 import argparse

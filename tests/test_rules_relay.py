@@ -124,3 +124,16 @@ def test_a_relaying_hosts_bootstrap_line_carries_the_mode_for_the_relay_alone():
     with pytest.raises(ProtocolError):  # the agent itself would refuse the relay's field
         AgentBootstrap.from_json_line(line)
     assert "relay" not in json.loads(starts.bootstrap(agent, "10.0.0.1"))
+
+
+def test_the_dry_run_says_when_hosts_relay(tmp_path):
+    import torchrunx as trx
+
+    config = tmp_path / "ssh_config"
+    config.write_text("Host node1\n  HostName 10.9.9.9\n")
+    fields = {"hostnames": ["node1"], "workers_per_host": 1, "ssh_config_file": config}
+    assert "relay:" not in trx.Launcher(**fields).dry_run()
+    on = trx.Launcher(relay="on", **fields).dry_run()
+    assert "relay: on (remote hosts' connections travel over their agent's channel, always)" in on
+    auto = trx.Launcher(relay="auto", **fields).dry_run()
+    assert "for hosts whose test connection to the launcher fails" in auto

@@ -38,6 +38,8 @@ class Launcher(Protocol):
     def ssh_config_file(self) -> str | Path | None: ...  # noqa: D102
     @property
     def start_timeout(self) -> float: ...  # noqa: D102
+    @property
+    def relay(self) -> str: ...  # noqa: D102
 
 
 def describe_launch(launcher: Launcher, plan: LaunchPlan) -> str:
@@ -80,6 +82,7 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
         f"hosts: {len(running)}" + (f", and {spares} spare host(s)" if spares else ""),
         f"hosts from: {_source(launcher.hostnames)}",
         f"agent start: {_transports(methods, transport_argument)}",
+        *_relay_lines(launcher.relay),
         f"world size: {world if world is not None else 'known once every agent has counted'}",
         *_backend_lines(launcher, hosts, gpus or [None] * len(hosts)),
         "",
@@ -112,6 +115,14 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
         for made in transports.values():
             getattr(made, "close", lambda: None)()
     return "\n".join(lines)
+
+
+def _relay_lines(relay: str) -> list[str]:
+    """What ``relay`` does, unless it is "off"."""
+    if relay == "off":
+        return []
+    when = "always" if relay == "on" else "for hosts whose test connection to the launcher fails"
+    return [f"relay: {relay} (remote hosts' connections travel over their agent's channel, {when})"]
 
 
 def _source(hostnames: object) -> str:
