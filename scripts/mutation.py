@@ -117,6 +117,12 @@ TARGETS: dict[str, Target] = {
         ),
         note="kubectl's options, command lines and pods (kubectl itself runs in test_kubernetes)",
     ),
+    "relay_frames": Target(
+        "torchrunx/wire/relay.py",
+        ("tests/test_rules_relay.py",),
+        functions=("frame", "FrameSplitter.*", "ByteQueue.*"),
+        note="the relay's frames: cut from a stream, queued and written in pieces",
+    ),
     "ray_nodes": Target(
         "torchrunx/engines/ray.py",
         ("tests/test_rules_engines.py",),

@@ -137,3 +137,42 @@ def test_the_dry_run_says_when_hosts_relay(tmp_path):
     assert "relay: on (remote hosts' connections travel over their agent's channel, always)" in on
     auto = trx.Launcher(relay="auto", **fields).dry_run()
     assert "for hosts whose test connection to the launcher fails" in auto
+
+
+def test_a_frame_without_data_is_its_header_alone():
+    assert frame(EOF, 3) == [HEADER.pack(EOF, 3, 0)]
+    assert frame(DATA, 3, b"xy") == [HEADER.pack(DATA, 3, 2), b"xy"]
+
+
+def test_a_broken_stream_shows_its_first_40_bytes():
+    text = b"Hello, I am a banner that a login script printed\n"
+    with pytest.raises(ProtocolError) as info:
+        FrameSplitter().feed(text)
+    assert f"it begins {text[:40]!r};" in str(info.value)
+
+
+def test_a_byte_queue_hands_at_most_64_pieces_to_one_write():
+    queue = ByteQueue()
+    for index in range(100):
+        queue.append(bytes([index]))
+    sizes = []
+
+    def write_all(views: list[memoryview]) -> int:
+        sizes.append(len(views))
+        return sum(map(len, views))
+
+    assert queue.write_to(write_all) == 64
+    assert queue.write_to(write_all) == 36
+    assert sizes == [64, 36]
+    assert len(queue) == 0
+
+
+def test_a_byte_queue_write_that_ends_inside_a_piece_keeps_the_rest_of_it():
+    queue = ByteQueue()
+    queue.append(b"abcdef")
+    queue.append(b"gh")
+    assert queue.write_to(lambda _views: 6) == 6  # exactly the first piece
+    assert len(queue) == 2
+    got: list[bytes] = []
+    queue.write_to(lambda views: got.append(b"".join(views)) or 2)
+    assert got == [b"gh"]
