@@ -99,6 +99,38 @@ def test_without_relay_a_host_that_cannot_connect_back_fails_naming_the_option(c
     assert "start timeout" not in text.lower(), text
 
 
+def test_something_else_on_a_relaying_agents_stdout_fails_its_host_at_once(cluster, tmp_path):
+    from conftest import torchrunx_processes
+
+    env_file = tmp_path / "noisy.sh"
+    env_file.write_text("echo 'welcome to the cluster, have a nice day'\n")
+    started = time.monotonic()
+    with pytest.raises(trx.AgentFailedError) as info:
+        trx.launch(
+            _host_sum,
+            func_args=(256,),
+            hostnames=cluster.names()[:1],
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+            env_file=env_file,
+            relay="on",
+            start_timeout=60,
+        )
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert info.value.hostname == "node1"
+    assert "the relay's stream is broken" in text, text
+    assert "welcome to the" in text, text  # what the stream began with
+    assert "did something else write to the agent's stdout?" in text, text
+    assert "start timeout" not in text.lower(), text
+    assert took < 20, took
+    deadline = time.monotonic() + 10
+    while torchrunx_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not torchrunx_processes()
+
+
 def test_relay_auto_relays_only_the_hosts_that_cannot_connect_back(cluster, capfd):
     # Without the rule, auto connects back (no relay message); with it, the hosts relay.
     fields = {

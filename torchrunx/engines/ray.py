@@ -369,10 +369,10 @@ class RayAgent(PipeReaders):
         self._status: int | None = None
         self._done = threading.Event()
         self._stopping = threading.Event()
-        self._reader = threading.Thread(target=self._relay, name="torchrunx-ray-relay", daemon=True)
+        self._reader = threading.Thread(target=self._pump, name="torchrunx-ray-relay", daemon=True)
         self._reader.start()
 
-    def _relay(self) -> None:
+    def _pump(self) -> None:
         """Copy the actor's chunks into the pipes until the agent has ended (or the actor)."""
         ray = _ray()
         status: int | None = None

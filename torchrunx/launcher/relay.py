@@ -56,6 +56,7 @@ class LauncherRelay:
         *,
         read_out: Callable[[], bytes],
         write_in: Callable[[bytes], None],
+        close_in: Callable[[], None],
         adopt: Adopt,
     ) -> None:
         """Start relaying.
@@ -64,11 +65,13 @@ class LauncherRelay:
             hostname: The host (for logs).
             read_out: Reads the agent's stdout (blocking; ``b""`` at its end).
             write_in: Writes all of a chunk to the agent's stdin (blocking).
+            close_in: Closes the agent's stdin (the host's relay then stops its agent).
             adopt: Hands a new connection to the listener (from this object's thread).
         """
         self.hostname = hostname
         self._read_out = read_out
         self._write_in = write_in
+        self._close_in = close_in
         self._adopt = adopt
         self._pairs: dict[int, _Pair] = {}
         self._lock = threading.Lock()
@@ -82,6 +85,8 @@ class LauncherRelay:
         """Bytes written to the agent's stdin."""
         self.received = 0
         """Bytes read from the agent's stdout."""
+        self.broken: str | None = None
+        """Why the host's stream is not the relay's (something else wrote to it), if it is not."""
         self._reader = threading.Thread(
             target=self._read_loop, name=f"torchrunx-relay-in-{hostname}", daemon=True
         )
@@ -102,7 +107,7 @@ class LauncherRelay:
                 for kind, number, data in splitter.feed(chunk):
                     self._on_frame(kind, number, data)
         except ProtocolError as exc:
-            logger.error("host %s: %s", self.hostname, exc)  # noqa: TRY400 (the message is all)
+            self._broken(str(exc))
         except OSError:
             pass  # the agent's stdout is closed: the agent is gone
         finally:
@@ -114,6 +119,21 @@ class LauncherRelay:
                     with contextlib.suppress(OSError):
                         pair.sock.shutdown(socket.SHUT_WR)
             self._wake()
+
+    def _broken(self, reason: str) -> None:
+        """The stream is not the relay's: end this host now, not at its start timeout.
+
+        Closing the agent's stdin stops the host's relay and agent (as when the launcher is
+        gone); the rest of the stream is read and dropped, so the host is never blocked writing.
+        """
+        self.broken = reason
+        logger.error("host %s: %s", self.hostname, reason)
+        self.stop()
+        with contextlib.suppress(OSError):
+            self._close_in()
+        with contextlib.suppress(OSError):
+            while self._read_out():
+                pass
 
     def _on_frame(self, kind: int, number: int, data: bytes) -> None:
         if kind == OUT:

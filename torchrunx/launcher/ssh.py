@@ -299,13 +299,14 @@ class SshAgent(PipeReaders):
         except (paramiko.SSHException, OSError) as exc:
             _close_all(self._clients)
             raise AgentFailedError(hostname, f"cannot start the agent over SSH: {exc}") from exc
-        self._relay: LauncherRelay | None = None
+        self._relay = None
         if relay is not None:
             channel = self._channel
             self._relay = LauncherRelay(
                 hostname,
                 read_out=lambda: channel.recv(MAX_DATA),
                 write_in=channel.sendall,
+                close_in=channel.shutdown_write,
                 adopt=relay,
             )
             err_read, err_write = os.pipe()

@@ -183,6 +183,7 @@ class PipeReaders:
 
     _output: _AgentOutput
     _streams: dict[bool, int]
+    _relay: LauncherRelay | None = None
 
     def readers(self) -> list[Reader]:
         """The agent's stdout and stderr pipes, while they are open."""
@@ -206,9 +207,15 @@ class PipeReaders:
         return True
 
     def stderr_tail(self) -> str:
-        """The last lines the agent wrote to stderr (read for up to 0.5 s more)."""
+        """The last lines the agent wrote to stderr (read for up to 0.5 s more).
+
+        A relaying host whose stream was broken ends with why (what its stdout began with).
+        """
         _drain(self.readers(), 0.5)
-        return "\n".join(self._output.tail)
+        tail = list(self._output.tail)
+        if self._relay is not None and self._relay.broken is not None:
+            tail.append(f"torchrunx: {self._relay.broken}")
+        return "\n".join(tail)
 
 
 class CommandAgent(PipeReaders):
@@ -267,7 +274,7 @@ class CommandAgent(PipeReaders):
             self._process.stdin.flush()
         except OSError:
             pass  # it died at once; wait() and stderr_tail() tell why
-        self._relay: LauncherRelay | None = None
+        self._relay = None
         if relay is not None:
             # The relay's frames come on stdout: a thread of the relay reads it (blocking), and
             # the loop reads the agent's own stdout from the relay's pipe instead.
@@ -280,6 +287,7 @@ class CommandAgent(PipeReaders):
                 hostname,
                 read_out=lambda: os.read(stdout, MAX_DATA),
                 write_in=functools.partial(write_all, stdin),
+                close_in=self._process.stdin.close,
                 adopt=relay,
             )
             self._streams = {False: self._relay.out_read, True: self._streams[True]}
