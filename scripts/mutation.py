@@ -627,12 +627,20 @@ READ_RESULTS = """
 import json, sys
 from mutmut.mutation.diff_apply import get_diff_for_mutant
 from mutmut.stats import status_by_exit_code
-codes = json.load(open(sys.argv[1]))["exit_code_by_key"]
+try:
+    codes = json.load(open(sys.argv[1]))["exit_code_by_key"]
+except (OSError, ValueError, KeyError) as exc:  # cut short while mutmut wrote it
+    print(f"unreadable {sys.argv[1]}: {exc!r}", file=sys.stderr)
+    codes = {}
 out = {}
 for name in json.load(sys.stdin):
     status = status_by_exit_code[codes.get(name)]
     seen = status in ("killed", "timeout", "segfault", "caught by type check", "not checked")
-    out[name] = [status, None if seen else get_diff_for_mutant(name)]
+    try:
+        out[name] = [status, None if seen else get_diff_for_mutant(name)]
+    except Exception as exc:  # noqa: BLE001 (one mutant's diff: the others still count)
+        print(f"no diff for {name}: {exc!r}", file=sys.stderr)
+        out[name] = ["not checked", None]
 print(json.dumps(out))
 """
 KILLED = frozenset({"killed", "timeout", "segfault", "caught by type check"})
@@ -800,8 +808,12 @@ def read_results(
         input=json.dumps(names),
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
     )
+    if read.stderr:
+        sys.stderr.write(f"{target.source}: reading mutmut's results: {read.stderr.strip()}\n")
+    if read.returncode != 0:  # counted as not checked: never as killed
+        return dict.fromkeys(names, ("not checked", None))
     results: dict[str, list[str | None]] = json.loads(read.stdout)
     return {name: (str(status), diff) for name, (status, diff) in results.items()}
 
