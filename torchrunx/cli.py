@@ -261,7 +261,7 @@ class _Renamed(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object, **__: object) -> NoReturn:
         """Refuse the option, with what replaced it (``Launcher``'s message for the keyword)."""
-        from torchrunx.launcher.launcher import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
+        from torchrunx.launcher.renamed import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
 
         message = RENAMED_FIELDS[self.dest]
         if new := re.search(r"use (\w+)=", message):
@@ -277,7 +277,7 @@ def add_renamed_options(group: argparse._ArgumentGroup) -> None:
     Args:
         group: Where :func:`add_launcher_arguments` put the launcher's options.
     """
-    from torchrunx.launcher.launcher import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
+    from torchrunx.launcher.renamed import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
 
     for name in RENAMED_FIELDS:  # keywords of earlier releases, for a clear error
         option = "--" + name.replace("_", "-")

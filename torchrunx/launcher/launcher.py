@@ -17,7 +17,6 @@ The caller's thread runs the launch and owns every decision (see
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -49,6 +48,7 @@ from torchrunx.launcher.plan import (
     start_methods,
 )
 from torchrunx.launcher.preempt import default_grace, sigterm_preempts
+from torchrunx.launcher.renamed import refuse_renamed, refuses_renamed_keywords
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.spares import check_resilience, split_spares
 from torchrunx.launcher.ssh import read_ssh_config
@@ -61,7 +61,7 @@ from torchrunx.logs import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
 
     from torchrunx.hosts import HostSlots
 
@@ -72,46 +72,8 @@ R = TypeVar("R")
 
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
 
-RENAMED_FIELDS = {
-    "worker_timeout": "renamed in torchrunx 0.5: use timeout=SECONDS (the process-group timeout)",
-    "handler_factory": (
-        "renamed in torchrunx 0.5: use log_handlers=... (or launcher.set_logging_handlers(...))"
-    ),
-    "env_vars": "renamed: use default_env_vars=(patterns, ...)",
-    "log_dir": "removed: set the TORCHRUNX_LOG_DIR environment variable instead",
-}
-"""Keywords of earlier torchrunx releases (0.1 to 0.4) that no longer exist, and what replaces
-them. Kept apart from unknown keywords so that a migrating script is told what to write."""
 
-
-def _refuse_renamed(caller: str, keywords: Iterable[str]) -> None:
-    """Raise a TypeError naming the replacement of a keyword of an earlier release."""
-    for name in keywords:
-        if name in RENAMED_FIELDS:
-            raise TypeError(f"{caller} got {name}=..., which was {RENAMED_FIELDS[name]}")
-
-
-_C = TypeVar("_C")
-
-
-def _refuses_renamed_keywords(cls: type[_C]) -> type[_C]:
-    """Make the dataclass's ``__init__`` name the replacement of an earlier release's keyword.
-
-    Without it, ``Launcher(worker_timeout=60)`` fails with Python's bare "unexpected keyword
-    argument". The wrapper keeps the generated signature (``inspect.signature``, tyro).
-    """
-    init: Callable[..., None] = cls.__init__
-
-    @functools.wraps(init)
-    def checked_init(self: object, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 (the fields)
-        _refuse_renamed(f"{cls.__name__}()", kwargs)
-        init(self, *args, **kwargs)
-
-    setattr(cls, "__init__", checked_init)  # noqa: B010 (replacing a method mypy knows)
-    return cls
-
-
-@_refuses_renamed_keywords
+@refuses_renamed_keywords
 @dataclass(frozen=True)
 class Launcher:
     """How to run a function on many hosts and workers; `run` does it.
@@ -252,7 +214,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             TypeError: The preset or an override names a field ``Launcher`` does not have.
         """
         values = {**plugins.preset(name), **overrides}
-        _refuse_renamed(f"Launcher.from_preset({name!r})", values)
+        refuse_renamed(f"Launcher.from_preset({name!r})", values)
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"preset {name!r} or its overrides set unknown fields {unknown}")
@@ -511,7 +473,7 @@ def launch(
             replaces it).
         Exception: Whatever :meth:`Launcher.run` raises.
     """
-    _refuse_renamed("launch()", launcher_fields)
+    refuse_renamed("launch()", launcher_fields)
     launcher = Launcher(**launcher_fields)
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
 
