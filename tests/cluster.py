@@ -45,7 +45,12 @@ ETC_HOSTS_LOCK = Path("/run/torchrunx-cluster.lock")
 MAX_HOSTS = 99
 """Host addresses are ``.11`` to ``.109``, clear of the launcher and the unreachable address."""
 
-ProfileName = Literal["test", "bench", "slurm", "ray"]
+ProfileName = Literal["test", "bench", "slurm", "ray", "reach"]
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The project's checkout (hidden on isolated hosts)."""
+HOST_VENV = Path("/mnt/venv")
+"""On an isolated host: the launcher's virtual environment, outside the (hidden) checkout."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,17 @@ PROFILES: dict[str, Profile] = {
         unreachable_name="sunreachable",
         hosts_marker="# torchrunx-slurm-cluster",
     ),
+    "reach": Profile(
+        name="reach",
+        netns_prefix="trxh-",
+        bridge="trxhbr0",
+        veth_prefix="trxhv",
+        subnet="10.204.0",
+        host_prefix="hnode",
+        launcher_name="trxh-launcher",
+        unreachable_name="hunreachable",
+        hosts_marker="# torchrunx-reach-cluster",
+    ),
     "ray": Profile(
         name="ray",
         netns_prefix="trxr-",
@@ -155,7 +171,8 @@ PROFILES: dict[str, Profile] = {
 }
 """Every profile by name: ``"test"`` for the test suite, ``"bench"`` for ``benchmarks/``,
 ``"slurm"`` for the hosts of the SLURM test cluster (``slurm_cluster.py``), ``"ray"`` for the
-hosts of the Ray test cluster (``ray_cluster.py``)."""
+hosts of the Ray test cluster (``ray_cluster.py``), ``"reach"`` for hosts that do not share the
+launcher's files (``isolated=True``)."""
 
 _REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname", "ssh", "ssh-keygen")
 
@@ -199,14 +216,18 @@ class TestCluster:
 
     __test__: ClassVar[bool] = False  # not a pytest test class
 
-    def __init__(self, hosts: list[TestHost], workdir: Path, profile: Profile) -> None:
+    def __init__(
+        self, hosts: list[TestHost], workdir: Path, profile: Profile, *, isolated: bool = False
+    ) -> None:
         """Describe a cluster; nothing is started. Use :func:`start_cluster` instead.
 
         Args:
             hosts: The test hosts.
             workdir: Existing directory for keys, configs and logs.
             profile: The names and addresses the cluster uses.
+            isolated: Hosts that do not share the launcher's files (see :func:`start_cluster`).
         """
+        self.isolated = isolated
         self.profile = profile
         self.hosts = hosts
         self.workdir = workdir
@@ -342,6 +363,10 @@ class TestCluster:
     def _host_dir(self, host: TestHost) -> Path:
         return self.workdir / host.name
 
+    def cache_dir(self, host: TestHost | str) -> Path:
+        """An isolated host's ``~/.cache`` (its own folder, seen from the launcher)."""
+        return self._host_dir(self._host(host)) / "cache"
+
     def _sshd_log(self, host: TestHost) -> str:
         log = self._host_dir(host) / "sshd.log"
         return log.read_text(errors="replace").strip() if log.exists() else "(no log)"
@@ -461,8 +486,10 @@ class TestCluster:
         mounts = [(host_dir / "hosts", ETC_HOSTS)]
         if ETC_HOSTNAME.exists():
             mounts.append((host_dir / "hostname", ETC_HOSTNAME))
+        isolation = self._isolation(host) if self.isolated else []
         script = " && ".join(
             [f"mount --bind {shlex.quote(str(src))} {dst}" for src, dst in mounts]
+            + isolation
             + [
                 f"hostname {host.name}",
                 f"exec {SSHD} -D -e -f {shlex.quote(str(host_dir / 'sshd_config'))}",
@@ -479,6 +506,26 @@ class TestCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def _isolation(self, host: TestHost) -> list[str]:
+        """Mounts that keep the launcher's files from a host: the checkout, and ``~/.cache``.
+
+        The launcher's virtual environment stays reachable at :data:`HOST_VENV` (its own
+        interpreter and packages; torchrunx's editable install points into the hidden checkout).
+        """
+        cache = self.cache_dir(host)
+        cache.mkdir(exist_ok=True)
+        home_cache = Path.home() / ".cache"
+        home_cache.mkdir(exist_ok=True)
+        venv = Path(sys.prefix)
+        q = shlex.quote
+        return [
+            f"mount -t tmpfs -o size=1m tmpfs {HOST_VENV.parent}",
+            f"mkdir {HOST_VENV}",
+            f"mount --bind {q(str(venv))} {HOST_VENV}",
+            f"mount -t tmpfs -o size=1m,mode=0755 tmpfs {q(str(CHECKOUT))}",
+            f"mount --bind {q(str(cache))} {q(str(home_cache))}",
+        ]
 
 
 def cluster_unavailable_reason() -> str | None:
@@ -508,7 +555,9 @@ def cluster_unavailable_reason() -> str | None:
     return None
 
 
-def start_cluster(n: int, workdir: Path, profile: ProfileName = "test") -> TestCluster:
+def start_cluster(
+    n: int, workdir: Path, profile: ProfileName = "test", *, isolated: bool = False
+) -> TestCluster:
     """Start ``n`` test hosts, ``node1`` to ``node{n}``, and wait until each ``sshd`` accepts.
 
     First removes namespaces, links and ``/etc/hosts`` lines left by an earlier run of the same
@@ -522,6 +571,10 @@ def start_cluster(n: int, workdir: Path, profile: ProfileName = "test") -> TestC
         profile: Which names and addresses to use (see :data:`PROFILES`): ``"test"`` (the
             default: ``node1``... on ``10.200.0``), ``"bench"`` (``bnode1``... on ``10.201.0``)
             or ``"slurm"`` (``snode1``... on ``10.202.0``).
+        isolated: Hosts that do not share the launcher's files: in each host's mount
+            namespace the project's checkout is an empty folder, ``~/.cache`` is the host's
+            own (:meth:`TestCluster.cache_dir`), and the launcher's virtual environment is at
+            :data:`HOST_VENV`. ``workdir`` must lie outside the checkout.
 
     Returns:
         The running cluster.
@@ -542,7 +595,10 @@ def start_cluster(n: int, workdir: Path, profile: ProfileName = "test") -> TestC
         raise ValueError(msg)
     _remove_stale_cluster(chosen)
     hosts = [chosen.host(i) for i in range(1, n + 1)]
-    cluster = TestCluster(hosts, workdir, chosen)
+    if isolated and workdir.is_relative_to(CHECKOUT):
+        msg = f"an isolated cluster's workdir must lie outside the checkout {CHECKOUT}"
+        raise ValueError(msg)
+    cluster = TestCluster(hosts, workdir, chosen, isolated=isolated)
     atexit.register(cluster.stop)
     try:
         cluster._start()

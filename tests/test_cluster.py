@@ -194,9 +194,7 @@ def test_wrong_key_is_refused_with_the_reason(cluster):
 
 def test_missing_interpreter_is_a_clear_error(cluster, monkeypatch):
     monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python3")
-    with pytest.raises(
-        trx.AgentFailedError, match="is /nonexistent/bin/python3 present on that host"
-    ) as info:
+    with pytest.raises(trx.AgentFailedError, match=r"Launcher\(python=\.\.\.\)") as info:
         trx.launch(
             print,
             hostnames=["node1"],
@@ -204,7 +202,8 @@ def test_missing_interpreter_is_a_clear_error(cluster, monkeypatch):
             backend=None,
             ssh_config_file=cluster.ssh_config,
         )
-    assert "No such file or directory" in info.value.stderr
+    assert "exit status 127" in str(info.value)
+    assert "no Python interpreter /nonexistent/bin/python3 on this host" in info.value.stderr
 
 
 def test_no_secret_or_environment_value_on_any_command_line(cluster, monkeypatch):

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from torchrunx.launcher.relay import Adopt
+    from torchrunx.launcher.ship import Bundle
 
 __all__ = [
     "AGENT_ARGV",
@@ -83,6 +84,11 @@ class AgentStart:
             stdin then carry the relay's frames, not lines. A transport that declares
             ``relays = True`` passes it to :class:`CommandAgent` (``relay=``), which handles
             them; other transports are never given one.
+        ship: Set when code is shipped to this host (``Launcher(ship=...)``): the agent's
+            script fetches it first, so the launcher answers on the agent's stdin and stdout
+            between the script and the bootstrap line. A transport that declares
+            ``ships = True`` passes it to :class:`CommandAgent` (``ship=``); other
+            transports are never given one.
     """
 
     index: int
@@ -96,6 +102,7 @@ class AgentStart:
     environ: Mapping[str, str] = field(default_factory=dict, repr=False)
     hostnames: tuple[str, ...] = ()
     relay: Adopt | None = field(default=None, repr=False)
+    ship: Bundle | None = field(default=None, repr=False)
 
     @property
     def payload(self) -> Callable[[str], bytes]:

@@ -75,6 +75,8 @@ class SshTransport:
     remote: ClassVar[bool] = True
     relays: ClassVar[bool] = True
     """Its agents can relay connections (``AgentStart.relay``) over the SSH channel."""
+    ships: ClassVar[bool] = True
+    """Its agents can fetch shipped code (``AgentStart.ship``) over the SSH channel."""
     settings: ClassVar[tuple[str, ...]] = ("ssh_config_file",)
     """What :func:`torchrunx.plugins.transport` passes on from the launch."""
 
@@ -103,6 +105,7 @@ class SshTransport:
             connect_timeout=start.connect_timeout,
             on_line=start.on_line,
             relay=start.relay,
+            ship=start.ship,
         )
 
     def _openssh(self, start: AgentStart, ssh: str) -> AgentProcess:
@@ -129,6 +132,7 @@ class SshTransport:
             lambda: start.bootstrap(address),
             start.on_line,
             relay=start.relay,
+            ship=start.ship,
         )
 
     def describe(self, hostname: str) -> str:
@@ -151,6 +155,8 @@ class SrunTransport:
     remote: ClassVar[bool] = True
     relays: ClassVar[bool] = True
     """Its agents can relay connections (``AgentStart.relay``) over the step's stdio."""
+    ships: ClassVar[bool] = True
+    """Its agents can fetch shipped code (``AgentStart.ship``) over the step's stdio."""
 
     def __init__(self, argument: str | None = None) -> None:
         """Takes no argument (raises ValueError for one)."""
@@ -166,6 +172,7 @@ class SrunTransport:
             start.on_line,
             cpus=slurm_cpus(start.hostname),  # srun runs with this process's environment
             relay=start.relay,
+            ship=start.ship,
         )
 
     def describe(self, hostname: str) -> str:

@@ -284,6 +284,8 @@ class KubectlTransport:
     remote: ClassVar[bool] = True
     relays: ClassVar[bool] = True
     """Its agents can relay connections (``AgentStart.relay``) over ``kubectl exec -i``."""
+    ships: ClassVar[bool] = True
+    """Its agents can fetch shipped code (``AgentStart.ship``) over ``kubectl exec -i``."""
 
     def __init__(self, argument: str | None = None) -> None:
         """``argument``: ``namespace=``, ``context=``, ``container=``, ``kubectl=`` joined by ``&``.
@@ -312,6 +314,7 @@ class KubectlTransport:
             lambda: start.bootstrap(address),
             start.on_line,
             relay=start.relay,
+            ship=start.ship,
         )
 
     def _pod_ip(self, start: AgentStart) -> str:

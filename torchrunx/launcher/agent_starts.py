@@ -11,7 +11,6 @@ connect, when that is known before they start.
 from __future__ import annotations
 
 import errno
-import functools
 import ipaddress
 import json
 import logging
@@ -28,6 +27,7 @@ from torchrunx.engines import AgentStart
 from torchrunx.env import local_agent_env
 from torchrunx.errors import add_note
 from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.reach import host_sys_path, python_for
 from torchrunx.launcher.transport import agent_script
 from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap
 from torchrunx.wire.lines import parse_line
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.plan import LaunchPlan, StartMethod
     from torchrunx.launcher.records import AgentRecord
     from torchrunx.launcher.relay import Adopt
+    from torchrunx.launcher.ship import Bundle
     from torchrunx.launcher.transport import AgentProcess
     from torchrunx.wire.lines import Record
 
@@ -98,6 +99,9 @@ class AgentStarts:
     """Hands a relayed connection to the launch's listener (from any thread); None: none relay."""
     relay_script: bytes = field(default=b"", repr=False)
     """The script of a relaying host: the same, but its interpreter runs the relay first."""
+    bundle: Bundle | None = field(default=None, repr=False)
+    """The code shipped to the remote hosts (``Launcher(ship=...)``), read by :meth:`prepare`."""
+    _scripts: dict[tuple[str, bool], bytes] = field(default_factory=dict, repr=False)
     boot_code: ClassVar[str] = BOOT_CODE
     """What the agent's interpreter runs (``torchrunx check``'s probes run their own)."""
 
@@ -112,26 +116,79 @@ class AgentStarts:
         """
         for method in dict.fromkeys(self.plan.methods):
             self.transport(method)
+        self._refuse_unable_transports()
+        if self.plan.ship and any(agent.remote for agent in self.agents):
+            from torchrunx.launcher.ship import make_bundle  # noqa: PLC0415 (only when shipping)
+
+            self.bundle = make_bundle(
+                self.plan.ship, self.plan.ship_exclude, timeout=self.plan.start_timeout
+            )
+            logger.info(
+                "shipping %d files (%.1f MB) to the remote hosts, as tree %s",
+                len(self.bundle.files),
+                self.bundle.size / 1e6,
+                self.bundle.digest,
+            )
+        self.script = self._script(sys.executable, remote=False, code=self.boot_code)
+        if self.plan.relay != "off" and self.adopt is not None:
+            self.relay_script = self._script(sys.executable, remote=False, code=RELAY_BOOT_CODE)
+
+    def _refuse_unable_transports(self) -> None:
+        """Refuse ``relay="on"`` or ``ship`` where a remote host's transport cannot do it."""
+        for method, transport in self.transports.items():
+            if not transport.remote:
+                continue
+            if self.plan.relay == "on" and not getattr(transport, "relays", False):
+                msg = (
+                    f"relay='on': agents started with {method!r} cannot relay connections "
+                    "(ssh, srun and kubectl can); use relay='auto', which connects them "
+                    "back directly, or another agent_start"
+                )
+                raise ValueError(msg)
+            if self.plan.ship and not getattr(transport, "ships", False):
+                msg = (
+                    f"ship: agents started with {method!r} cannot fetch shipped code (ssh, "
+                    "srun and kubectl can); give the hosts the code another way (Ray: its "
+                    "runtime_env working_dir), or use another agent_start"
+                )
+                raise ValueError(msg)
+
+    def _script(self, python: str, *, remote: bool, code: str) -> bytes:
+        """The script of an agent run by ``python``; ``remote``: on another host (it may ship)."""
+        bundle = self.bundle if remote else None
         env_file = self.plan.env_file
-        script = functools.partial(
-            agent_script,
+        if env_file is not None:
+            env_file = str(Path(env_file).expanduser().resolve())
+            if bundle is not None:  # inside a shipped path: the copy's, else as it is
+                env_file = bundle.place(env_file) or env_file
+        return agent_script(
             env=dict(self.plan.env),
             cwd=str(Path.cwd()),
-            python=sys.executable,
-            env_file=None if env_file is None else str(Path(env_file).expanduser().resolve()),
+            python=python,
+            env_file=env_file,
+            code=code,
+            ship=None if bundle is None else bundle.digest,
         )
-        self.script = script(code=self.boot_code)
-        if self.plan.relay != "off" and self.adopt is not None:
-            self.relay_script = script(code=RELAY_BOOT_CODE)
-        if self.plan.relay == "on":
-            for method, transport in self.transports.items():
-                if transport.remote and not getattr(transport, "relays", False):
-                    msg = (
-                        f"relay='on': agents started with {method!r} cannot relay connections "
-                        "(ssh, srun and kubectl can); use relay='auto', which connects them "
-                        "back directly, or another agent_start"
-                    )
-                    raise ValueError(msg)
+
+    def script_for(self, agent: AgentRecord, *, relays: bool) -> bytes:
+        """The script of ``agent``'s host: its interpreter, shipped code, relay or not."""
+        python = python_for(self.plan.python, agent.slots.hostname) if agent.remote else None
+        if python is None and (self.bundle is None or not agent.remote):
+            return self.relay_script if relays else self.script
+        python = python or sys.executable
+        with self._lock:
+            key = (python, relays)
+            if key not in self._scripts:
+                code = RELAY_BOOT_CODE if relays else self.boot_code
+                self._scripts[key] = self._script(python, remote=True, code=code)
+            return self._scripts[key]
+
+    def keeps_path(self, agent: AgentRecord) -> bool:
+        """Whether ``agent``'s host runs its own interpreter or shipped code (its own sys.path)."""
+        return agent.remote and (
+            self.bundle is not None
+            or python_for(self.plan.python, agent.slots.hostname) is not None
+        )
 
     def __call__(self, index: int) -> AgentProcess:
         """Start the agent of host ``index`` with its transport.
@@ -151,7 +208,7 @@ class AgentStarts:
             AgentStart(
                 index=agent.index,
                 hostname=agent.slots.hostname,
-                script=self.relay_script if relays else self.script,
+                script=self.script_for(agent, relays=relays),
                 bootstrap=lambda address: self.bootstrap(agent, address, relays=relays),
                 on_line=on_line,
                 launcher_address=self.configured_address(),
@@ -160,6 +217,7 @@ class AgentStarts:
                 environ=self.local_env,
                 hostnames=tuple(a.slots.hostname for a in self.agents if a.method == agent.method),
                 relay=self.adopt if relays else None,
+                ship=self.bundle if agent.remote else None,
             )
         )
 
@@ -197,6 +255,7 @@ class AgentStarts:
 
     def _bootstrap(self, agent: AgentRecord, local_address: str) -> bytes:
         address = (self.configured_address() or local_address) if agent.remote else local_address
+        keep_path = self.keeps_path(agent)
         return AgentBootstrap(
             host_index=agent.index,
             hostname=agent.slots.hostname,
@@ -208,7 +267,8 @@ class AgentStarts:
             heartbeat_interval=HEARTBEAT_INTERVAL,
             agent_timeout=self.plan.agent_timeout,
             log_level=self.log_level,
-            sys_path=tuple(sys.path),
+            sys_path=host_sys_path(self.bundle) if keep_path else tuple(sys.path),
+            keep_path=keep_path,
             count=count_mode(self.plan.workers_per_host),
             warm=self.plan.warm,
             local_only=all(not a.remote for a in self.agents),

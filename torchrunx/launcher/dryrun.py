@@ -12,9 +12,10 @@ from torchrunx import plugins
 from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
 from torchrunx.hosts.resolve import hostnames_source
 from torchrunx.launcher.agent_starts import count_mode
+from torchrunx.launcher.reach import python_for
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
     from pathlib import Path
 
     from torchrunx.hosts import HostSlots
@@ -40,6 +41,12 @@ class Launcher(Protocol):
     def start_timeout(self) -> float: ...  # noqa: D102
     @property
     def relay(self) -> str: ...  # noqa: D102
+    @property
+    def python(self) -> str | Mapping[str, str] | None: ...  # noqa: D102
+    @property
+    def ship(self) -> tuple[str, ...]: ...  # noqa: D102
+    @property
+    def ship_exclude(self) -> tuple[str, ...]: ...  # noqa: D102
 
 
 def describe_launch(launcher: Launcher, plan: LaunchPlan) -> str:
@@ -103,6 +110,9 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
         lines.append("  (workers on this machine also see the rest of the launcher's environment)")
     if launcher.env_file is not None:
         lines.append(f"sourced on every host first: {launcher.env_file}")
+    lines += _reach_lines(
+        launcher, [h.hostname for h, m in zip(hosts, methods, strict=True) if m != "local"]
+    )
     lines += ["", "agent command lines (the script and secret go on stdin, never here):"]
     transports: dict[str, object] = {}
     try:
@@ -115,6 +125,24 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
         for made in transports.values():
             getattr(made, "close", lambda: None)()
     return "\n".join(lines)
+
+
+def _reach_lines(launcher: Launcher, remote: list[str]) -> list[str]:
+    """The remote hosts' own interpreters (``python=``) and the shipped paths (``ship=``)."""
+    lines = []
+    for hostname in remote:
+        python = python_for(launcher.python, hostname)
+        if python is not None:
+            lines.append(f"python on {hostname}: {python}")
+    if launcher.ship and remote:
+        excluded = (
+            f", leaving out {' '.join(launcher.ship_exclude)}" if launcher.ship_exclude else ""
+        )
+        lines.append(
+            f"shipped to the remote hosts (cached there by content, .gitignore honoured"
+            f"{excluded}): {' '.join(launcher.ship)}"
+        )
+    return lines
 
 
 def _relay_lines(relay: str) -> list[str]:

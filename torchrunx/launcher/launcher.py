@@ -48,6 +48,7 @@ from torchrunx.launcher.plan import (
     start_methods,
 )
 from torchrunx.launcher.preempt import default_grace, sigterm_preempts
+from torchrunx.launcher.reach import check_python, check_python_hosts, check_ship
 from torchrunx.launcher.renamed import refuse_renamed, refuses_renamed_keywords
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.spares import check_resilience, split_spares
@@ -140,6 +141,21 @@ their node)."""
     """Carry remote agents' and workers' connections to the launcher over each agent's own
 channel (the stdio of ssh, srun or kubectl exec) instead of connecting back: "on"; "auto": for
 hosts that cannot open a connection to the launcher; "off": always connect back."""
+
+    python: str | dict[str, str] | None = None
+    """The Python interpreter of remote hosts where it is not at the launcher's path: a path,
+or a name on PATH, for every remote host, or a dict of hostname to path (on the command line:
+--python PATH, or --python HOST PATH ...). Such a host keeps its interpreter's own packages.
+None: the launcher's."""
+
+    ship: tuple[str, ...] = ()
+    """Paths to copy to the remote hosts, for hosts that do not share this machine's files, for
+example . (the working directory). Honours .gitignore files and ship_exclude; each host keeps
+one copy per user, by content, under ~/.cache/torchrunx/code, so an unchanged tree is not sent
+again. Remote agents and workers run in the copy, with it on sys.path; torchrunx travels too."""
+
+    ship_exclude: tuple[str, ...] = ()
+    """Patterns, in the syntax of .gitignore, of shipped files to leave out: data/ or *.ckpt."""
 
     agent_timeout: float = 5.0
     """Seconds without a heartbeat after which a host counts as lost (cut link, frozen host)."""
@@ -314,6 +330,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         """The plan of fields already checked (:meth:`validate`)."""
         world, spares = self._world_and_spares()
         hosts = world + spares
+        check_python_hosts(self.python, [h.hostname for h in hosts])
         methods, argument = start_methods(
             self.agent_start, [h.hostname for h in hosts], paired_transport(self.hostnames)
         )
@@ -335,6 +352,9 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             env_file=self.env_file,
             launcher_address=self.launcher_address,
             relay=self.relay,
+            python=self.python,
+            ship=tuple(str(p) for p in self.ship),
+            ship_exclude=tuple(self.ship_exclude),
             ssh_config_file=self.ssh_config_file,
             agent_timeout=float(self.agent_timeout),
             start_timeout=float(self.start_timeout),
@@ -388,6 +408,8 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         _validate_workers(self.workers_per_host, self.hostnames)
         check_agent_start(self.agent_start)
         check_relay(self.relay)
+        check_python(self.python)
+        check_ship(self.ship, self.ship_exclude)
         _validate_choice("backend", self.backend, _BACKENDS)
         if not isinstance(self.isolate_gpus, bool):
             raise TypeError(f"isolate_gpus must be True or False, got {self.isolate_gpus!r}")

@@ -62,6 +62,11 @@ class LaunchPlan:
     """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR`` is read where it is used)."""
     relay: str = "off"
     """Whether remote agents relay their connections (:mod:`torchrunx.launcher.relay`)."""
+    python: str | Mapping[str, str] | None = None
+    """The remote hosts' interpreter, or each one's (:mod:`torchrunx.launcher.reach`)."""
+    ship: tuple[str, ...] = ()
+    """Paths shipped to the remote hosts (:mod:`torchrunx.launcher.ship`)."""
+    ship_exclude: tuple[str, ...] = ()
     ssh_config_file: str | Path | None = None
     agent_timeout: float = 5.0
     start_timeout: float = 60.0

@@ -50,7 +50,7 @@ class _Pair:
 class LauncherRelay:
     """One relayed host's channels, carried on its agent's stdin and stdout by two threads."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the host's streams, each its own argument)
         self,
         hostname: str,
         *,
@@ -58,6 +58,7 @@ class LauncherRelay:
         write_in: Callable[[bytes], None],
         close_in: Callable[[], None],
         adopt: Adopt,
+        initial: bytes = b"",
     ) -> None:
         """Start relaying.
 
@@ -67,12 +68,14 @@ class LauncherRelay:
             write_in: Writes all of a chunk to the agent's stdin (blocking).
             close_in: Closes the agent's stdin (the host's relay then stops its agent).
             adopt: Hands a new connection to the listener (from this object's thread).
+            initial: The start of the agent's stdout, read already (after shipped code).
         """
         self.hostname = hostname
         self._read_out = read_out
         self._write_in = write_in
         self._close_in = close_in
         self._adopt = adopt
+        self._initial = initial
         self._pairs: dict[int, _Pair] = {}
         self._lock = threading.Lock()
         self._stopped = False
@@ -99,13 +102,15 @@ class LauncherRelay:
     def _read_loop(self) -> None:
         splitter = FrameSplitter()
         try:
+            chunk, self._initial = self._initial, b""
             while True:
-                chunk = self._read_out()
+                chunk = chunk or self._read_out()
                 if not chunk:
                     break
                 self.received += len(chunk)
                 for kind, number, data in splitter.feed(chunk):
                     self._on_frame(kind, number, data)
+                chunk = b""
         except ProtocolError as exc:
             self._broken(str(exc))
         except OSError:

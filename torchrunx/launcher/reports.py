@@ -99,9 +99,10 @@ def agent_exit_error(  # noqa: PLR0913 (what is known about the end)
     """An agent that ended without saying it was done."""
     if status == 127:
         reason = (
-            f"the agent could not start (exit status 127): is {sys.executable} present on "
-            "that host? torchrunx runs the launcher's interpreter on every host and assumes a "
-            "shared filesystem"
+            "the agent could not start (exit status 127): a command it needs is missing on "
+            f"that host (its message is below); torchrunx runs the launcher's interpreter "
+            f"({sys.executable}) there unless Launcher(python=...) names that host's own, and "
+            "needs the project's code there unless Launcher(ship=...) sends it"
         )
     elif status is not None and status < 0 and remote:
         reason = "the agent ended without an exit status (killed by a signal, or SSH dropped)"

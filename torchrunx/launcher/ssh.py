@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.forward import PortForward
 from torchrunx.launcher.relay import Adopt, LauncherRelay
+from torchrunx.launcher.ship import ShipError
 from torchrunx.launcher.transport import (
     _READS_PER_CALL,
     AGENT_COMMAND,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     import paramiko
     from paramiko import Channel
 
+    from torchrunx.launcher.ship import Bundle
     from torchrunx.launcher.transport import OnLine, Reader
 
 
@@ -270,15 +272,18 @@ class SshAgent(PipeReaders):
         connect_timeout: float,
         on_line: OnLine,
         relay: Adopt | None = None,
+        ship: Bundle | None = None,
     ) -> None:
         """Connect, start the agent command and hand it its script and bootstrap on stdin.
 
         ``bootstrap_for`` builds the bootstrap line from the launcher address that this
         connection's local end has (the address the host can reach the launcher on).
         ``relay``: the host relays (:mod:`torchrunx.launcher.relay`); its channels go to it.
+        ``ship``: the code shipped to the host, exchanged between the script and the bootstrap.
 
         Raises:
-            AgentFailedError: SSH failed, or the command could not be started.
+            AgentFailedError: SSH failed, the command could not be started, or the code not
+                shipped.
         """
         import paramiko  # noqa: PLC0415
 
@@ -295,10 +300,20 @@ class SshAgent(PipeReaders):
             self._channel = transport.open_session(timeout=connect_timeout)
             self._channel.exec_command(AGENT_COMMAND)
             self._channel_fd = self._channel.fileno()  # readable when output or the end comes
-            self._channel.sendall(script + bootstrap_for(self._local_address(transport)))
+            self._channel.sendall(script)
+            leftover = b"" if ship is None else ship.exchange(hostname, self._recv, self._send)
+            self._channel.settimeout(None)
+            self._channel.sendall(bootstrap_for(self._local_address(transport)))
         except (paramiko.SSHException, OSError) as exc:
             _close_all(self._clients)
             raise AgentFailedError(hostname, f"cannot start the agent over SSH: {exc}") from exc
+        except ShipError as exc:
+            tail = self._channel_stderr()
+            _close_all(self._clients)
+            reason = f"the shipped code did not reach the host: {exc}"
+            raise AgentFailedError(hostname, reason, tail) from exc
+        if ship is not None and relay is None and leftover:
+            self._output.feed(leftover, is_stderr=False)
         self._relay = None
         if relay is not None:
             channel = self._channel
@@ -308,6 +323,7 @@ class SshAgent(PipeReaders):
                 write_in=channel.sendall,
                 close_in=channel.shutdown_write,
                 adopt=relay,
+                initial=leftover,
             )
             err_read, err_write = os.pipe()
             os.set_blocking(err_read, False)
@@ -318,6 +334,27 @@ class SshAgent(PipeReaders):
                 daemon=True,
                 name=f"torchrunx-relay-err-{hostname}",
             ).start()
+
+    def _recv(self, timeout: float) -> bytes | None:
+        """The channel's stdout, waiting up to ``timeout`` s (None: nothing yet)."""
+        self._channel.settimeout(max(timeout, 0.001))
+        try:
+            return bytes(self._channel.recv(65536))
+        except TimeoutError:
+            return None
+
+    def _send(self, data: bytes) -> None:
+        self._channel.settimeout(None)
+        self._channel.sendall(data)
+
+    def _channel_stderr(self) -> str:
+        """What the command wrote to stderr so far (it has ended, or is ending)."""
+        self._channel.settimeout(0.5)
+        data = b""
+        with contextlib.suppress(OSError, TimeoutError):
+            while chunk := self._channel.recv_stderr(65536):
+                data += chunk
+        return data.decode(errors="replace").strip()
 
     def _local_address(self, transport: paramiko.Transport) -> str:
         import paramiko  # noqa: PLC0415

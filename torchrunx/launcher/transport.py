@@ -30,13 +30,18 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Protocol
 
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.relay import Adopt, LauncherRelay
+from torchrunx.launcher.ship import ShipError, read_fd
 from torchrunx.wire.bootstrap import BOOT_CODE
 from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
 from torchrunx.wire.relay import MAX_DATA, PIPE_SIZE
+
+if TYPE_CHECKING:
+    from torchrunx.launcher.ship import Bundle
 
 logger = logging.getLogger("torchrunx.transport")
 
@@ -46,25 +51,61 @@ AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"
 _STDERR_TAIL_LINES = 40
 
 
-def agent_script(
-    *, env: dict[str, str], cwd: str, python: str, env_file: str | None, code: str = BOOT_CODE
+def agent_script(  # noqa: PLR0913 (what the script holds)
+    *,
+    env: dict[str, str],
+    cwd: str,
+    python: str,
+    env_file: str | None,
+    code: str = BOOT_CODE,
+    ship: str | None = None,
 ) -> bytes:
     """The shell script (one NUL-terminated string) that the agent command evaluates.
 
-    Forwarded variables are exported first, then ``env_file`` is sourced (so it can extend or
-    override them), then the interpreter replaces the shell, running ``code`` (the agent's boot
-    code; ``torchrunx check`` gives its probe's).
+    Forwarded variables are exported first; then the interpreter is checked (a missing one
+    ends the script with status 127 and says which option names another); then, with ``ship``
+    (a shipped tree's digest, :mod:`torchrunx.launcher.ship`), the code is fetched into the
+    host's cache by :mod:`torchrunx.agent.unpack` and its copy is the working directory instead
+    of ``cwd``; then ``env_file`` is sourced (so it can extend or override the variables); then
+    the interpreter replaces the shell, running ``code`` (the agent's boot code; ``torchrunx
+    check`` gives its probe's).
     """
     parts: list[str] = []
     if env:
         exports = " ".join(f"{name}={shlex.quote(value)}" for name, value in sorted(env.items()))
         parts.append(f"export {exports}")
-    steps = [f"cd {shlex.quote(cwd)}"]
+    py = shlex.quote(python)
+    missing = shlex.quote(MISSING_PYTHON.format(python=python))
+    parts.append(f"command -v {py} >/dev/null || {{ echo {missing} >&2; exit 127; }}")
+    if ship is None:
+        steps = [f"cd {shlex.quote(cwd)}"]
+    else:
+        parts.append(f"{_CACHE_VARIABLE}={_CACHE_DIR}")
+        steps = [
+            f'{py} -I -S -c {shlex.quote(unpack_source())} "${_CACHE_VARIABLE}" {ship}',
+            f'cd "${_CACHE_VARIABLE}/trees/{ship}"',
+        ]
     if env_file is not None:
         steps.append(f"source {shlex.quote(env_file)}")
-    steps.append(f"exec {shlex.quote(python)} -u -c {shlex.quote(code)}")
+    steps.append(f"exec {py} -u -c {shlex.quote(code)}")
     parts.append(" && ".join(steps))
     return ("; ".join(parts)).encode() + b"\0"
+
+
+MISSING_PYTHON = (
+    "torchrunx: no Python interpreter {python} on this host: install it there, or name this "
+    "host's own with Launcher(python=...) (--python PATH)"
+)
+"""What a host without the agent's interpreter says (its script then exits with 127)."""
+_CACHE_VARIABLE = "_torchrunx_code"
+_CACHE_DIR = '"${TORCHRUNX_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/torchrunx}/code"'
+"""Where a host keeps shipped code: private to its user (see :mod:`torchrunx.agent.unpack`)."""
+
+
+@functools.cache
+def unpack_source() -> str:
+    """The source of :mod:`torchrunx.agent.unpack`, which a host runs before it has torchrunx."""
+    return (Path(__file__).parent.parent / "agent" / "unpack.py").read_text()
 
 
 class AgentProcess(Protocol):
@@ -236,12 +277,17 @@ class CommandAgent(PipeReaders):
         bootstrap: Callable[[], bytes],
         on_line: OnLine,
         relay: Adopt | None = None,
+        ship: Bundle | None = None,
     ) -> None:
         """Start ``argv``; write ``script`` and then what ``bootstrap()`` makes to its stdin.
 
         The bootstrap line (it holds the secret) is made only once the child has started, as
         it is written, and never held in a variable: no frame of a traceback shows it.
         ``relay``: the host relays (:mod:`torchrunx.launcher.relay`); its channels go to it.
+        ``ship``: the code shipped to the host, exchanged between the script and the bootstrap.
+
+        Raises:
+            AgentFailedError: The command cannot be started, or the code not shipped.
         """
         self.hostname = hostname
         self._output = _AgentOutput(on_line)
@@ -269,28 +315,51 @@ class CommandAgent(PipeReaders):
         self._streams = {False: self._process.stdout.fileno(), True: self._process.stderr.fileno()}
         for fd in self._streams.values():
             os.set_blocking(fd, False)
+        stdin = self._process.stdin
+        leftover = b""
         try:
-            self._process.stdin.write(script + bootstrap())
-            self._process.stdin.flush()
+            stdin.write(script)
+            stdin.flush()
+            if ship is not None:
+                leftover = ship.exchange(
+                    hostname, read_fd(self._streams[False]), functools.partial(_write_flush, stdin)
+                )
+            stdin.write(bootstrap())
+            stdin.flush()
         except OSError:
             pass  # it died at once; wait() and stderr_tail() tell why
+        except ShipError as exc:
+            self._fail_start(f"the shipped code did not reach the host: {exc}")
         self._relay = None
         if relay is not None:
             # The relay's frames come on stdout: a thread of the relay reads it (blocking), and
             # the loop reads the agent's own stdout from the relay's pipe instead.
-            stdout, stdin = self._streams[False], self._process.stdin.fileno()
+            stdout, stdin_fd = self._streams[False], self._process.stdin.fileno()
             os.set_blocking(stdout, True)
-            for fd in (stdout, stdin):
+            for fd in (stdout, stdin_fd):
                 with contextlib.suppress(OSError):  # fewer, larger reads and writes
                     fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
             self._relay = LauncherRelay(
                 hostname,
                 read_out=lambda: os.read(stdout, MAX_DATA),
-                write_in=functools.partial(write_all, stdin),
+                write_in=functools.partial(write_all, stdin_fd),
                 close_in=self._process.stdin.close,
                 adopt=relay,
+                initial=leftover,
             )
             self._streams = {False: self._relay.out_read, True: self._streams[True]}
+        elif leftover:
+            self._output.feed(leftover, is_stderr=False)
+
+    def _fail_start(self, reason: str) -> None:
+        """End the command (it has not started the agent) and raise ``reason`` with its stderr.
+
+        Raises:
+            AgentFailedError: Always.
+        """
+        tail = self.stderr_tail()
+        self.close(grace=1.0)
+        raise AgentFailedError(self.hostname, reason, tail)
 
     @property
     def pid(self) -> int:
@@ -364,6 +433,11 @@ class CommandAgent(PipeReaders):
             if self._pidfd >= 0:
                 os.close(self._pidfd)
                 self._pidfd = -1
+
+
+def _write_flush(stream: IO[bytes], data: bytes) -> None:
+    stream.write(data)
+    stream.flush()
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -458,6 +532,7 @@ class SrunAgent(CommandAgent):
         cpus: int | None,
         environ: dict[str, str] | None = None,
         relay: Adopt | None = None,
+        ship: Bundle | None = None,
     ) -> None:
         """Start ``srun`` and hand the agent its script and bootstrap (``bootstrap()``) on stdin.
 
@@ -479,6 +554,7 @@ class SrunAgent(CommandAgent):
             bootstrap,
             on_line,
             relay,
+            ship,
         )
 
 

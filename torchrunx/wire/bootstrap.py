@@ -14,22 +14,23 @@ from typing import Any
 from torchrunx.errors import ProtocolError
 
 # Runs inside the agent's interpreter: reads the bootstrap line (an AgentBootstrap), takes the
-# launcher's sys.path from it so that torchrunx can be imported, and hands the whole line to
-# the agent, which decodes and checks it (AgentBootstrap.from_json_line).
+# launcher's sys.path from it so that torchrunx can be imported, and hands the whole line to the
+# agent, which decodes and checks it (AgentBootstrap.from_json_line). With ``keep_path`` (a host
+# running its own Python, ``Launcher(python=...)``, or shipped code) the entries go before the
+# interpreter's own; relative ones (a shipped tree's) are taken from the working directory.
 # The line is handed over without staying behind: ``globals().pop`` takes ``b`` (which holds
 # the secret) out of ``__main__`` as it passes it, so neither the agent nor its forked workers
 # keep it as a global.
 BOOT_CODE = (
-    "import sys,json;b=sys.stdin.buffer.readline();sys.path[:]=json.loads(b)['sys_path'];"
+    "import sys,os,json;b=sys.stdin.buffer.readline();p=json.loads(b);"
+    "sys.path[:]=[os.path.abspath(e) for e in p['sys_path']]"
+    "+(sys.path if p.get('keep_path') else []);del p;"
     "import torchrunx.agent.agent as a;a.main(globals().pop('b'))"
 )
 
 # The same for a relaying host (``Launcher(relay=...)``): the relay process starts first and
 # runs the agent (BOOT_CODE) as its child (:mod:`torchrunx.agent.relay`).
-RELAY_BOOT_CODE = (
-    "import sys,json;b=sys.stdin.buffer.readline();sys.path[:]=json.loads(b)['sys_path'];"
-    "import torchrunx.agent.relay as r;r.main(globals().pop('b'))"
-)
+RELAY_BOOT_CODE = BOOT_CODE.replace("torchrunx.agent.agent as", "torchrunx.agent.relay as")
 
 
 COUNT_MODES = ("auto", "gpu", "cpu")
@@ -71,6 +72,9 @@ class AgentBootstrap:
     or "cpu" (``workers_per_host`` of that name)."""
     warm: bool = False
     """Stay after each run's workers end, for the next run, until a final Stop (warm agents)."""
+    keep_path: bool = False
+    """The host runs its own interpreter (``Launcher(python=...)``) or shipped code: ``sys_path``
+    holds only the project's entries, put before the interpreter's own (its installation's)."""
     local_only: bool = False
     """Every host of the launch is the launcher's machine: host 0's rendezvous store listens on
     loopback only (:mod:`torchrunx.agent.store`); else on every interface."""
@@ -91,6 +95,7 @@ class AgentBootstrap:
             "sys_path": list(self.sys_path),
             "warm": self.warm,
             "local_only": self.local_only,
+            "keep_path": self.keep_path,
         }
         return json.dumps(data).encode() + b"\n"
 
@@ -127,6 +132,7 @@ class AgentBootstrap:
             count=fields.choice("count", COUNT_MODES, default="auto"),
             warm=fields.boolean("warm"),
             local_only=fields.boolean("local_only"),
+            keep_path=fields.boolean("keep_path"),
         )
         fields.no_others()
         return bootstrap

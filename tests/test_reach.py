@@ -1,0 +1,263 @@
+"""Hosts that do not share the launcher's files: ``Launcher(python=...)`` and ``ship=``.
+
+The isolated test hosts (``start_cluster(..., isolated=True)``) run their ``sshd`` in a mount
+namespace where the project's checkout is an empty folder and ``~/.cache`` is their own: the
+launcher's script, its project and torchrunx itself are not there; the launcher's virtual
+environment is, at another path (``cluster.HOST_VENV``), with torch but without torchrunx (its
+editable install points into the hidden checkout).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from cluster import CHECKOUT, HOST_VENV, cluster_unavailable_reason, start_cluster
+
+import torchrunx as trx
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from cluster import TestCluster
+
+pytestmark = pytest.mark.cluster
+
+HOST_PYTHON = str(HOST_VENV / "bin" / "python")
+
+
+@pytest.fixture(scope="module")
+def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
+    """Two SSH test hosts (``hnode1``, ``hnode2``) without the launcher's files."""
+    reason = cluster_unavailable_reason()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"test cluster required on CI: {reason}")
+        pytest.skip(reason)
+    made = start_cluster(2, tmp_path_factory.mktemp("isolated"), "reach", isolated=True)
+    yield made
+    made.stop()
+
+
+def _where() -> dict[str, str]:
+    return {
+        "host": socket.gethostname(),
+        "executable": sys.executable,
+        "prefix": sys.prefix,
+        "torchrunx": trx.__file__,
+        "cwd": os.getcwd(),
+    }
+
+
+def test_python_names_each_hosts_own_interpreter(cluster, tmp_path):
+    other = tmp_path / "other-venv"
+    other.symlink_to(sys.prefix)  # the same packages, at a path the launcher does not run
+    result = trx.launch(
+        _where,
+        hostnames=cluster.names(),
+        workers_per_host=1,
+        backend=None,
+        ssh_config_file=cluster.ssh_config,
+        python={cluster.names()[1]: str(other / "bin" / "python")},
+    )
+    first, second = result.ranks
+    assert first["executable"] == sys.executable
+    assert second["executable"] == str(other / "bin" / "python")
+    assert second["prefix"] == str(other)
+    # The project's torchrunx (an editable checkout) comes first, before the host's own path.
+    assert second["torchrunx"] == trx.__file__
+    assert second["cwd"] == os.getcwd()
+
+
+def test_a_missing_interpreter_fails_its_host_at_once_naming_the_option(cluster):
+    started = time.monotonic()
+    with pytest.raises(trx.AgentFailedError) as info:
+        trx.launch(
+            _where,
+            hostnames=cluster.names(),
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+            python="/opt/no-such-python/bin/python3",
+            start_timeout=60,
+        )
+    text = str(info.value)
+    assert "no Python interpreter /opt/no-such-python/bin/python3 on this host" in text, text
+    assert "Launcher(python=...)" in text, text
+    assert "exit status 127" in text, text
+    assert time.monotonic() - started < 20
+
+
+def test_python_names_only_hosts_of_the_launch(cluster):
+    with pytest.raises(
+        ValueError, match=r"python names hosts that are not in the launch: \['nod3'\]"
+    ):
+        trx.launch(
+            _where,
+            hostnames=cluster.names(),
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+            python={"nod3": "/usr/bin/python3"},
+        )
+
+
+def _make_project(root: Path) -> None:
+    (root / "mypkg").mkdir(parents=True)
+    (root / "mypkg" / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            import os, socket, sys
+
+            import torchrunx
+
+
+            def report(extra, checkout):
+                import torch.distributed as dist
+
+                return {
+                    "host": socket.gethostname(),
+                    "rank": dist.get_rank(),
+                    "world": dist.get_world_size(),
+                    "cwd": os.getcwd(),
+                    "module": __file__,
+                    "torchrunx": torchrunx.__file__,
+                    "data": open("config/settings.txt").read(),
+                    "ignored": os.path.exists("scratch/notes.txt"),
+                    "excluded": os.path.exists("model.ckpt"),
+                    "executable": sys.executable,
+                    "extra": extra,
+                    "checkout": os.listdir(checkout),
+                }
+            """
+        )
+    )
+    (root / "config").mkdir()
+    (root / "config" / "settings.txt").write_text("lr=0.1\n")
+    (root / "scratch").mkdir()
+    (root / "scratch" / "notes.txt").write_text("not shipped\n")
+    (root / ".gitignore").write_text("scratch/\n")
+    (root / "model.ckpt").write_bytes(b"\0" * 1000)
+
+
+def _wire_bytes(cluster: TestCluster) -> int:
+    """Bytes sent from the launcher's namespace to every host so far (their links' counters)."""
+    return sum(
+        int(Path(f"/sys/class/net/{host.veth}/statistics/tx_bytes").read_text())
+        for host in cluster.hosts
+    )
+
+
+def test_shipped_code_runs_on_hosts_that_never_saw_it(isolated, tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    _make_project(project)
+    (project / "weights.bin").write_bytes(os.urandom(4 << 20))
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))
+    import mypkg  # noqa: PLC0415 (the project, importable here only)
+
+    launcher = trx.Launcher(
+        hostnames=isolated.names(),
+        workers_per_host=1,
+        backend="gloo",
+        ssh_config_file=isolated.ssh_config,
+        python=HOST_PYTHON,
+        ship=(".",),
+        ship_exclude=("*.ckpt",),
+    )
+    before = _wire_bytes(isolated)
+    first = launcher.run(mypkg.report, 1, str(CHECKOUT))
+    sent_first = _wire_bytes(isolated) - before
+    for rank, result in enumerate(first.ranks):
+        assert result["host"] == isolated.names()[rank]
+        assert result["world"] == 2
+        tree = Path(result["cwd"])
+        assert tree.parent == Path.home() / ".cache" / "torchrunx" / "code" / "trees"
+        assert result["module"] == str(tree / "mypkg" / "__init__.py")
+        assert result["torchrunx"] == str(tree / ".torchrunx-lib" / "torchrunx" / "__init__.py")
+        assert result["data"] == "lr=0.1\n"
+        assert result["ignored"] is False  # .gitignore
+        assert result["excluded"] is False  # ship_exclude
+        assert result["executable"] == HOST_PYTHON
+        assert result["extra"] == 1
+        assert result["checkout"] == []  # the launcher's checkout is not on the hosts
+    # Each host's copy is its own, private to its user.
+    for host in isolated.hosts:
+        cache = isolated.cache_dir(host) / "torchrunx"
+        assert (cache / "code" / "trees" / tree.name).is_dir()
+        assert os.stat(cache).st_mode & 0o777 == 0o700
+        assert not (cache / "code" / "trees" / tree.name / "scratch").exists()
+    assert sent_first > 2 * (4 << 20)  # the 4 MiB file reached both hosts
+
+    before = _wire_bytes(isolated)
+    second = launcher.run(mypkg.report, 2, str(CHECKOUT))
+    sent_second = _wire_bytes(isolated) - before
+    assert [r["cwd"] for r in second.ranks] == [r["cwd"] for r in first.ranks]
+    assert sent_second < sent_first / 20, (sent_first, sent_second)
+
+    (project / "config" / "settings.txt").write_text("lr=0.2\n")  # one small file changes
+    before = _wire_bytes(isolated)
+    third = launcher.run(mypkg.report, 3, str(CHECKOUT))
+    sent_third = _wire_bytes(isolated) - before
+    assert [r["data"] for r in third.ranks] == ["lr=0.2\n", "lr=0.2\n"]
+    assert third.ranks[0]["cwd"] != first.ranks[0]["cwd"]  # a new tree, from the blobs kept
+    assert sent_third < sent_first / 20, (sent_first, sent_third)
+
+
+def test_shipping_over_relayed_hosts(isolated, tmp_path, monkeypatch):
+    """relay="on" starts the agents with OpenSSH (not paramiko): the same exchange first."""
+    from test_relay import connections_back_dropped  # noqa: PLC0415
+
+    project = tmp_path / "project"
+    _make_project(project)
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))
+    import mypkg  # noqa: PLC0415
+
+    with connections_back_dropped(isolated):
+        result = trx.launch(
+            mypkg.report,
+            func_args=(7, str(CHECKOUT)),
+            hostnames=isolated.names(),
+            workers_per_host=1,
+            backend="gloo",
+            ssh_config_file=isolated.ssh_config,
+            python=HOST_PYTHON,
+            ship=(".",),
+            relay="on",
+        )
+    assert [r["host"] for r in result.ranks] == isolated.names()
+    assert all(r["data"] == "lr=0.1\n" and r["checkout"] == [] for r in result.ranks)
+    assert all(Path(r["module"]).is_relative_to(r["cwd"]) for r in result.ranks)
+
+
+def test_a_cache_that_cannot_be_written_fails_the_host_at_once(isolated, tmp_path, monkeypatch):
+    from conftest import torchrunx_processes  # noqa: PLC0415
+
+    project = tmp_path / "project"
+    _make_project(project)
+    monkeypatch.chdir(project)
+    started = time.monotonic()
+    with pytest.raises(trx.AgentFailedError) as info:
+        trx.launch(
+            _where,
+            hostnames=isolated.names()[:1],
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=isolated.ssh_config,
+            python=HOST_PYTHON,
+            ship=(".",),
+            extra_env_vars=("TORCHRUNX_CACHE_DIR=/proc/torchrunx-cannot-be-here",),
+            start_timeout=60,
+        )
+    text = str(info.value)
+    assert info.value.hostname == "hnode1"
+    assert "the shipped code did not reach the host" in text, text
+    assert "cannot unpack the shipped code in /proc/torchrunx-cannot-be-here/code" in text, text
+    assert time.monotonic() - started < 20
+    assert not torchrunx_processes()
