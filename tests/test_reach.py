@@ -159,7 +159,7 @@ def test_shipped_code_runs_on_hosts_that_never_saw_it(isolated, tmp_path, monkey
     (project / "weights.bin").write_bytes(os.urandom(4 << 20))
     monkeypatch.chdir(project)
     monkeypatch.syspath_prepend(str(project))
-    import mypkg  # noqa: PLC0415 (the project, importable here only)
+    import mypkg
 
     launcher = trx.Launcher(
         hostnames=isolated.names(),
@@ -211,13 +211,13 @@ def test_shipped_code_runs_on_hosts_that_never_saw_it(isolated, tmp_path, monkey
 
 def test_shipping_over_relayed_hosts(isolated, tmp_path, monkeypatch):
     """relay="on" starts the agents with OpenSSH (not paramiko): the same exchange first."""
-    from test_relay import connections_back_dropped  # noqa: PLC0415
+    from test_relay import connections_back_dropped
 
     project = tmp_path / "project"
     _make_project(project)
     monkeypatch.chdir(project)
     monkeypatch.syspath_prepend(str(project))
-    import mypkg  # noqa: PLC0415
+    import mypkg
 
     with connections_back_dropped(isolated):
         result = trx.launch(
@@ -237,7 +237,7 @@ def test_shipping_over_relayed_hosts(isolated, tmp_path, monkeypatch):
 
 
 def test_a_cache_that_cannot_be_written_fails_the_host_at_once(isolated, tmp_path, monkeypatch):
-    from conftest import torchrunx_processes  # noqa: PLC0415
+    from conftest import torchrunx_processes
 
     project = tmp_path / "project"
     _make_project(project)
