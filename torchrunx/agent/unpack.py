@@ -77,36 +77,40 @@ def _blob_name(sha: str, *, executable: bool) -> str:
 def _receive_blob(blobs: Path, size: int, sha: str, *, executable: bool) -> None:
     temporary = blobs / f".tmp-{os.getpid()}-{sha}"
     digest = hashlib.sha256()
-    with temporary.open("wb") as out:
-        left = size
-        while left:
-            chunk = _read_exact(min(left, _CHUNK))
-            digest.update(chunk)
-            out.write(chunk)
-            left -= len(chunk)
-    if digest.hexdigest() != sha:
-        temporary.unlink()
-        msg = f"a shipped file's bytes do not match its SHA-256 {sha}: changed while sent?"
-        raise ValueError(msg)
-    temporary.chmod(0o555 if executable else 0o444)
-    temporary.replace(blobs / _blob_name(sha, executable=executable))
+    try:
+        with temporary.open("wb") as out:
+            left = size
+            while left:
+                chunk = _read_exact(min(left, _CHUNK))
+                digest.update(chunk)
+                out.write(chunk)
+                left -= len(chunk)
+        if digest.hexdigest() != sha:
+            msg = f"a shipped file's bytes do not match its SHA-256 {sha}: changed while sent?"
+            raise ValueError(msg)
+        temporary.chmod(0o555 if executable else 0o444)
+        temporary.replace(blobs / _blob_name(sha, executable=executable))
+    finally:  # never a half-written blob
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
 
 
 def _make_tree(blobs: Path, trees: Path, digest: str, files: list[list[Any]]) -> None:
     temporary = trees / f".tmp-{digest}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
-    for path, executable, _size, sha in files:
-        target = temporary / str(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        blob = blobs / _blob_name(str(sha), executable=bool(executable))
-        try:
-            target.hardlink_to(blob)
-        except OSError:  # a filesystem without hard links, or too many of them: a copy
-            shutil.copy2(blob, target)
     try:
-        temporary.rename(trees / digest)
-    except OSError:  # another launch made it at the same time: keep theirs
+        for path, executable, _size, sha in files:
+            target = temporary / str(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            blob = blobs / _blob_name(str(sha), executable=bool(executable))
+            try:
+                target.hardlink_to(blob)
+            except OSError:  # a filesystem without hard links, or too many of them: a copy
+                shutil.copy2(blob, target)
+        with contextlib.suppress(OSError):  # else another launch made it at the same time
+            temporary.rename(trees / digest)
+    finally:  # never a half-made tree
         shutil.rmtree(temporary, ignore_errors=True)
 
 

@@ -144,8 +144,8 @@ hosts that cannot open a connection to the launcher; "off": always connect back.
 
     python: str | dict[str, str] | None = None
     """The Python interpreter of remote hosts where it is not at the launcher's path: a path,
-or a name on PATH, for every remote host, or a dict of hostname to path (on the command line:
---python PATH, or --python HOST PATH ...). Such a host keeps its interpreter's own packages.
+or a name on PATH, for every remote host, or a dict of hostname to path (on the command line
+one path, or pairs of hostname and path). Such a host keeps its interpreter's own packages.
 None: the launcher's."""
 
     ship: tuple[str, ...] = ()
@@ -379,24 +379,6 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         named = resolve_hosts(list(self.spare_hosts), self.workers_per_host)
         return split_spares(hosts, tuple(self.spare_hosts), self.min_hosts, named)
 
-    def _validate_resilience(self) -> None:
-        """``spare_hosts``, ``min_hosts``, ``preemption_grace``, ``requeue_on_preemption``."""
-        check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
-        if isinstance(self.spare_hosts, list | tuple):
-            check_hostnames(list(self.spare_hosts))
-            if isinstance(self.workers_per_host, list | tuple):
-                raise ValueError(  # noqa: TRY004 (a value that does not fit another)
-                    "spare_hosts names hosts, but workers_per_host is a list (one count per "
-                    "host of hostnames): give one count for every host, or make the spares "
-                    "the last hosts of hostnames and set spare_hosts to their number"
-                )
-        if self.preemption_grace is not None:
-            _validate_seconds("preemption_grace", self.preemption_grace, zero=True)
-        if not isinstance(self.requeue_on_preemption, bool):
-            raise TypeError(
-                f"requeue_on_preemption must be True or False, got {self.requeue_on_preemption!r}"
-            )
-
     def validate(self) -> None:
         """Check every field; raise a clear error before anything starts.
 
@@ -420,7 +402,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         _validate_env_vars(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
         check_log_fields(self.log_handlers, self.console_ranks)
         _validate_restarts(self.max_restarts, self.restart_on)
-        self._validate_resilience()
+        _validate_resilience(self)
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
         health_details_from_env()  # raises ValueError for a bad TORCHRUNX_HEALTH_CHECK_DETAILS
@@ -498,6 +480,25 @@ def launch(
     refuse_renamed("launch()", launcher_fields)
     launcher = Launcher(**launcher_fields)
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
+
+
+def _validate_resilience(self: Launcher) -> None:
+    """``spare_hosts``, ``min_hosts``, ``preemption_grace``, ``requeue_on_preemption``."""
+    check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
+    if isinstance(self.spare_hosts, list | tuple):
+        check_hostnames(list(self.spare_hosts))
+        if isinstance(self.workers_per_host, list | tuple):
+            raise ValueError(  # noqa: TRY004 (a value that does not fit another)
+                "spare_hosts names hosts, but workers_per_host is a list (one count per "
+                "host of hostnames): give one count for every host, or make the spares "
+                "the last hosts of hostnames and set spare_hosts to their number"
+            )
+    if self.preemption_grace is not None:
+        _validate_seconds("preemption_grace", self.preemption_grace, zero=True)
+    if not isinstance(self.requeue_on_preemption, bool):
+        raise TypeError(
+            f"requeue_on_preemption must be True or False, got {self.requeue_on_preemption!r}"
+        )
 
 
 def _validate_restarts(max_restarts: object, restart_on: object) -> None:

@@ -14,12 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torchrunx
-
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torchrunx.launcher.ship import Bundle
+
+PACKAGE = Path(__file__).resolve().parent.parent
+"""torchrunx's own package folder."""
 
 Python = str | Mapping[str, str] | None
 """``Launcher.python``: one interpreter for every remote host, one per host, or the launcher's."""
@@ -106,7 +107,7 @@ def project_paths(path: Sequence[str] | None = None) -> tuple[str, ...]:
     """
     installed = _installation()
     entries = list(sys.path if path is None else path)
-    root = str(Path(torchrunx.__file__).resolve().parent.parent)
+    root = str(PACKAGE.parent)
     kept: list[str] = []
     for entry in [*entries, root]:
         absolute = os.path.abspath(entry or ".")  # noqa: PTH100 ("": the working directory)

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING
 
 import pathspec
 
-import torchrunx
-
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
+
+PACKAGE = Path(__file__).resolve().parent.parent
+"""torchrunx's own package folder."""
 
 ALWAYS_EXCLUDED = (".git/", "__pycache__/", "*.pyc")
 """Never shipped: git's own data and Python's byte-code caches."""
@@ -239,7 +240,7 @@ def make_bundle(
             outside += 1
             place = f"{_OUTSIDE}/{outside}-{os.path.basename(source.rstrip('/')) or 'root'}"  # noqa: PTH119
         roots.append((source, place))
-    package = str(Path(torchrunx.__file__).resolve().parent)
+    package = str(PACKAGE)
     if not any(package == s or package.startswith(s.rstrip("/") + "/") for s, _ in roots):
         roots.append((package, f"{_LIB}/torchrunx"))
     files: dict[str, ShippedFile] = {}

@@ -1,0 +1,258 @@
+"""Pure rules of hosts that do not share the launcher's files: ``python=``, ``ship=``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import torchrunx as trx
+from torchrunx.agent import unpack
+from torchrunx.launcher import reach, ship
+from torchrunx.launcher.transport import MISSING_PYTHON, agent_script, unpack_source
+from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap
+
+PACKAGE = Path(trx.__file__).resolve().parent
+
+
+def _tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _paths(bundle: ship.Bundle) -> list[str]:
+    return [f.path for f in bundle.files if not f.path.startswith(".torchrunx-lib/")]
+
+
+def test_a_bundle_honours_gitignore_files_excludes_and_never_ships_git_or_caches(tmp_path):
+    _tree(
+        tmp_path,
+        {
+            "train.py": "x",
+            ".gitignore": "outputs/\n*.log\n!keep.log\n",
+            "outputs/run1/metrics.json": "{}",
+            "debug.log": "noise",
+            "keep.log": "kept",
+            "pkg/__init__.py": "",
+            "pkg/.gitignore": "generated_*.py\n",
+            "pkg/generated_a.py": "",
+            "pkg/model.py": "",
+            "pkg/__pycache__/model.cpython-311.pyc": "",
+            "stray.pyc": "",
+            ".git/HEAD": "ref",
+            "data/big.ckpt": "weights",
+            "data/small.txt": "s",
+        },
+    )
+    bundle = ship.make_bundle(["."], ["*.ckpt"], cwd=tmp_path)
+    assert _paths(bundle) == [
+        ".gitignore",
+        "data/small.txt",
+        "keep.log",
+        "pkg/.gitignore",
+        "pkg/__init__.py",
+        "pkg/model.py",
+        "train.py",
+    ]
+
+
+def test_a_bundle_ships_torchrunx_unless_a_shipped_path_holds_it(tmp_path):
+    _tree(tmp_path, {"a.py": ""})
+    bundle = ship.make_bundle(["."], cwd=tmp_path)
+    lib = [f.path for f in bundle.files if f.path.startswith(".torchrunx-lib/")]
+    assert ".torchrunx-lib/torchrunx/__init__.py" in lib
+    assert ".torchrunx-lib/torchrunx/agent/unpack.py" in lib
+    assert not any("__pycache__" in p for p in lib)
+    assert ship.lib_entry(bundle) == ".torchrunx-lib"
+    holding = ship.make_bundle([str(PACKAGE.parent)], cwd=PACKAGE.parent)
+    assert ship.lib_entry(holding) is None
+    assert "torchrunx/__init__.py" in [f.path for f in holding.files]
+
+
+def test_paths_outside_the_working_directory_get_their_own_place(tmp_path):
+    _tree(tmp_path / "work", {"main.py": ""})
+    _tree(tmp_path / "libs" / "shared", {"util.py": "", "sub/x.py": ""})
+    _tree(tmp_path / "single", {"settings.toml": "a=1"})
+    bundle = ship.make_bundle(
+        ["main.py", "../libs/shared", str(tmp_path / "single" / "settings.toml")],
+        cwd=tmp_path / "work",
+    )
+    assert _paths(bundle) == [
+        ".torchrunx-paths/1-shared/sub/x.py",
+        ".torchrunx-paths/1-shared/util.py",
+        ".torchrunx-paths/2-settings.toml",
+        "main.py",
+    ]
+    assert bundle.place(tmp_path / "libs" / "shared" / "sub") == ".torchrunx-paths/1-shared/sub"
+    assert bundle.place(tmp_path / "work" / "main.py") == "main.py"
+    assert bundle.place(tmp_path / "work" / "other.py") is None  # not shipped
+    assert bundle.place(tmp_path / "libs") is None
+
+
+def test_the_digest_follows_content_path_and_mode_only(tmp_path):
+    _tree(tmp_path, {"a.py": "1", "b/c.py": "2"})
+    first = ship.make_bundle(["."], cwd=tmp_path)
+    assert first.digest == ship.make_bundle(["."], cwd=tmp_path).digest
+    os.utime(tmp_path / "a.py", (1, 1))  # a new mtime, same bytes
+    assert ship.make_bundle(["."], cwd=tmp_path).digest == first.digest
+    (tmp_path / "a.py").write_text("3")
+    changed = ship.make_bundle(["."], cwd=tmp_path)
+    assert changed.digest != first.digest
+    (tmp_path / "a.py").write_text("1")
+    (tmp_path / "a.py").chmod(0o755)
+    executable = ship.make_bundle(["."], cwd=tmp_path)
+    assert executable.digest != first.digest
+    entry = next(e for e in json.loads(executable.manifest) if e[0] == "a.py")
+    assert entry[1] is True and entry[2] == 1
+    assert len(first.digest) == 32
+
+
+def test_a_missing_shipped_path_is_named_with_the_working_directory(tmp_path):
+    with pytest.raises(ValueError, match=r"ship: 'nope' does not exist \(relative to the working"):
+        ship.make_bundle(["nope"], cwd=tmp_path)
+
+
+def test_launcher_checks_ship_and_python_fields(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"ship: 'src' does not exist"):
+        trx.Launcher(hostnames=["a"], ship=("src",)).validate()
+    with pytest.raises(TypeError, match=r"ship must be a tuple of paths, for example \('\.',\)"):
+        trx.Launcher(hostnames=["a"], ship=".").validate()  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ship_exclude must be a tuple of patterns"):
+        trx.Launcher(hostnames=["a"], ship_exclude="*.ckpt").validate()  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="python must be an interpreter's path"):
+        trx.Launcher(hostnames=["a"], python="").validate()
+    with pytest.raises(TypeError, match="python must be an interpreter's path"):
+        trx.Launcher(hostnames=["a"], python={"a": 3}).validate()  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"python names hosts that are not in the launch: \['c'\]"):
+        trx.Launcher(hostnames=["a", "b"], python={"a": "/p", "c": "/q"}).plan()
+    trx.Launcher(hostnames=["a"], python={"a": "/p"}, ship=(".",)).validate()
+
+
+def test_python_for_each_host():
+    assert reach.python_for(None, "a") is None
+    assert reach.python_for("/opt/py", "a") == "/opt/py"
+    assert reach.python_for({"a": "/opt/py"}, "a") == "/opt/py"
+    assert reach.python_for({"a": "/opt/py"}, "b") is None
+
+
+def test_project_paths_leave_out_the_launchers_installation(tmp_path):
+    site = os.path.join(sys.prefix, "lib", "site-packages")
+    paths = reach.project_paths(["", str(tmp_path), site, sys.base_prefix + "/lib/python3.zip"])
+    assert paths[0] == os.getcwd()
+    assert str(tmp_path) in paths
+    assert site not in paths
+    assert not any(p.startswith(sys.base_prefix + "/lib") for p in paths)
+    root = str(PACKAGE.parent)
+    installed = root.startswith(tuple(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)))
+    assert (root in paths) is not installed  # an editable checkout travels by its path
+
+
+def test_shipped_hosts_get_tree_relative_paths_and_torchrunx_first(tmp_path, monkeypatch):
+    _tree(tmp_path, {"src/pkg/__init__.py": "", "scripts/run.py": ""})
+    monkeypatch.chdir(tmp_path)
+    bundle = ship.make_bundle(["."], cwd=tmp_path)
+    path = ["", str(tmp_path / "src"), "/elsewhere/shared", os.path.join(sys.prefix, "lib")]
+    placed = reach.host_sys_path(bundle, path)
+    assert placed[:4] == (".torchrunx-lib", ".", "src", "/elsewhere/shared")
+    # After them only project paths that were not shipped (torchrunx's editable checkout).
+    assert set(placed[4:]) <= set(reach.project_paths(path)) - {os.getcwd(), str(tmp_path / "src")}
+    assert not any(p.startswith(sys.prefix) for p in placed)
+
+
+def test_the_agent_script_checks_the_interpreter_then_unpacks_then_starts():
+    script = agent_script(
+        env={"A": "1"},
+        cwd="/work",
+        python="/opt/py",
+        env_file=None,
+        ship="0123abcd",
+    ).decode()
+    assert script.endswith("\0")
+    check = script.index("command -v /opt/py")
+    unpacking = script.index("/opt/py -I -S -c")
+    into = script.index('cd "$_torchrunx_code/trees/0123abcd"')
+    start = script.index("exec /opt/py -u -c")
+    assert check < unpacking < into < start
+    assert "exit 127" in script[check:unpacking]
+    assert "cd /work" not in script
+    assert "${TORCHRUNX_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/torchrunx}/code" in script
+    assert unpack_source().splitlines()[0] in script
+    plain = agent_script(env={}, cwd="/work", python="/opt/py", env_file="/e.sh").decode()
+    assert "cd /work && source /e.sh && exec /opt/py" in plain
+    assert "torchrunx-ship" not in plain
+    assert shlex.quote(MISSING_PYTHON.format(python="/opt/py")) in plain
+
+
+def test_the_boot_code_puts_a_kept_path_before_the_interpreters_own():
+    line = AgentBootstrap(
+        host_index=0,
+        hostname="h",
+        launcher_address="127.0.0.1",
+        launcher_port=1,
+        secret=b"s" * 32,
+        workers=1,
+        preload_torch=False,
+        heartbeat_interval=1.0,
+        agent_timeout=5.0,
+        log_level=20,
+        sys_path=(".torchrunx-lib", "/abs"),
+        keep_path=True,
+    ).to_json_line()
+    assert AgentBootstrap.from_json_line(line).keep_path is True
+    names: dict[str, object] = {"__name__": "boot"}
+    code = BOOT_CODE.split(";import torchrunx")[0].replace(
+        "sys.stdin.buffer.readline()", repr(line)
+    )
+    original = list(sys.path)
+    try:
+        exec(code, names)  # noqa: S102 (the boot code, up to its import of torchrunx)
+        assert sys.path[:2] == [os.path.abspath(".torchrunx-lib"), "/abs"]
+        assert sys.path[2:] == original
+    finally:
+        sys.path[:] = original
+
+
+def _age(path: Path, days: float) -> None:
+    then = time.time() - days * 86400
+    os.utime(path, (then, then), follow_symlinks=False)
+
+
+def test_the_cache_keeps_what_was_used_lately_and_cleans_the_rest(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHRUNX_CACHE_DAYS", raising=False)
+    blobs, trees = tmp_path / "blobs", tmp_path / "trees"
+    blobs.mkdir()
+    trees.mkdir()
+    for name in ("old-r", "shared-r", "fresh-r", "orphan-r"):
+        (blobs / name).write_text(name)
+    for tree, names in {
+        "old": ["old-r", "shared-r"],
+        "recent": ["shared-r"],
+        "now": ["fresh-r"],
+    }.items():
+        (trees / tree).mkdir()
+        for name in names:
+            (trees / tree / name).hardlink_to(blobs / name)
+    (trees / ".tmp-crashed-1").mkdir()
+    (blobs / ".tmp-1-abc").write_text("partial")
+    for path in blobs.iterdir():
+        _age(path, 30)
+    _age(trees / "old", 15)
+    _age(trees / "recent", 13)
+    _age(trees / "now", 30)  # old, but the tree of this launch
+    _age(trees / ".tmp-crashed-1", 2)
+    unpack.clean(tmp_path, keep="now")
+    assert sorted(p.name for p in trees.iterdir()) == ["now", "recent"]
+    # A blob goes once no tree links to it and it is old: "old-r" (its tree went), "orphan-r".
+    assert sorted(p.name for p in blobs.iterdir()) == ["fresh-r", "shared-r"]
+    monkeypatch.setenv("TORCHRUNX_CACHE_DAYS", "1")
+    unpack.clean(tmp_path, keep="now")
+    assert sorted(p.name for p in trees.iterdir()) == ["now"]
+    assert sorted(p.name for p in blobs.iterdir()) == ["fresh-r"]

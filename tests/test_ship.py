@@ -1,0 +1,188 @@
+"""The shipped-code exchange, end to end on this machine: the launcher's side
+(:meth:`torchrunx.launcher.ship.Bundle.exchange`) with the real unpacker in a child process,
+started as the agent's script starts it (``python -I -S -c SOURCE CACHE DIGEST``), on pipes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+import pytest
+
+from torchrunx.launcher import ship
+from torchrunx.launcher.transport import unpack_source
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+class Host:
+    """One run of the unpacker, as a host's agent script runs it, on its own cache."""
+
+    def __init__(self, cache: Path, digest: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", unpack_source(), str(cache), digest],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self.written = 0
+
+    def write(self, data: bytes) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(data)
+        self.process.stdin.flush()
+        self.written += len(data)
+
+    def exchange(self, bundle: ship.Bundle) -> tuple[bytes, int, str]:
+        """The exchange, then what follows on stdin: what the host read after, exit, stderr."""
+        assert self.process.stdout is not None
+        try:
+            bundle.exchange("h", ship.read_fd(self.process.stdout.fileno()), self.write)
+            self.write(b"BOOTSTRAP LINE\n")
+        finally:
+            self.close()
+        return b"", self.status, self.err
+
+    def close(self) -> None:
+        """Close its stdin, wait for it, keep its stderr and close its pipes."""
+        process = self.process
+        assert process.stdin is not None and process.stdout is not None
+        assert process.stderr is not None
+        process.stdin.close()
+        self.status = process.wait(30)
+        self.err = process.stderr.read().decode()
+        process.stdout.close()
+        process.stderr.close()
+
+
+def _project(root: Path, size: int = 200_000) -> None:
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("VALUE = 1\n")
+    (root / "pkg" / "model.py").write_bytes(os.urandom(size))
+    (root / "run.sh").write_text("#!/bin/sh\necho run\n")
+    (root / "run.sh").chmod(0o755)
+
+
+def test_the_first_exchange_sends_every_file_and_the_second_nothing(tmp_path):
+    _project(tmp_path / "work")
+    cache = tmp_path / "home" / ".cache" / "torchrunx" / "code"
+    bundle = ship.make_bundle(["."], cwd=tmp_path / "work")
+    host = Host(cache, bundle.digest)
+    _, status, err = host.exchange(bundle)
+    assert status == 0, err
+    tree = cache / "trees" / bundle.digest
+    assert (tree / "pkg" / "model.py").read_bytes() == (tmp_path / "work/pkg/model.py").read_bytes()
+    assert os.access(tree / "run.sh", os.X_OK)
+    assert not os.access(tree / "pkg" / "__init__.py", os.W_OK) or os.geteuid() == 0
+    assert (tree / "pkg" / "__init__.py").stat().st_mode & 0o222 == 0  # read-only copies
+    assert (tree / ".torchrunx-lib" / "torchrunx" / "agent" / "unpack.py").is_file()
+    assert bundle.size < host.written < bundle.size + len(bundle.manifest) + 1000
+    assert (cache.parent.stat().st_mode & 0o777, cache.stat().st_mode & 0o777) == (0o700, 0o700)
+
+    again = Host(cache, bundle.digest)
+    _, status, err = again.exchange(bundle)
+    assert status == 0, err
+    assert again.written == len(b"BOOTSTRAP LINE\n")  # the tree is there: nothing is sent
+
+
+def test_a_changed_file_sends_only_that_file(tmp_path):
+    _project(tmp_path / "work", size=500_000)
+    cache = tmp_path / "cache"
+    first = ship.make_bundle(["."], cwd=tmp_path / "work")
+    assert Host(cache, first.digest).exchange(first)[1] == 0
+    (tmp_path / "work" / "pkg" / "__init__.py").write_text("VALUE = 2\n")
+    second = ship.make_bundle(["."], cwd=tmp_path / "work")
+    host = Host(cache, second.digest)
+    assert host.exchange(second)[1] == 0
+    assert host.written < len(second.manifest) + 200  # the manifest, one 10-byte file, lines
+    assert (cache / "trees" / second.digest / "pkg" / "__init__.py").read_text() == "VALUE = 2\n"
+    assert (cache / "trees" / first.digest / "pkg" / "__init__.py").read_text() == "VALUE = 1\n"
+
+
+def test_bytes_that_do_not_match_their_hash_are_refused_and_nothing_is_left(tmp_path):
+    _project(tmp_path / "work")
+    cache = tmp_path / "cache"
+    bundle = ship.make_bundle(["."], cwd=tmp_path / "work")
+    model = tmp_path / "work" / "pkg" / "model.py"
+    model.write_bytes(b"x" * model.stat().st_size)  # changed after the manifest, same size
+    with pytest.raises(ship.ShipError, match="the host ended before it had the shipped code"):
+        Host(cache, bundle.digest).exchange(bundle)
+    assert list((cache / "trees").iterdir()) == []
+    assert not [p for p in (cache / "blobs").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_manifest_that_leaves_the_tree_is_refused(tmp_path):
+    bad = ship.Bundle(
+        files=(),
+        roots=(),
+        manifest=b'[["../../.bashrc", false, 1, "' + b"0" * 64 + b'"]]',
+    )
+    bad = ship.Bundle(
+        files=(),
+        roots=(),
+        manifest=bad.manifest,
+        digest=hashlib.sha256(bad.manifest).hexdigest()[:32],
+    )
+    host = Host(tmp_path / "cache", bad.digest)
+    with pytest.raises(ship.ShipError):
+        host.exchange(bad)
+    err = host.err
+    assert "the manifest names a path outside the tree: '../../.bashrc'" in err
+    assert not (tmp_path / ".bashrc").exists()
+
+
+def test_the_unpacker_reads_no_further_than_the_exchange(tmp_path):
+    """The agent reads its bootstrap line next: the unpacker must leave it on stdin."""
+    _project(tmp_path / "work")
+    bundle = ship.make_bundle(["."], cwd=tmp_path / "work")
+    script = (
+        f'{sys.executable} -I -S -c "$U" {tmp_path}/cache {bundle.digest} && '
+        'IFS= read -r line && printf "after:%s\\n" "$line" >&2'
+    )
+    process = subprocess.Popen(
+        ["bash", "-c", script],
+        env={**os.environ, "U": unpack_source()},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    stdin = process.stdin
+
+    def write(data: bytes) -> None:
+        stdin.write(data)
+        stdin.flush()
+
+    bundle.exchange("h", ship.read_fd(process.stdout.fileno()), write)
+    write(b'{"bootstrap": true}\n')
+    stdin.close()
+    assert process.wait(30) == 0
+    assert process.stderr is not None
+    err = process.stderr.read()
+    process.stdout.close()
+    process.stderr.close()
+    assert b'after:{"bootstrap": true}' in err
+
+
+def test_a_host_that_says_something_else_is_named(tmp_path):
+    bundle = ship.make_bundle(["."], cwd=tmp_path)
+    read, write = os.pipe()
+    os.write(write, b"Welcome to the cluster!\n")
+    with pytest.raises(ship.ShipError, match=r"got b'Welcome to the cluster!' \(does a login"):
+        bundle.exchange("h", ship.read_fd(read), lambda _data: None)
+    os.close(read)
+    os.close(write)
+
+
+def test_a_host_that_never_answers_times_out(tmp_path):
+    bundle = ship.make_bundle(["."], cwd=tmp_path, timeout=0.3)
+    read, write = os.pipe()
+    with pytest.raises(ship.ShipError, match="did not answer about the shipped code in time"):
+        bundle.exchange("h", ship.read_fd(read), lambda _data: None)
+    os.close(read)
+    os.close(write)
