@@ -363,6 +363,11 @@ class TestCluster:
     def _host_dir(self, host: TestHost) -> Path:
         return self.workdir / host.name
 
+    @property
+    def launcher_only(self) -> Path:
+        """A folder of the launcher's that isolated hosts do not see (an empty folder there)."""
+        return self.workdir / "launcher-only"
+
     def cache_dir(self, host: TestHost | str) -> Path:
         """An isolated host's ``~/.cache`` (its own folder, seen from the launcher)."""
         return self._host_dir(self._host(host)) / "cache"
@@ -515,6 +520,7 @@ class TestCluster:
         """
         cache = self.cache_dir(host)
         cache.mkdir(exist_ok=True)
+        self.launcher_only.mkdir(exist_ok=True)
         home_cache = Path.home() / ".cache"
         home_cache.mkdir(exist_ok=True)
         venv = Path(sys.prefix)
@@ -524,6 +530,7 @@ class TestCluster:
             f"mkdir {HOST_VENV}",
             f"mount --bind {q(str(venv))} {HOST_VENV}",
             f"mount -t tmpfs -o size=1m,mode=0755 tmpfs {q(str(CHECKOUT))}",
+            f"mount -t tmpfs -o size=1m,mode=0755 tmpfs {q(str(self.launcher_only))}",
             f"mount --bind {q(str(cache))} {q(str(home_cache))}",
         ]
 
@@ -572,7 +579,8 @@ def start_cluster(
             default: ``node1``... on ``10.200.0``), ``"bench"`` (``bnode1``... on ``10.201.0``)
             or ``"slurm"`` (``snode1``... on ``10.202.0``).
         isolated: Hosts that do not share the launcher's files: in each host's mount
-            namespace the project's checkout is an empty folder, ``~/.cache`` is the host's
+            namespace the project's checkout and :attr:`TestCluster.launcher_only` are empty
+            folders, ``~/.cache`` is the host's
             own (:meth:`TestCluster.cache_dir`), and the launcher's virtual environment is at
             :data:`HOST_VENV`. ``workdir`` must lie outside the checkout.
 

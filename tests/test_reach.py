@@ -10,6 +10,7 @@ editable install points into the hidden checkout).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import textwrap
@@ -107,6 +108,11 @@ def test_python_names_only_hosts_of_the_launch(cluster):
         )
 
 
+def _project_dir(isolated: TestCluster, tmp_path: Path) -> Path:
+    """A folder for a test's project that the isolated hosts do not see."""
+    return isolated.launcher_only / tmp_path.name
+
+
 def _make_project(root: Path) -> None:
     (root / "mypkg").mkdir(parents=True)
     (root / "mypkg" / "__init__.py").write_text(
@@ -154,7 +160,7 @@ def _wire_bytes(cluster: TestCluster) -> int:
 
 
 def test_shipped_code_runs_on_hosts_that_never_saw_it(isolated, tmp_path, monkeypatch):
-    project = tmp_path / "project"
+    project = _project_dir(isolated, tmp_path)
     _make_project(project)
     (project / "weights.bin").write_bytes(os.urandom(4 << 20))
     monkeypatch.chdir(project)
@@ -213,7 +219,7 @@ def test_shipping_over_relayed_hosts(isolated, tmp_path, monkeypatch):
     """relay="on" starts the agents with OpenSSH (not paramiko): the same exchange first."""
     from test_relay import connections_back_dropped
 
-    project = tmp_path / "project"
+    project = _project_dir(isolated, tmp_path)
     _make_project(project)
     monkeypatch.chdir(project)
     monkeypatch.syspath_prepend(str(project))
@@ -239,7 +245,7 @@ def test_shipping_over_relayed_hosts(isolated, tmp_path, monkeypatch):
 def test_a_cache_that_cannot_be_written_fails_the_host_at_once(isolated, tmp_path, monkeypatch):
     from conftest import torchrunx_processes
 
-    project = tmp_path / "project"
+    project = _project_dir(isolated, tmp_path)
     _make_project(project)
     monkeypatch.chdir(project)
     started = time.monotonic()
@@ -261,3 +267,42 @@ def test_a_cache_that_cannot_be_written_fails_the_host_at_once(isolated, tmp_pat
     assert "cannot unpack the shipped code in /proc/torchrunx-cannot-be-here/code" in text, text
     assert time.monotonic() - started < 20
     assert not torchrunx_processes()
+
+
+def test_a_module_missing_on_the_hosts_is_named_with_the_option_that_sends_it(
+    isolated, tmp_path, monkeypatch
+):
+    project = _project_dir(isolated, tmp_path)
+    _make_project(project)
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))
+    import mypkg
+
+    common = {
+        "hostnames": isolated.names(),
+        "workers_per_host": 1,
+        "backend": None,
+        "ssh_config_file": isolated.ssh_config,
+        "python": HOST_PYTHON,
+        "start_timeout": 60,
+    }
+    # Only the settings travel (and torchrunx with them): mypkg is not on the hosts.
+    with pytest.raises(ModuleNotFoundError) as info:
+        trx.launch(mypkg.report, func_args=(0, "/"), ship=("config",), **common)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "module 'mypkg'" in notes, notes
+    assert re.search(r"is not importable on host hnode(1 \(rank 0\)|2 \(rank 1\))", notes), notes
+    assert "Launcher(ship=('.',))" in notes, notes
+    # Nothing shipped: the working directory is not there, and the agent's script says so.
+    started = time.monotonic()
+    with pytest.raises(trx.AgentFailedError) as failed:
+        trx.launch(mypkg.report, func_args=(0, "/"), **common)
+    assert f"the working directory {project} is not on this host" in str(failed.value)
+    assert "Launcher(ship=('.',)) (--ship .)" in str(failed.value)
+    # From a folder the hosts share, nothing shipped: torchrunx is not there.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(trx.AgentFailedError) as failed:
+        trx.launch(mypkg.report, func_args=(0, "/"), **common)
+    assert "torchrunx is not importable on that host" in str(failed.value)
+    assert "Launcher(ship=...)" in str(failed.value)
+    assert time.monotonic() - started < 30

@@ -209,6 +209,15 @@ def run(  # noqa: PLR0913 (what one rank needs)
     return 0
 
 
+def _missing_module_note(exc: ModuleNotFoundError, hostname: str, rank: int) -> str:
+    """Where the module that the call names by reference is missing, and what brings it."""
+    return (
+        f"module {exc.name!r}, which the function, its arguments or its results name, is not "
+        f"importable on host {hostname} (rank {rank}): install it there, send the project "
+        "with Launcher(ship=('.',)) (--ship .), or launch from a folder that host shares"
+    )
+
+
 def _call(  # noqa: PLR0913 (what one call needs)
     conn: records.Connection,
     spec: WorkerSpec,
@@ -225,7 +234,11 @@ def _call(  # noqa: PLR0913 (what one call needs)
     """
     try:
         debugger.wait_for_ide(spec.debugpy)
-        func, args, kwargs = serialization.load_call(payload)
+        try:
+            func, args, kwargs = serialization.load_call(payload)
+        except ModuleNotFoundError as exc:
+            add_note(exc, _missing_module_note(exc, spec.hostname, rank))
+            raise
         payload.clear()
         init_started = time.perf_counter()
         if join_group:

@@ -104,6 +104,13 @@ def agent_exit_error(  # noqa: PLR0913 (what is known about the end)
             f"({sys.executable}) there unless Launcher(python=...) names that host's own, and "
             "needs the project's code there unless Launcher(ship=...) sends it"
         )
+    elif "No module named 'torchrunx'" in stderr_tail:
+        reason = (
+            f"the agent could not start (exit status {status}): torchrunx is not importable on "
+            "that host; send it with Launcher(ship=...) (torchrunx travels with shipped code), "
+            "install it in the host's interpreter (Launcher(python=...)), or launch from a "
+            "filesystem the host shares"
+        )
     elif status is not None and status < 0 and remote:
         reason = "the agent ended without an exit status (killed by a signal, or SSH dropped)"
     elif status is not None and status < 0:

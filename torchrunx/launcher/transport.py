@@ -78,7 +78,9 @@ def agent_script(  # noqa: PLR0913 (what the script holds)
     missing = shlex.quote(MISSING_PYTHON.format(python=python))
     parts.append(f"command -v {py} >/dev/null || {{ echo {missing} >&2; exit 127; }}")
     if ship is None:
-        steps = [f"cd {shlex.quote(cwd)}"]
+        where = shlex.quote(MISSING_CWD.format(cwd=cwd))
+        parts.append(f"cd {shlex.quote(cwd)} || {{ echo {where} >&2; exit 1; }}")
+        steps = []
     else:
         parts.append(f"{_CACHE_VARIABLE}={_CACHE_DIR}")
         steps = [
@@ -97,6 +99,11 @@ MISSING_PYTHON = (
     "host's own with Launcher(python=...) (--python PATH)"
 )
 """What a host without the agent's interpreter says (its script then exits with 127)."""
+MISSING_CWD = (
+    "torchrunx: the working directory {cwd} is not on this host: launch from a folder it "
+    "shares, or send the code with Launcher(ship=('.',)) (--ship .)"
+)
+"""What a host without the launcher's working directory says (its script then exits with 1)."""
 _CACHE_VARIABLE = "_torchrunx_code"
 _CACHE_DIR = '"${TORCHRUNX_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/torchrunx}/code"'
 """Where a host keeps shipped code: private to its user (see :mod:`torchrunx.agent.unpack`)."""
