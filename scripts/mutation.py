@@ -608,7 +608,8 @@ def _mutation_no_processes(monkeypatch):
 
 def pytest_collection_modifyitems(config, items):
     """Tests that need the namespace or SLURM test hosts never run here."""
-    keep = [i for i in items if not {"cluster", "slurm"} & set(getattr(i, "fixturenames", ()))]
+    hosts = {"cluster", "slurm", "isolated"}
+    keep = [i for i in items if not hosts & set(getattr(i, "fixturenames", ()))]
     dropped = [i for i in items if i not in keep]
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 apt-get update -qq
 # g++: DeepSpeed compiles a C++ op the first time an engine starts on a CPU.
-apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps slurm-wlm munge iptables \
+apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps slurm-wlm munge iptables rsync podman \
     g++ >/dev/null
 rm -rf .venv
 python3 -m venv .venv

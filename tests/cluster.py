@@ -532,6 +532,8 @@ class TestCluster:
             f"mount -t tmpfs -o size=1m,mode=0755 tmpfs {q(str(CHECKOUT))}",
             f"mount -t tmpfs -o size=1m,mode=0755 tmpfs {q(str(self.launcher_only))}",
             f"mount --bind {q(str(cache))} {q(str(home_cache))}",
+            # podman's runtime (crun) refuses hybrid cgroups: the host sees cgroup v1 only.
+            "{ umount /sys/fs/cgroup/unified 2>/dev/null || true; }",
         ]
 
 

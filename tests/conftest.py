@@ -54,6 +54,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
 
 
 @pytest.fixture(scope="session")
+def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
+    """Two SSH test hosts (``hnode1``, ``hnode2``) that do not share the launcher's files.
+
+    In their mount namespace the checkout and ``launcher_only`` are empty folders and
+    ``~/.cache`` is their own (see ``start_cluster(..., isolated=True)`` in ``cluster.py``).
+    """
+    reason = cluster_unavailable_reason()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"test cluster required on CI: {reason}")
+        pytest.skip(reason)
+    made = start_cluster(2, tmp_path_factory.mktemp("isolated"), "reach", isolated=True)
+    yield made
+    made.stop()
+
+
+@pytest.fixture(scope="session")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """A running 2-node SLURM cluster (``snode1``, ``snode2``, also SSH hosts), for the session.
 

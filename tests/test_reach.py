@@ -19,31 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from cluster import CHECKOUT, HOST_VENV, cluster_unavailable_reason, start_cluster
+from cluster import CHECKOUT, HOST_VENV
 
 import torchrunx as trx
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from cluster import TestCluster
 
 pytestmark = pytest.mark.cluster
 
 HOST_PYTHON = str(HOST_VENV / "bin" / "python")
-
-
-@pytest.fixture(scope="module")
-def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
-    """Two SSH test hosts (``hnode1``, ``hnode2``) without the launcher's files."""
-    reason = cluster_unavailable_reason()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"test cluster required on CI: {reason}")
-        pytest.skip(reason)
-    made = start_cluster(2, tmp_path_factory.mktemp("isolated"), "reach", isolated=True)
-    yield made
-    made.stop()
 
 
 def _where() -> dict[str, str]:

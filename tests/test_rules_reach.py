@@ -257,3 +257,34 @@ def test_the_cache_keeps_what_was_used_lately_and_cleans_the_rest(tmp_path, monk
     unpack.clean(tmp_path, keep="now")
     assert sorted(p.name for p in trees.iterdir()) == ["now"]
     assert sorted(p.name for p in blobs.iterdir()) == ["fresh-r"]
+
+
+def test_container_is_a_command_line_put_before_the_agent_command():
+    from torchrunx.engines.builtin import openssh_command
+    from torchrunx.launcher.transport import AGENT_COMMAND, remote_command, srun_command
+
+    reach.check_container(None)
+    reach.check_container("podman exec -i trainer")
+    with pytest.raises(TypeError, match="container must be a command line"):
+        reach.check_container(["podman", "exec"])
+    with pytest.raises(ValueError, match="container is empty"):
+        reach.check_container("  ")
+    with pytest.raises(ValueError, match="is not a command line: No closing quotation"):
+        reach.check_container("podman exec -i 'x")
+    prefix = ("podman", "exec", "-i", "my box")
+    assert remote_command() == AGENT_COMMAND
+    assert remote_command(prefix) == f"podman exec -i 'my box' {AGENT_COMMAND}"
+    assert openssh_command("ssh", "h", None, 5, prefix)[-1] == remote_command(prefix)
+    srun = srun_command("h", cpus=None, container=prefix)
+    assert srun[srun.index("podman") : srun.index("podman") + 5] == [*prefix, "bash"]
+    assert reach.default_python(None, "h", prefix) == "python3"
+    assert reach.default_python("/opt/py", "h", prefix) == "/opt/py"
+    assert reach.default_python(None, "h", ()) is None
+    assert trx.Launcher(hostnames=["a"], container="apptainer exec img.sif").plan().container == (
+        "apptainer",
+        "exec",
+        "img.sif",
+    )
+    assert "remote agents run in a container, started with: apptainer exec img.sif" in (
+        trx.Launcher(hostnames=["a"], container="apptainer exec img.sif").dry_run()
+    )

@@ -89,6 +89,9 @@ class AgentStart:
             between the script and the bootstrap line. A transport that declares
             ``ships = True`` passes it to :class:`CommandAgent` (``ship=``); other
             transports are never given one.
+        container: The command that runs the agent in a container on the host, as an argument
+            vector to put before the agent command (``("podman", "exec", "-i", "trx")``); empty:
+            none. Given only to a transport that declares ``containers = True``.
     """
 
     index: int
@@ -103,6 +106,7 @@ class AgentStart:
     hostnames: tuple[str, ...] = ()
     relay: Adopt | None = field(default=None, repr=False)
     ship: Bundle | None = field(default=None, repr=False)
+    container: tuple[str, ...] = ()
 
     @property
     def payload(self) -> Callable[[str], bytes]:

@@ -19,11 +19,13 @@ from torchrunx.launcher.transport import (
     CommandAgent,
     LocalAgent,
     SrunAgent,
+    remote_command,
     route_address,
     srun_command,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from pathlib import Path
 
     from torchrunx.engines import AgentStart
@@ -77,6 +79,8 @@ class SshTransport:
     """Its agents can relay connections (``AgentStart.relay``) over the SSH channel."""
     ships: ClassVar[bool] = True
     """Its agents can fetch shipped code (``AgentStart.ship``) over the SSH channel."""
+    containers: ClassVar[bool] = True
+    """Its agents can run in a container (``AgentStart.container``)."""
     settings: ClassVar[tuple[str, ...]] = ("ssh_config_file",)
     """What :func:`torchrunx.plugins.transport` passes on from the launch."""
 
@@ -106,6 +110,7 @@ class SshTransport:
             on_line=start.on_line,
             relay=start.relay,
             ship=start.ship,
+            container=start.container,
         )
 
     def _openssh(self, start: AgentStart, ssh: str) -> AgentProcess:
@@ -122,7 +127,11 @@ class SshTransport:
             except OSError:
                 address = "127.0.0.1"  # no route: the host relays
         argv = openssh_command(
-            ssh, start.hostname, start.ssh_config_file, math.ceil(target.connect_timeout)
+            ssh,
+            start.hostname,
+            start.ssh_config_file,
+            math.ceil(target.connect_timeout),
+            start.container,
         )
         return CommandAgent(
             start.hostname,
@@ -157,6 +166,8 @@ class SrunTransport:
     """Its agents can relay connections (``AgentStart.relay``) over the step's stdio."""
     ships: ClassVar[bool] = True
     """Its agents can fetch shipped code (``AgentStart.ship``) over the step's stdio."""
+    containers: ClassVar[bool] = True
+    """Its agents can run in a container (``AgentStart.container``)."""
 
     def __init__(self, argument: str | None = None) -> None:
         """Takes no argument (raises ValueError for one)."""
@@ -173,6 +184,7 @@ class SrunTransport:
             cpus=slurm_cpus(start.hostname),  # srun runs with this process's environment
             relay=start.relay,
             ship=start.ship,
+            container=start.container,
         )
 
     def describe(self, hostname: str) -> str:
@@ -202,16 +214,22 @@ def agent_route(hostname: str, address: str | None = None) -> str:
 
 
 def openssh_command(
-    ssh: str, hostname: str, config_file: str | Path | None, connect_timeout: int
+    ssh: str,
+    hostname: str,
+    config_file: str | Path | None,
+    connect_timeout: int,
+    container: Sequence[str] = (),
 ) -> list[str]:
     """OpenSSH's command line that runs the agent command on ``hostname`` (no values in it).
+
+    ``container``: the command that runs the agent in a container there (an argv prefix).
 
     No terminal (``-T``), never a prompt (``BatchMode``: keys or an agent, as with paramiko),
     the launch's SSH config if it has one, and the config's ``ConnectTimeout`` else ours.
     """
     config = ["-F", str(config_file)] if config_file is not None else []
     options = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={connect_timeout}"]
-    return [ssh, "-T", *config, *options, "--", hostname, AGENT_COMMAND]
+    return [ssh, "-T", *config, *options, "--", hostname, remote_command(container)]
 
 
 def slurm_cpus(hostname: str) -> int | None:

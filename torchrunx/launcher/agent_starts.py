@@ -27,7 +27,7 @@ from torchrunx.engines import AgentStart
 from torchrunx.env import local_agent_env
 from torchrunx.errors import add_note
 from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.reach import host_sys_path, python_for
+from torchrunx.launcher.reach import default_python, host_sys_path
 from torchrunx.launcher.transport import agent_script
 from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap
 from torchrunx.wire.lines import parse_line
@@ -137,12 +137,25 @@ class AgentStarts:
         """Refuse ``relay="on"`` or ``ship`` where a remote host's transport cannot do it."""
         for method, transport in self.transports.items():
             if not transport.remote:
+                if self.plan.container:
+                    msg = (
+                        "container runs remote hosts' agents in a container; this machine's "
+                        "run here: leave it out of hostnames, or reach it over ssh by a name "
+                        "that is not this machine's"
+                    )
+                    raise ValueError(msg)
                 continue
             if self.plan.relay == "on" and not getattr(transport, "relays", False):
                 msg = (
                     f"relay='on': agents started with {method!r} cannot relay connections "
                     "(ssh, srun and kubectl can); use relay='auto', which connects them "
                     "back directly, or another agent_start"
+                )
+                raise ValueError(msg)
+            if self.plan.container and not getattr(transport, "containers", False):
+                msg = (
+                    f"container: agents started with {method!r} cannot run in a container "
+                    "(ssh and srun can; kubectl's are in their pod's container already)"
                 )
                 raise ValueError(msg)
             if self.plan.ship and not getattr(transport, "ships", False):
@@ -172,7 +185,12 @@ class AgentStarts:
 
     def script_for(self, agent: AgentRecord, *, relays: bool) -> bytes:
         """The script of ``agent``'s host: its interpreter, shipped code, relay or not."""
-        python = python_for(self.plan.python, agent.slots.hostname) if agent.remote else None
+        hostname = agent.slots.hostname
+        python = (
+            default_python(self.plan.python, hostname, self.plan.container)
+            if agent.remote
+            else None
+        )
         if python is None and (self.bundle is None or not agent.remote):
             return self.relay_script if relays else self.script
         python = python or sys.executable
@@ -185,9 +203,10 @@ class AgentStarts:
 
     def keeps_path(self, agent: AgentRecord) -> bool:
         """Whether ``agent``'s host runs its own interpreter or shipped code (its own sys.path)."""
+        hostname = agent.slots.hostname
         return agent.remote and (
             self.bundle is not None
-            or python_for(self.plan.python, agent.slots.hostname) is not None
+            or default_python(self.plan.python, hostname, self.plan.container) is not None
         )
 
     def __call__(self, index: int) -> AgentProcess:
@@ -204,7 +223,7 @@ class AgentStarts:
 
         transport = self.transport(agent.method)
         relays = bool(self.relay_script) and agent.remote and getattr(transport, "relays", False)
-        return transport.start(
+        started = transport.start(
             AgentStart(
                 index=agent.index,
                 hostname=agent.slots.hostname,
@@ -218,8 +237,18 @@ class AgentStarts:
                 hostnames=tuple(a.slots.hostname for a in self.agents if a.method == agent.method),
                 relay=self.adopt if relays else None,
                 ship=self.bundle if agent.remote else None,
+                container=self.plan.container if agent.remote else (),
             )
         )
+        if self.bundle is not None and agent.remote:
+            sent = self.bundle.sent.get(agent.slots.hostname, 0)
+            logger.info(
+                "host %s: shipped code %s (%d bytes sent)",
+                agent.slots.hostname,
+                self.bundle.digest,
+                sent,
+            )
+        return started
 
     def transport(self, method: str) -> Transport:
         """The launch's transport named ``method``, made on first use (from any start thread)."""

@@ -6,13 +6,14 @@ host's command line comes from its transport's ``describe`` (:mod:`torchrunx.eng
 
 from __future__ import annotations
 
+import shlex
 from typing import TYPE_CHECKING, Protocol
 
 from torchrunx import plugins
 from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
 from torchrunx.hosts.resolve import hostnames_source
 from torchrunx.launcher.agent_starts import count_mode
-from torchrunx.launcher.reach import python_for
+from torchrunx.launcher.reach import default_python
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -47,6 +48,8 @@ class Launcher(Protocol):
     def ship(self) -> tuple[str, ...]: ...  # noqa: D102
     @property
     def ship_exclude(self) -> tuple[str, ...]: ...  # noqa: D102
+    @property
+    def container(self) -> str | None: ...  # noqa: D102
 
 
 def describe_launch(launcher: Launcher, plan: LaunchPlan) -> str:
@@ -128,10 +131,13 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
 
 
 def _reach_lines(launcher: Launcher, remote: list[str]) -> list[str]:
-    """The remote hosts' own interpreters (``python=``) and the shipped paths (``ship=``)."""
+    """The remote hosts' container, their interpreters (``python=``) and shipped paths."""
     lines = []
+    container = tuple(shlex.split(launcher.container)) if launcher.container else ()
+    if container and remote:
+        lines.append(f"remote agents run in a container, started with: {launcher.container}")
     for hostname in remote:
-        python = python_for(launcher.python, hostname)
+        python = default_python(launcher.python, hostname, container)
         if python is not None:
             lines.append(f"python on {hostname}: {python}")
     if launcher.ship and remote:

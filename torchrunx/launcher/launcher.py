@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import math
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
@@ -48,7 +49,12 @@ from torchrunx.launcher.plan import (
     start_methods,
 )
 from torchrunx.launcher.preempt import default_grace, sigterm_preempts
-from torchrunx.launcher.reach import check_python, check_python_hosts, check_ship
+from torchrunx.launcher.reach import (
+    check_container,
+    check_python,
+    check_python_hosts,
+    check_ship,
+)
 from torchrunx.launcher.renamed import refuse_renamed, refuses_renamed_keywords
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.spares import check_resilience, split_spares
@@ -156,6 +162,11 @@ again. Remote agents and workers run in the copy, with it on sys.path; torchrunx
 
     ship_exclude: tuple[str, ...] = ()
     """Patterns, in the syntax of .gitignore, of shipped files to leave out: data/ or *.ckpt."""
+
+    container: str | None = None
+    """A command that runs each remote host's agent and workers in a container there (ssh and
+srun hosts), such as podman exec -i NAME, docker exec -i NAME or apptainer exec IMAGE. Its
+python3 runs them unless python names another; it should share the host's network."""
 
     agent_timeout: float = 5.0
     """Seconds without a heartbeat after which a host counts as lost (cut link, frozen host)."""
@@ -355,6 +366,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             python=self.python,
             ship=tuple(str(p) for p in self.ship),
             ship_exclude=tuple(self.ship_exclude),
+            container=tuple(shlex.split(self.container)) if self.container else (),
             ssh_config_file=self.ssh_config_file,
             agent_timeout=float(self.agent_timeout),
             start_timeout=float(self.start_timeout),
@@ -392,6 +404,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         check_relay(self.relay)
         check_python(self.python)
         check_ship(self.ship, self.ship_exclude)
+        check_container(self.container)
         _validate_choice("backend", self.backend, _BACKENDS)
         if not isinstance(self.isolate_gpus, bool):
             raise TypeError(f"isolate_gpus must be True or False, got {self.isolate_gpus!r}")

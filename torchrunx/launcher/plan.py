@@ -67,6 +67,8 @@ class LaunchPlan:
     ship: tuple[str, ...] = ()
     """Paths shipped to the remote hosts (:mod:`torchrunx.launcher.ship`)."""
     ship_exclude: tuple[str, ...] = ()
+    container: tuple[str, ...] = ()
+    """The command (an argument vector) that runs remote agents in a container."""
     ssh_config_file: str | Path | None = None
     agent_timeout: float = 5.0
     start_timeout: float = 60.0

@@ -9,6 +9,7 @@ when it is not at the launcher's path; ``Launcher(ship=...)`` copies code to the
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -138,3 +139,33 @@ def host_sys_path(bundle: Bundle | None, path: Sequence[str] | None = None) -> t
         elif place is None and entry in projects and entry not in placed:
             placed.append(entry)
     return tuple(placed)
+
+
+def check_container(container: object) -> None:
+    """``container`` is None or a command line (``podman exec -i NAME``).
+
+    Raises:
+        TypeError: It is not a string.
+        ValueError: It is empty or cannot be split like a shell command line.
+    """
+    if container is None:
+        return
+    if not isinstance(container, str):
+        raise TypeError(
+            f"container must be a command line such as 'podman exec -i NAME', got {container!r}"
+        )
+    try:
+        words = shlex.split(container)
+    except ValueError as exc:
+        raise ValueError(f"container {container!r} is not a command line: {exc}") from exc
+    if not words:
+        raise ValueError(
+            "container is empty: give the command that runs a command in the container, such "
+            "as 'podman exec -i NAME', or None"
+        )
+
+
+def default_python(python: Python, hostname: str, container: Sequence[str]) -> str | None:
+    """The interpreter a remote host runs: ``python``'s, else ``python3`` in a container."""
+    given = python_for(python, hostname)
+    return given if given is not None or not container else "python3"

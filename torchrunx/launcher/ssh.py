@@ -22,16 +22,16 @@ from torchrunx.launcher.relay import Adopt, LauncherRelay
 from torchrunx.launcher.ship import ShipError
 from torchrunx.launcher.transport import (
     _READS_PER_CALL,
-    AGENT_COMMAND,
     PipeReaders,
     _AgentOutput,
     _drain,
+    remote_command,
     write_all,
 )
 from torchrunx.wire.relay import MAX_DATA
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     import paramiko
     from paramiko import Channel
@@ -273,6 +273,7 @@ class SshAgent(PipeReaders):
         on_line: OnLine,
         relay: Adopt | None = None,
         ship: Bundle | None = None,
+        container: Sequence[str] = (),
     ) -> None:
         """Connect, start the agent command and hand it its script and bootstrap on stdin.
 
@@ -280,6 +281,7 @@ class SshAgent(PipeReaders):
         connection's local end has (the address the host can reach the launcher on).
         ``relay``: the host relays (:mod:`torchrunx.launcher.relay`); its channels go to it.
         ``ship``: the code shipped to the host, exchanged between the script and the bootstrap.
+        ``container``: the command that runs the agent in a container there (an argv prefix).
 
         Raises:
             AgentFailedError: SSH failed, the command could not be started, or the code not
@@ -298,7 +300,7 @@ class SshAgent(PipeReaders):
         assert transport is not None  # noqa: S101 (connected)
         try:
             self._channel = transport.open_session(timeout=connect_timeout)
-            self._channel.exec_command(AGENT_COMMAND)
+            self._channel.exec_command(remote_command(container))
             self._channel_fd = self._channel.fileno()  # readable when output or the end comes
             self._channel.sendall(script)
             leftover = b"" if ship is None else ship.exchange(hostname, self._recv, self._send)

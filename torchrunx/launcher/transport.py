@@ -29,7 +29,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
@@ -47,6 +47,12 @@ logger = logging.getLogger("torchrunx.transport")
 
 AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'"""
 """The only command line an agent is started with (constant, holds no values)."""
+
+
+def remote_command(container: Sequence[str] = ()) -> str:
+    """:data:`AGENT_COMMAND`, run by ``container`` (``podman exec -i NAME``...) if given."""
+    return f"{shlex.join(container)} {AGENT_COMMAND}" if container else AGENT_COMMAND
+
 
 _STDERR_TAIL_LINES = 40
 
@@ -493,7 +499,12 @@ class LocalAgent(CommandAgent):
 
 
 def srun_command(
-    hostname: str, *, cpus: int | None, srun: str = "srun", unbuffered: bool = False
+    hostname: str,
+    *,
+    cpus: int | None,
+    srun: str = "srun",
+    unbuffered: bool = False,
+    container: Sequence[str] = (),
 ) -> list[str]:
     """The ``srun`` command line that starts the agent of ``hostname`` as a job step.
 
@@ -519,7 +530,7 @@ def srun_command(
         command.append(f"--cpus-per-task={cpus}")
     if unbuffered:
         command.append("--unbuffered")
-    return [*command, *AGENT_ARGV]
+    return [*command, *container, *AGENT_ARGV]
 
 
 class SrunAgent(CommandAgent):
@@ -540,6 +551,7 @@ class SrunAgent(CommandAgent):
         environ: dict[str, str] | None = None,
         relay: Adopt | None = None,
         ship: Bundle | None = None,
+        container: Sequence[str] = (),
     ) -> None:
         """Start ``srun`` and hand the agent its script and bootstrap (``bootstrap()``) on stdin.
 
@@ -555,7 +567,9 @@ class SrunAgent(CommandAgent):
         env = dict(os.environ if environ is None else environ)
         super().__init__(
             hostname,
-            srun_command(hostname, cpus=cpus, srun=srun, unbuffered=relay is not None),
+            srun_command(
+                hostname, cpus=cpus, srun=srun, unbuffered=relay is not None, container=container
+            ),
             env,
             script,
             bootstrap,
