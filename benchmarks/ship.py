@@ -15,7 +15,8 @@ Python process:
 - **warm**: the same launch again, the tree cached: what a launch costs without shipping;
 - **rsync**: ``rsync -a`` of the same folder to every host at once (one process per host,
   OpenSSH with the same config), into an emptied folder: the tool a user would run instead;
-- **scp**: ``scp -r`` of it, the same way.
+- **scp**: ``scp -O -r`` of it (the classic protocol: the bench hosts run no SFTP server),
+  the same way.
 
 Shipping's time is cold less warm (medians). Targets: shipping <= 2 x rsync's time (same run);
 the warm launch's bytes on the hosts' links <= 1% of the cold one's (each host's link counters,
@@ -89,7 +90,7 @@ def _copy(tool: str, project: Path, hosts: list[str], ssh_config: str) -> float:
         ]
     else:
         argvs = [
-            ["scp", "-r", "-q", "-F", ssh_config, str(project), f"{h}:.cache/copy"] for h in hosts
+            ["scp", "-O", "-r", "-q", "-F", ssh_config, str(project), f"{h}:.cache/copy"] for h in hosts
         ]
     procs = [subprocess.Popen(argv, stdin=subprocess.DEVNULL) for argv in argvs]
     for proc in procs:
