@@ -90,7 +90,8 @@ def _copy(tool: str, project: Path, hosts: list[str], ssh_config: str) -> float:
         ]
     else:
         argvs = [
-            ["scp", "-O", "-r", "-q", "-F", ssh_config, str(project), f"{h}:.cache/copy"] for h in hosts
+            ["scp", "-O", "-r", "-q", "-F", ssh_config, str(project), f"{h}:.cache/copy"]
+            for h in hosts
         ]
     procs = [subprocess.Popen(argv, stdin=subprocess.DEVNULL) for argv in argvs]
     for proc in procs:
