@@ -334,3 +334,31 @@ def test_pods_that_cannot_reach_the_launcher_relay_over_kubectl_exec(cluster, ku
     )
     assert [r["host"] for r in result.ranks] == ["node1", "node1", "node2", "node2"]
     assert all(r["sum"] == 6.0 for r in result.ranks)
+
+
+@pytest.mark.cluster
+def test_code_ships_over_kubectl_exec(cluster, kubectl, tmp_path, monkeypatch):
+    # The same exchange as over SSH, on `kubectl exec -i`'s stdio; the cache is the test's.
+    kubectl.pods(_cluster_pods(cluster))
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "settings.txt").write_text("kubectl\n")
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("TORCHRUNX_CACHE_DIR", str(tmp_path / "cache"))
+    result = trx.launch(
+        _cwd_and_settings,
+        hostnames="kubernetes:app=trainer?namespace=ml&context=prod&container=trainer",
+        workers_per_host=1,
+        backend=None,
+        ship=(".",),
+        extra_env_vars=("TORCHRUNX_CACHE_DIR",),
+    )
+    trees = tmp_path / "cache" / "code" / "trees"
+    for cwd, settings in result.ranks:
+        assert cwd.startswith(str(trees) + "/"), cwd
+        assert settings == "kubectl\n"
+
+
+def _cwd_and_settings() -> tuple[str, str]:
+    with open("settings.txt") as f:
+        return os.getcwd(), f.read()

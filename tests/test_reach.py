@@ -291,3 +291,45 @@ def test_a_module_missing_on_the_hosts_is_named_with_the_option_that_sends_it(
     assert "torchrunx is not importable on that host" in str(failed.value)
     assert "Launcher(ship=...)" in str(failed.value)
     assert time.monotonic() - started < 30
+
+
+SRUN_SHIP_SCRIPT = """
+import os, sys
+sys.path.insert(0, {project!r})
+import torchrunx as trx
+import mypkg
+
+os.chdir({project!r})
+launcher = trx.Launcher(
+    agent_start="srun", workers_per_host=1, backend="gloo", ship=(".",),
+    extra_env_vars=("TORCHRUNX_CACHE_DIR",),
+)
+for result in launcher.run(mypkg.report, 5, "/").ranks:
+    print("rank", result["rank"], result["host"], result["cwd"], result["module"], flush=True)
+"""
+
+
+@pytest.mark.slurm
+def test_code_ships_to_srun_steps(slurm, tmp_path):
+    # The same exchange on each srun step's stdio; the SLURM hosts share this machine's
+    # files, so the cache is the test's own folder (TORCHRUNX_CACHE_DIR, forwarded).
+    project = tmp_path / "project"
+    _make_project(project)
+    script = tmp_path / "ship.py"
+    script.write_text(SRUN_SHIP_SCRIPT.format(project=str(project)))
+    result = slurm.sbatch(
+        f"{sys.executable} {script}\n",
+        nodes=2,
+        env={"TORCHRUNX_CACHE_DIR": str(tmp_path / "cache")},
+        extra_args=["--ntasks-per-node=1"],
+    )
+    assert result.exit_code == 0, result.stderr
+    trees = tmp_path / "cache" / "code" / "trees"
+    lines = [line.split() for line in result.stdout.splitlines() if line.startswith("rank ")]
+    assert [(line[1], line[2]) for line in lines] == [("0", "snode1"), ("1", "snode2")], result
+    # snode1 runs the launcher (the batch step): its agent runs in place, as on any host
+    # that is the launcher's machine; snode2's srun step runs in its copy.
+    assert lines[0][3:] == [str(project), f"{project}/mypkg/__init__.py"]
+    cwd, module = lines[1][3:]
+    assert cwd.startswith(f"{trees}/"), cwd
+    assert module == f"{cwd}/mypkg/__init__.py"
