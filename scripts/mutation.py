@@ -123,6 +123,12 @@ TARGETS: dict[str, Target] = {
         functions=("frame", "FrameSplitter.*", "ByteQueue.*"),
         note="the relay's frames: cut from a stream, queued and written in pieces",
     ),
+    "ship_bundle": Target(
+        "torchrunx/launcher/ship.py",
+        ("tests/test_rules_reach.py",),
+        functions=("make_bundle", "lib_entry", "Bundle.place", "_Ignores.*", "_walk"),
+        note="what ship= sends: .gitignore and excludes, places in the tree, the digest",
+    ),
     "ray_nodes": Target(
         "torchrunx/engines/ray.py",
         ("tests/test_rules_engines.py",),

@@ -63,6 +63,54 @@ def test_a_bundle_honours_gitignore_files_excludes_and_never_ships_git_or_caches
     ]
 
 
+def test_nested_gitignore_files_apply_below_their_own_folder_only(tmp_path):
+    _tree(
+        tmp_path,
+        {
+            "a/.gitignore": "/top.py\n",  # anchored: a/top.py only, not a/sub/top.py
+            "a/top.py": "",
+            "a/sub/top.py": "",
+            "b/.gitignore": "*.tmp\n",
+            "b/x.tmp": "",
+            "b/keep.py": "",
+            "c/x.tmp": "",  # b's pattern is not c's
+            "logs": "a file, not a folder",
+            "d/.gitignore": b"\xff\xfe not utf-8\nbuild/\n".decode("latin-1"),
+            "d/build/out.bin": "",
+            "d/run.py": "",
+        },
+    )
+    (tmp_path / "d" / ".gitignore").write_bytes(b"\xff\xfe not utf-8\nbuild/\n")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "data.bin").write_text("x")
+    (tmp_path / "linked").symlink_to(tmp_path / "real")  # a link to a folder: not followed
+    bundle = ship.make_bundle(["."], ["logs/"], cwd=tmp_path)  # a folder pattern: not the file
+    assert _paths(bundle) == [
+        "a/.gitignore",
+        "a/sub/top.py",
+        "b/.gitignore",
+        "b/keep.py",
+        "c/x.tmp",
+        "d/.gitignore",
+        "d/run.py",
+        "logs",
+        "real/data.bin",
+    ]
+    assert ship.make_bundle(["."], ["logs"], cwd=tmp_path).place(tmp_path / "logs") == "logs"
+    assert "logs" not in _paths(ship.make_bundle(["."], ["logs"], cwd=tmp_path))
+
+
+def test_a_bundle_is_made_from_the_working_directory_by_default(tmp_path, monkeypatch):
+    _tree(tmp_path, {"a.py": "1"})
+    monkeypatch.chdir(tmp_path)
+    bundle = ship.make_bundle(["."])
+    assert _paths(bundle) == ["a.py"]
+    assert bundle.timeout == 60.0
+    assert ship.make_bundle(["."], timeout=5.0).timeout == 5.0
+    assert b" " not in bundle.manifest  # compact: it travels to every host that lacks it
+    assert json.loads(bundle.manifest)[0][0] == ".torchrunx-lib/torchrunx/__init__.py"
+
+
 def test_a_bundle_ships_torchrunx_unless_a_shipped_path_holds_it(tmp_path):
     _tree(tmp_path, {"a.py": ""})
     bundle = ship.make_bundle(["."], cwd=tmp_path)

@@ -90,7 +90,7 @@ class Bundle:
         """
         resolved = os.path.abspath(path)  # noqa: PTH100 (no symlinks resolved: as given)
         for source, place in self.roots:
-            if resolved == source or resolved.startswith(source.rstrip("/") + "/"):
+            if _within(resolved, source):
                 rest = os.path.relpath(resolved, source)
                 return os.path.normpath(os.path.join(place, rest))  # noqa: PTH118
         return None
@@ -234,14 +234,14 @@ def make_bundle(
             raise ValueError(
                 f"ship: {str(given)!r} does not exist (relative to the working directory {root})"
             )
-        if source == root or source.startswith(root.rstrip("/") + "/"):
+        if _within(source, root):
             place = os.path.relpath(source, root)
         else:
             outside += 1
-            place = f"{_OUTSIDE}/{outside}-{os.path.basename(source.rstrip('/')) or 'root'}"  # noqa: PTH119
+            place = f"{_OUTSIDE}/{outside}-{Path(source).name}"
         roots.append((source, place))
     package = str(PACKAGE)
-    if not any(package == s or package.startswith(s.rstrip("/") + "/") for s, _ in roots):
+    if not any(_within(package, source) for source, _ in roots):
         roots.append((package, f"{_LIB}/torchrunx"))
     files: dict[str, ShippedFile] = {}
     for source, place in roots:
@@ -259,6 +259,11 @@ def make_bundle(
         digest=hashlib.sha256(manifest).hexdigest()[:32],
         timeout=timeout,
     )
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether the absolute ``path`` is ``folder`` or lies below it."""
+    return os.path.commonpath([path, folder]) == folder
 
 
 def lib_entry(bundle: Bundle) -> str | None:
@@ -295,12 +300,13 @@ class _Ignores:
     def __init__(self, exclude: Iterable[str]) -> None:
         self.specs = [("", pathspec.GitIgnoreSpec.from_lines([*ALWAYS_EXCLUDED, *exclude]))]
 
-    def read(self, folder: str, rel_folder: str) -> None:
-        """Take ``folder``'s ``.gitignore``, if it has one."""
-        path = Path(folder) / ".gitignore"
+    def read(self, folder: Path, rel_folder: str) -> None:
+        """Take ``folder``'s ``.gitignore``, if it has one (``rel_folder``: ``.`` for the top)."""
+        path = folder / ".gitignore"
         if path.is_file():
-            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-            self.specs.append((rel_folder, pathspec.GitIgnoreSpec.from_lines(lines)))
+            lines = path.read_bytes().decode("utf-8", "replace").splitlines()
+            where = "" if rel_folder == "." else rel_folder
+            self.specs.append((where, pathspec.GitIgnoreSpec.from_lines(lines)))
 
     def __call__(self, rel: str, *, folder: bool) -> bool:
         """Whether ``rel`` (relative to the shipped folder) is left out."""
@@ -325,17 +331,15 @@ def _walk(source: str, exclude: Iterable[str]) -> Iterable[tuple[str, str]]:
         return
     ignored = _Ignores(exclude)
     for folder, dirs, names in os.walk(source):
-        rel_folder = os.path.relpath(folder, source)
-        rel_folder = "" if rel_folder == "." else rel_folder
-        ignored.read(folder, rel_folder)
+        here = Path(folder)
+        ignored.read(here, os.path.relpath(folder, source))
         dirs[:] = [
             name
             for name in sorted(dirs)
-            if not Path(folder, name).is_symlink()
-            and not ignored(f"{rel_folder}/{name}" if rel_folder else name, folder=True)
+            if not (here / name).is_symlink()
+            and not ignored(os.path.relpath(here / name, source), folder=True)
         ]
         for name in sorted(names):
-            rel = f"{rel_folder}/{name}" if rel_folder else name
-            full = str(Path(folder, name))
-            if Path(full).is_file() and not ignored(rel, folder=False):
-                yield full, rel
+            rel = os.path.relpath(here / name, source)
+            if (here / name).is_file() and not ignored(rel, folder=False):
+                yield str(here / name), rel
