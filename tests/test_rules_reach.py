@@ -119,7 +119,7 @@ def test_a_bundle_ships_torchrunx_unless_a_shipped_path_holds_it(tmp_path):
     assert ".torchrunx-lib/torchrunx/agent/unpack.py" in lib
     assert not any("__pycache__" in p for p in lib)
     assert ship.lib_entry(bundle) == ".torchrunx-lib"
-    holding = ship.make_bundle([str(PACKAGE.parent)], cwd=PACKAGE.parent)
+    holding = ship.make_bundle([str(PACKAGE)], cwd=PACKAGE.parent)  # the package itself
     assert ship.lib_entry(holding) is None
     assert "torchrunx/__init__.py" in [f.path for f in holding.files]
 
