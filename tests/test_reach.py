@@ -9,6 +9,7 @@ editable install points into the hidden checkout).
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import socket
@@ -24,6 +25,8 @@ from cluster import CHECKOUT, HOST_VENV
 import torchrunx as trx
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from cluster import TestCluster
 
 pytestmark = pytest.mark.cluster
@@ -136,6 +139,18 @@ def _make_project(root: Path) -> None:
     (root / "model.ckpt").write_bytes(b"\0" * 1000)
 
 
+def _open_project(
+    isolated: TestCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, ModuleType]:
+    """A new project (see :func:`_make_project`) as the working directory; its ``mypkg``."""
+    project = _project_dir(isolated, tmp_path)
+    _make_project(project)
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.delitem(sys.modules, "mypkg", raising=False)  # not an earlier test's project
+    return project, importlib.import_module("mypkg")
+
+
 def _wire_bytes(cluster: TestCluster) -> int:
     """Bytes sent from the launcher's namespace to every host so far (their links' counters)."""
     return sum(
@@ -145,12 +160,8 @@ def _wire_bytes(cluster: TestCluster) -> int:
 
 
 def test_shipped_code_runs_on_hosts_that_never_saw_it(isolated, tmp_path, monkeypatch):
-    project = _project_dir(isolated, tmp_path)
-    _make_project(project)
+    project, mypkg = _open_project(isolated, tmp_path, monkeypatch)
     (project / "weights.bin").write_bytes(os.urandom(4 << 20))
-    monkeypatch.chdir(project)
-    monkeypatch.syspath_prepend(str(project))
-    import mypkg
 
     launcher = trx.Launcher(
         hostnames=isolated.names(),
@@ -204,11 +215,7 @@ def test_shipping_over_relayed_hosts(isolated, tmp_path, monkeypatch):
     """relay="on" starts the agents with OpenSSH (not paramiko): the same exchange first."""
     from test_relay import connections_back_dropped
 
-    project = _project_dir(isolated, tmp_path)
-    _make_project(project)
-    monkeypatch.chdir(project)
-    monkeypatch.syspath_prepend(str(project))
-    import mypkg
+    _project, mypkg = _open_project(isolated, tmp_path, monkeypatch)
 
     with connections_back_dropped(isolated):
         result = trx.launch(
@@ -257,11 +264,7 @@ def test_a_cache_that_cannot_be_written_fails_the_host_at_once(isolated, tmp_pat
 def test_a_module_missing_on_the_hosts_is_named_with_the_option_that_sends_it(
     isolated, tmp_path, monkeypatch
 ):
-    project = _project_dir(isolated, tmp_path)
-    _make_project(project)
-    monkeypatch.chdir(project)
-    monkeypatch.syspath_prepend(str(project))
-    import mypkg
+    project, mypkg = _open_project(isolated, tmp_path, monkeypatch)
 
     common = {
         "hostnames": isolated.names(),
