@@ -9,9 +9,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 apt-get update -qq
-# g++: DeepSpeed compiles a C++ op the first time an engine starts on a CPU.
+# g++: DeepSpeed compiles a C++ op the first time an engine starts on a CPU. podman and
+# docker.io: tests/test_containers.py. libslurm-dev, libbsd-dev, squashfs-tools: pyxis and
+# enroot (tests/test_pyxis.py), built below.
 apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps slurm-wlm munge iptables rsync podman \
-    g++ >/dev/null
+    docker.io g++ make libslurm-dev libbsd-dev squashfs-tools >/dev/null
+# pyxis and enroot from their git repositories where this machine has them (neither is in
+# Debian, and GitHub is not reachable here); without them tests/test_pyxis.py skips, saying so.
+bash scripts/build_pyxis.sh
 rm -rf .venv
 python3 -m venv .venv
 source .venv/bin/activate

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from cluster import (
+    CHECKOUT,
     TestCluster,
     cluster_unavailable_reason,
     reap_process,
@@ -74,6 +75,8 @@ MUNGE_DIR = Path("/run") / STATE_DIR_NAME
 searchable by all and none writable by others, which pytest's temporary directories are not."""
 SLURMCTLD_PORT = 16817
 """``slurmctld`` port on the test bridge address, clear of a real SLURM's default 6817."""
+PYXIS = CHECKOUT / ".pyxis"
+"""enroot and pyxis, built by ``scripts/build_pyxis.sh``; the cluster loads pyxis if they are."""
 DAEMONS = ("munged", "slurmctld", "slurmscriptd", "slurmd", "slurmstepd")
 """Names of the processes that :func:`slurm_processes` looks for."""
 _REQUIRED_TOOLS = (
@@ -422,7 +425,8 @@ class SlurmCluster:
 
     def _write_conf(self) -> None:
         plugstack = self.workdir / "plugstack.conf"
-        plugstack.write_text("")  # no SPANK plugins from /etc/slurm/plugstack.conf.d
+        # No SPANK plugins from /etc/slurm/plugstack.conf.d; pyxis if it was built.
+        plugstack.write_text(self._pyxis_conf() if pyxis_unavailable_reason() is None else "")
         controller = self.ssh.launcher_address
         lines = [
             "ClusterName=torchrunx",
@@ -463,6 +467,24 @@ class SlurmCluster:
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("".join(f"{line}\n" for line in lines))
 
+    def _pyxis_conf(self) -> str:
+        """pyxis's plugstack line; writes enroot's configuration for this cluster's folders.
+
+        enroot reads only its own configuration file (pyxis gives it none of the
+        ``ENROOT_*_PATH`` variables of the job or of ``slurmstepd``), so the paths of its
+        runtime, data, cache and temporary files are written there, under :attr:`workdir`.
+        """
+        enroot = self.workdir / "enroot"
+        paths = {name: enroot / name.lower() for name in ("RUNTIME", "DATA", "CACHE", "TEMP")}
+        for path in paths.values():
+            path.mkdir(parents=True, exist_ok=True)
+        (PYXIS / "etc" / "enroot" / "enroot.conf").write_text(
+            "".join(f"ENROOT_{name}_PATH {path}\n" for name, path in paths.items())
+        )
+        return (
+            f"optional {PYXIS / 'lib' / 'spank_pyxis.so'} runtime_path={self.workdir / 'pyxis'}\n"
+        )
+
     def _spawn(self, name: str, argv: list[str]) -> None:
         with (self._logs / f"{name}.log").open("wb") as log:
             self._daemons[name] = subprocess.Popen(
@@ -470,7 +492,8 @@ class SlurmCluster:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
+                # pyxis runs enroot from slurmstepd's PATH (that of slurmd).
+                env={**os.environ, **self.env, "PATH": f"{PYXIS / 'bin'}:{os.environ['PATH']}"},
                 start_new_session=True,
             )
 
@@ -487,6 +510,22 @@ def slurm_unavailable_reason() -> str | None:
     missing = [tool for tool in _REQUIRED_TOOLS if shutil.which(tool) is None]
     if missing:
         return f"SLURM test cluster needs missing tools (slurm-wlm, munge): {', '.join(missing)}"
+    return None
+
+
+def pyxis_unavailable_reason() -> str | None:
+    """Say why pyxis cannot run on the SLURM test cluster (see ``scripts/build_pyxis.sh``).
+
+    Returns:
+        ``None`` if pyxis and enroot were built into :data:`PYXIS`, else what is missing.
+    """
+    if not (PYXIS / "lib" / "spank_pyxis.so").exists() or not (PYXIS / "bin" / "enroot").exists():
+        return (
+            f"pyxis is not built in {PYXIS}: scripts/build_pyxis.sh builds it from pyxis's and "
+            "enroot's git repositories (not reachable from package registries)"
+        )
+    if shutil.which("mksquashfs") is None or shutil.which("unsquashfs") is None:
+        return "pyxis needs squashfs-tools (mksquashfs, unsquashfs)"
     return None
 
 

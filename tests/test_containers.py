@@ -1,25 +1,34 @@
-"""Agents and workers inside a container on the host: ``Launcher(container=...)``, real podman.
+"""Agents and workers inside a container on the host: ``Launcher(container=...)``, real runners.
+
+Two real runners, each test run with both:
+
+- **podman** (Debian's 4.3), daemonless, run with ``--cgroups disabled`` and limits within the
+  test machine's own (the test hosts see cgroup v1 only, see ``cluster.py``);
+- **docker** (Debian's ``docker.io`` 20.10): a ``dockerd`` of the test's own, started in the
+  isolated host's namespaces (its own data and exec roots, no bridge, no iptables rules) and
+  stopped after; the launch reaches it with ``docker -H unix://SOCKET exec -i NAME``.
 
 The image is built here, from nothing registry-borne: an empty root (the usual folders, and the
-``/bin``, ``/lib`` links of a merged-``/usr`` system) imported with ``podman import``. The
-container, started on an isolated SSH test host (``hnode1``, which does not have the checkout),
-mounts the host's ``/usr`` and ``/etc`` read-only, the Python that the launcher's virtual
-environment uses, and that environment at ``/opt/venv`` (torch, without torchrunx): so its
-interpreter is ``/opt/venv/bin/python``, in the container's own mount, PID and UTS namespaces,
-on the host's network (``--network host``). The code (and torchrunx) is shipped into the
-container's own ``~/.cache``.
-
-podman 4.3 (Debian's) runs here with ``--cgroups disabled`` and limits within the test
-machine's own (the test hosts see cgroup v1 only, see ``cluster.py``).
+``/bin``, ``/lib`` links of a merged-``/usr`` system) imported with ``podman import`` or
+``docker import``. The container, started on an isolated SSH test host (``hnode1``, which does
+not have the checkout), mounts the host's ``/usr`` and ``/etc`` read-only, the Python that the
+launcher's virtual environment uses, and that environment at ``/opt/venv`` (torch, without
+torchrunx): so its interpreter is ``/opt/venv/bin/python``, in the container's own mount, PID and
+UTS namespaces, on the host's network (``--network host``). The code (and torchrunx) is shipped
+into the container's own ``~/.cache``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,53 +46,115 @@ pytestmark = pytest.mark.cluster
 IMAGE = "localhost/torchrunx-test-base:1"
 
 
-def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["podman", *args], capture_output=True, text=True, check=check, timeout=120
-    )
+@dataclass(frozen=True)
+class Runner:
+    """A container runner as the test uses it, on the isolated host ``hnode1``."""
+
+    name: str
+    """``podman`` or ``docker``."""
+    client: tuple[str, ...]
+    """The command that talks to it (for docker: with the test daemon's socket)."""
+    run_options: tuple[str, ...]
+    """Options of ``run`` this machine needs."""
+    marker: str
+    """A file the runner puts in every container."""
+
+    def on_host(self, cluster: TestCluster, *args: str) -> list[str]:
+        """An argv that runs this runner's client with ``args`` in hnode1's namespaces."""
+        return [*cluster.enter_argv("hnode1"), *self.client, *args]
+
+
+def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=120)
+
+
+@contextlib.contextmanager
+def _dockerd(cluster: TestCluster) -> Iterator[Runner]:
+    """A docker daemon of the test's own in hnode1's namespaces, stopped (and waited for) after."""
+    if shutil.which("dockerd") is None:
+        pytest.fail("dockerd is needed (scripts/test.sh installs docker.io)")
+    # Short paths: containerd's sockets live under the exec root (108 bytes at most).
+    state = Path(tempfile.mkdtemp(prefix="trxd-", dir="/tmp"))
+    socket = state / "d.sock"
+    argv = [
+        *cluster.enter_argv("hnode1"), "dockerd",
+        "--data-root", str(state / "data"), "--exec-root", str(state / "x"),
+        "--pidfile", str(state / "d.pid"), "-H", f"unix://{socket}",
+        "--bridge=none", "--iptables=false", "--ip6tables=false", "--storage-driver=vfs",
+    ]  # fmt: skip
+    log = (state / "dockerd.log").open("wb")
+    daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    runner = Runner("docker", ("docker", "-H", f"unix://{socket}"), (), "/.dockerenv")
+    try:
+        deadline = time.monotonic() + 60
+        while _run(runner.on_host(cluster, "info"), check=False).returncode != 0:
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                pytest.fail(f"dockerd did not start:\n{(state / 'dockerd.log').read_text()}")
+            time.sleep(0.2)
+        yield runner
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait(timeout=30)
+        log.close()
+        # The vfs layers hold read-only folders; the daemon is gone, so nothing else needs them.
+        _run(["rm", "-rf", str(state)], check=False)
+
+
+@pytest.fixture(scope="module", params=["podman", "docker"])
+def runner(request: pytest.FixtureRequest, isolated: TestCluster) -> Iterator[Runner]:
+    """Each runner in turn, ready on hnode1."""
+    if request.param == "podman":
+        if shutil.which("podman") is None:
+            pytest.fail("podman is needed (scripts/test.sh installs it)")
+        options = ("--cgroups", "disabled", "--ulimit", "nofile=4096:4096")
+        yield Runner(
+            "podman", ("podman",), (*options, "--ulimit", "nproc=4096:4096"), "/run/.containerenv"
+        )
+        return
+    with _dockerd(isolated) as docker:
+        yield docker
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def image(
+    runner: Runner, isolated: TestCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     """A base image made here: an empty root with a merged-/usr layout."""
-    if shutil.which("podman") is None:
-        pytest.fail("podman is needed (scripts/test.sh installs it)")
     root = tmp_path_factory.mktemp("image-root")
     for folder in ("usr", "etc", "tmp", "root", "proc", "sys", "dev", "run", "opt", "work"):
         (root / folder).mkdir()
     for link in ("bin", "lib", "lib64", "sbin"):
         (root / link).symlink_to(f"usr/{link}")
-    archive = root.parent / "image.tar"
+    archive = root.parent / f"image-{runner.name}.tar"
     with tarfile.open(archive, "w") as tar:
         tar.add(root, arcname=".")
-    _podman("import", "-q", str(archive), IMAGE)
+    _run(runner.on_host(isolated, "import", str(archive), IMAGE))
     yield IMAGE
-    _podman("rmi", "-f", IMAGE, check=False)
+    _run(runner.on_host(isolated, "rmi", "-f", IMAGE), check=False)
 
 
 @pytest.fixture
-def container(isolated: TestCluster, image: str) -> Iterator[str]:
+def container(runner: Runner, isolated: TestCluster, image: str) -> Iterator[str]:
     """A running container on hnode1, on its network, with its interpreter at /opt/venv."""
-    name = "torchrunx-test-hnode1"
+    name = f"torchrunx-test-{runner.name}-hnode1"
     python_home = Path(os.path.realpath(sys.executable)).parent.parent  # the base interpreter
-    run = [
-        *isolated.enter_argv("hnode1"),
-        "podman", "run", "-d", "--name", name, "--network", "host", "--cgroups", "disabled",
-        "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096",
+    run = runner.on_host(
+        isolated,
+        "run", "-d", "--name", name, "--network", "host", *runner.run_options,
         "-v", "/usr:/usr:ro", "-v", "/etc:/etc:ro",
         "-v", f"{python_home}:{python_home}:ro", "-v", "/mnt/venv:/opt/venv:ro",
         image, "/usr/bin/sleep", "infinity",
-    ]  # fmt: skip
-    subprocess.run(run, capture_output=True, text=True, check=True, timeout=120)
+    )  # fmt: skip
+    _run(run)
     try:
         yield name
     finally:
-        subprocess.run(
-            [*isolated.enter_argv("hnode1"), "podman", "rm", "-f", "-t", "0", name],
-            capture_output=True,
-            check=False,
-            timeout=120,
-        )
+        _run(runner.on_host(isolated, "rm", "-f", name), check=False)
 
 
 INSIDE = """
@@ -94,14 +165,14 @@ import torch.distributed as dist
 import torchrunx
 
 
-def inside():
+def inside(marker):
     with open("/proc/1/cmdline", "rb") as f:
         first = f.read().replace(b"\\0", b" ").decode().strip()
     return {
         "rank": dist.get_rank(),
         "host": socket.gethostname(),
         "executable": sys.executable,
-        "container": os.path.exists("/run/.containerenv"),
+        "container": os.path.exists(marker),
         "pid1": first,
         "cwd": os.getcwd(),
         "torchrunx": torchrunx.__file__,
@@ -111,28 +182,29 @@ def inside():
 
 
 def test_agent_and_workers_run_in_the_container_with_its_interpreter(
-    isolated, container, tmp_path, monkeypatch
+    isolated, runner, container, tmp_path, monkeypatch
 ):
-    project = isolated.launcher_only / tmp_path.name
+    project = isolated.launcher_only / f"{tmp_path.name}-{runner.name}"
     project.mkdir(parents=True)
-    (project / "seen.py").write_text(INSIDE)
+    (project / f"seen_{runner.name}.py").write_text(INSIDE)
     monkeypatch.chdir(project)
     monkeypatch.syspath_prepend(str(project))
-    import seen as project_module
+    project_module = __import__(f"seen_{runner.name}")
 
     result = trx.launch(
         project_module.inside,
+        func_args=(runner.marker,),
         hostnames=["hnode1"],
         workers_per_host=2,
         backend="gloo",
         ssh_config_file=isolated.ssh_config,
-        container=f"podman exec -i {container}",
+        container=" ".join([*runner.client, "exec", "-i", container]),
         python="/opt/venv/bin/python",
         ship=(".",),
     )
     for rank, seen in enumerate(result.ranks):
         assert seen["rank"] == rank
-        assert seen["container"] is True  # podman's marker file
+        assert seen["container"] is True  # the runner's marker file
         assert seen["pid1"] == "/usr/bin/sleep infinity"  # the container's own PID namespace
         assert seen["executable"] == "/opt/venv/bin/python"
         assert str(seen["cwd"]).startswith("/root/.cache/torchrunx/code/trees/")
@@ -141,18 +213,14 @@ def test_agent_and_workers_run_in_the_container_with_its_interpreter(
     tree = Path(str(result.ranks[0]["cwd"])).name
     assert not list(isolated.cache_dir("hnode1").glob(f"torchrunx/code/trees/{tree}"))
     # Nothing of the launch stays in the container.
-    left = subprocess.run(
-        [*isolated.enter_argv("hnode1"), "podman", "exec", container, "/usr/bin/ps", "-eo", "args"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout.splitlines()
-    assert [line for line in left[1:] if "ps -eo" not in line] == ["/usr/bin/sleep infinity"]
+    left = _run(runner.on_host(isolated, "exec", container, "/usr/bin/ps", "-eo", "args"))
+    lines = left.stdout.splitlines()
+    assert [line for line in lines[1:] if "ps -eo" not in line] == ["/usr/bin/sleep infinity"]
 
 
-def test_a_container_that_is_not_running_fails_the_host_at_once(isolated, image, tmp_path):
+def test_a_container_that_is_not_running_fails_the_host_at_once(isolated, runner, image):
     del image
+    started = time.monotonic()
     with pytest.raises(trx.AgentFailedError) as info:
         trx.launch(
             print,
@@ -160,12 +228,33 @@ def test_a_container_that_is_not_running_fails_the_host_at_once(isolated, image,
             workers_per_host=1,
             backend=None,
             ssh_config_file=isolated.ssh_config,
-            container="podman exec -i torchrunx-no-such-container",
+            container=" ".join([*runner.client, "exec", "-i", "torchrunx-no-such-container"]),
             start_timeout=60,
         )
     assert "no such container" in str(info.value).lower(), str(info.value)
+    assert time.monotonic() - started < 30  # the runner's error, not the start timeout
 
 
 def test_container_is_refused_for_this_machines_agents():
     with pytest.raises(ValueError, match="container runs remote hosts' agents in a container"):
         trx.launch(print, hostnames=["localhost"], container="podman exec -i x")
+
+
+def test_check_runs_its_probe_in_the_container(isolated, runner, container, tmp_path, monkeypatch):
+    from torchrunx.launcher.preflight import check_hosts, format_checks
+
+    project = isolated.launcher_only / f"{tmp_path.name}-{runner.name}"
+    project.mkdir(parents=True)
+    monkeypatch.chdir(project)
+    launcher = trx.Launcher(
+        hostnames=["hnode1"],
+        ssh_config_file=isolated.ssh_config,
+        container=" ".join([*runner.client, "exec", "-i", container]),
+        python="/opt/venv/bin/python",
+        ship=(".",),
+        start_timeout=60,
+    )
+    (check,) = check_hosts(launcher)
+    assert check.ok, format_checks([check], 0.0)
+    assert check.report is not None
+    assert check.report.python == "/opt/venv/bin/python"  # the container's interpreter

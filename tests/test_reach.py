@@ -336,3 +336,33 @@ def test_code_ships_to_srun_steps(slurm, tmp_path):
     cwd, module = lines[1][3:]
     assert cwd.startswith(f"{trees}/"), cwd
     assert module == f"{cwd}/mypkg/__init__.py"
+
+
+def test_check_tries_the_interpreter_and_the_shipped_code(isolated, tmp_path, monkeypatch):
+    """``torchrunx check`` starts what a launch would: the named interpreter, the shipped copy."""
+    from conftest import torchrunx_processes
+
+    from torchrunx.launcher.preflight import check_hosts, format_checks
+
+    _open_project(isolated, tmp_path, monkeypatch)
+    common = {"hostnames": isolated.names(), "ssh_config_file": isolated.ssh_config}
+    checks = check_hosts(trx.Launcher(**common, python=HOST_PYTHON, ship=(".",), start_timeout=60))
+    text = format_checks(checks, 0.0)
+    assert [check.ok for check in checks] == [True, True], text
+    for check in checks:
+        assert check.report is not None
+        assert check.report.python == HOST_PYTHON, text
+    # Without the options: each host's missing piece, named with the option. Host 2's
+    # bootstrap line waits for host 0's answer, so its command has often ended by then: what
+    # it said is the reason, not the closed SSH channel. A race: tried 3 times.
+    said = (
+        f"no Python interpreter {sys.executable} on this host: install it there, or name "
+        "this host's own with Launcher(python=...) (--python PATH)"
+    )
+    for _ in range(3):
+        checks = check_hosts(trx.Launcher(**common, start_timeout=60))
+        text = format_checks(checks, 0.0)
+        assert [check.ok for check in checks] == [False, False], text
+        for check in checks:
+            assert check.problems == (said,), text
+    assert not torchrunx_processes()

@@ -155,16 +155,31 @@ def test_a_probe_that_did_not_answer_says_why():
     assert no_report(127, f"bash: line 1: {python}: No such file or directory") == (
         (
             f"the interpreter {python} is missing on this host (bash: line 1: {python}: No such file "
-            "or directory): install the same environment at the same path on every host"
+            "or directory): install the same environment at the same path on every host, or name "
+            "this host's own with Launcher(python=...) (--python PATH)"
         ),
     )
     (problem,) = no_report(1, "ModuleNotFoundError: No module named 'torchrunx'")
     assert problem.startswith(f"{python} on this host cannot import torchrunx (ModuleNotFound")
-    assert problem.endswith("install this project in that environment on every host")
+    assert problem.endswith(
+        "install this project in that environment on every host, or send it with "
+        "Launcher(ship=('.',)) (--ship .)"
+    )
     (problem,) = no_report(1, "bash: line 1: cd: /home/me/proj: No such file or directory")
     assert problem.endswith(
-        "workers start there; use a folder that every host has (a shared file system)"
+        "workers start there; use a folder that every host has (a shared file system), or send "
+        "it with Launcher(ship=('.',)) (--ship .)"
     )
+    # The agent's script says what is missing itself: its words, as they are.
+    said = "the working directory /p is not on this host: send it with Launcher(ship=('.',))"
+    assert no_report(1, "bash: warning", f"torchrunx: {said}") == (said,)
+    # The host's own interpreter (python=, a container's python3) is the one named.
+    problems = judge(
+        1, "node2", "ssh", LOCAL, start_failure=None, status=127,
+        lines=[(True, "bash: /opt/py/bin/python: No such file or directory")],
+        seconds=1.0, timeout=60, python="/opt/py/bin/python",
+    ).problems  # fmt: skip
+    assert problems[0].startswith("the interpreter /opt/py/bin/python is missing on this host")
     assert no_report(1, "boom") == ("the probe exited with status 1: boom",)
     with_env = Local(**{**LOCAL.__dict__, "env_file": "/etc/env.sh"})
     assert no_report(1, "boom", local=with_env) == (

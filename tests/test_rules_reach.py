@@ -336,3 +336,18 @@ def test_container_is_a_command_line_put_before_the_agent_command():
     assert "remote agents run in a container, started with: apptainer exec img.sif" in (
         trx.Launcher(hostnames=["a"], container="apptainer exec img.sif").dry_run()
     )
+
+
+def test_pyxis_options_are_srun_options_before_the_agent_command():
+    from torchrunx.engines.builtin import SrunTransport, SshTransport
+    from torchrunx.launcher.transport import AGENT_ARGV, srun_command
+
+    options = ("--container-image=/img/train.sqsh", "--container-mounts=/data:/data")
+    reach.check_container(" ".join(options))
+    srun = srun_command("h", cpus=4, container=options)
+    # srun reads options up to its command: the pyxis options come after its own, before bash.
+    assert srun[: srun.index(options[0])][-1] == "--cpus-per-task=4"
+    assert srun[srun.index(options[0]) :] == [*options, *AGENT_ARGV]
+    assert SrunTransport.container_options is True
+    assert not getattr(SshTransport, "container_options", False)
+    assert reach.default_python(None, "h", options) == "python3"

@@ -57,6 +57,8 @@ class ProbeRequest:
             host 0 did not answer).
         peers: On host 0: how many hosts will connect to it.
         local_only: Every host is the launcher's machine: host 0 listens on loopback only.
+        keep_path: The host runs its own interpreter or shipped code: its ``sys.path`` is kept
+            after ``sys_path`` (as for an agent; read by the boot code).
     """
 
     sys_path: tuple[str, ...]
@@ -68,6 +70,7 @@ class ProbeRequest:
     master: tuple[str, int] | None
     peers: int
     local_only: bool
+    keep_path: bool = False
 
     def to_json_line(self) -> bytes:
         """The request as one line of JSON."""
@@ -88,6 +91,7 @@ class ProbeRequest:
             master=None if master is None else (str(master[0]), int(master[1])),
             peers=int(raw["peers"]),
             local_only=bool(raw["local_only"]),
+            keep_path=bool(raw.get("keep_path", False)),
         )
 
 

@@ -33,6 +33,7 @@ and older than that, and leftovers of an unpack that was cut short (after a day)
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -185,5 +186,14 @@ if __name__ == "__main__":
     try:
         unpack(sys.argv[1], sys.argv[2])
     except Exception as exc:  # noqa: BLE001 (any failure: said on stderr, the host fails)
-        sys.stderr.write(f"torchrunx: cannot unpack the shipped code in {sys.argv[1]}: {exc}\n")
+        hint = ""
+        if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            hint = (
+                "; give it a writable folder: TORCHRUNX_CACHE_DIR on that host (forwarded with "
+                "Launcher(extra_env_vars=('TORCHRUNX_CACHE_DIR',))), or a writable home (in a "
+                "container: a writable root, pyxis's --container-writable, or a mounted home)"
+            )
+        sys.stderr.write(
+            f"torchrunx: cannot unpack the shipped code in {sys.argv[1]}: {exc}{hint}\n"
+        )
         sys.exit(1)

@@ -168,6 +168,9 @@ class SrunTransport:
     """Its agents can fetch shipped code (``AgentStart.ship``) over the step's stdio."""
     containers: ClassVar[bool] = True
     """Its agents can run in a container (``AgentStart.container``)."""
+    container_options: ClassVar[bool] = True
+    """``AgentStart.container`` may be options of ``srun`` itself: pyxis's
+    ``--container-image=IMAGE`` and its other ``--container-*`` options."""
 
     def __init__(self, argument: str | None = None) -> None:
         """Takes no argument (raises ValueError for one)."""

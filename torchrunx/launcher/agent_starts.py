@@ -15,6 +15,7 @@ import ipaddress
 import json
 import logging
 import os
+import shlex
 import sys
 import threading
 import time
@@ -158,6 +159,15 @@ class AgentStarts:
                     "(ssh and srun can; kubectl's are in their pod's container already)"
                 )
                 raise ValueError(msg)
+            options = bool(self.plan.container) and self.plan.container[0].startswith("-")
+            if options and not getattr(transport, "container_options", False):
+                msg = (
+                    f"container {shlex.join(self.plan.container)!r} is options of srun "
+                    f"(pyxis's --container-image), but agents started with {method!r} "
+                    "need a command that runs one in a container, such as "
+                    "'podman exec -i NAME'"
+                )
+                raise ValueError(msg)
             if self.plan.ship and not getattr(transport, "ships", False):
                 msg = (
                     f"ship: agents started with {method!r} cannot fetch shipped code (ssh, "
@@ -200,6 +210,13 @@ class AgentStarts:
                 code = RELAY_BOOT_CODE if relays else self.boot_code
                 self._scripts[key] = self._script(python, remote=True, code=code)
             return self._scripts[key]
+
+    def python_of(self, agent: AgentRecord) -> str:
+        """The interpreter ``agent``'s host runs: ``python=``'s, a container's, else ours."""
+        if not agent.remote:
+            return sys.executable
+        chosen = default_python(self.plan.python, agent.slots.hostname, self.plan.container)
+        return chosen or sys.executable
 
     def keeps_path(self, agent: AgentRecord) -> bool:
         """Whether ``agent``'s host runs its own interpreter or shipped code (its own sys.path)."""

@@ -165,8 +165,9 @@ again. Remote agents and workers run in the copy, with it on sys.path; torchrunx
 
     container: str | None = None
     """A command that runs each remote host's agent and workers in a container there (ssh and
-srun hosts), such as podman exec -i NAME, docker exec -i NAME or apptainer exec IMAGE. Its
-python3 runs them unless python names another; it should share the host's network."""
+srun hosts), such as podman exec -i NAME, docker exec -i NAME or apptainer exec IMAGE, or for
+srun hosts pyxis's options, such as --container-image=IMAGE. Its python3 runs them unless
+python names another; it should share the host's network."""
 
     agent_timeout: float = 5.0
     """Seconds without a heartbeat after which a host counts as lost (cut link, frozen host)."""

@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.agent_pool import START_THREADS
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
+from torchrunx.launcher.reach import host_sys_path
 from torchrunx.launcher.records import AgentRecord
+from torchrunx.wire.bootstrap import BOOT_CODE
 
 if TYPE_CHECKING:
     import socket
@@ -45,9 +47,8 @@ if TYPE_CHECKING:
     from torchrunx.launcher.transport import AgentProcess
     from torchrunx.wire.lines import Record
 
-PROBE_CODE = (
-    "import sys,json;b=sys.stdin.buffer.readline();sys.path[:]=json.loads(b)['sys_path'];"
-    "import torchrunx.agent.probe as p;p.main(b)"
+PROBE_CODE = BOOT_CODE.replace(
+    "import torchrunx.agent.agent as a;a.main(", "import torchrunx.agent.probe as a;a.main("
 )
 """What the probe's interpreter runs: the agent's boot code, calling the probe instead."""
 
@@ -364,7 +365,10 @@ class _Check:
             process = self.starts(index)
             status = _read_until_end(process, self.deadline + 1.0)
         except AgentFailedError as exc:
-            failure = exc.reason
+            said = [line.strip() for line in exc.stderr.splitlines() if line.strip()]
+            failure = _own_words(said) or exc.reason + (
+                f" ({'; '.join(said[-3:])})" if said else ""
+            )
         except Exception as exc:  # noqa: BLE001 (one host's surprise must not hide the others)
             failure = f"{type(exc).__name__}: {exc}"
         finally:
@@ -385,6 +389,7 @@ class _Check:
             lines=lines,
             seconds=time.monotonic() - self.started,
             timeout=self.timeout,
+            python=self.starts.python_of(agent),
         )
 
 
@@ -409,8 +414,10 @@ class _ProbeStarts(AgentStarts):
         check = self.check
         address = (self.configured_address() or local_address) if agent.remote else local_address
         master = None if agent.index == 0 else check.master_for(address)
+        keep_path = self.keeps_path(agent)
         return ProbeRequest(
-            sys_path=tuple(sys.path),
+            sys_path=host_sys_path(self.bundle) if keep_path else tuple(sys.path),
+            keep_path=keep_path,
             host_index=agent.index,
             address=address,
             port=self.port,
@@ -456,6 +463,7 @@ def judge(  # noqa: PLR0913 (what one host's check found)
     lines: Sequence[tuple[bool, str]],
     seconds: float,
     timeout: float,
+    python: str | None = None,
 ) -> HostCheck:
     """What one host's answer means: its problems (each with what to do) and its facts.
 
@@ -469,6 +477,8 @@ def judge(  # noqa: PLR0913 (what one host's check found)
         lines: What it wrote, ``(is_stderr, text)`` in order.
         seconds: When it answered, from the start of the check.
         timeout: The check's time limit (``start_timeout``).
+        python: The interpreter the host was asked to run (``python=``, a container's
+            ``python3``); ``None``: the launcher's own path.
     """
     from torchrunx.agent.probe import ProbeReport  # noqa: PLC0415 (the probe's module)
 
@@ -478,7 +488,7 @@ def judge(  # noqa: PLR0913 (what one host's check found)
     report = next((r for r in reports if r is not None), None)
     if report is None:
         errors = [text for is_stderr, text in lines if is_stderr and text.strip()]
-        problem = _no_report(status, errors, timeout, local.env_file)
+        problem = _no_report(status, errors, timeout, local.env_file, python or sys.executable)
         return HostCheck(index, hostname, method, None, (problem,), (), seconds)
     problems = _compare(report, local)
     if report.route_back != "ok":
@@ -507,28 +517,41 @@ def judge(  # noqa: PLR0913 (what one host's check found)
     return HostCheck(index, hostname, method, report, tuple(problems), tuple(facts), seconds)
 
 
-def _no_report(status: int | None, errors: list[str], timeout: float, env_file: str | None) -> str:
+def _no_report(
+    status: int | None, errors: list[str], timeout: float, env_file: str | None, python: str
+) -> str:
     """Why a probe that ran gave no report, with what to do."""
     said = "; ".join(errors[-5:])
     if status is None:
         return f"no answer within start_timeout={timeout:g} s" + (f" ({said})" if said else "")
+    own = _own_words(errors)
+    if own is not None:
+        return own
     if status == 127 or ("No such file or directory" in said and "exec" in said):
         return (
-            f"the interpreter {sys.executable} is missing on this host ({said}): install the "
-            "same environment at the same path on every host"
+            f"the interpreter {python} is missing on this host ({said}): install the same "
+            "environment at the same path on every host, or name this host's own with "
+            "Launcher(python=...) (--python PATH)"
         )
     if "ModuleNotFoundError" in said or "ImportError" in said:
         return (
-            f"{sys.executable} on this host cannot import torchrunx ({said}): install this "
-            "project in that environment on every host"
+            f"{python} on this host cannot import torchrunx ({said}): install this project in "
+            "that environment on every host, or send it with Launcher(ship=('.',)) (--ship .)"
         )
-    if "cd:" in said:
+    if "cd:" in said or "is not on this host" in said:
         return (
             f"the working directory {Path.cwd()} is missing on this host ({said}): workers start "
-            "there; use a folder that every host has (a shared file system)"
+            "there; use a folder that every host has (a shared file system), or send it with "
+            "Launcher(ship=('.',)) (--ship .)"
         )
     sourced = f"; it sourced env_file {env_file!r} first: check that file" if env_file else ""
     return f"the probe exited with status {status}" + (f": {said}" if said else "") + sourced
+
+
+def _own_words(errors: Sequence[str]) -> str | None:
+    """The last line the agent's script wrote itself: what is missing, and the option for it."""
+    own = [error.removeprefix("torchrunx: ") for error in errors if error.startswith("torchrunx: ")]
+    return own[-1] if own else None
 
 
 def _compare(report: ProbeReport, local: Local) -> list[str]:

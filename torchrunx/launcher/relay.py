@@ -147,15 +147,7 @@ class LauncherRelay:
                 view = view[os.write(self._out_write, view) :]
             return
         if kind == OPEN:
-            host, _, launcher = data.decode(errors="replace").partition("\n")
-            ours, theirs = socket.socketpair()
-            for end in (ours, theirs):  # room for whole frames: fewer wake-ups of the loop
-                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
-                end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _PAIR_BUFFER)
-            with self._lock:
-                self._pairs[number] = _Pair(ours)
-            self._adopt(theirs, (host, launcher))
-            self._wake()
+            self._open(number, data)
             return
         with self._lock:
             pair = self._pairs.get(number)
@@ -171,6 +163,24 @@ class LauncherRelay:
             with contextlib.suppress(OSError):
                 pair.sock.shutdown(socket.SHUT_WR)
             self._forget_if_done(number)
+
+    def _open(self, number: int, data: bytes) -> None:
+        """A connection the host opened: a socket pair, one end handed to the listener."""
+        host, _, launcher = data.decode(errors="replace").partition("\n")
+        ours, theirs = socket.socketpair()
+        for end in (ours, theirs):  # room for whole frames: fewer wake-ups of the loop
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _PAIR_BUFFER)
+        with self._lock:
+            stopped = self._stopped
+            if not stopped:
+                self._pairs[number] = _Pair(ours)
+        if stopped:  # after stop() closed every pair: this one would be left open
+            ours.close()
+            theirs.close()
+            return
+        self._adopt(theirs, (host, launcher))
+        self._wake()
 
     def _forget_if_done(self, number: int) -> None:
         with self._lock:

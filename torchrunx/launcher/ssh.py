@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.forward import PortForward
 from torchrunx.launcher.relay import Adopt, LauncherRelay
+from torchrunx.launcher.reports import agent_exit_error
 from torchrunx.launcher.ship import ShipError
 from torchrunx.launcher.transport import (
     _READS_PER_CALL,
@@ -307,7 +308,13 @@ class SshAgent(PipeReaders):
             self._channel.settimeout(None)
             self._channel.sendall(bootstrap_for(self._local_address(transport)))
         except (paramiko.SSHException, OSError) as exc:
+            ended = self._ended_early()
             _close_all(self._clients)
+            if ended is not None:  # the command ended before it read all it was sent
+                status, tail = ended
+                raise agent_exit_error(
+                    hostname, status, remote=True, connected=False, env_file=None, stderr_tail=tail
+                ) from exc
             raise AgentFailedError(hostname, f"cannot start the agent over SSH: {exc}") from exc
         except ShipError as exc:
             tail = self._channel_stderr()
@@ -348,6 +355,23 @@ class SshAgent(PipeReaders):
     def _send(self, data: bytes) -> None:
         self._channel.settimeout(None)
         self._channel.sendall(data)
+
+    def _ended_early(self) -> tuple[int, str] | None:
+        """The exit status and stderr of a command that ended while it was being started.
+
+        A command that fails at once (a missing interpreter, a container that is not there)
+        closes the channel while its script is still being sent: what it said explains the
+        failure, the closed channel does not. ``None`` if it has not ended (within a second).
+        """
+        channel = getattr(self, "_channel", None)
+        if channel is None:
+            return None
+        deadline = time.monotonic() + 1.0
+        while not channel.exit_status_ready() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not channel.exit_status_ready():
+            return None
+        return channel.recv_exit_status(), self._channel_stderr()
 
     def _channel_stderr(self) -> str:
         """What the command wrote to stderr so far (it has ended, or is ending)."""
