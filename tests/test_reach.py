@@ -9,14 +9,17 @@ editable install points into the hidden checkout).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
+import signal
 import socket
 import sys
 import textwrap
 import time
 from pathlib import Path
+from threading import Thread
 from typing import TYPE_CHECKING
 
 import pytest
@@ -25,6 +28,7 @@ from cluster import CHECKOUT, HOST_VENV
 import torchrunx as trx
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import ModuleType
 
     from cluster import TestCluster
@@ -366,3 +370,105 @@ def test_check_tries_the_interpreter_and_the_shipped_code(isolated, tmp_path, mo
         for check in checks:
             assert check.problems == (said,), text
     assert not torchrunx_processes()
+
+
+def _unpackers() -> list[int]:
+    """Pids of hosts' unpack steps (``python -I -S -c SOURCE CACHE DIGEST``), any host."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args[1:4] == [b"-I", b"-S", b"-c"] and b"/torchrunx/code" in b" ".join(args[4:]):
+            found.append(int(entry))
+    return found
+
+
+def _when(condition: Callable[[], bool], then: Callable[[], None], done: list[float]) -> Thread:
+    """A thread that runs ``then`` once ``condition`` holds (within 60 s); its time in ``done``."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if condition():
+                then()
+                done.append(time.monotonic())
+                return
+            time.sleep(0.005)
+
+    thread = Thread(target=watch)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("fault", ["unpack killed", "link cut"])
+def test_a_fault_while_code_ships_fails_the_host_and_the_next_launch_ships_it(
+    isolated, tmp_path, monkeypatch, fault
+):
+    """SIGKILL of the host's unpack step, or its link cut, in the middle of a 256 MiB transfer.
+
+    The launch fails that host (at once when killed; within start_timeout when cut), nothing is
+    left running, and the next launch completes the tree from what reached the host.
+    """
+    from conftest import torchrunx_processes
+
+    project, mypkg = _open_project(isolated, tmp_path, monkeypatch)
+    (project / "weights.bin").write_bytes(os.urandom(256 << 20))
+    host = isolated.hosts[0]
+    counter = Path(f"/sys/class/net/{host.veth}/statistics/tx_bytes")
+    start_bytes = int(counter.read_text())
+
+    def midway() -> bool:  # 64 MiB of the 256 on the wire
+        return int(counter.read_text()) - start_bytes > 64 << 20
+
+    def kill() -> None:
+        for pid in _unpackers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    faulted: list[float] = []
+    then = kill if fault == "unpack killed" else lambda: isolated.cut_link(host)
+    watcher = _when(midway, then, faulted)
+    common = {
+        "hostnames": [host.name],
+        "workers_per_host": 1,
+        "backend": "gloo",
+        "ssh_config_file": isolated.ssh_config,
+        "python": HOST_PYTHON,
+        "ship": (".",),
+        "agent_timeout": 2.0,
+    }
+    try:
+        with pytest.raises(trx.AgentFailedError) as info:
+            trx.launch(mypkg.report, func_args=(0, "/"), start_timeout=10, **common)
+        failed_at = time.monotonic()
+    finally:
+        watcher.join()
+        if fault == "link cut":
+            isolated.restore_link(host)
+    assert faulted, "the transfer ended before the fault"
+    assert info.value.hostname == host.name
+    text = str(info.value)
+    if fault == "unpack killed":
+        assert "the shipped code did not reach the host: it ended (exit status 137)" in text, text
+        assert "the step that unpacks the shipped code was killed by signal 9" in text, text
+        assert len(text) < 2000, text  # not the unpack step's whole source
+        assert failed_at - faulted[0] < 5, text
+    else:
+        assert "start did not finish within start_timeout=10 s" in text or (
+            "is the link to the host cut?" in text
+        ), text
+        assert failed_at - faulted[0] < 10 + 5, text  # start_timeout, and closing
+    deadline = time.monotonic() + 10
+    while (torchrunx_processes() or _unpackers()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not torchrunx_processes()
+    assert not _unpackers()
+    # The next launch ships what is missing and runs in a whole tree.
+    (result,) = trx.launch(mypkg.report, func_args=(1, "/"), start_timeout=60, **common).ranks
+    tree = isolated.cache_dir(host) / "torchrunx" / "code" / "trees" / Path(result["cwd"]).name
+    assert (tree / "weights.bin").read_bytes() == (project / "weights.bin").read_bytes()
+    assert result["data"] == "lr=0.1\n"

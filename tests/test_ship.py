@@ -9,11 +9,13 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import pytest
 
 from torchrunx.launcher import ship
+from torchrunx.launcher.ship import write_within
 from torchrunx.launcher.transport import unpack_source
 
 if TYPE_CHECKING:
@@ -32,10 +34,9 @@ class Host:
         )
         self.written = 0
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, timeout: float = 60.0) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.write(data)
-        self.process.stdin.flush()
+        write_within(self.process.stdin, data, timeout)
         self.written += len(data)
 
     def exchange(self, bundle: ship.Bundle) -> tuple[bytes, int, str]:
@@ -154,9 +155,8 @@ def test_the_unpacker_reads_no_further_than_the_exchange(tmp_path):
     assert process.stdin is not None and process.stdout is not None
     stdin = process.stdin
 
-    def write(data: bytes) -> None:
-        stdin.write(data)
-        stdin.flush()
+    def write(data: bytes, timeout: float = 60.0) -> None:
+        write_within(stdin, data, timeout)
 
     bundle.exchange("h", ship.read_fd(process.stdout.fileno()), write)
     write(b'{"bootstrap": true}\n')
@@ -174,7 +174,7 @@ def test_a_host_that_says_something_else_is_named(tmp_path):
     read, write = os.pipe()
     os.write(write, b"Welcome to the cluster!\n")
     with pytest.raises(ship.ShipError, match=r"got b'Welcome to the cluster!' \(does a login"):
-        bundle.exchange("h", ship.read_fd(read), lambda _data: None)
+        bundle.exchange("h", ship.read_fd(read), lambda _data, _timeout: None)
     os.close(read)
     os.close(write)
 
@@ -183,6 +183,29 @@ def test_a_host_that_never_answers_times_out(tmp_path):
     bundle = ship.make_bundle(["."], cwd=tmp_path, timeout=0.3)
     read, write = os.pipe()
     with pytest.raises(ship.ShipError, match="did not answer about the shipped code in time"):
-        bundle.exchange("h", ship.read_fd(read), lambda _data: None)
+        bundle.exchange("h", ship.read_fd(read), lambda _data, _timeout: None)
     os.close(read)
     os.close(write)
+
+
+def test_a_host_that_stops_reading_mid_transfer_fails_within_the_timeout(tmp_path):
+    # A host that asked for a 4 MiB file, then took nothing more (a cut link behind the
+    # transport): the write of the file gives up at the exchange's deadline.
+    (tmp_path / "big.bin").write_bytes(os.urandom(4 << 20))
+    bundle = ship.make_bundle(["."], cwd=tmp_path, timeout=0.5)
+    (big,) = [i for i, f in enumerate(bundle.files) if f.source == tmp_path / "big.bin"]
+    answers, stdin = os.pipe(), os.pipe()
+    os.write(answers[1], b"torchrunx-ship manifest\ntorchrunx-ship need [%d]\n" % big)
+    started = time.monotonic()
+    with (
+        os.fdopen(stdin[1], "wb") as host_stdin,
+        pytest.raises(ship.ShipError, match=r"shipping took longer than 0.5 s \(start_timeout\)"),
+    ):
+        bundle.exchange(
+            "h",
+            ship.read_fd(answers[0]),
+            lambda data, timeout: write_within(host_stdin, data, timeout),
+        )
+    assert time.monotonic() - started < 2
+    for fd in (*answers, stdin[0]):
+        os.close(fd)

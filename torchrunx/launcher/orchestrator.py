@@ -390,6 +390,7 @@ class Launch(HostChanges):
             self.port,
             self.starts.configured_address(),
             self.inbox.stderr_tail(missing.index),
+            started=missing.index in self.pool.processes,
         )
         self.inbox.fault("agent", error, time.time(), host_index=missing.index)
 

@@ -236,10 +236,29 @@ def finish_report(
     return error
 
 
-def start_timeout_error(
-    hostname: str, start_timeout: float, port: int, address: str | None, stderr_tail: str
+def start_timeout_error(  # noqa: PLR0913 (what is known of the start)
+    hostname: str,
+    start_timeout: float,
+    port: int,
+    address: str | None,
+    stderr_tail: str,
+    *,
+    started: bool = True,
 ) -> AgentFailedError:
-    """An agent that did not connect back within ``start_timeout``: what to check."""
+    """An agent that did not connect back within ``start_timeout``: what to check.
+
+    ``started``: its transport had started it (else the start itself, the SSH connection or
+    the shipped code, was still under way).
+    """
+    if not started:
+        return AgentFailedError(
+            hostname,
+            f"the agent's start did not finish within start_timeout={start_timeout:g} s (its "
+            "transport was still connecting to the host, or sending it its script or the "
+            "shipped code): is the host reachable, its link up? Give a slow start more with "
+            "start_timeout",
+            stderr_tail,
+        )
     return AgentFailedError(
         hostname,
         "the agent did not connect back within "

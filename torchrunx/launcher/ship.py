@@ -15,6 +15,7 @@ the launcher's (a ``sys.path`` entry, ``env_file``) into the tree.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -31,6 +32,7 @@ import pathspec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
+    from typing import IO
 
 PACKAGE = Path(__file__).resolve().parent.parent
 """torchrunx's own package folder."""
@@ -99,7 +101,7 @@ class Bundle:
         self,
         hostname: str,
         read: Callable[[float], bytes | None],
-        write: Callable[[bytes], None],
+        write: Callable[[bytes, float], None],
     ) -> bytes:
         """The launcher's side of :mod:`torchrunx.agent.unpack` with one host.
 
@@ -107,7 +109,8 @@ class Bundle:
             hostname: The host (its bytes are counted in :attr:`sent`).
             read: Reads what the host wrote to its stdout, waiting up to the given seconds
                 (``b""``: it ended; ``None``: nothing yet).
-            write: Writes all of the bytes to the host's stdin.
+            write: Writes all of the bytes to the host's stdin within the given seconds
+                (else raises :class:`TimeoutError`: a cut link, a host that stopped reading).
 
         Returns:
             What the host wrote after the exchange (the start of its own output).
@@ -119,16 +122,26 @@ class Bundle:
         deadline = time.monotonic() + self.timeout
         lines = _Lines(read, deadline)
         sent = 0
+
+        def write_in_time(data: bytes) -> None:
+            try:
+                write(data, deadline - time.monotonic())
+            except TimeoutError as exc:
+                raise ShipError(
+                    f"shipping took longer than {self.timeout:g} s (start_timeout): the host "
+                    f"took no more data ({exc})"
+                ) from exc
+
         word = lines.next()
         if word == b"manifest":
             header = b"%016d" % len(self.manifest)
-            write(header + self.manifest)
+            write_in_time(header + self.manifest)
             sent += len(header) + len(self.manifest)
             word = lines.next()
             if not word.startswith(b"need "):
                 raise ShipError(f"expected the list of files the host needs, got {word[:80]!r}")
             for index in json.loads(word[5:]):
-                sent += self._send_file(self.files[int(index)], write)
+                sent += self._send_file(self.files[int(index)], write_in_time)
                 if time.monotonic() > deadline:
                     raise ShipError(f"shipping took longer than {self.timeout:g} s")
             word = lines.next()
@@ -204,6 +217,33 @@ def read_fd(fd: int) -> Callable[[float], bytes | None]:
             return None
 
     return read
+
+
+def write_within(stream: IO[bytes], data: bytes, timeout: float) -> None:
+    """Write all of ``data`` to the pipe ``stream`` within ``timeout`` seconds.
+
+    Raises:
+        TimeoutError: The pipe took no more in time (a host that stopped reading, a cut link
+            behind the command that reads it).
+        OSError: The pipe is closed (the command ended).
+    """
+    stream.flush()
+    fd = stream.fileno()
+    deadline = time.monotonic() + timeout
+    view = memoryview(data)
+    blocking = os.get_blocking(fd)
+    os.set_blocking(fd, False)
+    try:
+        while view:
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(math.ceil(left * 1000)):
+                raise TimeoutError(f"{len(view)} bytes not taken in {timeout:.3g} s")
+            with contextlib.suppress(BlockingIOError):
+                view = view[os.write(fd, view) :]
+    finally:
+        os.set_blocking(fd, blocking)
 
 
 def make_bundle(

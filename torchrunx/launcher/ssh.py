@@ -299,28 +299,35 @@ class SshAgent(PipeReaders):
         """How long the SSH connection (and authentication) took."""
         transport = self._clients[-1].get_transport()
         assert transport is not None  # noqa: S101 (connected)
+        shipping = False
+        # Every step below has a limit of its own, but a write on a cut link blocks in
+        # paramiko's socket loop: past the whole start's limit the connection is closed.
+        self._start_limit = ship.timeout if ship is not None else connect_timeout
+        self._start_aborted = False
+        watchdog = threading.Timer(self._start_limit, self._abort_start)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             self._channel = transport.open_session(timeout=connect_timeout)
             self._channel.exec_command(remote_command(container))
             self._channel_fd = self._channel.fileno()  # readable when output or the end comes
+            self._channel.settimeout(connect_timeout)  # a link cut now: no wait without end
             self._channel.sendall(script)
+            shipping = ship is not None
             leftover = b"" if ship is None else ship.exchange(hostname, self._recv, self._send)
-            self._channel.settimeout(None)
+            shipping = False
+            self._channel.settimeout(connect_timeout)
             self._channel.sendall(bootstrap_for(self._local_address(transport)))
-        except (paramiko.SSHException, OSError) as exc:
-            ended = self._ended_early()
-            _close_all(self._clients)
-            if ended is not None:  # the command ended before it read all it was sent
-                status, tail = ended
-                raise agent_exit_error(
-                    hostname, status, remote=True, connected=False, env_file=None, stderr_tail=tail
-                ) from exc
-            raise AgentFailedError(hostname, f"cannot start the agent over SSH: {exc}") from exc
+            self._channel.settimeout(None)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise self._start_failed(exc, shipping=shipping) from exc
         except ShipError as exc:
             tail = self._channel_stderr()
             _close_all(self._clients)
             reason = f"the shipped code did not reach the host: {exc}"
             raise AgentFailedError(hostname, reason, tail) from exc
+        finally:
+            watchdog.cancel()
         if ship is not None and relay is None and leftover:
             self._output.feed(leftover, is_stderr=False)
         self._relay = None
@@ -352,9 +359,36 @@ class SshAgent(PipeReaders):
         except TimeoutError:
             return None
 
-    def _send(self, data: bytes) -> None:
-        self._channel.settimeout(None)
+    def _send(self, data: bytes, timeout: float) -> None:
+        """Send all of ``data``; TimeoutError if the channel takes none for ``timeout`` s."""
+        self._channel.settimeout(max(timeout, 0.001))
         self._channel.sendall(data)
+
+    def _abort_start(self) -> None:
+        self._start_aborted = True
+        _close_all(self._clients)
+
+    def _start_failed(self, exc: BaseException, *, shipping: bool) -> AgentFailedError:
+        """The error of a start whose channel failed; the connection is closed."""
+        if self._start_aborted:
+            doing = "shipping the code" if shipping else "handing the agent its script"
+            reason = (
+                f"the start took longer than {self._start_limit:g} s ({doing} over the SSH "
+                "connection, which took nothing more): is the link to the host cut?"
+            )
+            return AgentFailedError(self.hostname, reason)
+        ended = self._ended_early()
+        _close_all(self._clients)
+        if ended is None:
+            return AgentFailedError(self.hostname, f"cannot start the agent over SSH: {exc}")
+        status, tail = ended
+        if shipping:  # killed while it unpacked, say
+            reason = f"the shipped code did not reach the host: it ended (exit status {status})"
+            return AgentFailedError(self.hostname, reason, tail)
+        # The command ended before it read all it was sent (a missing interpreter).
+        return agent_exit_error(
+            self.hostname, status, remote=True, connected=False, env_file=None, stderr_tail=tail
+        )
 
     def _ended_early(self) -> tuple[int, str] | None:
         """The exit status and stderr of a command that ended while it was being started.

@@ -31,11 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.relay import Adopt, LauncherRelay
-from torchrunx.launcher.ship import ShipError, read_fd
+from torchrunx.launcher.ship import ShipError, read_fd, write_within
 from torchrunx.wire.bootstrap import BOOT_CODE
 from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
 from torchrunx.wire.relay import MAX_DATA, PIPE_SIZE
@@ -89,8 +89,13 @@ def agent_script(  # noqa: PLR0913 (what the script holds)
         steps = []
     else:
         parts.append(f"{_CACHE_VARIABLE}={_CACHE_DIR}")
+        # The source in a variable: were the step killed, bash would print its command line.
+        parts.append(f"_torchrunx_unpack={shlex.quote(unpack_source())}")
+        killed = shlex.quote(UNPACK_KILLED)
+        unpack = f'{py} -I -S -c "$_torchrunx_unpack" "${_CACHE_VARIABLE}" {ship}'
+        on_signal = f"[ $s -gt 128 ] && echo {killed}$((s - 128)) >&2"
         steps = [
-            f'{py} -I -S -c {shlex.quote(unpack_source())} "${_CACHE_VARIABLE}" {ship}',
+            f"{{ {unpack} || {{ s=$?; {on_signal}; exit $s; }}; }}",
             f'cd "${_CACHE_VARIABLE}/trees/{ship}"',
         ]
     if env_file is not None:
@@ -110,6 +115,8 @@ MISSING_CWD = (
     "shares, or send the code with Launcher(ship=('.',)) (--ship .)"
 )
 """What a host without the launcher's working directory says (its script then exits with 1)."""
+UNPACK_KILLED = "torchrunx: the step that unpacks the shipped code was killed by signal "
+"""What a host says when its unpack step is killed (the signal's number follows)."""
 _CACHE_VARIABLE = "_torchrunx_code"
 _CACHE_DIR = '"${TORCHRUNX_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/torchrunx}/code"'
 """Where a host keeps shipped code: private to its user (see :mod:`torchrunx.agent.unpack`)."""
@@ -335,7 +342,7 @@ class CommandAgent(PipeReaders):
             stdin.flush()
             if ship is not None:
                 leftover = ship.exchange(
-                    hostname, read_fd(self._streams[False]), functools.partial(_write_flush, stdin)
+                    hostname, read_fd(self._streams[False]), functools.partial(write_within, stdin)
                 )
             stdin.write(bootstrap())
             stdin.flush()
@@ -446,11 +453,6 @@ class CommandAgent(PipeReaders):
             if self._pidfd >= 0:
                 os.close(self._pidfd)
                 self._pidfd = -1
-
-
-def _write_flush(stream: IO[bytes], data: bytes) -> None:
-    stream.write(data)
-    stream.flush()
 
 
 def write_all(fd: int, data: bytes) -> None:
