@@ -66,6 +66,19 @@ def test_python_names_each_hosts_own_interpreter(cluster, tmp_path):
     # The project's torchrunx (an editable checkout) comes first, before the host's own path.
     assert second["torchrunx"] == trx.__file__
     assert second["cwd"] == os.getcwd()
+    # Per provider: "@ssh" gives every SSH host that interpreter; a host's own entry wins.
+    result = trx.launch(
+        _where,
+        hostnames=cluster.names(),
+        workers_per_host=1,
+        backend=None,
+        ssh_config_file=cluster.ssh_config,
+        python={"@ssh": str(other / "bin" / "python"), cluster.names()[0]: sys.executable},
+    )
+    assert [r["executable"] for r in result.ranks] == [
+        sys.executable,
+        str(other / "bin" / "python"),
+    ]
 
 
 def test_a_missing_interpreter_fails_its_host_at_once_naming_the_option(cluster):

@@ -189,6 +189,23 @@ def test_python_for_each_host():
     assert reach.python_for("/opt/py", "a") == "/opt/py"
     assert reach.python_for({"a": "/opt/py"}, "a") == "/opt/py"
     assert reach.python_for({"a": "/opt/py"}, "b") is None
+    # Per provider: "@METHOD" covers the hosts that start that way; a host's own key wins.
+    per = {"@srun": "/venv/bin/python", "a": "/opt/py"}
+    assert reach.python_for(per, "a", "srun") == "/opt/py"
+    assert reach.python_for(per, "b", "srun") == "/venv/bin/python"
+    assert reach.python_for(per, "b", "ssh") is None
+    assert reach.python_for(per, "b") is None
+    assert reach.default_python(per, "b", (), "srun") == "/venv/bin/python"
+    reach.check_python_hosts(per, ["a", "b"], ["ssh", "srun"])
+    with pytest.raises(ValueError, match=r"\['@srun'\].*@METHOD keys may name \['@ssh'\]"):
+        reach.check_python_hosts(per, ["a", "b"], ["ssh", "ssh"])
+    with pytest.raises(ValueError, match=r"not in the launch: \['@local'\]"):
+        reach.check_python_hosts({"@local": "/p"}, ["localhost"], ["local"])
+    plan = trx.Launcher(hostnames=["a", "b"], python={"@ssh": "/venv/bin/python"}).plan()
+    assert plan.python == {"@ssh": "/venv/bin/python"}
+    text = trx.Launcher(hostnames=["a", "b"], python={"@ssh": "/v/python", "b": "/b"}).dry_run()
+    assert "python on a: /v/python" in text
+    assert "python on b: /b" in text
 
 
 def test_project_paths_leave_out_the_launchers_installation(tmp_path):

@@ -197,7 +197,7 @@ class AgentStarts:
         """The script of ``agent``'s host: its interpreter, shipped code, relay or not."""
         hostname = agent.slots.hostname
         python = (
-            default_python(self.plan.python, hostname, self.plan.container)
+            default_python(self.plan.python, hostname, self.plan.container, agent.method)
             if agent.remote
             else None
         )
@@ -215,7 +215,9 @@ class AgentStarts:
         """The interpreter ``agent``'s host runs: ``python=``'s, a container's, else ours."""
         if not agent.remote:
             return sys.executable
-        chosen = default_python(self.plan.python, agent.slots.hostname, self.plan.container)
+        chosen = default_python(
+            self.plan.python, agent.slots.hostname, self.plan.container, agent.method
+        )
         return chosen or sys.executable
 
     def keeps_path(self, agent: AgentRecord) -> bool:
@@ -223,7 +225,8 @@ class AgentStarts:
         hostname = agent.slots.hostname
         return agent.remote and (
             self.bundle is not None
-            or default_python(self.plan.python, hostname, self.plan.container) is not None
+            or default_python(self.plan.python, hostname, self.plan.container, agent.method)
+            is not None
         )
 
     def __call__(self, index: int) -> AgentProcess:

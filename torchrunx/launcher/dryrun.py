@@ -114,7 +114,7 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     if launcher.env_file is not None:
         lines.append(f"sourced on every host first: {launcher.env_file}")
     lines += _reach_lines(
-        launcher, [h.hostname for h, m in zip(hosts, methods, strict=True) if m != "local"]
+        launcher, [(h.hostname, m) for h, m in zip(hosts, methods, strict=True) if m != "local"]
     )
     lines += ["", "agent command lines (the script and secret go on stdin, never here):"]
     transports: dict[str, object] = {}
@@ -130,14 +130,14 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     return "\n".join(lines)
 
 
-def _reach_lines(launcher: Launcher, remote: list[str]) -> list[str]:
+def _reach_lines(launcher: Launcher, remote: list[tuple[str, str]]) -> list[str]:
     """The remote hosts' container, their interpreters (``python=``) and shipped paths."""
     lines = []
     container = tuple(shlex.split(launcher.container)) if launcher.container else ()
     if container and remote:
         lines.append(f"remote agents run in a container, started with: {launcher.container}")
-    for hostname in remote:
-        python = default_python(launcher.python, hostname, container)
+    for hostname, method in remote:
+        python = default_python(launcher.python, hostname, container, method)
         if python is not None:
             lines.append(f"python on {hostname}: {python}")
     if launcher.ship and remote:

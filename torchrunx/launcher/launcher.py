@@ -149,10 +149,9 @@ channel (the stdio of ssh, srun or kubectl exec) instead of connecting back: "on
 hosts that cannot open a connection to the launcher; "off": always connect back."""
 
     python: str | dict[str, str] | None = None
-    """The Python interpreter of remote hosts where it is not at the launcher's path: a path,
-or a name on PATH, for every remote host, or a dict of hostname to path (on the command line
-one path, or pairs of hostname and path). Such a host keeps its interpreter's own packages.
-None: the launcher's."""
+    """The Python interpreter of remote hosts not at the launcher's path: a path (or a name on
+PATH) for all, or a dict of hostname (or provider, like @srun) to path; on the command line
+one path, or pairs. Such a host keeps its interpreter's own packages. None: the launcher's."""
 
     ship: tuple[str, ...] = ()
     """Paths to copy to the remote hosts, for hosts that do not share this machine's files, for
@@ -342,10 +341,10 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         """The plan of fields already checked (:meth:`validate`)."""
         world, spares = self._world_and_spares()
         hosts = world + spares
-        check_python_hosts(self.python, [h.hostname for h in hosts])
         methods, argument = start_methods(
             self.agent_start, [h.hostname for h in hosts], paired_transport(self.hostnames)
         )
+        check_python_hosts(self.python, [h.hostname for h in hosts], methods)
         return LaunchPlan(
             hosts=tuple(hosts),
             methods=tuple(methods),

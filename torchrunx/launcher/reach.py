@@ -46,27 +46,42 @@ def check_python(python: object) -> None:
     )
 
 
-def check_python_hosts(python: Python, hostnames: Sequence[str]) -> None:
-    """Every host a ``python`` dict names is a host of the launch.
+def check_python_hosts(
+    python: Python, hostnames: Sequence[str], methods: Sequence[str] = ()
+) -> None:
+    """Every host a ``python`` dict names is a host of the launch, every ``@METHOD`` in use.
+
+    Args:
+        python: The ``python`` field.
+        hostnames: The launch's hosts (spares included).
+        methods: How each of them starts (``ssh``, ``srun``...), in the same order.
 
     Raises:
         ValueError: One is not (a typo would otherwise run the launcher's path there).
     """
-    if isinstance(python, Mapping):
-        unknown = sorted(set(python) - set(hostnames))
-        if unknown:
-            raise ValueError(
-                f"python names hosts that are not in the launch: {unknown} (the hosts are "
-                f"{list(hostnames)})"
-            )
+    if not isinstance(python, Mapping):
+        return
+    used = {f"@{method}" for method in methods if method != "local"}
+    unknown = sorted(key for key in python if key not in hostnames and key not in used)
+    if unknown:
+        starts = f"; @METHOD keys may name {sorted(used)}" if used else ""
+        raise ValueError(
+            f"python names hosts that are not in the launch: {unknown} (the hosts are "
+            f"{list(hostnames)}{starts})"
+        )
 
 
-def python_for(python: Python, hostname: str) -> str | None:
-    """The interpreter ``python`` gives a remote host; None: the launcher's own path."""
+def python_for(python: Python, hostname: str, method: str | None = None) -> str | None:
+    """The interpreter ``python`` gives a remote host; None: the launcher's own path.
+
+    A dict gives the host's own entry, else that of how it starts (``"@srun"``, ``"@ssh"``,
+    ``"@kubectl"``: every host of that provider).
+    """
     if isinstance(python, str):
         return python
     if isinstance(python, Mapping):
-        return python.get(hostname)
+        given = python.get(hostname)
+        return given if given is not None or method is None else python.get(f"@{method}")
     return None
 
 
@@ -165,7 +180,9 @@ def check_container(container: object) -> None:
         )
 
 
-def default_python(python: Python, hostname: str, container: Sequence[str]) -> str | None:
+def default_python(
+    python: Python, hostname: str, container: Sequence[str], method: str | None = None
+) -> str | None:
     """The interpreter a remote host runs: ``python``'s, else ``python3`` in a container."""
-    given = python_for(python, hostname)
+    given = python_for(python, hostname, method)
     return given if given is not None or not container else "python3"
