@@ -6,6 +6,7 @@ the launcher's side of the comparison is a :class:`Local`. No process, no socket
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -243,6 +244,13 @@ def test_rule_a_report_and_a_request_travel_as_one_line_each():
     assert ProbeRequest.from_json(raw) == request
     first = ProbeRequest(**{**request.__dict__, "host_index": 0, "master": None, "peers": 3})
     assert ProbeRequest.from_json(first.to_json_line()) == first
+    # A host with its own interpreter or shipped code keeps its sys.path (read by the boot
+    # code from the same line); a line without the field (an older launcher's) keeps none.
+    own = ProbeRequest(**{**request.__dict__, "keep_path": True})
+    assert ProbeRequest.from_json(own.to_json_line()).keep_path is True
+    assert json.loads(own.to_json_line())["keep_path"] is True
+    older = {k: v for k, v in json.loads(raw).items() if k != "keep_path"}
+    assert ProbeRequest.from_json(json.dumps(older).encode()).keep_path is False
 
 
 def test_rule_only_a_stdout_line_is_a_report():
