@@ -10,6 +10,7 @@ editable install points into the hidden checkout).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import re
@@ -51,14 +52,14 @@ def _where() -> dict[str, str]:
 def test_python_names_each_hosts_own_interpreter(cluster, tmp_path):
     other = tmp_path / "other-venv"
     other.symlink_to(sys.prefix)  # the same packages, at a path the launcher does not run
-    result = trx.launch(
-        _where,
+    launcher = trx.Launcher(
         hostnames=cluster.names(),
         workers_per_host=1,
         backend=None,
         ssh_config_file=cluster.ssh_config,
         python={cluster.names()[1]: str(other / "bin" / "python")},
     )
+    result = launcher.run(_where)
     first, second = result.ranks
     assert first["executable"] == sys.executable
     assert second["executable"] == str(other / "bin" / "python")
@@ -67,14 +68,8 @@ def test_python_names_each_hosts_own_interpreter(cluster, tmp_path):
     assert second["torchrunx"] == trx.__file__
     assert second["cwd"] == os.getcwd()
     # Per provider: "@ssh" gives every SSH host that interpreter; a host's own entry wins.
-    result = trx.launch(
-        _where,
-        hostnames=cluster.names(),
-        workers_per_host=1,
-        backend=None,
-        ssh_config_file=cluster.ssh_config,
-        python={"@ssh": str(other / "bin" / "python"), cluster.names()[0]: sys.executable},
-    )
+    per_provider = {"@ssh": str(other / "bin" / "python"), cluster.names()[0]: sys.executable}
+    result = dataclasses.replace(launcher, python=per_provider).run(_where)
     assert [r["executable"] for r in result.ranks] == [
         sys.executable,
         str(other / "bin" / "python"),
