@@ -60,7 +60,11 @@ def start_daemon(pidfile: str, tag: str, *, ignore_term: bool = False) -> int:
         assert time.monotonic() < deadline, "the daemon did not write its pid"
         time.sleep(0.01)
     pid = int(Path(pidfile).read_text())
-    assert daemon_alive(pid, tag)
+    # ``sh`` writes ``$!`` before its child has exec'd ``sleep``: while it execs, the kernel
+    # shows an empty ``/proc/PID/cmdline`` for a moment, so look again until it is there.
+    while not daemon_alive(pid, tag):
+        assert time.monotonic() < deadline, f"the daemon {pid} (sleep {tag}) is not running"
+        time.sleep(0.01)
     return pid
 
 
