@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/many_hosts.py [--hosts 1000] [--workers 8] [--simulators 4]
+    python benchmarks/many_hosts.py [--hosts 1000] [--workers 8] [--simulators 4] [--floor]
 
 The launcher is the real one (:class:`torchrunx.launcher.orchestrator.Launch`: its listener,
 handshakes,
@@ -21,6 +21,8 @@ simulators' CPU time, with the launch time this machine's cores allow at best
 (``cpu_bound_seconds``: the launcher's and the simulators' CPU time over the cores), the floor
 under the time from the call to the result. A second,
 smaller run (``--hosts / 10``) is printed beside it so the per-host figures can be compared.
+With ``--floor``, the same simulators then connect to a bare server doing only the protocol's
+own work (:class:`_BareServer`): its time and CPU per host are the floor under the launcher's.
 """
 
 from __future__ import annotations
@@ -30,12 +32,18 @@ import asyncio
 import json
 import multiprocessing
 import os
+import pickle
 import resource
+import select
+import socket
+import struct
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import torchrunx as trx
 from torchrunx import serialization
@@ -329,12 +337,217 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
     }
 
 
+# -- the floor: a bare server doing the same protocol work ------------------------------------
+
+
+class _BareConnection:
+    """One connection of the bare server: the handshake, then records opened and frames cut.
+
+    No launch state, no events, no buffers reused: the least a Python process does for this
+    protocol (a greeting, the client's proof checked, its keys, each record decrypted and
+    each frame's header unpickled, a spec sent to each agent, the close record read).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.nonce = os.urandom(handshake.NONCE_BYTES)
+        self.reply = b""
+        self.opener: AESGCM | None = None
+        self.sealer: records.Sealer | None = None
+        self.received = 0
+        self.data = bytearray()
+        self.plain = bytearray()
+        self.closed = False
+
+
+def _bare_frames(conn: _BareConnection) -> list[messages.Message]:
+    """Open every whole record that came; return the messages of the frames they complete."""
+    assert conn.opener is not None
+    out: list[messages.Message] = []
+    data = conn.data
+    start = 0
+    while len(data) - start >= 4:
+        size = int.from_bytes(data[start : start + 4], "big")
+        end = start + 4 + size
+        if end > len(data):
+            break
+        nonce = (conn.received).to_bytes(12, "big")
+        conn.received += 1
+        plain = conn.opener.decrypt(
+            nonce, bytes(data[start + 4 : end]), bytes(data[start : start + 4])
+        )
+        start = end
+        if not plain:
+            conn.closed = True
+            continue
+        conn.plain += plain
+        while len(conn.plain) >= 12:
+            header, parts = struct.unpack_from("!QI", conn.plain)
+            sizes = struct.unpack_from(f"!{parts}Q", conn.plain, 12)
+            begin = 12 + 8 * parts
+            total = begin + header + sum(sizes)
+            if len(conn.plain) < total:
+                break
+            out.append(pickle.loads(conn.plain[begin : begin + header]))
+            del conn.plain[:total]
+    del data[:start]
+    return out
+
+
+class _BareServer:
+    """The floor's server: one epoll loop, no launch state, no events, nothing reused."""
+
+    def __init__(self, hosts: int, workers: int) -> None:
+        self.hosts, self.workers = hosts, workers
+        self.secret = handshake.new_secret()
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=4096)
+        self.sock.settimeout(0.0)
+        self.port = int(self.sock.getsockname()[1])
+        self.epoll = select.epoll()
+        self.epoll.register(self.sock.fileno(), select.EPOLLIN)
+        self.conns: dict[int, _BareConnection] = {}
+        self.results = 0
+        self.agents_done = 0
+
+    def serve(self, timeout: float = 300.0) -> None:
+        """Until every agent said it is done, every result came and every connection ended.
+
+        Raises:
+            TimeoutError: Not within ``timeout`` seconds (a simulated agent failed, say).
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            while (
+                self.agents_done < self.hosts or self.results < self.hosts * self.workers
+            ) or self.conns:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the floor's launch did not end within {timeout:g} s: "
+                        f"{self.agents_done} of {self.hosts} agents done, "
+                        f"{self.results} results, {len(self.conns)} connections open"
+                    )
+                for fd, _events in self.epoll.poll(1.0):
+                    if fd == self.sock.fileno():
+                        self._accept()
+                    else:
+                        self._readable(self.conns[fd])
+        finally:
+            for conn in self.conns.values():
+                conn.sock.close()
+            self.epoll.close()
+            self.sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.sock.accept()
+            except BlockingIOError:
+                return
+            sock.settimeout(0.0)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _BareConnection(sock)
+            sock.send(handshake.server_greeting(conn.nonce))
+            self.conns[sock.fileno()] = conn
+            self.epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def _readable(self, conn: _BareConnection) -> None:
+        try:
+            chunk = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        ended = not chunk
+        if conn.opener is None:
+            need = handshake.CLIENT_REPLY_BYTES - len(conn.reply)
+            conn.reply += chunk[:need]
+            if len(conn.reply) < handshake.CLIENT_REPLY_BYTES:
+                return
+            _role, proof, keys = handshake.check_client_reply(self.secret, conn.nonce, conn.reply)
+            conn.sock.send(proof)
+            conn.opener, conn.sealer = AESGCM(keys.receive), records.Sealer(keys.send)
+            chunk = chunk[need:]
+        conn.data += chunk
+        for message in _bare_frames(conn):
+            self._on_message(conn, message)
+        if ended and not conn.closed:  # as the launcher would: that peer failed
+            raise RuntimeError("a simulated peer's connection ended without its close record")
+        if conn.closed:
+            self.epoll.unregister(conn.sock.fileno())
+            del self.conns[conn.sock.fileno()]
+            conn.sock.close()
+
+    def _on_message(self, conn: _BareConnection, message: messages.Message) -> None:
+        if isinstance(message, messages.AgentHello):
+            spec = messages.WorkerSpec(
+                host_index=message.host_index,
+                hostname=message.hostname,
+                num_workers=self.workers,
+                rank_offset=message.host_index * self.workers,
+                world_size=self.hosts * self.workers,
+                master_addr="127.0.0.1",
+                master_port=1,
+                backend=None,
+                timeout=60.0,
+                num_hosts=self.hosts,
+            )
+            assert conn.sealer is not None
+            for record in conn.sealer.seal_frame(spec):
+                conn.sock.send(record)
+        elif isinstance(message, messages.WorkerResult):
+            self.results += 1
+        elif isinstance(message, messages.AgentDone):
+            self.agents_done += 1
+
+
+def measure_floor(hosts: int, workers: int, simulators: int) -> dict[str, float]:
+    """The same simulated agents and workers against :class:`_BareServer`: its CPU per host."""
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(simulators)]
+    processes = [
+        multiprocessing.Process(target=_simulator, args=(receiver,), daemon=True)
+        for receiver, _ in pipes
+    ]
+    for process in processes:
+        process.start()
+    server = _BareServer(hosts, workers)
+    cpu_before = time.process_time()
+    usage_before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    for index in range(hosts):
+        boot = {
+            "host_index": index,
+            "hostname": f"sim{index}",
+            "launcher": ["127.0.0.1", server.port],
+            "secret": server.secret.hex(),
+            "workers": workers,
+        }
+        pipes[index % simulators][1].send(json.dumps(boot))
+    server.serve()
+    elapsed = time.perf_counter() - started
+    cpu = time.process_time() - cpu_before
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    for _, sender in pipes:
+        sender.send(None)
+    for process in processes:
+        process.join(30)
+    return {
+        "hosts": hosts,
+        "seconds": elapsed,
+        "cpu_ms_per_host": cpu / hosts * 1000,
+        "user_ms_per_host": (usage.ru_utime - usage_before.ru_utime) / hosts * 1000,
+        "system_ms_per_host": (usage.ru_stime - usage_before.ru_stime) / hosts * 1000,
+    }
+
+
 def main() -> None:
     """Run the small and the large launch and print their figures side by side."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--simulators", type=int, default=4)
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run the same simulators against a bare server (the floor), after the launches",
+    )
     args = parser.parse_args()
     _raise_fd_limit()
     os.environ.setdefault("TORCHRUNX_LOG_LEVEL", "WARNING")
@@ -351,6 +564,14 @@ def main() -> None:
         f"launcher CPU per host: {large['cpu_ms_per_host']:.2f} ms "
         f"({large['cpu_ms_per_host'] / small['cpu_ms_per_host']:.2f}x the small launch's)"
     )
+    if args.floor:
+        floor = measure_floor(args.hosts, args.workers, args.simulators)
+        for key in ("seconds", "cpu_ms_per_host", "user_ms_per_host", "system_ms_per_host"):
+            print(f"floor {key:18}{floor[key]:12.3f}")
+        print(
+            f"launcher CPU per host over the floor's: "
+            f"{large['cpu_ms_per_host'] / floor['cpu_ms_per_host']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ python -m pip install -q -e ".[dev]"
 # DeepSpeed builds from source and imports torch to do it: without build isolation it uses
 # the torch above (an isolated build would download a CUDA torch of several GB).
 python -m pip install -q --no-build-isolation -e ".[frameworks]"
+# DeepSpeed compiles its CPU op the first time an engine starts (a minute on two cores): built
+# here, once, where tests/test_frameworks.py looks for it, as part of installing DeepSpeed.
+python tests/test_frameworks.py
 # Ray, for tests/test_ray.py's real multi-node cluster on the namespace test hosts.
 python -m pip install -q -e ".[ray]"
 ruff check .

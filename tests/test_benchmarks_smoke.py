@@ -75,3 +75,28 @@ def test_warm_benchmark_smoke_run():
         assert re.fullmatch(r"\d+\.\d+ CPU-s \(.*\)", rows[label][0]), rows[label]
     assert "torchrunx 0.4" not in result.stdout
     assert "Error" not in result.stdout, result.stdout
+
+
+def test_many_hosts_benchmark_smoke_run_with_its_floor():
+    """``benchmarks/many_hosts.py --floor`` at a small size: every rank's result comes back
+    (it asserts so itself), the launcher's figures and the bare server's floor are printed."""
+    sizes = ["--hosts", "20", "--workers", "2", "--simulators", "2"]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "many_hosts.py"), *sizes, "--floor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "simulated agent failed" not in result.stderr, result.stderr[-4000:]
+    figures = {}
+    for line in result.stdout.splitlines():
+        match = re.fullmatch(r"(floor )?(\w+) +([\d.]+)(?: +([\d.]+))?", line)
+        if match:
+            figures[(match[1] or "") + match[2]] = float(match[4] or match[3])
+    assert figures["ranks"] == 40, result.stdout  # 20 hosts x 2, the large launch
+    assert figures["cpu_ms_per_host"] > 0, result.stdout
+    assert figures["floor seconds"] > 0, result.stdout
+    assert figures["floor cpu_ms_per_host"] > 0, result.stdout
+    assert re.search(r"launcher CPU per host over the floor's: [\d.]+x", result.stdout)

@@ -54,19 +54,18 @@ EXTENSIONS = Path.home() / ".cache" / "torchrunx-tests" / "torch_extensions"
 """Where the tests have torch build DeepSpeed's op: a folder only :func:`deepspeed_ops` builds in."""
 
 
-@pytest.fixture(scope="session")
-def deepspeed_ops() -> Iterator[None]:
-    """DeepSpeed's C++ op for CPU collectives, compiled once, before any launch needs it.
+def build_deepspeed_ops() -> None:
+    """Compile DeepSpeed's C++ op for CPU collectives in :data:`EXTENSIONS` (quick if it is).
 
-    The first engine on a machine compiles it (30 s or more on two cores, with a C++ compiler);
+    The first engine on a machine compiles it (a minute on two cores, with a C++ compiler);
     done inside a launch, that would count against the test's time and crowd the machine.
+    ``scripts/test.sh`` runs this (``python tests/test_frameworks.py``) as a build step after
+    installing DeepSpeed, so the suite finds it built; :func:`deepspeed_ops` runs it too.
 
     torch guards a build with a bare ``lock`` file, which a killed build (or a worker killed
     while it loads the op) leaves behind, and every later load then waits on it for ever. So the
     tests build in their own folder, under an ``flock`` (which dies with its holder), and remove
     such a leftover ``lock`` first: while the flock is held, no build of theirs is running there.
-    The launches of this session find the op through ``TORCH_EXTENSIONS_DIR`` (a ``TORCH*``
-    variable: copied to the workers by default).
     """
     EXTENSIONS.mkdir(parents=True, exist_ok=True)
     build = "from deepspeed.accelerator import get_accelerator as a\n"
@@ -84,6 +83,16 @@ def deepspeed_ops() -> Iterator[None]:
             env={**os.environ, "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)},
         )
     assert done.returncode == 0, f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops() -> Iterator[None]:
+    """DeepSpeed's C++ op for CPU collectives, compiled once, before any launch needs it.
+
+    The launches of this session find the op through ``TORCH_EXTENSIONS_DIR`` (a ``TORCH*``
+    variable: copied to the workers by default).
+    """
+    build_deepspeed_ops()
     before = os.environ.get("TORCH_EXTENSIONS_DIR")
     os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS)
     yield
@@ -457,3 +466,7 @@ def test_accelerate_is_told_to_use_the_cpu_only_where_nothing_else_is_there(monk
     assert framework_env({}, gpus=0) == {}
     monkeypatch.delitem(sys.modules, "torch")  # backend=None: torch not imported
     assert framework_env({}, gpus=0) == {}
+
+
+if __name__ == "__main__":  # scripts/test.sh: the op built before the suite, as a build step
+    build_deepspeed_ops()
