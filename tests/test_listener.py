@@ -195,6 +195,30 @@ def test_listen_socket_on_one_address_or_every_interface(host, expected):
 # --------------------------------------------------------------------------------------------
 
 
+def test_a_relayed_connection_handed_over_as_the_launch_ends_is_closed_not_leaked():
+    """A relay hands the loop a connection (``post(..., on_drop=sock.close)``, as the launch
+    does); the loop closes before its next round: the socket is closed, and so is one handed
+    over after. A post that runs is not dropped."""
+    loop = IOLoop()
+    ran: list[str] = []
+    kept, _peer = socket.socketpair()
+    loop.post(lambda: ran.append("kept"), on_drop=kept.close)
+    loop.run_once(0)
+    assert ran == ["kept"]
+    assert kept.fileno() >= 0  # it ran: nothing dropped
+    late, _late_peer = socket.socketpair()
+    loop.post(lambda: ran.append("late"), on_drop=late.close)
+    loop.close()  # before the loop's next round
+    assert late.fileno() == -1
+    after, _after_peer = socket.socketpair()
+    loop.post(lambda: ran.append("after"), on_drop=after.close)
+    assert after.fileno() == -1
+    assert ran == ["kept"]
+    loop.post(lambda: ran.append("no drop"))  # nothing to release: no error
+    for sock in (kept, _peer, _late_peer, _after_peer):
+        sock.close()
+
+
 def test_handshakes_at_once_take_at_most_a_quarter_of_the_descriptor_limit(caplog):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 
+_Posted = tuple["Callable[[], None]", "Callable[[], None] | None"]
+"""A posted callback, and what releases what it holds if it never runs."""
 _READY_TO_READ = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
 _READY_TO_WRITE = select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP
 
@@ -39,7 +41,7 @@ class IOLoop:
         """Each registered descriptor's events, as epoll holds them."""
         self._readers: dict[int, Callable[[], None]] = {}
         self._writers: dict[int, Callable[[], None]] = {}
-        self._posted: collections.deque[Callable[[], None]] = collections.deque()
+        self._posted: collections.deque[_Posted] = collections.deque()
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._lock = threading.Lock()
         self._closed = False
@@ -86,14 +88,20 @@ class IOLoop:
             self._epoll.modify(fd, mask) if now else self._epoll.register(fd, mask)
             self._masks[fd] = mask
 
-    def post(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` in the loop's thread at its next round (callable from any thread)."""
+    def post(self, callback: Callable[[], None], on_drop: Callable[[], None] | None = None) -> None:
+        """Run ``callback`` in the loop's thread at its next round (callable from any thread).
+
+        ``on_drop``: called instead when the callback will never run (the loop is closed, or
+        closes first), so that what it was handed (a socket, say) is released, not left open.
+        """
         with self._lock:
-            if self._closed:
+            if not self._closed:
+                self._posted.append((callback, on_drop))
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake_write, b"\0")
                 return
-            self._posted.append(callback)
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._wake_write, b"\0")
+        if on_drop is not None:
+            on_drop()
 
     def wake(self) -> None:
         """Make the loop's current or next wait return at once; safe in a signal handler.
@@ -123,12 +131,19 @@ class IOLoop:
                 if reader is not None:
                     reader()
         while self._posted:
-            self._posted.popleft()()
+            self._posted.popleft()[0]()
 
     def close(self) -> None:
-        """Release the selector and the wake-up pipe; later posts are dropped."""
+        """Release the selector and the wake-up pipe; posts not run, and later ones, are dropped.
+
+        Each dropped post's ``on_drop`` is called (see :meth:`post`).
+        """
         with self._lock:
             self._closed = True
             os.close(self._wake_write)
+            dropped, self._posted = list(self._posted), collections.deque()
         os.close(self._wake_read)
         self._epoll.close()
+        for _callback, on_drop in dropped:
+            if on_drop is not None:
+                on_drop()

@@ -376,7 +376,8 @@ class LaunchLoop:
 
     def _adopt(self, sock: socket.socket, addresses: tuple[str, str]) -> None:
         """A relayed connection (from a relay's thread): the listener takes it in the loop."""
-        self.loop.post(lambda: self.listener.adopt(sock, addresses))
+        # Closed, not leaked, if the launch ends before its loop takes it.
+        self.loop.post(lambda: self.listener.adopt(sock, addresses), on_drop=sock.close)
 
     def close(self) -> None:
         """Release everything: agents, connections, the port, the loop, and helper threads."""
