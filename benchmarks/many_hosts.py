@@ -73,7 +73,7 @@ class _Link:
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        keys: handshake.SessionKeys,
+        keys: records.SessionKeys,
     ) -> None:
         self.reader, self.writer = reader, writer
         self.sealer = records.Sealer(keys.send)
@@ -248,16 +248,41 @@ def _rss_kib() -> int:
     return 0
 
 
-def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
-    """One launch of ``hosts`` x ``workers`` simulated ranks; the launcher's figures."""
-    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(simulators)]
+def _start_simulators(count: int) -> tuple[list[Connection], list[multiprocessing.Process]]:
+    """``count`` simulator processes, started; the pipes that hand each its agents."""
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(count)]
     processes = [
         multiprocessing.Process(target=_simulator, args=(receiver,), daemon=True)
         for receiver, _ in pipes
     ]
-    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     for process in processes:
         process.start()
+    return [sender for _, sender in pipes], processes
+
+
+def _stop_simulators(senders: list[Connection], processes: list[multiprocessing.Process]) -> None:
+    """Tell the simulators no agent is coming; wait for them (30 s each at most)."""
+    for sender in senders:
+        sender.send(None)
+    for process in processes:
+        process.join(30)
+
+
+def _cpu_per_host(
+    cpu: float, before: resource.struct_rusage, after: resource.struct_rusage, hosts: int
+) -> dict[str, float]:
+    """This process's CPU time per host in ms: in total, and its user and system parts."""
+    return {
+        "cpu_ms_per_host": cpu / hosts * 1000,
+        "user_ms_per_host": (after.ru_utime - before.ru_utime) / hosts * 1000,
+        "system_ms_per_host": (after.ru_stime - before.ru_stime) / hosts * 1000,
+    }
+
+
+def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
+    """One launch of ``hosts`` x ``workers`` simulated ranks; the launcher's figures."""
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    senders, processes = _start_simulators(simulators)
     launcher = trx.Launcher(
         hostnames=[f"sim{i}" for i in range(hosts)],
         workers_per_host=workers,
@@ -285,7 +310,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
     def start(index: int) -> _SimulatedAgent:
         agent = launch.state.agents[index]
         line = launch.starts.bootstrap(agent, "127.0.0.1")  # what a real start sends
-        pipes[index % simulators][1].send(line.decode())
+        senders[index % simulators].send(line.decode())
         return _SimulatedAgent(agent.slots.hostname)
 
     cpu_before = time.process_time()
@@ -311,10 +336,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         sampler.join()
     cpu = time.process_time() - cpu_before
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    for _, sender in pipes:
-        sender.send(None)
-    for process in processes:
-        process.join(30)
+    _stop_simulators(senders, processes)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the simulators, once joined
     simulators_cpu = (children.ru_utime + children.ru_stime) - (
         children_before.ru_utime + children_before.ru_stime
@@ -327,9 +349,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         "ranks": ranks,
         "seconds": elapsed,
         "cpu_seconds": cpu,
-        "cpu_ms_per_host": cpu / hosts * 1000,
-        "user_ms_per_host": (usage.ru_utime - usage_before.ru_utime) / hosts * 1000,
-        "system_ms_per_host": (usage.ru_stime - usage_before.ru_stime) / hosts * 1000,
+        **_cpu_per_host(cpu, usage_before, usage, hosts),
         "peak_threads": peak_threads,
         "kib_per_connection": max(peak_rss - baseline, 0) / connections,
         "simulators_cpu_seconds": simulators_cpu,
@@ -500,13 +520,7 @@ class _BareServer:
 
 def measure_floor(hosts: int, workers: int, simulators: int) -> dict[str, float]:
     """The same simulated agents and workers against :class:`_BareServer`: its CPU per host."""
-    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(simulators)]
-    processes = [
-        multiprocessing.Process(target=_simulator, args=(receiver,), daemon=True)
-        for receiver, _ in pipes
-    ]
-    for process in processes:
-        process.start()
+    senders, processes = _start_simulators(simulators)
     server = _BareServer(hosts, workers)
     cpu_before = time.process_time()
     usage_before = resource.getrusage(resource.RUSAGE_SELF)
@@ -519,22 +533,13 @@ def measure_floor(hosts: int, workers: int, simulators: int) -> dict[str, float]
             "secret": server.secret.hex(),
             "workers": workers,
         }
-        pipes[index % simulators][1].send(json.dumps(boot))
+        senders[index % simulators].send(json.dumps(boot))
     server.serve()
     elapsed = time.perf_counter() - started
     cpu = time.process_time() - cpu_before
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    for _, sender in pipes:
-        sender.send(None)
-    for process in processes:
-        process.join(30)
-    return {
-        "hosts": hosts,
-        "seconds": elapsed,
-        "cpu_ms_per_host": cpu / hosts * 1000,
-        "user_ms_per_host": (usage.ru_utime - usage_before.ru_utime) / hosts * 1000,
-        "system_ms_per_host": (usage.ru_stime - usage_before.ru_stime) / hosts * 1000,
-    }
+    _stop_simulators(senders, processes)
+    return {"hosts": hosts, "seconds": elapsed, **_cpu_per_host(cpu, usage_before, usage, hosts)}
 
 
 def main() -> None:
