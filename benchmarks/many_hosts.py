@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -129,6 +130,18 @@ async def _connect(address: tuple[str, int], secret: bytes, role: handshake.Role
         pause = min(pause * 2, 1.0)
 
 
+async def _half_close_and_drain(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """As a real agent or worker after its close record: half-close, then read until the server
+    closes (a socket closed with unread data is reset, and a reset may drop what was still being
+    sent). A server that closed first (it had the close record: everything came) is no error.
+    """
+    with contextlib.suppress(OSError):
+        writer.write_eof()
+        await writer.drain()
+        while await reader.read(65536):
+            pass
+
+
 async def _worker(
     address: tuple[str, int], secret: bytes, spec: messages.WorkerSpec, local: int
 ) -> None:
@@ -138,10 +151,7 @@ async def _worker(
     link.send(messages.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
     link.send(messages.WorkerResult(rank, sent_at=time.time()), NOOP_RESULT)
     writer.write(link.sealer.seal_close())  # as a real worker: the authenticated end, then FIN
-    writer.write_eof()
-    await writer.drain()
-    while await reader.read(65536):  # until the launcher closes: never close with unread data
-        pass
+    await _half_close_and_drain(reader, writer)
     writer.close()
     await writer.wait_closed()
 
@@ -179,12 +189,7 @@ async def _agent(boot: dict[str, Any]) -> None:
         link.send(messages.WorkerExited(local, pid, 0, None, at=time.time()), [])
     link.send(messages.AgentDone(), [])
     writer.write(link.sealer.seal_close())
-    # As the real agent: half-close, then read (heartbeats) until the launcher closes. A socket
-    # closed with unread data is reset, and a reset may drop what was still being sent.
-    writer.write_eof()
-    await writer.drain()
-    while await reader.read(65536):
-        pass
+    await _half_close_and_drain(reader, writer)
     writer.close()
 
 
