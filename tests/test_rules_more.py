@@ -64,6 +64,7 @@ from torchrunx.hosts import resolve as hosts
 from torchrunx.hosts.hostlists import HostSlots
 from torchrunx.launcher import launcher as launcher_module
 from torchrunx.launcher.agent_pool import AgentExited, AgentStarted, AgentStartFailed
+from torchrunx.launcher.channels import WorkerChannel
 from torchrunx.launcher.failures import choose_cause, restarts_for
 from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth
 from torchrunx.launcher.inbox import Inbox
@@ -75,12 +76,16 @@ from torchrunx.wire import handshake, messages
 from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
+    DebugInput,
     DebugOutput,
     DebugpyListening,
+    FromWorker,
     Heartbeat,
     LogLines,
     PreemptionNotice,
     Stop,
+    ToWorker,
+    WorkerChannelClosed,
     WorkerException,
     WorkerExited,
     WorkerHello,
@@ -120,11 +125,35 @@ class StubPeer:
         self.sent: list[object] = []
         self.closed = False
 
-    def send(self, message: object) -> None:
+    def send(self, message: object, payload: object = ()) -> None:
+        del payload  # the tests look at the messages
         self.sent.append(message)
 
     def close(self) -> None:
         self.closed = True
+
+
+class WorkerVia:
+    """A worker as the inbox sees it: its messages come inside FromWorker on its agent's
+    connection, and the launcher ends its channel with ToWorker(pid, None) there."""
+
+    def __init__(self, agent: StubPeer, local_rank: int, pid: int) -> None:
+        self.agent, self.local_rank, self.pid = agent, local_rank, pid
+        self.ident: int | None = None
+        """Its channel's ident in the inbox, once its hello opened one."""
+
+    @property
+    def drops(self) -> int:
+        """How many times the launcher asked the agent to end this worker's channel."""
+        return self.agent.sent.count(ToWorker(self.pid, None))
+
+    @property
+    def closed(self) -> bool:
+        return self.drops > 0
+
+    def ended(self) -> FrameReceived:
+        """The agent reports that this worker's channel ended."""
+        return frame(self.agent, WorkerChannelClosed(self.local_rank, clean=False))
 
 
 class StubProcess:
@@ -176,7 +205,16 @@ def new_inbox(hosts: int = 2, workers: int = 2, **launcher: object) -> tuple[Inb
     return inbox, parts
 
 
-def frame(peer: StubPeer, message: object, payload: list | None = None, at: float = 0.0):
+def frame(
+    peer: StubPeer | WorkerVia, message: object, payload: list | None = None, at: float = 0.0
+):
+    if isinstance(peer, WorkerVia):  # forwarded by its agent
+        return FrameReceived(
+            peer.agent,  # type: ignore[arg-type]
+            FromWorker(peer.local_rank, message),  # type: ignore[arg-type]
+            payload or [],
+            at,
+        )
     return FrameReceived(peer, message, payload or [], at)  # type: ignore[arg-type]
 
 
@@ -202,11 +240,12 @@ def connected(hosts: int = 2, workers: int = 2, **launcher: object):
 
 
 def with_workers(hosts: int = 2, workers: int = 2, **launcher: object):
-    """Also every rank's own connection (peers 100 + rank) said hello."""
+    """Also every rank's worker (pid 2000 + rank) said hello through its agent."""
     inbox, parts, peers = connected(hosts, workers, **launcher)
-    ranks = [StubPeer(100 + r.rank, "worker") for r in inbox.state.ranks]
-    for rank, peer in zip(inbox.state.ranks, ranks, strict=True):
-        inbox.apply(frame(peer, WorkerHello(rank.rank, rank.local_rank, 2000 + rank.rank)))
+    ranks = [WorkerVia(peers[r.host_index], r.local_rank, 2000 + r.rank) for r in inbox.state.ranks]
+    for rank, via in zip(inbox.state.ranks, ranks, strict=True):
+        inbox.apply(frame(via, WorkerHello(rank.rank, rank.local_rank, via.pid)))
+        via.ident = rank.conn
     parts.events.clear()
     return inbox, parts, peers, ranks
 
@@ -294,13 +333,19 @@ def test_rule_a_peer_must_say_who_it_is_first_and_as_its_role(role, message):
 
 
 def test_rule_a_workers_hello_binds_its_rank_and_makes_it_healthy():
-    inbox, parts, _ = connected()
-    peer = StubPeer(103, "worker")
-    inbox.apply(frame(peer, WorkerHello(3, 1, 4242)))
+    inbox, parts, peers = connected()
+    via = WorkerVia(peers[1], 1, 4242)
+    inbox.apply(frame(via, WorkerHello(3, 1, 4242)))
     rank = inbox.state.ranks[3]
-    assert (rank.conn, rank.pid, rank.state) == (103, 4242, WorkerState.HEALTHY)
-    assert inbox.owners[103] == ("rank", 3) and inbox.peers[103] is peer
-    assert len(parts.events) == 1 and not peer.closed
+    assert rank.conn is not None and (rank.pid, rank.state) == (4242, WorkerState.HEALTHY)
+    channel = inbox.peers[rank.conn]
+    assert isinstance(channel, WorkerChannel) and channel.agent is peers[1]
+    assert (channel.local_rank, channel.pid) == (1, 4242)
+    assert inbox.owners[rank.conn] == ("rank", 3) and rank.conn not in (0, 1)  # not an agent's
+    assert len(parts.events) == 1 and not via.closed
+    channel.send(DebugInput("c"))  # what the launch sends the rank goes to its agent, wrapped
+    channel.close()
+    assert peers[1].sent == [ToWorker(4242, DebugInput("c")), ToWorker(4242, None)]
 
 
 @pytest.mark.parametrize(
@@ -312,17 +357,43 @@ def test_rule_a_workers_hello_binds_its_rank_and_makes_it_healthy():
     ],
 )
 def test_rule_a_worker_hello_for_no_rank_of_this_attempt_is_refused(message):
-    inbox, parts, _ = connected()
-    peer = StubPeer(120, "worker")
-    inbox.apply(frame(peer, message))
-    assert peer.closed and 120 not in inbox.owners and parts.events == []
+    inbox, parts, peers = connected()
+    via = WorkerVia(peers[0], message.local_rank, 5)
+    inbox.apply(frame(via, message))
+    assert via.closed and inbox.channels == {} and parts.events == []
+    assert all(r.conn is None for r in inbox.state.ranks)
 
 
-def test_rule_a_second_connection_for_a_rank_is_refused():
-    inbox, _, _, ranks = with_workers()
-    again = StubPeer(200, "worker")
-    inbox.apply(frame(again, WorkerHello(0, 0, 2000)))
-    assert again.closed and not ranks[0].closed and inbox.state.ranks[0].conn == 100
+@pytest.mark.parametrize(
+    ("agent", "local", "message"),
+    [
+        (0, 0, WorkerHello(2, 0, 5)),  # rank 2 is host 1's local rank 0, not host 0's
+        (1, 1, WorkerHello(3, 0, 5)),  # a hello whose local rank is not its channel's
+        (1, 0, WorkerHello(3, 1, 5)),  # rank 3 is host 1's local rank 1
+    ],
+)
+def test_rule_a_worker_hello_for_a_rank_of_another_host_or_slot_is_refused(agent, local, message):
+    inbox, parts, peers = connected()
+    via = WorkerVia(peers[agent], local, 5)
+    inbox.apply(frame(via, message))
+    assert via.closed and inbox.channels == {} and parts.events == []
+    assert all(r.conn is None for r in inbox.state.ranks)
+
+
+def test_rule_a_second_channel_for_a_rank_is_refused():
+    inbox, _, peers, ranks = with_workers()
+    inbox.apply(ranks[0].ended())  # its worker's channel ended (say it forked, and the child
+    again = WorkerVia(peers[0], 0, 2100)  # says hello again): a rank has one channel
+    inbox.apply(frame(again, WorkerHello(0, 0, 2100)))
+    assert again.closed and inbox.state.ranks[0].conn == ranks[0].ident
+
+
+def test_rule_frames_of_a_channel_that_ended_are_not_acted_on():
+    inbox, _parts, _, ranks = with_workers()
+    inbox.apply(ranks[1].ended())
+    inbox.apply(frame(ranks[1], WorkerResult(1), [bytearray(b"late")]))
+    assert inbox.state.ranks[1].result is None and inbox.state.faults == []
+    assert not ranks[1].closed  # nothing to end: the agent said it ended
 
 
 def test_rule_every_message_of_an_agent_counts_as_hearing_from_it():
@@ -400,7 +471,7 @@ def test_rule_a_report_about_a_worker_the_agent_does_not_have_is_ignored():
 
 def test_rule_a_worker_that_exits_non_zero_after_its_connection_ended_died():
     inbox, parts, peers, ranks = with_workers()
-    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    inbox.apply(ranks[3].ended())
     inbox.apply(frame(peers[1], WorkerExited(1, 2003, 3, None, at=12.5)))
     rank = inbox.state.ranks[3]
     assert rank.settled and rank.state is WorkerState.FAILED
@@ -415,7 +486,7 @@ def test_rule_a_reported_exit_waits_for_the_workers_connection_to_end():
     inbox.apply(frame(peers[1], WorkerExited(1, 2003, 3, None)))
     rank = inbox.state.ranks[3]
     assert not rank.settled and inbox.state.faults == []
-    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    inbox.apply(ranks[3].ended())
     assert rank.settled and [f.kind for f in inbox.state.faults] == ["death"]
 
 
@@ -441,14 +512,17 @@ def test_rule_a_ranks_debugger_output_goes_to_the_debugger_and_its_end_forgets_i
     inbox.apply(frame(ranks[3], message))
     assert debugger.outputs == [(3, message)]
     assert parts.dropped == [] and not ranks[3].closed
-    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    inbox.apply(ranks[3].ended())
     assert debugger.forgotten == [3]
 
 
 def test_rule_debugger_output_without_a_debugger_drops_that_connection():
     inbox, parts, _, ranks = with_workers()
     inbox.apply(frame(ranks[2], DebugOutput(2, "(Pdb) ", waiting=True)))
-    assert parts.dropped == [ranks[2]]
+    assert ranks[2].drops == 1 and parts.dropped == []
+    (closed,) = [e for e in parts.events if isinstance(e, PeerClosed)]  # its end, queued
+    inbox.apply(closed)
+    assert inbox.state.ranks[2].conn_closed
 
 
 def test_rule_stacks_shown_on_request_go_to_the_look_and_are_not_kept():
@@ -493,7 +567,7 @@ def test_rule_a_result_is_recorded_once_and_a_second_outcome_drops_the_connectio
     inbox.apply(frame(ranks[1], WorkerResult(1), [bytearray(b"other")]))
     inbox.apply(frame(ranks[1], WorkerException(1, "ValueError", "late", "")))
     assert rank.result is payload and inbox.state.faults == []
-    assert parts.dropped == [ranks[1], ranks[1]]
+    assert ranks[1].drops == 1  # dropped at the second; the third came on an ended channel
 
 
 def test_rule_a_workers_exception_is_its_ranks_fault_at_the_time_it_was_raised():
@@ -533,14 +607,17 @@ def test_rule_a_peers_echo_is_a_collective_error_by_its_flag_or_its_message(flag
 
 @pytest.mark.parametrize("message", [Heartbeat(), AgentDone(), WorkersStarted((1,))])
 def test_rule_an_agents_message_on_a_workers_connection_drops_it(message):
-    inbox, parts, _, ranks = with_workers()
+    inbox, _parts, _, ranks = with_workers()
     inbox.apply(frame(ranks[2], message))
-    assert parts.dropped == [ranks[2]] and inbox.state.faults == []
+    assert ranks[2].drops == 1 and inbox.state.faults == []
 
 
 def test_rule_a_connection_that_never_said_hello_ends_with_nothing_to_judge():
     inbox, parts, _, _ = with_workers()
-    inbox.apply(PeerClosed(StubPeer(55, "worker")))  # type: ignore[arg-type]
+    inbox.apply(PeerClosed(StubPeer(55, "agent")))  # type: ignore[arg-type]
+    stranger = WorkerVia(StubPeer(0, "agent"), 5, 1)  # a channel that never said hello
+    inbox.apply(frame(stranger, WorkerResult(0)))
+    inbox.apply(stranger.ended())
     assert inbox.state.faults == [] and parts.events == []
 
 
@@ -550,21 +627,22 @@ def test_rule_a_stale_connection_of_a_rank_ends_without_judging_it():
     inbox.state.next_attempt()
     for agent in inbox.state.agents:
         inbox.state.assign(agent, spec(agent.index))
-    again = StubPeer(999, "worker")  # the rank has another connection now
-    inbox.apply(frame(again, WorkerHello(0, 0, 3000, attempt=1)))
-    inbox.apply(PeerClosed(ranks[0]))  # type: ignore[arg-type]
+    inbox.apply(ranks[0].ended())  # the old worker's channel ends as the new attempt begins
     assert not inbox.state.ranks[0].conn_closed
+    again = WorkerVia(ranks[0].agent, 0, 3000)
+    inbox.apply(frame(again, WorkerHello(0, 0, 3000, attempt=1)))
+    assert inbox.state.ranks[0].conn not in (None, ranks[0].ident)
 
 
 def test_rule_a_rank_whose_connection_ended_after_a_restart_is_not_looked_up():
     inbox, _, _, ranks = with_workers()
     inbox.state.begin_stop(restart=True)
     inbox.state.next_attempt()  # the ranks of the last attempt are gone
-    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    inbox.apply(ranks[3].ended())
     assert inbox.state.faults == []
     inbox.state.assign(inbox.state.agents[0], spec(0, 2, 2))
     inbox.state.assign(inbox.state.agents[1], spec(1, 1, 2))  # ranks 0..2 now
-    inbox.apply(PeerClosed(ranks[3]))  # type: ignore[arg-type]
+    inbox.apply(ranks[2].ended())
     assert inbox.state.faults == [] and not any(r.conn_closed for r in inbox.state.ranks)
 
 
@@ -719,12 +797,12 @@ def test_rule_a_remote_agent_killed_by_a_signal_is_named_so():
 
 
 def test_rule_a_forgotten_rank_is_dropped_and_its_late_frames_are_refused():
-    inbox, parts, _, ranks = with_workers()
+    inbox, _parts, _, ranks = with_workers()
     inbox.forget_rank(inbox.state.ranks[1])
-    assert parts.dropped == [ranks[1]] and 101 not in inbox.owners
-    assert 100 in inbox.owners  # the others stay
-    inbox.apply(frame(ranks[1], WorkerResult(1)))
-    assert ranks[1].closed  # now a first frame that is no hello
+    assert ranks[1].drops == 1 and ranks[1].ident not in inbox.owners
+    assert ranks[0].ident in inbox.owners  # the others stay
+    inbox.apply(frame(ranks[1], WorkerResult(1)))  # late: its channel is closed
+    assert inbox.state.ranks[1].result is None and ranks[1].drops == 1
 
 
 def test_rule_forgetting_a_rank_that_never_connected_drops_nothing():
@@ -736,10 +814,10 @@ def test_rule_forgetting_a_rank_that_never_connected_drops_nothing():
 
 
 def test_rule_forgetting_a_rank_twice_is_harmless():
-    inbox, parts, _, ranks = with_workers()
+    inbox, _parts, _, ranks = with_workers()
     inbox.forget_rank(inbox.state.ranks[1])
     inbox.forget_rank(inbox.state.ranks[1])
-    assert 101 not in inbox.owners and parts.dropped == [ranks[1], ranks[1]]
+    assert ranks[1].ident not in inbox.owners and ranks[1].drops == 1
 
 
 def test_rule_dropping_no_connection_or_an_unknown_one_does_nothing():
@@ -2475,14 +2553,14 @@ def test_rule_an_agents_preemption_notice_preempts_only_with_a_grace():
 
 
 def test_rule_a_ranks_debugpy_port_goes_to_its_handler_and_nothing_else_does():
-    inbox, parts, _, ranks = with_workers()
+    inbox, _, _, ranks = with_workers()
     seen: list[tuple[int, int]] = []
     inbox.apply(frame(ranks[1], DebugpyListening(1, 5678)))  # no handler: dropped
-    assert parts.dropped == [ranks[1]]
-    inbox, parts, _, ranks = with_workers()
+    assert ranks[1].drops == 1
+    inbox, _, _, ranks = with_workers()
     inbox.on_debugpy = lambda rank, port: seen.append((rank, port))
     inbox.apply(frame(ranks[1], DebugpyListening(1, 5678)))
-    assert seen == [(1, 5678)] and parts.dropped == []
+    assert seen == [(1, 5678)] and ranks[1].drops == 0
     inbox.apply(frame(ranks[0], WorkerResult(0, sent_at=1.0)))  # a result is no debugpy port
     assert seen == [(1, 5678)]
     assert inbox.state.ranks[0].result is not None

@@ -38,10 +38,12 @@ import torch in a background thread while the loop goes on; receive the :class:`
 with the pickled call as payload; fork the workers; then loop on one selector over the
 launcher connection, stdin, one pidfd per worker (so a death is reported the moment it
 happens), the workers' stdout and stderr pipes (forwarded as :class:`LogLines`, see
-:mod:`torchrunx.wire.lines`) and one stack pipe per worker. The agent's own ``logging`` records go
-on the launcher connection too (:mod:`torchrunx.agent.link`), so "worker N exited" never
-overtakes that worker's output. The agent is single-threaded when it forks and ends when its
-workers have ended and no restart can follow.
+:mod:`torchrunx.wire.lines`), one stack pipe per worker, and one channel per worker (a socket
+pair: what the worker sends is forwarded as :class:`FromWorker`, what the launcher sends it
+comes as :class:`ToWorker`; workers never connect to the launcher themselves). The agent's
+own ``logging`` records go on the launcher connection too (:mod:`torchrunx.agent.link`), so
+"worker N exited" never overtakes that worker's output. The agent is single-threaded when it
+forks and ends when its workers have ended and no restart can follow.
 
 Stopping: on :class:`Stop` (or when the launcher connection or stdin closes, or no message
 arrived for ``agent_timeout`` seconds) the agent optionally asks each live worker for its
@@ -85,6 +87,7 @@ from torchrunx.wire.messages import (
     PreemptionNotice,
     ShowStacks,
     Stop,
+    ToWorker,
     WorkersEnded,
     WorkerSpec,
     WorkersStarted,
@@ -222,7 +225,7 @@ class Agent:
         self.attempt = spec.attempt
         # The agent is a child subreaper, and its only children are workers: the group ends
         # whatever lives below the agent once they are done.
-        current = Attempt(self.selector, root=self.pid, send=self.link.send)
+        current = Attempt(self.selector, root=self.pid, send=self.link.send, forward=self.link.send)
         self.current = current
         group = current.group
         self._place_store(spec)
@@ -235,7 +238,6 @@ class Agent:
             keeps = store is not None and fork.local_rank == 0
             become_worker(
                 fork,
-                boot=self.boot,
                 spec=spec,
                 payload=payload,
                 agent_pid=self.pid,
@@ -404,7 +406,7 @@ class Agent:
     def _dispatch(self, data: object, events: int) -> None:
         if isinstance(data, Ready):
             assert self.current is not None  # noqa: S101 (only while a group runs)
-            self.current.on_ready(data)
+            self.current.on_ready(data, events)
         elif data == "launcher":
             received = self.link.on_ready(events)
             if received is not None:
@@ -425,6 +427,9 @@ class Agent:
                 self.received = (message, payload)
         elif isinstance(message, Stop):
             self._on_stop(message)
+        elif isinstance(message, ToWorker):
+            if self.current is not None:  # else its worker is gone: dropped
+                self.current.to_worker(message, payload)
         elif isinstance(message, Preempt):
             self._tell_workers(message.deadline, message.reason)
         elif isinstance(message, ShowStacks):

@@ -3,10 +3,11 @@
 The :class:`~torchrunx.agent.workergroup.WorkerGroup` forks, reads, reaps and signals the
 workers; :class:`Attempt` decides what of that goes to the launcher: each worker's output as
 :class:`LogLines` (see :mod:`torchrunx.wire.lines`; its last lines before its death notice), its
-exit
-as :class:`WorkerExited`, and on a stop that asks for them, the live workers' Python stacks as
-:class:`WorkerStacks`. It also runs the attempt's timers: the hang watch
-(:class:`~torchrunx.agent.watchdog.HangWatch`), the reaping of processes adopted from the
+messages (hello, result or exception, debugger) as :class:`FromWorker`, the end of its channel
+as :class:`WorkerChannelClosed`, its exit as :class:`WorkerExited` (after all of those), and
+on a stop that asks for them, the live workers' Python stacks as :class:`WorkerStacks`. It
+also runs the attempt's timers: the hang watch (:class:`~torchrunx.agent.watchdog.HangWatch`),
+the reaping of processes adopted from the
 workers, and the short drain of the pipes once every worker has ended.
 
 The agent (:mod:`torchrunx.agent.agent`) makes one per attempt, forks the workers through its
@@ -17,39 +18,60 @@ it all.
 from __future__ import annotations
 
 import logging
+import selectors
 import time
 from typing import TYPE_CHECKING
 
 from torchrunx.agent.watchdog import HangWatch
 from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, WorkerGroup
 from torchrunx.wire.lines import STACKS_LOGGER, line_records
-from torchrunx.wire.messages import LogLines, WorkerExited, WorkerStacks
+from torchrunx.wire.messages import (
+    DebugOutput,
+    DebugpyListening,
+    FromWorker,
+    LogLines,
+    ToWorker,
+    WorkerChannelClosed,
+    WorkerException,
+    WorkerExited,
+    WorkerHello,
+    WorkerResult,
+    WorkerStacks,
+)
 
 if TYPE_CHECKING:
-    import selectors
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from torchrunx.agent.workergroup import Output, Ready, Worker
     from torchrunx.wire.messages import Message
+    from torchrunx.wire.records import Frame
 
 logger = logging.getLogger("torchrunx.agent")
 
 _DRAIN_WAIT = 1.0
+_FROM_WORKER = (WorkerHello, WorkerResult, WorkerException, DebugOutput, DebugpyListening)
+"""What a worker may send on its channel; anything else ends the channel."""
 
 
 class Attempt:
     """The workers of one attempt and what the agent tells the launcher about them."""
 
     def __init__(
-        self, selector: selectors.BaseSelector, *, root: int, send: Callable[[Message], None]
+        self,
+        selector: selectors.BaseSelector,
+        *,
+        root: int,
+        send: Callable[[Message], None],
+        forward: Callable[[Message, Sequence[bytes | bytearray | memoryview]], None],
     ) -> None:
         """An empty group on the agent's ``selector``; ``root``: the agent's pid.
 
-        ``send``: queues a message for the launcher.
+        ``send``: queues a message for the launcher; ``forward``: the same with payload parts.
         """
-        self.group = WorkerGroup(selector, root=root)
+        self.group = WorkerGroup(selector, root=root, on_channel_end=self._channel_ended)
         self.hangs = HangWatch(self.group, send)
         self.send = send
+        self.forward = forward
         self.dump_deadline: float | None = None
         self.drain_deadline: float | None = None
         self.shown_by: dict[Worker, float] = {}
@@ -92,14 +114,58 @@ class Attempt:
             timers.append(hang_deadline)
         return timers
 
-    def on_ready(self, ready: Ready) -> None:
-        """One of the group's descriptors is ready: a worker's end, output or stacks."""
+    def on_ready(self, ready: Ready, events: int) -> None:
+        """One of the group's descriptors is ready: a worker's end, output, stacks or channel."""
         if ready.kind == "exited":
             self._on_exited(ready.worker)
         elif ready.kind == "output" and ready.output is not None:
             self._forward_output(ready.worker, ready.output)
         elif ready.kind == "stacks":
             self._on_stacks(ready.worker)
+        elif ready.kind == "channel":
+            if events & selectors.EVENT_WRITE:
+                self.group.on_channel_writable(ready.worker)
+            if events & selectors.EVENT_READ:
+                self._forward_channel(ready.worker)
+
+    def _forward_channel(self, worker: Worker, *, until_empty: bool = False) -> None:
+        """Send what the worker sent to the launcher, each as :class:`FromWorker`, in order.
+
+        At the channel's end, :class:`WorkerChannelClosed` follows them.
+        """
+        frames, ended = self.group.read_channel(worker, until_empty=until_empty)
+        self._forward_frames(worker, frames)
+        if ended:
+            self.group.end_channel(worker, clean=self.group.channel_clean(worker))
+
+    def _forward_frames(self, worker: Worker, frames: list[Frame]) -> None:
+        for message, payload in frames:
+            if worker.channel is None:
+                return  # ended below for a message that is not a worker's: the rest goes too
+            if isinstance(message, _FROM_WORKER):
+                self.forward(FromWorker(worker.local_rank, message), payload)
+            else:
+                logger.warning(
+                    "worker %d sent %s on its channel, not a worker's message: closing it",
+                    worker.local_rank,
+                    type(message).__name__,
+                )
+                self.group.end_channel(worker)
+
+    def _channel_ended(self, worker: Worker, clean: bool) -> None:
+        self.send(WorkerChannelClosed(worker.local_rank, clean))
+
+    def to_worker(
+        self, message: ToWorker, payload: Sequence[bytes | bytearray | memoryview]
+    ) -> None:
+        """The launcher's message for one of these workers (by pid); a gone one's is dropped."""
+        for worker in self.group.workers:
+            if worker.pid == message.pid and not worker.ended:
+                if message.message is None:
+                    self.group.end_channel(worker)
+                else:
+                    self.group.send_to(worker, message.message, payload)
+                return
 
     def _forward_output(self, worker: Worker, output: Output, *, until_empty: bool = False) -> None:
         """Send the whole lines available on one output pipe as :class:`LogLines`."""
@@ -118,6 +184,7 @@ class Attempt:
     def _on_exited(self, worker: Worker) -> None:
         for output in list(worker.outputs):  # its last words go out before its death notice
             self._forward_output(worker, output, until_empty=True)
+        self._forward_channel(worker, until_empty=True)  # and its outcome
         if worker in self.shown_by:
             self._show_stacks(worker)
         self.hangs.before_reap(worker)

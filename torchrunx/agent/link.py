@@ -34,7 +34,7 @@ from torchrunx.errors import ProtocolError
 from torchrunx.wire.messages import AgentDone, Heartbeat, LogLines
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from torchrunx.wire.messages import Message
     from torchrunx.wire.records import Connection
@@ -123,9 +123,11 @@ class LauncherLink:
         """Send one of the agent's own records (no local rank) after what is already queued."""
         self.send(LogLines(((None, levelno, name, text, created),)))
 
-    def send(self, message: Message) -> None:
-        """Queue a message for the launcher; it goes out as the socket accepts it."""
-        self.outbox.put(message)
+    def send(
+        self, message: Message, payload: Sequence[bytes | bytearray | memoryview] = ()
+    ) -> None:
+        """Queue a message and its payload parts for the launcher; sent as the socket takes it."""
+        self.outbox.put(message, payload)
         self._after_send()
 
     def _after_send(self) -> None:

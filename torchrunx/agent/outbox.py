@@ -1,9 +1,13 @@
 """The agent's outbox: its messages to the launcher, written without ever blocking.
 
 The agent's loop must not wait on a slow launcher: it would stop reaping workers and sending
-heartbeats. So a message is framed into a buffer and written with non-blocking writes, at
-once as far as the socket takes it, the rest when the loop's selector finds the socket
-writable again (``len(outbox) > 0`` says that the loop should watch for it).
+heartbeats. So a message is queued as plaintext pieces and written with non-blocking writes,
+each piece sealed into its record when its turn comes, at once as far as the socket takes it,
+the rest when the loop's selector finds the socket writable again (``len(outbox) > 0`` says
+that the loop should watch for it). A worker's large result is never held sealed whole.
+
+The agent also writes to each worker's channel through an outbox of its own (unsealed records,
+:meth:`~torchrunx.wire.records.Sealer.private`): a worker that does not read never blocks it.
 
 Backpressure: above a high watermark of unsent bytes, :attr:`Outbox.paused` asks the agent to
 stop reading its workers' output until the outbox has shrunk below a low watermark. Chatty
@@ -12,14 +16,18 @@ workers then wait on their full pipes, and no line is lost.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import select
 import time
 from typing import TYPE_CHECKING
 
+from torchrunx.wire.records import frame_pieces
+
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Sequence
 
     from torchrunx.wire.messages import Message
     from torchrunx.wire.records import Sealer
@@ -45,8 +53,8 @@ class Outbox:
     ) -> None:
         """Queue for ``sock``, which must have a timeout; ``sealer`` seals each record.
 
-        Records are sealed when queued, in order, with the connection's one
-        :class:`~torchrunx.wire.records.Sealer` (:attr:`Connection.sealer`).
+        Records are sealed in order, each when the socket has room for it, with the
+        connection's one :class:`~torchrunx.wire.records.Sealer` (:attr:`Connection.sealer`).
 
         Python keeps the descriptor of a socket with a timeout non-blocking (``socket.send``
         would still wait up to that timeout for room; the outbox writes to the descriptor).
@@ -58,7 +66,11 @@ class Outbox:
             raise ValueError("the outbox needs a socket with a timeout (a non-blocking fd)")
         self._fd = sock.fileno()
         self._sealer = sealer
-        self._buffer = bytearray()
+        self._pieces: collections.deque[bytes | memoryview] = collections.deque()
+        """Plaintext queued, in order; each is sealed into a record when its turn comes."""
+        self._record = memoryview(b"")
+        """What is left to write of the record being sent."""
+        self._unsent = 0
         self._high = high
         self._low = low
         self.alive = True
@@ -67,47 +79,53 @@ class Outbox:
         """True above the high watermark, until below the low one: stop reading output."""
 
     def __len__(self) -> int:
-        """Bytes queued and not yet written."""
-        return len(self._buffer)
+        """Bytes queued and not yet written (about: plaintext, and the record under way)."""
+        return self._unsent + self._record.nbytes
 
-    def put(self, message: Message) -> None:
-        """Queue a message after those already queued, and write what the socket takes now.
+    def put(self, message: Message, payload: Sequence[bytes | bytearray | memoryview] = ()) -> None:
+        """Queue a message and its payload parts (not copied); write what the socket takes now.
 
-        Does nothing once the launcher is gone.
+        It goes after those already queued. Does nothing once the launcher is gone.
         """
         if not self.alive:
             return
-        for record in self._sealer.seal_frame(message):
-            self._buffer += record
+        for piece in frame_pieces(message, payload):
+            self._pieces.append(piece)
+            self._unsent += len(piece)
         self.flush()
 
     def flush(self) -> None:
         """Write what the socket takes now; a broken connection makes the outbox lost."""
-        while self._buffer and self.alive:
+        while self.alive and (self._record.nbytes or self._pieces):
+            if not self._record.nbytes:
+                piece = self._pieces.popleft()
+                self._unsent -= len(piece)
+                self._record = memoryview(self._sealer.seal(piece))
             try:
-                sent = os.write(self._fd, self._buffer[:_WRITE_CHUNK])
+                sent = os.write(self._fd, self._record[:_WRITE_CHUNK])
             except BlockingIOError:
                 break
             except OSError:
                 self.lose()
                 return
-            del self._buffer[:sent]
-        if len(self._buffer) > self._high:
+            self._record = self._record[sent:]
+        if len(self) > self._high:
             self.paused = True
-        elif len(self._buffer) < self._low:
+        elif len(self) < self._low:
             self.paused = False
 
     def lose(self) -> None:
         """The launcher is gone: drop what is queued and accept nothing more."""
         self.alive = False
-        self._buffer.clear()
+        self._pieces.clear()
+        self._record, self._unsent = memoryview(b""), 0
         self.paused = False  # output is read (and dropped): workers never wait on a full pipe
 
     def drain(self, deadline: float) -> None:
         """Write everything queued, waiting for room until ``deadline`` (monotonic) at most."""
         poller = select.poll()
         poller.register(self._fd, select.POLLOUT)
-        while self._buffer and self.alive:
+        while len(self) and self.alive:
             left = deadline - time.monotonic()
             if left <= 0:
                 return

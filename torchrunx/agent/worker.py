@@ -1,14 +1,17 @@
 """The worker: runs the user's function in one rank and sends its outcome to the launcher.
 
-A worker is forked by its agent (so torch is already imported), opens its own
-authenticated connection to the launcher, joins the process group, calls the function, and
-sends back exactly one message: :class:`WorkerResult` (the cloudpickled return value as a
-raw payload, straight to the launcher) or :class:`WorkerException`. ``sys.exit(n)`` in the
+A worker is forked by its agent (so torch is already imported) with its channel: a socket
+pair to the agent, which forwards what the worker sends to the launcher on the agent's own
+sealed connection (:class:`~torchrunx.wire.messages.FromWorker`) and what the launcher sends
+it back (:class:`~torchrunx.wire.messages.ToWorker`): workers never connect to the launcher.
+It says hello, joins the process group, calls the
+function, and sends back exactly one message: :class:`WorkerResult` (the cloudpickled return
+value as a raw payload) or :class:`WorkerException`. ``sys.exit(n)`` in the
 function ends the worker with code ``n`` and no message; the agent reports that exit.
 
 A worker that stays (warm agents with ``keep_workers=True``, :attr:`WorkerSpec.keep`) does not
 exit after a result: it waits on its connection for the next run's :class:`WorkerCall` and
-runs it in the same process, with the same process group; the end of its connection ends it.
+runs it in the same process, with the same process group; the end of its channel ends it.
 After an exception it exits as any worker does: its run failed, and its state with it.
 """
 
@@ -33,7 +36,7 @@ from torchrunx.devices import cuda_device, device_env, process_group_options
 from torchrunx.env import worker_env
 from torchrunx.errors import ProtocolError, add_note, exception_text, is_collective_error
 from torchrunx.integrations import framework_env
-from torchrunx.wire import handshake, records
+from torchrunx.wire import records
 from torchrunx.wire.messages import (
     WorkerCall,
     WorkerException,
@@ -43,7 +46,7 @@ from torchrunx.wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from torchrunx.wire.bootstrap import AgentBootstrap
+    import socket
 
 _EXIT_RAISED = 1
 
@@ -147,7 +150,7 @@ def _set_devices(spec: WorkerSpec, local_rank: int, *, gpus: int, cpus: int) -> 
 
 
 def run(  # noqa: PLR0913 (what one rank needs)
-    boot: AgentBootstrap,
+    channel: socket.socket,
     spec: WorkerSpec,
     payload: list[bytearray],
     local_rank: int,
@@ -158,7 +161,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
     """Run one rank; returns the process exit code.
 
     Args:
-        boot: The agent's bootstrap: where the launcher listens, and the launch secret.
+        channel: Its end of the socket pair to its agent (its only way to the launcher).
         spec: The worker group this rank belongs to.
         payload: The pickled call (``func, args, kwargs``); released once loaded.
         local_rank: This worker's index on its host.
@@ -187,13 +190,8 @@ def run(  # noqa: PLR0913 (what one rank needs)
         )
     )
     device = _set_devices(spec, local_rank, gpus=gpus, cpus=cpus)
-    address = (boot.launcher_address, boot.launcher_port)
-    try:
-        conn = handshake.connect(address, boot.secret, "worker", timeout=boot.agent_timeout * 2)
-    except (OSError, ProtocolError) as exc:
-        sys.stderr.write(f"torchrunx worker: cannot connect to the launcher at {address}: {exc}\n")
-        return 1
-    del boot  # from here on only the connection: no frame below the function holds the secret
+    channel.setblocking(True)  # noqa: FBT003 (socket.setblocking takes a flag)
+    conn = records.Connection.private(channel)
     conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid(), attempt=spec.attempt))
     debugger.install(conn, rank, spec.hostname, terminal=spec.debugger)
     call: list[bytearray] | None = payload

@@ -1,7 +1,8 @@
 """The worker group: the workers of one attempt on one host, as processes of the agent.
 
-The group forks the workers (each with its stdout, stderr and stack pipes and its watchdog
-page, see :mod:`torchrunx.timer`), registers their descriptors on the agent's selector,
+The group forks the workers (each with its stdout, stderr and stack pipes, its watchdog
+page, see :mod:`torchrunx.timer`, and its channel: a socket pair that carries its messages
+to and from the launcher through the agent), registers their descriptors on the agent's selector,
 reads those descriptors when the agent's loop says they are ready, reaps each worker once its
 pidfd tells it ended, signals workers, and ends them all with one :meth:`WorkerGroup.close`:
 SIGTERM to every live worker's process group and to every other process the workers left
@@ -21,6 +22,7 @@ import os
 import select
 import selectors
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,13 +30,17 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 
 from torchrunx import preemption, timer
 from torchrunx.agent import leftovers
+from torchrunx.agent.outbox import Outbox
 from torchrunx.wire.lines import LineSplitter
+from torchrunx.wire.records import FrameReader, Sealer, send_close
 
 if TYPE_CHECKING:
     import mmap
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from torchrunx.agent.leftovers import Proc
+    from torchrunx.wire.messages import Message
+    from torchrunx.wire.records import Frame
 
 # The agent's records all carry this name (the launcher routes and filters them by it).
 logger = logging.getLogger("torchrunx.agent")
@@ -58,6 +64,24 @@ class Output:
 
 
 @dataclass(eq=False)
+class Channel:
+    """The agent's end of a worker's channel: the socket pair's end, read and written."""
+
+    sock: socket.socket
+    sealer: Sealer = field(default_factory=Sealer.private)
+    reader: FrameReader = field(default_factory=FrameReader.private)
+    outbox: Outbox = field(init=False)
+    """What the launcher sent the worker (:class:`ToWorker`), written as the worker reads."""
+    events: int = 0
+    """What the selector watches the socket for now (0: not registered)."""
+
+    def __post_init__(self) -> None:
+        """Make the socket non-blocking and its outbox."""
+        self.sock.settimeout(0.0)  # non-blocking: the agent's loop never waits on a worker
+        self.outbox = Outbox(self.sock, self.sealer)
+
+
+@dataclass(eq=False)
 class Worker:
     """A forked worker and the agent's ends of its descriptors (compared by identity)."""
 
@@ -72,6 +96,8 @@ class Worker:
     """Shared with the worker: its watchdog deadline (see :mod:`torchrunx.timer`)."""
     notice: mmap.mmap
     """Shared with the worker: a preemption notice (see :mod:`torchrunx.preemption`)."""
+    channel: Channel | None
+    """Its channel to the launcher through the agent; ``None`` once ended."""
     stacks: bytearray = field(default_factory=bytearray)
     """What its stack pipe has brought so far (the last 16 KiB)."""
     ended: bool = False
@@ -84,7 +110,7 @@ class Worker:
 class Ready:
     """The ``data`` of a group descriptor on the selector: what became ready, and whose."""
 
-    kind: Literal["exited", "output", "stacks"]
+    kind: Literal["exited", "output", "stacks", "channel"]
     worker: Worker
     output: Output | None = None
 
@@ -103,6 +129,8 @@ class Fork:
     stderr: int
     stack: int
     """Write end of its stack pipe, for ``faulthandler``."""
+    channel: socket.socket
+    """Its end of its channel (:meth:`torchrunx.wire.records.Connection.private`)."""
     page: mmap.mmap
     notice: mmap.mmap
     """Shared with the agent: a preemption notice (:mod:`torchrunx.preemption`)."""
@@ -114,15 +142,24 @@ class Fork:
 class WorkerGroup:
     """The workers of one attempt on this host (see the module's description)."""
 
-    def __init__(self, selector: selectors.BaseSelector, *, root: int | None = None) -> None:
+    def __init__(
+        self,
+        selector: selectors.BaseSelector,
+        *,
+        root: int | None = None,
+        on_channel_end: Callable[[Worker, bool], None] | None = None,
+    ) -> None:
         """A group whose descriptors go on ``selector``.
 
         ``root``: this process's pid if it is a child subreaper whose only children are its
         workers (the agent): the group then also ends every other process below ``root``, the
         strays. ``None``: only the workers' process groups (in a process with other children).
+        ``on_channel_end``: called once for each worker's channel when it ends, with whether
+        the worker ended it cleanly (its close record came).
         """
         self.selector = selector
         self.root = root
+        self.on_channel_end = on_channel_end
         self.workers: list[Worker] = []
         self.output_paused = False
         self.closed = False
@@ -142,22 +179,28 @@ class WorkerGroup:
             stack_read, stack_write = os.pipe()
             out_read, out_write = os.pipe()
             err_read, err_write = os.pipe()
+            ours, theirs = socket.socketpair()
             page = timer.new_page()
             notice = preemption.new_page()
             pid = os.fork()
             if pid == 0:
                 try:
-                    inherited = (stack_read, out_read, err_read, *self._fds())
-                    become_worker(
-                        Fork(local_rank, out_write, err_write, stack_write, page, notice, inherited)
-                    )
+                    inherited = (stack_read, out_read, err_read, ours.fileno(), *self._fds())
+                    ends = (out_write, err_write, stack_write, theirs)
+                    fork = Fork(local_rank, *ends, page, notice, inherited)
+                    become_worker(fork)
                 finally:
                     os._exit(1)  # never back into the agent's code
             for fd in (stack_write, out_write, err_write):
                 os.close(fd)
+            theirs.close()
             outputs = [Output(out_read, is_stderr=False), Output(err_read, is_stderr=True)]
-            worker = Worker(local_rank, pid, os.pidfd_open(pid), stack_read, outputs, page, notice)
+            pidfd = os.pidfd_open(pid)
+            worker = Worker(
+                local_rank, pid, pidfd, stack_read, outputs, page, notice, Channel(ours)
+            )
             self.workers.append(worker)
+            self._watch_channel(worker)
             self.selector.register(worker.pidfd, selectors.EVENT_READ, Ready("exited", worker))
             os.set_blocking(stack_read, False)
             self.selector.register(stack_read, selectors.EVENT_READ, Ready("stacks", worker))
@@ -172,6 +215,8 @@ class WorkerGroup:
         fds = []
         for worker in self.workers:
             fds += [worker.pidfd, worker.stack_fd, *(output.fd for output in worker.outputs)]
+            if worker.channel is not None:
+                fds.append(worker.channel.sock.fileno())
         return [fd for fd in fds if fd >= 0]
 
     # -- state ------------------------------------------------------------------------------
@@ -185,8 +230,11 @@ class WorkerGroup:
         return all(worker.ended for worker in self.workers)
 
     def done(self) -> bool:
-        """Whether every worker was reaped and each of its output pipes read to its end."""
-        return all(worker.ended and not worker.outputs for worker in self.workers)
+        """Whether every worker was reaped and its output pipes and channel read to their end."""
+        return all(
+            worker.ended and not worker.outputs and worker.channel is None
+            for worker in self.workers
+        )
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -235,12 +283,91 @@ class WorkerGroup:
         del worker.stacks[:-_STACK_BYTES]
         return True
 
+    # -- channels ---------------------------------------------------------------------------
+
+    def read_channel(
+        self, worker: Worker, *, until_empty: bool = False
+    ) -> tuple[list[Frame], bool]:
+        """The whole frames the worker's channel holds now, and whether its stream is over.
+
+        ``until_empty``: read until nothing is left (the worker has ended). The caller ends the
+        channel (:meth:`end_channel`) after it has handled the frames; a channel that ended
+        gives nothing.
+        """
+        channel = worker.channel
+        frames: list[Frame] = []
+        while channel is not None:
+            more, ended = channel.reader.read(channel.sock)
+            frames += more
+            if ended or not until_empty or not more:
+                return frames, ended
+        return frames, False
+
+    def channel_clean(self, worker: Worker) -> bool:
+        """Whether the worker ended its channel's stream itself (its close record came)."""
+        channel = worker.channel
+        return (
+            channel is not None and channel.reader.error is None and channel.reader.closed_by_peer
+        )
+
+    def send_to(
+        self,
+        worker: Worker,
+        message: Message,
+        payload: Sequence[bytes | bytearray | memoryview] = (),
+    ) -> None:
+        """Queue a message for the worker on its channel; written as it reads (never blocks)."""
+        if worker.channel is not None:
+            worker.channel.outbox.put(message, payload)
+            self._watch_channel(worker)
+
+    def on_channel_writable(self, worker: Worker) -> None:
+        """The worker's channel has room: write what waits for it."""
+        if worker.channel is not None:
+            worker.channel.outbox.flush()
+            self._watch_channel(worker)
+
+    def end_channel(self, worker: Worker, *, clean: bool = False) -> None:
+        """Close the worker's channel (its end: it reads no more and may exit); once."""
+        channel = worker.channel
+        if channel is None:
+            return
+        worker.channel = None
+        if channel.events:
+            self.selector.unregister(channel.sock)
+        if channel.outbox.alive and not len(channel.outbox):
+            send_close(channel.sock, channel.sealer)  # a clean end for a worker that reads
+        with contextlib.suppress(OSError):
+            channel.sock.shutdown(socket.SHUT_RDWR)
+        channel.sock.close()
+        if self.on_channel_end is not None:
+            self.on_channel_end(worker, clean)
+
+    def _watch_channel(self, worker: Worker) -> None:
+        """Watch the channel for what it needs: reading (unless paused), room for writing."""
+        channel = worker.channel
+        if channel is None:
+            return
+        events = 0 if self.output_paused else selectors.EVENT_READ
+        if channel.outbox.alive and len(channel.outbox):
+            events |= selectors.EVENT_WRITE
+        if events == channel.events:
+            return
+        if not events:
+            self.selector.unregister(channel.sock)
+        elif channel.events:
+            self.selector.modify(channel.sock, events, Ready("channel", worker))
+        else:
+            self.selector.register(channel.sock, events, Ready("channel", worker))
+        channel.events = events
+
     def pause_output(self, paused: bool) -> None:
-        """Stop (or resume) watching the workers' output pipes: backpressure."""
+        """Stop (or resume) watching the workers' output pipes and channels: backpressure."""
         if paused == self.output_paused:
             return
         self.output_paused = paused
         for worker in self.workers:
+            self._watch_channel(worker)
             for output in worker.outputs:
                 if paused:
                     self.selector.unregister(output.fd)
@@ -385,6 +512,7 @@ class WorkerGroup:
                     self.selector.unregister(output.fd)
                 os.close(output.fd)
             worker.outputs.clear()
+            self.end_channel(worker)
             worker.page.close()
             worker.notice.close()
 

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torchrunx.agent.workergroup import Fork
-    from torchrunx.wire.bootstrap import AgentBootstrap
     from torchrunx.wire.messages import WorkerSpec
 
 
@@ -53,7 +52,6 @@ class Closable(Protocol):
 def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
     fork: Fork,
     *,
-    boot: AgentBootstrap,
     spec: WorkerSpec,
     payload: list[bytearray],
     agent_pid: int,
@@ -67,7 +65,6 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
 
     Args:
         fork: The descriptors and page the worker group made for this child.
-        boot: The agent's bootstrap (the launcher's address and the secret).
         spec: The worker group's spec.
         payload: The pickled call.
         agent_pid: The agent's pid, to check that the agent still lives once PDEATHSIG is set.
@@ -108,7 +105,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
             serve_when_torch_imported(store_fd, spec.master_port, spec.timeout)
         from torchrunx.agent import worker  # noqa: PLC0415 (only in the worker)
 
-        code = worker.run(boot, spec, payload, fork.local_rank, gpus=gpus, cpus=cpus)
+        code = worker.run(fork.channel, spec, payload, fork.local_rank, gpus=gpus, cpus=cpus)
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()

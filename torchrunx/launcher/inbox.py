@@ -1,9 +1,11 @@
 """What arrives during a launch, applied to the launch state.
 
-Frames from agents and workers, closed connections, agents' starts and ends, silences: each is
-applied to :class:`~torchrunx.launcher.state.LaunchState`, and what follows from it is done here
-(an event to the sinks, a fault recorded, a connection dropped, log lines routed). Nothing here
-decides what the launch does next; :mod:`torchrunx.launcher.orchestrator` reads the state for that.
+Frames from agents and, forwarded by them, from workers (each worker's as if on a connection of its
+own: a :class:`~torchrunx.launcher.channels.WorkerChannel`), closed connections, agents' starts and
+ends, silences: each is applied to :class:`~torchrunx.launcher.state.LaunchState`, and what follows
+from it is done here (an event to the sinks, a fault recorded, a connection dropped, log lines
+routed). Nothing here decides what the launch does next; :mod:`torchrunx.launcher.orchestrator`
+reads the state for that.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import TYPE_CHECKING
 from torchrunx.errors import AgentFailedError, is_collective_error
 from torchrunx.events import HostQuarantined
 from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
-from torchrunx.launcher.listener import FrameReceived, PeerClosed
+from torchrunx.launcher.channels import WorkerChannel
+from torchrunx.launcher.listener import FrameReceived, Peer, PeerClosed
 from torchrunx.launcher.records import STOP_GRACE, Phase
 from torchrunx.launcher.reports import (
     agent_exit_error,
@@ -29,10 +32,13 @@ from torchrunx.wire.messages import (
     AgentHello,
     DebugOutput,
     DebugpyListening,
+    FromWorker,
     Heartbeat,
     LogLines,
     PreemptionNotice,
     Stop,
+    ToWorker,
+    WorkerChannelClosed,
     WorkerException,
     WorkerExited,
     WorkerHello,
@@ -49,7 +55,7 @@ if TYPE_CHECKING:
     from torchrunx.events import Event, EventSink
     from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
     from torchrunx.launcher.debugger import Debugger
-    from torchrunx.launcher.listener import Listener, NetEvent, Peer
+    from torchrunx.launcher.listener import Listener, NetEvent
     from torchrunx.launcher.logrouter import LogRouter
     from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.records import AgentRecord, FaultKind, RankRecord
@@ -81,7 +87,10 @@ class Inbox:
         self.sink = sink
         self.owners: dict[int, tuple[str, int]] = {}
         """Connection ident -> ("agent", host index) or ("rank", rank)."""
-        self.peers: dict[int, Peer] = {}
+        self.peers: dict[int, Peer | WorkerChannel] = {}
+        """Connection ident -> an agent's connection, or a worker's channel."""
+        self.channels: dict[tuple[int, int], WorkerChannel] = {}
+        """(Agent connection's ident, local rank) -> that worker's open channel."""
         self.final_stop: Stop | None = None
         """The launch's last Stop, also sent to an agent that says hello after it."""
         self.on_shown: Callable[[AgentRecord, dict[int, str]], None] | None = None
@@ -130,12 +139,19 @@ class Inbox:
     def peer_of(self, agent: AgentRecord) -> Peer:
         """The connection of an agent that said hello."""
         assert agent.conn is not None  # noqa: S101 (it said hello)
-        return self.peers[agent.conn]
+        peer = self.peers[agent.conn]
+        assert not isinstance(peer, WorkerChannel)  # noqa: S101 (an agent's: its connection)
+        return peer
 
     def drop(self, conn: int | None) -> None:
-        """Close a connection; nothing more is read from it."""
+        """Close a connection or a worker's channel; nothing more is read from it."""
         peer = None if conn is None else self.peers.get(conn)
-        if peer is not None:
+        if isinstance(peer, WorkerChannel):
+            if not peer.closed:
+                peer.close()  # the agent ends the worker's channel
+                self.channels.pop((peer.agent.ident, peer.local_rank), None)
+                self.listener.emit(PeerClosed(peer))  # its end, in turn, as for a connection
+        elif peer is not None:
             self.listener.drop(peer)
 
     def forget_rank(self, rank: RankRecord) -> None:
@@ -234,9 +250,12 @@ class Inbox:
         if owner is None:
             self._on_first_frame(peer, message)
         elif owner[0] == "agent":
-            self._on_agent_message(self.state.agents[owner[1]], message)
-        else:
-            self._on_worker_message(owner[1], message, event.payload, event.at)
+            agent = self.state.agents[owner[1]]
+            if isinstance(message, FromWorker | WorkerChannelClosed):
+                self.state.heard_from(agent, time.monotonic())
+                self._on_channel(peer, agent, message, event.payload, event.at)
+            else:
+                self._on_agent_message(agent, message)
 
     def _on_first_frame(self, peer: Peer, message: Message) -> None:
         st = self.state
@@ -259,15 +278,54 @@ class Inbox:
                 )
                 self.agent_failed(agent, error)
             return
-        if peer.role == "worker" and isinstance(message, WorkerHello):
-            rank = st.hello_rank(message)
-            if rank is None:
-                peer.close()  # of an earlier attempt (late), or a second one for that rank
-                return
-            self.owners[peer.ident], self.peers[peer.ident] = ("rank", rank.rank), peer
-            self.emit(st.worker_hello(rank, peer.ident, message.pid))
+        # Only agents connect: a peer that does not say who it is first, or claims another role.
+        peer.close()
+
+    def _on_channel(
+        self,
+        peer: Peer,
+        agent: AgentRecord,
+        message: FromWorker | WorkerChannelClosed,
+        payload: list[bytearray],
+        at: float,
+    ) -> None:
+        """What an agent forwards from one of its workers, or the end of that worker's channel.
+
+        A worker's first message is its hello, which opens its channel here; until its
+        channel ends, what it sends is taken as a worker's own (:meth:`_on_worker_message`).
+        """
+        key = (peer.ident, message.local_rank)
+        channel = self.channels.get(key)
+        if isinstance(message, WorkerChannelClosed):
+            if channel is not None:
+                del self.channels[key]
+                channel.ended()
+                self._on_closed(channel)
             return
-        peer.close()  # a peer that does not say who it is first, or claims another role
+        inner = message.message
+        if channel is not None:
+            owner = self.owners[channel.ident]
+            self._on_worker_message(owner[1], inner, payload, at)
+        elif isinstance(inner, WorkerHello):
+            self._on_worker_hello(peer, agent, message.local_rank, inner)
+        # else: what a worker sent after the launch closed its channel: nothing to act on
+
+    def _on_worker_hello(
+        self, peer: Peer, agent: AgentRecord, local_rank: int, hello: WorkerHello
+    ) -> None:
+        st = self.state
+        rank = st.hello_rank(hello)
+        if (
+            rank is None  # of an earlier attempt (late), or a second one for that rank
+            or st.rank_of(agent, local_rank) is not rank  # a rank of another host
+            or hello.local_rank != local_rank
+        ):
+            peer.send(ToWorker(hello.pid, None))  # that worker's channel ends: it exits
+            return
+        channel = WorkerChannel(peer, local_rank, hello.pid)
+        self.channels[(peer.ident, local_rank)] = channel
+        self.owners[channel.ident], self.peers[channel.ident] = ("rank", rank.rank), channel
+        self.emit(st.worker_hello(rank, channel.ident, hello.pid))
 
     def _on_agent_message(self, agent: AgentRecord, message: Message) -> None:
         st = self.state
@@ -332,18 +390,28 @@ class Inbox:
 
     # -- ends ------------------------------------------------------------------------------
 
-    def _on_closed(self, peer: Peer) -> None:
+    def _on_rank_closed(self, index: int, ident: int) -> None:
+        """A worker's channel ``ident`` ended: its rank settles once its exit is known too."""
+        st = self.state
+        if self.debugger is not None:
+            self.debugger.forget(index)
+        if index < len(st.ranks) and st.ranks[index].conn == ident:
+            rank = st.ranks[index]
+            if st.worker_conn_closed(rank):
+                self.settle(rank)
+
+    def _on_closed(self, peer: Peer | WorkerChannel) -> None:
         owner = self.owners.get(peer.ident)
         if owner is None:
             return
         st = self.state
+        if not isinstance(peer, WorkerChannel):  # an agent's: its workers' channels end with it
+            for key in [key for key in self.channels if key[0] == peer.ident]:
+                channel = self.channels.pop(key)
+                channel.ended()
+                self._on_closed(channel)
         if owner[0] == "rank":
-            if self.debugger is not None:
-                self.debugger.forget(owner[1])
-            if owner[1] < len(st.ranks) and st.ranks[owner[1]].conn == peer.ident:
-                rank = st.ranks[owner[1]]
-                if st.worker_conn_closed(rank):
-                    self.settle(rank)
+            self._on_rank_closed(owner[1], peer.ident)
             return
         agent = st.agents[owner[1]]
         if agent.conn != peer.ident or not st.agent_conn_closed(agent):

@@ -39,6 +39,7 @@ from torchrunx.wire.records import FrameReader, Sealer, frame_pieces
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from torchrunx.launcher.channels import WorkerChannel
     from torchrunx.launcher.ioloop import IOLoop
     from torchrunx.wire.handshake import Role
     from torchrunx.wire.messages import Message
@@ -82,9 +83,12 @@ class FrameReceived:
 
 @dataclass(frozen=True)
 class PeerClosed:
-    """A peer's connection ended (closed, broken, or a frame it sent was not valid)."""
+    """A peer's connection ended (closed, broken, or a frame it sent was not valid).
 
-    peer: Peer
+    Also a worker's channel that the launch closed (:meth:`Inbox.drop`).
+    """
+
+    peer: Peer | WorkerChannel
     clean: bool = False
     """The peer ended its stream with its authenticated close record: nothing was cut."""
 
@@ -157,7 +161,9 @@ class Peer:
         """Plaintext bytes queued but not yet accepted by the kernel (about)."""
         return self._unsent
 
-    def send(self, message: Message, payload: Sequence[bytes | memoryview] = ()) -> None:
+    def send(
+        self, message: Message, payload: Sequence[bytes | bytearray | memoryview] = ()
+    ) -> None:
         """Queue one message and its payload (not copied) and send what the socket takes now.
 
         Records are sealed one at a time as the socket takes them, so a large payload sent to

@@ -1,8 +1,11 @@
-"""The messages: agent -> launcher, launcher -> agent, worker -> launcher.
+"""The messages: agent -> launcher, launcher -> agent, worker <-> launcher.
 
-Each is a frozen dataclass whose fields are built-ins only. A frame's header is one of them,
-pickled; the receiver unpickles it with :class:`_HeaderUnpickler`, which admits the message
-classes of this module and nothing else by name (:func:`_load_message`).
+A worker's messages travel on its private channel to its agent, which forwards each one to
+the launcher inside :class:`FromWorker`, on its own connection; the launcher's messages for a
+worker go to its agent inside :class:`ToWorker`. Each message is a frozen dataclass whose
+fields are built-ins only (those two also carry the message they wrap). A frame's header is
+one of them, pickled; the receiver unpickles it with :class:`_HeaderUnpickler`, which admits
+the message classes of this module and nothing else by name (:func:`_load_message`).
 """
 
 from __future__ import annotations
@@ -196,8 +199,41 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class FromWorker:
+    """Agent: a message its worker ``local_rank`` sent on its channel; the payload is its.
+
+    Forwarded in the order the worker sent them, in order with the agent's own messages, so
+    a worker's outcome never overtakes its log lines nor follows the news of its exit.
+    """
+
+    local_rank: int
+    message: WorkerHello | WorkerResult | WorkerException | DebugOutput | DebugpyListening
+
+
+@dataclass(frozen=True)
+class ToWorker:
+    """Launcher: a message for the agent's worker ``pid`` (``None``: end its channel).
+
+    The agent writes it (and the payload) to that worker's channel; the end of its channel
+    tells a worker that stays to exit. A message for a worker that is gone is dropped.
+    """
+
+    pid: int
+    message: WorkerCall | DebugInput | None
+
+
+@dataclass(frozen=True)
+class WorkerChannelClosed:
+    """Agent: the channel of its worker ``local_rank`` ended; nothing more comes from it."""
+
+    local_rank: int
+    clean: bool
+    """The worker ended its stream itself (its close record came): nothing was cut."""
+
+
+@dataclass(frozen=True)
 class WorkerHello:
-    """Worker: first message on its own connection."""
+    """Worker: first message on its channel."""
 
     rank: int
     local_rank: int
@@ -301,6 +337,9 @@ Message = (
     | WorkersEnded
     | WorkerTimedOut
     | Heartbeat
+    | FromWorker
+    | ToWorker
+    | WorkerChannelClosed
     | WorkerHello
     | WorkerCall
     | WorkerResult
@@ -319,8 +358,9 @@ class _HeaderUnpickler(pickle.Unpickler):
     """Unpickles a frame's header: the protocol's message classes, and nothing else by name.
 
     Every field of every message is a built-in (int, float, str, bool, None, bytes, tuple,
-    dict), which pickle writes with opcodes of its own; the only globals a header may name are
-    the message classes of this module.
+    dict) or, in :class:`FromWorker` and :class:`ToWorker`, a message, which pickle writes with
+    opcodes of its own; the only globals a header may name are the message classes of this
+    module.
     """
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: ANN401 (pickle's signature)

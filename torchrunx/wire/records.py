@@ -9,6 +9,10 @@ number. The plaintext is a stream of frames: ``!QI`` (header length, number of p
 one ``!Q`` length per part, a pickled message of :mod:`torchrunx.wire.messages`, then the raw
 parts. Each part starts a new record, so a receiver decrypts a large part straight into its
 own buffer. A stream ends with its sender's close record (an empty one).
+
+A worker's channel to its agent (a socket pair the agent made before forking it, private to
+the two processes) carries the same records unsealed: :meth:`Connection.private`, whose
+records hold the plaintext and a zero tag. Nothing else ever uses that mode.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ MAX_FRAME_BYTES = 1 << 40
 before anything is allocated for it, and its parts' buffers grow only as their bytes come."""
 
 
-def encode_frame_start(message: Message, payload: Sequence[bytes | memoryview] = ()) -> bytes:
+def encode_frame_start(
+    message: Message, payload: Sequence[bytes | bytearray | memoryview] = ()
+) -> bytes:
     """The plaintext of a frame before its payload parts: lengths and the pickled message."""
     header = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     sizes = b"".join(_PART.pack(memoryview(part).nbytes) for part in payload)
@@ -60,7 +66,7 @@ def encode_frame_start(message: Message, payload: Sequence[bytes | memoryview] =
 
 
 def frame_pieces(
-    message: Message, payload: Sequence[bytes | memoryview]
+    message: Message, payload: Sequence[bytes | bytearray | memoryview]
 ) -> Iterator[memoryview | bytes]:
     """A frame's plaintext in pieces of at most RECORD_BYTES, each to be sealed as one record.
 
@@ -74,6 +80,37 @@ def frame_pieces(
             yield part[offset : offset + RECORD_BYTES]
 
 
+class _Unsealed:
+    """The AEAD interface without encryption, for a worker's private channel only.
+
+    A record's layout stays the same (the "tag" is zeros), so framing, close records and
+    the end of a stream work as on a sealed connection.
+    """
+
+    _TAG = bytes(TAG_BYTES)
+
+    def encrypt_into(
+        self, nonce: bytes, data: bytes | bytearray | memoryview, aad: bytes, out: memoryview
+    ) -> None:
+        """Copy ``data`` into ``out`` and add the zero tag."""
+        del nonce, aad
+        size = len(data)
+        out[:size] = data
+        out[size:] = self._TAG
+
+    def decrypt_into(
+        self, nonce: bytes, data: memoryview, aad: memoryview, out: memoryview
+    ) -> None:
+        """Copy the plaintext of an unsealed record into ``out``."""
+        del nonce, aad
+        out[:] = data[: len(data) - TAG_BYTES]
+
+    def decrypt(self, nonce: bytes, data: memoryview, aad: memoryview) -> bytes:
+        """The plaintext of an unsealed record."""
+        del nonce, aad
+        return bytes(data[: len(data) - TAG_BYTES])
+
+
 @dataclass(frozen=True)
 class SessionKeys:
     """One connection's keys, as one end holds them (see ``handshake.session_keys``)."""
@@ -85,10 +122,18 @@ class SessionKeys:
 class Sealer:
     """Seals one direction of a connection: each record encrypted and authenticated."""
 
-    def __init__(self, key: bytes) -> None:
-        """Seal with ``key`` (this direction's key of :class:`SessionKeys`)."""
-        self._aead = AESGCM(key)
+    def __init__(self, key: bytes | None) -> None:
+        """Seal with ``key`` (this direction's key of :class:`SessionKeys`).
+
+        ``None``: see :meth:`private`.
+        """
+        self._aead: AESGCM | _Unsealed = AESGCM(key) if key is not None else _Unsealed()
         self._sequence = 0
+
+    @classmethod
+    def private(cls) -> Sealer:
+        """A sealer for a worker's private channel: records without encryption."""
+        return cls(None)
 
     def seal(self, piece: bytes | bytearray | memoryview) -> bytearray:
         """One record: its length (also authenticated), then the piece encrypted, then the tag.
@@ -114,7 +159,7 @@ class Sealer:
         return self.seal(b"")
 
     def seal_frame(
-        self, message: Message, payload: Sequence[bytes | memoryview] = ()
+        self, message: Message, payload: Sequence[bytes | bytearray | memoryview] = ()
     ) -> Iterator[bytearray]:
         """The records of one frame, sealed one by one as they are taken (lazily)."""
         return (self.seal(piece) for piece in frame_pieces(message, payload))
@@ -143,21 +188,35 @@ class Connection:
     Sending is safe from several threads; receiving belongs to one reader.
     """
 
-    def __init__(self, sock: socket.socket, keys: SessionKeys) -> None:
-        """Wrap a socket that has completed the handshake that gave ``keys``."""
+    def __init__(self, sock: socket.socket, keys: SessionKeys | None) -> None:
+        """Wrap a socket that has completed the handshake that gave ``keys``.
+
+        ``None``: see :meth:`private`.
+        """
         self.sock = sock
-        self.sealer = Sealer(keys.send)
+        self.sealer = Sealer(None if keys is None else keys.send)
         """Seals what this end sends; an :class:`~torchrunx.agent.outbox.Outbox` may share it."""
-        self._reader = FrameReader(keys.receive)
+        self._reader = FrameReader(None if keys is None else keys.receive)
         self._frames: collections.deque[Frame] = collections.deque()
         self._send_lock = threading.Lock()
         self._close_sent = False
+
+    @classmethod
+    def private(cls, sock: socket.socket) -> Connection:
+        """A worker's end of its channel to its agent: a socket pair, records unsealed.
+
+        Only for the socket pair an agent makes before it forks a worker: no other process
+        holds it, so there is nothing to authenticate or hide from (see the module).
+        """
+        return cls(sock, None)
 
     def fileno(self) -> int:
         """The socket's file descriptor (for selectors)."""
         return self.sock.fileno()
 
-    def send(self, message: Message, payload: Sequence[bytes | memoryview] = ()) -> None:
+    def send(
+        self, message: Message, payload: Sequence[bytes | bytearray | memoryview] = ()
+    ) -> None:
         """Send one message and its optional raw payload parts.
 
         Raises:
@@ -332,9 +391,9 @@ class FrameReader:
     :class:`ProtocolError`, and so is any record after it.
     """
 
-    def __init__(self, key: bytes) -> None:
-        """Open with ``key`` (the peer's sending key)."""
-        self._aead = AESGCM(key)
+    def __init__(self, key: bytes | None) -> None:
+        """Open with ``key`` (the peer's sending key); ``None``: see :meth:`private`."""
+        self._aead: AESGCM | _Unsealed = AESGCM(key) if key is not None else _Unsealed()
         self._sequence = 0
         self._raw = bytearray(IDLE_BUFFER_BYTES)
         """Records as they come: sized to the record being read, back to small when idle."""
@@ -346,6 +405,11 @@ class FrameReader:
         """Why the stream ended badly, once :meth:`read` returned its end (``None``: it did
         not, or the end was the peer's clean close)."""
         self._pending_error: Exception | None = None
+
+    @classmethod
+    def private(cls) -> FrameReader:
+        """A reader of a worker's private channel (records unsealed, see the module)."""
+        return cls(None)
 
     def read(self, sock: socket.socket, budget: int = 16 << 20) -> tuple[list[Frame], bool]:
         """Read what ``sock`` holds now (about ``budget`` bytes at most); return whole frames.
