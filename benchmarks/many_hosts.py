@@ -9,14 +9,17 @@ handshakes,
 frames, launch state, heartbeats and result collection); only the agents and workers are
 simulated. They speak the real protocol (:mod:`torchrunx.wire`) without torch, from a few
 processes (``--simulators``, each an asyncio loop holding a share of the hosts), so that this
-machine can hold 9,000 connections: per host one agent connection (hello, spec, workers
-started, worker exits, done) and one connection per worker (hello, the result of a no-op
-function).
+machine can hold 1,000 connections: per host one agent connection carrying what a real agent
+sends, one frame at a time (hello, spec, workers started; for each worker what it forwards from
+the worker's channel: its hello and the result of a no-op function, then the channel's end and
+the worker's exit; done).
 
 Prints: the time from the call to the result; the launcher's own CPU time, in total and per
 host (and that split into user and system time: the system time is the sockets' own work);
-its threads at their peak (which must not grow with hosts and workers); its memory
-growth per connection (peak RSS over the baseline, divided by the connections); and the
+its threads at their peak (which must not grow with hosts and workers); its memory growth per
+idle connection (RSS over the baseline when every agent has connected, said hello and waits
+for its spec, divided by the connections) and per host (peak RSS over the baseline, divided
+by the hosts: a host's connection and the state and results of its ranks); and the
 simulators' CPU time, with the launch time this machine's cores allow at best
 (``cpu_bound_seconds``: the launcher's and the simulators' CPU time over the cores), the floor
 under the time from the call to the result. A second,
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import multiprocessing
@@ -82,8 +86,15 @@ class _Link:
         self.frames: list[tuple[messages.Message, list[bytearray]]] = []
 
     def send(self, message: messages.Message, payload: list[bytes]) -> None:
-        for record in self.sealer.seal_frame(message, payload):
-            self.writer.write(record)
+        self.send_turn([(message, payload)])
+
+    def send_turn(self, frames: list[tuple[messages.Message, list[bytes]]]) -> None:
+        """What a real agent sends in one turn of its loop: small frames share records."""
+        pieces: collections.deque[bytes | memoryview] = collections.deque()
+        for message, payload in frames:
+            pieces.extend(records.frame_pieces(message, payload))
+        while pieces:
+            self.writer.write(self.sealer.seal(records.take_plaintext(pieces)))
 
     async def recv(self) -> tuple[messages.Message, list[bytearray]]:
         while not self.frames:
@@ -142,18 +153,22 @@ async def _half_close_and_drain(reader: asyncio.StreamReader, writer: asyncio.St
             pass
 
 
-async def _worker(
-    address: tuple[str, int], secret: bytes, spec: messages.WorkerSpec, local: int
-) -> None:
-    link = await _connect(address, secret, "worker")
-    reader, writer = link.reader, link.writer
+def _worker(link: _Link, spec: messages.WorkerSpec, local: int) -> None:
+    """What a real agent forwards for one worker of a no-op function, in order, in the most
+    turns of its loop it may take for it (its hello; its result and its channel's end; its
+    exit): the most records a real agent makes for it."""
     rank = spec.rank_offset + local
-    link.send(messages.WorkerHello(rank, local, 100000 + rank, spec.attempt), [])
-    link.send(messages.WorkerResult(rank, sent_at=time.time()), NOOP_RESULT)
-    writer.write(link.sealer.seal_close())  # as a real worker: the authenticated end, then FIN
-    await _half_close_and_drain(reader, writer)
-    writer.close()
-    await writer.wait_closed()
+    pid = 100000 + rank
+    hello = messages.WorkerHello(rank, local, pid, spec.attempt)
+    link.send_turn([(messages.FromWorker(local, hello), [])])
+    result = messages.WorkerResult(rank, sent_at=time.time())
+    link.send_turn(
+        [
+            (messages.FromWorker(local, result), NOOP_RESULT),
+            (messages.WorkerChannelClosed(local, clean=True), []),
+        ]
+    )
+    link.send_turn([(messages.WorkerExited(local, pid, 0, None, at=time.time()), [])])
 
 
 async def _agent(boot: dict[str, Any]) -> None:
@@ -179,14 +194,14 @@ async def _agent(boot: dict[str, Any]) -> None:
                 break
         pids = tuple(100000 + spec.rank_offset + i for i in range(spec.num_workers))
         link.send(messages.WorkersStarted(pids), [])
-        await asyncio.gather(*(_worker(address, secret, spec, i) for i in range(spec.num_workers)))
+        for local in range(spec.num_workers):
+            _worker(link, spec, local)
+            await writer.drain()
     except BaseException:
         writer.close()  # as a real agent that fails: its connection ends, the launcher sees it
         raise
     finally:
         beating.cancel()
-    for local, pid in enumerate(pids):
-        link.send(messages.WorkerExited(local, pid, 0, None, at=time.time()), [])
     link.send(messages.AgentDone(), [])
     writer.write(link.sealer.seal_close())
     await _half_close_and_drain(reader, writer)
@@ -322,6 +337,15 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
     usage_before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     launch = Launch(plan, call, starter=start)
+    idle_rss = 0
+    send_specs = launch._send_specs  # noqa: SLF001 (measured here, not changed)
+
+    def send_specs_measured() -> None:  # every agent connected and waits: idle connections
+        nonlocal idle_rss
+        idle_rss = idle_rss or _rss_kib()
+        send_specs()
+
+    launch._send_specs = send_specs_measured  # type: ignore[method-assign]  # noqa: SLF001
     sampler_stop = threading.Event()
 
     def sample() -> None:  # the measuring thread itself is not counted
@@ -348,7 +372,6 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
     )
     ranks = sum(len(per_host) for per_host in results)
     assert ranks == hosts * workers, ranks
-    connections = hosts * (workers + 1)
     return {
         "hosts": hosts,
         "ranks": ranks,
@@ -356,7 +379,8 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         "cpu_seconds": cpu,
         **_cpu_per_host(cpu, usage_before, usage, hosts),
         "peak_threads": peak_threads,
-        "kib_per_connection": max(peak_rss - baseline, 0) / connections,
+        "kib_per_idle_connection": max(idle_rss - baseline, 0) / hosts,
+        "kib_per_host": max(peak_rss - baseline, 0) / hosts,
         "simulators_cpu_seconds": simulators_cpu,
         "cpu_bound_seconds": (cpu + simulators_cpu) / (os.cpu_count() or 1),
     }
@@ -517,8 +541,8 @@ class _BareServer:
             assert conn.sealer is not None
             for record in conn.sealer.seal_frame(spec):
                 conn.sock.send(record)
-        elif isinstance(message, messages.WorkerResult):
-            self.results += 1
+        elif isinstance(message, messages.FromWorker):
+            self.results += isinstance(message.message, messages.WorkerResult)
         elif isinstance(message, messages.AgentDone):
             self.agents_done += 1
 

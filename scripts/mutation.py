@@ -186,10 +186,11 @@ TARGETS: dict[str, Target] = {
         ),
         functions=(
             "encode_frame_start",
+            "take_plaintext",
             "frame_pieces",
             "Sealer.*",
             "Connection.*",
-            "_FrameParser.*",
+            "FrameParser.*",
             "FrameReader.*",
             "_recv_exact_into",
         ),
@@ -451,12 +452,12 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "torchrunx.wire.handshake.x_client_reply__mutmut_47": ("role_byte, server=None)", _FALSY),
     "torchrunx.wire.records.x_encode_frame_start__mutmut_3": ("protocol=None)", _PICKLE),
     "torchrunx.wire.records.x_encode_frame_start__mutmut_5": ("pickle.dumps(message, )", _PICKLE),
-    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1_room__mutmut_4": (
+    "torchrunx.wire.records.x\u01c1FrameParser\u01c1_room__mutmut_4": (
         "len(part) <= need",
         _GROWTH,
     ),
-    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1_room__mutmut_15": ("3 * len(part)", _GROWTH),
-    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1target__mutmut_4": (
+    "torchrunx.wire.records.x\u01c1FrameParser\u01c1_room__mutmut_15": ("3 * len(part)", _GROWTH),
+    "torchrunx.wire.records.x\u01c1FrameParser\u01c1target__mutmut_4": (
         "self._filled <= size:",
         (
             "a record that exactly fills the rest of a part is decrypted and copied instead of "
@@ -479,15 +480,15 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "torchrunx.wire.records.x__recv_exact_into__mutmut_6": ("is None) or True else 0", _PERF),
     "torchrunx.wire.records.x__recv_exact_into__mutmut_7": ("gettimeout() is not None", _PERF),
     "torchrunx.wire.records.x__recv_exact_into__mutmut_16": ("size - received, )", _PERF),
-    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1__init____mutmut_3": (
+    "torchrunx.wire.records.x\u01c1FrameParser\u01c1__init____mutmut_3": (
         "_sizes: list[int] = None",
         _UNREAD,
     ),
-    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1__init____mutmut_4": (
+    "torchrunx.wire.records.x\u01c1FrameParser\u01c1__init____mutmut_4": (
         "_parts: list[bytearray] = None",
         _UNREAD,
     ),
-    "torchrunx.wire.records.x\u01c1_FrameParser\u01c1feed__mutmut_10": (
+    "torchrunx.wire.records.x\u01c1FrameParser\u01c1feed__mutmut_10": (
         "if position <= len(view):",
         "with nothing left, an empty rest is appended and the buffer cut again: no change",
     ),

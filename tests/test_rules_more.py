@@ -21,6 +21,7 @@ no network. Sections:
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
@@ -79,6 +80,7 @@ from torchrunx.wire.messages import (
     DebugInput,
     DebugOutput,
     DebugpyListening,
+    DirectOutcome,
     FromWorker,
     Heartbeat,
     LogLines,
@@ -103,16 +105,33 @@ from torchrunx.wire.records import (
     _MAX_RECORD,
     _PART,
     _RECORD,
+    COALESCE_BYTES,
     IDLE_BUFFER_BYTES,
     MAX_FRAME_BYTES,
     RECORD_BYTES,
     TAG_BYTES,
     Connection,
+    FrameParser,
     FrameReader,
     Sealer,
-    _FrameParser,
     encode_frame_start,
+    take_plaintext,
 )
+
+
+def test_rule_small_pieces_share_a_record_up_to_the_limit_and_a_large_one_stands_alone():
+    big = b"L" * COALESCE_BYTES
+    pieces = collections.deque([b"a" * 10, memoryview(b"b" * 20), b"c" * 30, big, b"d" * 5])
+    assert bytes(take_plaintext(pieces)) == b"a" * 10 + b"b" * 20 + b"c" * 30
+    assert take_plaintext(pieces) is big  # a large piece: a record of its own, not copied
+    assert take_plaintext(pieces) == b"d" * 5 and not pieces  # a lone piece as it is
+    half = COALESCE_BYTES // 2
+    pieces = collections.deque([b"x" * half, b"y" * half, b"z"])
+    assert bytes(take_plaintext(pieces)) == b"x" * half + b"y" * half  # full, not past it
+    assert list(pieces) == [b"z"]
+    pieces = collections.deque([b"s", big])
+    assert take_plaintext(pieces) == b"s" and list(pieces) == [big]  # not merged with a large one
+
 
 # -- what arrives during a launch (torchrunx/launcher/inbox.py) -------------------------------------
 
@@ -479,6 +498,78 @@ def test_rule_a_worker_that_exits_non_zero_after_its_connection_ended_died():
     assert fault.kind == "death" and fault.rank == 3 and fault.at == 12.5
     assert isinstance(fault.error, WorkerFailedError)
     assert len(parts.events) == 2  # its move to FAILED, and WorkerFailed
+
+
+def test_rule_a_large_outcome_on_a_connection_of_its_own_is_waited_for():
+    inbox, parts, peers, ranks = with_workers()
+    rank = inbox.state.ranks[3]
+    inbox.apply(frame(ranks[3], DirectOutcome(3)))  # on its channel: the outcome comes apart
+    inbox.apply(ranks[3].ended())
+    inbox.apply(frame(peers[1], WorkerExited(1, 2003, 0, None)))
+    assert not rank.settled and rank.settle_by is not None  # waits for that connection
+    direct = StubPeer(300, "worker")
+    inbox.apply(frame(direct, WorkerHello(3, 1, 2003)))
+    assert rank.direct == 300 and inbox.owners[300] == ("direct", 3) and not direct.closed
+    payload = [bytearray(b"big")]
+    inbox.apply(frame(direct, WorkerResult(3), payload))
+    assert rank.result is payload and rank.state is WorkerState.SUCCEEDED
+    inbox.apply(PeerClosed(direct))  # type: ignore[arg-type]
+    assert rank.settled and inbox.state.faults == [] and parts.dropped == []
+
+
+def test_rule_a_large_outcome_that_never_comes_is_a_death_once_the_wait_is_over():
+    inbox, _, peers, ranks = with_workers()
+    rank = inbox.state.ranks[3]
+    inbox.apply(frame(ranks[3], DirectOutcome(3)))
+    inbox.apply(ranks[3].ended())  # its channel's end does not settle it
+    assert not rank.settled
+    inbox.apply(frame(peers[1], WorkerExited(1, 2003, None, 9)))
+    assert not rank.settled and rank.settle_by is not None
+    inbox.settle(rank)  # OUTCOME_WAIT is over (the orchestrator's timer)
+    assert [f.kind for f in inbox.state.faults] == ["death"]
+
+
+def test_rule_a_large_outcome_that_came_before_its_notice_settles_at_the_exit():
+    inbox, _, peers, ranks = with_workers()
+    rank = inbox.state.ranks[2]
+    direct = StubPeer(300, "worker")
+    inbox.apply(frame(direct, WorkerHello(2, 0, 2002)))
+    inbox.apply(frame(direct, WorkerResult(2), [bytearray(b"big")]))
+    inbox.apply(PeerClosed(direct))  # type: ignore[arg-type]
+    inbox.apply(frame(ranks[2], DirectOutcome(2)))  # its agent's stream was slower
+    inbox.apply(ranks[2].ended())
+    inbox.apply(frame(peers[1], WorkerExited(0, 2002, 0, None)))
+    assert rank.settled and rank.state is WorkerState.SUCCEEDED and inbox.state.faults == []
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        WorkerHello(3, 1, 9999),  # not the pid its worker said hello with on its channel
+        WorkerHello(3, 1, 2003, attempt=1),  # of another attempt
+        WorkerHello(7, 1, 2003),  # no such rank
+    ],
+)
+def test_rule_a_connection_of_its_own_must_match_its_workers_channel(hello):
+    inbox, _, _, _ = with_workers()
+    direct = StubPeer(300, "worker")
+    inbox.apply(frame(direct, hello))
+    assert direct.closed and 300 not in inbox.owners
+    assert all(r.direct is None for r in inbox.state.ranks)
+
+
+def test_rule_a_rank_has_one_connection_of_its_own_and_it_carries_only_its_outcome():
+    inbox, parts, _, _ = with_workers()
+    first, second = StubPeer(300, "worker"), StubPeer(301, "worker")
+    inbox.apply(frame(first, WorkerHello(3, 1, 2003)))
+    inbox.apply(frame(second, WorkerHello(3, 1, 2003)))
+    assert second.closed and not first.closed and inbox.state.ranks[3].direct == 300
+    inbox.apply(frame(first, DebugOutput(3, "(Pdb) ", waiting=True)))
+    assert parts.dropped == [first]
+    none_yet = StubPeer(302, "worker")  # before its worker said hello on its channel
+    fresh, _, _ = connected()
+    fresh.apply(frame(none_yet, WorkerHello(0, 0, 2000)))
+    assert none_yet.closed
 
 
 def test_rule_a_reported_exit_waits_for_the_workers_connection_to_end():
@@ -1913,7 +2004,7 @@ FRAMES = [
 def test_rule_the_frame_parser_gives_the_same_frames_however_the_plaintext_is_cut(chunk):
     """Rule: frames come out whole and in order, whatever the sizes of the pieces fed."""
     data = b"".join(plaintext(m, p) for m, p in FRAMES)
-    parser = _FrameParser()
+    parser = FrameParser()
     frames: list = []
     for start in range(0, len(data), chunk):
         parser.feed(data[start : start + chunk], frames)
@@ -1923,7 +2014,7 @@ def test_rule_the_frame_parser_gives_the_same_frames_however_the_plaintext_is_cu
 
 def test_rule_a_frame_is_complete_only_once_its_last_part_came():
     data = plaintext(WorkerResult(0), [b"12345"])
-    parser = _FrameParser()
+    parser = FrameParser()
     frames: list = []
     parser.feed(data[:-1], frames)
     assert frames == [] and not parser.idle
@@ -1949,14 +2040,14 @@ def test_rule_a_frame_is_complete_only_once_its_last_part_came():
 def test_rule_a_frame_larger_than_the_limits_is_refused_before_anything_is_read(
     header_size, count, message
 ):
-    parser = _FrameParser()
+    parser = FrameParser()
     with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
         parser.feed(_FRAME.pack(header_size, count), [])
 
 
 @pytest.mark.parametrize(("header_size", "count"), [(_MAX_HEADER, 0), (10, _MAX_PARTS)])
 def test_rule_a_frame_at_the_limits_is_waited_for(header_size, count):
-    parser = _FrameParser()
+    parser = FrameParser()
     frames: list = []
     parser.feed(_FRAME.pack(header_size, count), frames)
     assert frames == [] and not parser.idle
@@ -1971,11 +2062,11 @@ def test_rule_a_frame_declaring_more_payload_than_the_limit_is_refused_before_al
         return _FRAME.pack(len(header), len(sizes)) + parts + header
 
     frames: list = []
-    _FrameParser().feed(start([half, half]), frames)  # exactly the limit: waits
+    FrameParser().feed(start([half, half]), frames)  # exactly the limit: waits
     assert frames == []
     message = f"frame of {2 * half + 1} payload bytes: more than {MAX_FRAME_BYTES}"
     with pytest.raises(ProtocolError, match=f"^{re.escape(message)}$"):
-        _FrameParser().feed(start([half, half + 1]), [])
+        FrameParser().feed(start([half, half + 1]), [])
 
 
 @pytest.mark.parametrize(

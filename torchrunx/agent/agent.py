@@ -238,6 +238,7 @@ class Agent:
             keeps = store is not None and fork.local_rank == 0
             become_worker(
                 fork,
+                boot=self.boot,
                 spec=spec,
                 payload=payload,
                 agent_pid=self.pid,
@@ -335,12 +336,15 @@ class Agent:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return
-            self._on_timers(now)
+            with self.link.hold():  # what this turn sends goes out together, at its end
+                self._on_timers(now)
             wait = self._until_next_timer(time.monotonic())
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
-            for key, events in self.selector.select(max(wait, 0.0)):
-                self._dispatch(key.data, events)
+            ready = self.selector.select(max(wait, 0.0))
+            with self.link.hold():
+                for key, events in ready:
+                    self._dispatch(key.data, events)
 
     def _serve_until_group_done(self, deadline: float | None) -> None:
         self._serve(self._group_done, deadline)

@@ -26,11 +26,14 @@ from torchrunx.agent.watchdog import HangWatch
 from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, WorkerGroup
 from torchrunx.wire.lines import STACKS_LOGGER, line_records
 from torchrunx.wire.messages import (
+    DebugInput,
     DebugOutput,
     DebugpyListening,
+    DirectOutcome,
     FromWorker,
     LogLines,
     ToWorker,
+    WorkerCall,
     WorkerChannelClosed,
     WorkerException,
     WorkerExited,
@@ -49,7 +52,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("torchrunx.agent")
 
 _DRAIN_WAIT = 1.0
-_FROM_WORKER = (WorkerHello, WorkerResult, WorkerException, DebugOutput, DebugpyListening)
+_FROM_WORKER = (
+    WorkerHello,
+    WorkerResult,
+    WorkerException,
+    DebugOutput,
+    DebugpyListening,
+    DirectOutcome,
+)
 """What a worker may send on its channel; anything else ends the channel."""
 
 
@@ -158,12 +168,16 @@ class Attempt:
     def to_worker(
         self, message: ToWorker, payload: Sequence[bytes | bytearray | memoryview]
     ) -> None:
-        """The launcher's message for one of these workers (by pid); a gone one's is dropped."""
+        """The launcher's message for one of these workers (by pid); a gone one's is dropped.
+
+        Only what a worker reads is written to its channel (a run's call, debugger input);
+        ``None`` ends its channel.
+        """
         for worker in self.group.workers:
             if worker.pid == message.pid and not worker.ended:
                 if message.message is None:
                     self.group.end_channel(worker)
-                else:
+                elif isinstance(message.message, WorkerCall | DebugInput):
                     self.group.send_to(worker, message.message, payload)
                 return
 

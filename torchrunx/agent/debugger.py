@@ -34,7 +34,7 @@ from torchrunx.wire.messages import DebugInput, DebugOutput, DebugpyListening
 if TYPE_CHECKING:
     from types import FrameType
 
-    from torchrunx.wire.records import Connection
+    from torchrunx.wire.channel import ChannelConnection
 
 
 class _Output(io.TextIOBase):
@@ -77,7 +77,7 @@ class _Input(io.TextIOBase):
 class _Session:
     """One worker's channel to the launcher's terminal (one debugger at a time)."""
 
-    def __init__(self, conn: Connection, rank: int) -> None:
+    def __init__(self, conn: ChannelConnection, rank: int) -> None:
         self.conn = conn
         self.rank = rank
         self.output = _Output()
@@ -170,7 +170,7 @@ class _Installed:
 _installed: _Installed | None = None
 
 
-def install(conn: Connection, rank: int, hostname: str, *, terminal: bool) -> None:
+def install(conn: ChannelConnection, rank: int, hostname: str, *, terminal: bool) -> None:
     """Make ``breakpoint()`` and ``torch.distributed.breakpoint()`` open pdb at the launcher.
 
     ``terminal``: the launcher has one (:attr:`~torchrunx.wire.messages.WorkerSpec.debugger`);

@@ -34,7 +34,7 @@ from torchrunx.errors import ProtocolError
 from torchrunx.wire.messages import AgentDone, Heartbeat, LogLines
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
     from torchrunx.wire.messages import Message
     from torchrunx.wire.records import Connection
@@ -122,6 +122,25 @@ class LauncherLink:
     def send_record(self, levelno: int, name: str, text: str, created: float) -> None:
         """Send one of the agent's own records (no local rank) after what is already queued."""
         self.send(LogLines(((None, levelno, name, text, created),)))
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Queue what is sent meanwhile, and write it at the end, at once (one loop turn).
+
+        Messages sent together share records (see :mod:`torchrunx.agent.outbox`); nothing
+        waits longer than the turn. Nested holds write at the end of the outermost.
+        """
+        if self.outbox.held:
+            yield
+            return
+        self.outbox.held = True
+        try:
+            yield
+        finally:
+            self.outbox.held = False
+            if len(self.outbox):
+                self.outbox.flush()
+                self._after_send()
 
     def send(
         self, message: Message, payload: Sequence[bytes | bytearray | memoryview] = ()

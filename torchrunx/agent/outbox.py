@@ -2,12 +2,14 @@
 
 The agent's loop must not wait on a slow launcher: it would stop reaping workers and sending
 heartbeats. So a message is queued as plaintext pieces and written with non-blocking writes,
-each piece sealed into its record when its turn comes, at once as far as the socket takes it,
-the rest when the loop's selector finds the socket writable again (``len(outbox) > 0`` says
-that the loop should watch for it). A worker's large result is never held sealed whole.
+each piece sealed into its record when its turn comes (small ones queued together share a
+record, :func:`~torchrunx.wire.records.take_plaintext`), at once as far as the socket takes it
+(:meth:`Outbox.flush`), the rest when the loop's selector finds the socket writable again
+(``len(outbox) > 0`` says that the loop should watch for it). A worker's large result is never
+held sealed whole.
 
-The agent also writes to each worker's channel through an outbox of its own (unsealed records,
-:meth:`~torchrunx.wire.records.Sealer.private`): a worker that does not read never blocks it.
+The agent also writes to each worker's channel through an outbox of its own (plain frames, no
+records: :mod:`torchrunx.wire.channel`): a worker that does not read never blocks it.
 
 Backpressure: above a high watermark of unsent bytes, :attr:`Outbox.paused` asks the agent to
 stop reading its workers' output until the outbox has shrunk below a low watermark. Chatty
@@ -23,7 +25,7 @@ import select
 import time
 from typing import TYPE_CHECKING
 
-from torchrunx.wire.records import frame_pieces
+from torchrunx.wire.records import frame_pieces, take_plaintext
 
 if TYPE_CHECKING:
     import socket
@@ -46,7 +48,7 @@ class Outbox:
     def __init__(
         self,
         sock: socket.socket,
-        sealer: Sealer,
+        sealer: Sealer | None,
         *,
         high: int = HIGH_WATERMARK,
         low: int = LOW_WATERMARK,
@@ -54,7 +56,8 @@ class Outbox:
         """Queue for ``sock``, which must have a timeout; ``sealer`` seals each record.
 
         Records are sealed in order, each when the socket has room for it, with the
-        connection's one :class:`~torchrunx.wire.records.Sealer` (:attr:`Connection.sealer`).
+        connection's one :class:`~torchrunx.wire.records.Sealer` (:attr:`Connection.sealer`);
+        ``None``: the plaintext goes as it is (a worker's channel).
 
         Python keeps the descriptor of a socket with a timeout non-blocking (``socket.send``
         would still wait up to that timeout for room; the outbox writes to the descriptor).
@@ -77,6 +80,9 @@ class Outbox:
         """False once the connection broke or the launcher was found gone (:meth:`lose`)."""
         self.paused = False
         """True above the high watermark, until below the low one: stop reading output."""
+        self.held = False
+        """While set, :meth:`put` only queues: the owner flushes once when it is done (the
+        agent, after each turn of its loop), so what one turn sends shares records."""
 
     def __len__(self) -> int:
         """Bytes queued and not yet written (about: plaintext, and the record under way)."""
@@ -92,15 +98,17 @@ class Outbox:
         for piece in frame_pieces(message, payload):
             self._pieces.append(piece)
             self._unsent += len(piece)
-        self.flush()
+        if not self.held:
+            self.flush()
 
     def flush(self) -> None:
         """Write what the socket takes now; a broken connection makes the outbox lost."""
         while self.alive and (self._record.nbytes or self._pieces):
             if not self._record.nbytes:
-                piece = self._pieces.popleft()
+                piece = take_plaintext(self._pieces)
                 self._unsent -= len(piece)
-                self._record = memoryview(self._sealer.seal(piece))
+                sealed = piece if self._sealer is None else self._sealer.seal(piece)
+                self._record = memoryview(sealed).cast("B")
             try:
                 sent = os.write(self._fd, self._record[:_WRITE_CHUNK])
             except BlockingIOError:

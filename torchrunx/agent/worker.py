@@ -1,13 +1,15 @@
 """The worker: runs the user's function in one rank and sends its outcome to the launcher.
 
-A worker is forked by its agent (so torch is already imported) with its channel: a socket
-pair to the agent, which forwards what the worker sends to the launcher on the agent's own
-sealed connection (:class:`~torchrunx.wire.messages.FromWorker`) and what the launcher sends
-it back (:class:`~torchrunx.wire.messages.ToWorker`): workers never connect to the launcher.
-It says hello, joins the process group, calls the
-function, and sends back exactly one message: :class:`WorkerResult` (the cloudpickled return
-value as a raw payload) or :class:`WorkerException`. ``sys.exit(n)`` in the
-function ends the worker with code ``n`` and no message; the agent reports that exit.
+A worker is forked by its agent (so torch is already imported) with its channel: a socket pair to
+the agent, which forwards what the worker sends to the launcher on the agent's own sealed connection
+(:class:`~torchrunx.wire.messages.FromWorker`) and what the launcher sends it back
+(:class:`~torchrunx.wire.messages.ToWorker`). It says hello, joins the process group, calls the
+function, and sends back exactly one message: :class:`WorkerResult` (the cloudpickled return value
+as a raw payload) or :class:`WorkerException`. An outcome of more than
+:data:`~torchrunx.wire.messages.DIRECT_OUTCOME_BYTES` goes on a sealed connection of the worker's
+own instead (:class:`~torchrunx.wire.messages.DirectOutcome`), so that a large result is not copied
+through the agent; if that connection cannot be made, it goes through the agent. ``sys.exit(n)`` in
+the function ends the worker with code ``n`` and no message; the agent reports that exit.
 
 A worker that stays (warm agents with ``keep_workers=True``, :attr:`WorkerSpec.keep`) does not
 exit after a result: it waits on its connection for the next run's :class:`WorkerCall` and
@@ -25,6 +27,7 @@ import pickle
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -36,8 +39,11 @@ from torchrunx.devices import cuda_device, device_env, process_group_options
 from torchrunx.env import worker_env
 from torchrunx.errors import ProtocolError, add_note, exception_text, is_collective_error
 from torchrunx.integrations import framework_env
-from torchrunx.wire import records
+from torchrunx.wire import handshake
+from torchrunx.wire.channel import ChannelConnection
 from torchrunx.wire.messages import (
+    DIRECT_OUTCOME_BYTES,
+    DirectOutcome,
     WorkerCall,
     WorkerException,
     WorkerHello,
@@ -47,6 +53,10 @@ from torchrunx.wire.messages import (
 
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Sequence
+
+    from torchrunx.wire.bootstrap import AgentBootstrap
+    from torchrunx.wire.messages import Message
 
 _EXIT_RAISED = 1
 
@@ -150,6 +160,7 @@ def _set_devices(spec: WorkerSpec, local_rank: int, *, gpus: int, cpus: int) -> 
 
 
 def run(  # noqa: PLR0913 (what one rank needs)
+    boot: AgentBootstrap,
     channel: socket.socket,
     spec: WorkerSpec,
     payload: list[bytearray],
@@ -161,7 +172,8 @@ def run(  # noqa: PLR0913 (what one rank needs)
     """Run one rank; returns the process exit code.
 
     Args:
-        channel: Its end of the socket pair to its agent (its only way to the launcher).
+        boot: The agent's bootstrap: where the launcher listens, for a large outcome.
+        channel: Its end of the socket pair to its agent.
         spec: The worker group this rank belongs to.
         payload: The pickled call (``func, args, kwargs``); released once loaded.
         local_rank: This worker's index on its host.
@@ -190,14 +202,16 @@ def run(  # noqa: PLR0913 (what one rank needs)
         )
     )
     device = _set_devices(spec, local_rank, gpus=gpus, cpus=cpus)
-    channel.setblocking(True)  # noqa: FBT003 (socket.setblocking takes a flag)
-    conn = records.Connection.private(channel)
-    conn.send(WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid(), attempt=spec.attempt))
+    conn = ChannelConnection(channel)
+    hello = WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid(), attempt=spec.attempt)
+    conn.send(hello)
     debugger.install(conn, rank, spec.hostname, terminal=spec.debugger)
+    outcomes = _Outcomes(conn, boot, hello)
     call: list[bytearray] | None = payload
     first = True
     while call is not None:
-        code = _call(conn, spec, call, rank, device, join_group=first and spec.backend is not None)
+        join_group = first and spec.backend is not None
+        code = _call(outcomes, spec, call, rank, device, join_group=join_group)
         del call
         first = False
         if code is not None:
@@ -205,6 +219,44 @@ def run(  # noqa: PLR0913 (what one rank needs)
         call = _next_call(conn)  # a worker that stays: the next run's call, or the end
     _destroy_process_group()
     return 0
+
+
+@dataclass(frozen=True)
+class _Outcomes:
+    """Where a rank's outcomes go: its channel, or a connection of its own for a large one."""
+
+    conn: ChannelConnection
+    boot: AgentBootstrap
+    """Where the launcher listens, and the secret (which its repr does not show)."""
+    hello: WorkerHello
+
+    def send(self, message: Message, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Send an outcome: straight to the launcher if large (and it can), else on the channel."""
+        size = sum(memoryview(part).nbytes for part in parts)
+        if size <= DIRECT_OUTCOME_BYTES or not self._send_direct(message, parts):
+            self.conn.send(message, parts)
+
+    def _send_direct(
+        self, message: Message, parts: Sequence[bytes | bytearray | memoryview]
+    ) -> bool:
+        """Send it on a connection of its own; ``False`` if none could be made."""
+        boot = self.boot
+        address = (boot.launcher_address, boot.launcher_port)
+        try:
+            direct = handshake.connect(address, boot.secret, "worker", boot.agent_timeout * 2)
+        except (OSError, ProtocolError) as exc:
+            sys.stderr.write(
+                f"torchrunx worker: cannot connect to the launcher at {address} ({exc}): its "
+                "outcome goes through the agent\n"
+            )
+            return False
+        try:
+            self.conn.send(DirectOutcome(self.hello.rank))  # the launcher waits for it
+            direct.send(self.hello)
+            direct.send(message, parts)
+        finally:
+            direct.close()
+        return True
 
 
 def _missing_module_note(exc: ModuleNotFoundError, hostname: str, rank: int) -> str:
@@ -217,7 +269,7 @@ def _missing_module_note(exc: ModuleNotFoundError, hostname: str, rank: int) -> 
 
 
 def _call(  # noqa: PLR0913 (what one call needs)
-    conn: records.Connection,
+    outcomes: _Outcomes,
     spec: WorkerSpec,
     payload: list[bytearray],
     rank: int,
@@ -255,7 +307,7 @@ def _call(  # noqa: PLR0913 (what one call needs)
             debugger.post_mortem(exc)
         if spec.backend is not None:
             _add_hints(exc, spec)
-        conn.send(*_exception_message(rank, exc))
+        outcomes.send(*_exception_message(rank, exc))
         return _EXIT_RAISED
     try:
         parts = serialization.dumps(result)
@@ -266,7 +318,7 @@ def _call(  # noqa: PLR0913 (what one call needs)
             f"{exception_text(exc)}"
         )
         message, blob = _exception_message(rank, error, unpicklable_result=True)
-        conn.send(message, blob)
+        outcomes.send(message, blob)
         return _EXIT_RAISED
     del result
     timings = WorkerResult(
@@ -276,15 +328,15 @@ def _call(  # noqa: PLR0913 (what one call needs)
         pickle_seconds=pickled - function_ended,
         sent_at=time.time(),
     )
-    conn.send(timings, parts)
+    outcomes.send(timings, parts)
     if spec.keep:
         return None
-    conn.close()
+    outcomes.conn.close()
     _destroy_process_group()
     return 0
 
 
-def _next_call(conn: records.Connection) -> list[bytearray] | None:
+def _next_call(conn: ChannelConnection) -> list[bytearray] | None:
     """A worker that stays: wait for the next :class:`WorkerCall`; ``None`` at the end.
 
     The launcher ends the connection when the warm agents close (their Stop ends the worker

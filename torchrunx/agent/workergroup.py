@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 from torchrunx import preemption, timer
 from torchrunx.agent import leftovers
 from torchrunx.agent.outbox import Outbox
+from torchrunx.wire.channel import ChannelReader
 from torchrunx.wire.lines import LineSplitter
-from torchrunx.wire.records import FrameReader, Sealer, send_close
 
 if TYPE_CHECKING:
     import mmap
@@ -68,8 +68,7 @@ class Channel:
     """The agent's end of a worker's channel: the socket pair's end, read and written."""
 
     sock: socket.socket
-    sealer: Sealer = field(default_factory=Sealer.private)
-    reader: FrameReader = field(default_factory=FrameReader.private)
+    reader: ChannelReader = field(default_factory=ChannelReader)
     outbox: Outbox = field(init=False)
     """What the launcher sent the worker (:class:`ToWorker`), written as the worker reads."""
     events: int = 0
@@ -78,7 +77,7 @@ class Channel:
     def __post_init__(self) -> None:
         """Make the socket non-blocking and its outbox."""
         self.sock.settimeout(0.0)  # non-blocking: the agent's loop never waits on a worker
-        self.outbox = Outbox(self.sock, self.sealer)
+        self.outbox = Outbox(self.sock, None)  # plain frames (see torchrunx.wire.channel)
 
 
 @dataclass(eq=False)
@@ -130,7 +129,7 @@ class Fork:
     stack: int
     """Write end of its stack pipe, for ``faulthandler``."""
     channel: socket.socket
-    """Its end of its channel (:meth:`torchrunx.wire.records.Connection.private`)."""
+    """Its end of its channel (:class:`torchrunx.wire.channel.ChannelConnection`)."""
     page: mmap.mmap
     notice: mmap.mmap
     """Shared with the agent: a preemption notice (:mod:`torchrunx.preemption`)."""
@@ -295,20 +294,14 @@ class WorkerGroup:
         gives nothing.
         """
         channel = worker.channel
-        frames: list[Frame] = []
-        while channel is not None:
-            more, ended = channel.reader.read(channel.sock)
-            frames += more
-            if ended or not until_empty or not more:
-                return frames, ended
-        return frames, False
+        if channel is None:
+            return [], False
+        return channel.reader.read(channel.sock, drain=until_empty)
 
     def channel_clean(self, worker: Worker) -> bool:
-        """Whether the worker ended its channel's stream itself (its close record came)."""
+        """Whether the worker's channel ended between two frames (nothing was cut)."""
         channel = worker.channel
-        return (
-            channel is not None and channel.reader.error is None and channel.reader.closed_by_peer
-        )
+        return channel is not None and channel.reader.closed_by_peer
 
     def send_to(
         self,
@@ -335,8 +328,6 @@ class WorkerGroup:
         worker.channel = None
         if channel.events:
             self.selector.unregister(channel.sock)
-        if channel.outbox.alive and not len(channel.outbox):
-            send_close(channel.sock, channel.sealer)  # a clean end for a worker that reads
         with contextlib.suppress(OSError):
             channel.sock.shutdown(socket.SHUT_RDWR)
         channel.sock.close()

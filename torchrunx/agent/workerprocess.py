@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torchrunx.agent.workergroup import Fork
+    from torchrunx.wire.bootstrap import AgentBootstrap
     from torchrunx.wire.messages import WorkerSpec
 
 
@@ -52,6 +53,7 @@ class Closable(Protocol):
 def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
     fork: Fork,
     *,
+    boot: AgentBootstrap,
     spec: WorkerSpec,
     payload: list[bytearray],
     agent_pid: int,
@@ -65,6 +67,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
 
     Args:
         fork: The descriptors and page the worker group made for this child.
+        boot: The agent's bootstrap: where a large outcome goes on a connection of its own.
         spec: The worker group's spec.
         payload: The pickled call.
         agent_pid: The agent's pid, to check that the agent still lives once PDEATHSIG is set.
@@ -105,7 +108,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
             serve_when_torch_imported(store_fd, spec.master_port, spec.timeout)
         from torchrunx.agent import worker  # noqa: PLC0415 (only in the worker)
 
-        code = worker.run(fork.channel, spec, payload, fork.local_rank, gpus=gpus, cpus=cpus)
+        code = worker.run(boot, fork.channel, spec, payload, fork.local_rank, gpus=gpus, cpus=cpus)
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()

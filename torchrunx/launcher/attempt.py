@@ -348,7 +348,7 @@ class AttemptState:
     def worker_exited(self, rank: RankRecord, message: WorkerExited, now: float) -> bool:
         """Its agent saw it end; ``True`` if it settles now (see :meth:`settle`)."""
         rank.exited, rank.pid = message, message.pid
-        if rank.conn_closed or rank.has_outcome or message.stopped:
+        if (rank.conn_closed and not rank.outcome_elsewhere) or rank.has_outcome or message.stopped:
             return True
         # Its outcome may still be on its own connection (or its hello, if it never got one).
         rank.settle_by = now + OUTCOME_WAIT
@@ -369,9 +369,29 @@ class AttemptState:
         )
 
     def worker_conn_closed(self, rank: RankRecord) -> bool:
-        """Its connection ended; ``True`` if it settles now (its exit is known)."""
+        """Its channel ended; ``True`` if it settles now.
+
+        It does once its exit is known, and no outcome is still coming on a connection of its own.
+        """
         rank.conn_closed = True
-        return rank.exited is not None
+        return rank.exited is not None and not rank.outcome_elsewhere
+
+    def direct_rank(self, message: WorkerHello) -> RankRecord | None:
+        """The rank whose worker opened a connection of its own for a large outcome.
+
+        The hello on it must name a rank of this attempt whose worker said hello on its channel
+        with the same pid, and that has no outcome and no such connection yet.
+        """
+        if message.attempt != self.attempt or not 0 <= message.rank < len(self.ranks):
+            return None
+        rank = self.ranks[message.rank]
+        usable = rank.conn is not None and rank.direct is None and not rank.has_outcome
+        return rank if usable and rank.pid == message.pid else None
+
+    def direct_closed(self, rank: RankRecord) -> bool:
+        """Its connection for a large outcome ended; ``True`` if it settles now."""
+        rank.outcome_elsewhere = False
+        return rank.exited is not None and (rank.conn_closed or rank.has_outcome)
 
     def settle(self, rank: RankRecord) -> list[Event]:
         """Judge a rank that exited once its outcome had its chance to arrive.

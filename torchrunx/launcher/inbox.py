@@ -32,6 +32,7 @@ from torchrunx.wire.messages import (
     AgentHello,
     DebugOutput,
     DebugpyListening,
+    DirectOutcome,
     FromWorker,
     Heartbeat,
     LogLines,
@@ -155,9 +156,10 @@ class Inbox:
             self.listener.drop(peer)
 
     def forget_rank(self, rank: RankRecord) -> None:
-        """Drop a rank's connection before a restart; its late frames are not this attempt's."""
-        self.drop(rank.conn)
-        self.owners.pop(rank.conn if rank.conn is not None else -1, None)
+        """Drop a rank's channel (and connection) before a restart: its late frames are old."""
+        for conn in (rank.conn, rank.direct):
+            self.drop(conn)
+            self.owners.pop(conn if conn is not None else -1, None)
 
     def agent_failed(
         self, agent: AgentRecord, error: BaseException | None, *, lost: bool = False
@@ -256,6 +258,10 @@ class Inbox:
                 self._on_channel(peer, agent, message, event.payload, event.at)
             else:
                 self._on_agent_message(agent, message)
+        elif isinstance(message, WorkerResult | WorkerException):  # on a direct connection
+            self._on_worker_message(owner[1], message, event.payload, event.at)
+        else:
+            self.drop(peer.ident)  # a direct connection carries an outcome, and nothing else
 
     def _on_first_frame(self, peer: Peer, message: Message) -> None:
         st = self.state
@@ -278,8 +284,15 @@ class Inbox:
                 )
                 self.agent_failed(agent, error)
             return
-        # Only agents connect: a peer that does not say who it is first, or claims another role.
-        peer.close()
+        if peer.role == "worker" and isinstance(message, WorkerHello):  # a large outcome comes
+            rank = st.direct_rank(message)
+            if rank is None:
+                peer.close()  # of an earlier attempt (late), a second one, or no such worker
+                return
+            rank.direct, rank.outcome_elsewhere = peer.ident, True
+            self.owners[peer.ident], self.peers[peer.ident] = ("direct", rank.rank), peer
+            return
+        peer.close()  # a peer that does not say who it is first, or claims another role
 
     def _on_channel(
         self,
@@ -385,6 +398,8 @@ class Inbox:
             self.debugger.on_output(rank.rank, message)
         elif isinstance(message, DebugpyListening) and self.on_debugpy is not None:
             self.on_debugpy(rank.rank, message.port)
+        elif isinstance(message, DirectOutcome) and not rank.has_outcome:
+            rank.outcome_elsewhere = rank.direct is None or rank.outcome_elsewhere
         else:
             self.drop(rank.conn)  # agents' messages, or a second outcome: not a worker's
 
@@ -412,6 +427,11 @@ class Inbox:
                 self._on_closed(channel)
         if owner[0] == "rank":
             self._on_rank_closed(owner[1], peer.ident)
+            return
+        if owner[0] == "direct":
+            rank = st.ranks[owner[1]] if owner[1] < len(st.ranks) else None
+            if rank is not None and rank.direct == peer.ident and st.direct_closed(rank):
+                self.settle(rank)
             return
         agent = st.agents[owner[1]]
         if agent.conn != peer.ident or not st.agent_conn_closed(agent):

@@ -163,7 +163,13 @@ class RankRecord:
     local_rank: int
     state: WorkerState = WorkerState.INIT
     conn: int | None = None
+    """Its channel (through its agent)."""
     pid: int = 0
+    direct: int | None = None
+    """The connection of its own that brings a large outcome (:class:`DirectOutcome`)."""
+    outcome_elsewhere: bool = False
+    """Its outcome comes on a connection of its own, which has not ended yet: the end of its
+    channel and its exit wait for it."""
     result: list[bytearray] | None = None
     timing: WorkerResult | None = None
     received_at: float = 0.0

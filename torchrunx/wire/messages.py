@@ -207,7 +207,14 @@ class FromWorker:
     """
 
     local_rank: int
-    message: WorkerHello | WorkerResult | WorkerException | DebugOutput | DebugpyListening
+    message: (
+        WorkerHello
+        | WorkerResult
+        | WorkerException
+        | DebugOutput
+        | DebugpyListening
+        | DirectOutcome
+    )
 
 
 @dataclass(frozen=True)
@@ -239,6 +246,23 @@ class WorkerHello:
     local_rank: int
     pid: int
     attempt: int = 0
+
+
+@dataclass(frozen=True)
+class DirectOutcome:
+    """Worker, on its channel: its outcome is large, and comes on a connection of its own.
+
+    A result or exception of more than :data:`DIRECT_OUTCOME_BYTES` goes straight to the
+    launcher, sealed by the worker (the worker connects as workers of torchrunx 0.4 did, with
+    :class:`WorkerHello` first), so that it is not copied through the agent; the launcher waits
+    for that connection before it judges the rank's exit.
+    """
+
+    rank: int
+
+
+DIRECT_OUTCOME_BYTES = 1 << 20
+"""Payload bytes of an outcome above which a worker sends it on a connection of its own."""
 
 
 @dataclass(frozen=True)
@@ -342,6 +366,7 @@ Message = (
     | WorkerChannelClosed
     | WorkerHello
     | WorkerCall
+    | DirectOutcome
     | WorkerResult
     | WorkerException
     | DebugOutput

@@ -10,15 +10,15 @@ one ``!Q`` length per part, a pickled message of :mod:`torchrunx.wire.messages`,
 parts. Each part starts a new record, so a receiver decrypts a large part straight into its
 own buffer. A stream ends with its sender's close record (an empty one).
 
-A worker's channel to its agent (a socket pair the agent made before forking it, private to
-the two processes) carries the same records unsealed: :meth:`Connection.private`, whose
-records hold the plaintext and a zero tag. Nothing else ever uses that mode.
+A worker's channel to its agent carries the same frames without records
+(:mod:`torchrunx.wire.channel`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import pickle
 import socket
 import struct
@@ -48,12 +48,43 @@ IDLE_BUFFER_BYTES = 4096
 a whole one) and gives the rest back once nothing is left to read."""
 _NONCE = struct.Struct("!IQ")
 _FRAME = struct.Struct("!QI")
+_FRAME_BYTES = _FRAME.size
 _PART = struct.Struct("!Q")
+_PART_BYTES = _PART.size
 _MAX_PARTS = 1 << 20
 _MAX_HEADER = 64 * 1024 * 1024
 MAX_FRAME_BYTES = 1 << 40
 """Payload bytes one frame may declare at most (1 TiB); a frame that declares more is refused
 before anything is allocated for it, and its parts' buffers grow only as their bytes come."""
+
+
+COALESCE_BYTES = 64 * 1024
+"""Queued plaintext pieces smaller than this are sealed together, up to this much a record."""
+
+
+def take_plaintext(
+    pieces: collections.deque[bytes | memoryview],
+) -> bytes | bytearray | memoryview:
+    """The plaintext of the next record to seal, taken from the front of ``pieces``.
+
+    Small pieces queued one after the other (frames' starts, small payload parts, of one frame
+    or of several) go in one record, up to :data:`COALESCE_BYTES`: fewer records to seal and
+    open for the same frames. A large piece is a record of its own, so a receiver still
+    decrypts a large part straight into its buffer.
+    """
+    first = pieces.popleft()
+    if len(first) >= COALESCE_BYTES or not pieces or len(pieces[0]) >= COALESCE_BYTES:
+        return first
+    merged = bytearray(first)
+    while pieces and len(merged) + len(pieces[0]) <= COALESCE_BYTES:
+        merged += pieces.popleft()
+    return merged
+
+
+@functools.lru_cache(maxsize=64)
+def _part_sizes(count: int) -> struct.Struct:
+    """The ``!Q`` sizes of a frame's ``count`` parts, as one struct."""
+    return struct.Struct(f"!{count}Q")
 
 
 def encode_frame_start(
@@ -80,37 +111,6 @@ def frame_pieces(
             yield part[offset : offset + RECORD_BYTES]
 
 
-class _Unsealed:
-    """The AEAD interface without encryption, for a worker's private channel only.
-
-    A record's layout stays the same (the "tag" is zeros), so framing, close records and
-    the end of a stream work as on a sealed connection.
-    """
-
-    _TAG = bytes(TAG_BYTES)
-
-    def encrypt_into(
-        self, nonce: bytes, data: bytes | bytearray | memoryview, aad: bytes, out: memoryview
-    ) -> None:
-        """Copy ``data`` into ``out`` and add the zero tag."""
-        del nonce, aad
-        size = len(data)
-        out[:size] = data
-        out[size:] = self._TAG
-
-    def decrypt_into(
-        self, nonce: bytes, data: memoryview, aad: memoryview, out: memoryview
-    ) -> None:
-        """Copy the plaintext of an unsealed record into ``out``."""
-        del nonce, aad
-        out[:] = data[: len(data) - TAG_BYTES]
-
-    def decrypt(self, nonce: bytes, data: memoryview, aad: memoryview) -> bytes:
-        """The plaintext of an unsealed record."""
-        del nonce, aad
-        return bytes(data[: len(data) - TAG_BYTES])
-
-
 @dataclass(frozen=True)
 class SessionKeys:
     """One connection's keys, as one end holds them (see ``handshake.session_keys``)."""
@@ -122,18 +122,10 @@ class SessionKeys:
 class Sealer:
     """Seals one direction of a connection: each record encrypted and authenticated."""
 
-    def __init__(self, key: bytes | None) -> None:
-        """Seal with ``key`` (this direction's key of :class:`SessionKeys`).
-
-        ``None``: see :meth:`private`.
-        """
-        self._aead: AESGCM | _Unsealed = AESGCM(key) if key is not None else _Unsealed()
+    def __init__(self, key: bytes) -> None:
+        """Seal with ``key`` (this direction's key of :class:`SessionKeys`)."""
+        self._aead = AESGCM(key)
         self._sequence = 0
-
-    @classmethod
-    def private(cls) -> Sealer:
-        """A sealer for a worker's private channel: records without encryption."""
-        return cls(None)
 
     def seal(self, piece: bytes | bytearray | memoryview) -> bytearray:
         """One record: its length (also authenticated), then the piece encrypted, then the tag.
@@ -188,27 +180,15 @@ class Connection:
     Sending is safe from several threads; receiving belongs to one reader.
     """
 
-    def __init__(self, sock: socket.socket, keys: SessionKeys | None) -> None:
-        """Wrap a socket that has completed the handshake that gave ``keys``.
-
-        ``None``: see :meth:`private`.
-        """
+    def __init__(self, sock: socket.socket, keys: SessionKeys) -> None:
+        """Wrap a socket that has completed the handshake that gave ``keys``."""
         self.sock = sock
-        self.sealer = Sealer(None if keys is None else keys.send)
+        self.sealer = Sealer(keys.send)
         """Seals what this end sends; an :class:`~torchrunx.agent.outbox.Outbox` may share it."""
-        self._reader = FrameReader(None if keys is None else keys.receive)
+        self._reader = FrameReader(keys.receive)
         self._frames: collections.deque[Frame] = collections.deque()
         self._send_lock = threading.Lock()
         self._close_sent = False
-
-    @classmethod
-    def private(cls, sock: socket.socket) -> Connection:
-        """A worker's end of its channel to its agent: a socket pair, records unsealed.
-
-        Only for the socket pair an agent makes before it forks a worker: no other process
-        holds it, so there is nothing to authenticate or hide from (see the module).
-        """
-        return cls(sock, None)
 
     def fileno(self) -> int:
         """The socket's file descriptor (for selectors)."""
@@ -262,14 +242,16 @@ Frame = tuple["Message", list[bytearray]]
 """One received message and its payload parts."""
 
 
-class _FrameParser:
+class FrameParser:
     """Cuts authenticated plaintext into frames; a large part is filled in place.
 
     A frame's declared sizes are checked (:data:`MAX_FRAME_BYTES`) before anything is
     allocated, and each part's buffer grows as its bytes come, never past its declared size.
+    Also the parser of a worker's channel (:mod:`torchrunx.wire.channel`), fed plain bytes.
     """
 
     def __init__(self) -> None:
+        """A parser between frames, with nothing buffered."""
         self._buffer = bytearray()
         self._message: Message | None = None
         """The frame whose parts are being filled (``None``: between frames)."""
@@ -297,6 +279,12 @@ class _FrameParser:
             part += bytes(grown - len(part))
         return part
 
+    def wanted(self) -> int:
+        """Bytes the current part still misses (0 between frames)."""
+        if self._message is None:
+            return 0
+        return self._sizes[self._part] - self._filled
+
     def target(self, size: int) -> memoryview | None:
         """Where ``size`` bytes of the current part go, if they all fit in it."""
         if self._message is None or self._sizes[self._part] - self._filled < size:
@@ -313,9 +301,18 @@ class _FrameParser:
         """Take plaintext; append every frame it completes to ``frames``."""
         with memoryview(data) as view:
             position = self._fill(view, 0, frames)
-            if position < len(view):
+            if position == len(view):
+                return
+            if self._buffer:  # the start of a frame came before: cut from the whole
                 self._buffer += view[position:]
-                self._cut(frames)
+            else:  # cut straight from ``data``; keep only what no whole frame took
+                position = self._cut(view, position, frames)
+                if position < len(view):
+                    self._buffer += view[position:]
+                return
+        with memoryview(self._buffer) as whole:
+            position = self._cut(whole, 0, frames)
+        del self._buffer[:position]
 
     def _fill(self, view: memoryview, position: int, frames: list[Frame]) -> int:
         """Copy from ``view[position:]`` into the current frame's parts; the new position."""
@@ -341,33 +338,41 @@ class _FrameParser:
                 0,
             )
 
-    def _cut(self, frames: list[Frame]) -> None:
-        buffer, start = self._buffer, 0
-        with memoryview(buffer) as view:
-            while self._message is None and len(buffer) - start >= _FRAME.size:
-                header_size, count = _FRAME.unpack_from(buffer, start)
-                if header_size > _MAX_HEADER or count > _MAX_PARTS:
-                    raise ProtocolError(
-                        f"frame of {header_size} header bytes, {count} parts is too large"
-                    )
-                body = start + _FRAME.size + _PART.size * count
-                end = body + header_size
-                if len(buffer) < end:
-                    break
-                sizes = [
-                    _PART.unpack_from(buffer, start + _FRAME.size + _PART.size * index)[0]
-                    for index in range(count)
-                ]
-                if sum(sizes) > MAX_FRAME_BYTES:
-                    raise ProtocolError(
-                        f"frame of {sum(sizes)} payload bytes: more than {MAX_FRAME_BYTES}"
-                    )
-                self._message = _load_message(view[body:end])
-                self._sizes = sizes
-                self._parts = [bytearray() for _ in sizes]
-                self._finish(frames)  # a frame without parts (or empty ones) is complete
-                start = self._fill(view, end, frames)
-        del buffer[:start]
+    def _cut(self, view: memoryview, start: int, frames: list[Frame]) -> int:
+        """Cut whole frames from ``view[start:]``; the position of what is left.
+
+        A frame whose parts are not all there is begun (its parts fill as their bytes come);
+        what is left is a frame's start that is not whole yet.
+        """
+        length = len(view)
+        while self._message is None and length - start >= _FRAME_BYTES:
+            header_size, count = _FRAME.unpack_from(view, start)
+            if header_size > _MAX_HEADER or count > _MAX_PARTS:
+                raise ProtocolError(
+                    f"frame of {header_size} header bytes, {count} parts is too large"
+                )
+            body = start + _FRAME_BYTES + _PART_BYTES * count
+            end = body + header_size
+            if length < end:
+                break
+            sizes = list(_part_sizes(count).unpack_from(view, start + _FRAME_BYTES))
+            total = sum(sizes)
+            if total > MAX_FRAME_BYTES:
+                raise ProtocolError(f"frame of {total} payload bytes: more than {MAX_FRAME_BYTES}")
+            message = _load_message(view[body:end])
+            if length - end >= total:  # the whole frame is here: its parts are cut at once
+                parts = []
+                for size in sizes:
+                    parts.append(bytearray(view[end : end + size]))
+                    end += size
+                frames.append((message, parts))
+                start = end
+                continue
+            self._message, self._sizes = message, sizes
+            self._parts = [bytearray() for _ in sizes]
+            self._finish(frames)  # its empty parts, if it starts with some
+            start = self._fill(view, end, frames)
+        return start
 
 
 _INVALID_RECORD = (
@@ -391,14 +396,14 @@ class FrameReader:
     :class:`ProtocolError`, and so is any record after it.
     """
 
-    def __init__(self, key: bytes | None) -> None:
-        """Open with ``key`` (the peer's sending key); ``None``: see :meth:`private`."""
-        self._aead: AESGCM | _Unsealed = AESGCM(key) if key is not None else _Unsealed()
+    def __init__(self, key: bytes) -> None:
+        """Open with ``key`` (the peer's sending key)."""
+        self._aead = AESGCM(key)
         self._sequence = 0
         self._raw = bytearray(IDLE_BUFFER_BYTES)
         """Records as they come: sized to the record being read, back to small when idle."""
         self._have = 0
-        self._parser = _FrameParser()
+        self._parser = FrameParser()
         self.closed_by_peer = False
         """The peer's close record came: its stream is whole, and over."""
         self.error: Exception | None = None
@@ -406,13 +411,14 @@ class FrameReader:
         not, or the end was the peer's clean close)."""
         self._pending_error: Exception | None = None
 
-    @classmethod
-    def private(cls) -> FrameReader:
-        """A reader of a worker's private channel (records unsealed, see the module)."""
-        return cls(None)
-
-    def read(self, sock: socket.socket, budget: int = 16 << 20) -> tuple[list[Frame], bool]:
+    def read(
+        self, sock: socket.socket, budget: int = 16 << 20, *, drain: bool = False
+    ) -> tuple[list[Frame], bool]:
         """Read what ``sock`` holds now (about ``budget`` bytes at most); return whole frames.
+
+        A read that did not fill the buffer is taken to have emptied the socket (the caller's
+        loop says when more comes); with ``drain``, reading goes on until the socket says it
+        has nothing, or ends.
 
         Never raises: a failure (a bad record, a malformed frame, a truncated stream, a broken
         connection) returns the frames completed before it and the end, with :attr:`error`.
@@ -425,6 +431,7 @@ class FrameReader:
         try:
             while received < budget:
                 self._make_room()
+                room = len(self._raw) - self._have
                 try:
                     with memoryview(self._raw) as view:
                         count = sock.recv_into(view[self._have :])
@@ -437,6 +444,9 @@ class FrameReader:
                 received += count
                 self._have += count
                 self._open_all(frames)
+                if count < room and not drain:  # it had no more: the loop says when more comes
+                    self._release_if_idle()
+                    return frames, False
         except Exception as exc:  # noqa: BLE001 (any failure ends this stream, and only it)
             self.error = exc
             return frames, True
