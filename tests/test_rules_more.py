@@ -537,6 +537,7 @@ def test_rule_a_large_outcome_that_came_before_its_notice_settles_at_the_exit():
     inbox.apply(frame(direct, WorkerResult(2), [bytearray(b"big")]))
     inbox.apply(PeerClosed(direct))  # type: ignore[arg-type]
     inbox.apply(frame(ranks[2], DirectOutcome(2)))  # its agent's stream was slower
+    assert not ranks[2].closed  # a late notice is no fault: a worker that stays stays
     inbox.apply(ranks[2].ended())
     inbox.apply(frame(peers[1], WorkerExited(0, 2002, 0, None)))
     assert rank.settled and rank.state is WorkerState.SUCCEEDED and inbox.state.faults == []
@@ -556,6 +557,31 @@ def test_rule_a_connection_of_its_own_must_match_its_workers_channel(hello):
     inbox.apply(frame(direct, hello))
     assert direct.closed and 300 not in inbox.owners
     assert all(r.direct is None for r in inbox.state.ranks)
+
+
+def test_rule_a_second_outcome_on_a_connection_of_its_own_ends_that_connection_only():
+    inbox, parts, _, ranks = with_workers()
+    direct = StubPeer(300, "worker")
+    inbox.apply(frame(direct, WorkerHello(3, 1, 2003)))
+    first = [bytearray(b"first")]
+    inbox.apply(frame(direct, WorkerResult(3), first))
+    inbox.apply(frame(direct, WorkerResult(3), [bytearray(b"second")]))
+    assert inbox.state.ranks[3].result is first
+    assert parts.dropped == [direct] and not ranks[3].closed  # its channel stays
+
+
+def test_rule_frames_of_an_earlier_attempts_channel_or_connection_are_not_acted_on():
+    inbox, parts, _, ranks = with_workers()
+    direct = StubPeer(300, "worker")
+    inbox.apply(frame(direct, WorkerHello(3, 1, 2003)))
+    inbox.state.begin_stop(restart=True)
+    inbox.state.next_attempt()
+    for agent in inbox.state.agents:
+        inbox.state.assign(agent, spec(agent.index))
+    inbox.apply(frame(ranks[1], WorkerResult(1), [bytearray(b"old")]))  # its channel is old
+    inbox.apply(frame(direct, WorkerResult(3), [bytearray(b"old")]))
+    assert all(r.result is None for r in inbox.state.ranks) and inbox.state.faults == []
+    assert parts.dropped == [direct]
 
 
 def test_rule_a_rank_has_one_connection_of_its_own_and_it_carries_only_its_outcome():

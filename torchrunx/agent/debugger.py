@@ -1,4 +1,4 @@
-"""``breakpoint()`` in a worker: pdb with its input and output on the worker's connection.
+"""``breakpoint()`` in a worker: pdb with its input and output on the worker's channel.
 
 A worker installs :func:`install` as ``sys.breakpointhook`` (and as ``pdb.set_trace``). When
 the function calls ``breakpoint()`` (or ``pdb.set_trace()``), a :class:`RankPdb` stops in the

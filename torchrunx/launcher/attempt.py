@@ -7,9 +7,11 @@ events that follow. :class:`~torchrunx.launcher.state.LaunchState` adds the laun
 (runs, stops, restarts, phases, read-outs). Nothing here touches a socket, a process or the
 clock.
 
-A rank's end has two halves that travel apart: its agent reports the exit (``WorkerExited``)
-and its own connection carries its outcome (a result or an exception) and then closes. A rank
-"settles" when both are known, or, if its connection stays open (a forked child may hold it),
+A rank's end has two halves: its agent reports the exit (``WorkerExited``), and its channel
+(through the agent) carries its outcome (a result or an exception) and then ends; a large
+outcome comes on a connection of the worker's own instead, and travels apart (the channel
+says so first: ``DirectOutcome``). A rank "settles" when both are known, or, if its channel or
+that connection stays open (a forked child may hold it),
 :data:`~torchrunx.launcher.records.OUTCOME_WAIT` seconds after its exit. An agent's end is
 judged the same way: its exit can overtake its last message (``AgentDone``) on its connection.
 """
@@ -309,7 +311,7 @@ class AttemptState:
         return rank if rank.conn is None else None
 
     def worker_hello(self, rank: RankRecord, conn: int, pid: int) -> list[Event]:
-        """A worker connected (its own connection)."""
+        """A worker said hello on its channel (``conn``: the channel's ident)."""
         rank.conn, rank.pid = conn, pid
         return self.move_rank(rank, WorkerState.HEALTHY)
 
@@ -350,7 +352,7 @@ class AttemptState:
         rank.exited, rank.pid = message, message.pid
         if (rank.conn_closed and not rank.outcome_elsewhere) or rank.has_outcome or message.stopped:
             return True
-        # Its outcome may still be on its own connection (or its hello, if it never got one).
+        # Its outcome may still be on its way (on a connection of its own, or its hello).
         rank.settle_by = now + OUTCOME_WAIT
         self._waiting_ranks.add(rank.rank)
         if message.signal is not None or message.exitcode not in (0, None):

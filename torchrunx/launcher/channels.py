@@ -17,15 +17,26 @@ One agent connection per host instead of one per worker: a launch of 1,000 hosts
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from torchrunx.wire.messages import ToWorker
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from torchrunx.launcher.listener import Peer
-    from torchrunx.wire.messages import DebugInput, WorkerCall
+    from torchrunx.wire.messages import DebugInput, Message, WorkerCall
+
+
+class AgentConnection(Protocol):
+    """What a channel needs of its agent's connection (a listener's ``Peer``)."""
+
+    ident: int
+
+    def send(
+        self, message: Message, payload: Sequence[bytes | bytearray | memoryview] = ()
+    ) -> None:
+        """Queue a message for the agent."""
+
 
 _IDENTS = itertools.count(-1, -1)
 """Channels' idents: negative, so never one of the listener's connections (0 and up)."""
@@ -36,7 +47,7 @@ class WorkerChannel:
 
     role: Literal["worker"] = "worker"
 
-    def __init__(self, agent: Peer, local_rank: int, pid: int) -> None:
+    def __init__(self, agent: AgentConnection, local_rank: int, pid: int) -> None:
         """The channel of the agent's worker ``local_rank``, process ``pid``."""
         self.ident = next(_IDENTS)
         self.agent = agent

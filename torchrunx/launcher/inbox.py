@@ -258,10 +258,8 @@ class Inbox:
                 self._on_channel(peer, agent, message, event.payload, event.at)
             else:
                 self._on_agent_message(agent, message)
-        elif isinstance(message, WorkerResult | WorkerException):  # on a direct connection
-            self._on_worker_message(owner[1], message, event.payload, event.at)
         else:
-            self.drop(peer.ident)  # a direct connection carries an outcome, and nothing else
+            self._on_direct(peer, owner[1], message, event.payload, event.at)
 
     def _on_first_frame(self, peer: Peer, message: Message) -> None:
         st = self.state
@@ -294,6 +292,19 @@ class Inbox:
             return
         peer.close()  # a peer that does not say who it is first, or claims another role
 
+    def _on_direct(
+        self, peer: Peer, index: int, message: Message, payload: list[bytearray], at: float
+    ) -> None:
+        """A frame on a worker's connection of its own: its outcome, once, and nothing else."""
+        ranks = self.state.ranks
+        rank = ranks[index] if index < len(ranks) else None
+        if rank is None or rank.direct != peer.ident:
+            self.drop(peer.ident)  # a connection of an earlier attempt's worker
+        elif isinstance(message, WorkerResult | WorkerException) and not rank.has_outcome:
+            self._on_worker_message(index, message, payload, at)
+        else:
+            self.drop(peer.ident)  # anything else, or a second outcome: that connection ends
+
     def _on_channel(
         self,
         peer: Peer,
@@ -317,8 +328,10 @@ class Inbox:
             return
         inner = message.message
         if channel is not None:
-            owner = self.owners[channel.ident]
-            self._on_worker_message(owner[1], inner, payload, at)
+            index = self.owners[channel.ident][1]
+            ranks = self.state.ranks
+            if index < len(ranks) and ranks[index].conn == channel.ident:  # not an old one's
+                self._on_worker_message(index, inner, payload, at)
         elif isinstance(inner, WorkerHello):
             self._on_worker_hello(peer, agent, message.local_rank, inner)
         # else: what a worker sent after the launch closed its channel: nothing to act on
@@ -398,8 +411,9 @@ class Inbox:
             self.debugger.on_output(rank.rank, message)
         elif isinstance(message, DebugpyListening) and self.on_debugpy is not None:
             self.on_debugpy(rank.rank, message.port)
-        elif isinstance(message, DirectOutcome) and not rank.has_outcome:
-            rank.outcome_elsewhere = rank.direct is None or rank.outcome_elsewhere
+        elif isinstance(message, DirectOutcome):  # its outcome may have come already
+            if not rank.has_outcome:
+                rank.outcome_elsewhere = rank.direct is None or rank.outcome_elsewhere
         else:
             self.drop(rank.conn)  # agents' messages, or a second outcome: not a worker's
 

@@ -1,9 +1,11 @@
 """The launcher's listening socket: accept, authenticate, and turn bytes into frames.
 
-Agents and workers connect here. Each connection is non-blocking and lives in the launch's
-:class:`~torchrunx.launcher.ioloop.IOLoop`: the handshake (:mod:`torchrunx.wire.handshake`) is
-read as its bytes come, under one deadline for the whole of it, and nothing is unpickled before
-it succeeds. An authenticated connection becomes a :class:`Peer`, whose frames go, as
+Agents connect here, and workers whose outcome is large (see
+:class:`~torchrunx.wire.messages.DirectOutcome`; their other messages travel through their agent).
+Each connection is non-blocking and lives in the launch's
+:class:`~torchrunx.launcher.ioloop.IOLoop`: the handshake (:mod:`torchrunx.wire.handshake`) is read
+as its bytes come, under one deadline for the whole of it, and nothing is unpickled before it
+succeeds. An authenticated connection becomes a :class:`Peer`, whose frames go, as
 :class:`FrameReceived` and :class:`PeerClosed`, to the one queue the launch reads. Sending is
 buffered (:meth:`Peer.send`), so a slow peer never blocks the loop.
 

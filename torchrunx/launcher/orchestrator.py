@@ -286,7 +286,7 @@ class Launch(HostChanges):
             self.debugger.warn_missing_rank(offset)
 
     def _send_calls(self) -> None:
-        """Workers that stay: send this run's call to each of them, on its own connection."""
+        """Workers that stay: send this run's call to each of them, on its channel."""
         st = self.state
         st.move_phase(Phase.RUNNING)
         message = WorkerCall(run=st.runs)
@@ -371,7 +371,7 @@ class Launch(HostChanges):
             reason,
         )
         for rank in st.ranks:
-            self.inbox.forget_rank(rank)  # an old worker's connection: nothing more is read
+            self.inbox.forget_rank(rank)  # an old worker's channel: nothing more is read
         if "hosts" in self.plan.restart_on:
             self.replace_agents(deadline)
         unready = [a.slots.hostname for a in st.unready_agents()]

@@ -3,7 +3,10 @@
 Before any connection exists, the launcher hands each agent an
 :class:`~torchrunx.wire.bootstrap.AgentBootstrap` as one line of JSON on the agent's stdin
 (where to connect, the secret, its settings); it is never pickled. Every connection is TCP from
-an agent or a worker to the launcher's listening socket. It starts with a mutual
+an agent to the launcher's listening socket, or from a worker whose outcome is too large to go
+through its agent (:class:`~torchrunx.wire.messages.DirectOutcome`); a worker's other messages
+travel on its channel to its agent (a socket pair, :mod:`torchrunx.wire.channel`), which
+forwards them on its own connection. It starts with a mutual
 challenge-response handshake over a per-launch random secret (:mod:`torchrunx.wire.handshake`),
 and nothing is unpickled from a peer before it has proved it knows that secret::
 
@@ -24,8 +27,9 @@ of at most :data:`~torchrunx.wire.records.RECORD_BYTES` of plaintext with its 16
 The plaintext is a stream of frames. A frame is ``!QI`` (header length, number of payload
 parts), one ``!Q`` length per part, a pickled message dataclass of
 :mod:`torchrunx.wire.messages`, then the raw parts (user data from
-:mod:`torchrunx.serialization`: the pickle stream and one buffer per tensor). Each part starts
-a new record, so a receiver decrypts a large part straight into its own buffer.
+:mod:`torchrunx.serialization`: the pickle stream and one buffer per tensor). A large part
+starts a new record, so a receiver decrypts it straight into its own buffer; small frames sent
+together may share a record (:func:`~torchrunx.wire.records.take_plaintext`).
 
 Modules, by what they own:
 
@@ -36,4 +40,6 @@ Modules, by what they own:
   :func:`~torchrunx.wire.handshake.connect` (an agent's or worker's connection).
 - :mod:`~torchrunx.wire.records`: sealed records, frames, and the framed
   :class:`~torchrunx.wire.records.Connection`.
+- :mod:`~torchrunx.wire.channel`: a worker's channel to its agent: the same frames, plain, on
+  a socket pair.
 """

@@ -253,9 +253,9 @@ class DirectOutcome:
     """Worker, on its channel: its outcome is large, and comes on a connection of its own.
 
     A result or exception of more than :data:`DIRECT_OUTCOME_BYTES` goes straight to the
-    launcher, sealed by the worker (the worker connects as workers of torchrunx 0.4 did, with
-    :class:`WorkerHello` first), so that it is not copied through the agent; the launcher waits
-    for that connection before it judges the rank's exit.
+    launcher, sealed by the worker (its connection's first message is its :class:`WorkerHello`
+    again, with the pid its channel's hello gave), so that it is not copied through the agent;
+    the launcher waits for that connection before it judges the rank's exit.
     """
 
     rank: int
@@ -296,7 +296,7 @@ class WorkerResult:
 class DebugOutput:
     """Worker: what its debugger wrote, and whether it now waits for a line.
 
-    ``breakpoint()`` in a worker runs pdb with its input and output on the worker's connection;
+    ``breakpoint()`` in a worker runs pdb with its input and output on the worker's channel;
     the launcher prints this in its terminal and answers a prompt with :class:`DebugInput`.
     """
 

@@ -7,8 +7,10 @@ A record is ``!I`` (length of what follows, also authenticated) and the AES-256-
 of at most :data:`RECORD_BYTES` of plaintext with its tag; its nonce is the direction's sequence
 number. The plaintext is a stream of frames: ``!QI`` (header length, number of payload parts),
 one ``!Q`` length per part, a pickled message of :mod:`torchrunx.wire.messages`, then the raw
-parts. Each part starts a new record, so a receiver decrypts a large part straight into its
-own buffer. A stream ends with its sender's close record (an empty one).
+parts. Each part starts a new piece of plaintext (:func:`frame_pieces`), and a large one is
+sealed as a record of its own, so a receiver decrypts it straight into its own buffer; small
+pieces queued together may share a record (:func:`take_plaintext`, the agent's outbox). A
+stream ends with its sender's close record (an empty one).
 
 A worker's channel to its agent carries the same frames without records
 (:mod:`torchrunx.wire.channel`).
@@ -99,7 +101,9 @@ def encode_frame_start(
 def frame_pieces(
     message: Message, payload: Sequence[bytes | bytearray | memoryview]
 ) -> Iterator[memoryview | bytes]:
-    """A frame's plaintext in pieces of at most RECORD_BYTES, each to be sealed as one record.
+    """A frame's plaintext in pieces of at most RECORD_BYTES, each sealed as a record.
+
+    Small pieces queued together may share one (:func:`take_plaintext`).
 
     The frame start is one piece (or more if it is large) and each payload part starts a new
     piece, so a receiver decrypts a large part straight into its own buffer.
