@@ -457,6 +457,13 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         _GROWTH,
     ),
     "torchrunx.wire.records.x\u01c1FrameParser\u01c1_room__mutmut_15": ("3 * len(part)", _GROWTH),
+    "torchrunx.wire.records.x\u01c1FrameParser\u01c1_cut__mutmut_50": (
+        "self._finish(None)",
+        (
+            "a frame begun there still has bytes to come (a whole one is cut before): _finish "
+            "only passes its leading empty parts and appends no frame"
+        ),
+    ),
     "torchrunx.wire.records.x\u01c1FrameParser\u01c1target__mutmut_4": (
         "self._filled <= size:",
         (
