@@ -154,7 +154,7 @@ class WorkerGroup:
         workers (the agent): the group then also ends every other process below ``root``, the
         strays. ``None``: only the workers' process groups (in a process with other children).
         ``on_channel_end``: called once for each worker's channel when it ends, with whether
-        the worker ended it cleanly (its close record came).
+        it ended cleanly (between two frames, by the worker).
         """
         self.selector = selector
         self.root = root
