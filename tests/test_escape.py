@@ -90,7 +90,10 @@ def assert_gone(pid: int, tag: str, timeout: float = 5.0) -> None:
 
 
 def pids_in(folder: Path, pattern: str = "pid.*") -> list[int]:
-    return [int(path.read_text()) for path in sorted(folder.glob(pattern))]
+    """The pids the daemons wrote; a file still being written (``.tmp``, renamed once whole)
+    is not one yet."""
+    paths = sorted(path for path in folder.glob(pattern) if path.suffix != ".tmp")
+    return [int(path.read_text()) for path in paths]
 
 
 # -- (a) a function that returns ------------------------------------------------------------
