@@ -26,19 +26,14 @@ from torchrunx.agent.watchdog import HangWatch
 from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, WorkerGroup
 from torchrunx.wire.lines import STACKS_LOGGER, line_records
 from torchrunx.wire.messages import (
+    WORKER_MESSAGE_TYPES,
     DebugInput,
-    DebugOutput,
-    DebugpyListening,
-    DirectOutcome,
     FromWorker,
     LogLines,
     ToWorker,
     WorkerCall,
     WorkerChannelClosed,
-    WorkerException,
     WorkerExited,
-    WorkerHello,
-    WorkerResult,
     WorkerStacks,
 )
 
@@ -52,15 +47,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("torchrunx.agent")
 
 _DRAIN_WAIT = 1.0
-_FROM_WORKER = (
-    WorkerHello,
-    WorkerResult,
-    WorkerException,
-    DebugOutput,
-    DebugpyListening,
-    DirectOutcome,
-)
-"""What a worker may send on its channel; anything else ends the channel."""
 
 
 class Attempt:
@@ -152,7 +138,7 @@ class Attempt:
         for message, payload in frames:
             if worker.channel is None:
                 return  # ended below for a message that is not a worker's: the rest goes too
-            if isinstance(message, _FROM_WORKER):
+            if isinstance(message, WORKER_MESSAGE_TYPES):
                 self.forward(FromWorker(worker.local_rank, message), payload)
             else:
                 logger.warning(

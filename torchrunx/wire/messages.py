@@ -207,14 +207,7 @@ class FromWorker:
     """
 
     local_rank: int
-    message: (
-        WorkerHello
-        | WorkerResult
-        | WorkerException
-        | DebugOutput
-        | DebugpyListening
-        | DirectOutcome
-    )
+    message: WorkerMessage
 
 
 @dataclass(frozen=True)
@@ -375,6 +368,13 @@ Message = (
 )
 """Every message; a frame's header is one of these, and nothing else."""
 _MESSAGE_TYPES: tuple[type[Message], ...] = typing.get_args(Message)
+
+WorkerMessage = (
+    WorkerHello | WorkerResult | WorkerException | DebugOutput | DebugpyListening | DirectOutcome
+)
+"""What a worker may send on its channel (forwarded by its agent inside :class:`FromWorker`)."""
+WORKER_MESSAGE_TYPES: tuple[type[WorkerMessage], ...] = typing.get_args(WorkerMessage)
+"""The classes of :data:`WorkerMessage`."""
 """The classes of :data:`Message`, read from it (the union is the one list of them)."""
 _MESSAGE_CLASSES: dict[str, type[Message]] = {cls.__name__: cls for cls in _MESSAGE_TYPES}
 
