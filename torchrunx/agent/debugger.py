@@ -20,6 +20,7 @@ import contextlib
 import io
 import os
 import pdb  # noqa: T100 (the debugger is the feature)
+import selectors
 import socket
 import sys
 import threading
@@ -29,6 +30,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 from torchrunx import timer
 from torchrunx.agent.store import after_import
 from torchrunx.errors import ProtocolError
+from torchrunx.peercred import held_by, loopback_peer
 from torchrunx.wire.messages import DebugInput, DebugOutput, DebugpyListening
 
 if TYPE_CHECKING:
@@ -275,14 +277,17 @@ def post_mortem(exc: BaseException) -> None:
 
 
 def wait_for_ide(chosen: tuple[int, int] | None) -> None:
-    """If ``TORCHRUNX_DEBUGPY`` chose this rank: listen with debugpy and wait for an IDE.
+    """If ``TORCHRUNX_DEBUGPY`` chose this rank: wait for an IDE's debugger, then return.
 
-    Once per worker process (a worker that stays runs later calls attached already). debugpy
-    listens on this host's ``127.0.0.1`` only; the launcher makes the port reachable.
+    Once per worker process (a worker that stays runs later calls attached already). Nothing
+    listens that another user of the host could use: an :class:`IdeGate` listens on this
+    host's ``127.0.0.1:PORT`` and carries one connection of this user's (an IDE, or the
+    launcher's SSH forward) to debugpy, which connects to the gate from this process; any other
+    connection is closed unread. The launcher makes the port reachable.
 
     Raises:
         ModuleNotFoundError: debugpy is not installed on this host (said how to install it).
-        RuntimeError: debugpy cannot listen there (the port is in use).
+        RuntimeError: The port cannot be listened on here (in use: by whom is not told).
     """
     session = _ours().session
     if chosen is None or chosen[0] != session.rank or _ours().ide_attached:
@@ -295,7 +300,83 @@ def wait_for_ide(chosen: tuple[int, int] | None) -> None:
             f"TORCHRUNX_DEBUGPY chose rank {rank}, but debugpy is not installed on "
             f"{socket.gethostname()}: pip install debugpy in that host's environment"
         ) from exc
-    debugpy.listen(("127.0.0.1", port))  # noqa: T100
+    try:
+        gate = IdeGate(port)
+    except OSError as exc:
+        raise RuntimeError(
+            f"TORCHRUNX_DEBUGPY: rank {rank} cannot listen on 127.0.0.1:{port} on "
+            f"{socket.gethostname()} ({exc}): choose another port with "
+            f"TORCHRUNX_DEBUGPY={rank}:PORT"
+        ) from exc
     session.conn.send(DebugpyListening(rank, port))
+    debugpy.connect(("127.0.0.1", port))  # returns once the IDE has spoken
     debugpy.wait_for_client()  # noqa: T100
+    gate.stop_listening()
     _ours().ide_attached = True
+
+
+class IdeGate:
+    """``127.0.0.1:port`` for one IDE of this user, carried to this process's debugpy.
+
+    debugpy speaks the IDE's protocol (DAP) itself, whichever end connected: the gate accepts
+    debugpy's own connection (a socket this process holds) and the first connection whose
+    socket belongs to this process's user (:mod:`torchrunx.peercred`), and copies bytes
+    between them on a thread of its own until either end closes. Connections of other users
+    are closed at once, unread: the port's owner cannot be impersonated, and debugpy (which
+    does not authenticate its client) is never reachable by them.
+    """
+
+    def __init__(self, port: int) -> None:
+        """Listen on ``127.0.0.1:port`` and start the gate's thread.
+
+        Raises:
+            OSError: The port cannot be listened on.
+        """
+        self._server = socket.create_server(("127.0.0.1", port))
+        self.refused = 0
+        """Connections closed unread (another user's, or a second IDE's)."""
+        threading.Thread(target=self._serve, name="torchrunx-ide-gate", daemon=True).start()
+
+    def _serve(self) -> None:
+        """Accept until debugpy and one IDE are in, then carry bytes between them."""
+        debuggee: socket.socket | None = None
+        ide: socket.socket | None = None
+        while debuggee is None or ide is None:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:  # stop_listening: the worker no longer waits for an IDE
+                for end in (debuggee, ide):
+                    if end is not None:
+                        end.close()
+                return
+            peer = loopback_peer(conn)
+            if peer is not None and debuggee is None and held_by(peer.inode):
+                debuggee = conn
+            elif peer is not None and ide is None and peer.uid == os.geteuid():
+                ide = conn
+            else:
+                self.refused += 1
+                conn.close()
+        _carry(debuggee, ide)
+
+    def stop_listening(self) -> None:
+        """No more connections: the port is free (connections carried so far go on)."""
+        self._server.close()
+
+
+def _carry(one: socket.socket, other: socket.socket) -> None:
+    """Copy bytes both ways until either end closes, then close both."""
+    with selectors.DefaultSelector() as selector, one, other:
+        selector.register(one, selectors.EVENT_READ, other)
+        selector.register(other, selectors.EVENT_READ, one)
+        while True:
+            for key, _ in selector.select():
+                source = cast("socket.socket", key.fileobj)
+                try:
+                    data = source.recv(65536)
+                    if data:
+                        cast("socket.socket", key.data).sendall(data)
+                        continue
+                except OSError:
+                    pass
+                return

@@ -5,7 +5,9 @@ own host's ``127.0.0.1:PORT``; :class:`PortForward` listens on this machine's
 ``127.0.0.1:PORT`` and carries each connection to it over a ``direct-tcpip`` channel of the
 SSH connection that started that host's agent, as ``ssh -L PORT:127.0.0.1:PORT host`` would.
 One thread serves every connection of a forward (a selector over the sockets and channels);
-:meth:`PortForward.close` ends them all.
+:meth:`PortForward.close` ends them all. Only this user's processes are carried: a connection
+whose other end another user made (:func:`torchrunx.peercred.same_user`) is closed unread,
+before any channel opens.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import selectors
 import socket
 import threading
 from typing import TYPE_CHECKING, Union
+
+from torchrunx.peercred import same_user
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -58,6 +62,8 @@ class PortForward:
         self._pairs: dict[_End, _End] = {}
         """Each end's other end: a local socket and its channel, both ways."""
         self._closed = False
+        self.refused = 0
+        """Connections closed unread: another user's."""
         self._thread = threading.Thread(target=self._serve, name="torchrunx-forward", daemon=True)
         self._thread.start()
 
@@ -75,6 +81,14 @@ class PortForward:
         try:
             conn, origin = self._server.accept()
         except (BlockingIOError, InterruptedError):
+            return
+        if not same_user(conn):
+            self.refused += 1
+            logger.warning(
+                "refused a connection to the forwarded port %d from another user's process",
+                self.port,
+            )
+            conn.close()
             return
         try:
             channel = self._open_channel(self._remote, origin[:2])

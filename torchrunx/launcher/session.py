@@ -167,23 +167,35 @@ class LaunchLoop:
         """``breakpoint()`` in the workers: pdb sessions in this terminal."""
         self.inbox.debugger = self.debugger
         self.inbox.on_debugpy = self._on_debugpy
-        self._forwards: list[PortForward] = []
-        """Ports of remote hosts made reachable here (``TORCHRUNX_DEBUGPY``), closed at the end."""
+        self._forwards: dict[tuple[int, int], PortForward] = {}
+        """Per rank and host, the port made reachable here (``TORCHRUNX_DEBUGPY``), closed last."""
 
     def _on_debugpy(self, rank: int, port: int) -> None:
         """Rank ``rank``'s debugpy listens on its host's ``127.0.0.1:port``: say where to attach.
 
         Over SSH the port is forwarded to this machine's own ``127.0.0.1:port`` through the
         agent's SSH connection; an agent on this machine needs nothing; an ``srun`` step's host
-        is named, with the ``ssh -L`` that reaches it.
+        is named, with the ``ssh -L`` that reaches it. Only the rank and port that
+        ``TORCHRUNX_DEBUGPY`` named are forwarded: a worker cannot open a forward to another port.
         """
+        if (rank, port) != self.debugger.debugpy:
+            logger.warning(
+                "rank %d asked for an IDE's debugger on port %d, which TORCHRUNX_DEBUGPY did "
+                "not name: nothing forwarded",
+                rank,
+                port,
+            )
+            return
         record = self.state.ranks[rank]
         host = self.state.hostname(record)
         process = self.pool.processes.get(record.host_index)
         forward = getattr(process, "forward", None)
-        if forward is not None:
+        key = (rank, record.host_index)
+        if key in self._forwards:  # a restarted or kept worker: the same forward
+            where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
+        elif forward is not None:
             try:
-                self._forwards.append(forward(port, port))
+                self._forwards[key] = forward(port, port)
                 where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
             except OSError as exc:
                 where = (
@@ -382,7 +394,7 @@ class LaunchLoop:
     def close(self) -> None:
         """Release everything: agents, connections, the port, the loop, and helper threads."""
         self.debugger.close()
-        for forward in self._forwards:
+        for forward in self._forwards.values():
             forward.close()
         self.listener.stop_accepting()
         for agent in self.state.agents:
