@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build NVIDIA's enroot and pyxis (the SLURM SPANK plugin behind `srun --container-image`)
-# into .pyxis/ of this checkout, for tests/test_pyxis.py. Neither is packaged by Debian and
-# GitHub is not reachable from the test machines, so the sources come from git repositories
-# given as arguments (or TORCHRUNX_PYXIS_SOURCES/NVIDIA+{pyxis,enroot}/repo, the layout of this
-# machine's repository mirror). Without sources it builds nothing and says so; the pyxis tests
-# then skip with that reason.
+# into .pyxis/ of this checkout, for tests/test_pyxis.py. Neither is packaged by Debian, and
+# where the tests run GitHub may not be reachable, so the sources are yours to give: two git
+# repositories as arguments, or TORCHRUNX_PYXIS_SOURCES naming a folder that holds
+# NVIDIA+pyxis/repo and NVIDIA+enroot/repo. Without them it builds nothing and says how to
+# enable it; the pyxis tests then skip with that reason.
 #
 #   scripts/build_pyxis.sh [PYXIS_GIT ENROOT_GIT]
 #
@@ -14,7 +14,13 @@
 # create`, `start` and `remove`, which pyxis uses, are needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-sources=${TORCHRUNX_PYXIS_SOURCES:-/work/.mirror}
+sources=${TORCHRUNX_PYXIS_SOURCES:-}
+if [ $# -eq 0 ] && [ -z "$sources" ]; then
+    echo "build_pyxis: pyxis is not built: give the git repositories of pyxis and enroot" \
+        "(scripts/build_pyxis.sh PYXIS_GIT ENROOT_GIT, or TORCHRUNX_PYXIS_SOURCES=DIR holding" \
+        "NVIDIA+pyxis/repo and NVIDIA+enroot/repo); tests/test_pyxis.py skips without them" >&2
+    exit 0
+fi
 pyxis_git=${1:-$sources/NVIDIA+pyxis/repo}
 enroot_git=${2:-$sources/NVIDIA+enroot/repo}
 if [ ! -d "$pyxis_git" ] || [ ! -d "$enroot_git" ]; then

@@ -521,8 +521,10 @@ def pyxis_unavailable_reason() -> str | None:
     """
     if not (PYXIS / "lib" / "spank_pyxis.so").exists() or not (PYXIS / "bin" / "enroot").exists():
         return (
-            f"pyxis is not built in {PYXIS}: scripts/build_pyxis.sh builds it from pyxis's and "
-            "enroot's git repositories (not reachable from package registries)"
+            f"pyxis is not built in {PYXIS}: to test it, give scripts/build_pyxis.sh the git "
+            "repositories of pyxis and enroot (TORCHRUNX_PYXIS_SOURCES=DIR holding "
+            "NVIDIA+pyxis/repo and NVIDIA+enroot/repo, then scripts/test.sh; or "
+            "scripts/build_pyxis.sh PYXIS_GIT ENROOT_GIT)"
         )
     if shutil.which("mksquashfs") is None or shutil.which("unsquashfs") is None:
         return "pyxis needs squashfs-tools (mksquashfs, unsquashfs)"
