@@ -36,9 +36,13 @@ SCRIPT = textwrap.dedent(
         step = json.load(open(path))["step"] if os.path.exists(path) else 0
         if step == 0:
             open(f"{folder}/running-{rank}", "w").close()
+        told = False
         while step < steps:
             time.sleep(0.02)
             step += 1
+            if not told and trx.preemption_requested():  # the test may wait for this
+                told = True
+                open(f"{folder}/told-{rank}", "w").close()
             if rank == 1 and step == term_agent_at:
                 os.kill(os.getppid(), signal.SIGTERM)  # this host's agent only
             if save and trx.preemption_requested():
@@ -98,17 +102,21 @@ def _start(tmp_path, hosts, *, grace, save=True, term_agent_at=0, env=None):  # 
     return process, folder
 
 
-def _wait_running(folder: Path, ranks: int, process, timeout: float = 60) -> None:
+def _wait_running(
+    folder: Path, ranks: int, process, timeout: float = 60, mark: str = "running"
+) -> None:
+    """Until every rank wrote ``folder/MARK-RANK`` (``running``: it started; ``told``: it was
+    told of a preemption), failing the test if the launcher ends first or at ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all((folder / f"running-{rank}").exists() for rank in range(ranks)):
+        if all((folder / f"{mark}-{rank}").exists() for rank in range(ranks)):
             return
         if process.poll() is not None:
             break
         time.sleep(0.05)
     process.kill()
     out, err = process.communicate()
-    pytest.fail(f"the ranks did not start:\n{out}\n{err}")
+    pytest.fail(f"the ranks did not write {mark}-RANK:\n{out}\n{err}")
 
 
 def _outcome(process, timeout: float = 60) -> tuple[int, dict[str, object]]:
@@ -202,7 +210,7 @@ def test_a_second_sigterm_stops_at_once(tmp_path):
     process, folder = _start(tmp_path, LOCAL, grace=60, save=False)
     _wait_running(folder, 2, process)
     process.send_signal(signal.SIGTERM)
-    time.sleep(1)
+    _wait_running(folder, 2, process, mark="told")  # the first one was taken: a preemption
     told = time.monotonic()
     process.send_signal(signal.SIGTERM)
     out, _ = process.communicate(timeout=30)

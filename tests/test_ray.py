@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from cluster import cluster_unavailable_reason
-from conftest import SESSION_MARKER
+from conftest import SESSION_MARKER, wait_gone
 from ray_cluster import RayCluster, ray_unavailable_reason, start_ray_cluster
 
 import torchrunx as trx
@@ -241,10 +241,8 @@ def test_ray_warm_agent_whose_actor_is_killed_between_runs_is_replaced(ray_clust
     )
     with launcher.warm() as warm:
         first = warm.run(where_now).ranks
-        kill_actor_of_host(
-            ray_cluster, 1
-        )  # between runs: the agent's whole tree goes with its actor
-        time.sleep(1.0)
+        kill_actor_of_host(ray_cluster, 1)  # between runs: the agent's tree goes with its actor
+        wait_gone(first[1][1], 30)  # host 1's agent (the worker's parent)
         second_run = warm.run(where_now).ranks
     assert [host for host, _ in second_run] == ["rnode1", "rnode2"]
     assert second_run[0][1] == first[0][1]  # host 0 keeps its agent

@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import listened_during_launch
+from conftest import listened_during_launch, wait_gone
 
 import torchrunx as trx
 
@@ -329,6 +329,11 @@ def test_a_cut_link_to_a_relaying_host_is_noticed_within_agent_timeout(cluster):
         time.sleep(0.2)
 
 
+def _relay_and_agent_pids() -> tuple[int, int]:
+    """In a worker: its host's relay and its agent."""
+    return _relay_pid(), os.getppid()
+
+
 def _relay_pid() -> int:
     """In a worker: its host's relay (above its agent and the agent's guardian)."""
     pid = os.getppid()
@@ -352,9 +357,9 @@ def test_a_relay_killed_between_warm_runs_fails_the_next_run_naming_its_host(clu
         relay="on",
     )
     with launcher.warm() as warm:
-        relays = warm.run(_relay_pid).ranks
-        os.kill(relays[1], signal.SIGKILL)
-        time.sleep(1)  # its agent sees the end of its stdin, and stops
+        relays = warm.run(_relay_and_agent_pids).ranks
+        os.kill(relays[1][0], signal.SIGKILL)
+        wait_gone(relays[1][1], 30)  # its agent sees the end of its stdin, and stops: between runs
         with pytest.raises(trx.AgentFailedError) as info:
             warm.run(_rank)
     assert info.value.hostname == "node2"
