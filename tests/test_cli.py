@@ -657,3 +657,121 @@ def test_ctrl_c_stops_everything_and_exits_130(torchrunx_command, tmp_path):
         in stacks
     ), err
     assert stacks.count(f'File "{tmp_path / "waits.py"}", line 3 in <module>') == 1, err
+
+
+# -- torchrun's options, and a function's arguments read by its annotations ----------------------
+
+
+def _torchrun_spellings() -> list[tuple[str, str]]:
+    from torchrunx.cli_hints import TORCHRUN_OPTIONS
+
+    found = {
+        (spelling, option.instead)
+        for option in TORCHRUN_OPTIONS
+        for name in option.names
+        for spelling in (f"--{name}", f"--{name.replace('-', '_')}")
+    }
+    ours = {"--max-restarts"} | {"--" + name.replace("_", "-") for name in RENAMED_FIELDS}
+    return sorted(f for f in found if f[0] not in ours)  # ours (or 0.4's) say their own
+
+
+@pytest.mark.parametrize(("option", "instead"), _torchrun_spellings())
+def test_torchruns_options_are_refused_with_what_to_write_instead(
+    option, instead, tmp_path, monkeypatch, capsys
+):
+    argv = [option, "--", "ok.py"] if "{value}" not in instead else [f"{option}=8", "--", "ok.py"]
+    assert _main(["--hostnames", "localhost", *argv], tmp_path, monkeypatch).code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: torchrunx [options] -- (script.py | -m module | module:function)")
+    assert "torchrun's option; with torchrunx write " + instead.format(value="8") in err, err
+    assert "(torchrunx --help lists every option)" in err
+    assert len(err.splitlines()) == 3, err  # not a screen of usage
+
+
+def test_nproc_per_node_without_dashes_in_front_of_the_script_is_refused_too(
+    tmp_path, monkeypatch, capsys
+):
+    # torchrun's own layout: options, then the script, no `--`.
+    assert _main(["--nproc_per_node=2", "ok.py"], tmp_path, monkeypatch).code == 2
+    assert "with torchrunx write --workers-per-host 2" in capsys.readouterr().err
+
+
+def test_the_migration_page_lists_every_torchrun_option_the_command_knows():
+    from torchrunx.cli_hints import TORCHRUN_OPTIONS
+
+    page = (Path(__file__).parent.parent / "docs" / "migrating.md").read_text()
+    table = page[page.index("## torchrun options and their counterparts") :]
+    table = table[: table.index("\n## ")]
+    for option in TORCHRUN_OPTIONS:
+        for name in option.names:
+            if name != "max_restarts":
+                assert f"`--{name}" in table, name
+
+
+def test_rule_a_functions_arguments_are_read_as_its_annotations_say():
+    from torchrunx.cli_options import typed_arguments
+
+    def train(  # noqa: PLR0913, PLR0917 (a function of many parameters is the point)
+        steps: int,
+        lr: float,
+        out: Path,
+        mode: typing.Literal["a", "b"],
+        raw,
+        flag: bool,
+        *more: int | None,
+    ):
+        return None
+
+    words = ["50", "0.5", "/tmp/x", "b", "7", "False", "3", "None"]
+    assert typed_arguments(train, words, "jobs:train") == (
+        50,
+        0.5,
+        Path("/tmp/x"),
+        "b",
+        "7",
+        False,
+        3,
+        None,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^argument 1 of jobs:train \(steps: int\) cannot be '5o': the function's annotation asks for int$",
+    ):
+        typed_arguments(train, ["5o"], "jobs:train")
+    with pytest.raises(
+        ValueError, match=r"argument 4 of jobs:train \(mode: Literal\['a', 'b'\]\) cannot be 'c'"
+    ):
+        typed_arguments(train, ["1", "1", "x", "c"], "jobs:train")
+
+    def plain(a, b: str, *rest):
+        return None
+
+    def unresolved(steps: int, data: NotDefinedAnywhere):  # noqa: F821 (on purpose)
+        return None
+
+    assert typed_arguments(plain, ["1", "2", "3"], "m:plain") == ("1", "2", "3")  # as before
+    assert typed_arguments(len, ["1"], "len") == ("1",)  # no signature to read
+    # One annotation that does not resolve leaves that word a string, not every word.
+    assert typed_arguments(unresolved, ["2", "d"], "m:unresolved") == (2, "d")
+
+
+def test_command_reads_a_functions_arguments_by_its_annotations(torchrunx_command, tmp_path):
+    (tmp_path / "typed.py").write_text(
+        textwrap.dedent(
+            """\
+            from pathlib import Path
+
+            def train(steps: int, lr: float, out: Path, tag="x"):
+                return [steps * 2, lr / 2, type(out).__name__, tag]
+            """
+        )
+    )
+    ok = _run([*torchrunx_command, *LOCAL, "--", "typed:train", "50", "0.5", "o.pt", "7"], tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines()[-1] == '[100, 0.25, "PosixPath", "7"]'
+    bad = _run([*torchrunx_command, *LOCAL, "--", "typed:train", "5o", "0.5", "o.pt"], tmp_path)
+    assert bad.returncode == 1
+    assert (
+        "ValueError: argument 1 of typed:train (steps: int) cannot be '5o': the function's "
+        "annotation asks for int"
+    ) in bad.stderr, bad.stderr

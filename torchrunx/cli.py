@@ -33,7 +33,12 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
-from torchrunx.cli_options import add_dataclass_arguments, dataclass_from_namespace
+from torchrunx.cli_hints import add_renamed_options, add_torchrun_options
+from torchrunx.cli_options import (
+    add_dataclass_arguments,
+    dataclass_from_namespace,
+    typed_arguments,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -169,13 +174,19 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 def _call_function(target: str, args: Sequence[str]) -> object:
     """In a worker: import ``module:function`` and return ``function(*args)``.
 
-    The function may be dotted (``module:Class.method``); the arguments are strings.
+    The function may be dotted (``module:Class.method``); each argument is read as its
+    parameter's annotation says (:func:`~torchrunx.cli_options.typed_arguments`).
     """
     module_name, _, qualname = target.partition(":")
     obj: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part)
-    return obj(*args)
+    return obj(*typed_arguments(obj, args, target))
+
+
+def _call_registered(function: Any, name: str, args: Sequence[str]) -> object:  # noqa: ANN401
+    """In a worker: a plugin's function called with its arguments read as annotated."""
+    return function(*typed_arguments(function, args, name))
 
 
 # ------------------------------------------------------------------------------------------
@@ -192,7 +203,8 @@ them. Put `--` between torchrunx's options and what to run:
   torchrunx [options] -- -m package.module [args...]
       run a module as __main__, like python -m
   torchrunx [options] -- package.module:function [args...]
-      call function(*args) (the args are strings) and print rank 0's return value
+      call function(*args) (each arg read as its parameter's annotation says: int, float,
+      Path, ...; a string where there is none) and print rank 0's return value
   torchrunx run NAME [options] [-- args...]
       call a function registered by a plugin (entry point group torchrunx.functions)
   torchrunx builtins
@@ -218,7 +230,8 @@ traceback); 2 bad command line; 130 Ctrl-C; 143 SIGTERM (everything is stopped f
 _RUN_DESCRIPTION = """\
 Call the function that a plugin registered as NAME (entry point group torchrunx.functions;
 `torchrunx builtins` lists them) on every worker, with the words after `--` as its arguments
-(strings), and print rank 0's return value. --backend defaults to auto, as for any function."""
+(read as the function's annotations say), and print rank 0's return value. --backend
+defaults to auto, as for any function."""
 
 _CHECK_DESCRIPTION = """\
 Check every host of a launch at once, before launching: each host is reached the way its agent
@@ -250,38 +263,19 @@ class _Parser(argparse.ArgumentParser):
 
     hints: typing.Mapping[str, str] = types.MappingProxyType({})
     """Hints to append to an error message, each where its key is part of the message."""
+    short_usage: str | None = None
+    """The usage line printed with an error (not the list of every option), if set."""
 
     def error(self, message: str) -> NoReturn:
         """Print the usage and the error (with its hints), and exit with :data:`EXIT_USAGE`."""
-        super().error("\n".join([message, *(v for k, v in self.hints.items() if k in message)]))
-
-
-class _Renamed(argparse.Action):
-    """An option of an earlier torchrunx (``--worker-timeout``): its error names the new one."""
-
-    def __call__(self, parser: argparse.ArgumentParser, *_: object, **__: object) -> NoReturn:
-        """Refuse the option, with what replaced it (``Launcher``'s message for the keyword)."""
-        from torchrunx.launcher.renamed import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
-
-        message = RENAMED_FIELDS[self.dest]
-        if new := re.search(r"use (\w+)=", message):
-            option = "--" + new[1].replace("_", "-")
-            known = option in parser._option_string_actions  # noqa: SLF001
-            message += f"; on the command line: {option}" if known else " (no command-line option)"
-        raise argparse.ArgumentError(self, message)
-
-
-def add_renamed_options(group: argparse._ArgumentGroup) -> None:
-    """Hidden options of earlier releases (``--worker-timeout``): each an error naming the new.
-
-    Args:
-        group: Where :func:`add_launcher_arguments` put the launcher's options.
-    """
-    from torchrunx.launcher.renamed import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
-
-    for name in RENAMED_FIELDS:  # keywords of earlier releases, for a clear error
-        option = "--" + name.replace("_", "-")
-        group.add_argument(option, action=_Renamed, nargs="*", dest=name, help=argparse.SUPPRESS)
+        text = "\n".join([message, *(v for k, v in self.hints.items() if k in message)])
+        if self.short_usage is None:
+            super().error(text)
+        self.exit(
+            EXIT_USAGE,
+            f"usage: {self.short_usage}\n{self.prog}: error: {text}\n"
+            f"({self.prog} --help lists every option)\n",
+        )
 
 
 def _command_parser(command: str | None) -> _Parser:
@@ -305,6 +299,9 @@ def _command_parser(command: str | None) -> _Parser:
             epilog=_EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        parser.short_usage = (
+            "torchrunx [options] -- (script.py | -m module | module:function) [args...]"
+        )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -325,6 +322,7 @@ def _command_parser(command: str | None) -> _Parser:
             help="run the target as a module, like python -m (also written `-- -m module`)",
         )
     add_renamed_options(add_launcher_arguments(parser))
+    add_torchrun_options(parser)
     parser.set_defaults(backend=_BackendDefault())
     if command is None:
         parser.add_argument(
@@ -572,7 +570,8 @@ def _launch(launcher: Launcher, target: _Target) -> int:
         elif target.kind == "registered":
             from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
 
-            result = launcher.run(plugins.registered_function(target.name), *target.args)
+            function = plugins.registered_function(target.name)
+            result = launcher.run(_call_registered, function, target.name, target.args)
         else:
             result = launcher.run(_call_function, target.name, target.args)
     except KeyboardInterrupt as interrupted:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["add_dataclass_arguments", "dataclass_from_namespace"]
+__all__ = ["add_dataclass_arguments", "dataclass_from_namespace", "typed_arguments"]
 
 
 def add_dataclass_arguments(group: argparse._ArgumentGroup, cls: type[Any]) -> None:
@@ -101,6 +101,67 @@ def dataclass_from_namespace(cls: type[Any], namespace: argparse.Namespace) -> A
     """An instance of the dataclass ``cls`` with the fields found in ``namespace``."""
     names = [f.name for f in dataclasses.fields(cls) if f.init and f.name in namespace]
     return cls(**{name: getattr(namespace, name) for name in names})
+
+
+def typed_arguments(func: Any, words: Sequence[str], name: str) -> tuple[object, ...]:  # noqa: ANN401 (any callable)
+    """``words`` read as the types of ``func``'s positional parameters, as tyro reads a value.
+
+    ``steps: int`` gets ``50`` for the word ``50``; ``path: Path``, ``x: float | None``
+    (``None``), ``mode: Literal["a", "b"]``, ``flag: bool`` (``True``/``False``) likewise; a
+    parameter without an annotation, annotated ``str``, or of a type that tyro does not read
+    from one word gets the word as it is. Words past the parameters go to ``*args`` (its
+    annotation applies), or to the call, which says that there are too many.
+
+    Raises:
+        ValueError: A word is not a value of its parameter's type (the message names the
+            argument, the parameter, its type and ``name``, the function as the user wrote it).
+    """
+    import tyro  # noqa: PLC0415 (only where a command's function is called)
+
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):  # a builtin: no signature to read
+        return tuple(words)
+    hints = _annotations(func)
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = next((p for p in parameters if p.kind is p.VAR_POSITIONAL), None)
+    values: list[object] = []
+    for index, word in enumerate(words):
+        parameter = positional[index] if index < len(positional) else rest
+        hint = None if parameter is None else hints.get(parameter.name)
+        if parameter is None or hint is None or hint is str:
+            values.append(word)
+            continue
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                value = tyro.cli(hint, args=["--", word], console_outputs=False)  # type: ignore[call-overload]
+                values.append(value)
+        except SystemExit:
+            shown = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+            raise ValueError(
+                f"argument {index + 1} of {name} ({parameter.name}: {shown}) cannot be {word!r}: "
+                f"the function's annotation asks for {shown}"
+            ) from None
+        except Exception:  # noqa: BLE001 (a type tyro cannot read: the word, as before)
+            values.append(word)
+    return tuple(values)
+
+
+def _annotations(func: Any) -> dict[str, object]:  # noqa: ANN401 (any callable)
+    """``func``'s parameter annotations, each resolved alone (one that does not is left out)."""
+    try:
+        return typing.get_type_hints(func)
+    except Exception:  # noqa: BLE001 (a name that does not resolve: try each one alone)
+        hints: dict[str, object] = {}
+    namespace = getattr(func, "__globals__", {})
+    for name, annotation in getattr(func, "__annotations__", {}).items():
+        with contextlib.suppress(Exception):
+            hints[name] = (
+                eval(annotation, namespace)  # noqa: S307 (as typing.get_type_hints does)
+                if isinstance(annotation, str)
+                else annotation
+            )
+    return hints
 
 
 def _field_docstrings(cls: type[Any]) -> dict[str, str]:

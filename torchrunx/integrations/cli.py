@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from torchrunx import cli
+from torchrunx import cli, cli_hints
 
 if TYPE_CHECKING:
     import argparse
@@ -43,7 +43,7 @@ def add_torchrunx_argument_group(parser: argparse.ArgumentParser) -> None:
     group = cli.add_launcher_arguments(parser)
     # 0.4's --worker-timeout (and the other renamed keywords): an error naming the new option,
     # as on the torchrunx command, instead of argparse's bare "unrecognized arguments".
-    cli.add_renamed_options(group)
+    cli_hints.add_renamed_options(group)
 
 
 def launcher_from_args(args: argparse.Namespace) -> Launcher:
