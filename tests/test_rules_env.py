@@ -148,3 +148,46 @@ def test_rule_any_other_flag_value_is_an_error_that_names_the_variable(value):
     assert str(raised.value) == (
         f"X_FLAG={value!r} is not one of 1, true, yes, on, 0, false, no, off"
     )
+
+
+def test_rule_a_pattern_that_matches_no_launcher_variable_is_named_once():
+    from torchrunx.env import unmatched_patterns
+
+    environ = {"WANDB_PROJECT": "p", "HF_HOME": "/h"}
+    assert unmatched_patterns(["WANDB_PROJCT", "HF_*", "WANDB_PROJCT", "X?"], environ) == (
+        "WANDB_PROJCT",
+        "X?",
+    )
+    assert unmatched_patterns(["wandb_project"], environ) == ("wandb_project",)  # case counts
+
+
+def test_rule_only_the_users_own_patterns_are_checked_not_torchrunxs_defaults(monkeypatch, caplog):
+    import logging
+    import os
+
+    import torchrunx as trx
+
+    for name in [n for n in os.environ if n.startswith(("NCCL", "CUDA"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MY_SET", "1")
+    launcher = trx.Launcher(
+        hostnames=["localhost"],
+        workers_per_host=1,
+        backend=None,  # no GPU count (no nvidia-smi): a pure test
+        extra_env_vars=("WANDB_PROJCT", "MY_*", "A=1"),
+        default_env_vars=("PATH", "NCCL*", "MINE_*"),
+    )
+    assert launcher.unmatched_env_vars() == ("MINE_*", "WANDB_PROJCT")
+    with caplog.at_level(logging.WARNING, logger="torchrunx"):
+        launcher.plan()
+    warned = [
+        r.getMessage() for r in caplog.records if "no variable of the launcher" in r.getMessage()
+    ]
+    assert warned == [
+        f"no variable of the launcher matches {p!r}, so no worker gets it: a typo, or a variable "
+        "set on the hosts but not here? (extra_env_vars, default_env_vars)"
+        for p in ("MINE_*", "WANDB_PROJCT")
+    ]
+    assert "matching no variable here, so forwarding nothing (a typo?): MINE_* WANDB_PROJCT" in (
+        launcher.dry_run()
+    )

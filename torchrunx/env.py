@@ -81,6 +81,22 @@ def forwarded_env(
     }
 
 
+def unmatched_patterns(
+    patterns: Iterable[str], environ: Mapping[str, str] | None = None
+) -> tuple[str, ...]:
+    """The ``patterns`` that no variable of ``environ`` (the launcher's) matches, once each.
+
+    Such a pattern forwards nothing: most often a typo (``WANDB_PROJCT``), or a variable that is
+    set on the hosts but not where the launcher runs.
+    """
+    env = os.environ if environ is None else environ
+    return tuple(
+        pattern
+        for pattern in dict.fromkeys(patterns)
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in env)
+    )
+
+
 def split_extra_env_vars(extra: object) -> tuple[tuple[str, ...], dict[str, str]]:
     """``extra_env_vars`` as (patterns of launcher variables to copy, values to set).
 

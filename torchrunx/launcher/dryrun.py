@@ -50,6 +50,7 @@ class Launcher(Protocol):
     def ship_exclude(self) -> tuple[str, ...]: ...  # noqa: D102
     @property
     def container(self) -> str | None: ...  # noqa: D102
+    def unmatched_env_vars(self) -> tuple[str, ...]: ...  # noqa: D102
 
 
 def describe_launch(launcher: Launcher, plan: LaunchPlan) -> str:
@@ -109,6 +110,11 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
             lines.append(f"workers_per_host='gpu' would fail: no GPU on {', '.join(without)}")
     lines += ["", f"forwarded environment variables ({len(env_names)}, values not shown):"]
     lines.append("  " + (" ".join(env_names) or "(none)"))
+    unmatched = launcher.unmatched_env_vars()
+    if unmatched:
+        lines.append(
+            "  matching no variable here, so forwarding nothing (a typo?): " + " ".join(unmatched)
+        )
     if "local" in methods:
         lines.append("  (workers on this machine also see the rest of the launcher's environment)")
     if launcher.env_file is not None:

@@ -28,7 +28,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 import tyro
 
 from torchrunx import plugins, serialization
-from torchrunx.env import DEFAULT_ENV_VARS, exported_env, split_extra_env_vars
+from torchrunx.env import (
+    DEFAULT_ENV_VARS,
+    exported_env,
+    split_extra_env_vars,
+    unmatched_patterns,
+)
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
 from torchrunx.hosts.resolve import Hostnames, check_hostnames, resolve_hosts
 from torchrunx.launcher.debugger import check_debug_env
@@ -335,6 +340,12 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             RuntimeError: ``"slurm"`` or ``agent_start="srun"`` outside an allocation.
         """
         self.validate()
+        for pattern in self.unmatched_env_vars():
+            logger.warning(
+                "no variable of the launcher matches %r, so no worker gets it: a typo, or a "
+                "variable set on the hosts but not here? (extra_env_vars, default_env_vars)",
+                pattern,
+            )
         return self._resolve(warm=warm, keep_workers=keep_workers)
 
     def _resolve(self, *, warm: bool, keep_workers: bool) -> LaunchPlan:
@@ -462,6 +473,19 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         patterns, values = split_extra_env_vars(self.extra_env_vars)
         defaults = self.default_env_vars if self.copy_env_vars is None else self.copy_env_vars
         return exported_env((*defaults, *patterns), values)
+
+    def unmatched_env_vars(self) -> tuple[str, ...]:
+        """The patterns you gave that match no variable of the launcher: they forward nothing.
+
+        The ``extra_env_vars`` patterns, and those of ``default_env_vars`` / ``copy_env_vars``
+        that are not torchrunx's own defaults (``NCCL*`` on a machine without NCCL is no
+        mistake). :meth:`plan` (so a launch, the dry run and ``torchrunx check``) warns of
+        each one, and the dry run lists them.
+        """
+        patterns, _ = split_extra_env_vars(self.extra_env_vars)
+        chosen = self.default_env_vars if self.copy_env_vars is None else self.copy_env_vars
+        yours = (*(p for p in chosen if p not in DEFAULT_ENV_VARS), *patterns)
+        return unmatched_patterns(yours)
 
     def dry_run(self) -> str:
         """Describe what :meth:`run` would start, without starting or contacting anything.

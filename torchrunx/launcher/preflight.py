@@ -154,6 +154,7 @@ def check_command(launcher: Launcher, describe: Callable[[BaseException], str]) 
         sys.stderr.write(describe(exc))
         return 1
     print(format_checks(checks, time.monotonic() - started))  # noqa: T201 (the command's output)
+
     return 0 if all(check.ok for check in checks) else 1
 
 
