@@ -775,3 +775,25 @@ def test_command_reads_a_functions_arguments_by_its_annotations(torchrunx_comman
         "ValueError: argument 1 of typed:train (steps: int) cannot be '5o': the function's "
         "annotation asks for int"
     ) in bad.stderr, bad.stderr
+
+
+def test_a_script_that_launches_itself_run_by_the_command_is_refused_in_every_worker(
+    torchrunx_command, tmp_path
+):
+    (tmp_path / "self_launching.py").write_text(
+        textwrap.dedent(
+            """\
+            import torchrunx as trx
+
+            def work():
+                return 1
+
+            print("RESULT", trx.launch(work, hostnames=["localhost"], workers_per_host=2).ranks)
+            """
+        )
+    )
+    done = _run([*torchrunx_command, *LOCAL, "--", "self_launching.py"], tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "RESULT" not in done.stdout  # no worker launched again
+    assert "RuntimeError: a launch was started inside a torchrunx worker (rank" in done.stderr
+    assert "runs with python, not with the torchrunx command" in done.stderr

@@ -191,3 +191,24 @@ def test_rule_only_the_users_own_patterns_are_checked_not_torchrunxs_defaults(mo
     assert "matching no variable here, so forwarding nothing (a typo?): MINE_* WANDB_PROJCT" in (
         launcher.dry_run()
     )
+
+
+@pytest.mark.parametrize(
+    ("environ", "refused"),
+    [
+        ({"TORCHELASTIC_RUN_ID": "torchrunx", "RANK": "1", "WORLD_SIZE": "2"}, True),
+        ({"TORCHELASTIC_RUN_ID": "none", "RANK": "1"}, False),  # under torchrun: not ours
+        ({"TORCHELASTIC_RUN_ID": "torchrunx"}, False),  # no rank: not a worker
+        ({}, False),
+    ],
+)
+def test_rule_a_launch_inside_a_torchrunx_worker_is_refused(environ, refused):
+    from torchrunx.env import refuse_nested_launch
+
+    if not refused:
+        refuse_nested_launch(environ)
+        return
+    with pytest.raises(
+        RuntimeError, match=r"^a launch was started inside a torchrunx worker \(rank 1 of 2\)"
+    ):
+        refuse_nested_launch(environ)

@@ -210,6 +210,27 @@ def worker_env(  # noqa: PLR0913 (the variables torch.distributed expects, one a
     }
 
 
+def refuse_nested_launch(environ: Mapping[str, str] | None = None) -> None:
+    """Raise if this process is a torchrunx worker: a launch here would launch in every worker.
+
+    The usual cause: a script that calls ``trx.launch`` itself, run with the ``torchrunx``
+    command (which runs the script in every worker). A worker has ``TORCHELASTIC_RUN_ID``
+    ``torchrunx`` (see :func:`worker_env`); processes it starts inherit it, and are refused too.
+
+    Raises:
+        RuntimeError: This is a worker (the message says which, and what to do instead).
+    """
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_RUN_ID") != "torchrunx" or "RANK" not in env:
+        return
+    raise RuntimeError(
+        f"a launch was started inside a torchrunx worker (rank {env['RANK']} of "
+        f"{env.get('WORLD_SIZE', '?')}), so every worker would start a launch of its own. A "
+        "script that calls trx.launch (or Launcher.run) itself runs with python, not with the "
+        "torchrunx command: `python script.py`; inside a worker, call the function directly"
+    )
+
+
 def flag_from_env(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """A yes/no variable's value.
 

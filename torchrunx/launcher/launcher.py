@@ -31,6 +31,7 @@ from torchrunx import plugins, serialization
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
     exported_env,
+    refuse_nested_launch,
     split_extra_env_vars,
     unmatched_patterns,
 )
@@ -340,16 +341,17 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             RuntimeError: ``"slurm"`` or ``agent_start="srun"`` outside an allocation.
         """
         self.validate()
+        return self._resolve(warm=warm, keep_workers=keep_workers)
+
+    def _resolve(self, *, warm: bool, keep_workers: bool) -> LaunchPlan:
+        """The plan of fields already checked (:meth:`validate`)."""
+        refuse_nested_launch()
         for pattern in self.unmatched_env_vars():
             logger.warning(
                 "no variable of the launcher matches %r, so no worker gets it: a typo, or a "
                 "variable set on the hosts but not here? (extra_env_vars, default_env_vars)",
                 pattern,
             )
-        return self._resolve(warm=warm, keep_workers=keep_workers)
-
-    def _resolve(self, *, warm: bool, keep_workers: bool) -> LaunchPlan:
-        """The plan of fields already checked (:meth:`validate`)."""
         world, spares = self._world_and_spares()
         hosts = world + spares
         methods, argument = start_methods(
@@ -479,7 +481,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
 
         The ``extra_env_vars`` patterns, and those of ``default_env_vars`` / ``copy_env_vars``
         that are not torchrunx's own defaults (``NCCL*`` on a machine without NCCL is no
-        mistake). :meth:`plan` (so a launch, the dry run and ``torchrunx check``) warns of
+        mistake). A launch, :meth:`plan` (so the dry run and ``torchrunx check``) warns of
         each one, and the dry run lists them.
         """
         patterns, _ = split_extra_env_vars(self.extra_env_vars)
