@@ -63,9 +63,9 @@ def test_a_failing_env_file_and_an_unknown_host_each_get_their_line(tmp_path):
         f"env_file {str(env_file)!r} first: check that file"
     )
     assert lines[2].startswith("nosuchhost.invalid  FAIL  ssh")
-    assert (
-        lines[3].startswith("    - cannot connect to ")
-        and "is the host up and reachable?" in lines[3]
+    assert lines[3].startswith("    - the host name 'nosuchhost.invalid' does not resolve (")
+    assert lines[3].endswith(
+        "check its spelling, or give its address with a Host entry and HostName in your SSH config"
     )
     assert lines[-1].endswith(": 2 not ready")
     assert took < 30  # both answered at once: no host waited for its start_timeout (60 s)

@@ -555,3 +555,18 @@ def test_listening_where_this_machine_has_no_address_fails_before_anything_start
         trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None)
     assert "TORCHRUNX_LISTEN_ADDR='192.0.2.1': where to listen" in caught.value.__notes__
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_host_name_that_does_not_resolve_fails_at_once_saying_so():
+    with pytest.raises(trx.AgentFailedError) as info:
+        trx.launch(_slow_rank_1, hostnames=["nosuchhost.invalid"], workers_per_host=1, backend=None)
+    assert info.value.hostname == "nosuchhost.invalid"
+    assert info.value.reason.startswith("the host name 'nosuchhost.invalid' does not resolve ("), (
+        info.value.reason
+    )
+    assert info.value.reason.endswith(
+        "): check its spelling, or give its address with a Host entry and HostName in your SSH "
+        "config"
+    )
+    assert "connect timeout" not in info.value.reason  # it failed at once, not after a wait
+    assert info.value.__cause__ is None  # no socket traceback under the message

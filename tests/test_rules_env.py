@@ -166,6 +166,7 @@ def test_rule_only_the_users_own_patterns_are_checked_not_torchrunxs_defaults(mo
     import os
 
     import torchrunx as trx
+    from torchrunx.env import unmatched_env_vars
 
     for name in [n for n in os.environ if n.startswith(("NCCL", "CUDA"))]:
         monkeypatch.delenv(name)
@@ -177,7 +178,9 @@ def test_rule_only_the_users_own_patterns_are_checked_not_torchrunxs_defaults(mo
         extra_env_vars=("WANDB_PROJCT", "MY_*", "A=1"),
         default_env_vars=("PATH", "NCCL*", "MINE_*"),
     )
-    assert launcher.unmatched_env_vars() == ("MINE_*", "WANDB_PROJCT")
+    assert unmatched_env_vars(
+        launcher.default_env_vars, launcher.copy_env_vars, launcher.extra_env_vars
+    ) == ("MINE_*", "WANDB_PROJCT")
     with caplog.at_level(logging.WARNING, logger="torchrunx"):
         launcher.plan()
     warned = [

@@ -11,12 +11,15 @@ are exported by the agent's shell, and workers inherit them.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
+
+logger = logging.getLogger("torchrunx.launcher")
 
 DEFAULT_ENV_VARS: tuple[str, ...] = (
     "PATH",
@@ -95,6 +98,55 @@ def unmatched_patterns(
         for pattern in dict.fromkeys(patterns)
         if not any(fnmatch.fnmatchcase(name, pattern) for name in env)
     )
+
+
+def unmatched_env_vars(
+    default: Iterable[str], copy: Iterable[str] | None, extra: object
+) -> tuple[str, ...]:
+    """The patterns a user gave that match no variable of the launcher: they forward nothing.
+
+    Those of ``extra_env_vars``, and those of ``default_env_vars`` / ``copy_env_vars`` that are
+    not torchrunx's own defaults (``NCCL*`` on a machine without NCCL is no mistake). A launch
+    (and so the dry run and ``torchrunx check``) warns of each one; the dry run lists them.
+    """
+    patterns, _ = split_extra_env_vars(extra)
+    chosen = default if copy is None else copy
+    return unmatched_patterns((*(p for p in chosen if p not in DEFAULT_ENV_VARS), *patterns))
+
+
+def check_launch_env(default: Iterable[str], copy: Iterable[str] | None, extra: object) -> None:
+    """Before a launch: refuse one inside a worker; warn of patterns that forward nothing.
+
+    Raises:
+        RuntimeError: This process is a torchrunx worker (:func:`refuse_nested_launch`).
+    """
+    refuse_nested_launch()
+    for pattern in unmatched_env_vars(default, copy, extra):
+        logger.warning(
+            "no variable of the launcher matches %r, so no worker gets it: a typo, or a "
+            "variable set on the hosts but not here? (extra_env_vars, default_env_vars)",
+            pattern,
+        )
+
+
+def check_env_fields(default: object, copy: object, extra: object) -> None:
+    """``default_env_vars``, ``copy_env_vars`` and ``extra_env_vars`` of a Launcher.
+
+    Raises:
+        TypeError: A field of the wrong type (a bare string, say).
+        ValueError: Both ``default_env_vars`` and ``copy_env_vars`` given, or a bad name.
+    """
+    for name, value in (("default_env_vars", default), ("copy_env_vars", copy)):
+        if value is None and name == "copy_env_vars":
+            continue
+        if not isinstance(value, list | tuple) or not all(isinstance(p, str) for p in value):
+            raise TypeError(f"{name} must be a tuple of fnmatch patterns, got {value!r}")
+    if copy is not None and tuple(default) != DEFAULT_ENV_VARS:  # type: ignore[arg-type]  # checked above
+        raise ValueError(
+            "copy_env_vars (torchrunx 0.4's name) and default_env_vars are the same setting: "
+            "give only one of them"
+        )
+    split_extra_env_vars(extra)  # raises TypeError or ValueError
 
 
 def split_extra_env_vars(extra: object) -> tuple[tuple[str, ...], dict[str, str]]:

@@ -92,6 +92,14 @@ def _signal_name(number: int) -> str | None:
         return None
 
 
+SIGKILL_CAUSES = (
+    "sent by the kernel or another process; the usual causes: the kernel's OOM killer (see "
+    "`dmesg` or `journalctl -k` on that host, or the job's memory limit), a scheduler's limit "
+    "(SLURM's memory or time limit), or someone's `kill -9`"
+)
+"""What a worker's SIGKILL says when its host cannot tell the cause (docs/errors.md)."""
+
+
 class WorkerError(TorchrunxError):
     """Base class of one worker's own failures: it died, overran a watchdog, or raised."""
 
@@ -109,6 +117,9 @@ class WorkerFailedError(WorkerError):
         pid: Process id of the worker on its host.
         exitcode: Exit code, or ``None`` when a signal ended it.
         signal: Signal number, or ``None`` when it exited.
+        cause: For a SIGKILL: its likely cause as its host tells it (the kernel's OOM killer,
+            with the memory cgroup's limit and highest use), or "" when the host cannot tell
+            (the message then lists the usual causes).
     """
 
     restart_category = "deaths"
@@ -121,6 +132,7 @@ class WorkerFailedError(WorkerError):
         pid: int,
         exitcode: int | None,
         signal: int | None,
+        cause: str = "",
     ) -> None:
         """Describe a dead worker."""
         self.hostname = hostname
@@ -129,11 +141,14 @@ class WorkerFailedError(WorkerError):
         self.pid = pid
         self.exitcode = exitcode
         self.signal = signal
+        self.cause = cause
         where = f"worker rank {rank} (local rank {local_rank} on host {hostname!r}, pid {pid})"
         if exitcode == 0:
             message = f"{where} exited with code 0 before returning (sys.exit(0) or os._exit(0)?)"
         else:
             message = f"{where} died with {describe_exit(exitcode, signal)} without raising"
+            if signal == _signal.SIGKILL:
+                message += f": {cause or SIGKILL_CAUSES}"
         super().__init__(message)
 
     @property
@@ -143,11 +158,19 @@ class WorkerFailedError(WorkerError):
 
     def __reduce__(
         self,
-    ) -> tuple[type[WorkerFailedError], tuple[str, int, int, int, int | None, int | None]]:
+    ) -> tuple[type[WorkerFailedError], tuple[str, int, int, int, int | None, int | None, str]]:
         """Pickle with the constructor's arguments."""
         return (
             type(self),
-            (self.hostname, self.local_rank, self.rank, self.pid, self.exitcode, self.signal),
+            (
+                self.hostname,
+                self.local_rank,
+                self.rank,
+                self.pid,
+                self.exitcode,
+                self.signal,
+                self.cause,
+            ),
         )
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import logging
 import selectors
+import signal
 import time
 from typing import TYPE_CHECKING
 
+from torchrunx.agent.memory import read_facts, sigkill_cause
 from torchrunx.agent.watchdog import HangWatch
 from torchrunx.agent.workergroup import STACK_DUMP_WAIT, STACK_SETTLE, WorkerGroup
 from torchrunx.wire.lines import STACKS_LOGGER, line_records
@@ -65,6 +67,8 @@ class Attempt:
         ``send``: queues a message for the launcher; ``forward``: the same with payload parts.
         """
         self.group = WorkerGroup(selector, root=root, on_channel_end=self._channel_ended)
+        self.memory = read_facts()
+        """The kernel's OOM counts when the attempt began (a SIGKILL is compared with them)."""
         self.hangs = HangWatch(self.group, send)
         self.send = send
         self.forward = forward
@@ -193,6 +197,7 @@ class Attempt:
         logger.info(
             "worker %d (pid %d) exited with status %d", worker.local_rank, worker.pid, exitcode
         )
+        killed = sig == signal.SIGKILL and not worker.signalled
         self.send(
             WorkerExited(
                 worker.local_rank,
@@ -201,6 +206,7 @@ class Attempt:
                 sig,
                 stopped=worker.signalled,
                 at=time.time(),
+                cause=sigkill_cause(self.memory, read_facts()) if killed else "",
             )
         )
 

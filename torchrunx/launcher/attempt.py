@@ -419,6 +419,7 @@ class AttemptState:
             exited.pid,
             exited.exitcode,
             exited.signal,
+            exited.cause,
         )
         return self.add_fault("death", error, exited.at, rank=rank)
 

@@ -50,11 +50,13 @@ class Launcher(Protocol):
     def ship_exclude(self) -> tuple[str, ...]: ...  # noqa: D102
     @property
     def container(self) -> str | None: ...  # noqa: D102
-    def unmatched_env_vars(self) -> tuple[str, ...]: ...  # noqa: D102
 
 
-def describe_launch(launcher: Launcher, plan: LaunchPlan) -> str:
-    """The dry run of ``plan``: GPUs counted where the hosts are this machine, then the text."""
+def describe_launch(launcher: Launcher, plan: LaunchPlan, unmatched: Sequence[str] = ()) -> str:
+    """The dry run of ``plan``: GPUs counted where the hosts are this machine, then the text.
+
+    ``unmatched``: env patterns of the user's that match no launcher variable.
+    """
     methods = list(plan.methods)
     counts_gpus = launcher.backend == "auto" or launcher.workers_per_host == "gpu"
     here = count_local_gpus() if counts_gpus and "local" in methods else None
@@ -66,6 +68,7 @@ def describe_launch(launcher: Launcher, plan: LaunchPlan) -> str:
         [here if method == "local" else None for method in methods],
         spares=plan.spares,
         transport_argument=plan.transport_argument,
+        unmatched=unmatched,
     )
 
 
@@ -77,6 +80,7 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     gpus: Sequence[int | None] | None = None,
     *,
     spares: int = 0,
+    unmatched: Sequence[str] = (),
     transport_argument: str | None = None,
 ) -> str:
     """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more).
@@ -110,7 +114,6 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
             lines.append(f"workers_per_host='gpu' would fail: no GPU on {', '.join(without)}")
     lines += ["", f"forwarded environment variables ({len(env_names)}, values not shown):"]
     lines.append("  " + (" ".join(env_names) or "(none)"))
-    unmatched = launcher.unmatched_env_vars()
     if unmatched:
         lines.append(
             "  matching no variable here, so forwarding nothing (a typo?): " + " ".join(unmatched)

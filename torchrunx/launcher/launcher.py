@@ -30,10 +30,11 @@ import tyro
 from torchrunx import plugins, serialization
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
+    check_env_fields,
+    check_launch_env,
     exported_env,
-    refuse_nested_launch,
     split_extra_env_vars,
-    unmatched_patterns,
+    unmatched_env_vars,
 )
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
 from torchrunx.hosts.resolve import Hostnames, check_hostnames, resolve_hosts
@@ -345,13 +346,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
 
     def _resolve(self, *, warm: bool, keep_workers: bool) -> LaunchPlan:
         """The plan of fields already checked (:meth:`validate`)."""
-        refuse_nested_launch()
-        for pattern in self.unmatched_env_vars():
-            logger.warning(
-                "no variable of the launcher matches %r, so no worker gets it: a typo, or a "
-                "variable set on the hosts but not here? (extra_env_vars, default_env_vars)",
-                pattern,
-            )
+        check_launch_env(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
         world, spares = self._world_and_spares()
         hosts = world + spares
         methods, argument = start_methods(
@@ -425,7 +420,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             value = getattr(self, name)
             if value is not None or name != "launch_timeout":
                 _validate_seconds(name, value)
-        _validate_env_vars(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
+        check_env_fields(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
         check_log_fields(self.log_handlers, self.console_ranks)
         _validate_restarts(self.max_restarts, self.restart_on)
         _validate_resilience(self)
@@ -476,19 +471,6 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         defaults = self.default_env_vars if self.copy_env_vars is None else self.copy_env_vars
         return exported_env((*defaults, *patterns), values)
 
-    def unmatched_env_vars(self) -> tuple[str, ...]:
-        """The patterns you gave that match no variable of the launcher: they forward nothing.
-
-        The ``extra_env_vars`` patterns, and those of ``default_env_vars`` / ``copy_env_vars``
-        that are not torchrunx's own defaults (``NCCL*`` on a machine without NCCL is no
-        mistake). A launch, :meth:`plan` (so the dry run and ``torchrunx check``) warns of
-        each one, and the dry run lists them.
-        """
-        patterns, _ = split_extra_env_vars(self.extra_env_vars)
-        chosen = self.default_env_vars if self.copy_env_vars is None else self.copy_env_vars
-        yours = (*(p for p in chosen if p not in DEFAULT_ENV_VARS), *patterns)
-        return unmatched_patterns(yours)
-
     def dry_run(self) -> str:
         """Describe what :meth:`run` would start, without starting or contacting anything.
 
@@ -500,7 +482,8 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             ValueError: A field is invalid, as for :meth:`run`.
             RuntimeError: ``"slurm"`` outside an allocation, as for :meth:`run`.
         """
-        return describe_launch(self, self.plan())
+        env = (self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
+        return describe_launch(self, self.plan(), unmatched=unmatched_env_vars(*env))
 
 
 def launch(
@@ -584,20 +567,6 @@ def _validate_seconds(name: str, value: object, *, zero: bool = False) -> None:
     ):
         least = "0 or more" if zero else "a positive number of"
         raise ValueError(f"{name} must be {least} seconds, got {value!r}")
-
-
-def _validate_env_vars(default: object, copy: object, extra: object) -> None:
-    for name, value in (("default_env_vars", default), ("copy_env_vars", copy)):
-        if value is None and name == "copy_env_vars":
-            continue
-        if not isinstance(value, list | tuple) or not all(isinstance(p, str) for p in value):
-            raise TypeError(f"{name} must be a tuple of fnmatch patterns, got {value!r}")
-    if copy is not None and tuple(default) != DEFAULT_ENV_VARS:  # type: ignore[arg-type]  # checked above
-        raise ValueError(
-            "copy_env_vars (torchrunx 0.4's name) and default_env_vars are the same setting: "
-            "give only one of them"
-        )
-    split_extra_env_vars(extra)  # raises TypeError or ValueError
 
 
 def _validate_workers(workers: object, hostnames: object) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -172,7 +173,9 @@ def ssh_connect(
     except (paramiko.SSHException, OSError, EOFError, UnicodeError) as exc:
         # UnicodeError: socket's IDNA encoding refused the name ("a..b", a label over 63).
         _close_all([client, *chain])
-        raise _ssh_error(target, exc) from exc
+        # A name that does not resolve says all in its message: no socket traceback below it.
+        unresolved = isinstance(exc, socket.gaierror | UnicodeError)
+        raise _ssh_error(target, exc) from (None if unresolved else exc)
     return [*chain, client]
 
 
@@ -196,12 +199,23 @@ def _ssh_error(target: SshTarget, exc: BaseException) -> AgentFailedError:
                 "StrictHostKeyChecking accept-new for this host in your SSH config"
             )
         reason = f"SSH to {where} failed: {exc}{hint}"
-    else:
-        what = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
+    elif isinstance(exc, socket.gaierror | UnicodeError):
+        mapped = "" if target.alias == target.hostname else f" (HostName of {target.alias!r})"
         reason = (
-            f"cannot connect to {where} ({what}, connect timeout {target.connect_timeout:g} s); "
-            "is the host up and reachable?"
+            f"the host name {target.hostname!r}{mapped} does not resolve ("
+            f"{getattr(exc, 'strerror', None) or exc}): check its spelling, or give its address "
+            "with a Host entry and HostName in your SSH config"
         )
+    elif isinstance(exc, ConnectionRefusedError):
+        reason = f"cannot connect to {where}: refused; does sshd run there, on port {target.port}?"
+    elif isinstance(exc, TimeoutError):
+        reason = (
+            f"cannot connect to {where}: no answer in {target.connect_timeout:g} s "
+            "(ConnectTimeout); is the host up and reachable?"
+        )
+    else:
+        what = str(exc) or type(exc).__name__
+        reason = f"cannot connect to {where} ({what}); is the host up and reachable?"
     return AgentFailedError(target.alias, reason)
 
 

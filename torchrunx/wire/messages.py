@@ -102,6 +102,9 @@ class WorkerExited:
     failure of its own."""
     at: float = 0.0
     """Unix time the agent saw it end."""
+    cause: str = ""
+    """For a SIGKILL the agent did not send: what the host tells of its likely cause (the OOM
+    killer, from the kernel's counts; see :mod:`torchrunx.agent.memory`), "" if nothing."""
 
 
 @dataclass(frozen=True)
