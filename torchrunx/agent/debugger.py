@@ -251,8 +251,9 @@ def _skip(frame: FrameType) -> None:
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
     warning = (
         f"torchrunx: breakpoint() at {where} in rank {session.rank} skipped: the launcher has "
-        "no terminal (its stdin is not a TTY), so there is nowhere to debug it; see "
-        "docs/debugging.md\n"
+        "no terminal (its stdin is not a TTY), so there is nowhere to debug it; run the "
+        "launcher in a terminal to debug there, or set PYTHONBREAKPOINT=0 to skip breakpoints "
+        "without a word\n"
     )
     skipped = DebugOutput(session.rank, warning, waiting=False, where=where, resumed=True)
     try:  # the launcher prints it on its stderr, whichever rank this is

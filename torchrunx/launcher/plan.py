@@ -127,7 +127,7 @@ def check_agent_start(agent_start: object) -> None:
         raise ValueError(
             f"agent_start={agent_start!r}: no transport named {name!r} (known: "
             f"{', '.join(['auto', *known])}; a package adds one under the entry point group "
-            f"{plugins.TRANSPORTS_GROUP!r}, see docs/engines.md)"
+            f"{plugins.TRANSPORTS_GROUP!r}: see the Engines page of torchrunx's documentation)"
         )
     plugins.transport(name, argument).close()  # it checks its argument, starts nothing
 
