@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         LaunchTimeoutError,
         Preempted,
         SerializationError,
+        SlurmError,
         TorchrunxError,
         WorkerError,
         WorkerFailedError,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from torchrunx.events import AgentState, WorkerState
     from torchrunx.launcher.launcher import Launcher, launch
     from torchrunx.launcher.results import LaunchResult, LaunchTimings
+    from torchrunx.launcher.submit import SlurmJob, submit
     from torchrunx.launcher.warm import WarmLauncher
     from torchrunx.logs import LogSetup, add_filter_to_handler, file_handler, stream_handler
     from torchrunx.preemption import (
@@ -57,6 +59,8 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "LogSetup",
     "Preempted",
     "SerializationError",
+    "SlurmError",
+    "SlurmJob",
     "TorchrunxError",
     "WarmLauncher",
     "WorkerError",
@@ -74,6 +78,7 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "preemption_reason",
     "preemption_requested",
     "stream_handler",
+    "submit",
     "worker_cache",
 ]
 
@@ -81,6 +86,9 @@ _HOME = {
     "AgentFailedError": "torchrunx.errors",
     "LaunchTimeoutError": "torchrunx.errors",
     "SerializationError": "torchrunx.errors",
+    "SlurmError": "torchrunx.errors",
+    "SlurmJob": "torchrunx.launcher.submit",
+    "submit": "torchrunx.launcher.submit",
     "TorchrunxError": "torchrunx.errors",
     "Preempted": "torchrunx.errors",
     "on_preemption": "torchrunx.preemption",

@@ -13,7 +13,9 @@
     │   ├── LaunchTimeoutError          (also a TimeoutError) launch_timeout was hit
     │   ├── SerializationError          (also a TypeError) the function, an argument or a
     │   │                               return value cannot be pickled
-    │   └── ProtocolError               a peer broke the wire protocol or failed to authenticate
+    │   ├── ProtocolError               a peer broke the wire protocol or failed to authenticate
+    │   └── SlurmError                  (also a RuntimeError) a SLURM command failed, or a
+    │                                   submitted job ended without a result (trx.submit)
     └── <the user's own exception>      re-raised with its own type when a worker raises it;
                                         its remote traceback is attached as ``__cause__``
 
@@ -236,6 +238,13 @@ class SerializationError(TorchrunxError, TypeError):
 
 class ProtocolError(TorchrunxError):
     """A peer sent something that is not torchrunx's wire protocol, or failed to authenticate."""
+
+
+class SlurmError(TorchrunxError, RuntimeError):
+    """A SLURM command failed (``sbatch``, ``scancel``...), or a job ended without a result.
+
+    Also a ``RuntimeError``, which SLURM failures raised before this class existed.
+    """
 
 
 class Preempted(SystemExit):
