@@ -92,6 +92,9 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 # pattern), so leftovers are told apart from other launches running on the same machine.
 SESSION_MARKER = f"TORCHRUNX_TEST_SESSION={uuid.uuid4().hex}"
 os.environ.update([SESSION_MARKER.split("=", 1)])
+# The once-per-user hint of a first launch on a terminal would show in whichever terminal test
+# runs first: off for the suite (tests/test_logs.py turns it on where it is the subject).
+os.environ["TORCHRUNX_HINTS"] = "0"
 
 
 def torchrunx_processes() -> list[str]:

@@ -199,3 +199,17 @@ def test_command_gives_a_function_every_gpu_too(fake_gpus, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == '"unset"', done.stdout  # rank 0's getenv
+
+
+def test_dry_run_says_auto_means_one_worker_per_core_where_there_is_no_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, whatever this machine has
+    text = trx.Launcher(hostnames=["localhost"], backend=None).dry_run()
+    assert (
+        f"(auto on localhost: no GPU there, so one worker per CPU core, {os.cpu_count()} on this "
+        "machine; give workers_per_host=N for fewer)"
+    ) in text.splitlines()
+
+
+def test_dry_run_says_nothing_of_cores_where_auto_counts_gpus(fake_gpus):
+    text = trx.Launcher(hostnames=["localhost"], backend=None).dry_run()
+    assert "one worker per CPU core" not in text

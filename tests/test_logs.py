@@ -774,3 +774,65 @@ def test_kill_usr1_shows_a_workers_stacks_at_once_and_it_goes_on(tmp_path, log_d
     assert "WARNING torchrunx.stacks: Python stacks of worker 1" in rank1
     assert " in wait_for\n" in rank1  # its own file has them too: where it was
     assert "Python stacks" not in (launch_dir(log_dir) / "localhost[0].log").read_text()
+
+
+HINTED = """
+import torchrunx as trx
+
+def hello():
+    return 1
+
+print("RESULT", trx.launch(hello, hostnames=["localhost"], workers_per_host=2, backend=None).ranks)
+"""
+
+
+def _launch_in_a_terminal(tmp_path, cache) -> str:
+    """The hint script run in a pseudo-terminal in ``tmp_path``; what the terminal showed."""
+    import pexpect
+
+    (tmp_path / "hinted.py").write_text(HINTED)
+    env = {**os.environ, "TORCHRUNX_HINTS": "1", "TORCHRUNX_CACHE_DIR": str(cache)}
+    env.pop("TORCHRUNX_LOG_DIR", None)  # the default: ./torchrunx_logs
+    child = pexpect.spawn(
+        sys.executable, ["hinted.py"], cwd=str(tmp_path), env=env, encoding="utf-8", timeout=120
+    )
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+    return child.before
+
+
+def test_the_first_launch_on_a_terminal_says_once_where_every_ranks_output_is(tmp_path):
+    cache = tmp_path / "cache"
+    shown = _launch_in_a_terminal(tmp_path, cache)
+    folders = [
+        p for p in (tmp_path / "torchrunx_logs").iterdir() if p.is_dir() and not p.is_symlink()
+    ]
+    assert len(folders) == 1, folders
+    hint = (
+        f"torchrunx: the console shows rank 0; every rank's output is in torchrunx_logs/"
+        f"{folders[0].name}/ (a file per worker, HOST[LOCAL_RANK].log); console_ranks='all' "
+        "(--console-ranks all) shows every rank here. (Said once.)"
+    )
+    assert hint in shown.replace("\r\n", "\n"), shown
+    assert (cache / "hints" / "logs").exists()
+    again = _launch_in_a_terminal(tmp_path, cache)
+    assert "RESULT [1, 1]" in again
+    assert "(Said once.)" not in again
+
+
+def test_without_a_terminal_there_is_no_hint_and_nothing_is_remembered(tmp_path):
+    (tmp_path / "hinted.py").write_text(HINTED)
+    env = {**os.environ, "TORCHRUNX_HINTS": "1", "TORCHRUNX_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "hinted.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "(Said once.)" not in done.stderr + done.stdout
+    assert not (tmp_path / "cache" / "hints").exists()

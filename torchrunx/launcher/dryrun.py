@@ -6,6 +6,7 @@ host's command line comes from its transport's ``describe`` (:mod:`torchrunx.eng
 
 from __future__ import annotations
 
+import os
 import shlex
 from typing import TYPE_CHECKING, Protocol
 
@@ -58,7 +59,7 @@ def describe_launch(launcher: Launcher, plan: LaunchPlan, unmatched: Sequence[st
     ``unmatched``: env patterns of the user's that match no launcher variable.
     """
     methods = list(plan.methods)
-    counts_gpus = launcher.backend == "auto" or launcher.workers_per_host == "gpu"
+    counts_gpus = launcher.backend == "auto" or launcher.workers_per_host in ("gpu", "auto")
     here = count_local_gpus() if counts_gpus and "local" in methods else None
     return describe_plan(
         launcher,
@@ -108,10 +109,14 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     if not known:
         counted = {"gpu": "GPUs", "cpu": "CPU cores"}.get(count, "GPUs, else CPU cores")
         lines.append(f"({count}: the agent counts its {counted}; ranks follow host order)")
-    if count == "gpu":
-        without = [h.hostname for h, g in zip(hosts, gpus or [], strict=False) if g == 0]
-        if without:
-            lines.append(f"workers_per_host='gpu' would fail: no GPU on {', '.join(without)}")
+    without = [h.hostname for h, g in zip(hosts, gpus or [], strict=False) if g == 0]
+    if count == "gpu" and without:
+        lines.append(f"workers_per_host='gpu' would fail: no GPU on {', '.join(without)}")
+    if count == "auto" and without and not known:
+        lines.append(
+            f"(auto on {', '.join(without)}: no GPU there, so one worker per CPU core, "
+            f"{os.cpu_count()} on this machine; give workers_per_host=N for fewer)"
+        )
     lines += ["", f"forwarded environment variables ({len(env_names)}, values not shown):"]
     lines.append("  " + (" ".join(env_names) or "(none)"))
     if unmatched:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -176,6 +177,8 @@ class LogRouter:
         root = os.environ.get("TORCHRUNX_LOG_DIR", "./torchrunx_logs")
         if root:
             self.log_dir = new_log_dir(Path(root))
+            if self.console_ranks != "all":
+                first_launch_hint(self.log_dir)
         self._add_agent_console(0)
         for index, hostname in enumerate(self.hostnames):
             self._add_file(index, hostname, None)
@@ -458,3 +461,36 @@ def _handle(handler: logging.Handler, records: list[logging.LogRecord]) -> None:
                 handler.handle(record)
             except Exception:  # noqa: BLE001 (a broken handler must not break the launch)
                 handler.handleError(record)
+
+
+def hint_marker() -> Path:
+    """The file whose existence says the first-launch hint was shown to this user."""
+    cache = os.environ.get("TORCHRUNX_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchrunx"
+    )
+    return Path(cache) / "hints" / "logs"
+
+
+def first_launch_hint(log_dir: Path) -> None:
+    """Once per user, on a terminal: where every rank's output is, and how to show it here.
+
+    ``TORCHRUNX_HINTS=0`` turns it off (and any hint to come).
+    """
+    if os.environ.get("TORCHRUNX_HINTS", "1") == "0":
+        return
+    if not (sys.stderr.isatty() and sys.stdout.isatty()):
+        return
+    marker = hint_marker()
+    if marker.exists():
+        return
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        return  # no cache folder to remember it in: say nothing rather than every time
+    shown = os.path.relpath(log_dir) if not os.path.relpath(log_dir).startswith("..") else log_dir
+    sys.stderr.write(
+        f"torchrunx: the console shows rank 0; every rank's output is in {shown}/ (a file per "
+        "worker, HOST[LOCAL_RANK].log); console_ranks='all' (--console-ranks all) shows every "
+        "rank here. (Said once.)\n"
+    )
