@@ -661,3 +661,77 @@ def test_ioloop_past_deadline_returns_at_once_and_hangup_reaches_the_reader() ->
         mine.close()
         theirs.close()
         loop.close()
+
+
+# -- relayed connections: their own host's cap, shed as accepted ones are (issue #42) -----------
+
+
+def _adopt_pairs(listener, host: str, count: int) -> list[socket.socket]:
+    """``count`` relayed connections of ``host`` handed to ``listener``: the host's ends."""
+    ends = []
+    for _ in range(count):
+        ours, theirs = socket.socketpair()
+        listener.adopt(theirs, (host, "10.0.0.1"))
+        ends.append(ours)
+    return ends
+
+
+def test_a_hosts_relayed_handshakes_are_capped_young_ones_are_not_shed(served, monkeypatch):
+    listener, _events, _pump = served
+    monkeypatch.setattr(listener_module, "RELAYED_PENDING", 3)
+    ends = _adopt_pairs(listener, "10.0.0.7", 5)
+    try:
+        assert len(listener._pending) == 3  # the host's cap
+        assert listener.rejected == 2  # the two newest, closed at once: the others are young
+        assert [e.recv(64)[:4] for e in ends[3:]] == [b"", b""]  # closed, no greeting
+        other = _adopt_pairs(listener, "10.0.0.8", 1)  # another host is not held back
+        assert len(listener._pending) == 4
+        other[0].close()
+    finally:
+        for end in ends:
+            end.close()
+
+
+def test_a_hosts_oldest_relayed_handshake_is_shed_once_it_has_had_its_second(served, monkeypatch):
+    listener, _events, pump = served
+    monkeypatch.setattr(listener_module, "RELAYED_PENDING", 3)
+    monkeypatch.setattr(listener_module, "SHED_AFTER", 0.2)
+    ends = _adopt_pairs(listener, "10.0.0.7", 3)
+    pump(lambda: False, 0.3)  # they have had their time
+    newest = _adopt_pairs(listener, "10.0.0.7", 1)
+    try:
+        assert len(listener._pending) == 3
+        assert listener.rejected == 1
+        ends[0].settimeout(5)
+        assert ends[0].recv(64).startswith(handshake.MAGIC)  # its greeting, then its end
+        assert ends[0].recv(64) == b""
+        assert newest[0].recv(64).startswith(handshake.MAGIC)  # the new one was greeted
+    finally:
+        for end in [*ends, *newest]:
+            end.close()
+
+
+def test_a_relayed_real_peer_gets_in_while_idle_ones_of_its_host_hold_the_cap(served, monkeypatch):
+    listener, _events, pump = served
+    monkeypatch.setattr(listener_module, "RELAYED_PENDING", 4)
+    monkeypatch.setattr(listener_module, "SHED_AFTER", 0.2)
+    idle = _adopt_pairs(listener, "10.0.0.7", 4)
+    pump(lambda: False, 0.3)
+    ours, theirs = socket.socketpair()
+    got: list[object] = []
+    thread = threading.Thread(target=lambda: got.append(server_handshake_client(ours)))
+    listener.adopt(theirs, ("10.0.0.7", "10.0.0.1"))
+    thread.start()
+    try:
+        pump(lambda: bool(listener.peers), 10)
+        thread.join(10)
+        assert len(listener.peers) == 1  # authenticated through the full cap
+    finally:
+        for end in [*idle, ours]:
+            end.close()
+
+
+def server_handshake_client(sock: socket.socket) -> object:
+    """The client's side of the handshake on an already connected socket (as a relayed peer)."""
+    sock.settimeout(10)
+    return handshake.client_handshake(sock, SECRET, "worker")

@@ -13,6 +13,12 @@ worker and the launcher. It never blocks: every descriptor is non-blocking, and 
 :data:`BUFFER_LIMIT` bytes wait for stdout it stops reading the connections (they wait in their
 socket buffers), while more than that wait for the connections it stops reading stdin.
 
+An EOF from the launcher ends a channel for good: once what came before it is written, the
+connection is closed, whether or not its own side has ended (a connection the launcher refused,
+say another user's idle one, costs this host nothing more). At most :data:`MAX_CHANNELS` channels
+are open at once (more wait in the listening socket's backlog), and out of descriptors the relay
+rests :data:`ACCEPT_PAUSE` before it accepts again.
+
 It ends with its agent (with its exit status). At EOF on stdin (the launcher is gone) it closes
 the agent's stdin, which stops the agent as it would without a relay; it forwards SIGTERM to the
 agent (a preemption notice) and ignores SIGINT, as the agent does.
@@ -58,6 +64,11 @@ _STOP_GRACE = 60.0
 """Seconds the agent has to end after the launcher is gone, before the relay SIGKILLs it."""
 _END_GRACE = 10.0
 """Seconds the relay goes on writing after its agent ended (its last output, its channels)."""
+MAX_CHANNELS = 256
+"""Channels open at once; more connections wait, unaccepted, in the listening socket's backlog
+(an agent and its workers need a few; the launcher sheds connections that do not authenticate)."""
+ACCEPT_PAUSE = 0.1
+"""Seconds the relay stops accepting after ``accept`` failed for want of descriptors."""
 
 
 class _Channel:
@@ -120,6 +131,8 @@ class HostRelay:
         assert child.stdout is not None  # noqa: S101 (started with a pipe)
         self.child_out: int | None = child.stdout.fileno()
         self.exit_code: int | None = None
+        self.accept_after = 0.0
+        """Monotonic time before which the listener is not watched (after EMFILE)."""
         self.stopping_since: float | None = None
         self.ended_at: float | None = None
         for fd in (0, 1, self.child_out):
@@ -146,7 +159,8 @@ class HostRelay:
         return flushed or time.monotonic() - (self.ended_at or 0.0) > _END_GRACE
 
     def _timeout_ms(self) -> int:
-        return 1000
+        resting = self.accept_after - time.monotonic()
+        return max(1, min(1000, int(resting * 1000) + 1)) if resting > 0 else 1000
 
     def _waiting(self) -> int:
         return sum(len(c.pending) for c in self.channels.values())
@@ -164,7 +178,8 @@ class HostRelay:
             watch(0, select.POLLIN, lambda _e: self._read_stdin())
         if self.out:
             watch(1, select.POLLOUT, lambda _e: self._write_stdout())
-        if self.listener is not None and room:
+        accepting = room and len(self.channels) < MAX_CHANNELS
+        if self.listener is not None and accepting and time.monotonic() >= self.accept_after:
             watch(self.listener.fileno(), select.POLLIN, lambda _e: self._accept())
         if self.child_out is not None and room:
             watch(self.child_out, select.POLLIN, lambda _e: self._read_child())
@@ -239,13 +254,15 @@ class HostRelay:
             self.listener = None
 
     def _accept(self) -> None:
-        assert self.listener is not None  # noqa: S101 (watched only while listening)
+        if self.listener is None:  # closed earlier in this batch (the launcher is gone)
+            return
         try:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
-        except OSError:
-            return  # out of descriptors: the connection waits in the backlog
+        except OSError:  # out of descriptors: rest; the connection waits in the backlog
+            self.accept_after = time.monotonic() + ACCEPT_PAUSE
+            return
         sock.setblocking(False)  # noqa: FBT003 (the socket API)
         number = self.next_channel
         self.next_channel += 1
@@ -254,7 +271,7 @@ class HostRelay:
 
     def _on_channel(self, number: int, events: int) -> None:
         channel = self.channels.get(number)
-        if channel is None:
+        if channel is None:  # closed earlier in this batch
             return
         if events & select.POLLOUT:
             self._flush_channel(number)
@@ -273,7 +290,9 @@ class HostRelay:
                 self._maybe_forget(number)
 
     def _flush_channel(self, number: int) -> None:
-        channel = self.channels[number]
+        channel = self.channels.get(number)
+        if channel is None:
+            return
         if channel.pending:
             try:
                 channel.pending.write_to(channel.sock.sendmsg)
@@ -289,16 +308,19 @@ class HostRelay:
         self._maybe_forget(number)
 
     def _maybe_forget(self, number: int) -> None:
-        channel = self.channels[number]
-        if channel.shut and channel.eof_to_launcher:
+        """Close a channel once the launcher's EOF and what came before it are through."""
+        channel = self.channels.get(number)
+        if channel is not None and channel.shut:
             self._close_channel(number)
 
     def _close_channel(self, number: int) -> None:
-        channel = self.channels.pop(number)
-        channel.sock.close()
+        channel = self.channels.pop(number, None)
+        if channel is not None:
+            channel.sock.close()
 
     def _read_child(self) -> None:
-        assert self.child_out is not None  # noqa: S101 (watched only while open)
+        if self.child_out is None:  # closed earlier in this batch
+            return
         try:
             chunk = os.read(self.child_out, MAX_DATA)
         except (BlockingIOError, InterruptedError):

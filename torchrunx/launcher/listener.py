@@ -59,6 +59,9 @@ BACKLOG = 4096
 every worker of a large launch connects within the same second."""
 SHED_AFTER = 1.0
 """Seconds a handshake has had before it may be dropped for a new connection at the cap."""
+RELAYED_PENDING = 32
+"""Relayed connections of one host authenticating at once (an agent and its workers need a
+few); at the cap, the host's oldest is shed for a new one, as at :data:`MAX_PENDING`."""
 _ACCEPT_PAUSE = 0.1
 """Seconds the listener rests after a failed ``accept`` (out of descriptors, say)."""
 _ACCEPTS_PER_ROUND = 64
@@ -401,19 +404,36 @@ class Listener:
     def adopt(self, sock: socket.socket, addresses: tuple[str, str]) -> None:
         """Take a connection that came another way (a relayed channel) as if it was accepted.
 
-        It authenticates like any other, under the same cap (the oldest handshake is shed at
-        it); after :meth:`stop_accepting` it is closed at once. ``addresses``: the host's, and
-        the launcher's as the host was given it (:attr:`Peer.relayed`).
+        It authenticates like any other, under the same cap, and under a cap of its own host's
+        (:data:`RELAYED_PENDING`): at either, the oldest handshake there is shed for it if it
+        has had :data:`SHED_AFTER`, else this one is closed at once (a real peer tries again),
+        as :meth:`_accept` would have left it in the backlog. After :meth:`stop_accepting` it
+        is closed at once. ``addresses``: the host's, and the launcher's as the host was given
+        it (:attr:`Peer.relayed`).
         """
-        if self.sock.fileno() < 0:
+        if self.sock.fileno() < 0 or not self._room_for(addresses[0]):
             sock.close()
+            self.rejected += 1
             return
-        if self._pending and len(self._pending) >= min(MAX_PENDING, self.max_pending):
-            self._reject(next(iter(self._pending)))
         self._begin_handshake(sock)
         pending = self._pending.get(sock.fileno())
         if pending is not None:
             pending.relayed = addresses
+
+    def _room_for(self, host: str) -> bool:
+        """Shed a handshake, if need be, for a relayed connection of ``host``; whether it fits."""
+        now = time.monotonic()
+        same = [fd for fd, p in self._pending.items() if p.relayed and p.relayed[0] == host]
+        if len(same) >= RELAYED_PENDING:
+            if now - self._pending[same[0]].accepted < SHED_AFTER:
+                return False
+            self._reject(same[0])
+        if len(self._pending) >= min(MAX_PENDING, self.max_pending):
+            oldest = next(iter(self._pending))
+            if now - self._pending[oldest].accepted < SHED_AFTER:
+                return False
+            self._reject(oldest)
+        return True
 
     def _begin_handshake(self, sock: socket.socket) -> None:
         pending = _Pending(sock, time.monotonic() + HANDSHAKE_TIMEOUT)

@@ -12,6 +12,15 @@ that agent's stdout.
 The reading thread blocks only on the agent's stdout and on a pair the launch's loop reads (it
 always does); the writing thread only on the agent's stdin. Neither waits for the other, so a
 host that is slow to read its stdin never stops the launcher from reading what it sends.
+
+A channel costs the launcher a descriptor only while the launcher uses it: once the launcher's
+end closes (the connection is over, or its handshake failed, was too slow or was shed), its pair
+is released at once and the host is told (an EOF from the launcher ends the channel there, see
+:mod:`torchrunx.wire.relay`), whether or not the host's side ever ends. A channel that cannot
+be opened (out of descriptors) is refused alone: the host is told to close it, and every other
+channel goes on. So another user of a relaying host who opens idle connections to its relay
+(the listener sheds them, :meth:`~torchrunx.launcher.listener.Listener.adopt`) cannot exhaust
+the launcher's descriptors or end the host's other channels.
 """
 
 from __future__ import annotations
@@ -77,6 +86,10 @@ class LauncherRelay:
         self._adopt = adopt
         self._initial = initial
         self._pairs: dict[int, _Pair] = {}
+        self._refused: list[int] = []
+        """Channels the launcher could not open: the writing thread tells the host (EOF)."""
+        self.refused = 0
+        """Channels refused so far (out of descriptors)."""
         self._lock = threading.Lock()
         self._stopped = False
         self._wake_read, self._wake_write = os.pipe()
@@ -167,7 +180,21 @@ class LauncherRelay:
     def _open(self, number: int, data: bytes) -> None:
         """A connection the host opened: a socket pair, one end handed to the listener."""
         host, _, launcher = data.decode(errors="replace").partition("\n")
-        ours, theirs = socket.socketpair()
+        try:
+            ours, theirs = socket.socketpair()
+        except OSError as exc:  # out of descriptors: this channel only is refused
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                logger.warning(
+                    "host %s: cannot open a relayed connection (%s): refused (%d so far)",
+                    self.hostname,
+                    exc,
+                    self.refused,
+                )
+            with self._lock:
+                self._refused.append(number)
+            self._wake()
+            return
         for end in (ours, theirs):  # room for whole frames: fewer wake-ups of the loop
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _PAIR_BUFFER)
@@ -183,9 +210,10 @@ class LauncherRelay:
         self._wake()
 
     def _forget_if_done(self, number: int) -> None:
+        """Release a pair once the launcher's end has closed (the host's end may never)."""
         with self._lock:
             pair = self._pairs.get(number)
-            if pair is not None and pair.eof_from_host and pair.eof_to_host:
+            if pair is not None and pair.eof_to_host:
                 del self._pairs[number]
                 pair.sock.close()
 
@@ -210,11 +238,19 @@ class LauncherRelay:
                     if fd == self._wake_read:
                         with contextlib.suppress(OSError):
                             os.read(self._wake_read, 4096)
+                        self._send_refusals()
                         continue
                     number, pair = watched[fd]
                     self._pass_on(number, pair)
         except OSError:
             pass  # the agent's stdin is closed: the agent is gone or stopping
+
+    def _send_refusals(self) -> None:
+        """Tell the host to close each channel that could not be opened here."""
+        with self._lock:
+            refused, self._refused = self._refused, []
+        for number in refused:
+            self._send(EOF, number)
 
     def _pass_on(self, number: int, pair: _Pair) -> None:
         try:

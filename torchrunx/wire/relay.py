@@ -14,8 +14,11 @@ endian), then ``length`` bytes:
 
 - :data:`OPEN` (host to launcher): a connection came to the relay; it is ``channel`` from now on.
 - :data:`DATA` (both ways): bytes of ``channel``.
-- :data:`EOF` (both ways): the sender's side of ``channel`` has ended (a half-close: the other
-  way goes on until its own EOF).
+- :data:`EOF` (both ways): the sender's side of ``channel`` has ended. From the host, a
+  half-close: the launcher's way goes on until its own EOF. From the launcher, the channel is
+  over (the launcher never half-closes a connection: its end closed, or it refused the
+  channel): the host writes what came before it, then closes the connection, whether or not the
+  connection's own side has ended.
 - :data:`OUT` (host to launcher): bytes the agent wrote to its stdout (channel 0).
 """
 
