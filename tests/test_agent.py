@@ -214,3 +214,58 @@ def test_an_agent_on_a_kernel_without_pidfds_says_what_it_needs(monkeypatch):
     assert "Function not implemented" in (guardian.missing_pidfds() or "")
     monkeypatch.delattr(os, "pidfd_open")
     assert "has no os.pidfd_open" in (guardian.missing_pidfds() or "")
+
+
+def test_the_agent_forwards_a_hello_only_from_the_process_it_forked_for_that_local_rank():
+    # Issue #42: the agent forwarded any WorkerHello a channel carried, so a child of a worker
+    # (which kept the channel) could bind the worker's rank to its own pid in the launcher.
+    # Real forks: rank 0 says hello itself; rank 1's child says hello with its own pid on the
+    # channel it inherited; rank 2 says hello with its own pid but local rank 0.
+    from torchrunx.agent.attempt import Attempt
+    from torchrunx.wire.channel import ChannelConnection
+    from torchrunx.wire.messages import FromWorker, WorkerChannelClosed, WorkerHello
+
+    def child(fork):
+        try:
+            conn = ChannelConnection(fork.channel)
+            if fork.local_rank == 1:
+                grandchild = os.fork()
+                if grandchild == 0:
+                    try:
+                        conn.send(WorkerHello(rank=1, local_rank=1, pid=os.getpid()))
+                    finally:
+                        os._exit(0)
+                os.waitpid(grandchild, 0)
+            else:
+                conn.send(WorkerHello(rank=fork.local_rank, local_rank=0, pid=os.getpid()))
+            fork.channel.settimeout(60)
+            fork.channel.recv(1)  # until the agent ends the channel (or the test, the worker)
+        finally:
+            os._exit(0)
+
+    selector = selectors.DefaultSelector()
+    sent: list[object] = []
+    forwarded: list[object] = []
+    attempt = Attempt(
+        selector,
+        root=os.getpid(),
+        send=sent.append,
+        forward=lambda message, _payload: forwarded.append(message),
+    )
+    try:
+        attempt.group.start(3, child)
+        pids = [worker.pid for worker in attempt.group.workers]
+        deadline = time.monotonic() + 30
+
+        def closed() -> set[int]:
+            return {m.local_rank for m in sent if isinstance(m, WorkerChannelClosed)}
+
+        while not (forwarded and closed() == {1, 2}) and time.monotonic() < deadline:
+            for key, events in selector.select(0.1):
+                attempt.on_ready(key.data, events)
+        assert forwarded == [FromWorker(0, WorkerHello(rank=0, local_rank=0, pid=pids[0]))]
+        assert closed() == {1, 2}  # the launcher is told those channels ended
+        assert attempt.group.workers[0].channel is not None  # rank 0 keeps its own
+    finally:
+        attempt.group.close(0.0)
+        selector.close()

@@ -164,3 +164,63 @@ def test_a_flood_of_idle_connections_and_a_strangers_line_do_not_stop_the_check(
     assert len(flood) >= 1024, len(flood)  # the flood reached the port during the check
     assert threads[0] < 20, threads  # read in one thread, not one per connection
     assert [check.ok for check in checks] == [True, True], [c.problems for c in checks]
+
+
+HOLD = """
+import socket, sys
+address, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+held = [socket.create_connection((address, port), timeout=10) for _ in range(count)]
+print("held", len(held), flush=True)
+sys.stdin.read()  # say nothing, hold them until the test closes our stdin
+"""
+
+
+def test_idle_connections_of_another_user_to_host_0s_port_do_not_hide_a_host(monkeypatch):
+    # Issue #42: host 0's probe read one connection at a time, up to 2 s each, so a few idle
+    # strangers at its port kept it from hearing the other hosts before start_timeout. Here
+    # another user of this machine holds 8 connections to that port, made before the other
+    # host's probe is even given the port.
+    import select
+
+    from attacker import as_attacker, attacker_env
+
+    import torchrunx as trx
+    from torchrunx.launcher import preflight
+
+    holders: list[subprocess.Popen[bytes]] = []
+    said: list[bytes] = []
+    original = preflight._Check.master_for
+
+    def master_for(self: preflight._Check, address: str) -> tuple[str, int] | None:
+        master = original(self, address)
+        if master is not None:  # the other user's own interpreter: the system's python3
+            holder = subprocess.Popen(
+                as_attacker(["python3", "-c", HOLD, master[0], str(master[1]), "8"]),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=attacker_env(),
+            )
+            holders.append(holder)
+            assert holder.stdout is not None
+            if select.select([holder.stdout], [], [], 30)[0]:  # the rest waits until it is in
+                said.append(holder.stdout.readline())
+        return master
+
+    monkeypatch.setattr(preflight._Check, "master_for", master_for)
+    started = time.monotonic()
+    try:
+        checks = preflight.check_hosts(
+            trx.Launcher(hostnames=["localhost", "localhost"], start_timeout=12)
+        )
+    finally:
+        for holder in holders:
+            assert holder.stdin is not None and holder.stdout is not None
+            holder.stdin.close()
+            holder.wait(30)
+            holder.stdout.close()
+    assert said == [b"held 8\n"]  # one other host: it was given host 0's port once
+    assert [check.ok for check in checks] == [True, True], [c.problems for c in checks]
+    report = checks[0].report
+    assert report is not None and report.master == "ok"  # host 0 heard host 1
+    assert time.monotonic() - started < 10  # not the 8 x 2 s of reading strangers in turn

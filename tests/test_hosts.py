@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -270,8 +272,62 @@ def test_what_is_no_host_name_is_refused_up_front(name, no_slurm, log_dir):
     assert list(log_dir.iterdir()) == []  # refused before anything was made
 
 
+SHELL_NAMES = [
+    "n1$(touch${IFS}ran)",
+    "n1`touch${IFS}ran`",
+    "n1;touch${IFS}ran",
+    "n1|touch${IFS}ran",
+    "n1&&touch${IFS}ran",
+]
+
+
+def test_a_host_name_with_shell_syntax_never_reaches_a_shell(
+    tmp_path, monkeypatch, no_slurm, log_dir
+):
+    # paramiko runs an SSH config's `Match exec` command through a shell, with %h the name as
+    # given: each of these names ran `touch ran` there before it was refused (found in #42).
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "ssh_config"
+    config.write_text('Match exec "true %h"\n    ConnectTimeout 1\n')
+    hostfile = tmp_path / "hostfile"
+    (tmp_path / "job.py").write_text("")
+    for name in SHELL_NAMES:
+        hostfile.write_text(f"{name} slots=1\n")
+        for given, where in (([name], "hostnames"), (hostfile, f"line 1 of {hostfile}")):
+            with pytest.raises(ValueError, match=re.escape(f"{where} contains an invalid host")):
+                trx.Launcher(
+                    hostnames=given, workers_per_host=1, ssh_config_file=config, start_timeout=5
+                ).run(print)
+        done = subprocess.run(  # the command line, as a user runs it
+            [
+                sys.executable,
+                "-m",
+                "torchrunx",
+                "--hostnames",
+                name,
+                "--ssh-config-file",
+                str(config),
+                "--start-timeout",
+                "5",
+                "--",
+                "job.py",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env={**os.environ, "PYTHONPATH": str(Path(trx.__file__).parent.parent)},
+        )
+        assert done.returncode == 2, done.stderr
+        assert f"hostnames contains an invalid host name {name!r}" in done.stderr, done.stderr
+    assert not (tmp_path / "ran").exists()  # no shell ever saw a name
+    assert list(log_dir.iterdir()) == []  # refused before anything was made
+
+
 def test_host_names_addresses_aliases_and_hostfiles_still_pass(no_slurm, tmp_path):
     names = ["user@node1", "::1", "fe80::1%eth0", "10.0.0.7", "gpu_box", "node-1.example.com"]
+    names += ["[::1]", "[fe80::1%eth0]", "root@10.0.0.7", "node_1.a-b.example"]
     trx.Launcher(hostnames=names, workers_per_host=1).validate()
     assert [h.hostname for h in hosts.resolve_hosts(names, 1)] == names
     hostfile = tmp_path / "hostfile"

@@ -223,6 +223,49 @@ def test_shipped_code_runs_on_hosts_that_never_saw_it(isolated, tmp_path, monkey
     assert sent_third < sent_first / 20, (sent_first, sent_third)
 
 
+def test_a_file_edited_in_a_hosts_cache_never_changes_what_the_next_launch_runs(
+    isolated, tmp_path, monkeypatch
+):
+    # Issue #42: the cache kept a tree by its name, and a rank running as root can write its
+    # read-only files (mode 0444 does not stop root). Edited between two launches, on host 0
+    # only: the next launch finds it out, fetches the file again, and runs the shipped code.
+    _project, mypkg = _open_project(isolated, tmp_path, monkeypatch)
+    launcher = trx.Launcher(
+        hostnames=isolated.names(),
+        workers_per_host=1,
+        backend="gloo",
+        ssh_config_file=isolated.ssh_config,
+        python=HOST_PYTHON,
+        ship=(".",),
+    )
+    first = launcher.run(mypkg.report, 1, str(CHECKOUT))
+    digest = Path(first.ranks[0]["cwd"]).name
+    caches = [isolated.cache_dir(host) / "torchrunx" / "code" for host in isolated.hosts]
+    kept = caches[0] / "trees" / digest
+    shipped = {
+        name: (kept / name).read_bytes() for name in ("mypkg/__init__.py", "config/settings.txt")
+    }
+    code = shipped["mypkg/__init__.py"].replace(b"socket.gethostname()", b"'edited'")
+    assert code != shipped["mypkg/__init__.py"]
+    for name, data in (("mypkg/__init__.py", code), ("config/settings.txt", b"lr=9\n")):
+        with (kept / name).open("r+b") as f:  # as root: read-only files, written all the same
+            f.write(data)
+            f.truncate()
+
+    before = _wire_bytes(isolated)
+    second = launcher.run(mypkg.report, 2, str(CHECKOUT))
+    sent = _wire_bytes(isolated) - before
+    assert [r["host"] for r in second.ranks] == isolated.names()  # not "edited"
+    assert [r["data"] for r in second.ranks] == ["lr=0.1\n", "lr=0.1\n"]
+    assert [r["cwd"] for r in second.ranks] == [r["cwd"] for r in first.ranks]
+    for name, data in shipped.items():
+        assert (kept / name).read_bytes() == data  # fetched again, in a tree made again
+    # Host 0's edited tree is set aside (removed after a day); host 1's was whole.
+    assert len(list((caches[0] / "trees").glob(".tmp-stale-*"))) == 1
+    assert list((caches[1] / "trees").glob(".tmp-stale-*")) == []
+    assert sent < 200_000, sent  # the manifest and the two files, not the whole tree
+
+
 def test_shipping_over_relayed_hosts(isolated, tmp_path, monkeypatch):
     """relay="on" starts the agents with OpenSSH (not paramiko): the same exchange first."""
     from test_relay import connections_back_dropped

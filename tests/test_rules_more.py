@@ -1722,20 +1722,25 @@ def test_rule_a_hostfile_comment_starts_at_the_first_hash():
     ("text", "message"),
     [
         ("a slots=4=5", "<hostfile>, line 1: slots must be a positive integer, got '4=5'"),
-        ("a=b slots=1", "<hostfile>, line 1: 'a=b' is not a host name"),
-        ("\nx/y", "<hostfile>, line 2: 'x/y' is not a host name"),
-        ("a=b", "<hostfile>, line 1: 'a=b' is not a host name"),
+        (
+            "a=b slots=1",
+            "line 1 of <hostfile> contains an invalid host name 'a=b': it contains '='",
+        ),
+        ("\nx/y", "line 2 of <hostfile> contains an invalid host name 'x/y': a host name cannot"),
+        ("a=b", "line 1 of <hostfile> contains an invalid host name 'a=b': it contains '='"),
     ],
 )
 def test_rule_a_hostfile_line_that_is_no_host_is_refused_naming_its_line(text, message):
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         hostlists.parse_hostfile(text)
 
 
 def test_rule_a_hostfiles_errors_name_its_path(tmp_path):
     path = tmp_path / "hosts.txt"
     path.write_text("good\nbad/name\n")
-    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}, line 2: 'bad/name'"):
+    with pytest.raises(
+        ValueError, match=f"^line 2 of {re.escape(str(path))} contains .* 'bad/name'"
+    ):
         hostlists.read_hostfile(path)
     path.write_text("a slots=2\n")
     assert hostlists.read_hostfile(str(path)) == [HostSlots("a", 2)]
@@ -1774,9 +1779,160 @@ def test_rule_what_cannot_be_a_host_name_is_refused_saying_why(name, reason):
         hosts.check_hostname(name)
 
 
-@pytest.mark.parametrize("name", ["X", "XX", "x.y", "user@host", "fe80::1%eth0", "10.0.0.1"])
+@pytest.mark.parametrize(
+    "name",
+    ["X", "XX", "x.y", "user@host", "fe80::1%eth0", "10.0.0.1", "[::1]", "gpu_box", "a-b.c:2"],
+)
 def test_rule_names_addresses_and_aliases_are_host_names(name):
     hosts.check_hostname(name)
+
+
+SHELL_SYNTAX = {  # a hostile name without whitespace: the characters it is refused for
+    "n1$(touch${IFS}x)": "'$', '(', ')', '{', '}'",
+    "n1`touch${IFS}x`": "'$', '`', '{', '}'",
+    "n1;id": "';'",
+    "n1|id": "'|'",
+    "n1&&id": "'&'",
+    "n1'x": '"\'"',
+    'n1"x': "'\"'",
+    "n1>x": "'>'",
+    "n1\\x": "'\\\\'",
+    "n1,n2": "','",
+    "n1*": "'*'",
+    "n1=x": "'='",
+    "bücher": "'ü'",
+}
+WHITESPACE = ["n1 id", "n1\nid", "n1\tid", "n1;\nid"]
+HOSTILE = [*SHELL_SYNTAX, *WHITESPACE]
+
+
+@pytest.mark.parametrize(("name", "characters"), SHELL_SYNTAX.items())
+def test_rule_a_name_with_shell_syntax_is_refused_naming_the_characters(name, characters):
+    message = (
+        f"hostnames contains an invalid host name {name!r}: it contains {characters}, which no "
+        "host name has: a host name holds only ASCII letters, digits and . - _ : % @ [ ] "
+        "(shell syntax is refused, as OpenSSH 9.6 and later refuse it)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hosts.check_hostname(name)
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_rule_a_hostile_name_is_refused_as_an_argument_naming_the_field(name, tmp_path):
+    message = f"^hostnames contains an invalid host name {re.escape(repr(name))}: "
+    for given in ([name], ["node1", name], (name,)):
+        with pytest.raises(ValueError, match=message):
+            hosts.check_hostnames(given)
+        with pytest.raises(ValueError, match=message):
+            trx.Launcher(hostnames=list(given), workers_per_host=1).validate()
+        with pytest.raises(ValueError, match=message):
+            hosts.resolve_hosts(given, 1, {})
+    spares = f"^spare_hosts contains an invalid host name {re.escape(repr(name))}: "
+    with pytest.raises(ValueError, match=spares):
+        trx.Launcher(
+            hostnames=["node1"], spare_hosts=[name], max_restarts=1, restart_on=["hosts"]
+        ).validate()
+    with pytest.raises(ValueError, match=spares):
+        hosts.resolve_hosts([name], 1, {}, field="spare_hosts")
+
+
+@pytest.mark.parametrize("name", SHELL_SYNTAX)  # whitespace splits a hostfile's line
+def test_rule_a_hostile_name_in_a_hostfile_is_refused_naming_the_file_and_line(
+    name, tmp_path, monkeypatch
+):
+    path = tmp_path / "hosts"
+    path.write_text(f"node1 slots=2\n# a comment\n{name} slots=1\n")
+    message = (
+        f"^line 3 of {re.escape(str(path))} contains an invalid host name {re.escape(repr(name))}: "
+    )
+    with pytest.raises(ValueError, match=message):
+        hostlists.read_hostfile(path)
+    for spec in (path, str(path), [str(path)], f"hostfile:{path}"):
+        with pytest.raises(ValueError, match=message):
+            hosts.resolve_hosts(spec, "auto", {})  # type: ignore[arg-type]
+    monkeypatch.setenv("TORCHRUNX_HOSTFILE", str(path))  # the provider's variable, "auto"
+    for spec in ("hostfile", "auto"):
+        with pytest.raises(ValueError, match=message):
+            hosts.resolve_hosts(spec, "auto", {"TORCHRUNX_HOSTFILE": str(path)})
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "name"),
+    [
+        ("n[1-2]$(touch${IFS}x)", "n1$(touch${IFS}x)"),
+        ("n1,n2`id`", "n2`id`"),
+        ("n1,n[2-3];id", "n2;id"),
+        ("n1|id", "n1|id"),
+        ("n1&&id", "n1&&id"),
+        ("n1 n'2", "n'2"),
+    ],
+)
+def test_rule_a_hostile_name_in_a_slurm_node_list_is_refused_naming_the_variable(
+    nodelist, name, no_scontrol
+):
+    for variable, job in (
+        ("SLURM_JOB_NODELIST", "SLURM_JOB_ID"),
+        ("SLURM_NODELIST", "SLURM_JOBID"),
+    ):
+        environ = {job: "7", variable: nodelist}
+        message = (
+            f"^{variable}={re.escape(repr(nodelist))} contains an invalid host name "
+            f"{re.escape(repr(name))}: "
+        )
+        with pytest.raises(ValueError, match=message):
+            hostlists.slurm_allocation(environ)
+        for hostnames, workers in (("slurm", "auto"), ("auto", "auto"), (["n1"], "slurm")):
+            with pytest.raises(ValueError, match=message):
+                hosts.resolve_hosts(hostnames, workers, environ)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", SHELL_SYNTAX)
+def test_rule_a_hostile_name_from_pbs_or_lsf_is_refused_naming_the_source(name, tmp_path):
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text(f"cn1\ncn1\n{name}\n")
+    message = f"^line 3 of the PBS node file {re.escape(repr(str(nodefile)))} contains an invalid host name {re.escape(repr(name))}: "
+    with pytest.raises(ValueError, match=message):
+        hosts.resolve_hosts("pbs", "auto", {"PBS_JOBID": "1", "PBS_NODEFILE": str(nodefile)})
+    with pytest.raises(ValueError, match=message):
+        hosts.resolve_hosts("auto", "auto", {"PBS_JOBID": "1", "PBS_NODEFILE": str(nodefile)})
+    value = f"hostA 4 {name} 2"
+    message = f"^LSB_MCPU_HOSTS={re.escape(repr(value))} contains an invalid host name {re.escape(repr(name))}: "
+    with pytest.raises(ValueError, match=message):
+        hosts.resolve_hosts("lsf", "auto", {"LSB_JOBID": "1", "LSB_MCPU_HOSTS": value})
+    with pytest.raises(ValueError, match=message):
+        hosts.resolve_hosts("auto", "auto", {"LSB_JOBID": "1", "LSB_MCPU_HOSTS": value})
+    message = f"^hostnames='lsf:{re.escape(value)}' contains an invalid host name "
+    with pytest.raises(ValueError, match=message):
+        hosts.resolve_hosts(f"lsf:{value}", "auto", {})
+
+
+class _Provider:
+    """A plugin's host provider that hands out whatever names it was given (pure)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def detect(self, environ: object) -> bool:  # noqa: ARG002 (the provider's interface)
+        """Always: the provider of ``hostnames="auto"`` here."""
+        return True
+
+    def hosts(self, argument: str | None, environ: object) -> list[HostSlots]:  # noqa: ARG002 (as above)
+        """The names it was given, one slot each."""
+        return [HostSlots(name, 1) for name in self.names]
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_rule_a_hostile_name_from_a_plugin_provider_is_refused_naming_it(name, monkeypatch):
+    monkeypatch.setattr(plugins, "_entry_points", lambda _group: {})
+    monkeypatch.setattr(plugins, "_LAZY_PROVIDERS", {})
+    monkeypatch.setattr(plugins, "_BUILTIN_PROVIDERS", {"mine": _Provider(["ok1", name])})
+    for spec, given in (("mine", "mine"), (["mine:x"], "mine:x"), ("auto", "auto")):
+        message = (
+            f"^the host list of provider 'mine' \\(hostnames={re.escape(repr(given))}\\) "
+            f"contains an invalid host name {re.escape(repr(name))}: "
+        )
+        with pytest.raises(ValueError, match=message):
+            hosts.resolve_hosts(spec, "auto", {})  # type: ignore[arg-type]
 
 
 def test_rule_a_one_entry_list_with_a_slash_is_a_missing_hostfile(tmp_path):

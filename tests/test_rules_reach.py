@@ -324,6 +324,30 @@ def test_the_cache_keeps_what_was_used_lately_and_cleans_the_rest(tmp_path, monk
     assert sorted(p.name for p in blobs.iterdir()) == ["fresh-r"]
 
 
+def test_a_trees_record_goes_a_day_after_its_tree_and_never_before(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHRUNX_CACHE_DAYS", raising=False)
+    trees, records = tmp_path / "trees", tmp_path / "records"
+    trees.mkdir()
+    records.mkdir()
+    (trees / "kept").mkdir()
+    _age(trees / "kept", 1)
+    (trees / ".tmp-stale-gone-1-2").mkdir()  # a tree set aside, a day and more ago
+    _age(trees / ".tmp-stale-gone-1-2", 1.5)
+    (trees / ".tmp-stale-kept-1-3").mkdir()  # set aside lately: a launch may run in it
+    for name, days in {
+        "kept": 30,  # its tree is there: kept, however old
+        "gone": 1.5,  # its tree went
+        "making": 0.5,  # no tree yet: a launch may be about to put it in place
+        ".tmp-gone-1": 1.5,  # a record cut short
+        ".tmp-now-1": 0.5,
+    }.items():
+        (records / name).write_text("{}")
+        _age(records / name, days)
+    unpack.clean(tmp_path, keep="now")
+    assert sorted(p.name for p in records.iterdir()) == [".tmp-now-1", "kept", "making"]
+    assert sorted(p.name for p in trees.iterdir()) == [".tmp-stale-kept-1-3", "kept"]
+
+
 def test_container_is_a_command_line_put_before_the_agent_command():
     from torchrunx.engines.builtin import openssh_command
     from torchrunx.launcher.transport import AGENT_COMMAND, remote_command, srun_command

@@ -6,6 +6,7 @@ started as the agent's script starts it (``python -I -S -c SOURCE CACHE DIGEST``
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -209,3 +210,165 @@ def test_a_host_that_stops_reading_mid_transfer_fails_within_the_timeout(tmp_pat
     assert time.monotonic() - started < 2
     for fd in (*answers, stdin[0]):
         os.close(fd)
+
+
+# -- what is kept is checked before it is used again ------------------------------------------
+
+
+def _edit_in_place(path: Path, data: bytes) -> None:
+    """Change a kept file's bytes as a careless rank would: in place, mode and mtime restored.
+
+    As root (a rank in a container), mode 0444 stops nothing; elsewhere the write bit is set
+    for the write and taken away after it.
+    """
+    info = path.stat()
+    path.chmod(info.st_mode | 0o200)
+    with path.open("r+b") as f:
+        f.write(data)
+        f.truncate()
+    path.chmod(info.st_mode)
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))  # only the change time tells
+
+
+def _value_in(tree: Path) -> str:
+    """What ``pkg.VALUE`` is when the tree's code runs (a fresh interpreter, in the tree).
+
+    ``-B``: no byte-code cache is written, so what is read is the source as it is now.
+    """
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-B",
+            "-c",
+            "import sys; sys.path.insert(0, ''); import pkg; print(pkg.VALUE)",
+        ],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def _set_aside(cache: Path) -> list[Path]:
+    return sorted((cache / "trees").glob(".tmp-stale-*"))
+
+
+@pytest.mark.parametrize("size", ["same size", "longer"])
+def test_a_tree_file_edited_in_the_cache_is_detected_and_fetched_again(tmp_path, size):
+    _project(tmp_path / "work")
+    cache = tmp_path / "cache"
+    bundle = ship.make_bundle(["."], cwd=tmp_path / "work")
+    assert Host(cache, bundle.digest).exchange(bundle)[1] == 0
+    tree = cache / "trees" / bundle.digest
+    assert _value_in(tree) == "1"
+    edit = b"VALUE = 9\n" if size == "same size" else b"VALUE = 666  # edited\n"
+    _edit_in_place(tree / "pkg" / "__init__.py", edit)  # also the blob: the same inode
+    assert _value_in(tree) != "1"  # what the next launch would run, before #42
+
+    again = Host(cache, bundle.digest)
+    _, status, err = again.exchange(bundle)
+    assert status == 0, err
+    init = next(f for f in bundle.files if f.path == "pkg/__init__.py")
+    # The manifest, then that file alone: the others were still whole.
+    assert again.written == 16 + len(bundle.manifest) + init.size + len(b"BOOTSTRAP LINE\n")
+    assert _value_in(tree) == "1"
+    assert (tree / "pkg" / "__init__.py").stat().st_mode & 0o222 == 0
+    (aside,) = _set_aside(cache)  # the edited tree, out of the way (removed after a day)
+    assert (aside / "pkg" / "__init__.py").read_bytes() == edit
+
+    third = Host(cache, bundle.digest)  # whole again: nothing is sent
+    assert third.exchange(bundle)[1] == 0
+    assert third.written == len(b"BOOTSTRAP LINE\n")
+
+
+def test_a_tree_file_replaced_in_the_cache_is_detected_and_fetched_again(tmp_path):
+    _project(tmp_path / "work")
+    cache = tmp_path / "cache"
+    bundle = ship.make_bundle(["."], cwd=tmp_path / "work")
+    assert Host(cache, bundle.digest).exchange(bundle)[1] == 0
+    tree = cache / "trees" / bundle.digest
+    model = tree / "pkg" / "model.py"
+    info = model.stat()
+    planted = tmp_path / "planted"
+    planted.write_bytes(b"#" * info.st_size)  # as long, as old, as read-only
+    planted.chmod(info.st_mode & 0o777)
+    os.utime(planted, ns=(info.st_atime_ns, info.st_mtime_ns))
+    planted.replace(model)
+
+    again = Host(cache, bundle.digest)
+    assert again.exchange(bundle)[1] == 0, again.err
+    assert model.read_bytes() == (tmp_path / "work" / "pkg" / "model.py").read_bytes()
+    # Nothing was wrong with the blobs: only the manifest went, and the tree was made again.
+    assert again.written == 16 + len(bundle.manifest) + len(b"BOOTSTRAP LINE\n")
+    assert len(_set_aside(cache)) == 1
+
+
+def test_a_kept_blob_edited_before_a_new_tree_links_it_is_fetched_again(tmp_path):
+    _project(tmp_path / "work")
+    cache = tmp_path / "cache"
+    first = ship.make_bundle(["."], cwd=tmp_path / "work")
+    assert Host(cache, first.digest).exchange(first)[1] == 0
+    model = next(f for f in first.files if f.path == "pkg/model.py")
+    _edit_in_place(cache / "blobs" / f"{model.sha256}-r", b"\0" * model.size)
+    (tmp_path / "work" / "pkg" / "__init__.py").write_text("VALUE = 2\n")  # a new tree
+    second = ship.make_bundle(["."], cwd=tmp_path / "work")
+    host = Host(cache, second.digest)
+    assert host.exchange(second)[1] == 0, host.err
+    tree = cache / "trees" / second.digest
+    assert (tree / "pkg" / "model.py").read_bytes() == model.source.read_bytes()
+    assert _value_in(tree) == "2"
+    # The new __init__.py and the edited blob were sent; the others were linked as kept.
+    assert host.written == (
+        16 + len(second.manifest) + len(b"VALUE = 2\n") + model.size + len(b"BOOTSTRAP LINE\n")
+    )
+
+
+def test_a_tree_without_its_record_or_with_a_forged_one_is_made_again(tmp_path):
+    _project(tmp_path / "work")
+    cache = tmp_path / "cache"
+    bundle = ship.make_bundle(["."], cwd=tmp_path / "work")
+    assert Host(cache, bundle.digest).exchange(bundle)[1] == 0
+    record = cache / "records" / bundle.digest
+    assert record.is_file()
+    written = json.loads(record.read_text())
+    assert written["manifest"].encode() == bundle.manifest
+
+    record.unlink()  # a tree of an earlier release, or a record lost
+    host = Host(cache, bundle.digest)
+    assert host.exchange(bundle)[1] == 0, host.err
+    assert host.written == 16 + len(bundle.manifest) + len(b"BOOTSTRAP LINE\n")  # blobs kept
+    assert record.is_file()
+
+    # A record whose manifest names other bytes for a file: not the launch's manifest.
+    _edit_in_place(cache / "trees" / bundle.digest / "pkg" / "__init__.py", b"VALUE = 9\n")
+    forged = json.loads(record.read_text())
+    init = next(f for f in bundle.files if f.path == "pkg/__init__.py")
+    forged["manifest"] = forged["manifest"].replace(
+        init.sha256, hashlib.sha256(b"VALUE = 9\n").hexdigest()
+    )
+    forged["seen"] = [[0, 0, 0, 0, 0]] * len(forged["seen"])
+    record.write_text(json.dumps(forged))
+    host = Host(cache, bundle.digest)
+    assert host.exchange(bundle)[1] == 0, host.err
+    assert _value_in(cache / "trees" / bundle.digest) == "1"
+    assert host.written == 16 + len(bundle.manifest) + init.size + len(b"BOOTSTRAP LINE\n")
+
+
+def test_a_kept_file_whose_change_time_moved_is_hashed_again_and_used(tmp_path):
+    # A new hard link to a blob (another tree) changes its change time, not its bytes.
+    _project(tmp_path / "work")
+    cache = tmp_path / "cache"
+    bundle = ship.make_bundle(["."], cwd=tmp_path / "work")
+    assert Host(cache, bundle.digest).exchange(bundle)[1] == 0
+    record = cache / "records" / bundle.digest
+    before = json.loads(record.read_text())["seen"]
+    (tmp_path / "another-link").hardlink_to(cache / "trees" / bundle.digest / "pkg" / "model.py")
+    host = Host(cache, bundle.digest)
+    assert host.exchange(bundle)[1] == 0, host.err
+    assert host.written == len(b"BOOTSTRAP LINE\n")  # still whole: nothing sent
+    after = json.loads(record.read_text())["seen"]
+    assert after != before  # renewed: the next launch does not hash it again
+    assert _set_aside(cache) == []

@@ -19,7 +19,10 @@ Four groups; a package declares entries in its ``pyproject.toml``::
   their slots, or ``None`` slots to let each agent count). torchrunx's own SLURM, hostfile,
   PBS/Torque and LSF providers are registered the same way. A provider may pair with a
   transport: its optional ``transport(argument) -> str`` names the one its hosts' agents
-  start with (``"kubectl:namespace=ml"``), used when ``agent_start`` is ``"auto"``.
+  start with (``"kubectl:namespace=ml"``), used when ``agent_start`` is ``"auto"``. Every
+  name a provider gives is checked before anything starts
+  (:func:`torchrunx.hosts.hostlists.check_host_name`): a name with shell syntax is refused,
+  naming the provider.
 * A **transport** starts an agent on a host (:class:`torchrunx.engines.Transport`): a callable
   that takes the argument after ``NAME:`` (or ``None``) and returns one.
 * A **preset** is a mapping of ``Launcher`` field names to values (or a function returning
@@ -41,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torchrunx.hosts.hostlists import (
     HostSlots,
+    check_host_name,
     combine_slots,
     in_slurm_allocation,
     read_hostfile,
@@ -228,8 +232,8 @@ def _import_ref(ref: str) -> object:
     return getattr(importlib.import_module(module), attribute)
 
 
-def detected_hosts(environ: Mapping[str, str]) -> list[HostSlots] | None:
-    """``hostnames="auto"``: the hosts of the first provider that detects its environment.
+def detected_hosts(environ: Mapping[str, str]) -> tuple[str, list[HostSlots]] | None:
+    """``hostnames="auto"``: the first provider that detects its environment, and its hosts.
 
     SLURM is asked first, then the other providers by name. ``None`` when none applies.
     """
@@ -243,7 +247,7 @@ def detected_hosts(environ: Mapping[str, str]) -> list[HostSlots] | None:
             logger.warning("host provider %r is skipped: it failed", name, exc_info=True)
             continue
         if detected:
-            return provider.hosts(None, environ)
+            return name, provider.hosts(None, environ)
     return None
 
 
@@ -353,7 +357,11 @@ class PbsProvider:
             text = Path(path).read_text()
         except OSError as exc:
             raise ValueError(f"cannot read the PBS node file {path!r}: {exc}") from exc
-        names = [line.split()[0] for line in text.splitlines() if line.strip()]
+        names = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                names.append(line.split()[0])
+                check_host_name(names[-1], f"line {number} of the PBS node file {path!r}")
         if not names:
             raise ValueError(f"the PBS node file {path!r} lists no host")
         return combine_slots((name, 1) for name in names)
@@ -374,6 +382,9 @@ class LsfProvider:
             raise ValueError(
                 f"cannot read hosts from LSB_MCPU_HOSTS={value!r}: expected 'host slots' pairs"
             )
+        where = f"hostnames='lsf:{argument}'" if argument else f"LSB_MCPU_HOSTS={value!r}"
+        for name in fields[::2]:
+            check_host_name(name, where)
         pairs = zip(fields[::2], fields[1::2], strict=True)
         return combine_slots((name, int(slots)) for name, slots in pairs)
 

@@ -36,6 +36,7 @@ from torchrunx.wire.messages import (
     WorkerCall,
     WorkerChannelClosed,
     WorkerExited,
+    WorkerHello,
     WorkerStacks,
 )
 
@@ -142,15 +143,29 @@ class Attempt:
         for message, payload in frames:
             if worker.channel is None:
                 return  # ended below for a message that is not a worker's: the rest goes too
-            if isinstance(message, WORKER_MESSAGE_TYPES):
-                self.forward(FromWorker(worker.local_rank, message), payload)
-            else:
+            if not isinstance(message, WORKER_MESSAGE_TYPES):
                 logger.warning(
                     "worker %d sent %s on its channel, not a worker's message: closing it",
                     worker.local_rank,
                     type(message).__name__,
                 )
                 self.group.end_channel(worker)
+            elif isinstance(message, WorkerHello) and (
+                message.pid != worker.pid or message.local_rank != worker.local_rank
+            ):
+                # Not the process this agent forked for that local rank (a child that kept
+                # the channel, say): the launcher would bind the rank to another pid.
+                logger.warning(
+                    "a hello for local rank %d, pid %d, came on the channel of worker %d "
+                    "(pid %d): closing it",
+                    message.local_rank,
+                    message.pid,
+                    worker.local_rank,
+                    worker.pid,
+                )
+                self.group.end_channel(worker)
+            else:
+                self.forward(FromWorker(worker.local_rank, message), payload)
 
     def _channel_ended(self, worker: Worker, clean: bool) -> None:
         self.send(WorkerChannelClosed(worker.local_rank, clean))

@@ -8,8 +8,9 @@ with the boot code calling :func:`main` instead of the agent. It reads one JSON 
 1. connects back to the launcher's address and port, as an agent would, and says who it is
    (a random token of this check, its host index, and on host 0 the port of step 2);
 2. on host 0: listens on a free port, as the agent of host 0 does for the rendezvous store
-   (``MASTER_PORT``), and waits for the other hosts to connect to it; on the other hosts:
-   connects to host 0 there;
+   (``MASTER_PORT``), and waits for the other hosts to connect to it (every connection read
+   at once, each with its own deadline, so idle strangers hold up no one); on the other
+   hosts: connects to host 0 there;
 3. counts GPUs and CPUs as an agent does, and reads the versions of Python, torchrunx and torch
    (torch's from its installed metadata: nothing is imported);
 
@@ -24,7 +25,7 @@ import dataclasses
 import json
 import os
 import platform
-import select
+import selectors
 import socket
 import sys
 import time
@@ -40,6 +41,12 @@ REPORT_PREFIX = "torchrunx-probe "
 
 _LINE_LIMIT = 256
 """Bytes a peer may send before its line ends (a token, an index and a port)."""
+_PEER_WAIT = 2.0
+"""Seconds a connection to host 0's port gets to send its line (a probe sends it at once)."""
+_PEERS_AT_ONCE = 256
+"""Connections host 0 reads at once at most; past it the oldest is dropped."""
+_ACCEPTS_PER_TURN = 64
+"""Connections accepted between two reads: a flood cannot push out, unread, a line that came."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,36 +252,101 @@ def _await_peers(
 ) -> str:
     """On host 0: wait until ``peers`` hosts said ``token``; ``"ok"``, or how many did.
 
+    Every connection is read as its bytes come, at once (a selector), each until its own
+    deadline (:data:`_PEER_WAIT`), and past :data:`_PEERS_AT_ONCE` unread connections the
+    oldest is dropped: strangers that connect and say nothing never hold up a host's line.
     Stops early when ``launcher`` (the connection back) becomes readable: the launcher closes
     it once the other hosts' checks are over.
     """
     heard = 0
-    watched = [listener] if launcher is None else [listener, launcher]
-    while heard < peers:
-        left = deadline - time.monotonic()
-        readable = select.select(watched, [], [], max(0.0, left))[0] if left > 0 else []
-        if (launcher is not None and launcher in readable) or left <= 0:
-            return (
-                f"{heard} of the {peers} other hosts connected to this host's port "
-                f"{listener.getsockname()[1]}"
-            )
-        if listener not in readable:
-            continue
-        with contextlib.suppress(OSError):
+    pending: dict[socket.socket, _Peer] = {}
+    with selectors.DefaultSelector() as selector:
+        listener.setblocking(False)  # noqa: FBT003 (socket API)
+        selector.register(listener, selectors.EVENT_READ)
+        if launcher is not None:
+            selector.register(launcher, selectors.EVENT_READ)
+        try:
+            released = False
+            while heard < peers and not released:
+                now = time.monotonic()
+                for conn in [c for c, peer in pending.items() if peer.until <= now]:
+                    _forget(selector, pending, conn)
+                if now >= deadline:
+                    break
+                wait = min([deadline, *(peer.until for peer in pending.values())]) - now
+                for key, _ in selector.select(max(0.0, wait)):
+                    if key.fileobj is launcher:
+                        released = True  # after this turn's lines: they were sent before it
+                    elif key.fileobj is listener:
+                        _accept_peers(listener, selector, pending)
+                    else:
+                        heard += _read_peer(selector, pending, key.fileobj, token)  # type: ignore[arg-type]
+        finally:
+            for conn in list(pending):
+                _forget(selector, pending, conn)
+    if heard >= peers:
+        return "ok"
+    return (
+        f"{heard} of the {peers} other hosts connected to this host's port "
+        f"{listener.getsockname()[1]}"
+    )
+
+
+@dataclasses.dataclass
+class _Peer:
+    """A connection to host 0's port whose line is being read."""
+
+    until: float
+    data: bytes = b""
+
+
+def _accept_peers(
+    listener: socket.socket, selector: selectors.BaseSelector, pending: dict[socket.socket, _Peer]
+) -> None:
+    """Accept the connections waiting on ``listener`` (some of them); each is read from now on."""
+    for _ in range(_ACCEPTS_PER_TURN):
+        try:
             conn, _ = listener.accept()
-            with conn:  # a stranger that sends nothing holds the others up 2 s at most
-                conn.settimeout(max(0.1, min(2.0, deadline - time.monotonic())))
-                if _read_line(conn) == token:
-                    heard += 1
-    return "ok"
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # out of descriptors: the next turn tries again
+            return
+        if len(pending) >= _PEERS_AT_ONCE:
+            _forget(selector, pending, next(iter(pending)))  # the oldest
+        conn.setblocking(False)  # noqa: FBT003 (socket API)
+        pending[conn] = _Peer(until=time.monotonic() + _PEER_WAIT)
+        selector.register(conn, selectors.EVENT_READ)
 
 
-def _read_line(conn: socket.socket) -> str:
-    """One short line from ``conn`` (at most :data:`_LINE_LIMIT` bytes), without its end."""
-    data = b""
-    while b"\n" not in data and len(data) < _LINE_LIMIT:
-        chunk = conn.recv(_LINE_LIMIT - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data.partition(b"\n")[0].decode(errors="replace")
+def _read_peer(
+    selector: selectors.BaseSelector,
+    pending: dict[socket.socket, _Peer],
+    conn: socket.socket,
+    token: str,
+) -> int:
+    """Read what ``conn`` sent; 1 when its whole line is this check's token, else 0.
+
+    A connection whose line is whole (or too long, or that ended) is closed: the host that sent
+    it waits for that close, so it knows its line was read.
+    """
+    peer = pending[conn]
+    try:
+        chunk = conn.recv(_LINE_LIMIT - len(peer.data))
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError:
+        chunk = b""
+    peer.data += chunk
+    if chunk and b"\n" not in peer.data and len(peer.data) < _LINE_LIMIT:
+        return 0  # more to come
+    _forget(selector, pending, conn)
+    return int(peer.data.partition(b"\n")[0].decode(errors="replace") == token)
+
+
+def _forget(
+    selector: selectors.BaseSelector, pending: dict[socket.socket, _Peer], conn: socket.socket
+) -> None:
+    """Stop reading ``conn`` and close it."""
+    selector.unregister(conn)
+    del pending[conn]
+    conn.close()

@@ -10,16 +10,32 @@ private to the user (mode 0700) and holds:
 
 - ``blobs/SHA256-r`` and ``blobs/SHA256-x``: each file's bytes once, by content (and whether
   it is executable), read-only;
-- ``trees/DIGEST``: one launch's tree, its files hard links to the blobs, read-only.
+- ``trees/DIGEST``: one launch's tree, its files hard links to the blobs, read-only;
+- ``records/DIGEST``: the tree's manifest, and what each of its files looked like
+  (``lstat``: inode, size, modification and change times, mode) when its bytes were last
+  checked against their SHA-256.
+
+Nothing kept is trusted by its name (mode 0444 does not stop root, nor a rank running as
+root in a container):
+
+- a tree is used again only if its record's manifest is the launch's (its SHA-256 begins with
+  ``DIGEST``) and each of its files still looks as recorded; a file that does not (an edit
+  changes its change time, a replaced file its inode) is hashed again, and the tree is used
+  only if every such file still has its SHA-256 (the record is then renewed). Otherwise the
+  tree is set aside (``trees/.tmp-stale-*``, removed after a day: a launch running in it keeps
+  its files) and made again, as if it had never been there;
+- a blob kept from an earlier launch is hashed before a new tree links to it; one whose bytes
+  (or whose mode) no longer match is fetched again.
 
 The exchange runs on the agent's stdin and stdout (the launcher's side is
 :mod:`torchrunx.launcher.ship`). This side writes one line at a time, ``torchrunx-ship WORD``:
 
-1. ``have``: ``trees/DIGEST`` exists (it was shipped before): nothing more is sent.
+1. ``have``: ``trees/DIGEST`` exists and is whole (it was shipped before, and checked as
+   above): nothing more is sent.
 2. else ``manifest``; the launcher sends its length (16 ASCII digits) and the manifest (JSON:
    ``[[path, executable, size, sha256], ...]``, whose SHA-256 begins with ``DIGEST``);
-3. ``need [i, ...]``: the files whose blob is missing; the launcher sends their bytes, one after
-   another; each is checked against its SHA-256 before it is kept;
+3. ``need [i, ...]``: the files whose blob is missing or changed; the launcher sends their
+   bytes, one after another; each is checked against its SHA-256 before it is kept;
 4. ``done``: the tree is in place (made under a temporary name, then renamed).
 
 stdin is read with ``os.read`` and exact lengths, never more: what follows the exchange on stdin
@@ -27,7 +43,8 @@ stdin is read with ``os.read`` and exact lengths, never more: what follows the e
 
 Cleaning (every run, after the exchange): a tree not used by a launch for
 ``$TORCHRUNX_CACHE_DAYS`` days (default 14) is removed, then every blob no tree links to any more
-and older than that, and leftovers of an unpack that was cut short (after a day).
+and older than that, the record of a tree that is gone, and leftovers of an unpack that was cut
+short or of a tree set aside (after a day).
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -96,7 +114,9 @@ def _receive_blob(blobs: Path, size: int, sha: str, *, executable: bool) -> None
             temporary.unlink()
 
 
-def _make_tree(blobs: Path, trees: Path, digest: str, files: list[list[Any]]) -> None:
+def _make_tree(root: Path, digest: str, raw: bytes, files: list[list[Any]]) -> None:
+    """Make ``trees/DIGEST`` from the blobs, and its record, under ``root`` (the cache)."""
+    blobs, trees = root / "blobs", root / "trees"
     temporary = trees / f".tmp-{digest}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
@@ -109,14 +129,86 @@ def _make_tree(blobs: Path, trees: Path, digest: str, files: list[list[Any]]) ->
                 target.hardlink_to(blob)
             except OSError:  # a filesystem without hard links, or too many of them: a copy
                 shutil.copy2(blob, target)
+        # The record first: a tree in place never lacks one (were it lacking, another
+        # launch would set the tree aside).
+        seen = [_looks(os.lstat(temporary / str(path))) for path, *_ in files]
+        _write_record(root / "records", digest, raw, seen)
         with contextlib.suppress(OSError):  # else another launch made it at the same time
             temporary.rename(trees / digest)
     finally:  # never a half-made tree
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-def _checked_manifest(digest: str) -> list[list[Any]]:
-    raw = _read_exact(int(_read_exact(16)))
+def _looks(info: os.stat_result) -> list[int]:
+    """What a kept file looks like: an edit changes its change time, a new file its inode."""
+    return [info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_mode]
+
+
+def _write_record(records: Path, digest: str, raw: bytes, seen: list[list[int]]) -> None:
+    """Write ``records/DIGEST`` whole (under a temporary name, then renamed)."""
+    temporary = records / f".tmp-{digest}-{os.getpid()}"
+    try:
+        temporary.write_text(json.dumps({"manifest": raw.decode(), "seen": seen}))
+        temporary.replace(records / digest)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+
+
+def _sha256(path: Path) -> str | None:
+    """The SHA-256 of the regular file ``path`` (a symbolic link is not followed), or None."""
+    digest = hashlib.sha256()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO never blocks
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _holds(path: Path, entry: list[Any], info: os.stat_result) -> bool:
+    """Whether the kept file ``path`` (``info``: its ``lstat``) holds what ``entry`` names."""
+    _path, executable, size, sha = entry
+    return (
+        stat.S_ISREG(info.st_mode)
+        and info.st_size == int(size)
+        and bool(info.st_mode & stat.S_IXUSR) == bool(executable)
+        and _sha256(path) == str(sha)
+    )
+
+
+def _tree_is_whole(tree: Path, records: Path, digest: str) -> bool:
+    """Whether the kept ``tree`` holds the launch's files; hashes again what changed since."""
+    try:
+        record = json.loads((records / digest).read_bytes())
+        raw = str(record["manifest"]).encode()
+        seen = [list(map(int, looks)) for looks in record["seen"]]
+        files = _parsed_manifest(raw, digest)
+    except (OSError, ValueError, KeyError, TypeError):  # none, a cut one, a forged one
+        return False
+    if len(seen) != len(files):
+        return False
+    renewed = False
+    for index, entry in enumerate(files):
+        path = tree / str(entry[0])
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return False
+        if _looks(info) != seen[index]:
+            if not _holds(path, entry, info):
+                return False
+            seen[index], renewed = _looks(info), True
+    if renewed:
+        _write_record(records, digest, raw, seen)
+    return True
+
+
+def _parsed_manifest(raw: bytes, digest: str) -> list[list[Any]]:
     if not hashlib.sha256(raw).hexdigest().startswith(digest):
         msg = "the manifest does not match the launch's digest"
         raise ValueError(msg)
@@ -129,50 +221,91 @@ def _checked_manifest(digest: str) -> list[list[Any]]:
     return files
 
 
+def _set_aside(tree: Path, digest: str) -> None:
+    """Move a tree that is not whole out of the way; cleaning removes it after a day."""
+    aside = tree.parent / f".tmp-stale-{digest}-{os.getpid()}-{time.time_ns()}"
+    with contextlib.suppress(OSError):  # another launch moved it first
+        tree.rename(aside)
+        os.utime(aside)  # a day from now: a launch still running in it keeps its files
+
+
+def _missing_blobs(blobs: Path, files: list[list[Any]]) -> list[int]:
+    """The files whose blob must be fetched: missing, or kept but no longer what it was."""
+    missing: dict[str, int] = {}
+    whole: set[str] = set()
+    for index, entry in enumerate(files):
+        _path, executable, _size, sha = entry
+        name = _blob_name(str(sha), executable=bool(executable))
+        if name in missing or name in whole:
+            continue
+        blob = blobs / name
+        try:
+            info = os.lstat(blob)
+        except FileNotFoundError:
+            missing[name] = index
+            continue
+        if _holds(blob, entry, info):
+            whole.add(name)
+        else:  # edited in place, or replaced: fetched again (a tree that links it keeps it)
+            _remove(blob)
+            missing[name] = index
+    return sorted(missing.values())
+
+
 def unpack(cache: str, digest: str) -> None:
     """Put the tree ``digest`` in ``cache`` (fetching what is missing), then clean the cache."""
     root = Path(cache)
-    blobs, trees = root / "blobs", root / "trees"
-    for folder in (root.parent, root, blobs, trees):  # root.parent: ~/.cache/torchrunx
+    blobs, trees, records = root / "blobs", root / "trees", root / "records"
+    for folder in (root.parent, root, blobs, trees, records):  # root.parent: ~/.cache/torchrunx
         _private_dir(folder)
     tree = trees / digest
-    if tree.is_dir():
+    if tree.is_dir() and _tree_is_whole(tree, records, digest):
         os.utime(tree)  # used now: the cleaning rule counts from here
         _say("have")
     else:
+        if tree.is_dir():
+            _set_aside(tree, digest)
         _say("manifest")
-        files = _checked_manifest(digest)
-        missing: dict[str, int] = {}
-        for index, (_path, executable, _size, sha) in enumerate(files):
-            name = _blob_name(str(sha), executable=bool(executable))
-            if name not in missing and not (blobs / name).exists():
-                missing[name] = index
-        _say("need " + json.dumps(sorted(missing.values())))
-        for index in sorted(missing.values()):
+        raw = _read_exact(int(_read_exact(16)))
+        files = _parsed_manifest(raw, digest)
+        needed = _missing_blobs(blobs, files)
+        _say("need " + json.dumps(needed))
+        for index in needed:
             _path, executable, size, sha = files[index]
             _receive_blob(blobs, int(size), str(sha), executable=bool(executable))
-        _make_tree(blobs, trees, digest, files)
+        _make_tree(root, digest, raw, files)
         _say("done")
     clean(root, keep=digest)
 
 
 def clean(cache: Path, *, keep: str, now: float | None = None) -> None:
-    """Remove trees unused for the cache's age limit, then blobs no tree links to, and leftovers."""
+    """Remove trees unused for the cache's age limit, then blobs no tree links to, and leftovers.
+
+    A tree's record goes with its tree (a day later: a launch writes the record of its new tree
+    just before it puts the tree in place).
+    """
     limit = float(os.environ.get("TORCHRUNX_CACHE_DAYS", "") or 14) * _DAY
     now = time.time() if now is None else now
-    for folder in (cache / "trees", cache / "blobs"):  # trees first: their blobs go after
+    # Trees first: their blobs and records go after.
+    for folder in (cache / "trees", cache / "blobs", cache / "records"):
         with contextlib.suppress(OSError):
             for path in folder.iterdir():
                 with contextlib.suppress(OSError):
-                    info = path.lstat()
-                    age = now - info.st_mtime
-                    if path.name.startswith(".tmp-"):
-                        if age > _DAY:
-                            _remove(path)
-                    elif folder.name == "trees" and path.name != keep and age > limit:
+                    if _expired(cache, path, keep=keep, now=now, limit=limit):
                         _remove(path)
-                    elif folder.name == "blobs" and info.st_nlink == 1 and age > limit:
-                        path.unlink()
+
+
+def _expired(cache: Path, path: Path, *, keep: str, now: float, limit: float) -> bool:
+    """Whether cleaning removes ``path`` (of ``trees``, ``blobs`` or ``records``) now."""
+    info = path.lstat()
+    age = now - info.st_mtime
+    if path.name.startswith(".tmp-"):
+        return age > _DAY
+    if path.parent.name == "trees":
+        return path.name != keep and age > limit
+    if path.parent.name == "blobs":
+        return info.st_nlink == 1 and age > limit
+    return age > _DAY and not (cache / "trees" / path.name).is_dir()
 
 
 def _remove(path: Path) -> None:

@@ -8,6 +8,9 @@ providers of :mod:`torchrunx.plugins`, which are built on them too.
   compressed node list (``gpu-[01-04],cpu7``) is expanded by ``scontrol show hostnames`` where
   it exists and by :func:`expand_nodelist` where it does not.
 * An MPI/DeepSpeed-style hostfile (``node1 slots=4`` lines).
+
+Every name that one of them gives is checked where it is read (:func:`check_host_name`), so that
+an error names the entry and where it came from: a hostfile and its line, SLURM's variable.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import itertools
 import os
 import re
 import shutil
+import string
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +30,12 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 _SCONTROL_TIMEOUT = 30.0
+
+HOST_NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + ".-_:%@[]")
+"""What a host name may hold: DNS names and ``~/.ssh/config`` aliases, ``user@host``, IPv4 and
+IPv6 addresses (``fe80::1%eth0``, ``[::1]``). Shell syntax never: a name can reach a shell (an
+SSH config's ``Match exec``, ``ProxyCommand``'s ``%h``), and OpenSSH 9.6 and later refuse
+names with it."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,56 @@ class HostSlots:
 
     hostname: str
     workers: int | None
+
+
+def host_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a host name (what to give instead), or ``None`` if it can be one.
+
+    Refused: an empty name, whitespace or control characters, a ``/`` (a name also names its
+    host's log file: ``/tmp/x`` would write outside the launch's folder), a leading ``-`` (it
+    would read as an option), ``.`` and ``..``, and any character outside
+    :data:`HOST_NAME_CHARACTERS`.
+    """
+    others = sorted(set(name) - HOST_NAME_CHARACTERS) if isinstance(name, str) else []
+    if not isinstance(name, str) or not name:
+        reason = "give each host as a non-empty string (a name or an address)"
+    elif any(c.isspace() or not c.isprintable() for c in name):
+        reason = "it contains whitespace or control characters; give one host per entry"
+    elif "/" in name:
+        reason = (
+            "a host name cannot contain '/' (it also names the host's log file); to read hosts "
+            "from a hostfile, give its path alone: hostnames='PATH' or ['PATH']"
+        )
+    elif name.startswith("-"):
+        reason = "a host name cannot start with '-'"
+    elif name.strip(".") == "":
+        reason = "it is not a host name"
+    elif others:
+        reason = (
+            f"it contains {', '.join(map(repr, others))}, which no host name has: a host name "
+            "holds only ASCII letters, digits and . - _ : % @ [ ] (shell syntax is refused, as "
+            "OpenSSH 9.6 and later refuse it)"
+        )
+    else:
+        return None
+    return reason
+
+
+def check_host_name(name: object, where: str) -> None:
+    """Refuse what cannot be a host name, naming it and where it came from.
+
+    Args:
+        name: The entry.
+        where: Where it came from, the subject of the message (``"hostnames"``, ``"hostfile
+            'PATH', line 3"``, ``"SLURM_JOB_NODELIST='n[1-2]'"``).
+
+    Raises:
+        ValueError: ``where contains an invalid host name NAME: WHY`` (see
+            :func:`host_name_problem`).
+    """
+    problem = host_name_problem(name)
+    if problem is not None:
+        raise ValueError(f"{where} contains an invalid host name {name!r}: {problem}")
 
 
 def combine_slots(entries: Iterable[tuple[str, int | None]]) -> list[HostSlots]:
@@ -116,7 +176,8 @@ def slurm_allocation(
 
     Raises:
         RuntimeError: No allocation was detected.
-        ValueError: A ``SLURM_*`` variable cannot be parsed.
+        ValueError: A ``SLURM_*`` variable cannot be parsed, or its node list names what is no
+            host name (see :func:`check_host_name`).
     """
     env = os.environ if environ is None else environ
     if not in_slurm_allocation(env):
@@ -126,7 +187,10 @@ def slurm_allocation(
             "and workers per host explicitly"
         )
     job_id = env.get("SLURM_JOB_ID") or env["SLURM_JOBID"]
-    nodes = tuple(expand_hostnames(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]))
+    variable = "SLURM_JOB_NODELIST" if env.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
+    nodes = tuple(expand_hostnames(env[variable]))
+    for node in nodes:
+        check_host_name(node, f"{variable}={env[variable]!r}")
     tasks = _per_node(env, "SLURM_TASKS_PER_NODE", len(nodes))
     cpus = _per_node(env, "SLURM_JOB_CPUS_PER_NODE", len(nodes))
     return SlurmAllocation(job_id, nodes, tasks, _slurm_gpus(env), cpus)
@@ -301,8 +365,9 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> list[HostSlots]:
     its agent.
 
     Raises:
-        ValueError: A line that is not in this form, with ``source`` and its line number; or a
-            file with no host.
+        ValueError: A line that is not in this form, or whose name is no host name (see
+            :func:`check_host_name`), with ``source`` and its line number; or a file with no
+            host.
     """
     entries: list[tuple[str, int | None]] = []
     for number, raw in enumerate(text.splitlines(), start=1):
@@ -324,8 +389,7 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> list[HostSlots]:
                         f"{source}, line {number}: slots must be a positive integer, got {value!r}"
                     )
                 count = int(value)
-        if "=" in name or "/" in name:
-            raise ValueError(f"{source}, line {number}: {name!r} is not a host name")
+        check_host_name(name, f"line {number} of {source}")
         entries.append((name, count))
     if not entries:
         raise ValueError(f"{source} lists no host")

@@ -31,6 +31,7 @@ from torchrunx import plugins
 from torchrunx.devices import count_local_cpus, count_local_gpus
 from torchrunx.hosts.hostlists import (
     HostSlots,
+    check_host_name,
     in_slurm_allocation,
     read_hostfile,
     slurm_allocation,
@@ -124,41 +125,35 @@ def hostnames_source(hostnames: object) -> HostsSource:
     return HostsSource(names=(spec,))
 
 
-def check_hostname(name: object) -> None:
-    """Refuse what cannot be a host name, before it reaches DNS, SSH or a log file's name.
+def check_hostname(name: object, where: str = "hostnames") -> None:
+    """Refuse what cannot be a host name, before it reaches DNS, SSH, a shell or a file's name.
 
     Accepted: DNS names, ``~/.ssh/config`` aliases, ``user@host``, IPv4 and IPv6 literals
-    (``fe80::1%eth0`` too). Refused: an empty name, whitespace or control characters, a
-    ``/`` (the name is also its log file's name: ``/tmp/x`` would write outside the launch's
-    folder), a leading ``-`` (it would read as an option), and ``.`` or ``..``.
+    (``fe80::1%eth0``, ``[::1]``): ASCII letters, digits and ``. - _ : % @ [ ]``. Refused: an
+    empty name, whitespace or control characters, a ``/`` (the name is also its log file's
+    name: ``/tmp/x`` would write outside the launch's folder), a leading ``-`` (it would read
+    as an option), ``.`` or ``..``, and any other character (shell syntax: ``$( )``, backticks,
+    ``;``, ``|``, ``&``, quotes), as OpenSSH 9.6 and later refuse it. See
+    :func:`torchrunx.hosts.hostlists.host_name_problem`.
+
+    Args:
+        name: The entry.
+        where: The field it came from (``"hostnames"``, ``"spare_hosts"``).
 
     Raises:
-        ValueError: ``name`` is not a usable host name; the message says why and what to do.
+        ValueError: ``name`` is not a usable host name; the message names ``where``, says why
+            and what to do.
     """
-    if not isinstance(name, str) or not name:
-        reason = "give each host as a non-empty string (a name or an address)"
-    elif any(c.isspace() or not c.isprintable() for c in name):
-        reason = "it contains whitespace or control characters; give one host per entry"
-    elif "/" in name:
-        reason = (
-            "a host name cannot contain '/' (it also names the host's log file); to read hosts "
-            "from a hostfile, give its path alone: hostnames='PATH' or ['PATH']"
-        )
-    elif name.startswith("-"):
-        reason = "a host name cannot start with '-'"
-    elif name.strip(".") == "":
-        reason = "it is not a host name"
-    else:
-        return
-    raise ValueError(f"hostnames contains an invalid host name {name!r}: {reason}")
+    check_host_name(name, where)
 
 
-def check_hostnames(hostnames: object) -> None:
+def check_hostnames(hostnames: object, field: str = "hostnames") -> None:
     """Refuse a ``hostnames`` field that names no hosts, before anything is started.
 
     A hostfile must exist (its content is read by :func:`resolve_hosts`); a provider is
     accepted by name (it is asked for its hosts by :func:`resolve_hosts`); every name of a list
-    must pass :func:`check_hostname`.
+    must pass :func:`check_hostname`. ``field``: the field's name in the messages
+    (``"spare_hosts"``).
 
     Raises:
         ValueError: An empty list, a missing hostfile, a string that is neither ``"auto"``, a
@@ -189,13 +184,15 @@ def check_hostnames(hostnames: object) -> None:
     if not source.names:
         raise ValueError(f"hostnames must be a non-empty list of host names, got {hostnames!r}")
     for name in source.names:
-        check_hostname(name)
+        check_hostname(name, field)
 
 
 def resolve_hosts(
     hostnames: HostnamesSpec,
     workers_per_host: WorkersSpec,
     environ: Mapping[str, str] | None = None,
+    *,
+    field: str = "hostnames",
 ) -> list[HostSlots]:
     """Resolve the ``hostnames`` and ``workers_per_host`` fields into hosts and their workers.
 
@@ -209,25 +206,40 @@ def resolve_hosts(
     SLURM's count inside an allocation, else ``None``: GPUs or CPU cores, counted by each agent);
     ``"gpu"`` or ``"cpu"`` (``None``: each agent counts its GPUs, or its CPU cores).
 
+    ``field``: the field's name in the messages (``"spare_hosts"``).
+
     Raises:
         RuntimeError: ``"slurm"`` outside an allocation, or a host that is not in it.
         ValueError: A list whose length differs from the number of hosts; a bad hostfile; a
-            resolved name that is not a host name (see :func:`check_hostname`).
+            resolved name that is not a host name (see :func:`check_hostname`), naming where
+            it came from: the field, a hostfile and its line, SLURM's node list, a provider.
     """
     env = os.environ if environ is None else environ
     source = hostnames_source(hostnames)
+    where = field
     if source.hostfile is not None:
-        hosts = read_hostfile(source.hostfile)
+        hosts = read_hostfile(source.hostfile)  # checks each line's name, naming its line
+        where = f"hostfile {str(source.hostfile)!r}"
     elif source.provider is not None:
         name, argument = source.provider
         hosts = plugins.host_provider(name).hosts(argument, env)
+        where = f"the host list of provider {name!r} ({field}={_source_text(hostnames)!r})"
     elif hostnames == "auto":
-        hosts = plugins.detected_hosts(env) or [HostSlots("localhost", None)]
+        detected = plugins.detected_hosts(env)
+        name, hosts = detected or ("", [HostSlots("localhost", None)])
+        where = f"the host list of provider {name!r} ({field}='auto')"
     else:
         hosts = [HostSlots(str(name), None) for name in source.names]
-    for host in hosts:  # whatever the source: a provider's or a scheduler's names too
-        check_hostname(host.hostname)
+    for host in hosts:  # whatever the source: a plugin's or a cluster's names too
+        check_hostname(host.hostname, where)
     return _assign_workers(hosts, workers_per_host, env)
+
+
+def _source_text(hostnames: object) -> str:
+    """The ``hostnames`` value as a user gave it, for a message (a one-entry list's entry)."""
+    if isinstance(hostnames, list | tuple) and len(hostnames) == 1:
+        return str(hostnames[0])
+    return str(hostnames)
 
 
 def _assign_workers(

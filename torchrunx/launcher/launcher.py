@@ -396,7 +396,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         hosts = resolve_hosts(self.hostnames, self.workers_per_host)
         if isinstance(self.spare_hosts, int):
             return split_spares(hosts, self.spare_hosts, self.min_hosts)
-        named = resolve_hosts(list(self.spare_hosts), self.workers_per_host)
+        named = resolve_hosts(list(self.spare_hosts), self.workers_per_host, field="spare_hosts")
         return split_spares(hosts, tuple(self.spare_hosts), self.min_hosts, named)
 
     def validate(self) -> None:
@@ -508,7 +508,7 @@ def _validate_resilience(self: Launcher) -> None:
     """``spare_hosts``, ``min_hosts``, ``preemption_grace``, ``requeue_on_preemption``."""
     check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
     if isinstance(self.spare_hosts, list | tuple):
-        check_hostnames(list(self.spare_hosts))
+        check_hostnames(list(self.spare_hosts), "spare_hosts")
         if isinstance(self.workers_per_host, list | tuple):
             raise ValueError(  # noqa: TRY004 (a value that does not fit another)
                 "spare_hosts names hosts, but workers_per_host is a list (one count per "
