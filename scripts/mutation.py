@@ -587,7 +587,7 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "torchrunx.hosts.hostlists.x__slurm_gpus__mutmut_20": ('item.rsplit(":", 2)[-1]', _RSPLIT),
     "torchrunx.launcher.launcher.x__validate_restarts__mutmut_23": ('replace(".", "XXXX")', _ALNUM),
     "torchrunx.launcher.launcher.x__validate_restarts__mutmut_25": ('replace("_", "XXXX")', _ALNUM),
-    "torchrunx.launcher.launcher.x__validate_env_vars__mutmut_10": (
+    "torchrunx.env.x_check_env_fields__mutmut_10": (
         "break",
         "copy_env_vars, the entry skipped, is the loop's last: continue and break both end it",
     ),

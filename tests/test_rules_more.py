@@ -44,6 +44,7 @@ from torchrunx import plugins, serialization
 from torchrunx.devices import cuda_device, device_env
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
+    check_env_fields,
     exported_env,
     forwarded_env,
     local_agent_env,
@@ -2136,14 +2137,14 @@ def test_rule_env_var_patterns_are_tuples_and_one_setting_has_one_name(
     default, copy, error, message
 ):
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
-        launcher_module._validate_env_vars(default, copy, None)
+        check_env_fields(default, copy, None)
 
 
 def test_rule_default_env_vars_are_checked_also_without_copy_env_vars():
-    launcher_module._validate_env_vars(("A*",), None, None)
-    launcher_module._validate_env_vars(DEFAULT_ENV_VARS, ("B*",), None)  # 0.4's name alone
+    check_env_fields(("A*",), None, None)
+    check_env_fields(DEFAULT_ENV_VARS, ("B*",), None)  # 0.4's name alone
     with pytest.raises(TypeError, match=r"^extra_env_vars must be"):
-        launcher_module._validate_env_vars(("A*",), None, 5)
+        check_env_fields(("A*",), None, 5)
 
 
 @pytest.mark.parametrize("workers", ["auto", "slurm", "gpu", "cpu", 1, [1, 2]])
