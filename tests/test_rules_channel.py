@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import array
 import socket
 import struct
+import threading
 
 import pytest
 
@@ -49,7 +51,7 @@ def test_rule_a_channel_cut_inside_a_frame_even_its_header_is_a_cut_not_a_clean_
     assert [message for message, _ in frames] == [WorkerHello(0, 0, 1)]  # the whole one came
     assert not reader.closed_by_peer
     assert isinstance(reader.error, ProtocolError)
-    assert "the channel ended inside a frame" in str(reader.error)
+    assert str(reader.error) == "the channel ended inside a frame"
 
 
 def test_rule_a_channel_that_ends_between_frames_ends_cleanly():
@@ -67,7 +69,7 @@ def test_rule_the_workers_end_raises_a_cut_inside_a_frame_even_its_header(where)
         agent.shutdown(socket.SHUT_WR)
         conn = ChannelConnection(worker)
         assert conn.recv() == (WorkerHello(0, 0, 1), [])
-        with pytest.raises(ProtocolError, match="the channel ended inside a frame"):
+        with pytest.raises(ProtocolError, match=r"^the channel ended inside a frame$"):
             conn.recv()
         conn.close()
 
@@ -79,6 +81,119 @@ def test_rule_the_workers_end_sees_a_clean_end_between_frames_as_the_agents_end(
         agent.shutdown(socket.SHUT_WR)
         conn = ChannelConnection(worker)
         assert conn.recv() == (WorkerHello(0, 0, 1), [])
-        with pytest.raises(ConnectionError, match="the agent ended the channel"):
+        with pytest.raises(ConnectionError, match=r"^the agent ended the channel$"):
             conn.recv()
         conn.close()
+
+
+def _sent(parts: list, budget: int = 16 << 20) -> tuple[list, bool, ChannelReader]:
+    """What one ``read`` of the agent's end returns once the worker sent a result of ``parts``."""
+    worker, agent = socket.socketpair()
+    with worker, agent:
+        conn = ChannelConnection(worker)
+        sender = threading.Thread(target=conn.send, args=(WorkerResult(1), parts))
+        sender.start()
+        reader = ChannelReader()
+        frames: list = []
+        ended = False
+        while sender.is_alive() or not frames:
+            more, ended = reader.read(agent, budget)
+            frames += more
+            assert not ended
+        sender.join()
+    return frames, ended, reader
+
+
+def test_rule_a_frame_comes_whole_with_its_parts_as_bytes_large_or_small():
+    ints = array.array("i", range(70_000))  # not bytes: sent as its bytes, not copied first
+    big = bytes(range(256)) * 1024  # 256 KiB: received straight into its part
+    frames, ended, reader = _sent([big, b"", ints, b"end"])
+    assert not ended and reader.error is None and not reader.closed_by_peer
+    ((message, parts),) = frames
+    assert message == WorkerResult(1)
+    assert [bytes(p) for p in parts] == [big, b"", ints.tobytes(), b"end"]
+
+
+@pytest.mark.parametrize("budget", [1, 70_000, 1 << 16])
+def test_rule_a_read_takes_about_its_budget_and_frames_still_come_whole(budget):
+    big = bytes(range(256)) * 2048  # 512 KiB in pieces of at most the budget
+    frames, _, _ = _sent([big, b"x" * (1 << 16)], budget)
+    ((_, parts),) = frames
+    assert [bytes(p) for p in parts] == [big, b"x" * (1 << 16)]
+
+
+def test_rule_a_read_of_an_empty_socket_returns_nothing_and_the_stream_goes_on():
+    worker, agent = socket.socketpair()
+    with worker, agent:
+        agent.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+        reader = ChannelReader()
+        assert reader.read(agent) == ([], False)
+        assert reader.read(agent, drain=True) == ([], False)
+        assert reader.error is None and reader.closed_by_peer is False
+
+
+def test_rule_a_read_without_drain_stops_after_a_short_read_drain_goes_on_to_the_end():
+    worker, agent = socket.socketpair()
+    with worker, agent:
+        agent.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+        worker.sendall(_WHOLE)
+        worker.shutdown(socket.SHUT_WR)
+        reader = ChannelReader()
+        frames, ended = reader.read(agent)  # one short read: the socket is taken as empty
+        assert (len(frames), ended, reader.closed_by_peer) == (1, False, False)
+        assert reader.read(agent) == ([], True) and reader.closed_by_peer is True
+        worker2, agent2 = socket.socketpair()
+        with worker2, agent2:
+            agent2.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+            worker2.sendall(_WHOLE + _WHOLE)
+            worker2.shutdown(socket.SHUT_WR)
+            drained = ChannelReader()
+            frames, ended = drained.read(agent2, drain=True)
+            assert (len(frames), ended, drained.closed_by_peer) == (2, True, True)
+
+
+def test_rule_a_broken_socket_ends_the_stream_with_its_error():
+    worker, agent = socket.socketpair()
+    worker.close()
+    agent.close()
+    reader = ChannelReader()
+    assert reader.read(agent) == ([], True)
+    assert isinstance(reader.error, OSError) and reader.closed_by_peer is False
+
+
+def _exactly_one_scratch_read() -> tuple[bytes, int]:
+    """A whole frame exactly as long as one read of the scratch buffer (64 KiB)."""
+    part = 1 << 16
+    while True:
+        start = records.encode_frame_start(WorkerResult(2), [bytes(part)])
+        extra = len(start) + part - (1 << 16)
+        if extra == 0:
+            return start + bytes(part), part
+        part -= extra
+
+
+def test_rule_the_workers_end_returns_a_frame_that_came_with_the_end():
+    worker, agent = socket.socketpair()
+    with agent:
+        data, size = _exactly_one_scratch_read()
+        agent.sendall(data)
+        agent.shutdown(socket.SHUT_WR)  # one read fills the scratch buffer, the next sees the end
+        conn = ChannelConnection(worker)
+        message, parts = conn.recv()
+        assert message == WorkerResult(2) and parts == [bytearray(size)]
+        with pytest.raises(ConnectionError, match=r"^the agent ended the channel$"):
+            conn.recv()
+        conn.close()
+
+
+def test_rule_the_workers_end_blocks_and_may_be_closed_twice():
+    worker, agent = socket.socketpair()
+    with agent:
+        worker.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+        conn = ChannelConnection(worker)
+        assert conn.sock.getblocking()
+        conn.send(WorkerHello(0, 0, 1))
+        conn.close()
+        conn.close()  # safe twice
+        assert agent.recv(1 << 16) == _WHOLE
+        assert agent.recv(1) == b""  # the agent sees the end
