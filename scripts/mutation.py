@@ -318,7 +318,7 @@ TARGETS: dict[str, Target] = {
         "torchrunx/launcher/plan.py",
         ("tests/test_rules_engines.py", "tests/test_rules_relay.py"),
         functions=("check_agent_start", "check_relay", "paired_transport", "start_methods"),
-        note="agent_start and relay checked, each host's transport (properties: hand-written tests)",
+        note="agent_start and relay checked, each host's transport (not the plan's properties)",
     ),
     "errors": Target(
         "torchrunx/errors.py",
@@ -354,8 +354,10 @@ IMPURE = (
     "tests/test_gpu.py::test_command_gives_a_function_every_gpu_too",
     "tests/test_api.py::test_agent_side_does_not_import_the_launcher",
     "tests/test_security_debugger.py::test_another_users_connection_is_seen_as_theirs",
-    "tests/test_security_debugger.py::"
-    "test_on_this_machine_another_user_cannot_attach_to_the_chosen_rank",
+    (
+        "tests/test_security_debugger.py::"
+        "test_on_this_machine_another_user_cannot_attach_to_the_chosen_rank"
+    ),
 )
 
 _ORDER = "only ordering matters: 'collective', the one kind not in _RANK, sorts last either way"
