@@ -102,7 +102,9 @@ def test_a_preemption_says_how_many_ranks_returned_and_whether_the_job_was_reque
     )
     assert error.code == 143 and error.requeued is False
     requeued = Preempted("x", {}, 2, requeued=True)
-    assert str(requeued).endswith("0 of 2 ranks returned in the grace period; the SLURM job was requeued")
+    assert str(requeued).endswith(
+        "0 of 2 ranks returned in the grace period; the SLURM job was requeued"
+    )
 
 
 def test_a_remote_traceback_is_shown_as_the_worker_printed_it():
