@@ -453,6 +453,26 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         '_, current, after = text.rpartition("Current thread")',
         "faulthandler writes 'Current thread' once: the first occurrence is the last",
     ),
+    "torchrunx.launcher.ship.x_make_bundle__mutmut_74": (
+        'separators=(",", "XX:XX")',
+        "the manifest is a list of lists: JSON's key separator never appears in it",
+    ),
+    "torchrunx.launcher.ship.x\u01c1_Ignores\u01c1read__mutmut_11": (
+        'decode("UTF-8", "replace")',
+        "Python takes a codec's name in either case",
+    ),
+    "torchrunx.launcher.ship.x__walk__mutmut_43": ("ignored(rel, folder=None)", _FALSY),
+    "torchrunx.wire.channel.x\u01c1ChannelReader\u01c1read__mutmut_8": (
+        "if wanted > _DIRECT_BYTES:",
+        (
+            "a part missing exactly 64 KiB is read through the scratch buffer instead of "
+            "straight into it: a copy more, the same bytes"
+        ),
+    ),
+    "torchrunx.wire.channel.x\u01c1ChannelConnection\u01c1send__mutmut_9": (
+        'view.cast("b")',
+        "signed or unsigned bytes, sendall sends the same bytes",
+    ),
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
     "torchrunx.launcher.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import array
+import contextlib
 import socket
 import struct
 import threading
@@ -197,3 +198,56 @@ def test_rule_the_workers_end_blocks_and_may_be_closed_twice():
         conn.close()  # safe twice
         assert agent.recv(1 << 16) == _WHOLE
         assert agent.recv(1) == b""  # the agent sees the end
+
+
+def test_rule_a_frame_whose_last_part_is_large_comes_whole():
+    big = bytes(range(256)) * 1024
+    frames, _, _ = _sent([b"head", big])
+    ((_, parts),) = frames
+    assert [bytes(p) for p in parts] == [b"head", big]
+
+
+def _consumed(budget: int, *, drain: bool) -> int:
+    """Bytes one ``read`` takes from a socket that holds far more than ``budget``."""
+    worker, agent = socket.socketpair()
+    with worker, agent:
+        for sock in (worker, agent):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        worker.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+        agent.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+        start = records.encode_frame_start(WorkerResult(0), [bytes(1 << 20)])
+        stream = memoryview(start + bytes(1 << 20))
+        sent = 0
+        with contextlib.suppress(BlockingIOError):  # the socket is full
+            while sent < len(stream):
+                sent += worker.send(stream[sent:])
+        assert sent > 4 * budget  # the socket holds far more than one read takes
+        ChannelReader().read(agent, budget, drain=drain)
+        left = 0
+        with contextlib.suppress(BlockingIOError):  # the socket is empty
+            while True:
+                left += len(agent.recv(1 << 20))
+    return sent - left
+
+
+@pytest.mark.parametrize("drain", [False, True])
+def test_rule_a_read_stops_at_its_budget_when_the_socket_holds_more(drain):
+    # 64 KiB into the scratch buffer, then the rest of the budget straight into the part.
+    assert _consumed(100_000, drain=drain) == 100_000
+
+
+def test_rule_a_frame_completed_by_a_read_straight_into_its_part_is_returned():
+    worker, agent = socket.socketpair()
+    with worker, agent:
+        for sock in (worker, agent):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        part = bytes(range(256)) * 1024  # 256 KiB: its last bytes come straight into it
+        worker.sendall(records.encode_frame_start(WorkerResult(0), [part]) + part)
+        agent.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+        frames, ended = ChannelReader().read(agent, drain=True)
+        assert not ended
+        assert [(message, [bytes(p) for p in parts]) for message, parts in frames] == [
+            (WorkerResult(0), [part])
+        ]

@@ -396,3 +396,24 @@ def test_a_nested_gitignore_applies_below_its_own_folder_only_not_to_a_sibling_w
         },
     )
     assert _paths(ship.make_bundle(["."], cwd=tmp_path)) == ["a/.gitignore", "ab/x.tmp", "ab/y.py"]
+
+
+def test_a_file_below_an_ignored_folder_is_not_shipped_even_if_a_pattern_takes_it_back(tmp_path):
+    """As git: a file cannot be re-included when a folder above it is excluded."""
+    _tree(
+        tmp_path,
+        {
+            ".gitignore": "build/\n!build/keep.txt\n/out/\n!out/keep.txt\n",
+            "build/keep.txt": "",
+            "build/drop.bin": "",
+            "src/build/keep.txt": "",  # an unanchored folder pattern: any build/ folder
+            "out/keep.txt": "",
+            "src/out/keep.txt": "",  # an anchored one: the top's out/ only
+            "run.py": "",
+        },
+    )
+    assert _paths(ship.make_bundle(["."], cwd=tmp_path)) == [
+        ".gitignore",
+        "run.py",
+        "src/out/keep.txt",
+    ]
