@@ -462,6 +462,10 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "Python takes a codec's name in either case",
     ),
     "torchrunx.launcher.ship.x__walk__mutmut_43": ("ignored(rel, folder=None)", _FALSY),
+    "torchrunx.launcher.ship.x_make_bundle__mutmut_51": (
+        "if (rel) or True else place",
+        "a shipped file's rel is empty: normpath(join(place, '')) is place itself",
+    ),
     "torchrunx.wire.channel.x\u01c1ChannelReader\u01c1read__mutmut_8": (
         "if wanted > _DIRECT_BYTES:",
         (

@@ -52,6 +52,8 @@ def test_a_dead_workers_message_says_how_it_ended():
         "returning (sys.exit(0) or os._exit(0)?)"
     )
     assert exited.signal_name is None
+    assert (exited.hostname, exited.local_rank, exited.rank, exited.pid) == ("node2", 1, 3, 4242)
+    assert (exited.exitcode, exited.signal, killed.exitcode, killed.signal) == (0, None, None, 9)
     assert "died with exit code 2 without raising" in str(WorkerFailedError("h", 0, 0, 1, 2, None))
     assert WorkerFailedError.restart_category == "deaths"
 
@@ -111,6 +113,7 @@ def test_a_remote_traceback_is_shown_as_the_worker_printed_it():
     remote = RemoteTraceback("Traceback (most recent call last):\n  boom\n\n")
     assert str(remote) == "\n\nTraceback (most recent call last):\n  boom"
     assert remote.text == "Traceback (most recent call last):\n  boom\n\n"
+    assert remote.args == (remote.text,)
 
 
 def test_notes_are_printed_by_python_from_3_11_and_carried_by_the_text_on_3_10(monkeypatch):

@@ -400,3 +400,27 @@ def test_min_hosts_equal_to_the_hosts_that_run_is_allowed_and_no_place_may_be_dr
     assert short == (
         "1 host(s) failed and no spare host was left: 1 host(s) would be fewer than min_hosts=2"
     )
+
+
+def test_a_preemption_names_its_reason_logs_a_failed_requeue_and_survives_a_second_signal(
+    monkeypatch, caplog
+):
+    _scontrol(monkeypatch, 1, "denied")
+    for interrupt in (KeyboardInterrupt, SystemExit):
+
+        def stop(interrupt: type[BaseException] = interrupt) -> None:
+            raise interrupt  # a second signal while everything stops
+
+        state = _preempted_state()
+        state.ranks[1].result = [bytearray(b"not a pickle")]  # what rank 1 sent cannot load
+        error = end_preemption(
+            state, _plan(requeue=True), "the agent on b got SIGTERM", stop, print
+        )
+        assert error.reason == "the agent on b got SIGTERM" and error.returned == {0: 42}
+        assert error.__notes__[0] == (
+            "ranks [1] did not return within preemption_grace=0 s and were stopped"
+        )
+        assert error.__notes__[1].startswith("rank 1's return value cannot be unpickled here: ")
+    assert (
+        caplog.messages[-1] == "the SLURM job was not requeued: scontrol requeue 77 failed: denied"
+    )
