@@ -144,8 +144,11 @@ TARGETS: dict[str, Target] = {
     "preempt": Target(
         "torchrunx/launcher/preempt.py",
         ("tests/test_rules_resilience.py",),
-        functions=("slurm_kill_wait", "default_grace"),
-        note="the default preemption grace (the rest signals and runs scontrol)",
+        functions=("slurm_kill_wait", "default_grace", "end_preemption", "requeue_job"),
+        note=(
+            "the default grace, the end of a preemption and the requeue (scontrol answered "
+            "without a process; not the SIGTERM handler)"
+        ),
     ),
     "inbox": Target(
         "torchrunx/launcher/inbox.py",
@@ -292,6 +295,42 @@ TARGETS: dict[str, Target] = {
         functions=("ProbeRequest.*", "ProbeReport.*"),
         note="the lines between torchrunx check and its probes",
     ),
+    "ship": Target(
+        "torchrunx/launcher/ship.py",
+        ("tests/test_rules_reach.py",),
+        functions=(
+            "make_bundle",
+            "_within",
+            "lib_entry",
+            "Bundle.place",
+            "_Ignores.*",
+            "_walk",
+        ),
+        note="the bundle: what is shipped, where it goes, containment and ignore rules",
+    ),
+    "channel": Target(
+        "torchrunx/wire/channel.py",
+        ("tests/test_rules_channel.py",),
+        functions=("ChannelReader.*", "ChannelConnection.*"),
+        note="a worker's channel: its frames, where a stream may end (socket pairs)",
+    ),
+    "plan": Target(
+        "torchrunx/launcher/plan.py",
+        ("tests/test_rules_engines.py", "tests/test_rules_relay.py"),
+        functions=("check_agent_start", "check_relay", "paired_transport", "start_methods"),
+        note="agent_start and relay checked, each host's transport (not the plan's properties)",
+    ),
+    "errors": Target(
+        "torchrunx/errors.py",
+        ("tests/test_rules_errors.py", "tests/test_rules_failures.py"),
+        note="the errors' messages, pickling (__reduce__) and notes",
+    ),
+    "peercred": Target(
+        "torchrunx/peercred.py",
+        ("tests/test_security_debugger.py",),
+        functions=("find_peer", "proc_address"),
+        note="a loopback connection's peer in /proc/net/tcp (the reading of the machine aside)",
+    ),
 }
 
 IMPURE = (
@@ -315,6 +354,11 @@ IMPURE = (
     "tests/test_gpu.py::test_isolate_gpus_is_an_opt_in",
     "tests/test_gpu.py::test_command_gives_a_function_every_gpu_too",
     "tests/test_api.py::test_agent_side_does_not_import_the_launcher",
+    "tests/test_security_debugger.py::test_another_users_connection_is_seen_as_theirs",
+    (
+        "tests/test_security_debugger.py::"
+        "test_on_this_machine_another_user_cannot_attach_to_the_chosen_rank"
+    ),
 )
 
 _ORDER = "only ordering matters: 'collective', the one kind not in _RANK, sorts last either way"
@@ -409,6 +453,30 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "torchrunx.launcher.reports.x_innermost_frame__mutmut_3": (
         '_, current, after = text.rpartition("Current thread")',
         "faulthandler writes 'Current thread' once: the first occurrence is the last",
+    ),
+    "torchrunx.launcher.ship.x_make_bundle__mutmut_74": (
+        'separators=(",", "XX:XX")',
+        "the manifest is a list of lists: JSON's key separator never appears in it",
+    ),
+    "torchrunx.launcher.ship.x\u01c1_Ignores\u01c1read__mutmut_11": (
+        'decode("UTF-8", "replace")',
+        "Python takes a codec's name in either case",
+    ),
+    "torchrunx.launcher.ship.x__walk__mutmut_43": ("ignored(rel, folder=None)", _FALSY),
+    "torchrunx.launcher.ship.x_make_bundle__mutmut_51": (
+        "if (rel) or True else place",
+        "a shipped file's rel is empty: normpath(join(place, '')) is place itself",
+    ),
+    "torchrunx.wire.channel.x\u01c1ChannelReader\u01c1read__mutmut_8": (
+        "if wanted > _DIRECT_BYTES:",
+        (
+            "a part missing exactly 64 KiB is read through the scratch buffer instead of "
+            "straight into it: a copy more, the same bytes"
+        ),
+    ),
+    "torchrunx.wire.channel.x\u01c1ChannelConnection\u01c1send__mutmut_9": (
+        'view.cast("b")',
+        "signed or unsigned bytes, sendall sends the same bytes",
     ),
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.

@@ -439,3 +439,15 @@ def test_rule_only_a_function_of_the_launching_script_carries_its_text(monkeypat
 
     parts = [bytearray(p) for p in serialization.dumps_call(os.getpid, (), {})]
     assert pickle.loads(parts[0])[3] is None  # importable: nothing more travels  # noqa: S301
+
+
+def test_rule_the_debugger_announces_only_ranks_that_wait(term):
+    term.debugger.on_output(0, _prompt(0))
+    term.printed()
+    term.debugger.on_output(3, DebugOutput(3, "rank 3 prints\n", waiting=False, where="a.py:1"))
+    assert term.printed() == ""  # in the debugger, but running: nothing to switch to
+    term.debugger.on_output(3, _prompt(3, "eval.py:4 in step"))  # now it waits: announced
+    assert term.printed() == (
+        "\ntorchrunx: rank 3 on node2 stopped in the debugger at eval.py:4 in step and waits; "
+        "':rank 3' switches to it\n"
+    )

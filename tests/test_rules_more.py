@@ -71,6 +71,7 @@ from torchrunx.launcher.failures import choose_cause, restarts_for
 from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.listener import FrameReceived, PeerClosed
+from torchrunx.launcher.plan import LaunchPlan
 from torchrunx.launcher.records import OUTCOME_WAIT, AgentRecord, Fault, Phase
 from torchrunx.launcher.results import LaunchTimings
 from torchrunx.launcher.state import LaunchState
@@ -195,8 +196,10 @@ class Parts:
     agent_timeout: float = 7.5
     start_timeout: float = 42.0
     env_file: str | None = None
-    quarantines: bool = False
-    """Spare hosts or min_hosts: a failed host of the world is quarantined."""
+    spares: int = 0
+    min_hosts: int | None = None
+    quarantines = LaunchPlan.quarantines
+    """The plan's own decision (spares or min_hosts: a failed host of the world is quarantined)."""
     preemption_grace: float = 0.0
 
     # the listener, the pool, the log router and the event sink in one
@@ -1441,6 +1444,21 @@ def rank_1_failed_yet_kept(state: LaunchState) -> None:
     for rank in state.ranks:
         state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 3.0)
     state.keep_workers_for_next_call()
+
+
+def test_rule_after_a_failed_warm_run_with_keep_workers_no_worker_is_kept():
+    state = running(1, 2, keep_workers=True)
+    state.worker_failed(state.ranks[1], "exception", ValueError("boom"), 2.0)
+    for rank in state.ranks:  # every rank answered: the run is over, and it failed
+        state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 3.0)
+    assert state.finished and state.failed
+    state.begin_failure()
+    state.failed_run()
+    attempt = state.attempt
+    state.after_run(keep_workers=True)  # as the warm launcher's _after does, failed or not
+    assert state.kept_workers is False and state.kept_workers_well() is False
+    assert state.ranks == [] and state.faults == [] and state.attempt == attempt + 1
+    assert state.between_runs is True  # the agents wait for the next run's spec
 
 
 def test_rule_kept_workers_wait_between_runs():
@@ -2739,7 +2757,7 @@ def test_rule_connect_does_not_pause_past_its_deadline(monkeypatch):
 
 
 def test_rule_with_spares_a_failed_host_is_quarantined_at_once():
-    inbox, parts, _ = connected(quarantines=True)
+    inbox, parts, _ = connected(spares=1)
     inbox.agent_silent(inbox.state.agents[1], 8.0)
     agent = inbox.state.agents[1]
     assert (agent.state, agent.role) == (AgentState.LOST, "quarantined")
@@ -2747,6 +2765,15 @@ def test_rule_with_spares_a_failed_host_is_quarantined_at_once():
     (event,) = [e for e in parts.events if isinstance(e, HostQuarantined)]
     assert (event.host_index, event.hostname, event.state) == (1, "node1", "LOST")
     assert inbox.state.world_changes == ["attempt 0: node1 (host 1, LOST) quarantined"]
+
+
+def test_rule_min_hosts_without_spares_quarantines_the_failed_host():
+    inbox, parts, _ = connected(min_hosts=1)
+    assert inbox.plan.spares == 0
+    inbox.agent_silent(inbox.state.agents[1], 8.0)
+    assert inbox.state.agents[1].role == "quarantined"
+    (event,) = [e for e in parts.events if isinstance(e, HostQuarantined)]
+    assert event.host_index == 1
 
 
 def test_rule_without_spares_a_failed_host_is_not_quarantined():
@@ -2757,16 +2784,16 @@ def test_rule_without_spares_a_failed_host_is_not_quarantined():
 
 
 def test_rule_an_end_while_stopping_or_starting_quarantines_nothing():
-    inbox, _, _ = connected(quarantines=True)
+    inbox, _, _ = connected(spares=1)
     inbox.agent_failed(inbox.state.agents[0], None)  # no fault: a consequence of a stop
     assert inbox.state.agents[0].role == "host"
-    starting, _ = new_inbox(quarantines=True)
+    starting, _ = new_inbox(spares=1)
     starting.agent_failed(starting.state.agents[0], AgentFailedError("node0", "cannot start"))
     assert starting.state.agents[0].role == "host"  # a start failure fails the launch instead
 
 
 def test_rule_a_live_agent_that_is_quarantined_is_told_to_stop_for_good():
-    inbox, parts, peers = connected(quarantines=True)
+    inbox, parts, peers = connected(spares=1)
     inbox.state.attempt = 2
     agent = inbox.state.agents[0]
     inbox.quarantine(agent)
@@ -2779,7 +2806,7 @@ def test_rule_a_live_agent_that_is_quarantined_is_told_to_stop_for_good():
 
 
 def test_rule_a_spares_failure_is_a_warning_not_a_fault(caplog):
-    inbox, _, _ = connected(quarantines=True)
+    inbox, _, _ = connected(spares=1)
     spare = inbox.state.agents[1]
     spare.role = "spare"
     inbox.agent_failed(spare, AgentFailedError("node1", "cannot resolve"))
@@ -2797,7 +2824,7 @@ def test_rule_a_spares_failure_is_a_warning_not_a_fault(caplog):
 
 
 def test_rule_the_quarantine_is_logged_once_with_its_line(caplog):
-    inbox, _, _ = connected(quarantines=True)
+    inbox, _, _ = connected(spares=1)
     agent = inbox.state.agents[1]
     agent.last_heard = 0.0
     inbox.agent_silent(agent, 8.0)
@@ -2807,7 +2834,7 @@ def test_rule_the_quarantine_is_logged_once_with_its_line(caplog):
 
 
 def test_rule_a_quarantined_live_agent_fails_without_a_fault_at_a_real_time():
-    inbox, _, _ = connected(quarantines=True)
+    inbox, _, _ = connected(spares=1)
     inbox.quarantine(inbox.state.agents[0])
     assert inbox.state.agents[0].judge_by is None and inbox.state.faults == []
 

@@ -392,3 +392,52 @@ def test_pyxis_options_are_srun_options_before_the_agent_command():
     assert SrunTransport.container_options is True
     assert not getattr(SshTransport, "container_options", False)
     assert reach.default_python(None, "h", options) == "python3"
+
+
+def test_a_shipped_folders_containment_is_judged_by_whole_path_components(tmp_path):
+    """A sibling folder whose name starts with the shipped folder's is outside it."""
+    _tree(tmp_path / "work", {"main.py": ""})
+    _tree(tmp_path / "work2", {"util.py": ""})
+    bundle = ship.make_bundle(["."], cwd=tmp_path / "work")
+    assert bundle.place(tmp_path / "work" / "main.py") == "main.py"
+    assert bundle.place(tmp_path / "work2" / "util.py") is None  # not below work/
+    assert bundle.place(tmp_path / "work2") is None
+    beside = ship.make_bundle(["main.py", "../work2"], cwd=tmp_path / "work")
+    assert _paths(beside) == [".torchrunx-paths/1-work2/util.py", "main.py"]
+    assert beside.place(tmp_path / "work2" / "util.py") == ".torchrunx-paths/1-work2/util.py"
+
+
+def test_a_nested_gitignore_applies_below_its_own_folder_only_not_to_a_sibling_with_its_prefix(
+    tmp_path,
+):
+    _tree(
+        tmp_path,
+        {
+            "a/.gitignore": "*.tmp\n",
+            "a/x.tmp": "",
+            "ab/x.tmp": "",  # "ab" starts with "a": still not below a/
+            "ab/y.py": "",
+        },
+    )
+    assert _paths(ship.make_bundle(["."], cwd=tmp_path)) == ["a/.gitignore", "ab/x.tmp", "ab/y.py"]
+
+
+def test_a_file_below_an_ignored_folder_is_not_shipped_even_if_a_pattern_takes_it_back(tmp_path):
+    """As git: a file cannot be re-included when a folder above it is excluded."""
+    _tree(
+        tmp_path,
+        {
+            ".gitignore": "build/\n!build/keep.txt\n/out/\n!out/keep.txt\n",
+            "build/keep.txt": "",
+            "build/drop.bin": "",
+            "src/build/keep.txt": "",  # an unanchored folder pattern: any build/ folder
+            "out/keep.txt": "",
+            "src/out/keep.txt": "",  # an anchored one: the top's out/ only
+            "run.py": "",
+        },
+    )
+    assert _paths(ship.make_bundle(["."], cwd=tmp_path)) == [
+        ".gitignore",
+        "run.py",
+        "src/out/keep.txt",
+    ]

@@ -176,3 +176,17 @@ def test_a_byte_queue_write_that_ends_inside_a_piece_keeps_the_rest_of_it():
     got: list[bytes] = []
     queue.write_to(lambda views: got.append(b"".join(views)) or 2)
     assert got == [b"gh"]
+
+
+@pytest.mark.parametrize("kind", [0, 5, 255])
+def test_a_relay_frame_of_an_unknown_kind_is_refused_whatever_its_length(kind):
+    with pytest.raises(ProtocolError, match=f"frame kind {kind}, length 0 "):
+        FrameSplitter().feed(HEADER.pack(kind, 1, 0))  # a length that is fine: the kind alone
+
+
+@pytest.mark.parametrize("kind", [OPEN, DATA, EOF, OUT])
+def test_every_known_kind_is_taken_up_to_the_longest_data(kind):
+    data = bytes(MAX_DATA)
+    assert FrameSplitter().feed(HEADER.pack(kind, 9, MAX_DATA) + data) == [(kind, 9, data)]
+    with pytest.raises(ProtocolError, match=f"frame kind {kind}, length {MAX_DATA + 1} "):
+        FrameSplitter().feed(HEADER.pack(kind, 9, MAX_DATA + 1))  # a known kind: the length alone

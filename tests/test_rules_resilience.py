@@ -10,16 +10,21 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+
 import pytest
 
-from torchrunx.errors import AgentFailedError
+from torchrunx import serialization
+from torchrunx.errors import AgentFailedError, Preempted
 from torchrunx.events import AgentState
 from torchrunx.hosts import HostSlots
-from torchrunx.launcher.preempt import default_grace, slurm_kill_wait
+from torchrunx.launcher.plan import LaunchPlan
+from torchrunx.launcher.preempt import default_grace, end_preemption, slurm_kill_wait
 from torchrunx.launcher.records import AgentRecord, Phase
 from torchrunx.launcher.spares import Reshape, check_resilience, reshape, split_spares
 from torchrunx.launcher.state import LaunchState
-from torchrunx.wire.messages import AgentHello, WorkersEnded, WorkerSpec
+from torchrunx.wire.messages import AgentHello, WorkerResult, WorkersEnded, WorkerSpec
 
 
 def test_a_spare_takes_the_failed_hosts_position():
@@ -288,3 +293,134 @@ def test_a_dropped_place_names_every_failed_host_and_the_next_start_is_the_world
     lines = state.reshape_world(Reshape((0, 3), dropped=(1, 2)))
     assert lines == ["attempt 1: no spare for node1, node2: 2 hosts go on"]
     assert state.all_hellos  # the hosts left all said hello: nothing to wait for
+
+
+# -- the end of a preemption (end_preemption: what it returns, and whether the job was requeued)
+
+
+def _preempted_state() -> LaunchState:
+    """A launch of two ranks on two hosts, running; rank 0 returned 42 within the grace."""
+    state, _ = _launch_with_spare(2, 0)
+    state.start_run(102.0, warm=False)
+    for rank in state.ranks:
+        state.worker_hello(rank, conn=100 + rank.rank, pid=2000 + rank.rank)
+    payload = [bytearray(part) for part in serialization.dumps(42)]
+    state.worker_result(state.ranks[0], WorkerResult(0), payload, 103.0)
+    return state
+
+
+def _end(plan: LaunchPlan) -> tuple[Preempted, list[str]]:
+    calls: list[str] = []
+    error = end_preemption(
+        _preempted_state(),
+        plan,
+        "the launcher received SIGTERM",
+        lambda: calls.append("stop"),
+        lambda error: calls.append(f"finished {type(error).__name__}"),
+    )
+    return error, calls
+
+
+def _plan(**fields: object) -> LaunchPlan:
+    return LaunchPlan(tuple(_hosts("a", "b")), ("ssh", "ssh"), {}, **fields)  # type: ignore[arg-type]
+
+
+def _scontrol(
+    monkeypatch: pytest.MonkeyPatch, returncode: int, stderr: str = ""
+) -> list[list[str]]:
+    """``scontrol`` is installed and ``scontrol requeue`` answers ``returncode`` (no process)."""
+    from torchrunx.launcher import preempt
+
+    ran: list[list[str]] = []
+
+    def run(command: list[str], **_options: object) -> subprocess.CompletedProcess[str]:
+        ran.append(command)
+        return subprocess.CompletedProcess(command, returncode, "", stderr)
+
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setattr(preempt.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(preempt.subprocess, "run", run)
+    return ran
+
+
+def test_when_scontrol_requeue_fails_preempted_requeued_stays_false(monkeypatch):
+    ran = _scontrol(monkeypatch, 1, "slurm_requeue error: Access/permission denied\n")
+    error, calls = _end(_plan(requeue=True, preemption_grace=5.0))
+    assert ran == [["scontrol", "requeue", "77"]]
+    assert error.requeued is False
+    assert "the SLURM job was requeued" not in str(error)
+    assert error.__notes__ == [
+        "ranks [1] did not return within preemption_grace=5 s and were stopped",
+        (
+            "the SLURM job was not requeued: scontrol requeue 77 failed: slurm_requeue error: "
+            "Access/permission denied"
+        ),
+    ]
+    assert (error.returned, error.world_size, calls) == ({0: 42}, 2, ["stop", "finished Preempted"])
+
+
+def test_outside_a_slurm_job_requeue_is_not_done_and_preempted_says_so(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOBID", raising=False)
+    error, _ = _end(_plan(requeue=True))
+    assert error.requeued is False
+    assert error.__notes__[-1] == (
+        "the SLURM job was not requeued: not inside a SLURM job (no SLURM_JOB_ID)"
+    )
+
+
+def test_when_scontrol_requeue_succeeds_preempted_says_requeued_and_sigterm_is_ignored(
+    monkeypatch,
+):
+    ran = _scontrol(monkeypatch, 0)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        error, _ = _end(_plan(requeue=True))
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # SLURM ends the job now
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert ran == [["scontrol", "requeue", "77"]]
+    assert error.requeued is True
+    assert str(error).endswith("; the SLURM job was requeued")
+    assert not any("requeued" in note for note in error.__notes__)
+
+
+def test_without_requeue_no_scontrol_runs(monkeypatch):
+    ran = _scontrol(monkeypatch, 0)
+    error, _ = _end(_plan())
+    assert ran == [] and error.requeued is False
+
+
+def test_min_hosts_equal_to_the_hosts_that_run_is_allowed_and_no_place_may_be_dropped():
+    world, spares = split_spares(_hosts("a", "b", "c"), 1, 2)  # 2 run, min_hosts=2
+    assert ([h.hostname for h in world], [h.hostname for h in spares]) == (["a", "b"], ["c"])
+    assert split_spares(_hosts("a", "b"), 0, 2)[0] == _hosts("a", "b")
+    assert reshape([0, 1], [1], [2], 2) == Reshape((0, 2), replaced=((1, 2),))  # a spare: fine
+    short = reshape([0, 1], [1], [], 2).short  # no spare: 1 host would be fewer than 2
+    assert short == (
+        "1 host(s) failed and no spare host was left: 1 host(s) would be fewer than min_hosts=2"
+    )
+
+
+def test_a_preemption_names_its_reason_logs_a_failed_requeue_and_survives_a_second_signal(
+    monkeypatch, caplog
+):
+    _scontrol(monkeypatch, 1, "denied")
+    for interrupt in (KeyboardInterrupt, SystemExit):
+
+        def stop(interrupt: type[BaseException] = interrupt) -> None:
+            raise interrupt  # a second signal while everything stops
+
+        state = _preempted_state()
+        state.ranks[1].result = [bytearray(b"not a pickle")]  # what rank 1 sent cannot load
+        error = end_preemption(
+            state, _plan(requeue=True), "the agent on b got SIGTERM", stop, print
+        )
+        assert error.reason == "the agent on b got SIGTERM" and error.returned == {0: 42}
+        assert error.__notes__[0] == (
+            "ranks [1] did not return within preemption_grace=0 s and were stopped"
+        )
+        assert error.__notes__[1].startswith("rank 1's return value cannot be unpickled here: ")
+    assert (
+        caplog.messages[-1] == "the SLURM job was not requeued: scontrol requeue 77 failed: denied"
+    )
