@@ -144,11 +144,8 @@ TARGETS: dict[str, Target] = {
     "preempt": Target(
         "torchrunx/launcher/preempt.py",
         ("tests/test_rules_resilience.py",),
-        functions=("slurm_kill_wait", "default_grace", "end_preemption", "requeue_job"),
-        note=(
-            "the default grace, the end of a preemption and the requeue (scontrol answered "
-            "without a process; not the SIGTERM handler)"
-        ),
+        functions=("slurm_kill_wait", "default_grace"),
+        note="the default preemption grace (the rest signals and runs scontrol)",
     ),
     "inbox": Target(
         "torchrunx/launcher/inbox.py",
@@ -314,22 +311,10 @@ TARGETS: dict[str, Target] = {
         functions=("ChannelReader.*", "ChannelConnection.*"),
         note="a worker's channel: its frames, where a stream may end (socket pairs)",
     ),
-    "plan": Target(
-        "torchrunx/launcher/plan.py",
-        ("tests/test_rules_engines.py", "tests/test_rules_relay.py"),
-        functions=("check_agent_start", "check_relay", "paired_transport", "start_methods"),
-        note="agent_start and relay checked, each host's transport (not the plan's properties)",
-    ),
     "errors": Target(
         "torchrunx/errors.py",
         ("tests/test_rules_errors.py", "tests/test_rules_failures.py"),
         note="the errors' messages, pickling (__reduce__) and notes",
-    ),
-    "peercred": Target(
-        "torchrunx/peercred.py",
-        ("tests/test_security_debugger.py",),
-        functions=("find_peer", "proc_address"),
-        note="a loopback connection's peer in /proc/net/tcp (the reading of the machine aside)",
     ),
 }
 
