@@ -91,6 +91,8 @@ def _sent(parts: list, budget: int = 16 << 20) -> tuple[list, bool, ChannelReade
     """What one ``read`` of the agent's end returns once the worker sent a result of ``parts``."""
     worker, agent = socket.socketpair()
     with worker, agent:
+        # Non-blocking, as the agent's end is: a read after the sender's last byte cannot hang.
+        agent.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
         conn = ChannelConnection(worker)
         sender = threading.Thread(target=conn.send, args=(WorkerResult(1), parts))
         sender.start()

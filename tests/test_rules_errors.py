@@ -16,6 +16,7 @@ import pytest
 
 from torchrunx import errors
 from torchrunx.errors import (
+    SIGKILL_CAUSES,
     AgentFailedError,
     Preempted,
     RemoteTraceback,
@@ -43,9 +44,11 @@ def test_a_dead_workers_message_says_how_it_ended():
     killed = WorkerFailedError("node2", 1, 3, 4242, None, signal.SIGKILL)
     assert str(killed) == (
         "worker rank 3 (local rank 1 on host 'node2', pid 4242) died with signal 9 (SIGKILL) "
-        "without raising"
+        f"without raising: {SIGKILL_CAUSES}"
     )
     assert killed.signal_name == "SIGKILL"
+    segv = WorkerFailedError("node2", 1, 3, 4242, None, signal.SIGSEGV)
+    assert str(segv).endswith("died with signal 11 (SIGSEGV) without raising")
     exited = WorkerFailedError("node2", 1, 3, 4242, 0, None)
     assert str(exited) == (
         "worker rank 3 (local rank 1 on host 'node2', pid 4242) exited with code 0 before "
