@@ -61,7 +61,7 @@ def test_every_test_the_docs_name_exists():
     missing, seen = [], 0
     for page in sorted((ROOT / "docs").glob("*.md")):
         for line in page.read_text().splitlines():
-            named = re.findall(r"`(test_\w+\.py)::([\w.]+)`", line)
+            named = re.findall(r"`(?:tests/)?(test_\w+\.py)::([\w.]+)`", line)
             if not named:
                 continue
             file_name = named[0][0]

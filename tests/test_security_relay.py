@@ -5,10 +5,13 @@ SSH test host, the other user (tests/attacker.py) opens 900 idle connections to 
 loopback port while the ranks run, and holds them until the launch has ended. Before the fix,
 every such connection cost the launcher a socket pair until the attacker closed it; at the limit
 ``socketpair()`` failed, and that failure ended every channel of the host: the launch failed.
+While the flood is held, neither end keeps what it refused: the host's relay holds only the
+connections the launcher still authenticates, and the launcher their socket pairs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -18,6 +21,8 @@ from pathlib import Path
 import pytest
 from attacker import as_attacker, shared_folder
 from conftest import torchrunx_processes
+
+from torchrunx.launcher.listener import RELAYED_PENDING
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +44,7 @@ def relay_port_then_sum(folder):
         rows = [line.split() for line in open("/proc/net/tcp").readlines()[1:]]
         port = next(int(r[1].split(":")[1], 16) for r in rows if r[3] == "0A" and r[9] in inodes)
         with open(f"{folder}/port.tmp", "w") as f:
-            f.write(str(port))
+            f.write(f"{port} {pid}")
         os.replace(f"{folder}/port.tmp", f"{folder}/port")
         deadline = time.monotonic() + 120
         while not os.path.exists(f"{folder}/go") and time.monotonic() < deadline:
@@ -80,6 +85,15 @@ def _backlog(cluster, host: str, port: int) -> int:
     return 0
 
 
+def _sockets(pid: int) -> int:
+    """Sockets process ``pid`` holds."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return count
+
+
 def _wait_for(path: Path, process: subprocess.Popen[str], timeout: float = 120) -> str:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -105,7 +119,7 @@ def test_another_users_flood_at_a_relaying_host_leaves_a_launch_with_1024_descri
         )
         flood = None
         try:
-            port = _wait_for(folder / "port", launcher)
+            port, relay = _wait_for(folder / "port", launcher).split()
             flood = subprocess.Popen(
                 [
                     *cluster.enter_argv(hosts[1]),
@@ -122,6 +136,15 @@ def test_another_users_flood_at_a_relaying_host_leaves_a_launch_with_1024_descri
             while _backlog(cluster, hosts[1], int(port)) > 0:
                 assert launcher.poll() is None, launcher.communicate()
                 assert time.monotonic() < deadline, "the relay did not accept the flood"
+                time.sleep(0.05)
+            # Neither side keeps what it refused: the relay holds the connections the launcher
+            # still authenticates (RELAYED_PENDING at most) and the launcher their pairs.
+            while not (
+                _sockets(int(relay)) <= RELAYED_PENDING + 8
+                and len(os.listdir(f"/proc/{launcher.pid}/fd")) < 512
+            ):
+                assert launcher.poll() is None, launcher.communicate()
+                assert time.monotonic() < deadline, (_sockets(int(relay)), launcher.pid)
                 time.sleep(0.05)
             (folder / "go").touch()
             out, err = launcher.communicate(timeout=120)
