@@ -456,6 +456,27 @@ def test_command_runs_a_module_like_python_m(torchrunx_command, tmp_path):
     assert "[localhost:0] hello from 0 ['x', '--y'] True" in done.stdout
 
 
+@pytest.mark.parametrize(
+    ("target", "searched"),
+    [(["ok.py"], False), (["-m", "ok"], True), (["ok:f"], True)],
+)
+def test_only_a_module_or_a_function_puts_the_current_folder_on_sys_path(
+    target, searched, tmp_path, monkeypatch, capsys
+):
+    """As python: ``-m`` searches the current folder, ``python script.py`` the script's own
+    folder (its workers put it first), so a script launched from a folder that others can
+    write in imports nothing from there (nor does ``torchrunx check``:
+    tests/test_security_planted.py)."""
+    from torchrunx.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [e for e in sys.path if e not in ("", str(tmp_path))])
+    (tmp_path / "ok.py").write_text("def f():\n    return 1\n")
+    assert main(["--hostnames", "localhost", "--dry-run", "--", *target]) == 0
+    assert (str(tmp_path) in sys.path) is searched
+    assert "every worker" in capsys.readouterr().out
+
+
 def test_command_calls_a_function_and_prints_rank_0s_value_as_json(torchrunx_command, tmp_path):
     (tmp_path / "jobs.py").write_text(
         textwrap.dedent(

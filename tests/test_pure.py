@@ -381,6 +381,7 @@ def test_the_agent_bootstrap_is_one_json_line_that_decodes_to_the_same_object():
         (lambda d: {**d, "log_level": "INFO"}, "field 'log_level' must be an integer"),
         (lambda d: {**d, "sys_path": ["/a", 1]}, "field 'sys_path' must be a list of strings"),
         (lambda d: {**d, "count": "gpus"}, "field 'count' must be 'auto' or 'gpu' or 'cpu'"),
+        (lambda d: {**d, "package_root": None}, "field 'package_root' must be a string"),
         (lambda d: {**d, "secret_key": "00"}, r"unknown field\(s\) \['secret_key'\]"),
     ],
 )

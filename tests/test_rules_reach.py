@@ -252,12 +252,13 @@ def test_the_agent_script_checks_the_interpreter_then_unpacks_then_starts():
     assert unpack_source().splitlines()[0] in script
     plain = agent_script(env={}, cwd="/work", python="/opt/py", env_file="/e.sh").decode()
     assert "cd /work || {" in plain
-    assert "source /e.sh && exec /opt/py" in plain
+    sourced = plain.index("source /e.sh && ")
+    assert sourced < plain.index("_torchrunx_r=") < plain.index(" exec /opt/py -u -c")
     assert "torchrunx-ship" not in plain
     assert shlex.quote(MISSING_PYTHON.format(python="/opt/py")) in plain
 
 
-def test_the_boot_code_puts_a_kept_path_before_the_interpreters_own():
+def test_the_boot_code_puts_a_kept_path_before_the_interpreters_own(tmp_path, monkeypatch):
     line = AgentBootstrap(
         host_index=0,
         hostname="h",
@@ -274,13 +275,14 @@ def test_the_boot_code_puts_a_kept_path_before_the_interpreters_own():
     ).to_json_line()
     assert AgentBootstrap.from_json_line(line).keep_path is True
     names: dict[str, object] = {"__name__": "boot"}
-    code = BOOT_CODE.split(";import torchrunx")[0].replace(
+    monkeypatch.chdir(tmp_path)  # the working folder, which the boot code takes off sys.path
+    code = BOOT_CODE.split("\nimport torchrunx")[0].replace(
         "sys.stdin.buffer.readline()", repr(line)
     )
     original = list(sys.path)
     try:
         exec(code, names)  # noqa: S102 (the boot code, up to its import of torchrunx)
-        assert sys.path[:2] == [os.path.abspath(".torchrunx-lib"), "/abs"]
+        assert sys.path[:2] == [str(tmp_path / ".torchrunx-lib"), "/abs"]
         assert sys.path[2:] == original
     finally:
         sys.path[:] = original

@@ -393,6 +393,7 @@ def _target(
     name, args = rest[0], tuple(rest[1:])
     function = ":" in name and not name.endswith(".py") and not Path(name).exists()
     target = _Target("module" if module else "function" if function else "script", name, args)
+    _search_current_folder(target)
     problem = _target_problem(target)
     if problem is not None:
         parser.error(problem)
@@ -409,10 +410,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 success, 1 the launch failed, 2 bad command line, 130 interrupted.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if os.getcwd() not in sys.path:  # noqa: PTH109
-        # As with python -m, modules in the current folder can be imported; workers get the
-        # launcher's sys.path, so this reaches them too.
-        sys.path.insert(0, os.getcwd())  # noqa: PTH109
     command = argv[0] if argv[:1] in (["run"], ["builtins"], ["check"]) else None
     words = argv[1:] if command else argv
     parser = _command_parser(command)
@@ -458,6 +455,17 @@ class _Target:
         if self.kind == "registered":
             return f"registered function {self.name}({', '.join(map(repr, self.args))})"
         return f"function: {self.name}({', '.join(map(repr, self.args))})"
+
+
+def _search_current_folder(target: _Target) -> None:
+    """For a module or function: the current folder first on ``sys.path``, as ``python -m``.
+
+    Only there, as Python does: workers get the launcher's ``sys.path``, and a script's workers
+    put its own folder first instead (``python script.py``); ``torchrunx check`` and a
+    registered function need neither, so that nothing is imported from the current folder.
+    """
+    if target.kind in ("module", "function") and os.getcwd() not in sys.path:  # noqa: PTH109
+        sys.path.insert(0, os.getcwd())  # noqa: PTH109
 
 
 def _target_problem(target: _Target) -> str | None:

@@ -66,6 +66,8 @@ class ProbeRequest:
         local_only: Every host is the launcher's machine: host 0 listens on loopback only.
         keep_path: The host runs its own interpreter or shipped code: its ``sys.path`` is kept
             after ``sys_path`` (as for an agent; read by the boot code).
+        package_root: The entry that holds the launcher's torchrunx (as for an agent; read by
+            the boot code).
     """
 
     sys_path: tuple[str, ...]
@@ -78,6 +80,7 @@ class ProbeRequest:
     peers: int
     local_only: bool
     keep_path: bool = False
+    package_root: str = ""
 
     def to_json_line(self) -> bytes:
         """The request as one line of JSON."""
@@ -99,6 +102,7 @@ class ProbeRequest:
             peers=int(raw["peers"]),
             local_only=bool(raw["local_only"]),
             keep_path=bool(raw.get("keep_path", False)),
+            package_root=str(raw.get("package_root", "")),
         )
 
 

@@ -40,7 +40,7 @@ import time
 from typing import TYPE_CHECKING
 
 from torchrunx.errors import ProtocolError
-from torchrunx.wire.bootstrap import BOOT_CODE
+from torchrunx.wire.bootstrap import BOOT_CODE, agent_environ
 from torchrunx.wire.relay import (
     DATA,
     EOF,
@@ -373,6 +373,7 @@ def main(line: bytes) -> None:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         close_fds=True,
+        env=agent_environ(os.environ),  # nothing from the working folder, which it shares
     )
     signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
     assert child.stdin is not None  # noqa: S101 (started with a pipe)

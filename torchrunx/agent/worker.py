@@ -211,7 +211,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
     first = True
     while call is not None:
         join_group = first and spec.backend is not None
-        code = _call(outcomes, spec, call, rank, device, join_group=join_group)
+        code = _call(outcomes, spec, call, rank, device, join_group=join_group, first=first)
         del call
         first = False
         if code is not None:
@@ -259,6 +259,29 @@ class _Outcomes:
         return True
 
 
+def users_path(launchers: Sequence[str], current: Sequence[str]) -> list[str]:
+    """The ``sys.path`` a worker loads the user's call with: the launcher's, then the rest.
+
+    The agent's boot code left the working folder off ``sys.path`` (see
+    :data:`torchrunx.wire.bootstrap.BOOT_CODE`), so that torchrunx imports nothing from it;
+    the user's code gets the launcher's entries back as the launcher had them (the working
+    folder too, where ``python -m`` or a notebook put it there), then the entries the host's
+    interpreter and the imports so far added (``current``'s others, in their order).
+    """
+    entries = [os.path.abspath(entry) for entry in launchers]  # noqa: PTH100 ("": the folder)
+    return list(dict.fromkeys([*entries, *current]))
+
+
+def _before_users_code(spec: WorkerSpec, boot: AgentBootstrap, *, first: bool) -> None:
+    """Wait for the IDE (``debugpy=``); at the first call, the launcher's ``sys.path`` back.
+
+    From there on the user's code runs: loading the call imports the modules it names.
+    """
+    debugger.wait_for_ide(spec.debugpy)
+    if first:
+        sys.path[:] = users_path(boot.sys_path, sys.path)
+
+
 def _missing_module_note(exc: ModuleNotFoundError, hostname: str, rank: int) -> str:
     """Where the module that the call names by reference is missing, and what brings it."""
     return (
@@ -276,14 +299,17 @@ def _call(  # noqa: PLR0913 (what one call needs)
     device: int | None,
     *,
     join_group: bool,
+    first: bool,
 ) -> int | None:
     """Run one call and send its outcome; the exit code, or ``None`` if the worker stays.
 
     ``payload`` is emptied once loaded (its memory released). ``join_group``: initialise
-    the process group first (the first call of a worker with a backend).
+    the process group first (the first call of a worker with a backend). ``first``: the
+    worker's first call, which gives the user's code the launcher's ``sys.path``
+    (:func:`users_path`; a worker that stays keeps what the user's code made of it).
     """
     try:
-        debugger.wait_for_ide(spec.debugpy)
+        _before_users_code(spec, outcomes.boot, first=first)
         try:
             func, args, kwargs = serialization.load_call(payload)
         except ModuleNotFoundError as exc:

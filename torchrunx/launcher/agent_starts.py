@@ -28,7 +28,7 @@ from torchrunx.engines import AgentStart
 from torchrunx.env import local_agent_env
 from torchrunx.errors import add_note
 from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.reach import default_python, host_sys_path
+from torchrunx.launcher.reach import default_python, host_sys_path, package_root
 from torchrunx.launcher.transport import agent_script
 from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap
 from torchrunx.wire.lines import parse_line
@@ -321,6 +321,7 @@ class AgentStarts:
             count=count_mode(self.plan.workers_per_host),
             warm=self.plan.warm,
             local_only=all(not a.remote for a in self.agents),
+            package_root=package_root(self.bundle if agent.remote else None),
         ).to_json_line()
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.agent_pool import START_THREADS
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
-from torchrunx.launcher.reach import host_sys_path
+from torchrunx.launcher.reach import host_sys_path, package_root
 from torchrunx.launcher.records import AgentRecord
 from torchrunx.wire.bootstrap import BOOT_CODE
 
@@ -427,6 +427,7 @@ class _ProbeStarts(AgentStarts):
             master=master,
             peers=len(self.agents) - 1 if agent.index == 0 else 0,
             local_only=all(not a.remote for a in self.agents),
+            package_root=package_root(self.bundle if agent.remote else None),
         ).to_json_line()
 
 

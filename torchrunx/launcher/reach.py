@@ -156,6 +156,21 @@ def host_sys_path(bundle: Bundle | None, path: Sequence[str] | None = None) -> t
     return tuple(placed)
 
 
+def package_root(bundle: Bundle | None) -> str:
+    """The ``sys.path`` entry of a host that holds the launcher's torchrunx.
+
+    The launcher's own root, or, for shipped code, its place in the tree (relative, as the
+    tree's other entries): the agent's boot code keeps the working folder on ``sys.path`` only
+    when it is this entry (a checkout launched from: the launcher runs its code already).
+    """
+    root = str(PACKAGE.parent)
+    if bundle is None:
+        return root
+    from torchrunx.launcher.ship import lib_entry  # noqa: PLC0415 (pathspec: only when shipping)
+
+    return lib_entry(bundle) or bundle.place(root) or root
+
+
 def check_container(container: object) -> None:
     """``container`` is None or a command line (``podman exec -i NAME``).
 

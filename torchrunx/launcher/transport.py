@@ -3,13 +3,15 @@
 All start the same constant command, which reads everything else from its stdin::
 
     bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'
-        stdin: export VAR=value ...; cd CWD && source ENV_FILE && exec PYTHON -u -c BOOT <NUL>
+        stdin: export VAR=value ...; cd CWD && source ENV_FILE && { PYTHONPATH less CWD } &&
+                   PYTHONSAFEPATH=... PYTHONPATH=... exec PYTHON -u -c BOOT <NUL>
                {"secret": ..., "launcher": [...], ...}<newline>       (read by BOOT)
 
 so environment values and the launch secret never appear on a command line (``ps`` shows
 only the constant command and the boot code). The script is built by a pure function in
-which every value is ``shlex.quote``-d. stdin then stays open: the agent treats its EOF as
-"the launcher is gone".
+which every value is ``shlex.quote``-d; nothing is imported from the working folder before
+the boot code runs (:data:`torchrunx.wire.bootstrap.SAFE_START`). stdin then stays open: the
+agent treats its EOF as "the launcher is gone".
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.relay import Adopt, LauncherRelay
 from torchrunx.launcher.ship import ShipError, read_fd, write_within
-from torchrunx.wire.bootstrap import BOOT_CODE
+from torchrunx.wire.bootstrap import BOOT_CODE, PYTHONPATH_WITHOUT_CWD, SAFE_START
 from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
 from torchrunx.wire.relay import MAX_DATA, PIPE_SIZE
 
@@ -74,7 +76,7 @@ def agent_script(  # noqa: PLR0913 (what the script holds)
     host's cache by :mod:`torchrunx.agent.unpack` and its copy is the working directory instead
     of ``cwd``; then ``env_file`` is sourced (so it can extend or override the variables); then
     the interpreter replaces the shell, running ``code`` (the agent's boot code; ``torchrunx
-    check`` gives its probe's).
+    check`` gives its probe's), started so that it imports nothing from the working folder.
     """
     parts: list[str] = []
     if env:
@@ -100,7 +102,8 @@ def agent_script(  # noqa: PLR0913 (what the script holds)
         ]
     if env_file is not None:
         steps.append(f"source {shlex.quote(env_file)}")
-    steps.append(f"exec {py} -u -c {shlex.quote(code)}")
+    steps.append(PYTHONPATH_WITHOUT_CWD)
+    steps.append(f"{SAFE_START} exec {py} -u -c {shlex.quote(code)}")
     parts.append(" && ".join(steps))
     return ("; ".join(parts)).encode() + b"\0"
 

@@ -8,25 +8,105 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchrunx.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+SAFE_PATH_MARK = "torchrunx"
+"""The value of ``PYTHONSAFEPATH`` that the agent's script sets when the user's environment has
+none: Python 3.11 and later then put no working folder on ``sys.path`` (3.13's ``-c`` imports
+``linecache`` before the code runs); the boot code removes the variable again, so that the
+agent's workers and the processes they start have the user's own environment."""
+SAVED_PYTHONPATH = "_TORCHRUNX_PYTHONPATH"
+"""Where the agent's script keeps the user's ``PYTHONPATH`` while the interpreter starts with it
+less the working folder (``site`` would import ``sitecustomize`` from there); the boot code
+puts it back."""
 
 # Runs inside the agent's interpreter: reads the bootstrap line (an AgentBootstrap), takes the
 # launcher's sys.path from it so that torchrunx can be imported, and hands the whole line to the
 # agent, which decodes and checks it (AgentBootstrap.from_json_line). With ``keep_path`` (a host
 # running its own Python, ``Launcher(python=...)``, or shipped code) the entries go before the
 # interpreter's own; relative ones (a shipped tree's) are taken from the working directory.
+#
+# Nothing is imported from the working folder (which anyone may write in, as /tmp): before
+# its first import the code takes every entry that is that folder ("" for -c, which Python
+# 3.10 has no -P against; PYTHONPATH's) off sys.path, comparing device and inode with only
+# the built-in posix module; the launcher's entries then lose it too, unless it holds the
+# torchrunx the launcher runs (``package_root``: a checkout launched from, which the user
+# runs already). A worker gets the launcher's whole sys.path back before it loads the user's
+# function (torchrunx.agent.worker). See docs/security.md.
+#
 # The line is handed over without staying behind: ``globals().pop`` takes ``b`` (which holds
 # the secret) out of ``__main__`` as it passes it, so neither the agent nor its forked workers
 # keep it as a global.
 BOOT_CODE = (
-    "import sys,os,json;b=sys.stdin.buffer.readline();p=json.loads(b);"
-    "sys.path[:]=[os.path.abspath(e) for e in p['sys_path']]"
-    "+(sys.path if p.get('keep_path') else []);del p;"
+    "import sys,posix\n"
+    "def w(e,c=posix.stat('.')):\n"
+    " try:s=posix.stat(e or '.')\n"
+    " except (OSError,TypeError,ValueError):return False\n"
+    " return (s.st_dev,s.st_ino)==(c.st_dev,c.st_ino)\n"
+    "sys.path[:]=[e for e in sys.path if not w(e)]\n"
+    "import os,json\n"
+    f"v=os.environ;q=v.pop('{SAVED_PYTHONPATH}',None)\n"
+    f"if v.get('PYTHONSAFEPATH')=='{SAFE_PATH_MARK}':del v['PYTHONSAFEPATH']\n"
+    "if q:v['PYTHONPATH']=q\n"
+    "elif q is not None:v.pop('PYTHONPATH',None)\n"
+    "b=sys.stdin.buffer.readline();p=json.loads(b);r=p.get('package_root');r=bool(r) and w(r)\n"
+    "sys.path[:]=[e for e in [os.path.abspath(e) for e in p['sys_path']]"
+    "+(sys.path if p.get('keep_path') else []) if r or not w(e)];del p,q,r,v,w\n"
     "import torchrunx.agent.agent as a;a.main(globals().pop('b'))"
 )
+
+PYTHONPATH_WITHOUT_CWD = (
+    '{ _torchrunx_r="${PYTHONPATH-}:" _torchrunx_p=; while [ -n "$_torchrunx_r" ]; do '
+    "_torchrunx_e=${_torchrunx_r%%:*}; _torchrunx_r=${_torchrunx_r#*:}; "
+    '[ -z "$_torchrunx_e" ] || [ "$_torchrunx_e" -ef . ] || '
+    "_torchrunx_p=$_torchrunx_p${_torchrunx_p:+:}$_torchrunx_e; done; }"
+)
+"""The agent's script's step that sets ``_torchrunx_p`` to ``PYTHONPATH`` less its entries that
+are the working folder (``""``, ``"."`` or its path, by device and inode: ``-ef``): ``site``
+would import ``sitecustomize`` from there as the interpreter starts, before the boot code."""
+SAFE_START = (
+    f'PYTHONSAFEPATH="${{PYTHONSAFEPATH:-{SAFE_PATH_MARK}}}" '
+    f'{SAVED_PYTHONPATH}="${{PYTHONPATH-}}" PYTHONPATH="$_torchrunx_p"'
+)
+"""What goes before ``exec PYTHON -u -c BOOT`` in the agent's script: that ``PYTHONPATH``, the
+user's kept aside, and ``PYTHONSAFEPATH`` (no working folder on ``sys.path``: Python 3.11 and
+later) unless the user set it. The boot code does the rest (Python 3.10's ``""`` on
+``sys.path``) and puts both variables back as they were, before the agent forks a worker."""
+
+
+def agent_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` for an agent's interpreter started by Python (a relay's child).
+
+    As the agent's script does, and for the same reason (no working folder on ``sys.path``):
+    ``PYTHONSAFEPATH`` is set to :data:`SAFE_PATH_MARK` unless ``environ`` sets it, and
+    ``PYTHONPATH`` loses the working folder, the user's kept in :data:`SAVED_PYTHONPATH`.
+    """
+    here = os.stat(".")  # noqa: PTH116
+    kept = [entry for entry in environ.get("PYTHONPATH", "").split(":") if entry]
+    kept = [entry for entry in kept if not _same_file(entry, here)]
+    return {
+        **environ,
+        "PYTHONSAFEPATH": environ.get("PYTHONSAFEPATH") or SAFE_PATH_MARK,
+        SAVED_PYTHONPATH: environ.get("PYTHONPATH", ""),
+        "PYTHONPATH": ":".join(kept),
+    }
+
+
+def _same_file(path: str, info: os.stat_result) -> bool:
+    """Whether ``path`` is the file ``info`` describes (False if it cannot be read)."""
+    try:
+        other = os.stat(path)  # noqa: PTH116
+    except (OSError, ValueError):
+        return False
+    return (other.st_dev, other.st_ino) == (info.st_dev, info.st_ino)
+
 
 # The same for a relaying host (``Launcher(relay=...)``): the relay process starts first and
 # runs the agent (BOOT_CODE) as its child (:mod:`torchrunx.agent.relay`).
@@ -78,6 +158,10 @@ class AgentBootstrap:
     local_only: bool = False
     """Every host of the launch is the launcher's machine: host 0's rendezvous store listens on
     loopback only (:mod:`torchrunx.agent.store`); else on every interface."""
+    package_root: str = ""
+    """The ``sys.path`` entry that holds the launcher's torchrunx, as the host sees it (a shipped
+    tree's entries are relative): the only way the working folder stays on the agent's
+    ``sys.path`` (read by the boot code)."""
 
     def to_json_line(self) -> bytes:
         """Encode as one line of JSON (the secret as hex), ending with a newline."""
@@ -96,6 +180,7 @@ class AgentBootstrap:
             "warm": self.warm,
             "local_only": self.local_only,
             "keep_path": self.keep_path,
+            "package_root": self.package_root,
         }
         return json.dumps(data).encode() + b"\n"
 
@@ -133,6 +218,7 @@ class AgentBootstrap:
             warm=fields.boolean("warm"),
             local_only=fields.boolean("local_only"),
             keep_path=fields.boolean("keep_path"),
+            package_root=fields.path("package_root"),
         )
         fields.no_others()
         return bootstrap
@@ -203,6 +289,12 @@ class _BootstrapFields:
         if not secret:
             raise self._bad(name, "a non-empty hex string", value)
         return secret
+
+    def path(self, name: str) -> str:
+        value = self._get(name)
+        if not isinstance(value, str):
+            raise self._bad(name, "a string", value)
+        return value
 
     def paths(self, name: str) -> tuple[str, ...]:
         value = self._get(name)
