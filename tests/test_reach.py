@@ -92,6 +92,12 @@ def test_a_missing_interpreter_fails_its_host_at_once_naming_the_option(cluster)
     assert "no Python interpreter /opt/no-such-python/bin/python3 on this host" in text, text
     assert "Launcher(python=...)" in text, text
     assert "exit status 127" in text, text
+    # It says which interpreter ran (python= was given), not "unless python= names one".
+    assert (
+        "it ran /opt/no-such-python/bin/python3, the interpreter Launcher(python=...) names for "
+        "it: check that path on that host"
+    ) in text, text
+    assert "unless Launcher(python=...)" not in text, text
     assert time.monotonic() - started < 20
 
 

@@ -443,3 +443,31 @@ def test_a_file_below_an_ignored_folder_is_not_shipped_even_if_a_pattern_takes_i
         "run.py",
         "src/out/keep.txt",
     ]
+
+
+def test_rule_python_naming_a_host_on_this_machine_is_refused_not_ignored():
+    from torchrunx.launcher.reach import check_python_hosts
+
+    with pytest.raises(
+        ValueError, match=r"^python names \['localhost'\], which run on this machine"
+    ):
+        check_python_hosts({"localhost": "/x/python"}, ["localhost", "node2"], ["local", "ssh"])
+    check_python_hosts({"node2": "/x/python"}, ["localhost", "node2"], ["local", "ssh"])
+
+
+def test_rule_one_python_for_every_host_says_it_is_not_this_machines(caplog):
+    import logging
+
+    from torchrunx.launcher.reach import check_python_hosts
+
+    with caplog.at_level(logging.WARNING, logger="torchrunx.launcher"):
+        check_python_hosts("/x/python", ["localhost", "node2"], ["local", "ssh"])
+    said = (
+        "python='/x/python' is the interpreter of the other hosts: localhost, on this machine, "
+        f"runs the launcher's own ({sys.executable})"
+    )
+    assert [r.getMessage() for r in caplog.records] == [said]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchrunx.launcher"):
+        check_python_hosts("/x/python", ["node1", "node2"], ["ssh", "ssh"])
+    assert caplog.records == []

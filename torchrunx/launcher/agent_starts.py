@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, ClassVar
 from torchrunx import plugins
 from torchrunx.engines import AgentStart
 from torchrunx.env import local_agent_env
-from torchrunx.errors import add_note
+from torchrunx.errors import AgentFailedError, add_note
 from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.reach import default_python, host_sys_path, package_root
+from torchrunx.launcher.reach import default_python, host_sys_path, package_root, python_for
 from torchrunx.launcher.transport import agent_script
 from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap
 from torchrunx.wire.lines import parse_line
@@ -243,7 +243,38 @@ class AgentStarts:
 
         transport = self.transport(agent.method)
         relays = bool(self.relay_script) and agent.remote and getattr(transport, "relays", False)
-        started = transport.start(
+        try:
+            started = self._start(transport, agent, on_line, relays=relays)
+        except AgentFailedError as exc:
+            named = python_for(self.plan.python, agent.slots.hostname, agent.method)
+            if named is None or "(exit status 127)" not in exc.reason or not agent.remote:
+                raise
+            reason = (  # the interpreter python= names is the likely missing command
+                "the agent could not start (exit status 127): a command it needs is missing on "
+                f"that host (its message is below); it ran {named}, the interpreter "
+                "Launcher(python=...) names for it: check that path on that host"
+            )
+            raise AgentFailedError(exc.hostname, reason, exc.stderr) from exc
+        if self.bundle is not None and agent.remote:
+            sent = self.bundle.sent.get(agent.slots.hostname, 0)
+            logger.info(
+                "host %s: shipped code %s (%d bytes sent)",
+                agent.slots.hostname,
+                self.bundle.digest,
+                sent,
+            )
+        return started
+
+    def _start(
+        self,
+        transport: Transport,
+        agent: AgentRecord,
+        on_line: Callable[[bool, str], None],
+        *,
+        relays: bool,
+    ) -> AgentProcess:
+        """Hand ``agent``'s start to ``transport``."""
+        return transport.start(
             AgentStart(
                 index=agent.index,
                 hostname=agent.slots.hostname,
@@ -260,15 +291,6 @@ class AgentStarts:
                 container=self.plan.container if agent.remote else (),
             )
         )
-        if self.bundle is not None and agent.remote:
-            sent = self.bundle.sent.get(agent.slots.hostname, 0)
-            logger.info(
-                "host %s: shipped code %s (%d bytes sent)",
-                agent.slots.hostname,
-                self.bundle.digest,
-                sent,
-            )
-        return started
 
     def transport(self, method: str) -> Transport:
         """The launch's transport named ``method``, made on first use (from any start thread)."""

@@ -8,6 +8,7 @@ when it is not at the launcher's path; ``Launcher(ship=...)`` copies code to the
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import sys
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torchrunx.launcher.ship import Bundle
+
+logger = logging.getLogger("torchrunx.launcher")
 
 PACKAGE = Path(__file__).resolve().parent.parent
 """torchrunx's own package folder."""
@@ -56,11 +59,32 @@ def check_python_hosts(
         hostnames: The launch's hosts (spares included).
         methods: How each of them starts (``ssh``, ``srun``...), in the same order.
 
+    A host on this machine (started ``local``) runs the launcher's own interpreter: a dict
+    entry naming it is refused, and a single path given for every host is said (a warning) to
+    apply to the other hosts only, so that ``python=`` is never dropped without a word.
+
     Raises:
-        ValueError: One is not (a typo would otherwise run the launcher's path there).
+        ValueError: One is not (a typo would otherwise run the launcher's path there), or one
+            is a host on this machine.
     """
+    local = [h for h, m in zip(hostnames, methods, strict=False) if m == "local"]
+    if isinstance(python, str) and local:
+        logger.warning(
+            "python=%r is the interpreter of the other hosts: %s, on this machine, runs the "
+            "launcher's own (%s)",
+            python,
+            ", ".join(dict.fromkeys(local)),
+            sys.executable,
+        )
     if not isinstance(python, Mapping):
         return
+    named_local = sorted({key for key in python if key in local})
+    if named_local:
+        raise ValueError(
+            f"python names {named_local}, which run on this machine with the launcher's own "
+            f"interpreter ({sys.executable}): python= gives other hosts theirs; drop the entry, "
+            "or run the launcher with that interpreter"
+        )
     used = {f"@{method}" for method in methods if method != "local"}
     unknown = sorted(key for key in python if key not in hostnames and key not in used)
     if unknown:

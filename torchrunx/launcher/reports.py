@@ -95,14 +95,21 @@ def agent_exit_error(  # noqa: PLR0913 (what is known about the end)
     connected: bool,
     env_file: str | None,
     stderr_tail: str,
+    python: str | None = None,
 ) -> AgentFailedError:
-    """An agent that ended without saying it was done."""
-    if status == 127:
+    """An agent that ended without saying it was done; ``python``: the one python= named."""
+    if status == 127 and python is not None:
         reason = (
             "the agent could not start (exit status 127): a command it needs is missing on "
-            f"that host (its message is below); torchrunx runs the launcher's interpreter "
-            f"({sys.executable}) there unless Launcher(python=...) names that host's own, and "
-            "needs the project's code there unless Launcher(ship=...) sends it"
+            f"that host (its message is below); it ran {python}, the interpreter "
+            "Launcher(python=...) names for it: check that path on that host"
+        )
+    elif status == 127:
+        reason = (
+            "the agent could not start (exit status 127): a command it needs is missing on "
+            f"that host (its message is below); it ran the launcher's interpreter "
+            f"({sys.executable}): name that host's own with Launcher(python=...), and send the "
+            "project's code with Launcher(ship=...) if the host does not share your files"
         )
     elif "No module named 'torchrunx'" in stderr_tail:
         reason = (
