@@ -53,6 +53,9 @@ from torchrunx.env import (
 from torchrunx.errors import (
     AgentFailedError,
     ProtocolError,
+    ShipError,
+    SlurmError,
+    TorchrunxError,
     WorkerFailedError,
     WorkerRaisedError,
     WorkerTimeoutError,
@@ -1701,6 +1704,21 @@ def test_rule_outside_an_allocation_the_error_names_the_setting_that_needs_one()
         hostlists.slurm_allocation({}, what="agent_start='srun'")
     with pytest.raises(RuntimeError, match=r"^hostnames='slurm' but no SLURM allocation"):
         hostlists.slurm_allocation({})
+
+
+def test_rule_what_slurm_cannot_give_is_a_slurm_error_and_still_a_runtime_error():
+    with pytest.raises(SlurmError) as raised:
+        hostlists.slurm_allocation({})
+    assert isinstance(raised.value, TorchrunxError)
+    assert isinstance(raised.value, RuntimeError)  # what callers caught before it had a class
+    allocation = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1", "SLURM_TASKS_PER_NODE": "1"}
+    with pytest.raises(SlurmError, match=r"\['other'\] are not nodes of SLURM job 7"):
+        hosts.resolve_hosts(["other"], "slurm", allocation)
+
+
+def test_rule_a_failed_exchange_of_shipped_code_is_a_torchrunx_error():
+    assert issubclass(ShipError, TorchrunxError)
+    assert not issubclass(ShipError, RuntimeError)
 
 
 def test_rule_without_scontrol_node_lists_are_expanded_by_torchrunx(no_scontrol):
