@@ -3,7 +3,8 @@
 :class:`LaunchLoop` opens, owns and closes every resource of a launch, and turns the loop: each
 step sends heartbeats when due, waits for the next socket event, agent end or deadline, and
 applies what arrived to the state (through :mod:`~torchrunx.launcher.inbox`). It decides
-nothing: starting, stopping, restarting and collecting are the orchestrator's.
+nothing: starting, stopping, restarting and collecting are the orchestrator's, which holds one
+``LaunchLoop`` (``Launch.session``) and calls it; so do warm agents between runs.
 
 The parts, each the owner of one thing:
 
@@ -77,9 +78,7 @@ agent only needs to hear from the launcher within ``agent_timeout``)."""
 class LaunchLoop:
     """The parts of one launch and its loop; owned by the thread that runs the loop."""
 
-    def __init__(
-        self, plan: LaunchPlan, call: list[memoryview], *, starter: Starter | None = None
-    ) -> None:
+    def __init__(self, plan: LaunchPlan, *, starter: Starter | None = None) -> None:
         """Open the logs, the events file, the listening socket and the loop; start nothing.
 
         ``starter`` replaces how agents start (the many-hosts benchmark simulates them). What
@@ -87,7 +86,6 @@ class LaunchLoop:
         ``TORCHRUNX_LOG_LEVEL``, no descriptor left).
         """
         self.plan = plan
-        self.call = call
         with contextlib.ExitStack() as undo:
             self.logs = LogRouter(
                 plan.log_handlers,
@@ -140,14 +138,12 @@ class LaunchLoop:
             plan, self.state, listener=self.listener, pool=self.pool, logs=self.logs, sink=self.sink
         )
         self.health: HealthServer | None = None
-        self._logged: set[int] = set()
-        """Agents whose workers' log files and consoles were added."""
         self._next_tick = 0.0
         self._next_beat = 0.0
         self._interrupt: tuple[object, BaseException] | None = None
         """A run's token and the error raised in it at its next wake-up (:meth:`interrupt`)."""
-        self._run_token: object = None
-        """The token of the run under way (``Launch.run_call``)."""
+        self.run_token: object = None
+        """The token of the run under way (set by ``Launch.run_call``; see :meth:`interrupt`)."""
         self._want_stacks = False
         """Set by SIGQUIT (:meth:`ask_stacks`): look at every rank's stacks at the next wake."""
         self._preempt_request: str | None = None
@@ -296,7 +292,7 @@ class LaunchLoop:
                 deadline = earliest(deadline, self.preemption[1])
             if interruptible and self._interrupt is not None:
                 token, error = self._interrupt
-                if token is self._run_token:
+                if token is self.run_token:
                     self._interrupt = None
                     raise error
             if not st.stopping and (st.failed or st.alarm):
