@@ -99,7 +99,7 @@ class Dispatch:
                 debugpy=debugger.debugpy,
                 preemption_grace=plan.preemption_grace,
             )
-            st.assign(agent, spec)
+            st.current.assign(agent, spec)
             if agent.index not in self._logged:  # its files and consoles, once
                 self._logged.add(agent.index)
                 session.logs.add_workers(agent.index, spec.num_workers, offset)
@@ -112,7 +112,7 @@ class Dispatch:
     def send_calls(self, call: list[memoryview]) -> None:
         """Workers that stay: send this run's ``call`` to each of them, on its channel."""
         st = self.session.state
-        st.move_phase(Phase.RUNNING)
+        st.progress.move_phase(Phase.RUNNING)
         message = WorkerCall(run=st.runs)
         for rank in st.ranks:
             assert rank.conn is not None  # noqa: S101 (checked by kept_workers_well)
@@ -129,7 +129,7 @@ class Dispatch:
         per_host: list[list[Any]] = [[] for _ in st.world]
         for rank in st.ranks:
             try:
-                value = serialization.loads(st.take_result(rank))
+                value = serialization.loads(st.current.take_result(rank))
             except Exception as exc:
                 raise SerializationError(
                     f"cannot unpickle the return value of rank {rank.rank} in the launcher: "

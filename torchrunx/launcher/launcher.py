@@ -287,7 +287,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             per_host,
             launch.state.restarts,
             launch.session.timings(),
-            world_changes=tuple(launch.state.world_changes),
+            world_changes=tuple(launch.state.agent_table.world_changes),
         )
 
     def warm(self, *, keep_workers: bool = False) -> WarmLauncher:

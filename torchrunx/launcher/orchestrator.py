@@ -116,7 +116,7 @@ class Launch:
             AgentFailedError: An agent could not start or connect (the others are stopped).
         """
         st = self.state
-        deadline = self._deadline(st.started)
+        deadline = self._deadline(st.progress.started)
         self.session.open_health()
         self.session.sink.emit(
             LaunchStarted(
@@ -131,11 +131,11 @@ class Launch:
             self.session.starts.prepare()
             for agent in st.agents:
                 self.session.pool.start(agent.index)
-            start_by = st.started + self.plan.start_timeout
-            self.session.run_until(lambda: st.all_hellos, earliest(start_by, deadline))
+            start_by = st.progress.started + self.plan.start_timeout
+            self.session.run_until(lambda: st.agent_table.all_hellos, earliest(start_by, deadline))
             if self.session.preemption is not None:
                 raise self._preempted()  # noqa: TRY301 (it stopped everything and reported)
-            if not st.all_hellos and not st.failed:
+            if not st.agent_table.all_hellos and not st.failed:
                 if deadline is not None and time.monotonic() >= deadline:
                     self._launch_timed_out()
                 else:
@@ -147,7 +147,7 @@ class Launch:
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
             error = self._end_with_failure(exc, final=True)
             raise error from error.__cause__
-        st.agents_ready(time.monotonic())
+        st.agent_table.agents_ready(time.monotonic())
 
     def run_call(
         self,
@@ -205,7 +205,7 @@ class Launch:
             self.session.run_until(lambda: st.finished, deadline)
             if self.session.preemption is not None:
                 raise self._preempted()
-            if not st.finished and not st.failed and not st.alarm:
+            if not st.finished and not st.failed and not st.current.alarm:
                 self._launch_timed_out()
             if st.finished and not st.failed:
                 return
@@ -291,16 +291,20 @@ class Launch:
         for agent in st.agents:
             if agent.conn is not None and not agent.over and not (restart and agent.ready):
                 self.session.inbox.peer_of(agent).send(stop)
-        done = (lambda: st.stopped and st.ranks_known) if restart else self._ends_known
+        done = (
+            (lambda: st.agent_table.stopped and st.current.ranks_known)
+            if restart
+            else self._ends_known
+        )
         self.session.run_until(done, time.monotonic() + STOP_WAIT, interruptible=False)
         self.session.apply_queue()
         for rank in st.ranks:  # what is still unsettled is judged on what arrived
             if rank.exited is not None:
                 self.session.inbox.settle(rank)
-            self.session.inbox.emit(st.move_rank(rank, WorkerState.STOPPED))
+            self.session.inbox.emit(st.current.move_rank(rank, WorkerState.STOPPED))
 
     def _ends_known(self) -> bool:
-        return self.all_over() and self.state.ranks_known
+        return self.all_over() and self.state.current.ranks_known
 
     def _restart(self, cause: Fault, deadline: float | None) -> None:
         """Restart the worker group on the agents, replacing lost ones if asked to."""
@@ -318,7 +322,7 @@ class Launch:
             self.session.inbox.forget_rank(rank)  # an old worker's channel: nothing more is read
         if "hosts" in self.plan.restart_on:
             self.host_changes.replace_agents(deadline)
-        unready = [a.slots.hostname for a in st.unready_agents()]
+        unready = [a.slots.hostname for a in st.agent_table.unready_agents()]
         if unready:
             st.restart_failed(
                 f"a restart was attempted, but the agents of {unready} did not get ready"
@@ -341,7 +345,7 @@ class Launch:
     def _launch_timed_out(self) -> None:
         st = self.state
         running = [r.rank for r in st.ranks if r.result is None]
-        elapsed = time.monotonic() - st.started
+        elapsed = time.monotonic() - st.progress.started
         error = launch_timeout_error(self.plan.launch_timeout or 0.0, elapsed, running)
         self.session.inbox.fault("launch", error, time.time())
 
@@ -362,11 +366,14 @@ class Launch:
             history=st.history,
             max_restarts=self.plan.max_restarts,
         )
-        if st.world_changes:
-            add_note(error, "hosts changed during the launch:\n  " + "\n  ".join(st.world_changes))
-        if st.stacks:
-            where = {r.rank: (r.local_rank, st.hostname(r)) for r in st.ranks}
-            note = stacks_note(st.stacks, where)
+        if st.agent_table.world_changes:
+            add_note(
+                error,
+                "hosts changed during the launch:\n  " + "\n  ".join(st.agent_table.world_changes),
+            )
+        if st.current.stacks:
+            where = {r.rank: (r.local_rank, st.agent_table.hostname(r)) for r in st.ranks}
+            note = stacks_note(st.current.stacks, where)
             add_note(error, note)
             if isinstance(error, SystemExit):  # Python prints no note of a SystemExit
                 logger.warning("%s", note)

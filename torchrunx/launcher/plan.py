@@ -71,7 +71,8 @@ class LaunchPlan:
     container: tuple[str, ...] = ()
     """The command (an argument vector) that runs remote agents in a container."""
     ssh_config_file: str | Path | None = None
-    agent_timeout: float = 5.0
+    agent_timeout: float = field(kw_only=True)
+    """Given always (``Launcher.agent_timeout`` holds its one default)."""
     start_timeout: float = 60.0
     launch_timeout: float | None = None
     max_restarts: int = 0

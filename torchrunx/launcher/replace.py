@@ -55,9 +55,9 @@ class HostChanges:
             self._reshape(deadline)
             return
         st = self.session.state
-        replaced = [a.index for a in st.unready_agents()]
+        replaced = [a.index for a in st.agent_table.unready_agents()]
         for index in replaced:
-            old = st.replace_agent(index)
+            old = st.agent_table.replace_agent(index)
             logger.warning("starting a new agent on %s", old.slots.hostname)
             self.session.inbox.drop(old.conn)
             self.session.pool.replace(index, lost=old.state is AgentState.LOST)
@@ -66,7 +66,7 @@ class HostChanges:
                 lambda: all(st.agents[i].hello is not None or st.agents[i].over for i in replaced),
                 earliest(time.monotonic() + self.session.plan.start_timeout, deadline),
             )
-        st.replacements_started(replaced)
+        st.agent_table.replacements_started(replaced)
 
     def _reshape(self, deadline: float | None) -> None:
         """Quarantine the world's failed hosts; spares take their places, or the world shrinks.
@@ -77,7 +77,7 @@ class HostChanges:
         """
         st = self.session.state
         while True:
-            failed = st.unready_agents()
+            failed = st.agent_table.unready_agents()
             if not failed:
                 return
             for agent in failed:
@@ -97,7 +97,7 @@ class HostChanges:
             if decision.short is not None:
                 st.restart_failed(decision.short)
                 raise Failed
-            lines = st.reshape_world(decision)
+            lines = st.agent_table.reshape_world(decision)
             for line in lines:
                 logger.warning("%s", line)
             self.session.sink.emit(

@@ -157,7 +157,7 @@ class LaunchLoop:
         self.debugger = Debugger(
             self.loop,
             self._send_debug,
-            lambda rank: self.state.hostname(self.state.ranks[rank]),
+            lambda rank: self.state.agent_table.hostname(self.state.ranks[rank]),
             stdin_fd=0,  # the process's standard input, whatever sys.stdin is now
         )
         """``breakpoint()`` in the workers: pdb sessions in this terminal."""
@@ -183,7 +183,7 @@ class LaunchLoop:
             )
             return
         record = self.state.ranks[rank]
-        host = self.state.hostname(record)
+        host = self.state.agent_table.hostname(record)
         process = self.pool.processes.get(record.host_index)
         forward = getattr(process, "forward", None)
         key = (rank, record.host_index)
@@ -267,7 +267,7 @@ class LaunchLoop:
         self._want_stacks = False
         if self.look is not None and self.look.due(now):
             look, self.look = self.look, None
-            print_look(look.text(self.state.ranks, self.state.hostname))
+            print_look(look.text(self.state.ranks, self.state.agent_table.hostname))
 
     def _on_shown(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
         if self.look is not None:
@@ -295,7 +295,7 @@ class LaunchLoop:
                 if token is self.run_token:
                     self._interrupt = None
                     raise error
-            if not st.stopping and (st.failed or st.alarm):
+            if not st.progress.stopping and (st.failed or st.current.alarm):
                 return
             now = time.monotonic()
             # Time with a rank in the debugger does not count: the deadline moves by it.
@@ -335,7 +335,7 @@ class LaunchLoop:
             for agent in st.agents:
                 if agent.conn is not None and not agent.over:
                     self.inbox.peer_of(agent).send(Heartbeat())
-        for agent, silent in st.silent_agents(now):
+        for agent, silent in st.agent_table.silent_agents(now):
             self.inbox.agent_silent(agent, silent)
         self.listener.tick(now)
         self.pool.poll()

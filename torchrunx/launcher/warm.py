@@ -145,7 +145,7 @@ class _Agents:
             self._restarts,
             self._timings,
             fresh_workers=self.launch.state.fresh_workers,
-            world_changes=tuple(self.launch.state.world_changes),
+            world_changes=tuple(self.launch.state.agent_table.world_changes),
         )
 
     # -- between two runs ---------------------------------------------------------------------
@@ -161,8 +161,8 @@ class _Agents:
         launch = self.launch
         st = launch.state
         since_last = st.faults  # workers and agents lost or dead while idle: no run's failure
-        if st.kept_workers:
-            if not since_last and st.kept_workers_well():
+        if st.progress.kept_workers:
+            if not since_last and st.current.kept_workers_well():
                 st.next_call()
                 return True
             why = "; ".join(dict.fromkeys(summary(f.error) for f in since_last))
@@ -179,7 +179,7 @@ class _Agents:
                 lambda: all(a.ready or a.over or a.conn is None for a in st.agents),
                 earliest(time.monotonic() + STOP_WAIT, deadline),
             )
-        gone = st.unready_agents()
+        gone = st.agent_table.unready_agents()
         if not gone:
             return False
         names = [a.slots.hostname for a in gone]
@@ -197,7 +197,7 @@ class _Agents:
         if not launch.plan.quarantines:
             logger.warning("starting new agents on %s before this run", names)
         launch.host_changes.replace_agents(deadline)
-        unready = [a.slots.hostname for a in st.unready_agents()]
+        unready = [a.slots.hostname for a in st.agent_table.unready_agents()]
         if unready:
             st.add_extra_failure(f"new agents were started, but those of {unready} did not")
             raise Failed
