@@ -1,11 +1,12 @@
 """What arrives during a launch, applied to the launch state.
 
-Frames from agents and, forwarded by them, from workers (each worker's as if on a connection of its
-own: a :class:`~torchrunx.launcher.channels.WorkerChannel`), closed connections, agents' starts and
-ends, silences: each is applied to :class:`~torchrunx.launcher.state.LaunchState`, and what follows
-from it is done here (an event to the sinks, a fault recorded, a connection dropped, log lines
-routed). Nothing here decides what the launch does next; :mod:`torchrunx.launcher.orchestrator`
-reads the state for that.
+Frames from agents and, forwarded by them, from workers (each worker's as if on a connection
+of its own: a :class:`~torchrunx.launcher.channels.WorkerChannel`), closed connections, agents'
+starts and ends, silences: each is applied to :class:`~torchrunx.launcher.state.LaunchState`,
+by the part it concerns (an agent: its ``agent_table``; a worker or a fault: its ``current``
+attempt), and what follows from it is done here (an event to the sinks, a fault recorded, a
+connection dropped, log lines routed). Nothing here decides what the launch does next;
+:mod:`torchrunx.launcher.orchestrator` reads the state for that.
 """
 
 from __future__ import annotations
