@@ -329,7 +329,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
 
     def start(index: int) -> _SimulatedAgent:
         agent = launch.state.agents[index]
-        line = launch.starts.bootstrap(agent, "127.0.0.1")  # what a real start sends
+        line = launch.session.starts.bootstrap(agent, "127.0.0.1")  # what a real start sends
         senders[index % simulators].send(line.decode())
         return _SimulatedAgent(agent.slots.hostname)
 
@@ -338,14 +338,14 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
     started = time.perf_counter()
     launch = Launch(plan, call, starter=start)
     idle_rss = 0
-    send_specs = launch._send_specs  # noqa: SLF001 (measured here, not changed)
+    send_specs = launch.dispatch.send_specs  # measured here, not changed
 
-    def send_specs_measured() -> None:  # every agent connected and waits: idle connections
+    def send_specs_measured(call: list[memoryview]) -> None:  # every agent waits: idle links
         nonlocal idle_rss
         idle_rss = idle_rss or _rss_kib()
-        send_specs()
+        send_specs(call)
 
-    launch._send_specs = send_specs_measured  # type: ignore[method-assign]  # noqa: SLF001
+    launch.dispatch.send_specs = send_specs_measured  # type: ignore[method-assign]
     sampler_stop = threading.Event()
 
     def sample() -> None:  # the measuring thread itself is not counted

@@ -79,7 +79,8 @@ _STATE_TESTS = (
     "tests/test_rules_runs.py",
     "tests/test_rules_resilience.py",
 )
-"""The launch state's rule tests: they guard state.py and attempt.py alike."""
+"""The launch state's rule tests: they guard state.py and its parts (agent_table.py,
+attempt.py) alike."""
 
 TARGETS: dict[str, Target] = {
     "failures": Target(
@@ -96,10 +97,15 @@ TARGETS: dict[str, Target] = {
         _STATE_TESTS,
         note="runs, stops, restarts, phases and read-outs",
     ),
+    "agent_table": Target(
+        "torchrunx/launcher/agent_table.py",
+        _STATE_TESTS,
+        note="every agent and the world: moves, hellos, exits, silences, the world's changes",
+    ),
     "attempt": Target(
         "torchrunx/launcher/attempt.py",
         _STATE_TESTS,
-        note="the agents and ranks of an attempt: moves, hellos, exits, outcomes",
+        note="the ranks and faults of an attempt: moves, hellos, exits, outcomes",
     ),
     "kubernetes": Target(
         "torchrunx/engines/kubernetes.py",
@@ -380,7 +386,7 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "Stop's restart defaults to False",
     ),
     "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_25": (
-        "self.emit(self.state.agent_failed(agent, None, None))",
+        "self.emit(self.state.current.agent_failed(agent, None, None))",
         "with no error, agent_failed records no fault: its time is never read",
     ),
     "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_33": (
@@ -475,12 +481,12 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         _RSPLIT,
     ),
     "torchrunx.devices.x_resolve_backend__mutmut_4": ("undecided = None", _FALSY),
-    "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1workers_ended__mutmut_3": (
-        "message.attempt <= self.attempt",
+    "torchrunx.launcher.agent_table.x\u01c1AgentTable\u01c1workers_ended__mutmut_4": (
+        "message.attempt <= attempt",
         "for an equal attempt the reply is accepted by the first condition already",
     ),
     "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1settle__mutmut_2": (
-        "self._waiting_ranks.discard(None)",
+        "self._waiting.discard(None)",
         "a cache of due/next_due: a settled rank's settle_by is None, so it is never due",
     ),
     "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1settle__mutmut_3": (

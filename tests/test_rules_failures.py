@@ -39,10 +39,10 @@ ECHO = "[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1234"
 def running_launch(hosts: int = 2, workers: int = 2) -> LaunchState:
     """A launch whose agents said hello and whose workers all connected."""
     agents = [AgentRecord(i, HostSlots(f"node{i}", workers), "ssh") for i in range(hosts)]
-    state = LaunchState(agents, started=100.0)
+    state = LaunchState(agents, agent_timeout=30.0, started=100.0)
     for agent in agents:
         hello = AgentHello(agent.index, agent.slots.hostname, 1000 + agent.index, workers, 29500)
-        state.agent_hello(agent, conn=agent.index, hello=hello, now=101.0)
+        state.agent_table.agent_hello(agent, conn=agent.index, hello=hello, now=101.0)
         spec = WorkerSpec(
             agent.index,
             agent.slots.hostname,
@@ -54,9 +54,9 @@ def running_launch(hosts: int = 2, workers: int = 2) -> LaunchState:
             "gloo",
             600.0,
         )
-        state.assign(agent, spec)
+        state.current.assign(agent, spec)
     for rank in state.ranks:
-        state.worker_hello(rank, conn=100 + rank.rank, pid=2000 + rank.rank)
+        state.current.worker_hello(rank, conn=100 + rank.rank, pid=2000 + rank.rank)
     return state
 
 
@@ -79,7 +79,9 @@ def learn(state: LaunchState, failures: list[Failure]) -> None:
     """
     for failure in failures:
         rank = None if failure.rank is None else state.ranks[failure.rank]
-        state.add_fault(failure.kind, failure.error, failure.at, rank=rank, host_index=failure.host)
+        state.current.add_fault(
+            failure.kind, failure.error, failure.at, rank=rank, host_index=failure.host
+        )
         state.begin_stop(restart=False)
 
 
@@ -191,14 +193,14 @@ def test_rule_a_rank_that_raised_and_then_died_failed_once_by_its_exception():
     rank = state.ranks[1]
     # Its exit is reported, and its outcome does not come within OUTCOME_WAIT: a death.
     exit_report = WorkerExited(1, 2001, 1, None, at=10.0)
-    assert not state.worker_exited(rank, exit_report, now=11.0)
+    assert not state.current.worker_exited(rank, exit_report, now=11.0)
     assert state.due(11.0 + OUTCOME_WAIT) == ([], [rank])
-    state.settle(rank)
+    state.current.settle(rank)
     assert [f.kind for f in state.faults] == ["death"]
     state.begin_stop(restart=False)
     # ... then its exception arrives after all, dated later than the death.
     error = ValueError("x")
-    state.add_fault("exception", error, at=10.5, rank=rank)
+    state.current.add_fault("exception", error, at=10.5, rank=rank)
     cause = choose_cause(state.faults)
     assert cause.error is error
     assert others(state.faults, cause) == []
@@ -426,8 +428,8 @@ def test_the_rank_record_is_what_makes_a_fault_a_workers():
     """A fault recorded for a rank is a worker's (``from_worker``), one for a host is not."""
     state = running_launch(1, 1)
     rank: RankRecord = state.ranks[0]
-    state.add_fault("exception", ValueError("x"), 1.0, rank=rank)
-    state.add_fault("lost", AgentFailedError("node0", "silent"), 1.0, host_index=0)
+    state.current.add_fault("exception", ValueError("x"), 1.0, rank=rank)
+    state.current.add_fault("lost", AgentFailedError("node0", "silent"), 1.0, host_index=0)
     assert [(f.rank, f.host_index) for f in state.faults] == [(0, 0), (None, 0)]
     assert restartable(state.faults[0], ("exceptions",), attempt=0, max_restarts=1)
     assert not restartable(state.faults[1], ("exceptions",), attempt=0, max_restarts=1)

@@ -54,6 +54,9 @@ from torchrunx.env import (
 from torchrunx.errors import (
     AgentFailedError,
     ProtocolError,
+    ShipError,
+    SlurmError,
+    TorchrunxError,
     WorkerFailedError,
     WorkerRaisedError,
     WorkerTimeoutError,
@@ -257,7 +260,7 @@ def connected(hosts: int = 2, workers: int = 2, **launcher: object):
     peers = [StubPeer(i, "agent") for i in range(hosts)]
     for i, peer in enumerate(peers):
         inbox.apply(frame(peer, hello(i, workers)))
-        inbox.state.assign(inbox.state.agents[i], spec(i, workers, hosts))
+        inbox.state.current.assign(inbox.state.agents[i], spec(i, workers, hosts))
     parts.events.clear()
     return inbox, parts, peers
 
@@ -347,7 +350,7 @@ def test_rule_no_gpu_for_workers_per_host_gpu_fails_that_agent_naming_its_host()
 )
 def test_rule_a_peer_must_say_who_it_is_first_and_as_its_role(role, message):
     inbox, parts = new_inbox()
-    inbox.state.assign(inbox.state.agents[0], spec(0))
+    inbox.state.current.assign(inbox.state.agents[0], spec(0))
     peer = StubPeer(9, role)
     inbox.apply(frame(peer, message))
     assert peer.closed and inbox.owners == {} and parts.events == []
@@ -422,7 +425,7 @@ def test_rule_frames_of_a_channel_that_ended_are_not_acted_on():
 def test_rule_every_message_of_an_agent_counts_as_hearing_from_it():
     inbox, _, peers = connected()
     agent = inbox.state.agents[1]
-    inbox.state.heard_from(agent, 0.0)
+    inbox.state.agent_table.heard_from(agent, 0.0)
     before = time.monotonic()
     inbox.apply(frame(peers[1], Heartbeat()))
     assert before <= agent.last_heard <= time.monotonic()
@@ -474,7 +477,7 @@ def test_rule_a_workers_message_on_an_agents_connection_drops_it(message):
 def test_rule_stacks_are_kept_by_global_rank():
     inbox, _, peers = connected()
     inbox.apply(frame(peers[1], WorkerStacks({0: "stack of 2", 1: "stack of 3"})))
-    assert inbox.state.stacks == {2: "stack of 2", 3: "stack of 3"}
+    assert inbox.state.current.stacks == {2: "stack of 2", 3: "stack of 3"}
 
 
 def test_rule_stacks_of_an_agent_without_workers_are_ignored():
@@ -482,7 +485,7 @@ def test_rule_stacks_of_an_agent_without_workers_are_ignored():
     peer = StubPeer(7, "agent")
     inbox.apply(frame(peer, hello(0)))
     inbox.apply(frame(peer, WorkerStacks({0: "a stack"})))
-    assert inbox.state.stacks == {}
+    assert inbox.state.current.stacks == {}
 
 
 def test_rule_a_report_about_a_worker_the_agent_does_not_have_is_ignored():
@@ -581,7 +584,7 @@ def test_rule_frames_of_an_earlier_attempts_channel_or_connection_are_not_acted_
     inbox.state.begin_stop(restart=True)
     inbox.state.next_attempt()
     for agent in inbox.state.agents:
-        inbox.state.assign(agent, spec(agent.index))
+        inbox.state.current.assign(agent, spec(agent.index))
     inbox.apply(frame(ranks[1], WorkerResult(1), [bytearray(b"old")]))  # its channel is old
     inbox.apply(frame(direct, WorkerResult(3), [bytearray(b"old")]))
     assert all(r.result is None for r in inbox.state.ranks) and inbox.state.faults == []
@@ -652,7 +655,7 @@ def test_rule_stacks_shown_on_request_go_to_the_look_and_are_not_kept():
     inbox.on_shown = lambda agent, stacks: shown.append((agent, stacks))
     inbox.apply(frame(peers[1], WorkerStacks({0: "  File a\n"}, shown=True)))
     assert shown == [(inbox.state.agents[1], {0: "  File a\n"})]
-    assert inbox.state.stacks == {}  # a look, not a dump before a stop
+    assert inbox.state.current.stacks == {}  # a look, not a dump before a stop
     inbox.on_shown = None
     inbox.apply(frame(peers[1], WorkerStacks({1: "  File b\n"}, shown=True)))  # no look: dropped
     assert len(shown) == 1
@@ -747,7 +750,7 @@ def test_rule_a_stale_connection_of_a_rank_ends_without_judging_it():
     inbox.state.begin_stop(restart=True)  # a restart: the old workers' connections stay open
     inbox.state.next_attempt()
     for agent in inbox.state.agents:
-        inbox.state.assign(agent, spec(agent.index))
+        inbox.state.current.assign(agent, spec(agent.index))
     inbox.apply(ranks[0].ended())  # the old worker's channel ends as the new attempt begins
     assert not inbox.state.ranks[0].conn_closed
     again = WorkerVia(ranks[0].agent, 0, 3000)
@@ -761,8 +764,8 @@ def test_rule_a_rank_whose_connection_ended_after_a_restart_is_not_looked_up():
     inbox.state.next_attempt()  # the ranks of the last attempt are gone
     inbox.apply(ranks[3].ended())
     assert inbox.state.faults == []
-    inbox.state.assign(inbox.state.agents[0], spec(0, 2, 2))
-    inbox.state.assign(inbox.state.agents[1], spec(1, 1, 2))  # ranks 0..2 now
+    inbox.state.current.assign(inbox.state.agents[0], spec(0, 2, 2))
+    inbox.state.current.assign(inbox.state.agents[1], spec(1, 1, 2))  # ranks 0..2 now
     inbox.apply(ranks[2].ended())
     assert inbox.state.faults == [] and not any(r.conn_closed for r in inbox.state.ranks)
 
@@ -804,9 +807,9 @@ def test_rule_the_end_of_a_done_agents_connection_is_no_failure():
 def test_rule_an_old_connection_of_a_replaced_agent_ends_without_judging_it():
     inbox, _, peers = connected()
     inbox.state.begin_stop(restart=True)  # a restart replaces agent 0 ...
-    inbox.state.replace_agent(0)
+    inbox.state.agent_table.replace_agent(0)
     inbox.apply(frame(StubPeer(77, "agent"), hello(0)))  # ... its new one, on another connection
-    inbox.state.replacements_started([0])
+    inbox.state.agent_table.replacements_started([0])
     inbox.apply(PeerClosed(peers[0]))  # type: ignore[arg-type]
     assert inbox.state.agents[0].state is AgentState.RUNNING and inbox.state.faults == []
     assert not inbox.state.agents[0].conn_closed
@@ -844,7 +847,7 @@ def test_rule_an_agent_that_never_connected_is_judged_when_its_process_ends():
 def test_rule_the_env_file_is_named_only_for_an_agent_that_never_connected(env_file):
     inbox, _, _ = connected(env_file=env_file)  # both agents said hello
     agent = inbox.state.agents[0]
-    inbox.state.agent_exited(agent, 1, time.monotonic())
+    inbox.state.agent_table.agent_exited(agent, 1, time.monotonic())
     inbox.judge_agent(agent)
     assert "env_file" not in str(inbox.state.faults[0].error)
     inbox2, _ = new_inbox()
@@ -892,7 +895,9 @@ def test_rule_an_agent_silent_too_long_is_lost_and_the_message_names_both_limits
 def test_rule_a_done_agent_is_not_judged_again():
     inbox, _, peers = connected()
     agent = inbox.state.agents[0]
-    inbox.state.agent_exited(agent, 0, 3.0)  # its exit overtook its AgentDone: judged by 5.0
+    inbox.state.agent_table.agent_exited(
+        agent, 0, 3.0
+    )  # its exit overtook its AgentDone: judged by 5.0
     inbox.apply(frame(peers[0], AgentDone()))
     inbox.judge_agent(agent)
     assert agent.state is AgentState.DONE and agent.judge_by is None
@@ -910,7 +915,7 @@ def test_rule_a_remote_agent_killed_by_a_signal_is_named_so():
     inbox, parts, _ = connected()
     parts.processes[0] = StubProcess("ssh: broken pipe")
     agent = inbox.state.agents[0]
-    inbox.state.agent_exited(agent, -9, time.monotonic())
+    inbox.state.agent_table.agent_exited(agent, -9, time.monotonic())
     inbox.judge_agent(agent)
     (fault,) = inbox.state.faults
     assert "the agent ended without an exit status" in str(fault.error)
@@ -1140,10 +1145,10 @@ def launch(
     """A launch whose agents said hello (at 101, started at 100, all in at ``ready_at``) and
     got their specs; ``attempt`` restarts before (``reasons``: those recorded, in order)."""
     agents = [AgentRecord(i, HostSlots(f"node{i}", workers), "ssh") for i in range(hosts)]
-    state = LaunchState(agents, started=100.0, **fields)
+    state = LaunchState(agents, started=100.0, **{"agent_timeout": 30.0, **fields})
     for agent in agents:
-        state.agent_hello(agent, agent.index, hello(agent.index, workers), 101.0)
-    state.agents_ready(ready_at)
+        state.agent_table.agent_hello(agent, agent.index, hello(agent.index, workers), 101.0)
+    state.agent_table.agents_ready(ready_at)
     state.start_run(ready_at, warm=False)
     state.run_workers(fresh=True)
     assign_all(state, workers)
@@ -1155,7 +1160,7 @@ def launch(
 def assign_all(state: LaunchState, workers: int) -> None:
     """Every agent gets its spec of this attempt (``workers`` each)."""
     for agent in state.agents:
-        state.assign(agent, spec(agent.index, workers, len(state.agents)))
+        state.current.assign(agent, spec(agent.index, workers, len(state.agents)))
 
 
 def restart_workers(state: LaunchState, workers: int, reason: str | None = None) -> None:
@@ -1172,7 +1177,7 @@ def running(hosts: int = 2, workers: int = 2, **fields) -> LaunchState:
     """Also every rank connected (conn 100 + rank, pid 2000 + rank)."""
     state = launch(hosts, workers, **fields)
     for rank in state.ranks:
-        state.worker_hello(rank, 100 + rank.rank, 2000 + rank.rank)
+        state.current.worker_hello(rank, 100 + rank.rank, 2000 + rank.rank)
     return state
 
 
@@ -1182,7 +1187,7 @@ def without_time(event: object) -> dict:
 
 def test_rule_a_rank_moves_with_an_event_naming_it_its_host_and_the_attempt():
     state = launch(attempt=2)
-    (event,) = state.move_rank(state.ranks[3], WorkerState.HEALTHY)
+    (event,) = state.current.move_rank(state.ranks[3], WorkerState.HEALTHY)
     assert without_time(event) == {
         "rank": 3,
         "host_index": 1,
@@ -1196,24 +1201,26 @@ def test_rule_a_rank_moves_with_an_event_naming_it_its_host_and_the_attempt():
 
 def test_rule_the_launch_runs_and_is_healthy_again_only_once_every_worker_runs():
     state = launch(1, 2)
-    state.add_fault("exception", ValueError("x"), 1.0, rank=state.ranks[0])  # degraded
+    state.current.add_fault("exception", ValueError("x"), 1.0, rank=state.ranks[0])  # degraded
     restart_workers(state, 2, "ValueError: x")
-    state.worker_hello(state.ranks[0], 100, 2000)
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)  # still running
-    assert state.phase is Phase.RESTARTING and state.degraded is True
-    state.worker_hello(state.ranks[1], 101, 2001)
-    assert state.phase is Phase.RUNNING and state.degraded is False
+    state.current.worker_hello(state.ranks[0], 100, 2000)
+    state.current.worker_result(
+        state.ranks[0], WorkerResult(0), [bytearray()], 1.0
+    )  # still running
+    assert state.phase is Phase.RESTARTING and state.progress.degraded is True
+    state.current.worker_hello(state.ranks[1], 101, 2001)
+    assert state.phase is Phase.RUNNING and state.progress.degraded is False
 
 
 def test_rule_a_fault_is_recorded_as_it_happened_and_in_the_order_learnt():
     state = running()
     state.begin_stop(restart=False)
     error = ValueError("bad")
-    state.add_fault("agent", AgentFailedError("node1", "gone"), 5.0, host_index=1)
-    events = state.add_fault("exception", error, 3.0, rank=state.ranks[2])
+    state.current.add_fault("agent", AgentFailedError("node1", "gone"), 5.0, host_index=1)
+    events = state.current.add_fault("exception", error, 3.0, rank=state.ranks[2])
     assert state.faults[1] == Fault("exception", error, 3.0, 1, 2, 1, while_stopping=True)
     assert state.faults[0].while_stopping is True and state.faults[0].host_index == 1
-    assert state.degraded is True
+    assert state.progress.degraded is True
     changed, failed = events
     assert changed.new is WorkerState.FAILED
     assert isinstance(failed, WorkerFailed)
@@ -1229,30 +1236,30 @@ def test_rule_a_fault_is_recorded_as_it_happened_and_in_the_order_learnt():
 
 def test_rule_a_fault_before_the_launch_stops_is_not_a_consequence_of_stopping():
     state = running()
-    state.add_fault("agent", AgentFailedError("node0", "gone"), 5.0, host_index=0)
+    state.current.add_fault("agent", AgentFailedError("node0", "gone"), 5.0, host_index=0)
     assert state.faults[0].while_stopping is False
 
 
 def test_rule_a_fault_of_a_rank_that_already_ended_is_kept_without_an_event():
     state = running()
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
-    assert state.add_fault("death", ValueError("late"), 1.0, rank=state.ranks[0]) == []
+    state.current.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    assert state.current.add_fault("death", ValueError("late"), 1.0, rank=state.ranks[0]) == []
     assert len(state.faults) == 1 and state.ranks[0].state is WorkerState.SUCCEEDED
 
 
 def test_rule_a_kept_worker_that_dies_between_runs_is_reported_failed():
     state = running(1, 1, keep_workers=True)
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    state.current.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
     state.keep_workers_for_next_call()
-    (failed,) = state.add_fault("death", ValueError("died"), 1.0, rank=state.ranks[0])
+    (failed,) = state.current.add_fault("death", ValueError("died"), 1.0, rank=state.ranks[0])
     assert isinstance(failed, WorkerFailed) and failed.rank == 0 and failed.reason
     assert state.ranks[0].state is WorkerState.SUCCEEDED  # a final state never changes
 
 
 def test_rule_an_agents_hello_records_its_port_its_start_time_and_says_so():
     agents = [AgentRecord(0, HostSlots("node0", 2), "ssh")]
-    state = LaunchState(agents, started=100.0)
-    (event,) = state.agent_hello(agents[0], 7, hello(0, slots=3, gpus=1), 102.5)
+    state = LaunchState(agents, agent_timeout=30.0, started=100.0)
+    (event,) = state.agent_table.agent_hello(agents[0], 7, hello(0, slots=3, gpus=1), 102.5)
     assert agents[0].free_port == 29500 and agents[0].started_after == 2.5
     assert agents[0].conn == 7 and agents[0].last_heard == 102.5
     assert without_time(event) == {
@@ -1267,9 +1274,11 @@ def test_rule_an_agents_hello_records_its_port_its_start_time_and_says_so():
 
 def test_rule_forked_workers_are_recorded_and_announced_with_their_global_ranks():
     state = launch(2, 2, attempt=1)
-    state.worker_hello(state.ranks[3], 103, 77)  # its hello came first: the pid it gave stays
+    state.current.worker_hello(
+        state.ranks[3], 103, 77
+    )  # its hello came first: the pid it gave stays
     agent = state.agents[1]
-    (event,) = state.workers_forked(agent, WorkersStarted((31, 32)))
+    (event,) = state.current.workers_forked(agent, WorkersStarted((31, 32)))
     assert agent.pids == (31, 32) and agent.forked is True
     assert [r.pid for r in state.ranks] == [0, 0, 31, 77]
     assert without_time(event) == {
@@ -1284,88 +1293,90 @@ def test_rule_forked_workers_are_recorded_and_announced_with_their_global_ranks(
 
 def test_rule_workers_forked_before_a_spec_are_noted_without_an_event():
     agents = [AgentRecord(0, HostSlots("node0", 2), "ssh")]
-    state = LaunchState(agents, started=0.0)
-    assert state.workers_forked(agents[0], WorkersStarted((5,))) == []
+    state = LaunchState(agents, agent_timeout=30.0, started=0.0)
+    assert state.current.workers_forked(agents[0], WorkersStarted((5,))) == []
     assert agents[0].pids == (5,) and agents[0].forked is True
 
 
 def test_rule_an_agent_process_that_ends_before_its_connection_waits_to_be_judged():
     state = running()
     agent = state.agents[1]
-    assert state.agent_exited(agent, 3, now=50.0) is False
+    assert state.agent_table.agent_exited(agent, 3, now=50.0) is False
     assert agent.exited is True and agent.exit_status == 3
     assert agent.judge_by == 50.0 + OUTCOME_WAIT
     assert state.next_due() == 50.0 + OUTCOME_WAIT
     assert state.due(50.0 + OUTCOME_WAIT - 0.01) == ([], [])
     assert state.due(50.0 + OUTCOME_WAIT) == ([agent], [])  # due at that very time
-    state.agent_judged(agent)
+    state.agent_table.agent_judged(agent)
     assert state.due(99.0) == ([], []) and state.next_due() is None
 
 
 def test_rule_an_agent_process_that_ends_after_its_connection_is_judged_at_once():
     state = running()
     agent = state.agents[0]
-    assert state.agent_conn_closed(agent) is True and agent.conn_closed is True
-    assert state.agent_exited(agent, 1, now=50.0) is True and agent.judge_by is None
+    assert state.agent_table.agent_conn_closed(agent) is True and agent.conn_closed is True
+    assert state.agent_table.agent_exited(agent, 1, now=50.0) is True and agent.judge_by is None
 
 
 def test_rule_a_spec_ends_the_wait_between_runs_and_numbers_local_ranks():
     state = kept(2, 3)  # between runs (the kept workers' ranks stay)
-    state.assign(state.agents[0], spec(0, 3, 2))
-    assert state.between_runs is False
+    state.current.assign(state.agents[0], spec(0, 3, 2))
+    assert state.progress.between_runs is False
     assert [r.local_rank for r in state.ranks] == [0, 1, 2, 0, 1, 2, 0, 1, 2]
 
 
 def test_rule_a_worker_beyond_its_agents_ranks_is_no_rank():
     state = launch(2, 2)
-    assert state.rank_of(state.agents[1], 1) is state.ranks[3]
-    assert state.rank_of(state.agents[1], 2) is None
-    assert state.hello_rank(WorkerHello(4, 0, 1)) is None
-    assert state.hello_rank(WorkerHello(3, 1, 1)) is state.ranks[3]
+    assert state.current.rank_of(state.agents[1], 1) is state.ranks[3]
+    assert state.current.rank_of(state.agents[1], 2) is None
+    assert state.current.hello_rank(WorkerHello(4, 0, 1)) is None
+    assert state.current.hello_rank(WorkerHello(3, 1, 1)) is state.ranks[3]
 
 
 def test_rule_the_run_is_over_once_each_rank_returned_once():
     state = running(1, 2, keep_workers=True)
     result = WorkerResult(0)
-    state.worker_result(state.ranks[0], result, [bytearray()], 1.0)
+    state.current.worker_result(state.ranks[0], result, [bytearray()], 1.0)
     assert not state.finished
-    state.worker_result(state.ranks[0], result, [bytearray()], 2.0)  # a second one: not twice
+    state.current.worker_result(
+        state.ranks[0], result, [bytearray()], 2.0
+    )  # a second one: not twice
     assert not state.finished
-    state.worker_result(state.ranks[1], result, [bytearray()], 3.0)
+    state.current.worker_result(state.ranks[1], result, [bytearray()], 3.0)
     assert state.finished
 
 
 def test_rule_an_exit_settles_at_once_when_the_connection_ended_or_the_outcome_came():
     state = running()
-    assert state.worker_conn_closed(state.ranks[0]) is False  # its exit is not known yet
+    assert state.current.worker_conn_closed(state.ranks[0]) is False  # its exit is not known yet
     assert state.ranks[0].conn_closed is True
-    assert state.worker_exited(state.ranks[0], WorkerExited(0, 2000, 1, None), 5.0) is True
-    state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 1.0)
-    assert state.worker_exited(state.ranks[1], WorkerExited(1, 2001, 0, None), 5.0) is True
-    assert state.worker_exited(state.ranks[2], WorkerExited(0, 2002, 0, None), 5.0) is False
+    assert state.current.worker_exited(state.ranks[0], WorkerExited(0, 2000, 1, None), 5.0) is True
+    state.current.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 1.0)
+    assert state.current.worker_exited(state.ranks[1], WorkerExited(1, 2001, 0, None), 5.0) is True
+    assert state.current.worker_exited(state.ranks[2], WorkerExited(0, 2002, 0, None), 5.0) is False
     assert state.ranks[2].settle_by == 5.0 + OUTCOME_WAIT
 
 
 def test_rule_a_rank_settles_once_and_its_death_names_where_and_how_it_ended():
     state = running()
     rank = state.ranks[3]
-    state.worker_exited(rank, WorkerExited(1, 2003, 7, None, at=4.5), 5.0)
-    assert state.alarm
-    events = state.settle(rank)
+    state.current.worker_exited(rank, WorkerExited(1, 2003, 7, None, at=4.5), 5.0)
+    assert state.current.alarm
+    events = state.current.settle(rank)
     assert len(events) == 2 and rank.settled is True and rank.settle_by is None
-    assert not state.alarm and state.due(99.0) == ([], []) and state.next_due() is None
+    assert not state.current.alarm and state.due(99.0) == ([], []) and state.next_due() is None
     (fault,) = state.faults
     assert fault.kind == "death" and fault.at == 4.5 and fault.rank == 3
     error = fault.error
     assert isinstance(error, WorkerFailedError)
     assert (error.hostname, error.local_rank, error.rank, error.pid) == ("node1", 1, 3, 2003)
     assert (error.exitcode, error.signal) == (7, None)
-    assert state.settle(rank) == [] and len(state.faults) == 1  # not twice
+    assert state.current.settle(rank) == [] and len(state.faults) == 1  # not twice
 
 
 def test_rule_a_rank_whose_exit_is_unknown_does_not_settle():
     state = running()
-    assert state.settle(state.ranks[0]) == []
+    assert state.current.settle(state.ranks[0]) == []
     assert state.ranks[0].settled is False and state.faults == []
 
 
@@ -1374,48 +1385,50 @@ def test_rule_a_stale_rank_record_is_never_due():
     old = state.ranks[1]
     state.begin_stop(restart=True)
     state.next_attempt()
-    state.assign(state.agents[0], spec(0, 1, 1))  # one rank this time
-    state.worker_exited(old, WorkerExited(1, 2001, 1, None), 5.0)
+    state.current.assign(state.agents[0], spec(0, 1, 1))  # one rank this time
+    state.current.worker_exited(old, WorkerExited(1, 2001, 1, None), 5.0)
     assert state.due(99.0) == ([], [])
     assert state.next_due() is None
 
 
 def test_rule_a_watchdog_counts_only_while_the_rank_runs():
     state = running()
-    assert state.worker_timed_out(state.ranks[0]) is True
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
-    assert state.worker_timed_out(state.ranks[0]) is False
+    assert state.current.worker_timed_out(state.ranks[0]) is True
+    state.current.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    assert state.current.worker_timed_out(state.ranks[0]) is False
 
 
 def test_rule_silence_is_measured_from_the_last_word_and_over_the_limit_only():
     state = launch(3, 1, agent_timeout=10.0, start_timeout=10.0)
     for agent in state.agents:
-        state.heard_from(agent, 100.0)
-        state.workers_forked(agent, WorkersStarted((2000 + agent.index,)))
-    state.move_agent(state.agents[0], AgentState.DONE)  # over: never silent, and not the last
-    state.replace_agent(2)  # its new agent never said hello: not silent either
-    assert state.silent_agents(110.0) == []  # exactly the limit
-    assert state.silent_agents(110.5) == [(state.agents[1], 10.5)]
+        state.agent_table.heard_from(agent, 100.0)
+        state.current.workers_forked(agent, WorkersStarted((2000 + agent.index,)))
+    state.agent_table.move_agent(
+        state.agents[0], AgentState.DONE
+    )  # over: never silent, and not the last
+    state.agent_table.replace_agent(2)  # its new agent never said hello: not silent either
+    assert state.agent_table.silent_agents(110.0) == []  # exactly the limit
+    assert state.agent_table.silent_agents(110.5) == [(state.agents[1], 10.5)]
 
 
 def test_rule_an_agent_without_hello_is_never_silent():
     agents = [AgentRecord(0, HostSlots("node0", 1), "ssh")]
     state = LaunchState(agents, started=0.0, agent_timeout=1.0, start_timeout=1.0)
-    assert state.silent_agents(1e9) == []
+    assert state.agent_table.silent_agents(1e9) == []
 
 
 def test_rule_unready_agents_are_those_that_ended_or_do_not_wait():
     state = launch(3, 1)
-    state.workers_ended(state.agents[0], WorkersEnded(29600, attempt=0))
-    state.workers_ended(state.agents[2], WorkersEnded(29600, attempt=0))
-    state.move_agent(state.agents[2], AgentState.FAILED)
-    assert state.unready_agents() == [state.agents[1], state.agents[2]]
+    state.agent_table.workers_ended(state.agents[0], WorkersEnded(29600, attempt=0))
+    state.agent_table.workers_ended(state.agents[2], WorkersEnded(29600, attempt=0))
+    state.agent_table.move_agent(state.agents[2], AgentState.FAILED)
+    assert state.agent_table.unready_agents() == [state.agents[1], state.agents[2]]
 
 
 def kept(hosts: int = 1, workers: int = 2) -> LaunchState:
     state = running(hosts, workers, keep_workers=True)
     for rank in state.ranks:
-        state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 1.0)
+        state.current.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 1.0)
     state.results_in(110.0)
     state.succeeded()
     state.after_run(keep_workers=True)  # the workers stay for the next call
@@ -1428,10 +1441,10 @@ def rank_1_never_connected(state: LaunchState) -> None:
     state.begin_stop(restart=True)
     state.next_attempt(keep_ready=True)
     assign_all(state, 2)
-    state.worker_hello(state.ranks[0], 100, 2000)
-    state.move_rank(state.ranks[1], WorkerState.HEALTHY)
+    state.current.worker_hello(state.ranks[0], 100, 2000)
+    state.current.move_rank(state.ranks[1], WorkerState.HEALTHY)
     for rank in state.ranks:
-        state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 2.0)
+        state.current.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 2.0)
     state.succeeded()
     state.after_run(keep_workers=True)
 
@@ -1440,9 +1453,9 @@ def rank_1_failed_yet_kept(state: LaunchState) -> None:
     """Robustness: the workers are kept though rank 1 failed before it returned (after_run
     keeps none after a failure: kept by hand)."""
     state.next_call()
-    state.worker_failed(state.ranks[1], "hang", ValueError("stuck"), 2.0)
+    state.current.worker_failed(state.ranks[1], "hang", ValueError("stuck"), 2.0)
     for rank in state.ranks:
-        state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 3.0)
+        state.current.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 3.0)
     state.keep_workers_for_next_call()
 
 
@@ -1463,18 +1476,18 @@ def test_rule_after_a_failed_warm_run_with_keep_workers_no_worker_is_kept():
 
 def test_rule_kept_workers_wait_between_runs():
     state = kept()
-    assert state.kept_workers is True and state.between_runs is True
-    assert state.kept_workers_well() is True
+    assert state.progress.kept_workers is True and state.progress.between_runs is True
+    assert state.current.kept_workers_well() is True
 
 
 @pytest.mark.parametrize(
     "spoil",
     [
         rank_1_never_connected,
-        lambda s: s.worker_conn_closed(s.ranks[1]),
-        lambda s: s.worker_exited(s.ranks[1], WorkerExited(1, 2001, 0, None), 5.0),
+        lambda s: s.current.worker_conn_closed(s.ranks[1]),
+        lambda s: s.current.worker_exited(s.ranks[1], WorkerExited(1, 2001, 0, None), 5.0),
         rank_1_failed_yet_kept,
-        lambda s: s.move_agent(s.agents[0], AgentState.LOST),
+        lambda s: s.agent_table.move_agent(s.agents[0], AgentState.LOST),
         lambda s: s.next_call(),  # they took a call: kept no more
     ],
 )
@@ -1483,72 +1496,78 @@ def test_rule_kept_workers_take_a_call_only_if_each_is_alive_connected_and_its_a
 ):
     state = kept()
     spoil(state)
-    assert not state.kept_workers_well()
+    assert not state.current.kept_workers_well()
 
 
 def test_rule_the_next_call_runs_the_same_ranks_again_from_a_clean_slate():
     state = kept(1, 2)
     state.begin_stop(restart=True)
-    state.add_fault("agent", AgentFailedError("node0", "x"), 1.0, host_index=0)
-    state.add_stacks(state.agents[0], {0: "a stack"})
+    state.current.add_fault("agent", AgentFailedError("node0", "x"), 1.0, host_index=0)
+    state.current.add_stacks(state.agents[0], {0: "a stack"})
     old = state.ranks
     state.next_call()
-    assert state.kept_workers is False and state.between_runs is False
-    assert state.stopping is False and state.faults == [] and state.stacks == {}
+    assert state.progress.kept_workers is False and state.progress.between_runs is False
+    assert state.progress.stopping is False and state.faults == [] and state.current.stacks == {}
     assert [(r.rank, r.host_index, r.local_rank, r.state, r.conn, r.pid) for r in state.ranks] == [
         (0, 0, 0, WorkerState.HEALTHY, 100, 2000),
         (1, 0, 1, WorkerState.HEALTHY, 101, 2001),
     ]
     assert all(new is not was for new, was in zip(state.ranks, old, strict=True))
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 2.0)
+    state.current.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 2.0)
     assert not state.finished  # one result of two
-    state.worker_exited(state.ranks[1], WorkerExited(1, 2001, 1, None), 3.0)
-    assert state.alarm
-    state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 2.0)
+    state.current.worker_exited(state.ranks[1], WorkerExited(1, 2001, 1, None), 3.0)
+    assert state.current.alarm
+    state.current.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 2.0)
     assert state.finished
 
 
 def test_rule_the_next_attempt_forgets_the_last_ones_ranks_faults_and_counts():
     state = running(2, 1, attempt=1)
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    state.current.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
     state.keep_workers_for_next_call()
     state.begin_stop(restart=True)  # the kept workers stop: a new attempt starts
-    state.add_stacks(state.agents[0], {0: "a stack"})
-    state.workers_ended(state.agents[0], WorkersEnded(29600, attempt=1))
+    state.current.add_stacks(state.agents[0], {0: "a stack"})
+    state.agent_table.workers_ended(state.agents[0], WorkersEnded(29600, attempt=1))
     state.next_attempt()
-    assert state.attempt == 2 and state.kept_workers is False and state.stopping is False
-    assert state.ranks == [] and state.faults == [] and state.stacks == {}
+    assert (
+        state.attempt == 2
+        and state.progress.kept_workers is False
+        and state.progress.stopping is False
+    )
+    assert state.ranks == [] and state.faults == [] and state.current.stacks == {}
     assert [a.ready for a in state.agents] == [False, False]
     assert [a.pids for a in state.agents] == [(), ()]
     for agent in state.agents:
-        state.assign(agent, spec(agent.index, 1, 2))
-    state.worker_hello(state.ranks[0], 100, 2000)
+        state.current.assign(agent, spec(agent.index, 1, 2))
+    state.current.worker_hello(state.ranks[0], 100, 2000)
     assert state.phase is Phase.RESTARTING  # one of two workers runs
-    state.worker_hello(state.ranks[1], 101, 2001)
+    state.current.worker_hello(state.ranks[1], 101, 2001)
     assert state.phase is Phase.RUNNING
-    state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 1.0)
-    state.workers_ended(state.agents[1], WorkersEnded(29600, attempt=2))
+    state.current.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 1.0)
+    state.agent_table.workers_ended(state.agents[1], WorkersEnded(29600, attempt=2))
     assert not state.finished  # rank 0 has not returned, and agent 0 does not wait yet
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    state.current.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
     assert not state.finished  # agent 0 does not wait yet
-    state.workers_ended(state.agents[0], WorkersEnded(29600, attempt=2))
+    state.agent_table.workers_ended(state.agents[0], WorkersEnded(29600, attempt=2))
     assert state.finished
 
 
 def test_rule_warm_agents_that_wait_for_a_spec_still_do_in_the_next_attempt():
     state = running(2, 1)
-    state.workers_ended(state.agents[0], WorkersEnded(29600, attempt=0))
+    state.agent_table.workers_ended(state.agents[0], WorkersEnded(29600, attempt=0))
     state.next_attempt(keep_ready=True)
     assert [a.ready for a in state.agents] == [True, False]
 
 
 def test_rule_health_lists_every_agent_and_worker_as_they_are():
     state = launch(2, 1, attempt=1)
-    state.worker_hello(state.ranks[0], 100, 2000)
-    state.worker_hello(state.ranks[1], 101, 0)  # its pid is not known
-    state.heard_from(state.agents[0], 110.12345)
-    state.replace_agent(1)  # robustness: its new agent runs, moved by hand without a hello
-    state.move_agent(state.agents[1], AgentState.RUNNING)
+    state.current.worker_hello(state.ranks[0], 100, 2000)
+    state.current.worker_hello(state.ranks[1], 101, 0)  # its pid is not known
+    state.agent_table.heard_from(state.agents[0], 110.12345)
+    state.agent_table.replace_agent(
+        1
+    )  # robustness: its new agent runs, moved by hand without a hello
+    state.agent_table.move_agent(state.agents[1], AgentState.RUNNING)
     report = state.health(112.5, max_restarts=3, cause=None)
     assert report == HealthReport(
         healthy=True,
@@ -1581,7 +1600,7 @@ def test_rule_health_names_this_attempts_cause_unless_it_restarts():
 
 def test_rule_a_failed_agent_makes_the_launch_unhealthy_even_once_recovered():
     state = running(2, 1)
-    state.move_agent(state.agents[1], AgentState.FAILED)
+    state.agent_table.move_agent(state.agents[1], AgentState.FAILED)
     state.begin_failure()  # a warm run failed, and the agents wait for the next
     state.failed_run()
     state.after_run(keep_workers=False)  # recovered: degraded no more
@@ -1593,8 +1612,10 @@ def test_rule_timings_are_read_from_each_rank_and_transfer_is_never_negative():
     state.results_in(109.0)
     sent = WorkerResult(0, init_seconds=0.5, function_seconds=2.0, pickle_seconds=0.25, sent_at=10)
     late = WorkerResult(1, init_seconds=0.7, function_seconds=3.0, pickle_seconds=0.5, sent_at=20)
-    state.worker_result(state.ranks[0], sent, [bytearray()], 10.75)  # received 0.75 s later
-    state.worker_result(state.ranks[1], late, [bytearray()], 19.0)  # clocks apart: not negative
+    state.current.worker_result(state.ranks[0], sent, [bytearray()], 10.75)  # received 0.75 s later
+    state.current.worker_result(
+        state.ranks[1], late, [bytearray()], 19.0
+    )  # clocks apart: not negative
     assert state.timings((0.1, 0.2, 0.3)) == LaunchTimings(
         total=9.0,
         agents_started=1.5,
@@ -1720,6 +1741,21 @@ def test_rule_outside_an_allocation_the_error_names_the_setting_that_needs_one()
         hostlists.slurm_allocation({}, what="agent_start='srun'")
     with pytest.raises(RuntimeError, match=r"^hostnames='slurm' but no SLURM allocation"):
         hostlists.slurm_allocation({})
+
+
+def test_rule_what_slurm_cannot_give_is_a_slurm_error_and_still_a_runtime_error():
+    with pytest.raises(SlurmError) as raised:
+        hostlists.slurm_allocation({})
+    assert isinstance(raised.value, TorchrunxError)
+    assert isinstance(raised.value, RuntimeError)  # what callers caught before it had a class
+    allocation = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1", "SLURM_TASKS_PER_NODE": "1"}
+    with pytest.raises(SlurmError, match=r"\['other'\] are not nodes of SLURM job 7"):
+        hosts.resolve_hosts(["other"], "slurm", allocation)
+
+
+def test_rule_a_failed_exchange_of_shipped_code_is_a_torchrunx_error():
+    assert issubclass(ShipError, TorchrunxError)
+    assert not issubclass(ShipError, RuntimeError)
 
 
 def test_rule_without_scontrol_node_lists_are_expanded_by_torchrunx(no_scontrol):
@@ -2676,15 +2712,15 @@ def test_rule_connect_gives_the_last_try_at_least_a_moment(monkeypatch):
 
 def test_rule_after_a_restart_no_result_counts_before_it_comes():
     state = running(1, 2, keep_workers=True)
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
+    state.current.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 1.0)
     state.begin_stop(restart=True)
     state.next_attempt()
-    state.assign(state.agents[0], spec(0, 2, 1))
+    state.current.assign(state.agents[0], spec(0, 2, 1))
     for rank in state.ranks:
-        state.worker_hello(rank, 100 + rank.rank, 2000 + rank.rank)
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 2.0)
+        state.current.worker_hello(rank, 100 + rank.rank, 2000 + rank.rank)
+    state.current.worker_result(state.ranks[0], WorkerResult(0), [bytearray()], 2.0)
     assert not state.finished  # one result of this attempt, of two
-    state.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 2.0)
+    state.current.worker_result(state.ranks[1], WorkerResult(1), [bytearray()], 2.0)
     assert state.finished
 
 
@@ -2764,7 +2800,7 @@ def test_rule_with_spares_a_failed_host_is_quarantined_at_once():
     assert [f.kind for f in inbox.state.faults] == ["lost"]  # the cause of the restart
     (event,) = [e for e in parts.events if isinstance(e, HostQuarantined)]
     assert (event.host_index, event.hostname, event.state) == (1, "node1", "LOST")
-    assert inbox.state.world_changes == ["attempt 0: node1 (host 1, LOST) quarantined"]
+    assert inbox.state.agent_table.world_changes == ["attempt 0: node1 (host 1, LOST) quarantined"]
 
 
 def test_rule_min_hosts_without_spares_quarantines_the_failed_host():
@@ -2794,7 +2830,7 @@ def test_rule_an_end_while_stopping_or_starting_quarantines_nothing():
 
 def test_rule_a_live_agent_that_is_quarantined_is_told_to_stop_for_good():
     inbox, parts, peers = connected(spares=1)
-    inbox.state.attempt = 2
+    inbox.state.progress.attempt = 2
     agent = inbox.state.agents[0]
     inbox.quarantine(agent)
     (stop,) = peers[0].sent

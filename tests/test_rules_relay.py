@@ -114,7 +114,9 @@ def test_a_relaying_hosts_bootstrap_line_carries_the_mode_for_the_relay_alone():
     from torchrunx.launcher.records import AgentRecord
     from torchrunx.wire.bootstrap import AgentBootstrap
 
-    plan = LaunchPlan(hosts=(HostSlots("node1", 1),), methods=("ssh",), env={}, relay="auto")
+    plan = LaunchPlan(
+        hosts=(HostSlots("node1", 1),), methods=("ssh",), env={}, relay="auto", agent_timeout=5.0
+    )
     agent = AgentRecord(0, plan.hosts[0], "ssh", role="host")
     starts = AgentStarts(plan, [agent], 1234, b"s" * 32, 20, lambda *_: None)
     line = starts.bootstrap(agent, "10.0.0.1", relays=True)

@@ -129,37 +129,41 @@ def _launch_with_spare(hosts: int = 2, spares: int = 1) -> tuple[LaunchState, li
         AgentRecord(i, HostSlots(f"node{i}", 1), "ssh", role="host" if i < hosts else "spare")
         for i in range(hosts + spares)
     ]
-    state = LaunchState(agents, started=100.0, world=agents[:hosts], max_restarts=1)
+    state = LaunchState(
+        agents, agent_timeout=30.0, started=100.0, world=agents[:hosts], max_restarts=1
+    )
     for agent in agents:
         hello = AgentHello(agent.index, agent.slots.hostname, 1000 + agent.index, 1, 29500)
-        state.agent_hello(agent, conn=agent.index, hello=hello, now=101.0)
-    assert state.all_hellos
-    state.agents_ready(102.0)
+        state.agent_table.agent_hello(agent, conn=agent.index, hello=hello, now=101.0)
+    assert state.agent_table.all_hellos
+    state.agent_table.agents_ready(102.0)
     for position, agent in enumerate(agents[:hosts]):
         spec = WorkerSpec(position, agent.slots.hostname, 1, position, hosts, "h", 1, "gloo", 9.0)
-        state.assign(agent, spec)
+        state.current.assign(agent, spec)
     return state, agents
 
 
 def test_the_start_waits_only_for_the_worlds_hosts():
     agents = [AgentRecord(0, HostSlots("a", 1), "ssh"), AgentRecord(1, HostSlots("b", 1), "ssh")]
     agents[1].role = "spare"
-    state = LaunchState(agents, started=0.0, world=agents[:1])
-    state.agent_hello(agents[0], 0, AgentHello(0, "a", 1, 1, 2), 1.0)
-    assert state.all_hellos  # the spare's hello may come later
-    state.agents_ready(1.0)
+    state = LaunchState(agents, agent_timeout=30.0, started=0.0, world=agents[:1])
+    state.agent_table.agent_hello(agents[0], 0, AgentHello(0, "a", 1, 1, 2), 1.0)
+    assert state.agent_table.all_hellos  # the spare's hello may come later
+    state.agent_table.agents_ready(1.0)
     assert (agents[0].ready, agents[1].ready) == (True, False)  # no hello: not ready
-    state.move_phase(Phase.STARTING_WORKERS)
-    state.agent_hello(agents[1], 1, AgentHello(1, "b", 2, 1, 3), 2.0)
+    state.progress.move_phase(Phase.STARTING_WORKERS)
+    state.agent_table.agent_hello(agents[1], 1, AgentHello(1, "b", 2, 1, 3), 2.0)
     assert agents[1].ready  # a spare that says hello later waits at once
 
 
 def test_a_spare_that_fails_is_no_fault_of_the_run():
     state, agents = _launch_with_spare()
-    assert state.agent_failed(agents[2], AgentFailedError("node2", "x"), 1.0, lost=True) == []
-    assert (agents[2].state, state.faults, state.degraded) == (AgentState.LOST, [], True)
+    assert (
+        state.current.agent_failed(agents[2], AgentFailedError("node2", "x"), 1.0, lost=True) == []
+    )
+    assert (agents[2].state, state.faults, state.progress.degraded) == (AgentState.LOST, [], True)
     # ... and it does not make the launch unhealthy: only the world's hosts do.
-    state.degraded = False
+    state.progress.degraded = False
     report = state.health(105.0, max_restarts=1, cause=None)
     assert report.healthy
     assert [(a.hostname, a.role, a.state) for a in report.agents] == [
@@ -171,34 +175,37 @@ def test_a_spare_that_fails_is_no_fault_of_the_run():
 
 def test_a_hosts_failure_is_a_fault_and_quarantine_says_so():
     state, agents = _launch_with_spare()
-    state.agent_failed(agents[1], AgentFailedError("node1", "x"), 1.0)
+    state.current.agent_failed(agents[1], AgentFailedError("node1", "x"), 1.0)
     assert [(f.kind, f.host_index) for f in state.faults] == [("agent", 1)]
-    line = state.quarantine(agents[1])
+    line = state.agent_table.quarantine(agents[1])
     assert line == "attempt 0: node1 (host 1, FAILED) quarantined"
     assert agents[1].role == "quarantined"
     # A quarantined host's later end is no fault either.
-    assert state.agent_failed(agents[1], AgentFailedError("node1", "y"), 2.0) == []
+    assert state.current.agent_failed(agents[1], AgentFailedError("node1", "y"), 2.0) == []
     assert len(state.faults) == 1
 
 
 def test_reshaping_puts_the_spare_in_the_failed_hosts_place():
     state, agents = _launch_with_spare()
-    state.agent_failed(agents[0], AgentFailedError("node0", "x"), 1.0)
-    state.quarantine(agents[0])
-    lines = state.reshape_world(Reshape((2, 1), replaced=((0, 2),)))
+    state.current.agent_failed(agents[0], AgentFailedError("node0", "x"), 1.0)
+    state.agent_table.quarantine(agents[0])
+    lines = state.agent_table.reshape_world(Reshape((2, 1), replaced=((0, 2),)))
     assert lines == ["attempt 1: spare node2 replaces node0 (host 0)"]
     assert state.world == [agents[2], agents[1]]
     assert agents[2].role == "host"
-    assert state.world_changes == ["attempt 0: node0 (host 0, FAILED) quarantined", *lines]
-    assert state.unready_agents() == [agents[1]]  # the survivor still runs its workers
+    assert state.agent_table.world_changes == [
+        "attempt 0: node0 (host 0, FAILED) quarantined",
+        *lines,
+    ]
+    assert state.agent_table.unready_agents() == [agents[1]]  # the survivor still runs its workers
     report = state.health(105.0, max_restarts=1, cause=None)
-    assert report.world_changes == tuple(state.world_changes)
+    assert report.world_changes == tuple(state.agent_table.world_changes)
     assert [a.role for a in report.agents] == ["quarantined", "host", "host"]
 
 
 def test_reshaping_without_a_spare_drops_the_place():
     state, agents = _launch_with_spare(hosts=3, spares=0)
-    lines = state.reshape_world(Reshape((0, 2), dropped=(1,)))
+    lines = state.agent_table.reshape_world(Reshape((0, 2), dropped=(1,)))
     assert lines == ["attempt 1: no spare for node1: 2 hosts go on"]
     assert state.world == [agents[0], agents[2]]
 
@@ -215,8 +222,8 @@ def test_the_stop_and_the_end_are_the_worlds():
     state, agents = _launch_with_spare()
     agents[2].ready = False  # a spare that is busy is not waited for
     for agent in agents[:2]:
-        state.workers_ended(agent, WorkersEnded(1, attempt=0))
-    assert state.stopped
+        state.agent_table.workers_ended(agent, WorkersEnded(1, attempt=0))
+    assert state.agent_table.stopped
     timings = state.timings(connect=(0.0, 0.0))
     assert len(timings.agent_start) == 2
 
@@ -272,27 +279,27 @@ def test_the_default_grace_reads_this_process_and_scontrol(monkeypatch):
 def test_a_spare_that_says_hello_during_the_start_waits_like_the_others():
     agents = [AgentRecord(0, HostSlots("a", 1), "ssh"), AgentRecord(1, HostSlots("b", 1), "ssh")]
     agents[1].role = "spare"
-    state = LaunchState(agents, started=0.0, world=agents[:1])
-    state.agent_hello(agents[1], 1, AgentHello(1, "b", 2, 1, 3), 1.0)
+    state = LaunchState(agents, agent_timeout=30.0, started=0.0, world=agents[:1])
+    state.agent_table.agent_hello(agents[1], 1, AgentHello(1, "b", 2, 1, 3), 1.0)
     assert not agents[1].ready  # the start: agents_ready makes every agent that said hello wait
     agents[0].role = "quarantined"  # a quarantined host's late hello makes it wait for nothing
-    state.move_phase(Phase.STARTING_WORKERS)
-    state.agent_hello(agents[0], 0, AgentHello(0, "a", 1, 1, 2), 2.0)
+    state.progress.move_phase(Phase.STARTING_WORKERS)
+    state.agent_table.agent_hello(agents[0], 0, AgentHello(0, "a", 1, 1, 2), 2.0)
     assert not agents[0].ready
 
 
 def test_a_failed_spare_is_judged_no_longer():
     state, agents = _launch_with_spare()
     agents[2].judge_by = 5.0
-    state.agent_failed(agents[2], None, 1.0)
+    state.current.agent_failed(agents[2], None, 1.0)
     assert agents[2].judge_by is None
 
 
 def test_a_dropped_place_names_every_failed_host_and_the_next_start_is_the_worlds():
     state, _ = _launch_with_spare(hosts=4, spares=0)
-    lines = state.reshape_world(Reshape((0, 3), dropped=(1, 2)))
+    lines = state.agent_table.reshape_world(Reshape((0, 3), dropped=(1, 2)))
     assert lines == ["attempt 1: no spare for node1, node2: 2 hosts go on"]
-    assert state.all_hellos  # the hosts left all said hello: nothing to wait for
+    assert state.agent_table.all_hellos  # the hosts left all said hello: nothing to wait for
 
 
 # -- the end of a preemption (end_preemption: what it returns, and whether the job was requeued)

@@ -25,23 +25,23 @@ STARTED = 100.0
 def agents_up(hosts: int = 2, workers: int = 1) -> LaunchState:
     """Every agent said hello (t=101) and waits for its first spec, as after Launch.open."""
     agents = [AgentRecord(i, HostSlots(f"node{i}", workers), "ssh") for i in range(hosts)]
-    state = LaunchState(agents, started=STARTED)
+    state = LaunchState(agents, agent_timeout=30.0, started=STARTED)
     for agent in agents:
         hello = AgentHello(agent.index, agent.slots.hostname, 1000 + agent.index, workers, 29500)
-        state.agent_hello(agent, conn=agent.index, hello=hello, now=101.0)
-    state.agents_ready(102.5)
+        state.agent_table.agent_hello(agent, conn=agent.index, hello=hello, now=101.0)
+    state.agent_table.agents_ready(102.5)
     return state
 
 
 def assign_all(state: LaunchState) -> None:
     hosts, workers = len(state.agents), state.agents[0].slots.workers
     for agent in state.agents:
-        state.assign(agent, worker_spec(agent.index, hosts, workers, state.attempt))
+        state.current.assign(agent, worker_spec(agent.index, hosts, workers, state.attempt))
 
 
 def all_run(state: LaunchState) -> None:
     for rank in state.ranks:
-        state.worker_hello(rank, conn=100 + rank.rank, pid=2000 + rank.rank)
+        state.current.worker_hello(rank, conn=100 + rank.rank, pid=2000 + rank.rank)
 
 
 # -- the start of the agents and of a run ------------------------------------------------------
@@ -49,9 +49,9 @@ def all_run(state: LaunchState) -> None:
 
 def test_rule_once_every_agent_said_hello_each_waits_for_a_spec_and_the_start_is_timed():
     state = agents_up()
-    assert state.unready_agents() == []
+    assert state.agent_table.unready_agents() == []
     assert all(a.ready for a in state.agents)
-    assert state.agents_started_after == 2.5
+    assert state.agent_table.agents_started_after == 2.5
 
 
 def test_rule_a_launchs_run_counts_from_the_launchs_start_a_warm_run_from_its_own():
@@ -88,9 +88,9 @@ def test_rule_a_failure_stops_the_launch_and_makes_it_unhealthy_at_once():
     state.start_run(110.0, warm=False)
     assign_all(state)
     all_run(state)
-    assert state.phase is Phase.RUNNING and state.degraded is False
+    assert state.phase is Phase.RUNNING and state.progress.degraded is False
     state.begin_failure()
-    assert state.phase is Phase.STOPPING and state.degraded is True
+    assert state.phase is Phase.STOPPING and state.progress.degraded is True
     assert state.health(111.0, max_restarts=0, cause=None).healthy is False
     state.failed_run()
     assert state.phase is Phase.FAILED
@@ -102,8 +102,8 @@ def test_rule_a_stop_restarts_or_stops_and_what_fails_then_is_its_consequence(re
     assign_all(state)
     all_run(state)
     state.begin_stop(restart=restart)
-    assert state.phase is phase and state.stopping is True
-    state.add_fault("agent", AgentFailedError("node1", "gone"), 111.0, host_index=1)
+    assert state.phase is phase and state.progress.stopping is True
+    state.current.add_fault("agent", AgentFailedError("node1", "gone"), 111.0, host_index=1)
     assert state.faults[0].while_stopping is True
 
 
@@ -118,20 +118,20 @@ def test_rule_the_stop_of_a_failed_run_stays_a_stop_though_the_agents_stay():
 def test_rule_a_late_hello_while_the_launch_stops_neither_runs_it_nor_heals_it():
     state = agents_up(hosts=1, workers=2)
     assign_all(state)
-    state.worker_hello(state.ranks[0], conn=100, pid=2000)
-    state.add_fault("exception", ValueError("x"), 105.0, rank=state.ranks[0])
+    state.current.worker_hello(state.ranks[0], conn=100, pid=2000)
+    state.current.add_fault("exception", ValueError("x"), 105.0, rank=state.ranks[0])
     state.begin_stop(restart=True)
-    state.worker_hello(state.ranks[1], conn=101, pid=2001)  # comes in during the stop
-    assert state.phase is Phase.RESTARTING and state.degraded is True
+    state.current.worker_hello(state.ranks[1], conn=101, pid=2001)  # comes in during the stop
+    assert state.phase is Phase.RESTARTING and state.progress.degraded is True
 
 
 def test_rule_a_hello_after_a_failure_but_before_the_stop_does_not_run_the_launch():
     state = agents_up(hosts=1, workers=2)
     assign_all(state)
-    state.worker_hello(state.ranks[0], conn=100, pid=2000)
+    state.current.worker_hello(state.ranks[0], conn=100, pid=2000)
     state.begin_failure()  # the failure is known; the Stop is not sent yet
-    state.worker_hello(state.ranks[1], conn=101, pid=2001)
-    assert state.phase is Phase.STOPPING and state.degraded is True
+    state.current.worker_hello(state.ranks[1], conn=101, pid=2001)
+    assert state.phase is Phase.STOPPING and state.progress.degraded is True
 
 
 def test_rule_a_restart_that_could_not_be_made_raises_its_cause_named_once():
@@ -149,8 +149,8 @@ def test_rule_a_restart_that_could_not_be_made_raises_its_cause_named_once():
 
 def test_rule_a_replaced_agent_starts_anew_on_the_same_host_and_waits_once_it_said_hello():
     state = agents_up()
-    state.move_agent(state.agents[1], AgentState.LOST)
-    old = state.replace_agent(1)
+    state.agent_table.move_agent(state.agents[1], AgentState.LOST)
+    old = state.agent_table.replace_agent(1)
     assert old.state is AgentState.LOST
     new = state.agents[1]
     assert (new.index, new.slots, new.method, new.state) == (
@@ -160,17 +160,17 @@ def test_rule_a_replaced_agent_starts_anew_on_the_same_host_and_waits_once_it_sa
         AgentState.STARTING,
     )
     assert new.hello is None
-    state.replacements_started([1])
+    state.agent_table.replacements_started([1])
     assert new.ready is False  # it never said hello
     hello = AgentHello(1, "node1", 1001, 1, 29500)
-    state.agent_hello(new, conn=7, hello=hello, now=130.0)
-    state.replacements_started([1])
-    assert new.ready is True and state.unready_agents() == []
+    state.agent_table.agent_hello(new, conn=7, hello=hello, now=130.0)
+    state.agent_table.replacements_started([1])
+    assert new.ready is True and state.agent_table.unready_agents() == []
 
 
 def test_rule_before_a_warm_run_what_failed_while_idle_is_forgotten():
     state = agents_up()
-    state.add_fault("lost", AgentFailedError("node1", "silent"), 105.0, host_index=1)
+    state.current.add_fault("lost", AgentFailedError("node1", "silent"), 105.0, host_index=1)
     assert state.failed
     state.forget_idle_faults()
     assert state.faults == [] and not state.failed
@@ -184,34 +184,39 @@ def test_rule_after_a_warm_run_its_failures_are_forgotten_and_the_agents_wait(su
     all_run(state)
     if succeeded:
         for rank in state.ranks:
-            state.worker_result(rank, WorkerResult(rank.rank), [bytearray(b"x")], 111.0)
+            state.current.worker_result(rank, WorkerResult(rank.rank), [bytearray(b"x")], 111.0)
         state.succeeded()
     else:
-        state.add_fault("exception", ValueError("x"), 111.0, rank=state.ranks[0])
+        state.current.add_fault("exception", ValueError("x"), 111.0, rank=state.ranks[0])
         state.begin_failure()
         state.add_extra_failure("and something else")
         state.failed_run()
     state.after_run(keep_workers=False)
-    assert state.phase is Phase.IDLE and state.degraded is False
+    assert state.phase is Phase.IDLE and state.progress.degraded is False
     assert state.history == [] and state.extra_failures == [] and state.faults == []
-    assert state.between_runs is True and state.ranks == []
+    assert state.progress.between_runs is True and state.ranks == []
     assert state.health(112.0, max_restarts=0, cause=None).healthy is True
 
 
 def test_rule_after_a_successful_run_kept_workers_stay_with_their_ranks():
     state = LaunchState(
-        [AgentRecord(0, HostSlots("node0", 1), "ssh")], started=STARTED, keep_workers=True
+        [AgentRecord(0, HostSlots("node0", 1), "ssh")],
+        agent_timeout=30.0,
+        started=STARTED,
+        keep_workers=True,
     )
-    state.agent_hello(state.agents[0], conn=0, hello=AgentHello(0, "node0", 1000, 1, 1), now=101.0)
-    state.agents_ready(101.0)
+    state.agent_table.agent_hello(
+        state.agents[0], conn=0, hello=AgentHello(0, "node0", 1000, 1, 1), now=101.0
+    )
+    state.agent_table.agents_ready(101.0)
     state.start_run(110.0, warm=True)
     assign_all(state)
     all_run(state)
-    state.worker_result(state.ranks[0], WorkerResult(0), [bytearray(b"x")], 111.0)
+    state.current.worker_result(state.ranks[0], WorkerResult(0), [bytearray(b"x")], 111.0)
     state.succeeded()
     state.after_run(keep_workers=True)
-    assert state.kept_workers is True and len(state.ranks) == 1
-    assert state.kept_workers_well()
+    assert state.progress.kept_workers is True and len(state.ranks) == 1
+    assert state.current.kept_workers_well()
 
 
 # -- the phase table -------------------------------------------------------------------------
@@ -221,8 +226,8 @@ def test_rule_a_phase_move_outside_the_table_is_refused_and_names_both_phases():
     state = agents_up()
     assert Phase.SUCCEEDED not in PHASE_MOVES[Phase.STARTING_AGENTS]
     with pytest.raises(ValueError, match=r"^launch: starting agents -> succeeded$"):
-        state.move_phase(Phase.SUCCEEDED)
-    state.move_phase(Phase.STARTING_AGENTS)  # staying is allowed
+        state.progress.move_phase(Phase.SUCCEEDED)
+    state.progress.move_phase(Phase.STARTING_AGENTS)  # staying is allowed
     assert state.phase is Phase.STARTING_AGENTS
 
 
@@ -238,10 +243,12 @@ def test_rule_every_phase_can_end_and_only_failures_reach_failed():
 def test_rule_an_agent_failure_is_a_failed_agent_and_an_agent_fault_by_default():
     state = agents_up()
     error = AgentFailedError("node1", "died")
-    assert state.agent_failed(state.agents[1], error, 105.0) == []
+    assert state.current.agent_failed(state.agents[1], error, 105.0) == []
     assert state.agents[1].state is AgentState.FAILED
     assert state.faults == [Fault("agent", error, 105.0, 0, None, 1)]
-    state.agent_failed(state.agents[0], None, 106.0, lost=True)  # no fault: while stopping, say
+    state.current.agent_failed(
+        state.agents[0], None, 106.0, lost=True
+    )  # no fault: while stopping, say
     assert state.agents[0].state is AgentState.LOST and len(state.faults) == 1
 
 

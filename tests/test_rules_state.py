@@ -72,19 +72,19 @@ WORKER_PATHS: dict[WorkerState, list[WorkerState]] = {
 
 def _launch() -> tuple[LaunchState, AgentRecord, RankRecord]:
     agent = AgentRecord(0, HostSlots("node0", 1), "local")
-    state = LaunchState([agent], started=0.0)
-    state.assign(agent, WorkerSpec(0, "node0", 1, 0, 1, "127.0.0.1", 29500, "gloo", 60.0))
+    state = LaunchState([agent], agent_timeout=30.0, started=0.0)
+    state.current.assign(agent, WorkerSpec(0, "node0", 1, 0, 1, "127.0.0.1", 29500, "gloo", 60.0))
     return state, agent, state.ranks[0]
 
 
 def _agent_in(state: LaunchState, agent: AgentRecord, target: AgentState) -> None:
     for new in AGENT_PATHS[target]:
-        state.move_agent(agent, new)
+        state.agent_table.move_agent(agent, new)
 
 
 def _rank_in(state: LaunchState, rank: RankRecord, target: WorkerState) -> None:
     for new in WORKER_PATHS[target]:
-        state.move_rank(rank, new)
+        state.current.move_rank(rank, new)
 
 
 def test_the_tables_name_every_state():
@@ -104,15 +104,15 @@ def test_rule_an_agent_moves_only_along_the_diagram_and_a_final_state_stays(old,
     state, agent, _ = _launch()
     _agent_in(state, agent, old)
     if old in AGENT_FINAL or old == new:
-        assert state.move_agent(agent, new) is False
+        assert state.agent_table.move_agent(agent, new) is False
         assert agent.state is old
     elif (old, new) in AGENT_ALLOWED:
-        assert state.move_agent(agent, new) is True
+        assert state.agent_table.move_agent(agent, new) is True
         assert agent.state is new
-        assert state.degraded is (new in (A.FAILED, A.LOST))
+        assert state.progress.degraded is (new in (A.FAILED, A.LOST))
     else:
         with pytest.raises(ValueError, match=f"{old.value} -> {new.value}"):
-            state.move_agent(agent, new)
+            state.agent_table.move_agent(agent, new)
         assert agent.state is old
 
 
@@ -126,10 +126,10 @@ def test_rule_a_worker_moves_only_along_the_diagram_and_a_final_state_stays(old,
     state, _, rank = _launch()
     _rank_in(state, rank, old)
     if old in WORKER_FINAL or old == new:
-        assert state.move_rank(rank, new) == []
+        assert state.current.move_rank(rank, new) == []
         assert rank.state is old
     elif (old, new) in WORKER_ALLOWED:
-        events = state.move_rank(rank, new)
+        events = state.current.move_rank(rank, new)
         assert rank.state is new
         assert [(type(e), e.old, e.new) for e in events if isinstance(e, WorkerStateChanged)] == [
             (WorkerStateChanged, old, new)
@@ -137,7 +137,7 @@ def test_rule_a_worker_moves_only_along_the_diagram_and_a_final_state_stays(old,
         assert len(events) == 1
     else:
         with pytest.raises(ValueError, match=f"{old.value} -> {new.value}"):
-            state.move_rank(rank, new)
+            state.current.move_rank(rank, new)
         assert rank.state is old
 
 
@@ -146,7 +146,7 @@ def test_rule_a_failure_of_a_rank_that_ended_is_recorded_but_does_not_move_it(fi
     """Rule: a rank fails once; a fault learnt after its end is a fact, not a move."""
     state, _, rank = _launch()
     _rank_in(state, rank, final)
-    assert state.add_fault("exception", ValueError("late"), 1.0, rank=rank) == []
+    assert state.current.add_fault("exception", ValueError("late"), 1.0, rank=rank) == []
     assert rank.state is final
     assert [f.kind for f in state.faults] == ["exception"]
 
@@ -166,7 +166,7 @@ def test_rule_every_documented_worker_life_can_be_lived_from_init(path):
     """Rule: each documented life of a worker, from INIT to a final state, is allowed."""
     state, _, rank = _launch()
     for new in path:
-        assert state.move_rank(rank, new) != []
+        assert state.current.move_rank(rank, new) != []
     assert rank.state is path[-1]
     assert rank.state.is_final
 
@@ -180,5 +180,5 @@ def test_rule_every_documented_agent_life_can_be_lived_from_starting(path):
     """Rule: each documented life of an agent, from STARTING to a final state, is allowed."""
     state, agent, _ = _launch()
     for new in path:
-        assert state.move_agent(agent, new) is True
+        assert state.agent_table.move_agent(agent, new) is True
     assert agent.over

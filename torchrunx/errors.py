@@ -14,8 +14,13 @@
     │   ├── SerializationError          (also a TypeError) the function, an argument or a
     │   │                               return value cannot be pickled
     │   ├── ProtocolError               a peer broke the wire protocol or failed to authenticate
-    │   └── SlurmError                  (also a RuntimeError) a SLURM command failed, or a
-    │                                   submitted job ended without a result (trx.submit)
+    │   ├── ShipError                   shipping code to a host failed (it ended, answered out
+    │   │                               of turn, or took too long): the start's AgentFailedError
+    │   │                               names it
+    │   └── SlurmError                  (also a RuntimeError) SLURM cannot give what a setting
+    │                                   asks for (no allocation, a host outside it, no srun),
+    │                                   a SLURM command failed, or a submitted job ended
+    │                                   without a result (trx.submit)
     └── <the user's own exception>      re-raised with its own type when a worker raises it;
                                         its remote traceback is attached as ``__cause__``
 
@@ -26,8 +31,9 @@
                                         uncaught, as a SIGTERM without a grace gives
 
 Validation of ``Launcher`` fields raises plain ``ValueError`` / ``TypeError`` before any host is
-touched. Third-party errors (paramiko, socket, pickle) are translated here at the boundary with
-``raise ... from exc``.
+touched; what SLURM cannot give raises :class:`SlurmError`, a ``RuntimeError`` too (what it was
+before it had a class of its own). Third-party errors (paramiko, socket, pickle) are translated
+here at the boundary with ``raise ... from exc``.
 """
 
 from __future__ import annotations
@@ -240,10 +246,21 @@ class ProtocolError(TorchrunxError):
     """A peer sent something that is not torchrunx's wire protocol, or failed to authenticate."""
 
 
-class SlurmError(TorchrunxError, RuntimeError):
-    """A SLURM command failed (``sbatch``, ``scancel``...), or a job ended without a result.
+class ShipError(TorchrunxError):
+    """Shipping code to a host failed: it ended, answered out of turn, or took too long.
 
-    Also a ``RuntimeError``, which SLURM failures raised before this class existed.
+    Raised by the launcher's side of the exchange (:mod:`torchrunx.launcher.ship`); the start
+    of the host's agent turns it into an :class:`AgentFailedError` that names it.
+    """
+
+
+class SlurmError(TorchrunxError, RuntimeError):
+    """SLURM cannot give what a setting asks for.
+
+    ``hostnames="slurm"``, ``workers_per_host="slurm"`` or ``agent_start="srun"`` outside an
+    allocation, a host that is not a node of the job, or no ``srun`` on this machine. Also a
+    ``RuntimeError``, as these were before. Also a failed SLURM command (``sbatch``,
+    ``scancel``) and a job of :func:`torchrunx.submit` that ended without a result.
     """
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchrunx.errors import SlurmError
+
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
@@ -175,13 +177,13 @@ def slurm_allocation(
         what: The setting that needs the allocation, named in the error.
 
     Raises:
-        RuntimeError: No allocation was detected.
+        SlurmError: No allocation was detected.
         ValueError: A ``SLURM_*`` variable cannot be parsed, or its node list names what is no
             host name (see :func:`check_host_name`).
     """
     env = os.environ if environ is None else environ
     if not in_slurm_allocation(env):
-        raise RuntimeError(
+        raise SlurmError(
             f"{what} but no SLURM allocation was detected (SLURM_JOB_ID and "
             "SLURM_JOB_NODELIST are not set); run inside sbatch or salloc, or give the hosts "
             "and workers per host explicitly"

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torchrunx import plugins
 from torchrunx.devices import count_local_cpus, count_local_gpus
+from torchrunx.errors import SlurmError
 from torchrunx.hosts.hostlists import (
     HostSlots,
     check_host_name,
@@ -209,7 +210,7 @@ def resolve_hosts(
     ``field``: the field's name in the messages (``"spare_hosts"``).
 
     Raises:
-        RuntimeError: ``"slurm"`` outside an allocation, or a host that is not in it.
+        SlurmError: ``"slurm"`` outside an allocation, or a host that is not in it.
         ValueError: A list whose length differs from the number of hosts; a bad hostfile; a
             resolved name that is not a host name (see :func:`check_hostname`), naming where
             it came from: the field, a hostfile and its line, SLURM's node list, a provider.
@@ -261,7 +262,7 @@ def _assign_workers(
         allocation = slurm_allocation(env, what="workers_per_host='slurm'")
         missing = [h for h in names if h not in allocation.nodes]
         if missing:
-            raise RuntimeError(
+            raise SlurmError(
                 f"workers_per_host='slurm' but {missing} are not nodes of SLURM job "
                 f"{allocation.job_id} ({list(allocation.nodes)})"
             )

@@ -1,29 +1,30 @@
-"""The agents and ranks of one attempt, as pure data: what each is, and what it reported.
+"""The ranks of one attempt, as pure data: what each is and reported, and the faults seen.
 
-:class:`AttemptState` applies what the launch reads about its agents and ranks (hellos,
-forks, exits, outcomes, ends of connections) by the moves of :mod:`torchrunx.launcher.records`,
-records failures as :class:`~torchrunx.launcher.records.Fault` facts, and returns the public
-events that follow. :class:`~torchrunx.launcher.state.LaunchState` adds the launch around it
-(runs, stops, restarts, phases, read-outs). Nothing here touches a socket, a process or the
-clock.
+:class:`AttemptState` is the attempt's part of :class:`~torchrunx.launcher.state.LaunchState`:
+it holds the ranks of the current attempt, its faults and the stacks dumped on a stop. It
+applies what the launch reads about the workers (specs assigned, forks, hellos, exits,
+outcomes, ends of connections) by :data:`~torchrunx.launcher.records.WORKER_MOVES`, records
+failures (a rank's, an agent's, the launcher's) as :class:`~torchrunx.launcher.records.Fault`
+facts, and returns the public events that follow. The agents are the
+:class:`~torchrunx.launcher.agent_table.AgentTable`'s (it reads them, and moves one that failed
+there); the launch around the attempt (runs, stops, restarts, read-outs) is the launch
+state's. Nothing here touches a socket, a process or the clock.
 
 A rank's end has two halves: its agent reports the exit (``WorkerExited``), and its channel
 (through the agent) carries its outcome (a result or an exception) and then ends; a large
 outcome comes on a connection of the worker's own instead, and travels apart (the channel
 says so first: ``DirectOutcome``). A rank "settles" when both are known, or, if its channel or
 that connection stays open (a forked child may hold it),
-:data:`~torchrunx.launcher.records.OUTCOME_WAIT` seconds after its exit. An agent's end is
-judged the same way: its exit can overtake its last message (``AgentDone``) on its connection.
+:data:`~torchrunx.launcher.records.OUTCOME_WAIT` seconds after its exit (an agent's end is
+judged the same way, by the agent table).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torchrunx.errors import WorkerFailedError
 from torchrunx.events import (
-    AgentStarted,
     AgentState,
     Event,
     WorkerFailed,
@@ -32,12 +33,9 @@ from torchrunx.events import (
 )
 from torchrunx.events import WorkersStarted as WorkersStartedEvent
 from torchrunx.launcher.records import (
-    AGENT_MOVES,
     OUTCOME_WAIT,
-    PHASE_MOVES,
     RUNNING_STATES,
     WORKER_MOVES,
-    AgentRecord,
     Fault,
     FaultKind,
     Phase,
@@ -46,58 +44,34 @@ from torchrunx.launcher.records import (
 from torchrunx.launcher.reports import summary
 
 if TYPE_CHECKING:
+    from torchrunx.launcher.agent_table import AgentTable
+    from torchrunx.launcher.records import AgentRecord, Progress
     from torchrunx.wire.messages import (
-        AgentHello,
         WorkerExited,
         WorkerHello,
         WorkerResult,
-        WorkersEnded,
         WorkerSpec,
         WorkersStarted,
     )
 
 
-@dataclass
 class AttemptState:
-    """Every agent and rank of one launch's current attempt, and the faults seen."""
+    """The ranks of one launch's current attempt, its faults, and the stacks of a stop."""
 
-    agents: list[AgentRecord]
-    started: float
-    """Monotonic time the launch started."""
-    kept_workers: bool = False
-    """Between warm runs: the last run's workers stay, with their ranks, for the next call."""
-    ranks: list[RankRecord] = field(default_factory=list)
-    faults: list[Fault] = field(default_factory=list)
-    stacks: dict[int, str] = field(default_factory=dict)
-    """Python stacks of ranks still running when the launch stopped."""
-    phase: Phase = Phase.STARTING_AGENTS
-    attempt: int = 0
-    stopping: bool = False
-    between_runs: bool = False
-    """Warm agents after a run, until the next run's specs are sent."""
-    degraded: bool = False
-    """Something failed; healthy again once a restart's workers all run."""
-    _results: int = 0
-    _running: int = 0
-    """Ranks that are HEALTHY or SUCCEEDED."""
-    _alarmed: set[int] = field(default_factory=set)
-    _waiting_ranks: set[int] = field(default_factory=set)
-    _waiting_agents: set[int] = field(default_factory=set)
-
-    def move_agent(self, agent: AgentRecord, new: AgentState) -> bool:
-        """Move ``agent`` to ``new``; ``False`` (no change) if it already ended.
-
-        Raises:
-            ValueError: The move is not one of :data:`AGENT_MOVES` (a bug).
-        """
-        if agent.state == new or agent.over:
-            return False
-        if new not in AGENT_MOVES[agent.state]:
-            raise ValueError(f"agent {agent.index}: {agent.state.value} -> {new.value}")
-        agent.state = new
-        if new in (AgentState.FAILED, AgentState.LOST):
-            self.degraded = True
-        return True
+    def __init__(self, table: AgentTable, progress: Progress) -> None:
+        """An attempt with no rank yet, on the agents of ``table``."""
+        self.table = table
+        self.progress = progress
+        self.ranks: list[RankRecord] = []
+        self.faults: list[Fault] = []
+        self.stacks: dict[int, str] = {}
+        """Python stacks of ranks still running when the launch stopped."""
+        self._results = 0
+        self._running = 0
+        """Ranks that are HEALTHY or SUCCEEDED."""
+        self._alarmed: set[int] = set()
+        self._waiting: set[int] = set()
+        """Ranks whose exit waits for their outcome (:meth:`settle`)."""
 
     def move_rank(self, rank: RankRecord, new: WorkerState) -> list[Event]:
         """Move ``rank`` to ``new``; the event that says so (none if it already ended).
@@ -112,35 +86,24 @@ class AttemptState:
         old, rank.state = rank.state, new
         self._running += (new in RUNNING_STATES) - (old in RUNNING_STATES)
         # Workers that start (fresh, or a restart's) all run; never while the launch stops.
-        starting = self.phase in (Phase.STARTING_WORKERS, Phase.RESTARTING) and not self.stopping
+        starting = (
+            self.progress.phase in (Phase.STARTING_WORKERS, Phase.RESTARTING)
+            and not self.progress.stopping
+        )
         if new in RUNNING_STATES and self._running == len(self.ranks) and starting:
-            self.degraded = False  # after a restart: healthy again once every worker runs
-            self.move_phase(Phase.RUNNING)
+            self.progress.degraded = False  # after a restart: healthy again once every worker runs
+            self.progress.move_phase(Phase.RUNNING)
         return [
             WorkerStateChanged(
                 rank.rank,
                 rank.host_index,
-                self.hostname(rank),
+                self.table.hostname(rank),
                 rank.local_rank,
-                self.attempt,
+                self.progress.attempt,
                 old,
                 new,
             )
         ]
-
-    def move_phase(self, new: Phase) -> None:
-        """Move the launch to phase ``new`` (staying is allowed).
-
-        Raises:
-            ValueError: The move is not one of :data:`PHASE_MOVES` (a bug).
-        """
-        if new is not self.phase and new not in PHASE_MOVES[self.phase]:
-            raise ValueError(f"launch: {self.phase.value} -> {new.value}")
-        self.phase = new
-
-    def hostname(self, rank: RankRecord) -> str:
-        """The host name of ``rank``'s agent."""
-        return self.agents[rank.host_index].slots.hostname
 
     def add_fault(
         self,
@@ -160,14 +123,14 @@ class AttemptState:
                 len(self.faults),
                 None if rank is None else rank.rank,
                 host_index if rank is None else rank.host_index,
-                while_stopping=self.stopping,
+                while_stopping=self.progress.stopping,
             )
         )
-        self.degraded = True
+        self.progress.degraded = True
         if rank is None:
             return []
         if rank.state.is_final:
-            if not self.kept_workers:
+            if not self.progress.kept_workers:
                 return []
             events: list[Event] = []  # a kept worker, between runs: it ran, and died since
         else:
@@ -176,9 +139,9 @@ class AttemptState:
             WorkerFailed(
                 rank.rank,
                 rank.host_index,
-                self.hostname(rank),
+                self.table.hostname(rank),
                 rank.local_rank,
-                self.attempt,
+                self.progress.attempt,
                 summary(error),
             )
         )
@@ -188,25 +151,6 @@ class AttemptState:
     def failed(self) -> bool:
         """Whether any failure was recorded in this attempt."""
         return bool(self.faults)
-
-    def agent_hello(
-        self, agent: AgentRecord, conn: int, hello: AgentHello, now: float
-    ) -> list[Event]:
-        """An agent connected back and said what its host offers."""
-        agent.conn, agent.hello, agent.last_heard = conn, hello, now
-        agent.free_port = hello.free_port
-        agent.started_after = now - self.started
-        self.move_agent(agent, AgentState.RUNNING)
-        return [
-            AgentStarted(
-                agent.index,
-                agent.slots.hostname,
-                hello.pid,
-                hello.slots,
-                agent.started_after,
-                gpus=hello.gpus,
-            )
-        ]
 
     def workers_forked(self, agent: AgentRecord, message: WorkersStarted) -> list[Event]:
         """An agent forked its workers."""
@@ -221,71 +165,35 @@ class AttemptState:
             WorkersStartedEvent(
                 agent.index,
                 agent.slots.hostname,
-                self.attempt,
+                self.progress.attempt,
                 tuple(range(offset, offset + len(message.pids))),
                 message.pids,
                 backend=agent.spec.backend,
             )
         ]
 
-    def workers_ended(self, agent: AgentRecord, message: WorkersEnded) -> bool:
-        """The agent's workers of an attempt ended and it waits; ``False`` for a late reply.
-
-        A reply about an earlier attempt (it crossed a restart) changes nothing.
-        """
-        # Between warm runs, an earlier attempt's reply means the same (an agent that was slow
-        # to stop the last run's workers): the agent waits for a spec.
-        late = self.between_runs and message.attempt < self.attempt
-        if message.attempt != self.attempt and not late:
-            return False
-        agent.free_port, agent.ready = message.free_port, True
-        return True
-
-    def heard_from(self, agent: AgentRecord, now: float) -> None:
-        """A message came from ``agent`` (any message counts as a heartbeat)."""
-        agent.last_heard = now
-
     def agent_failed(
         self, agent: AgentRecord, error: BaseException | None, at: float, *, lost: bool = False
     ) -> list[Event]:
         """``agent`` failed (``lost``: fell silent): its move, and its fault.
 
-        No fault if ``error`` is None: a failure while the launch stops is no fault of the run.
+        No fault if ``error`` is None (a failure while the launch stops is no fault of the run),
+        nor for a spare's or a quarantined host's failure.
         """
-        agent.judge_by = None
-        self.move_agent(agent, AgentState.LOST if lost else AgentState.FAILED)
-        if error is None:
+        self.table.agent_judged(agent)
+        self.table.move_agent(agent, AgentState.LOST if lost else AgentState.FAILED)
+        if error is None or agent.role != "host":
             return []
         kind: FaultKind = "lost" if lost else "agent"
         return self.add_fault(kind, error, at, host_index=agent.index)
 
-    def agent_judged(self, agent: AgentRecord) -> None:
-        """``agent``'s end was judged (it had ended well, or its failure is recorded)."""
-        agent.judge_by = None
-
-    def agent_done(self, agent: AgentRecord) -> None:
-        """The agent's workers all ended and were reaped; it exits next."""
-        self.move_agent(agent, AgentState.DONE)
-
-    def agent_exited(self, agent: AgentRecord, status: int | None, now: float) -> bool:
-        """Its process ended; ``True`` if that is judged now (see :meth:`judge_agent_end`)."""
-        agent.exited, agent.exit_status = True, status
-        if agent.conn is not None and not agent.conn_closed and not agent.over:
-            agent.judge_by = now + OUTCOME_WAIT  # its last messages may still be on the way
-            self._waiting_agents.add(agent.index)
-            return False
-        return True
-
-    def agent_conn_closed(self, agent: AgentRecord) -> bool:
-        """Its connection ended; ``True`` if the agent must be judged now."""
-        agent.conn_closed = True
-        return not agent.over
-
     def assign(self, agent: AgentRecord, spec: WorkerSpec) -> None:
         """Give ``agent`` its workers of this attempt (ranks ``rank_offset`` onwards)."""
-        if self.phase is not Phase.RESTARTING:  # a restart is one until its workers all run
-            self.move_phase(Phase.STARTING_WORKERS)
-        self.between_runs = False
+        if (
+            self.progress.phase is not Phase.RESTARTING
+        ):  # a restart is one until its workers all run
+            self.progress.move_phase(Phase.STARTING_WORKERS)
+        self.progress.between_runs = False
         agent.spec, agent.ready, agent.pids = spec, False, ()
         self.ranks.extend(
             RankRecord(spec.rank_offset + local, agent.index, local)
@@ -305,7 +213,7 @@ class AttemptState:
         A worker of an earlier attempt may connect late (after a restart), and a rank has one
         connection: a second hello for it is refused.
         """
-        if message.attempt != self.attempt or not 0 <= message.rank < len(self.ranks):
+        if message.attempt != self.progress.attempt or not 0 <= message.rank < len(self.ranks):
             return None
         rank = self.ranks[message.rank]
         return rank if rank.conn is None else None
@@ -354,7 +262,7 @@ class AttemptState:
             return True
         # Its outcome may still be on its way (on a connection of its own, or its hello).
         rank.settle_by = now + OUTCOME_WAIT
-        self._waiting_ranks.add(rank.rank)
+        self._waiting.add(rank.rank)
         if message.signal is not None or message.exitcode not in (0, None):
             self._alarmed.add(rank.rank)
         return False
@@ -384,7 +292,7 @@ class AttemptState:
         The hello on it must name a rank of this attempt whose worker said hello on its channel
         with the same pid, and that has no outcome and no such connection yet.
         """
-        if message.attempt != self.attempt or not 0 <= message.rank < len(self.ranks):
+        if message.attempt != self.progress.attempt or not 0 <= message.rank < len(self.ranks):
             return None
         rank = self.ranks[message.rank]
         usable = rank.conn is not None and rank.direct is None and not rank.has_outcome
@@ -402,7 +310,7 @@ class AttemptState:
         had signalled it; else it died: a ``death`` fault with its exit status or signal.
         """
         rank.settle_by = None
-        self._waiting_ranks.discard(rank.rank)
+        self._waiting.discard(rank.rank)
         self._alarmed.discard(rank.rank)
         exited = rank.exited
         if exited is None or rank.settled:
@@ -413,7 +321,7 @@ class AttemptState:
         if exited.stopped:
             return self.move_rank(rank, WorkerState.STOPPED)
         error = WorkerFailedError(
-            self.hostname(rank),
+            self.table.hostname(rank),
             rank.local_rank,
             rank.rank,
             exited.pid,
@@ -427,18 +335,61 @@ class AttemptState:
         """Its watchdog fired; ``False`` if it had already ended."""
         return not rank.state.is_final
 
-    def due(self, now: float) -> tuple[list[AgentRecord], list[RankRecord]]:
-        """Agents and ranks whose wait for their connection's end is over."""
-        self._waiting_agents = {i for i in self._waiting_agents if self.agents[i].judge_by}
-        agents = [self.agents[i] for i in sorted(self._waiting_agents)]
-        ranks = [self.ranks[i] for i in sorted(self._waiting_ranks) if i < len(self.ranks)]
-        return (
-            [a for a in agents if a.judge_by is not None and now >= a.judge_by],
-            [r for r in ranks if r.settle_by is not None and now >= r.settle_by],
-        )
+    def due(self, now: float) -> list[RankRecord]:
+        """Ranks whose wait for their outcome is over."""
+        ranks = [self.ranks[i] for i in sorted(self._waiting) if i < len(self.ranks)]
+        return [r for r in ranks if r.settle_by is not None and now >= r.settle_by]
 
     def next_due(self) -> float | None:
         """When :meth:`due` next has something."""
-        times = [self.agents[i].judge_by for i in self._waiting_agents]
-        times += [self.ranks[i].settle_by for i in self._waiting_ranks if i < len(self.ranks)]
+        times = [self.ranks[i].settle_by for i in self._waiting if i < len(self.ranks)]
         return min((t for t in times if t is not None), default=None)
+
+    # -- the attempt as a whole -----------------------------------------------------------
+
+    @property
+    def all_returned(self) -> bool:
+        """Whether the attempt has ranks and every one returned."""
+        return bool(self.ranks) and self._results >= len(self.ranks)
+
+    @property
+    def ranks_known(self) -> bool:
+        """After a Stop: whether every rank's end is in (its exit and its connection's end).
+
+        Not waited for: the ranks of an agent that failed or was lost (nothing more comes
+        from it, and a cut link keeps their connections open).
+        """
+        gone = (AgentState.FAILED, AgentState.LOST)
+        agents = self.table.agents
+        return all(
+            r.settle_by is None and (r.exited is not None or r.conn is None or r.conn_closed)
+            for r in self.ranks
+            if agents[r.host_index].state not in gone
+        )
+
+    def kept_workers_well(self) -> bool:
+        """Whether every kept worker can take the next call: alive, connected, agent well."""
+        agents = self.table.agents
+        return self.progress.kept_workers and all(
+            r.conn is not None
+            and not r.conn_closed
+            and r.exited is None
+            and r.state is WorkerState.SUCCEEDED
+            and not agents[r.host_index].over
+            for r in self.ranks
+        )
+
+    def forget_faults(self) -> None:
+        """What failed so far was dealt with (warm agents, before a run)."""
+        self.faults = []
+
+    def clear(self, ranks: list[RankRecord]) -> None:
+        """A new attempt (``ranks``: none), or the kept workers' next call (their new records).
+
+        No fault, no stacks; every rank given is running, none waits for its outcome.
+        """
+        self.ranks = ranks
+        self.faults = []
+        self.stacks = {}
+        self._results, self._running = 0, len(ranks)
+        self._alarmed, self._waiting = set(), set()

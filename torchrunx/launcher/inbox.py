@@ -1,11 +1,12 @@
 """What arrives during a launch, applied to the launch state.
 
-Frames from agents and, forwarded by them, from workers (each worker's as if on a connection of its
-own: a :class:`~torchrunx.launcher.channels.WorkerChannel`), closed connections, agents' starts and
-ends, silences: each is applied to :class:`~torchrunx.launcher.state.LaunchState`, and what follows
-from it is done here (an event to the sinks, a fault recorded, a connection dropped, log lines
-routed). Nothing here decides what the launch does next; :mod:`torchrunx.launcher.orchestrator`
-reads the state for that.
+Frames from agents and, forwarded by them, from workers (each worker's as if on a connection
+of its own: a :class:`~torchrunx.launcher.channels.WorkerChannel`), closed connections, agents'
+starts and ends, silences: each is applied to :class:`~torchrunx.launcher.state.LaunchState`,
+by the part it concerns (an agent: its ``agent_table``; a worker or a fault: its ``current``
+attempt), and what follows from it is done here (an event to the sinks, a fault recorded, a
+connection dropped, log lines routed). Nothing here decides what the launch does next;
+:mod:`torchrunx.launcher.orchestrator` reads the state for that.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class Inbox:
             self.agent_failed(self.state.agents[event.host_index], event.error)
         elif self.pool.processes.get(event.host_index) is event.process:  # not replaced
             agent = self.state.agents[event.host_index]
-            if self.state.agent_exited(agent, event.status, time.monotonic()):
+            if self.state.agent_table.agent_exited(agent, event.status, time.monotonic()):
                 self.judge_agent(agent)
 
     def emit(self, events: list[Event]) -> None:
@@ -135,7 +136,7 @@ class Inbox:
         host_index: int | None = None,
     ) -> None:
         """Record a failure (``at`` is wall-clock time where it happened)."""
-        self.emit(self.state.add_fault(kind, error, at, rank=rank, host_index=host_index))
+        self.emit(self.state.current.add_fault(kind, error, at, rank=rank, host_index=host_index))
 
     def peer_of(self, agent: AgentRecord) -> Peer:
         """The connection of an agent that said hello."""
@@ -170,7 +171,7 @@ class Inbox:
         world that fails while the launch runs is quarantined at once.
         """
         role = agent.role
-        self.emit(self.state.agent_failed(agent, error, time.time(), lost=lost))
+        self.emit(self.state.current.agent_failed(agent, error, time.time(), lost=lost))
         if role == "spare":
             logger.warning(
                 "spare host %s is not available: %s",
@@ -201,8 +202,8 @@ class Inbox:
                     attempt=self.state.attempt,
                 )
                 self.peer_of(agent).send(stop)
-            self.emit(self.state.agent_failed(agent, None, time.time()))
-        line = self.state.quarantine(agent)
+            self.emit(self.state.current.agent_failed(agent, None, time.time()))
+        line = self.state.agent_table.quarantine(agent)
         logger.warning("%s", line)
         self.sink.emit(HostQuarantined(agent.index, agent.slots.hostname, agent.state.value))
 
@@ -219,9 +220,9 @@ class Inbox:
     def judge_agent(self, agent: AgentRecord) -> None:
         """An agent's process ended: fine after AgentDone, else it failed."""
         if agent.over:
-            self.state.agent_judged(agent)
+            self.state.agent_table.agent_judged(agent)
             return
-        if self.state.stopping:
+        if self.state.progress.stopping:
             self.agent_failed(agent, None)
             return
         env_file = self.plan.env_file
@@ -237,7 +238,7 @@ class Inbox:
 
     def settle(self, rank: RankRecord) -> None:
         """A rank exited and its outcome had its chance to arrive: judge it."""
-        self.emit(self.state.settle(rank))
+        self.emit(self.state.current.settle(rank))
 
     def stderr_tail(self, index: int) -> str:
         """The last lines an agent process wrote to its stderr."""
@@ -254,7 +255,7 @@ class Inbox:
         elif owner[0] == "agent":
             agent = self.state.agents[owner[1]]
             if isinstance(message, FromWorker | WorkerChannelClosed):
-                self.state.heard_from(agent, time.monotonic())
+                self.state.agent_table.heard_from(agent, time.monotonic())
                 self._on_channel(peer, agent, message, event.payload, event.at)
             else:
                 self._on_agent_message(agent, message)
@@ -270,7 +271,7 @@ class Inbox:
                 return
             agent = st.agents[index]
             self.owners[peer.ident], self.peers[peer.ident] = ("agent", index), peer
-            self.emit(st.agent_hello(agent, peer.ident, message, time.monotonic()))
+            self.emit(st.agent_table.agent_hello(agent, peer.ident, message, time.monotonic()))
             if self.final_stop is not None:  # it started while the launch was stopping
                 peer.send(self.final_stop)
             if message.slots == 0:  # only workers_per_host="gpu" counts 0
@@ -283,7 +284,7 @@ class Inbox:
                 self.agent_failed(agent, error)
             return
         if peer.role == "worker" and isinstance(message, WorkerHello):  # a large outcome comes
-            rank = st.direct_rank(message)
+            rank = st.current.direct_rank(message)
             if rank is None:
                 peer.close()  # of an earlier attempt (late), a second one, or no such worker
                 return
@@ -340,10 +341,10 @@ class Inbox:
         self, peer: Peer, agent: AgentRecord, local_rank: int, hello: WorkerHello
     ) -> None:
         st = self.state
-        rank = st.hello_rank(hello)
+        rank = st.current.hello_rank(hello)
         if (
             rank is None  # of an earlier attempt (late), or a second one for that rank
-            or st.rank_of(agent, local_rank) is not rank  # a rank of another host
+            or st.current.rank_of(agent, local_rank) is not rank  # a rank of another host
             or hello.local_rank != local_rank
         ):
             peer.send(ToWorker(hello.pid, None))  # that worker's channel ends: it exits
@@ -351,22 +352,22 @@ class Inbox:
         channel = WorkerChannel(peer, local_rank, hello.pid)
         self.channels[(peer.ident, local_rank)] = channel
         self.owners[channel.ident], self.peers[channel.ident] = ("rank", rank.rank), channel
-        self.emit(st.worker_hello(rank, channel.ident, hello.pid))
+        self.emit(st.current.worker_hello(rank, channel.ident, hello.pid))
 
     def _on_agent_message(self, agent: AgentRecord, message: Message) -> None:
         st = self.state
-        st.heard_from(agent, time.monotonic())
+        st.agent_table.heard_from(agent, time.monotonic())
         if isinstance(message, LogLines):
             offset = 0 if agent.spec is None else agent.spec.rank_offset  # agent records: none
             self.logs.emit_batch(agent.index, offset, message.records)
         elif isinstance(message, WorkerExited | WorkerTimedOut | WorkerStacks):
             self._on_worker_report(agent, message)
         elif isinstance(message, WorkersStarted):
-            self.emit(st.workers_forked(agent, message))
+            self.emit(st.current.workers_forked(agent, message))
         elif isinstance(message, WorkersEnded):
-            st.workers_ended(agent, message)
+            st.agent_table.workers_ended(agent, message)
         elif isinstance(message, AgentDone):
-            st.agent_done(agent)
+            st.agent_table.agent_done(agent)
         elif isinstance(message, PreemptionNotice):
             if self.on_preempt is not None and self.plan.preemption_grace > 0:
                 self.on_preempt(message.reason)
@@ -380,19 +381,19 @@ class Inbox:
         st = self.state
         if isinstance(message, WorkerStacks):
             if not message.shown:
-                st.add_stacks(agent, message.stacks)
+                st.current.add_stacks(agent, message.stacks)
             elif self.on_shown is not None:
                 self.on_shown(agent, message.stacks)
             return
-        rank = st.rank_of(agent, message.local_rank)
+        rank = st.current.rank_of(agent, message.local_rank)
         if rank is None:
             return
         if isinstance(message, WorkerExited):
-            if st.worker_exited(rank, message, time.monotonic()):
+            if st.current.worker_exited(rank, message, time.monotonic()):
                 self.settle(rank)
-        elif st.worker_timed_out(rank):
+        elif st.current.worker_timed_out(rank):
             error = watchdog_error(agent.slots.hostname, rank.rank, message)
-            self.emit(st.worker_failed(rank, "hang", error, time.time()))
+            self.emit(st.current.worker_failed(rank, "hang", error, time.time()))
 
     def _on_worker_message(
         self, index: int, message: Message, payload: list[bytearray], at: float
@@ -400,13 +401,15 @@ class Inbox:
         st = self.state
         rank = st.ranks[index]
         if isinstance(message, WorkerResult) and not rank.has_outcome:
-            self.emit(st.worker_result(rank, message, payload, at))
+            self.emit(st.current.worker_result(rank, message, payload, at))
         elif isinstance(message, WorkerException) and not rank.has_outcome:
-            where = worker_where(rank.rank, rank.local_rank, st.hostname(rank), rank.pid)
+            where = worker_where(
+                rank.rank, rank.local_rank, st.agent_table.hostname(rank), rank.pid
+            )
             error = rebuild_exception(message, payload, where)
             collective = message.collective or is_collective_error(error)
             kind: FaultKind = "collective" if collective else "exception"
-            self.emit(st.worker_failed(rank, kind, error, message.at or at))
+            self.emit(st.current.worker_failed(rank, kind, error, message.at or at))
         elif isinstance(message, DebugOutput) and self.debugger is not None:
             self.debugger.on_output(rank.rank, message)
         elif isinstance(message, DebugpyListening) and self.on_debugpy is not None:
@@ -426,7 +429,7 @@ class Inbox:
             self.debugger.forget(index)
         if index < len(st.ranks) and st.ranks[index].conn == ident:
             rank = st.ranks[index]
-            if st.worker_conn_closed(rank):
+            if st.current.worker_conn_closed(rank):
                 self.settle(rank)
 
     def _on_closed(self, peer: Peer | WorkerChannel) -> None:
@@ -444,16 +447,16 @@ class Inbox:
             return
         if owner[0] == "direct":
             rank = st.ranks[owner[1]] if owner[1] < len(st.ranks) else None
-            if rank is not None and rank.direct == peer.ident and st.direct_closed(rank):
+            if rank is not None and rank.direct == peer.ident and st.current.direct_closed(rank):
                 self.settle(rank)
             return
         agent = st.agents[owner[1]]
-        if agent.conn != peer.ident or not st.agent_conn_closed(agent):
+        if agent.conn != peer.ident or not st.agent_table.agent_conn_closed(agent):
             return
         if agent.exited:
             self.judge_agent(agent)
             return
-        if st.stopping:  # a consequence of the stop, not a fault
+        if st.progress.stopping:  # a consequence of the stop, not a fault
             self.agent_failed(agent, None)
             return
         error = AgentFailedError(

@@ -283,18 +283,18 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         launch = Launch(plan, call)
         try:
             with (
-                sigterm_preempts(launch.preempt, plan.preemption_grace),
-                sigquit_shows_stacks(launch.ask_stacks),
+                sigterm_preempts(launch.session.preempt, plan.preemption_grace),
+                sigquit_shows_stacks(launch.session.ask_stacks),
             ):
                 per_host = launch.execute()
         finally:
             launch.close()
         return LaunchResult(
-            launch.hostnames(),
+            launch.host_changes.hostnames(),
             per_host,
             launch.state.restarts,
-            launch.timings(),
-            world_changes=tuple(launch.state.world_changes),
+            launch.session.timings(),
+            world_changes=tuple(launch.state.agent_table.world_changes),
         )
 
     def warm(self, *, keep_workers: bool = False) -> WarmLauncher:
@@ -319,7 +319,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         plan = self.plan(warm=True, keep_workers=keep_workers)
         launch = Launch(plan, [])
         try:
-            with sigterm_preempts(launch.preempt, 0.0):  # nothing runs yet: SIGTERM stops
+            with sigterm_preempts(launch.session.preempt, 0.0):  # nothing runs yet: SIGTERM stops
                 launch.open()
         except BaseException:
             launch.close()

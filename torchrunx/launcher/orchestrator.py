@@ -1,8 +1,11 @@
 """One launch, as it happens: start, hellos, specs, monitor, restart or not, collect, stop.
 
-:class:`Launch` decides; its parts and its loop are those of
-:class:`~torchrunx.launcher.session.LaunchLoop`; every change of the launch state goes through
-the methods of :class:`~torchrunx.launcher.state.LaunchState`. Which failure is the cause and
+:class:`Launch` decides. It holds its parts: the launch's resources and its loop, a
+:class:`~torchrunx.launcher.session.LaunchLoop` (``session``); the changes of the world's hosts
+between attempts, a :class:`~torchrunx.launcher.replace.HostChanges` (``host_changes``); what
+its workers are sent and return, a :class:`~torchrunx.launcher.dispatch.Dispatch`
+(``dispatch``). Every change of the launch state goes through the methods of
+:class:`~torchrunx.launcher.state.LaunchState` (the session's). Which failure is the cause and
 whether to restart is :mod:`~torchrunx.launcher.failures` (pure); the error raised and its notes
 are :mod:`~torchrunx.launcher.reports` (pure). What happens between two runs of warm agents is
 :mod:`~torchrunx.launcher.warm`'s (it hands :meth:`Launch.run_call` its two steps)::
@@ -21,12 +24,8 @@ import time
 from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Any
 
-from torchrunx import serialization
-from torchrunx.devices import resolve_backend
 from torchrunx.errors import (
-    AgentFailedError,
     Preempted,
-    SerializationError,
     add_note,
     exception_text,
 )
@@ -36,9 +35,10 @@ from torchrunx.events import (
     Restarting,
     WorkerState,
 )
+from torchrunx.launcher.dispatch import Dispatch
 from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
 from torchrunx.launcher.preempt import end_preemption
-from torchrunx.launcher.records import STOP_GRACE, Phase
+from torchrunx.launcher.records import STOP_GRACE
 from torchrunx.launcher.replace import Failed, HostChanges
 from torchrunx.launcher.reports import (
     finish_report,
@@ -48,12 +48,14 @@ from torchrunx.launcher.reports import (
     start_timeout_error,
     summary,
 )
-from torchrunx.launcher.session import earliest
-from torchrunx.wire.messages import Stop, WorkerCall, WorkerSpec
+from torchrunx.launcher.session import LaunchLoop, earliest
+from torchrunx.wire.messages import Stop
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from torchrunx.launcher.agent_pool import Starter
+    from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.records import Fault
 
 logger = logging.getLogger("torchrunx.launcher")
@@ -76,8 +78,31 @@ def wants_stacks(error: BaseException | None) -> bool:
     return not isinstance(error, CancelledError)
 
 
-class Launch(HostChanges):
+class Launch:
     """One launch in progress; owned by the thread that calls :meth:`execute`."""
+
+    def __init__(
+        self, plan: LaunchPlan, call: list[memoryview], *, starter: Starter | None = None
+    ) -> None:
+        """Open the launch's parts (see :class:`LaunchLoop`); start nothing.
+
+        ``call`` is the pickled function and arguments (warm agents: each run's, given to
+        :meth:`run_call`); ``starter`` replaces how agents start (the many-hosts benchmark).
+        """
+        self.plan = plan
+        self.call = call
+        self.session = LaunchLoop(plan, starter=starter)
+        """The parts and the loop: opened here, closed by :meth:`close`."""
+        self.host_changes = HostChanges(self.session)
+        """The world's hosts between attempts: new agents, spares, a smaller world."""
+        self.state = self.session.state
+        """The launch state (the session's: the same object)."""
+        self.dispatch = Dispatch(self.session)
+        """What the workers are sent (specs, calls), and their results."""
+
+    def close(self) -> None:
+        """Release every part of the launch (see :meth:`LaunchLoop.close`)."""
+        self.session.close()
 
     def execute(self) -> tuple[tuple[Any, ...], ...]:
         """Run every phase of a one-shot launch; return the unpickled results per host."""
@@ -91,26 +116,26 @@ class Launch(HostChanges):
             AgentFailedError: An agent could not start or connect (the others are stopped).
         """
         st = self.state
-        deadline = self._deadline(st.started)
-        self.open_health()
-        self.sink.emit(
+        deadline = self._deadline(st.progress.started)
+        self.session.open_health()
+        self.session.sink.emit(
             LaunchStarted(
                 tuple(a.slots.hostname for a in st.world),
                 tuple(a.slots.workers for a in st.world),
                 self.plan.max_restarts,
-                None if self.health is None else self.health.url,
+                None if self.session.health is None else self.session.health.url,
                 spare_hosts=tuple(a.slots.hostname for a in st.agents if a.role == "spare"),
             )
         )
         try:
-            self.starts.prepare()
+            self.session.starts.prepare()
             for agent in st.agents:
-                self.pool.start(agent.index)
-            start_by = st.started + self.plan.start_timeout
-            self.run_until(lambda: st.all_hellos, earliest(start_by, deadline))
-            if self.preemption is not None:
+                self.session.pool.start(agent.index)
+            start_by = st.progress.started + self.plan.start_timeout
+            self.session.run_until(lambda: st.agent_table.all_hellos, earliest(start_by, deadline))
+            if self.session.preemption is not None:
                 raise self._preempted()  # noqa: TRY301 (it stopped everything and reported)
-            if not st.all_hellos and not st.failed:
+            if not st.agent_table.all_hellos and not st.failed:
                 if deadline is not None and time.monotonic() >= deadline:
                     self._launch_timed_out()
                 else:
@@ -122,7 +147,7 @@ class Launch(HostChanges):
         except BaseException as exc:  # noqa: BLE001 (Ctrl-C included: stop everything first)
             error = self._end_with_failure(exc, final=True)
             raise error from error.__cause__
-        st.agents_ready(time.monotonic())
+        st.agent_table.agents_ready(time.monotonic())
 
     def run_call(
         self,
@@ -138,11 +163,11 @@ class Launch(HostChanges):
         after a failure (this run's workers stopped), ready for the next call: for them,
         ``prepare(deadline)`` runs first (``True``: the kept workers take the call) and
         ``after()`` last, whether the run succeeded or not. ``token`` names this run for
-        :meth:`interrupt` (``None``: a fresh one).
+        :meth:`LaunchLoop.interrupt` (``None``: a fresh one).
         """
         st = self.state
         self.call = call
-        self._run_token = object() if token is None else token
+        self.session.run_token = object() if token is None else token
         st.start_run(time.monotonic(), warm=self.plan.warm)
         deadline = self._deadline(st.run_started)
         try:
@@ -150,7 +175,7 @@ class Launch(HostChanges):
             st.run_workers(fresh=not kept)
             self._run_attempts(kept=kept, deadline=deadline)
             st.results_in(time.monotonic())
-            results = self._collect()
+            results = self.dispatch.collect()
         except Preempted:
             if after is not None:
                 after()
@@ -170,17 +195,17 @@ class Launch(HostChanges):
         """Attempts until every rank of one returned; else raise (a failure, a preemption)."""
         st = self.state
         while True:
-            if self.preemption is not None:  # SIGTERM during a restart: no new attempt
+            if self.session.preemption is not None:  # SIGTERM during a restart: no new attempt
                 raise self._preempted()
             if kept:
-                self._send_calls()
+                self.dispatch.send_calls(self.call)
                 kept = False
             else:
-                self._send_specs()
-            self.run_until(lambda: st.finished, deadline)
-            if self.preemption is not None:
+                self.dispatch.send_specs(self.call)
+            self.session.run_until(lambda: st.finished, deadline)
+            if self.session.preemption is not None:
                 raise self._preempted()
-            if not st.finished and not st.failed and not st.alarm:
+            if not st.finished and not st.failed and not st.current.alarm:
                 self._launch_timed_out()
             if st.finished and not st.failed:
                 return
@@ -199,7 +224,7 @@ class Launch(HostChanges):
         if not isinstance(exc, Failed):
             # Ctrl-C, SIGTERM, or a failure of the launcher itself: it comes first, even in the
             # middle of a restart (see torchrunx.launcher.failures).
-            self.inbox.fault("launch", exc, time.time())
+            self.session.inbox.fault("launch", exc, time.time())
         st.begin_failure()
         try:
             if not final:
@@ -207,7 +232,7 @@ class Launch(HostChanges):
             elif not self.all_over():
                 self.stop_workers(restart=False)
         except (KeyboardInterrupt, SystemExit) as again:  # a second Ctrl-C: stop waiting
-            self.inbox.fault("launch", again, time.time())
+            self.session.inbox.fault("launch", again, time.time())
         error = self._report(choose_cause(st.faults))
         st.failed_run()
         self._emit_finished(error)
@@ -225,89 +250,6 @@ class Launch(HostChanges):
         ):
             raise Failed
         self._restart(cause, deadline)
-
-    # -- workers --------------------------------------------------------------------------
-
-    def _send_specs(self) -> None:
-        st = self.state
-        for agent in st.world:  # a spec to an agent that ended would wait for nothing
-            if agent.over or agent.conn is None:
-                if not st.failed:
-                    self.inbox.fault(
-                        "agent",
-                        AgentFailedError(
-                            agent.slots.hostname,
-                            f"its agent ended ({agent.state.value}) before the workers started",
-                        ),
-                        time.time(),
-                        host_index=agent.index,
-                    )
-                raise Failed
-        hellos = [a.hello for a in st.world]
-        world_size = sum(h.slots for h in hellos if h is not None)
-        # Decided once for every worker of every host: a group that mixes backends hangs.
-        backend = resolve_backend(
-            self.plan.backend, [(h.slots, h.gpus) for h in hellos if h is not None]
-        )
-        master_addr, master_port = self.master_address()
-        offset = 0
-        for position, agent in enumerate(st.world):
-            assert agent.hello is not None  # noqa: S101 (all hellos are in)
-            spec = WorkerSpec(
-                host_index=position,
-                hostname=agent.slots.hostname,
-                num_workers=agent.hello.slots,
-                rank_offset=offset,
-                world_size=world_size,
-                master_addr=master_addr,
-                master_port=master_port,
-                backend=backend,
-                timeout=self.plan.timeout,
-                isolate_gpus=self.plan.isolate_gpus,
-                log_level=self.logs.level,
-                attempt=st.attempt,
-                max_restarts=self.plan.max_restarts,
-                restarts=st.restarts,
-                num_hosts=len(st.world),
-                keep=self.plan.keep_workers,
-                debugger=self.debugger.terminal,
-                post_mortem=self.debugger.post_mortem,
-                debugpy=self.debugger.debugpy,
-                preemption_grace=self.plan.preemption_grace,
-            )
-            st.assign(agent, spec)
-            if agent.index not in self._logged:  # its files and consoles, once
-                self._logged.add(agent.index)
-                self.logs.add_workers(agent.index, spec.num_workers, offset)
-            offset += spec.num_workers
-            self.inbox.peer_of(agent).send(spec, self.call)
-        if st.attempt == 0:
-            self.logs.warn_missing_console_ranks(offset)
-            self.debugger.warn_missing_rank(offset)
-
-    def _send_calls(self) -> None:
-        """Workers that stay: send this run's call to each of them, on its channel."""
-        st = self.state
-        st.move_phase(Phase.RUNNING)
-        message = WorkerCall(run=st.runs)
-        for rank in st.ranks:
-            assert rank.conn is not None  # noqa: S101 (checked by kept_workers_well)
-            self.inbox.peers[rank.conn].send(message, self.call)
-
-    def _collect(self) -> tuple[tuple[Any, ...], ...]:
-        st = self.state
-        position = {a.index: i for i, a in enumerate(st.world)}
-        per_host: list[list[Any]] = [[] for _ in st.world]
-        for rank in st.ranks:
-            try:
-                value = serialization.loads(st.take_result(rank))
-            except Exception as exc:
-                raise SerializationError(
-                    f"cannot unpickle the return value of rank {rank.rank} in the launcher: "
-                    f"{exc}; is every module it needs importable here?"
-                ) from exc
-            per_host[position[rank.host_index]].append(value)
-        return tuple(tuple(values) for values in per_host)
 
     # -- stopping, restarting, failing ------------------------------------------------------
 
@@ -343,27 +285,33 @@ class Launch(HostChanges):
         dump = (not restart if dump is None else dump) and wants_stacks(error)
         stop = Stop(reason, STOP_GRACE, dump_stacks=dump, restart=restart, attempt=st.attempt)
         if not restart:
-            self.inbox.final_stop = stop  # also for an agent whose start completes meanwhile
+            self.session.inbox.final_stop = (
+                stop  # also for an agent whose start completes meanwhile
+            )
         for agent in st.agents:
             if agent.conn is not None and not agent.over and not (restart and agent.ready):
-                self.inbox.peer_of(agent).send(stop)
-        done = (lambda: st.stopped and st.ranks_known) if restart else self._ends_known
-        self.run_until(done, time.monotonic() + STOP_WAIT, interruptible=False)
-        self.apply_queue()
+                self.session.inbox.peer_of(agent).send(stop)
+        done = (
+            (lambda: st.agent_table.stopped and st.current.ranks_known)
+            if restart
+            else self._ends_known
+        )
+        self.session.run_until(done, time.monotonic() + STOP_WAIT, interruptible=False)
+        self.session.apply_queue()
         for rank in st.ranks:  # what is still unsettled is judged on what arrived
             if rank.exited is not None:
-                self.inbox.settle(rank)
-            self.inbox.emit(st.move_rank(rank, WorkerState.STOPPED))
+                self.session.inbox.settle(rank)
+            self.session.inbox.emit(st.current.move_rank(rank, WorkerState.STOPPED))
 
     def _ends_known(self) -> bool:
-        return self.all_over() and self.state.ranks_known
+        return self.all_over() and self.state.current.ranks_known
 
     def _restart(self, cause: Fault, deadline: float | None) -> None:
         """Restart the worker group on the agents, replacing lost ones if asked to."""
         st = self.state
         reason = summary(cause.error)
         st.record_restart(reason)
-        self.sink.emit(Restarting(st.restarts + 1, self.plan.max_restarts, reason))
+        self.session.sink.emit(Restarting(st.restarts + 1, self.plan.max_restarts, reason))
         logger.warning(
             "restarting the workers (restart %d of %d) after: %s",
             st.restarts + 1,
@@ -371,10 +319,10 @@ class Launch(HostChanges):
             reason,
         )
         for rank in st.ranks:
-            self.inbox.forget_rank(rank)  # an old worker's channel: nothing more is read
+            self.session.inbox.forget_rank(rank)  # an old worker's channel: nothing more is read
         if "hosts" in self.plan.restart_on:
-            self.replace_agents(deadline)
-        unready = [a.slots.hostname for a in st.unready_agents()]
+            self.host_changes.replace_agents(deadline)
+        unready = [a.slots.hostname for a in st.agent_table.unready_agents()]
         if unready:
             st.restart_failed(
                 f"a restart was attempted, but the agents of {unready} did not get ready"
@@ -387,19 +335,19 @@ class Launch(HostChanges):
         error = start_timeout_error(
             missing.slots.hostname,
             self.plan.start_timeout,
-            self.port,
-            self.starts.configured_address(),
-            self.inbox.stderr_tail(missing.index),
-            started=missing.index in self.pool.processes,
+            self.session.port,
+            self.session.starts.configured_address(),
+            self.session.inbox.stderr_tail(missing.index),
+            started=missing.index in self.session.pool.processes,
         )
-        self.inbox.fault("agent", error, time.time(), host_index=missing.index)
+        self.session.inbox.fault("agent", error, time.time(), host_index=missing.index)
 
     def _launch_timed_out(self) -> None:
         st = self.state
         running = [r.rank for r in st.ranks if r.result is None]
-        elapsed = time.monotonic() - st.started
+        elapsed = time.monotonic() - st.progress.started
         error = launch_timeout_error(self.plan.launch_timeout or 0.0, elapsed, running)
-        self.inbox.fault("launch", error, time.time())
+        self.session.inbox.fault("launch", error, time.time())
 
     def _report(self, cause: Fault) -> BaseException:
         st = self.state
@@ -407,8 +355,8 @@ class Launch(HostChanges):
         if cause.rank is not None and cause.rank < len(st.ranks):
             rank = st.ranks[cause.rank]
             note = output_tail_note(
-                self.logs.tail(rank.host_index, rank.local_rank),
-                self.logs.log_file(rank.host_index, rank.local_rank),
+                self.session.logs.tail(rank.host_index, rank.local_rank),
+                self.session.logs.log_file(rank.host_index, rank.local_rank),
             )
             if note is not None:
                 add_note(error, note)
@@ -418,11 +366,14 @@ class Launch(HostChanges):
             history=st.history,
             max_restarts=self.plan.max_restarts,
         )
-        if st.world_changes:
-            add_note(error, "hosts changed during the launch:\n  " + "\n  ".join(st.world_changes))
-        if st.stacks:
-            where = {r.rank: (r.local_rank, st.hostname(r)) for r in st.ranks}
-            note = stacks_note(st.stacks, where)
+        if st.agent_table.world_changes:
+            add_note(
+                error,
+                "hosts changed during the launch:\n  " + "\n  ".join(st.agent_table.world_changes),
+            )
+        if st.current.stacks:
+            where = {r.rank: (r.local_rank, st.agent_table.hostname(r)) for r in st.ranks}
+            note = stacks_note(st.current.stacks, where)
             add_note(error, note)
             if isinstance(error, SystemExit):  # Python prints no note of a SystemExit
                 logger.warning("%s", note)
@@ -430,9 +381,13 @@ class Launch(HostChanges):
 
     def _preempted(self) -> Preempted:
         """The preemption's end: keep what returned, stop everything, requeue if asked."""
-        assert self.preemption is not None  # noqa: S101 (called once it began)
+        assert self.session.preemption is not None  # noqa: S101 (called once it began)
         return end_preemption(
-            self.state, self.plan, self.preemption[0], self._stop_for_good, self._emit_finished
+            self.state,
+            self.plan,
+            self.session.preemption[0],
+            self._stop_for_good,
+            self._emit_finished,
         )
 
     def _stop_for_good(self) -> None:
@@ -441,7 +396,7 @@ class Launch(HostChanges):
 
     def _emit_finished(self, error: BaseException | None) -> None:
         st = self.state
-        self.sink.emit(
+        self.session.sink.emit(
             LaunchFinished(
                 succeeded=error is None,
                 attempts=st.restarts + 1,
@@ -456,10 +411,10 @@ class Launch(HostChanges):
         """End warm agents that wait between runs: a final Stop, then their AgentDone (bounded)."""
         st = self.state
         stop = Stop("the warm agents were closed", STOP_GRACE, restart=False, attempt=st.attempt)
-        self.inbox.final_stop = stop
+        self.session.inbox.final_stop = stop
         with st.stopping_meanwhile():
             for agent in st.agents:
                 if agent.conn is not None and not agent.over:
-                    self.inbox.peer_of(agent).send(stop)
-            self.run_until(self.all_over, time.monotonic() + STOP_WAIT, interruptible=False)
-            self.apply_queue()
+                    self.session.inbox.peer_of(agent).send(stop)
+            self.session.run_until(self.all_over, time.monotonic() + STOP_WAIT, interruptible=False)
+            self.session.apply_queue()

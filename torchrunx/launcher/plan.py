@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from torchrunx import plugins
+from torchrunx.errors import SlurmError
 from torchrunx.hosts.resolve import (
     hostnames_source,
     in_slurm_allocation,
@@ -70,7 +71,8 @@ class LaunchPlan:
     container: tuple[str, ...] = ()
     """The command (an argument vector) that runs remote agents in a container."""
     ssh_config_file: str | Path | None = None
-    agent_timeout: float = 5.0
+    agent_timeout: float = field(kw_only=True)
+    """Given always (``Launcher.agent_timeout`` holds its one default)."""
     start_timeout: float = 60.0
     launch_timeout: float | None = None
     max_restarts: int = 0
@@ -166,7 +168,7 @@ def start_methods(
     (``"local"``); any other transport starts every host's agent.
 
     Raises:
-        RuntimeError: ``"srun"`` outside an allocation, without ``srun``, or for a host that is
+        SlurmError: ``"srun"`` outside an allocation, without ``srun``, or for a host that is
             not a node of the allocation.
     """
     spec = paired if agent_start == "auto" and paired else agent_start
@@ -179,10 +181,10 @@ def start_methods(
     if name == "srun":
         allocation = slurm_allocation(what="agent_start='srun'")
         if shutil.which("srun") is None:
-            raise RuntimeError("agent_start='srun' but srun is not installed on this machine")
+            raise SlurmError("agent_start='srun' but srun is not installed on this machine")
         outside = [host for host in remote if host not in allocation.nodes]
         if outside:
-            raise RuntimeError(
+            raise SlurmError(
                 f"agent_start='srun' but {outside} are not nodes of SLURM job "
                 f"{allocation.job_id} ({list(allocation.nodes)}); use agent_start='ssh'"
             )

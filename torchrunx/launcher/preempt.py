@@ -127,7 +127,7 @@ def end_preemption(
     for rank in state.ranks:
         if rank.result is not None:
             try:
-                returned[rank.rank] = serialization.loads(state.take_result(rank))
+                returned[rank.rank] = serialization.loads(state.current.take_result(rank))
             except Exception as exc:  # noqa: BLE001 (one rank's value, named in a note)
                 notes.append(f"rank {rank.rank}'s return value cannot be unpickled here: {exc}")
     world = len(state.ranks)

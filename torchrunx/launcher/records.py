@@ -1,8 +1,8 @@
 """The records a launch keeps: its phases and the moves allowed, each agent and rank, and faults.
 
-Plain data, changed only by :class:`~torchrunx.launcher.state.LaunchState`'s methods (see
-:mod:`torchrunx.launcher.state` for the drawing of :data:`PHASE_MOVES`; the agent and worker
-moves are drawn in :mod:`torchrunx.events`).
+Plain data, changed only by the methods of :class:`~torchrunx.launcher.state.LaunchState` and
+its parts (see :mod:`torchrunx.launcher.state` for the drawing of :data:`PHASE_MOVES`; the agent
+and worker moves are drawn in :mod:`torchrunx.events`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,39 @@ PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
 }
 """The phases each phase may move to (staying is always allowed). SUCCEEDED and FAILED to
 IDLE: warm agents wait for the next run."""
+
+
+@dataclass
+class Progress:
+    """Where the launch is: its phase, its attempt, and the flags every part of its state reads.
+
+    Held by :class:`~torchrunx.launcher.state.LaunchState` and shared with its parts (the agent
+    table, the attempt), which read it and move the phase only by :data:`PHASE_MOVES`.
+    """
+
+    started: float
+    """Monotonic time the launch started."""
+    phase: Phase = Phase.STARTING_AGENTS
+    attempt: int = 0
+    """The attempt under way, counted over the whole launch (warm runs go on counting)."""
+    stopping: bool = False
+    """The workers were told to stop: until the next attempt, what fails is no cause."""
+    between_runs: bool = False
+    """Warm agents after a run, until the next run's specs are sent."""
+    kept_workers: bool = False
+    """Between warm runs: the last run's workers stay, with their ranks, for the next call."""
+    degraded: bool = False
+    """Something failed; healthy again once a restart's workers all run."""
+
+    def move_phase(self, new: Phase) -> None:
+        """Move the launch to phase ``new`` (staying is allowed).
+
+        Raises:
+            ValueError: The move is not one of :data:`PHASE_MOVES` (a bug).
+        """
+        if new is not self.phase and new not in PHASE_MOVES[self.phase]:
+            raise ValueError(f"launch: {self.phase.value} -> {new.value}")
+        self.phase = new
 
 
 STOP_GRACE = 3.0

@@ -1,8 +1,10 @@
-"""The world's hosts: where rank 0 runs, and new agents in place, or spares and a smaller world.
+"""The world's hosts between attempts: new agents in place, or spares and a smaller world.
 
 After a failure that ``"hosts"`` in ``restart_on`` covers, :class:`HostChanges` gets every host
 of the world ready for the next attempt (the launch, :mod:`~torchrunx.launcher.orchestrator`,
-and warm agents between runs call it):
+holds one, and warm agents call it between runs). It works through the launch's parts and loop
+(:class:`~torchrunx.launcher.session.LaunchLoop`, given) and keeps nothing of its own: what the
+world is, is the launch state's.
 
 - without spares or ``min_hosts``: a new agent on each failed host (a new SSH connection or
   ``srun`` step), the host keeping its place;
@@ -18,11 +20,12 @@ import time
 from typing import TYPE_CHECKING
 
 from torchrunx.events import AgentState, HostsChanged
-from torchrunx.launcher.session import LaunchLoop, earliest
+from torchrunx.launcher.session import earliest
 from torchrunx.launcher.spares import reshape
 
 if TYPE_CHECKING:
     from torchrunx.launcher.records import AgentRecord
+    from torchrunx.launcher.session import LaunchLoop
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -31,25 +34,16 @@ class Failed(Exception):  # noqa: N818 (control flow of a launch, never raised t
     """A failure was recorded: stop, then raise the cause or restart."""
 
 
-class HostChanges(LaunchLoop):
+class HostChanges:
     """The world's hosts, and replacing failed ones between attempts (the launch's thread)."""
+
+    def __init__(self, session: LaunchLoop) -> None:
+        """Change the hosts of ``session``'s launch, through its parts and its loop."""
+        self.session = session
 
     def hostnames(self) -> tuple[str, ...]:
         """The hosts of the current (or last) attempt, in rank order."""
-        return tuple(a.slots.hostname for a in self.state.world)
-
-    def master_address(self) -> tuple[str, int]:
-        """Rank 0 runs on host 0: its address as the other hosts can reach it, and its port."""
-        agents = self.state.world
-        first = agents[0]
-        if first.remote:
-            address = self.inbox.peer_of(first).peer_address
-        elif any(a.remote for a in agents):
-            # Host 0 is this machine: use the address the remote agents reached us on.
-            address = self.inbox.peer_of(next(a for a in agents if a.remote)).local_address
-        else:
-            address = "127.0.0.1"
-        return address, first.free_port
+        return tuple(a.slots.hostname for a in self.session.state.world)
 
     def replace_agents(self, deadline: float | None) -> None:
         """Start a new agent for every host whose agent died or was lost (new SSH or srun).
@@ -57,22 +51,22 @@ class HostChanges(LaunchLoop):
         With spare hosts or ``min_hosts``, the failed hosts are quarantined instead: spares
         take their places, or the world shrinks (:meth:`_reshape`).
         """
-        if self.plan.quarantines:
+        if self.session.plan.quarantines:
             self._reshape(deadline)
             return
-        st = self.state
-        replaced = [a.index for a in st.unready_agents()]
+        st = self.session.state
+        replaced = [a.index for a in st.agent_table.unready_agents()]
         for index in replaced:
-            old = st.replace_agent(index)
+            old = st.agent_table.replace_agent(index)
             logger.warning("starting a new agent on %s", old.slots.hostname)
-            self.inbox.drop(old.conn)
-            self.pool.replace(index, lost=old.state is AgentState.LOST)
+            self.session.inbox.drop(old.conn)
+            self.session.pool.replace(index, lost=old.state is AgentState.LOST)
         with st.stopping_meanwhile():  # their failures now are the restart's
-            self.run_until(
+            self.session.run_until(
                 lambda: all(st.agents[i].hello is not None or st.agents[i].over for i in replaced),
-                earliest(time.monotonic() + self.plan.start_timeout, deadline),
+                earliest(time.monotonic() + self.session.plan.start_timeout, deadline),
             )
-        st.replacements_started(replaced)
+        st.agent_table.replacements_started(replaced)
 
     def _reshape(self, deadline: float | None) -> None:
         """Quarantine the world's failed hosts; spares take their places, or the world shrinks.
@@ -81,15 +75,15 @@ class HostChanges(LaunchLoop):
         meanwhile is replaced in turn. Raises :class:`Failed` (the cause is raised) when fewer
         than ``min_hosts`` hosts would be left.
         """
-        st = self.state
+        st = self.session.state
         while True:
-            failed = st.unready_agents()
+            failed = st.agent_table.unready_agents()
             if not failed:
                 return
             for agent in failed:
                 if agent.role == "host":  # alive but not ready in time, or not yet noted
-                    self.inbox.quarantine(agent)
-                self.inbox.drop(agent.conn)
+                    self.session.inbox.quarantine(agent)
+                self.session.inbox.drop(agent.conn)
             spares = sorted(
                 (a for a in st.agents if a.role == "spare" and not a.over),
                 key=lambda a: (not a.ready, a.index),
@@ -98,15 +92,15 @@ class HostChanges(LaunchLoop):
                 [a.index for a in st.world],
                 [a.index for a in failed],
                 [a.index for a in spares],
-                self.plan.min_hosts,
+                self.session.plan.min_hosts,
             )
             if decision.short is not None:
                 st.restart_failed(decision.short)
                 raise Failed
-            lines = st.reshape_world(decision)
+            lines = st.agent_table.reshape_world(decision)
             for line in lines:
                 logger.warning("%s", line)
-            self.sink.emit(
+            self.session.sink.emit(
                 HostsChanged(
                     st.attempt + 1,
                     tuple(a.slots.hostname for a in st.world),
@@ -115,9 +109,9 @@ class HostChanges(LaunchLoop):
             )
             waiting = [st.agents[spare] for _, spare in decision.replaced]
             with st.stopping_meanwhile():  # a spare's failure now is this restart's
-                self.run_until(
+                self.session.run_until(
                     functools.partial(_all_ready, waiting),
-                    earliest(time.monotonic() + self.plan.start_timeout, deadline),
+                    earliest(time.monotonic() + self.session.plan.start_timeout, deadline),
                 )
 
 

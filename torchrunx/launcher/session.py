@@ -3,7 +3,8 @@
 :class:`LaunchLoop` opens, owns and closes every resource of a launch, and turns the loop: each
 step sends heartbeats when due, waits for the next socket event, agent end or deadline, and
 applies what arrived to the state (through :mod:`~torchrunx.launcher.inbox`). It decides
-nothing: starting, stopping, restarting and collecting are the orchestrator's.
+nothing: starting, stopping, restarting and collecting are the orchestrator's, which holds one
+``LaunchLoop`` (``Launch.session``) and calls it; so do warm agents between runs.
 
 The parts, each the owner of one thing:
 
@@ -77,9 +78,7 @@ agent only needs to hear from the launcher within ``agent_timeout``)."""
 class LaunchLoop:
     """The parts of one launch and its loop; owned by the thread that runs the loop."""
 
-    def __init__(
-        self, plan: LaunchPlan, call: list[memoryview], *, starter: Starter | None = None
-    ) -> None:
+    def __init__(self, plan: LaunchPlan, *, starter: Starter | None = None) -> None:
         """Open the logs, the events file, the listening socket and the loop; start nothing.
 
         ``starter`` replaces how agents start (the many-hosts benchmark simulates them). What
@@ -87,7 +86,6 @@ class LaunchLoop:
         ``TORCHRUNX_LOG_LEVEL``, no descriptor left).
         """
         self.plan = plan
-        self.call = call
         with contextlib.ExitStack() as undo:
             self.logs = LogRouter(
                 plan.log_handlers,
@@ -140,14 +138,12 @@ class LaunchLoop:
             plan, self.state, listener=self.listener, pool=self.pool, logs=self.logs, sink=self.sink
         )
         self.health: HealthServer | None = None
-        self._logged: set[int] = set()
-        """Agents whose workers' log files and consoles were added."""
         self._next_tick = 0.0
         self._next_beat = 0.0
         self._interrupt: tuple[object, BaseException] | None = None
         """A run's token and the error raised in it at its next wake-up (:meth:`interrupt`)."""
-        self._run_token: object = None
-        """The token of the run under way (``Launch.run_call``)."""
+        self.run_token: object = None
+        """The token of the run under way (set by ``Launch.run_call``; see :meth:`interrupt`)."""
         self._want_stacks = False
         """Set by SIGQUIT (:meth:`ask_stacks`): look at every rank's stacks at the next wake."""
         self._preempt_request: str | None = None
@@ -161,7 +157,7 @@ class LaunchLoop:
         self.debugger = Debugger(
             self.loop,
             self._send_debug,
-            lambda rank: self.state.hostname(self.state.ranks[rank]),
+            lambda rank: self.state.agent_table.hostname(self.state.ranks[rank]),
             stdin_fd=0,  # the process's standard input, whatever sys.stdin is now
         )
         """``breakpoint()`` in the workers: pdb sessions in this terminal."""
@@ -187,7 +183,7 @@ class LaunchLoop:
             )
             return
         record = self.state.ranks[rank]
-        host = self.state.hostname(record)
+        host = self.state.agent_table.hostname(record)
         process = self.pool.processes.get(record.host_index)
         forward = getattr(process, "forward", None)
         key = (rank, record.host_index)
@@ -271,7 +267,7 @@ class LaunchLoop:
         self._want_stacks = False
         if self.look is not None and self.look.due(now):
             look, self.look = self.look, None
-            print_look(look.text(self.state.ranks, self.state.hostname))
+            print_look(look.text(self.state.ranks, self.state.agent_table.hostname))
 
     def _on_shown(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
         if self.look is not None:
@@ -296,10 +292,10 @@ class LaunchLoop:
                 deadline = earliest(deadline, self.preemption[1])
             if interruptible and self._interrupt is not None:
                 token, error = self._interrupt
-                if token is self._run_token:
+                if token is self.run_token:
                     self._interrupt = None
                     raise error
-            if not st.stopping and (st.failed or st.alarm):
+            if not st.progress.stopping and (st.failed or st.current.alarm):
                 return
             now = time.monotonic()
             # Time with a rank in the debugger does not count: the deadline moves by it.
@@ -339,7 +335,7 @@ class LaunchLoop:
             for agent in st.agents:
                 if agent.conn is not None and not agent.over:
                     self.inbox.peer_of(agent).send(Heartbeat())
-        for agent, silent in st.silent_agents(now):
+        for agent, silent in st.agent_table.silent_agents(now):
             self.inbox.agent_silent(agent, silent)
         self.listener.tick(now)
         self.pool.poll()

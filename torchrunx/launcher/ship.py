@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import pathspec
 
+from torchrunx.errors import ShipError
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
     from typing import IO
@@ -45,10 +47,6 @@ _LIB = ".torchrunx-lib"
 _OUTSIDE = ".torchrunx-paths"
 _MAX_LINE = 64 << 20
 """The longest line of the exchange the launcher reads (a ``need`` list of every file)."""
-
-
-class ShipError(Exception):
-    """The exchange with a host failed (it ended, answered out of turn, or took too long)."""
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchrunx.errors import AgentFailedError
+from torchrunx.errors import AgentFailedError, ShipError
 from torchrunx.launcher.forward import PortForward
 from torchrunx.launcher.relay import Adopt, LauncherRelay
 from torchrunx.launcher.reports import agent_exit_error
-from torchrunx.launcher.ship import ShipError
 from torchrunx.launcher.transport import (
     _READS_PER_CALL,
     PipeReaders,

@@ -35,9 +35,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from torchrunx.errors import AgentFailedError
+from torchrunx.errors import AgentFailedError, ShipError
 from torchrunx.launcher.relay import Adopt, LauncherRelay
-from torchrunx.launcher.ship import ShipError, read_fd, write_within
+from torchrunx.launcher.ship import read_fd, write_within
 from torchrunx.wire.bootstrap import BOOT_CODE, PYTHONPATH_WITHOUT_CWD, SAFE_START
 from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
 from torchrunx.wire.relay import MAX_DATA, PIPE_SIZE

@@ -93,14 +93,14 @@ class _Idle:
         if thread is None:
             return
         self._stopping = True
-        self.launch.loop.post(lambda: None)  # wakes the loop at once
+        self.launch.session.loop.post(lambda: None)  # wakes the loop at once
         thread.join()
 
     def _serve(self) -> None:
         _our_thread.warm = True
         try:
             while not self._stopping:  # heartbeats, and agents that end or fall silent
-                self.launch.step()
+                self.launch.session.step()
         except Exception:
             logger.exception("the warm agents' idle loop failed; the next run will say more")
 
@@ -114,7 +114,7 @@ class _Agents:
 
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
-        self.hostnames = launch.hostnames()
+        self.hostnames = launch.host_changes.hostnames()
         self.idle = _Idle(launch)
         self.lock = threading.Lock()
         """Held by the run under way (one at a time), and by :meth:`WarmLauncher.close`."""
@@ -127,7 +127,7 @@ class _Agents:
     def run(self, call: list[memoryview], token: object = None) -> LaunchResult[Any]:
         """Run a pickled call on fresh workers; the caller holds :attr:`lock`.
 
-        ``token`` names the run for :meth:`Launch.interrupt` (a submitted run's future).
+        ``token`` names the run for :meth:`LaunchLoop.interrupt` (a submitted run's future).
 
         Raises:
             BaseException: Whatever the run raises (:meth:`Launch.run_call`).
@@ -140,12 +140,12 @@ class _Agents:
             self.idle.resume()
         assert self._timings is not None  # noqa: S101 (set by a successful run)
         return LaunchResult(
-            self.launch.hostnames(),
+            self.launch.host_changes.hostnames(),
             per_host,
             self._restarts,
             self._timings,
             fresh_workers=self.launch.state.fresh_workers,
-            world_changes=tuple(self.launch.state.world_changes),
+            world_changes=tuple(self.launch.state.agent_table.world_changes),
         )
 
     # -- between two runs ---------------------------------------------------------------------
@@ -161,8 +161,8 @@ class _Agents:
         launch = self.launch
         st = launch.state
         since_last = st.faults  # workers and agents lost or dead while idle: no run's failure
-        if st.kept_workers:
-            if not since_last and st.kept_workers_well():
+        if st.progress.kept_workers:
+            if not since_last and st.current.kept_workers_well():
                 st.next_call()
                 return True
             why = "; ".join(dict.fromkeys(summary(f.error) for f in since_last))
@@ -175,11 +175,11 @@ class _Agents:
             st.next_attempt(keep_ready=True)
         st.forget_idle_faults()
         with st.stopping_meanwhile():  # an agent's end now is this preparation's, not the run's
-            launch.run_until(
+            launch.session.run_until(
                 lambda: all(a.ready or a.over or a.conn is None for a in st.agents),
                 earliest(time.monotonic() + STOP_WAIT, deadline),
             )
-        gone = st.unready_agents()
+        gone = st.agent_table.unready_agents()
         if not gone:
             return False
         names = [a.slots.hostname for a in gone]
@@ -196,8 +196,8 @@ class _Agents:
             )
         if not launch.plan.quarantines:
             logger.warning("starting new agents on %s before this run", names)
-        launch.replace_agents(deadline)
-        unready = [a.slots.hostname for a in st.unready_agents()]
+        launch.host_changes.replace_agents(deadline)
+        unready = [a.slots.hostname for a in st.agent_table.unready_agents()]
         if unready:
             st.add_extra_failure(f"new agents were started, but those of {unready} did not")
             raise Failed
@@ -211,7 +211,7 @@ class _Agents:
         """
         st = self.launch.state
         if st.phase is Phase.SUCCEEDED:
-            self._timings, self._restarts = self.launch.timings(), st.restarts
+            self._timings, self._restarts = self.launch.session.timings(), st.restarts
         st.after_run(keep_workers=self.launch.plan.keep_workers)
 
 
@@ -291,7 +291,7 @@ class _Submitted(Future[LaunchResult[R]]):
             return True
         if phase in (_Phase.RUNNING, _Phase.ENDING):
             # For this run only (the token): a request that comes after it ended does nothing.
-            self._launch.interrupt(self._error, self)
+            self._launch.session.interrupt(self._error, self)
             if not self.done():  # done() already in a done-callback of this very future
                 wait_futures([self], timeout=_CANCEL_WAIT)
             if not self.done():
@@ -481,8 +481,8 @@ class WarmLauncher:
                 raise RuntimeError(_CLOSED)
             launch = self._agents.launch
             with (
-                sigterm_preempts(launch.preempt, launch.plan.preemption_grace),
-                sigquit_shows_stacks(launch.ask_stacks),
+                sigterm_preempts(launch.session.preempt, launch.plan.preemption_grace),
+                sigquit_shows_stacks(launch.session.ask_stacks),
             ):
                 result: LaunchResult[R] = self._agents.run(call)
         finally:
