@@ -1461,17 +1461,17 @@ def rank_1_failed_yet_kept(state: LaunchState) -> None:
 
 def test_rule_after_a_failed_warm_run_with_keep_workers_no_worker_is_kept():
     state = running(1, 2, keep_workers=True)
-    state.worker_failed(state.ranks[1], "exception", ValueError("boom"), 2.0)
+    state.current.worker_failed(state.ranks[1], "exception", ValueError("boom"), 2.0)
     for rank in state.ranks:  # every rank answered: the run is over, and it failed
-        state.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 3.0)
+        state.current.worker_result(rank, WorkerResult(rank.rank), [bytearray()], 3.0)
     assert state.finished and state.failed
     state.begin_failure()
     state.failed_run()
     attempt = state.attempt
     state.after_run(keep_workers=True)  # as the warm launcher's _after does, failed or not
-    assert state.kept_workers is False and state.kept_workers_well() is False
+    assert state.progress.kept_workers is False and state.current.kept_workers_well() is False
     assert state.ranks == [] and state.faults == [] and state.attempt == attempt + 1
-    assert state.between_runs is True  # the agents wait for the next run's spec
+    assert state.progress.between_runs is True  # the agents wait for the next run's spec
 
 
 def test_rule_kept_workers_wait_between_runs():

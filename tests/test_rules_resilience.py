@@ -310,9 +310,9 @@ def _preempted_state() -> LaunchState:
     state, _ = _launch_with_spare(2, 0)
     state.start_run(102.0, warm=False)
     for rank in state.ranks:
-        state.worker_hello(rank, conn=100 + rank.rank, pid=2000 + rank.rank)
+        state.current.worker_hello(rank, conn=100 + rank.rank, pid=2000 + rank.rank)
     payload = [bytearray(part) for part in serialization.dumps(42)]
-    state.worker_result(state.ranks[0], WorkerResult(0), payload, 103.0)
+    state.current.worker_result(state.ranks[0], WorkerResult(0), payload, 103.0)
     return state
 
 
@@ -329,6 +329,7 @@ def _end(plan: LaunchPlan) -> tuple[Preempted, list[str]]:
 
 
 def _plan(**fields: object) -> LaunchPlan:
+    fields.setdefault("agent_timeout", 5.0)
     return LaunchPlan(tuple(_hosts("a", "b")), ("ssh", "ssh"), {}, **fields)  # type: ignore[arg-type]
 
 
