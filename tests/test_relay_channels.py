@@ -25,7 +25,7 @@ from torchrunx.wire.relay import DATA, EOF, OPEN, FrameSplitter, frame
 
 if TYPE_CHECKING:
     import socket
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
 
 class _Host:
@@ -70,24 +70,13 @@ def _relay(host: _Host) -> LauncherRelay:
     )
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def test_a_channel_the_launcher_closed_is_released_at_once_though_the_host_never_ends_it():
+@contextlib.contextmanager
+def _relayed() -> Iterator[tuple[_Host, LauncherRelay]]:
+    """A host and the launcher's relay of it; everything closed afterwards."""
     host = _Host()
     relay = _relay(host)
     try:
-        before = _open_fds()
-        host.send(OPEN, 1, b"10.0.0.7\n10.0.0.1")
-        _until(lambda: len(host.adopted) == 1)
-        assert _open_fds() == before + 2  # the pair
-        host.adopted[0].close()  # the launcher's end closes (a shed or failed handshake)
-        _until(lambda: host.got(EOF, 1))  # the host is told: it closes the connection
-        _until(lambda: _open_fds() == before)  # and the pair is gone, with no EOF from the host
-        host.send(DATA, 1, b"late")  # what the host still sends is dropped, harmlessly
-        host.send(OPEN, 2, b"10.0.0.7\n10.0.0.1")
-        _until(lambda: len(host.adopted) == 2)  # the relay goes on
+        yield host, relay
     finally:
         relay.stop()
         for sock in host.adopted:
@@ -98,11 +87,27 @@ def test_a_channel_the_launcher_closed_is_released_at_once_though_the_host_never
         relay.close_output()
 
 
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_channel_the_launcher_closed_is_released_at_once_though_the_host_never_ends_it():
+    with _relayed() as (host, _):
+        before = _open_fds()
+        host.send(OPEN, 1, b"10.0.0.7\n10.0.0.1")
+        _until(lambda: len(host.adopted) == 1)
+        assert _open_fds() == before + 2  # the pair
+        host.adopted[0].close()  # the launcher's end closes (a shed or failed handshake)
+        _until(lambda: host.got(EOF, 1))  # the host is told: it closes the connection
+        _until(lambda: _open_fds() == before)  # and the pair is gone, with no EOF from the host
+        host.send(DATA, 1, b"late")  # what the host still sends is dropped, harmlessly
+        host.send(OPEN, 2, b"10.0.0.7\n10.0.0.1")
+        _until(lambda: len(host.adopted) == 2)  # the relay goes on
+
+
 def test_out_of_descriptors_a_channel_is_refused_alone_and_the_others_go_on():
-    host = _Host()
-    relay = _relay(host)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
+    with _relayed() as (host, relay):
         host.send(OPEN, 1, b"10.0.0.7\n10.0.0.1")  # the agent's channel, opened in time
         _until(lambda: len(host.adopted) == 1)
         top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
@@ -126,14 +131,6 @@ def test_out_of_descriptors_a_channel_is_refused_alone_and_the_others_go_on():
         host.adopted[0].sendall(b"and back")
         _until(lambda: any(d == b"and back" for k, n, d in host.from_launcher if n == 1))
         assert relay.broken is None
-    finally:
-        relay.stop()
-        for sock in host.adopted:
-            sock.close()
-        os.close(host.to_launcher_w)
-        relay.join(5)
-        os.close(host.to_launcher_r)
-        relay.close_output()
 
 
 # -- the host's relay ------------------------------------------------------------------------

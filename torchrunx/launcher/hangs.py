@@ -28,6 +28,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torchrunx.launcher.reports import rank_ranges
+
 Phase = Literal["before the process group formed", "in the user's code", "in a collective"]
 
 _OWN_CODE = ("/torch/", "/torchrunx/", "<frozen ", "/threading.py")
@@ -202,18 +204,8 @@ def diagnose(snapshots: list[RankSnapshot], world_size: int) -> Diagnosis:
 
 def ranks_text(ranks: tuple[int, ...] | list[int]) -> str:
     """``rank 3``, ``ranks 0-3``, ``ranks 0-2, 5, 7-8``: consecutive ranks as ranges."""
-    ordered = sorted(ranks)
-    parts: list[str] = []
-    start = prev = ordered[0] if ordered else 0
-    for rank in [*ordered[1:], None]:
-        if rank is not None and rank == prev + 1:
-            prev = rank
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if rank is not None:
-            start = prev = rank
-    word = "rank" if len(ordered) == 1 else "ranks"
-    return f"{word} {', '.join(parts)}"
+    word = "rank" if len(ranks) == 1 else "ranks"
+    return f"{word} {rank_ranges(sorted(ranks)).replace(',', ', ')}"
 
 
 def _collective_text(entry: CollectiveEntry) -> str:
