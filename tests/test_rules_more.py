@@ -199,6 +199,7 @@ class Parts:
     agent_timeout: float = 7.5
     start_timeout: float = 42.0
     env_file: str | None = None
+    python: str | None = None
     spares: int = 0
     min_hosts: int | None = None
     quarantines = LaunchPlan.quarantines

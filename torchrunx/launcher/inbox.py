@@ -20,6 +20,7 @@ from torchrunx.events import HostQuarantined
 from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
 from torchrunx.launcher.channels import WorkerChannel
 from torchrunx.launcher.listener import FrameReceived, Peer, PeerClosed
+from torchrunx.launcher.reach import python_for
 from torchrunx.launcher.records import STOP_GRACE, Phase
 from torchrunx.launcher.reports import (
     agent_exit_error,
@@ -233,6 +234,7 @@ class Inbox:
             connected=agent.hello is not None,
             env_file=None if env_file is None else str(env_file),
             stderr_tail=self.stderr_tail(agent.index),
+            python=python_for(self.plan.python, agent.slots.hostname, agent.method),
         )
         self.agent_failed(agent, error)
 

@@ -97,8 +97,8 @@ def agent_exit_error(  # noqa: PLR0913 (what is known about the end)
     stderr_tail: str,
     python: str | None = None,
 ) -> AgentFailedError:
-    """An agent that ended without saying it was done; ``python``: the one python= named."""
-    if status == 127 and python is not None:
+    """An agent that ended without saying it was done; ``python``: what python= named for it."""
+    if status == 127 and python is not None and remote:
         reason = (
             "the agent could not start (exit status 127): a command it needs is missing on "
             f"that host (its message is below); it ran {python}, the interpreter "
