@@ -326,6 +326,7 @@ TARGETS: dict[str, Target] = {
 
 IMPURE = (
     # Tests of the guarding files above that start processes (the guard finds them): left out.
+    "tests/test_rules_more.py::test_rule_what_slurm_cannot_give_is_a_slurm_error_and_still_a_runtime_error",
     "tests/test_pure.py::test_agent_script_keeps_hostile_values_intact",
     "tests/test_pure.py::test_tensors_travel_without_numpy_and_without_a_copy",
     "tests/test_hosts.py::test_slurm_allocation_from_the_environment",
@@ -339,6 +340,7 @@ IMPURE = (
     "tests/test_plugins.py::test_run_needs_the_arguments_after_the_separator",
     "tests/test_plugins.py::test_a_preset_does_not_give_a_script_a_process_group",
     "tests/test_gpu.py::test_dry_run_counts_this_machines_gpus",
+    "tests/test_gpu.py::test_dry_run_says_nothing_of_cores_where_auto_counts_gpus",
     "tests/test_gpu.py::test_dry_run_of_remote_hosts_states_the_rule",
     "tests/test_gpu.py::test_agents_report_gpus_and_auto_is_gloo_when_a_worker_has_none",
     "tests/test_gpu.py::test_auto_is_nccl_for_every_worker_when_each_has_a_gpu",
