@@ -12,7 +12,9 @@ links, subnets and ``/etc/hosts`` markers, so that one cluster of each can run a
 ``10.201.0``, for ``benchmarks/``), ``"slurm"`` (``snode1``... on ``10.202.0``, the hosts under
 the SLURM cluster of ``slurm_cluster.py``) and ``"ray"`` (``rnode1``... on ``10.203.0``, the
 nodes of the Ray cluster of ``ray_cluster.py``). Only one cluster per profile can exist on a machine at
-a time. Starting a cluster first removes whatever a crashed earlier run of the same profile left
+a time; but under pytest-xdist every worker has its own copy of the ``"test"`` and ``"reach"``
+profiles (:func:`worker_profile`: worker 1's hosts are ``w1node1``... on ``10.211.0``), so that the
+workers' clusters run side by side. Starting a cluster first removes whatever a crashed earlier run of the same profile left
 behind. Requires root (see :func:`cluster_unavailable_reason`).
 """
 
