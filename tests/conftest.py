@@ -44,23 +44,47 @@ QUICK_FILES = (
 marked by hand (``scripts/test.sh --quick``, ``pytest -m quick``)."""
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """Put the tests of :data:`GROUPS_BY_FIXTURE` and :data:`GROUPS_BY_FILE` in their groups,
     and mark those of :data:`QUICK_FILES` ``quick``.
 
     ``--dist loadgroup`` (``scripts/test.sh``) runs a group's tests on one worker, one after the
     other; every other test goes to whichever worker is free. Without xdist, nothing changes.
+    Marked as each test is collected: pytest-xdist reads the groups in its own
+    ``pytest_collection_modifyitems``, which may run before this file's.
     """
+    if any(fnmatch.fnmatch(item.path.name, pattern) for pattern in QUICK_FILES):
+        item.add_marker(pytest.mark.quick)
+    group = GROUPS_BY_FILE.get(item.path.name)
+    for fixture, name in GROUPS_BY_FIXTURE.items():
+        if fixture in getattr(item, "fixturenames", ()):
+            group = name
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup``, each grouped test's id ends with ``@GROUP``, as xdist means.
+
+    pytest-xdist 3.8 sets ``item._nodeid``, which pytest 9 no longer reads (its ``nodeid`` comes
+    from ``item._id``): the groups would be silently ignored, and two workers would each start
+    a SLURM cluster. Done here where xdist's did not; checked either way.
+    """
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
+        return
+    from _pytest.nodeid import NodeId
+
     for item in items:
-        if any(fnmatch.fnmatch(item.path.name, pattern) for pattern in QUICK_FILES):
-            item.add_marker(pytest.mark.quick)
-        group = GROUPS_BY_FILE.get(item.path.name)
-        for fixture, name in GROUPS_BY_FIXTURE.items():
-            if fixture in getattr(item, "fixturenames", ()):
-                group = name
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        names = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group")})
+        if not names:
+            continue
+        suffix = "@" + "_".join(names)
+        if not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)  # type: ignore[attr-defined]
+        if not item.nodeid.endswith(suffix):
+            msg = f"cannot put {item.nodeid} in its xdist group {suffix[1:]}"
+            raise RuntimeError(msg)
 
 
 @pytest.fixture(scope="session", autouse=True)
