@@ -10,6 +10,9 @@
 # the last line says how many runs failed, and the exit status is 1 if any did. The hogs are
 # ended by their own pids when the script ends, however it ends.
 #
+# Each run is parallel as in scripts/test.sh: TORCHRUNX_TEST_WORKERS pytest-xdist workers (default
+# 3; 0: one process), --dist loadgroup.
+#
 # Each run has its own pytest base folder (under $REPEAT_BASETEMP, default a new folder in /tmp),
 # not /tmp/pytest-of-$USER: another pytest session started meanwhile rotates that folder's
 # numbered entries and may delete a running suite's (its test hosts' keys and sshd config).
@@ -28,6 +31,11 @@ python=.venv/bin/python
 log=${REPEAT_LOG:-repeat-$(date +%Y%m%d-%H%M%S).log}
 base=${REPEAT_BASETEMP:-$(mktemp -d /tmp/torchrunx-repeat.XXXXXX)}
 mkdir -p "$base"
+workers=${TORCHRUNX_TEST_WORKERS:-3}
+parallel=()
+if ((workers > 0)); then
+    parallel=(-n "$workers" --dist loadgroup)
+fi
 hogs=()
 stop_hogs() {
     if ((${#hogs[@]})); then
@@ -38,7 +46,7 @@ stop_hogs() {
 }
 trap stop_hogs EXIT
 
-echo "$(date -Is) commit $(git rev-parse --short HEAD), $runs runs, load=$load, args: ${*:-the whole suite}" | tee -a "$log"
+echo "$(date -Is) commit $(git rev-parse --short HEAD), $runs runs, load=$load, workers=$workers, args: ${*:-the whole suite}" | tee -a "$log"
 failed=0
 for ((i = 1; i <= runs; i++)); do
     if ((load)); then
@@ -49,7 +57,7 @@ for ((i = 1; i <= runs; i++)); do
     fi
     started=$(date +%s)
     out=$(mktemp)
-    "$python" -m pytest -q -p no:cacheprovider -rfE --basetemp "$base/run$i" "$@" >"$out" 2>&1
+    "$python" -m pytest -q -p no:cacheprovider -rfE "${parallel[@]}" --basetemp "$base/run$i" "$@" >"$out" 2>&1
     code=$?
     stop_hogs
     summary=$(grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed)' "$out")

@@ -2,12 +2,37 @@
 # Install everything a fresh Debian machine needs (system packages too), then run the linters,
 # the type checker and the whole test suite. Run as root (the tests build network namespaces).
 #
+#   bash scripts/test.sh            # everything, as CI (.ci/run); pytest arguments may follow
+#   bash scripts/test.sh --quick    # the quick tier only: pure tests and a smoke launch, ~1 min
+#
 # Python packages go into a virtual environment of its own (.venv, without system
 # site-packages), rebuilt on every run: a dependency missing from pyproject.toml fails here on
 # every machine, not only on a new one.
+#
+# The tests run in parallel: TORCHRUNX_TEST_WORKERS pytest-xdist workers (default 3; 0: one
+# process, as `python -m pytest` runs them), `--dist loadgroup`: each worker has test hosts of
+# its own, and the SLURM, Ray, framework and container tests run in groups of their own
+# (tests/conftest.py; CONTRIBUTING.md, "The whole suite").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [[ "${1:-}" == "--quick" ]]; then
+    # The edit loop: no system package, no root; .venv reused where it exists (else made, with
+    # the test extra only). `pytest -m quick`: the pure tests and the smoke launches.
+    shift
+    if [[ ! -x .venv/bin/python ]]; then
+        python3 -m venv .venv
+        .venv/bin/python -m pip install -q torch==2.13.0
+        .venv/bin/python -m pip install -q -e ".[test]"
+    fi
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider -m quick "$@"
+fi
+workers=${TORCHRUNX_TEST_WORKERS:-3}
+parallel=()
+if ((workers > 0)); then
+    parallel=(-n "$workers" --dist loadgroup)
+fi
+export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 # g++: DeepSpeed compiles a C++ op the first time an engine starts on a CPU. podman and
 # docker.io: tests/test_containers.py. libslurm-dev, libbsd-dev, squashfs-tools: pyxis and
@@ -34,7 +59,7 @@ python -m pip install -q -e ".[ray]"
 ruff check .
 ruff format --check .
 mypy
-python -m pytest "$@"
+python -m pytest "${parallel[@]}" "$@"
 # Mutation testing of the pure core, CI's subset (about 6 minutes; docs/mutation.md): the
 # modules changed since origin/main, else a fixed sample of every module's mutants.
 python scripts/mutation.py --ci

@@ -12,7 +12,9 @@ links, subnets and ``/etc/hosts`` markers, so that one cluster of each can run a
 ``10.201.0``, for ``benchmarks/``), ``"slurm"`` (``snode1``... on ``10.202.0``, the hosts under
 the SLURM cluster of ``slurm_cluster.py``) and ``"ray"`` (``rnode1``... on ``10.203.0``, the
 nodes of the Ray cluster of ``ray_cluster.py``). Only one cluster per profile can exist on a machine at
-a time. Starting a cluster first removes whatever a crashed earlier run of the same profile left
+a time; but under pytest-xdist every worker has its own copy of the ``"test"`` and ``"reach"``
+profiles (:func:`worker_profile`: worker 1's hosts are ``w1node1``... on ``10.211.0``), so that the
+workers' clusters run side by side. Starting a cluster first removes whatever a crashed earlier run of the same profile left
 behind. Requires root (see :func:`cluster_unavailable_reason`).
 """
 
@@ -173,6 +175,64 @@ PROFILES: dict[str, Profile] = {
 ``"slurm"`` for the hosts of the SLURM test cluster (``slurm_cluster.py``), ``"ray"`` for the
 hosts of the Ray test cluster (``ray_cluster.py``), ``"reach"`` for hosts that do not share the
 launcher's files (``isolated=True``)."""
+
+PER_WORKER: frozenset[str] = frozenset({"test", "reach"})
+"""Profiles of which every pytest-xdist worker has its own (see :func:`worker_profile`); the
+others (SLURM, Ray, bench) exist once on a machine, and their tests run on one worker."""
+
+
+def xdist_worker() -> int | None:
+    """The number of this process's pytest-xdist worker (``gw3``: 3), or ``None`` outside one.
+
+    Read from ``PYTEST_XDIST_WORKER``, which processes started by a worker inherit (a benchmark
+    run by a test).
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    match = re.fullmatch(r"gw(\d+)", worker)
+    return int(match[1]) if match else None
+
+
+def worker_profile(name: str, worker: int | None = None) -> Profile:
+    """The profile ``name`` as pytest-xdist worker ``worker`` (default: this process's) uses it.
+
+    Outside xdist, and for a profile not in :data:`PER_WORKER`, the profile itself. Worker ``N``'s
+    copy has names, links, subnet and ``/etc/hosts`` marker of its own, so that every worker's
+    cluster runs beside the others': e.g. worker 1's ``"test"`` is ``w1node1``... in the
+    namespaces ``trxw1-w1node1``... on ``10.211.0`` (the third octet tells the profiles apart:
+    ``"reach"`` of worker 1 is on ``10.211.4``).
+
+    Args:
+        name: A key of :data:`PROFILES`.
+        worker: The worker's number; ``None`` reads ``PYTEST_XDIST_WORKER``.
+
+    Returns:
+        The profile to use.
+
+    Raises:
+        ValueError: If the worker number would leave the addresses kept for workers (0 to 44).
+    """
+    base = PROFILES[name]
+    if worker is None:
+        worker = xdist_worker()
+    if worker is None or name not in PER_WORKER:
+        return base
+    if not 0 <= worker < 45:  # 10.210 to 10.254
+        msg = f"pytest-xdist worker {worker}: at most 45 workers have test hosts of their own"
+        raise ValueError(msg)
+    tag = f"w{worker}"
+    stem = base.netns_prefix.rstrip("-")
+    return Profile(
+        name=base.name,
+        netns_prefix=f"{stem}{tag}-",
+        bridge=f"{stem}{tag}br",
+        veth_prefix=f"{stem}{tag}v",
+        subnet=f"10.{210 + worker}.{int(base.subnet.split('.')[1]) - 200}",
+        host_prefix=f"{tag}{base.host_prefix}",
+        launcher_name=f"{stem}{tag}-launcher",
+        unreachable_name=f"{tag}{base.unreachable_name}",
+        hosts_marker=f"{base.hosts_marker}-{tag}",
+    )
+
 
 _REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname", "ssh", "ssh-keygen")
 
@@ -595,7 +655,7 @@ def start_cluster(
     if profile not in PROFILES:
         msg = f"profile must be one of {sorted(PROFILES)}, not {profile!r}"
         raise ValueError(msg)
-    chosen = PROFILES[profile]
+    chosen = worker_profile(profile)
     if not 1 <= n <= MAX_HOSTS:
         msg = f"n must be between 1 and {MAX_HOSTS}, not {n}"
         raise ValueError(msg)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import signal
 import socket
+import tempfile
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from cluster import cluster_unavailable_reason, start_cluster
+from cluster import cluster_unavailable_reason, start_cluster, xdist_worker
 from slurm_cluster import DAEMONS, slurm_processes, slurm_unavailable_reason, start_slurm_cluster
 
 if TYPE_CHECKING:
@@ -20,6 +22,92 @@ if TYPE_CHECKING:
 
     from cluster import TestCluster
     from slurm_cluster import SlurmCluster
+
+
+GROUPS_BY_FIXTURE = {"slurm": "slurm", "ray_cluster": "ray"}
+"""Tests that use one of these fixtures run on one pytest-xdist worker, in the group named: the
+SLURM and Ray test clusters exist once on a machine (one ``slurmctld`` port, one ``munged``)."""
+GROUPS_BY_FILE = {
+    "test_frameworks.py": "frameworks",  # DeepSpeed's op, compiled once; the heaviest launches
+    "test_containers.py": "containers",  # the machine's podman images and containers
+    "test_plugins.py": "plugins",  # a package installed into the environment, then removed
+}
+"""Test files whose tests run on one pytest-xdist worker, in the group named."""
+QUICK_FILES = (
+    "test_rules_*.py",
+    "test_pure.py",
+    "test_launch_state.py",
+    "test_warm_state.py",
+    "test_xdist.py",
+)
+"""The pure tests (no process, socket or clock): marked ``quick``, with the smoke launches
+marked by hand (``scripts/test.sh --quick``, ``pytest -m quick``)."""
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Put the tests of :data:`GROUPS_BY_FIXTURE` and :data:`GROUPS_BY_FILE` in their groups,
+    and mark those of :data:`QUICK_FILES` ``quick``.
+
+    ``--dist loadgroup`` (``scripts/test.sh``) runs a group's tests on one worker, one after the
+    other; every other test goes to whichever worker is free. Without xdist, nothing changes.
+    Marked as each test is collected: pytest-xdist reads the groups in its own
+    ``pytest_collection_modifyitems``, which may run before this file's.
+    """
+    if any(fnmatch.fnmatch(item.path.name, pattern) for pattern in QUICK_FILES):
+        item.add_marker(pytest.mark.quick)
+    group = GROUPS_BY_FILE.get(item.path.name)
+    for fixture, name in GROUPS_BY_FIXTURE.items():
+        if fixture in getattr(item, "fixturenames", ()):
+            group = name
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup``, each grouped test's id ends with ``@GROUP``, as xdist means.
+
+    pytest-xdist 3.8 sets ``item._nodeid``, which pytest 9 no longer reads (its ``nodeid`` comes
+    from ``item._id``): the groups would be silently ignored, and two workers would each start
+    a SLURM cluster. Done here where xdist's did not; checked either way.
+    """
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group")})
+        if not names:
+            continue
+        suffix = "@" + "_".join(names)
+        if not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)  # type: ignore[attr-defined]
+        if not item.nodeid.endswith(suffix):
+            msg = f"cannot put {item.nodeid} in its xdist group {suffix[1:]}"
+            raise RuntimeError(msg)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under pytest-xdist, each worker's own ``TMPDIR`` (in its base folder), for what it starts.
+
+    Tests that count what launches leave in the temporary folder then see their own worker's
+    launches only, not those of the workers beside them. Without xdist, nothing changes.
+    """
+    if xdist_worker() is None:
+        yield
+        return
+    path = tmp_path_factory.getbasetemp() / "tmp"
+    path.mkdir(exist_ok=True)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = None  # read TMPDIR again
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,6 +129,8 @@ def ctrl_c_reaches_started_commands() -> None:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
     """A running 2-host SSH test cluster (``node1``, ``node2``), shared by the whole session.
 
+    Under pytest-xdist each worker has its own (worker 1: ``w1node1``, ``w1node2`` on
+    ``10.211.0``, see ``cluster.worker_profile``): tests name the hosts ``cluster.names()``.
     Skipped where no cluster can be made, except on CI (``CI`` set), where that is a failure.
     """
     reason = cluster_unavailable_reason()
@@ -55,7 +145,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
 
 @pytest.fixture(scope="session")
 def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
-    """Two SSH test hosts (``hnode1``, ``hnode2``) that do not share the launcher's files.
+    """Two SSH test hosts (``hnode1``, ``hnode2``; each xdist worker's own, like ``cluster``)
+    that do not share the launcher's files.
 
     In their mount namespace the checkout and ``launcher_only`` are empty folders and
     ``~/.cache`` is their own (see ``start_cluster(..., isolated=True)`` in ``cluster.py``).
@@ -119,6 +210,33 @@ def torchrunx_processes() -> list[str]:
             continue
         if "torchrunx.agent" in cmdline and state != "Z" and ours:
             found.append(f"{entry}: {cmdline[:120]}")
+    return found
+
+
+def session_pids() -> set[int]:
+    """Pids of the live processes below this test session's process (this pytest worker).
+
+    What the session starts stays below it (see :func:`escaped_processes`): its launches, the
+    test hosts' ``sshd`` and what they start. A look at this machine's processes that must not
+    see another session's (another pytest-xdist worker's) looks at these.
+    """
+    parents: dict[int, int] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    me = os.getpid()
+    found = set()
+    for pid, parent in parents.items():
+        above = parent
+        while above > 1 and above != me:
+            above = parents.get(above, 0)
+        if above == me:
+            found.add(pid)
     return found
 
 

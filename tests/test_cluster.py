@@ -1,7 +1,8 @@
-"""Launches over real SSH on the namespace test hosts (node1, node2)."""
+"""Launches over real SSH on the namespace test hosts (``cluster.names()``: node1, node2)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -44,7 +45,8 @@ def test_two_hosts_over_ssh_with_uneven_workers(cluster):
         backend="gloo",
         ssh_config_file=cluster.ssh_config,
     )
-    assert [r["host"] for r in result.ranks] == ["node1", "node2", "node2"]
+    node1, node2 = cluster.names()
+    assert [r["host"] for r in result.ranks] == [node1, node2, node2]
     assert [(r["rank"], r["local_rank"], r["group_rank"]) for r in result.ranks] == [
         (0, 0, 0),
         (1, 0, 1),
@@ -54,8 +56,8 @@ def test_two_hosts_over_ssh_with_uneven_workers(cluster):
     assert [r["local_world"] for r in result.ranks] == [1, 2, 2]
     assert all(r["groups"] == 2 for r in result.ranks)  # torchrun's GROUP_WORLD_SIZE: hosts
     assert [r["role"] for r in result.ranks] == [("default", str(i), "3") for i in range(3)]
-    assert result.index("node2", 1)["rank"] == 2
-    assert list(result.results) == ["node1", "node2"]
+    assert result.index(node2, 1)["rank"] == 2
+    assert list(result.results) == [node1, node2]
 
 
 def test_localhost_and_remote_hosts_in_one_group(cluster):
@@ -66,7 +68,7 @@ def test_localhost_and_remote_hosts_in_one_group(cluster):
         backend="gloo",
         ssh_config_file=cluster.ssh_config,
     )
-    assert [r["host"] for r in result.ranks] == [socket.gethostname(), "node1", "node2"]
+    assert [r["host"] for r in result.ranks] == [socket.gethostname(), *cluster.names()]
     assert all(r["sum"] == 3.0 for r in result.ranks)
 
 
@@ -77,14 +79,15 @@ class RemoteError(Exception):
 def fail_on_node2() -> None:
     import torch.distributed as dist
 
-    if socket.gethostname() == "node2":
+    if os.environ["GROUP_RANK"] == "1":  # the second host
         raise RemoteError(f"failed on {socket.gethostname()}")
     dist.barrier()
 
 
 def test_remote_exception_keeps_type_and_names_the_host(cluster):
     started = time.monotonic()
-    with pytest.raises(RemoteError, match="failed on node2") as info:
+    node2 = cluster.names()[1]
+    with pytest.raises(RemoteError, match=f"failed on {node2}") as info:
         trx.launch(
             fail_on_node2,
             hostnames=cluster.names(),
@@ -93,19 +96,20 @@ def test_remote_exception_keeps_type_and_names_the_host(cluster):
             ssh_config_file=cluster.ssh_config,
             timeout=120,
         )
-    assert any("host 'node2'" in note and "rank 1" in note for note in info.value.__notes__)
+    assert any(f"host '{node2}'" in note and "rank 1" in note for note in info.value.__notes__)
     assert time.monotonic() - started < 60  # node1 waited in barrier(); it was stopped
 
 
 def kill_my_agent_on_node2() -> None:
-    if socket.gethostname() == "node2":
+    if os.environ["GROUP_RANK"] == "1":  # the second host
         os.kill(os.getppid(), signal.SIGKILL)
     time.sleep(120)
 
 
 def test_agent_killed_mid_run_is_an_agent_failed_error(cluster):
     started = time.monotonic()
-    with pytest.raises(trx.AgentFailedError, match="agent on host 'node2' failed") as info:
+    node2 = cluster.names()[1]
+    with pytest.raises(trx.AgentFailedError, match=f"agent on host '{node2}' failed") as info:
         trx.launch(
             kill_my_agent_on_node2,
             hostnames=cluster.names(),
@@ -113,7 +117,7 @@ def test_agent_killed_mid_run_is_an_agent_failed_error(cluster):
             backend=None,
             ssh_config_file=cluster.ssh_config,
         )
-    assert info.value.hostname == "node2"
+    assert info.value.hostname == node2
     assert time.monotonic() - started < 60
 
 
@@ -131,14 +135,18 @@ def test_worker_sigkill_on_a_remote_host(cluster):
             backend=None,
             ssh_config_file=cluster.ssh_config,
         )
-    assert (info.value.hostname, info.value.rank, info.value.local_rank) == ("node2", 2, 1)
+    assert (info.value.hostname, info.value.rank, info.value.local_rank) == (
+        cluster.names()[1],
+        2,
+        1,
+    )
 
 
 def die_on_node2(how: str) -> None:
     import ctypes
     import sys
 
-    if socket.gethostname() == "node2":
+    if os.environ["GROUP_RANK"] == "1":  # the second host
         if how == "segfault":
             ctypes.string_at(0)
         sys.exit(3)
@@ -159,35 +167,38 @@ def test_remote_worker_death(cluster, how, described):
             backend=None,
             ssh_config_file=cluster.ssh_config,
         )
-    assert (info.value.hostname, info.value.rank) == ("node2", 1)
+    assert (info.value.hostname, info.value.rank) == (cluster.names()[1], 1)
     assert time.monotonic() - started < 60  # node1 sleeps 120 s: it was stopped
 
 
 def test_unreachable_host_fails_quickly_with_the_reason(cluster):
+    unreachable = cluster.profile.unreachable_name
+    address = re.escape(cluster.profile.unreachable_address)
     started = time.monotonic()
     with pytest.raises(
         trx.AgentFailedError,
-        match=r"cannot connect to root@10\.200\.0\.250:22: no answer in \d+ s \(ConnectTimeout\); "
+        match=rf"cannot connect to root@{address}:22: no answer in \d+ s \(ConnectTimeout\); "
         r"is the host up and reachable\?",
     ) as info:
         trx.launch(
             print,
-            hostnames=["node1", "unreachable"],
+            hostnames=[cluster.names()[0], unreachable],
             workers_per_host=1,
             backend=None,
             ssh_config_file=cluster.ssh_config,
         )
-    assert info.value.hostname == "unreachable"
+    assert info.value.hostname == unreachable
     assert time.monotonic() - started < 30  # ConnectTimeout 2 s in the test ssh config
 
 
 def test_wrong_key_is_refused_with_the_reason(cluster):
+    address = re.escape(cluster.hosts[0].address)
     with pytest.raises(
-        trx.AgentFailedError, match=r"SSH authentication failed for root@10\.200\.0\.11:22"
+        trx.AgentFailedError, match=rf"SSH authentication failed for root@{address}:22"
     ):
         trx.launch(
             print,
-            hostnames=["node1"],
+            hostnames=cluster.names()[:1],
             workers_per_host=1,
             backend=None,
             ssh_config_file=cluster.bad_key_ssh_config,
@@ -199,7 +210,7 @@ def test_missing_interpreter_is_a_clear_error(cluster, monkeypatch):
     with pytest.raises(trx.AgentFailedError, match=r"Launcher\(python=\.\.\.\)") as info:
         trx.launch(
             print,
-            hostnames=["node1"],
+            hostnames=cluster.names()[:1],
             workers_per_host=1,
             backend=None,
             ssh_config_file=cluster.ssh_config,
@@ -211,9 +222,22 @@ def test_missing_interpreter_is_a_clear_error(cluster, monkeypatch):
 def test_no_secret_or_environment_value_on_any_command_line(cluster, monkeypatch):
     monkeypatch.setenv("TORCH_SECRET_TOKEN", "hunter2-value-that-must-not-leak")
 
-    def scan_command_lines() -> list[str]:
-        leaks = []
+    def scan_command_lines(session: int) -> list[str]:
+        # Every process of this test session: below its pytest process (the launcher, ssh, the
+        # hosts' sshd and what they start). Other processes of the machine (another pytest-xdist
+        # worker's launches and containers) may show other 64-hex-digit strings.
+        parents = {}
         for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+
+        def below_session(pid: int) -> bool:
+            while pid > 1 and pid != session:
+                pid = parents.get(pid, 0)
+            return pid == session
+
+        leaks = []
+        for pid in filter(below_session, parents):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmdline = f.read()
@@ -227,6 +251,7 @@ def test_no_secret_or_environment_value_on_any_command_line(cluster, monkeypatch
 
     result = trx.launch(
         scan_command_lines,
+        (os.getpid(),),
         hostnames=cluster.names(),
         workers_per_host=1,
         backend=None,
@@ -256,7 +281,7 @@ def test_cut_link_is_noticed_within_agent_timeout(cluster):
                 ssh_config_file=cluster.ssh_config,
                 agent_timeout=2,
             )
-        assert info.value.hostname == "node2"
+        assert info.value.hostname == host.name
         assert time.monotonic() - started < 25
     finally:
         timer.join()
@@ -286,7 +311,7 @@ def test_the_launcher_listens_where_the_hosts_reach_it(
         launcher_address=cluster.launcher_address if configured else None,
     )
     bound = [found]
-    assert result.ranks == ["node1", "node2"]
+    assert result.ranks == cluster.names()
     if configured:
         assert bound == [{cluster.launcher_address}]
     else:

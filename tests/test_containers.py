@@ -61,7 +61,7 @@ class Runner:
 
     def on_host(self, cluster: TestCluster, *args: str) -> list[str]:
         """An argv that runs this runner's client with ``args`` in hnode1's namespaces."""
-        return [*cluster.enter_argv("hnode1"), *self.client, *args]
+        return [*cluster.enter_argv(cluster.hosts[0]), *self.client, *args]
 
 
 def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -77,7 +77,7 @@ def _dockerd(cluster: TestCluster) -> Iterator[Runner]:
     state = Path(tempfile.mkdtemp(prefix="trxd-", dir="/tmp"))
     socket = state / "d.sock"
     argv = [
-        *cluster.enter_argv("hnode1"), "dockerd",
+        *cluster.enter_argv(cluster.hosts[0]), "dockerd",
         "--data-root", str(state / "data"), "--exec-root", str(state / "x"),
         "--pidfile", str(state / "d.pid"), "-H", f"unix://{socket}",
         "--bridge=none", "--iptables=false", "--ip6tables=false", "--storage-driver=vfs",
@@ -141,7 +141,7 @@ def image(
 @pytest.fixture
 def container(runner: Runner, isolated: TestCluster, image: str) -> Iterator[str]:
     """A running container on hnode1, on its network, with its interpreter at /opt/venv."""
-    name = f"torchrunx-test-{runner.name}-hnode1"
+    name = f"torchrunx-test-{runner.name}-{isolated.names()[0]}"
     python_home = Path(os.path.realpath(sys.executable)).parent.parent  # the base interpreter
     run = runner.on_host(
         isolated,
@@ -194,7 +194,7 @@ def test_agent_and_workers_run_in_the_container_with_its_interpreter(
     result = trx.launch(
         project_module.inside,
         func_args=(runner.marker,),
-        hostnames=["hnode1"],
+        hostnames=isolated.names()[:1],
         workers_per_host=2,
         backend="gloo",
         ssh_config_file=isolated.ssh_config,
@@ -211,7 +211,7 @@ def test_agent_and_workers_run_in_the_container_with_its_interpreter(
         assert str(seen["torchrunx"]).startswith(str(seen["cwd"]))
     # The copy is in the container's own home, not the host's.
     tree = Path(str(result.ranks[0]["cwd"])).name
-    assert not list(isolated.cache_dir("hnode1").glob(f"torchrunx/code/trees/{tree}"))
+    assert not list(isolated.cache_dir(isolated.hosts[0]).glob(f"torchrunx/code/trees/{tree}"))
     # Nothing of the launch stays in the container.
     left = _run(runner.on_host(isolated, "exec", container, "/usr/bin/ps", "-eo", "args"))
     lines = left.stdout.splitlines()
@@ -224,7 +224,7 @@ def test_a_container_that_is_not_running_fails_the_host_at_once(isolated, runner
     with pytest.raises(trx.AgentFailedError) as info:
         trx.launch(
             print,
-            hostnames=["hnode1"],
+            hostnames=isolated.names()[:1],
             workers_per_host=1,
             backend=None,
             ssh_config_file=isolated.ssh_config,
@@ -247,7 +247,7 @@ def test_check_runs_its_probe_in_the_container(isolated, runner, container, tmp_
     project.mkdir(parents=True)
     monkeypatch.chdir(project)
     launcher = trx.Launcher(
-        hostnames=["hnode1"],
+        hostnames=isolated.names()[:1],
         ssh_config_file=isolated.ssh_config,
         container=" ".join([*runner.client, "exec", "-i", container]),
         python="/opt/venv/bin/python",

@@ -233,7 +233,7 @@ def test_example_on_two_hosts(name, cluster, tmp_path, log_dir, request):
         *("--hostnames", *cluster.names(), "--workers-per-host", "1"),
         *("--ssh-config-file", str(cluster.ssh_config)),
     )
-    check_output(example, lines, "node1:0", tmp_path / "out", log_dir)
+    check_output(example, lines, f"{cluster.names()[0]}:0", tmp_path / "out", log_dir)
 
 
 # -- a framework's exception in one rank ----------------------------------------------------

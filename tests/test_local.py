@@ -77,6 +77,7 @@ def _slow_rank_1() -> int:
     return rank
 
 
+@pytest.mark.quick  # the quick tier's smoke launches
 def test_localhost_gloo_collectives_and_results():
     result = trx.Launcher(**LOCAL).run(rank_info)
     assert [r["rank"] for r in result.ranks] == [0, 1]
@@ -139,6 +140,7 @@ def raise_on_rank_one() -> None:
     dist.barrier()
 
 
+@pytest.mark.quick  # the quick tier's smoke launches
 def test_worker_exception_keeps_its_type_and_remote_traceback():
     with pytest.raises(RankOneError, match="rank one is unhappy") as info:
         trx.Launcher(**LOCAL).run(raise_on_rank_one)

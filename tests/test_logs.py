@@ -70,18 +70,19 @@ def test_two_hosts_files_layout_content_and_console(cluster, log_dir, capsys, to
         ssh_config_file=cluster.ssh_config,
     )
     folder = launch_dir(log_dir)
+    node1, node2 = cluster.names()
     assert sorted(p.name for p in folder.iterdir()) == [
-        "node1.log",
-        "node1[0].log",
-        "node1[1].log",
-        "node2.log",
-        "node2[0].log",
-        "node2[1].log",
+        f"{node1}.log",
+        f"{node1}[0].log",
+        f"{node1}[1].log",
+        f"{node2}.log",
+        f"{node2}[0].log",
+        f"{node2}[1].log",
     ]
     assert folder.stat().st_mode & 0o777 == 0o700
     for path in folder.iterdir():
         assert path.stat().st_mode & 0o777 == 0o600, path
-    worker = (folder / "node2[1].log").read_text()
+    worker = (folder / f"{node2}[1].log").read_text()
     for text in (
         "print from rank 3",
         "os.write from rank 3",
@@ -94,11 +95,11 @@ def test_two_hosts_files_layout_content_and_console(cluster, log_dir, capsys, to
     assert "INFO mylib: logging.info from rank 3" in worker
     assert "debug from rank 3" not in worker  # below the default INFO level
     assert "WARNING worker.1.stderr: stderr from rank 3" in worker
-    assert "agent of host 1 started on node2" in (folder / "node2.log").read_text()
+    assert f"agent of host 1 started on {node2}" in (folder / f"{node2}.log").read_text()
     out = capsys.readouterr().out
-    assert "[node1:0] print from rank 0" in out
-    assert "[node1] agent of host 0 started on node1" in out
-    assert "rank 1" not in out and "node2" not in out  # only the first agent and its first worker
+    assert f"[{node1}:0] print from rank 0" in out
+    assert f"[{node1}] agent of host 0 started on {node1}" in out
+    assert "rank 1" not in out and node2 not in out  # only the first agent and its first worker
 
 
 def test_lines_in_order_none_lost_under_load(log_dir):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from cluster import CHECKOUT, HOST_VENV
+from conftest import session_pids
 
 import torchrunx as trx
 
@@ -315,7 +316,7 @@ def test_a_cache_that_cannot_be_written_fails_the_host_at_once(isolated, tmp_pat
             start_timeout=60,
         )
     text = str(info.value)
-    assert info.value.hostname == "hnode1"
+    assert info.value.hostname == isolated.names()[0]
     assert "the shipped code did not reach the host" in text, text
     assert "cannot unpack the shipped code in /proc/torchrunx-cannot-be-here/code" in text, text
     assert time.monotonic() - started < 20
@@ -340,7 +341,10 @@ def test_a_module_missing_on_the_hosts_is_named_with_the_option_that_sends_it(
         trx.launch(mypkg.report, func_args=(0, "/"), ship=("config",), **common)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "module 'mypkg'" in notes, notes
-    assert re.search(r"is not importable on host hnode(1 \(rank 0\)|2 \(rank 1\))", notes), notes
+    hosts = "|".join(
+        rf"{re.escape(name)} \(rank {rank}\)" for rank, name in enumerate(isolated.names())
+    )
+    assert re.search(rf"is not importable on host ({hosts})", notes), notes
     assert "Launcher(ship=('.',))" in notes, notes
     # Nothing shipped: the working directory is not there, and the agent's script says so.
     started = time.monotonic()
@@ -430,11 +434,10 @@ def test_check_tries_the_interpreter_and_the_shipped_code(isolated, tmp_path, mo
 
 
 def _unpackers() -> list[int]:
-    """Pids of hosts' unpack steps (``python -I -S -c SOURCE CACHE DIGEST``), any host."""
+    """Pids of hosts' unpack steps (``python -I -S -c SOURCE CACHE DIGEST``), any host of this
+    test session (not another pytest-xdist worker's)."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in session_pids():
         try:
             args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:

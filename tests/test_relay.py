@@ -38,11 +38,11 @@ def connections_back_dropped(cluster) -> Iterator[None]:
     rule = [
         "INPUT", "-s", f"{subnet}.0/24", "-d", f"{subnet}.1", "-p", "tcp", "--syn", "-j", "DROP",
     ]  # fmt: skip
-    subprocess.run(["iptables", "-I", *rule], check=True)
+    subprocess.run(["iptables", "-w", "-I", *rule], check=True)
     try:
         yield
     finally:
-        subprocess.run(["iptables", "-D", *rule], check=True)
+        subprocess.run(["iptables", "-w", "-D", *rule], check=True)
 
 
 def _host_sum(size: int) -> dict[str, object]:
@@ -73,12 +73,13 @@ def test_relay_on_runs_where_hosts_cannot_connect_back(cluster, capfd):
             relay="on",
         )
         took = time.monotonic() - started
-    assert [r["host"] for r in result.ranks] == ["node1", "node2", "node2"]
+    node1, node2 = cluster.names()
+    assert [r["host"] for r in result.ranks] == [node1, node2, node2]
     assert [r["rank"] for r in result.ranks] == [0, 1, 2]
     assert all(r["sum"] == 3.0 for r in result.ranks)
     assert all(r["blob"] == bytes(range(256)) * 4096 for r in result.ranks)
     assert took < 30, took
-    assert "[node1:0] rank 0 summed 3.0" in capfd.readouterr().out  # logs come relayed too
+    assert f"[{node1}:0] rank 0 summed 3.0" in capfd.readouterr().out  # logs come relayed too
 
 
 def test_without_relay_a_host_that_cannot_connect_back_fails_naming_the_option(cluster):
@@ -119,7 +120,7 @@ def test_something_else_on_a_relaying_agents_stdout_fails_its_host_at_once(clust
         )
     took = time.monotonic() - started
     text = str(info.value)
-    assert info.value.hostname == "node1"
+    assert info.value.hostname == cluster.names()[0]
     assert "the relay's stream is broken" in text, text
     assert "welcome to the" in text, text  # what the stream began with
     assert "did something else write to the agent's stdout?" in text, text
@@ -145,11 +146,14 @@ def test_relay_auto_relays_only_the_hosts_that_cannot_connect_back(cluster, capf
     assert "relayed" not in capfd.readouterr().out  # the relay says so when it relays
     with connections_back_dropped(cluster):
         relayed = trx.launch(_host_sum, func_args=(256,), **fields)
-    assert [r["host"] for r in relayed.ranks] == ["node1", "node2"]
+    assert [r["host"] for r in relayed.ranks] == cluster.names()
     assert [r["sum"] for r in relayed.ranks] == [1.0, 1.0]
     said = capfd.readouterr()
     # The console shows rank 0's host (node2's line is in its log file).
-    assert "[node1] torchrunx relay: this host cannot connect to the launcher" in said.out, said
+    assert (
+        f"[{cluster.names()[0]}] torchrunx relay: this host cannot connect to the launcher"
+        in said.out
+    ), said
     assert "its connections are relayed over the agent's channel" in said.out, said
 
 
@@ -185,7 +189,7 @@ def test_relayed_faults_are_reported_like_direct_ones(cluster, fault):
         )
     assert time.monotonic() - started < 60
     if fault == "sigkill":
-        assert (info.value.hostname, info.value.rank) == ("node2", 2)
+        assert (info.value.hostname, info.value.rank) == (cluster.names()[1], 2)
         assert "SIGKILL" in str(info.value)
     else:
         assert info.value.args == ("relayed",)
@@ -194,7 +198,7 @@ def test_relayed_faults_are_reported_like_direct_ones(cluster, fault):
 def _kill_agent_on_node2() -> None:
     import signal
 
-    if socket.gethostname() == "node2":
+    if os.environ["GROUP_RANK"] == "1":  # the second host
         os.kill(os.getppid(), signal.SIGKILL)
     time.sleep(120)
 
@@ -209,7 +213,7 @@ def test_a_relayed_agent_killed_mid_run_is_an_agent_failed_error(cluster):
             ssh_config_file=cluster.ssh_config,
             relay="on",
         )
-    assert info.value.hostname == "node2"
+    assert info.value.hostname == cluster.names()[1]
 
 
 def _rank_and_pid() -> tuple[int, int]:
@@ -280,7 +284,7 @@ def test_relay_over_srun_steps(slurm, tmp_path):
     script.write_text(SRUN_SCRIPT)
     netns = slurm.ssh.hosts[0].netns
     rule = ["INPUT", "!", "-i", "lo", "-p", "tcp", "--dport", "29433", "--syn", "-j", "DROP"]
-    subprocess.run(["ip", "netns", "exec", netns, "iptables", "-I", *rule], check=True)
+    subprocess.run(["ip", "netns", "exec", netns, "iptables", "-w", "-I", *rule], check=True)
     try:
         result = slurm.sbatch(
             f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}\n",
@@ -289,7 +293,7 @@ def test_relay_over_srun_steps(slurm, tmp_path):
             extra_args=["--ntasks-per-node=1"],
         )
     finally:
-        subprocess.run(["ip", "netns", "exec", netns, "iptables", "-D", *rule], check=True)
+        subprocess.run(["ip", "netns", "exec", netns, "iptables", "-w", "-D", *rule], check=True)
     assert result.exit_code == 0, result.stderr
     assert "ranks [('snode1', 0, 2.0), ('snode2', 1, 2.0)]" in result.stdout, result
 
@@ -318,7 +322,7 @@ def test_a_cut_link_to_a_relaying_host_is_noticed_within_agent_timeout(cluster):
                 agent_timeout=2,
                 relay="on",
             )
-        assert info.value.hostname == "node2"
+        assert info.value.hostname == cluster.names()[1]
         assert time.monotonic() - started < 25
     finally:
         timer.join()
@@ -362,7 +366,7 @@ def test_a_relay_killed_between_warm_runs_fails_the_next_run_naming_its_host(clu
         wait_gone(relays[1][1], 30)  # its agent sees the end of its stdin, and stops: between runs
         with pytest.raises(trx.AgentFailedError) as info:
             warm.run(_rank)
-    assert info.value.hostname == "node2"
+    assert info.value.hostname == cluster.names()[1]
 
 
 def _flood_my_relay_then_sum(connections: int) -> float:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -245,10 +246,12 @@ def test_fifty_launches_leak_nothing():
     # Garbage collected now, not in the middle of the 50: the descriptors it holds would
     # close there and hide as many leaked ones (an unclosed socket in it is reported here).
     gc.collect()
-    before = (fds(), threading.active_count(), len(os.listdir("/tmp")), children())
+    # The temporary folder the launches use (TMPDIR: under pytest-xdist, this worker's own).
+    temp = tempfile.gettempdir()
+    before = (fds(), threading.active_count(), len(os.listdir(temp)), children())
     for _ in range(50):
         trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None)
     gc.collect()
-    after = (fds(), threading.active_count(), len(os.listdir("/tmp")), children())
+    after = (fds(), threading.active_count(), len(os.listdir(temp)), children())
     assert after == before
     assert torchrunx_processes() == []

@@ -341,6 +341,7 @@ def test_a_cut_link_is_replaced_by_an_ssh_spare_within_agent_timeout_and_2_s(clu
     # agent_timeout + 2 s of the cut, and return.
     import threading
 
+    node1, node2 = cluster.names()
     agent_timeout = 2.0
     seen: list[ev.Event] = []
     cut_at: list[float] = []
@@ -350,7 +351,7 @@ def test_a_cut_link_is_replaced_by_an_ssh_spare_within_agent_timeout_and_2_s(clu
         while time.monotonic() < deadline:
             if all((tmp_path / f"start-0-{rank}").exists() for rank in range(3)):
                 cut_at.append(time.time())
-                cluster.cut_link("node1")
+                cluster.cut_link(node1)
                 return
             time.sleep(0.05)
 
@@ -360,8 +361,8 @@ def test_a_cut_link_is_replaced_by_an_ssh_spare_within_agent_timeout_and_2_s(clu
         result = trx.launch(
             sleep_in_attempt_0,
             (str(tmp_path),),
-            hostnames=["localhost", "127.0.0.1", "node1"],
-            spare_hosts=("node2",),
+            hostnames=["localhost", "127.0.0.1", node1],
+            spare_hosts=(node2,),
             workers_per_host=1,
             backend="gloo",
             max_restarts=1,
@@ -373,34 +374,35 @@ def test_a_cut_link_is_replaced_by_an_ssh_spare_within_agent_timeout_and_2_s(clu
         )
     finally:
         cutter.join()
-        cluster.restore_link("node1")
+        cluster.restore_link(node1)
     assert [total for total, _ in result.ranks] == [3, 3, 3]
-    assert result.ranks[2][1] == "node2"
-    assert list(result.hostnames) == ["localhost", "127.0.0.1", "node2"]
+    assert result.ranks[2][1] == node2
+    assert list(result.hostnames) == ["localhost", "127.0.0.1", node2]
     again = float((tmp_path / "start-1-2").read_text())
     assert again - cut_at[0] <= agent_timeout + 2, again - cut_at[0]
     (quarantined,) = _of(seen, ev.HostQuarantined)
-    assert (quarantined.hostname, quarantined.state) == ("node1", "LOST")
+    assert (quarantined.hostname, quarantined.state) == (node1, "LOST")
     # The cut-off agent notices the silence too, and ends with its worker.
     assert _wait_for_no_processes(agent_timeout + 10) == []
 
 
 @pytest.mark.cluster
 def test_a_frozen_ssh_host_is_quarantined_within_agent_timeout_and_1_s(cluster, tmp_path):
+    node1, node2 = cluster.names()
     agent_timeout = 2.0
     result, seen = _launch(
         {0: (1, "freeze")},
         tmp_path,
-        ["localhost", "node1"],
-        spare_hosts=("node2",),
+        ["localhost", node1],
+        spare_hosts=(node2,),
         agent_timeout=agent_timeout,
         ssh_config_file=cluster.ssh_config,
     )
     frozen = float((tmp_path / "down-0").read_text())
     (quarantined,) = _of(seen, ev.HostQuarantined)
-    assert (quarantined.hostname, quarantined.state) == ("node1", "LOST")
+    assert (quarantined.hostname, quarantined.state) == (node1, "LOST")
     assert quarantined.time - frozen <= agent_timeout + 1
-    assert list(result.hostnames) == ["localhost", "node2"]
+    assert list(result.hostnames) == ["localhost", node2]
     assert [r["sum"] for r in result.ranks] == [3, 3]
     # The frozen agent and worker on node1 are killed (its guardian saw the SSH session end).
     assert _wait_for_no_processes(agent_timeout + 10) == []

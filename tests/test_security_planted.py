@@ -339,7 +339,7 @@ def test_an_ssh_launch_from_a_planted_folder_imports_none_of_its_modules(
         ssh_config_file=cluster.ssh_config,
         relay=relay,
     )
-    assert [r["host"] for r in result.ranks] == ["node1", "node2"]
+    assert [r["host"] for r in result.ranks] == cluster.names()
     assert {r["cwd"] for r in result.ranks} == {str(planted.folder)}
 
 

@@ -85,13 +85,20 @@ def client_address() -> str:
 @pytest.mark.cluster
 @pytest.mark.parametrize(
     ("jump", "comes_from"),
-    [("root@node1:22", "node1"), ("node1,node2", "node2"), ("node2,root@node1:22", "node1")],
+    [
+        ("root@{node1}:22", "node1"),
+        ("{node1},{node2}", "node2"),
+        ("{node2},root@{node1}:22", "node1"),
+    ],
 )
 def test_an_agent_starts_through_every_hop(cluster, tmp_path, jump, comes_from):
     # An alias of node2 reached through the hops: its SSH connection comes from the last one.
+    names = dict(zip(("node1", "node2"), cluster.names(), strict=True))
+    jump, comes_from = jump.format(**names), names[comes_from]
     config = tmp_path / "ssh_config"
     address = {host.name: host.address for host in cluster.hosts}
-    entry = cluster.ssh_config.read_text().split("Host node2\n", 1)[1].split("\nHost ")[0]
+    entry = cluster.ssh_config.read_text().split(f"Host {names['node2']}\n", 1)[1]
+    entry = entry.split("\nHost ")[0]
     config.write_text(
         cluster.ssh_config.read_text() + f"\nHost hopped\n{entry}\n    ProxyJump {jump}\n"
     )

@@ -135,8 +135,9 @@ def test_sigquit_shows_the_stacks_of_workers_on_ssh_hosts(cluster, tmp_path):
     status, out, text = launch_and_look(tmp_path, args, workers=4, last="3")
     assert status == 0, text
     assert out.splitlines()[-1] == "results [0, 1, 2, 3]"
+    node1, node2 = cluster.names()
     assert (
-        "--- ranks 0-2 on hosts 'node1', 'node2' "
+        f"--- ranks 0-2 on hosts '{node1}', '{node2}' "
         "(the same stack; innermost: <dynamic-code>:7 in wait_in_step) ---"
     ) in text.splitlines(), text
-    assert "--- rank 3 (local rank 1 on host 'node2') ---" in text.splitlines(), text
+    assert f"--- rank 3 (local rank 1 on host '{node2}') ---" in text.splitlines(), text
