@@ -405,3 +405,48 @@ def worker_spec(index: int, hosts: int, workers: int, attempt: int = 0, *, keep:
         attempt=attempt,
         keep=keep,
     )
+
+
+def touch_then_sleep(path: str, seconds: float) -> None:
+    """A worker's function: say that it runs (create ``path``), then sleep ``seconds``.
+
+    With :func:`when_file_appears`, a test acts on a launch *while its function runs*, not after
+    a guessed delay (which, on a loaded machine, may still be while the launch starts).
+    """
+    from pathlib import Path
+
+    Path(path).touch()
+    time.sleep(seconds)
+
+
+@contextlib.contextmanager
+def when_file_appears(
+    path: Path, action: Callable[[], object], timeout: float = 60
+) -> Iterator[None]:
+    """Run ``action`` in a thread as soon as ``path`` exists (a rank made it), within ``timeout``.
+
+    On leaving, the thread is waited for; a file that never appeared fails the test, after the
+    body has raised what it raises.
+    """
+    import threading
+
+    appeared = threading.Event()
+    gone = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while not gone.is_set() and time.monotonic() < deadline:
+            if path.exists():
+                appeared.set()
+                action()
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        gone.set()
+        thread.join(timeout=timeout)
+    assert appeared.is_set(), f"{path} never appeared: the launch's function did not start"

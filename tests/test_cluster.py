@@ -11,7 +11,12 @@ import sys
 import time
 
 import pytest
-from conftest import listened_during_launch
+from conftest import (
+    listened_during_launch,
+    torchrunx_processes,
+    touch_then_sleep,
+    when_file_appears,
+)
 
 import torchrunx as trx
 
@@ -260,38 +265,39 @@ def test_no_secret_or_environment_value_on_any_command_line(cluster, monkeypatch
     assert result.ranks == [[], []]
 
 
-def test_cut_link_is_noticed_within_agent_timeout(cluster):
-    def sleep_then_return() -> str:
-        time.sleep(30)
-        return socket.gethostname()
-
+@pytest.mark.parametrize("relay", ["off", "on"])
+def test_cut_link_is_noticed_within_agent_timeout(cluster, tmp_path, relay):
+    # The link is cut once the function runs on every host (not after a guessed delay).
     host = cluster.hosts[1]
-    import threading
-
-    timer = threading.Timer(3.0, cluster.cut_link, args=(host,))
-    timer.start()
     started = time.monotonic()
     try:
-        with pytest.raises(trx.AgentFailedError, match="no heartbeat for") as info:
+        with (
+            when_file_appears(tmp_path / "1", lambda: cluster.cut_link(host)),
+            pytest.raises(trx.AgentFailedError, match="no heartbeat for") as info,
+        ):
             trx.launch(
-                sleep_then_return,
+                _touch_rank_then_sleep,
+                func_args=(str(tmp_path),),
                 hostnames=cluster.names(),
                 workers_per_host=1,
                 backend=None,
                 ssh_config_file=cluster.ssh_config,
                 agent_timeout=2,
+                relay=relay,
             )
         assert info.value.hostname == host.name
         assert time.monotonic() - started < 25
     finally:
-        timer.join()
         cluster.restore_link(host)
-    # The cut-off agent notices the silence too and stops its workers by itself.
-    deadline = time.monotonic() + 15
-    from conftest import torchrunx_processes
-
+    # Cut off, the agent notices the silence too and stops its workers by itself (and its relay
+    # ends with it): nothing is left on the host (the autouse check after the test).
+    deadline = time.monotonic() + 30
     while torchrunx_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def _touch_rank_then_sleep(folder: str) -> None:
+    touch_then_sleep(os.path.join(folder, os.environ["RANK"]), 30)
 
 
 @pytest.mark.parametrize("configured", [True, False])

@@ -185,19 +185,24 @@ def test_a_fractional_process_group_timeout_is_accepted():
     assert result.ranks == [1]
 
 
-def rank_zero_fails_while_one_waits() -> None:
+def rank_zero_fails_while_one_waits(waiting: str) -> None:
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60  # until rank 1 is about to wait in the barrier
+        while not os.path.exists(waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise ValueError("rank zero failed")
+    open(waiting, "w").close()
     dist.barrier()
 
 
-def test_rank_zero_fails_while_rank_one_waits_in_barrier_fails_fast():
+def test_rank_zero_fails_while_rank_one_waits_in_barrier_fails_fast(tmp_path):
     started = time.monotonic()
     with pytest.raises(ValueError, match="rank zero failed"):
-        trx.Launcher(**{**LOCAL, "timeout": 120}).run(rank_zero_fails_while_one_waits)
+        trx.Launcher(**{**LOCAL, "timeout": 120}).run(
+            rank_zero_fails_while_one_waits, str(tmp_path / "waiting")
+        )
     # Behaviour, not speed: the launch must not sit in the barrier until the 120 s timeout.
     assert time.monotonic() - started < 60
 

@@ -9,11 +9,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
-from conftest import alive, parent_pid, torchrunx_processes
+from conftest import alive, parent_pid, torchrunx_processes, touch_then_sleep, when_file_appears
 
 import torchrunx as trx
 
@@ -88,13 +87,13 @@ def test_a_failed_run_fails_alone_and_the_next_run_works_on_the_same_agents():
         assert after_death.restarts == 0
 
 
-def test_ctrl_c_stops_the_run_and_leaves_the_agents_ready():
+def test_ctrl_c_stops_the_run_and_leaves_the_agents_ready(tmp_path):
     with trx.Launcher(hostnames=["localhost"], workers_per_host=2, backend=None).warm() as warm:
         agents = {a for _, _, a in warm.run(who).ranks}
-        threading.Timer(1.0, _thread.interrupt_main).start()
         started = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            warm.run(time.sleep, 60)
+        running = tmp_path / "running"  # Ctrl-C while the function runs
+        with when_file_appears(running, _thread.interrupt_main), pytest.raises(KeyboardInterrupt):
+            warm.run(touch_then_sleep, str(running), 60)
         assert time.monotonic() - started < 15
         assert {a for _, _, a in warm.run(who).ranks} == agents
 

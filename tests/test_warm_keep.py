@@ -6,10 +6,9 @@ import _thread
 import os
 import signal
 import threading
-import time
 
 import pytest
-from conftest import parent_pid, wait_gone
+from conftest import parent_pid, touch_then_sleep, wait_gone, when_file_appears
 
 import torchrunx as trx
 
@@ -126,12 +125,12 @@ def test_a_restart_within_a_run_of_kept_workers_starts_fresh_ones():
     assert not after.fresh_workers  # the restarted workers stayed for this run
 
 
-def test_ctrl_c_in_a_run_of_kept_workers_stops_them_and_the_next_run_is_fresh():
+def test_ctrl_c_in_a_run_of_kept_workers_stops_them_and_the_next_run_is_fresh(tmp_path):
     with launcher().warm(keep_workers=True) as warm:
         before = warm.run(state, 1)
-        threading.Timer(1.0, _thread.interrupt_main).start()
-        with pytest.raises(KeyboardInterrupt):
-            warm.run(time.sleep, 60)
+        running = tmp_path / "running"  # Ctrl-C while the function runs
+        with when_file_appears(running, _thread.interrupt_main), pytest.raises(KeyboardInterrupt):
+            warm.run(touch_then_sleep, str(running), 60)
         for pid in pids(before):
             wait_gone(pid)
         after = warm.run(state, 2)
