@@ -837,3 +837,48 @@ def test_without_a_terminal_there_is_no_hint_and_nothing_is_remembered(tmp_path)
     assert done.returncode == 0, done.stderr
     assert "(Said once.)" not in done.stderr + done.stdout
     assert not (tmp_path / "cache" / "hints").exists()
+
+
+def test_auto_on_a_machine_without_gpus_says_once_that_it_started_a_worker_per_core(tmp_path):
+    # workers_per_host="auto" (the default) on this machine, which has no GPU.
+    cache = tmp_path / "cache"
+    (tmp_path / "auto.py").write_text(
+        HINTED.replace("workers_per_host=2", 'workers_per_host="auto"')
+    )
+    env = {**os.environ, "TORCHRUNX_HINTS": "1", "TORCHRUNX_CACHE_DIR": str(cache)}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, wherever the test runs
+
+    def in_a_terminal() -> str:
+        import pexpect
+
+        child = pexpect.spawn(
+            sys.executable, ["auto.py"], cwd=str(tmp_path), env=env, encoding="utf-8", timeout=120
+        )
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0, child.before
+        return child.before.replace("\r\n", "\n")
+
+    cores = len(os.sched_getaffinity(0))
+    shown = in_a_terminal()
+    assert f"RESULT {[1] * cores}" in shown, shown
+    assert (
+        f"torchrunx: workers_per_host='auto' found no GPU on localhost ({cores}), so it started "
+        "one worker per CPU core there; give workers_per_host=N (--workers-per-host N) for fewer. "
+        "(Said once.)"
+    ) in shown, shown
+    assert "found no GPU" not in in_a_terminal()  # once
+
+
+def test_rule_the_auto_cores_hint_names_at_most_four_hosts():
+    from torchrunx.launcher.logrouter import auto_cores_text
+
+    assert auto_cores_text([]) is None
+    hosts = [(f"n{i}", 64) for i in range(6)]
+    text = auto_cores_text(hosts)
+    assert text is not None
+    assert text.startswith("torchrunx: workers_per_host='auto' found no GPU on n0 (64), n1 (64), ")
+    assert "n3 (64) and 2 more, so it started one worker per CPU core there" in text
+    assert "n4" not in text
+    assert auto_cores_text(hosts[:4]) is not None
+    assert "more" not in (auto_cores_text(hosts[:4]) or "")

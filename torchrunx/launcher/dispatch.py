@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from torchrunx import serialization
 from torchrunx.devices import resolve_backend
 from torchrunx.errors import AgentFailedError, SerializationError
+from torchrunx.launcher.logrouter import auto_cores_hint
 from torchrunx.launcher.records import Phase
 from torchrunx.launcher.replace import Failed
 from torchrunx.wire.messages import WorkerCall, WorkerSpec
@@ -72,6 +73,14 @@ class Dispatch:
         backend = resolve_backend(
             plan.backend, [(h.slots, h.gpus) for h in hellos if h is not None]
         )
+        if plan.workers_per_host == "auto":  # one worker per core, where no GPU was found
+            auto_cores_hint(
+                [
+                    (a.slots.hostname, a.hello.slots)
+                    for a in st.world
+                    if a.slots.workers is None and a.hello is not None and a.hello.gpus == 0
+                ]
+            )
         master_addr, master_port = self.master_address()
         debugger = session.debugger
         offset = 0

@@ -463,34 +463,70 @@ def _handle(handler: logging.Handler, records: list[logging.LogRecord]) -> None:
                 handler.handleError(record)
 
 
-def hint_marker() -> Path:
-    """The file whose existence says the first-launch hint was shown to this user."""
+def hint_marker(name: str = "logs") -> Path:
+    """The file whose existence says the hint ``name`` was shown to this user."""
     cache = os.environ.get("TORCHRUNX_CACHE_DIR") or str(
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchrunx"
     )
-    return Path(cache) / "hints" / "logs"
+    return Path(cache) / "hints" / name
 
 
-def first_launch_hint(log_dir: Path) -> None:
-    """Once per user, on a terminal: where every rank's output is, and how to show it here.
+def say_once(name: str, text: str) -> bool:
+    """Write the hint ``text`` to stderr once per user, on a terminal; whether it was written.
 
-    ``TORCHRUNX_HINTS=0`` turns it off (and any hint to come).
+    ``TORCHRUNX_HINTS=0`` turns every hint off. A hint is remembered by a marker file
+    (:func:`hint_marker`); with no cache folder to keep one in, nothing is said, rather than the
+    same hint at every launch.
     """
     if os.environ.get("TORCHRUNX_HINTS", "1") == "0":
-        return
+        return False
     if not (sys.stderr.isatty() and sys.stdout.isatty()):
-        return
-    marker = hint_marker()
+        return False
+    marker = hint_marker(name)
     if marker.exists():
-        return
+        return False
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
     except OSError:
-        return  # no cache folder to remember it in: say nothing rather than every time
+        return False
+    sys.stderr.write(text)
+    return True
+
+
+def first_launch_hint(log_dir: Path) -> None:
+    """Once per user, on a terminal: where every rank's output is, and how to show it here."""
     shown = os.path.relpath(log_dir) if not os.path.relpath(log_dir).startswith("..") else log_dir
-    sys.stderr.write(
+    say_once(
+        "logs",
         f"torchrunx: the console shows rank 0; every rank's output is in {shown}/ (a file per "
         "worker, HOST[LOCAL_RANK].log); console_ranks='all' (--console-ranks all) shows every "
-        "rank here. (Said once.)\n"
+        "rank here. (Said once.)\n",
     )
+
+
+def auto_cores_text(counted: list[tuple[str, int]]) -> str | None:
+    """The hint for hosts where ``workers_per_host='auto'`` found no GPU: one worker per core.
+
+    Args:
+        counted: ``(hostname, workers)`` of each such host, in host order.
+
+    Returns:
+        One line, or None when there is no such host.
+    """
+    if not counted:
+        return None
+    shown = ", ".join(f"{host} ({workers})" for host, workers in counted[:4])
+    more = f" and {len(counted) - 4} more" if len(counted) > 4 else ""
+    return (
+        f"torchrunx: workers_per_host='auto' found no GPU on {shown}{more}, so it started one "
+        "worker per CPU core there; give workers_per_host=N (--workers-per-host N) for fewer. "
+        "(Said once.)\n"
+    )
+
+
+def auto_cores_hint(counted: list[tuple[str, int]]) -> None:
+    """Once per user, on a terminal: :func:`auto_cores_text`, when there is such a host."""
+    text = auto_cores_text(counted)
+    if text is not None:
+        say_once("auto-cores", text)
