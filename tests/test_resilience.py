@@ -379,7 +379,10 @@ def test_a_cut_link_is_replaced_by_an_ssh_spare_within_agent_timeout_and_2_s(clu
     assert result.ranks[2][1] == node2
     assert list(result.hostnames) == ["localhost", "127.0.0.1", node2]
     again = float((tmp_path / "start-1-2").read_text())
-    assert again - cut_at[0] <= agent_timeout + 2, again - cut_at[0]
+    # The 2 s hold a new worker's start (Python, torch) where it takes ≤ 2 s; on a loaded
+    # machine the floor is measured: a bare process on node2 that imports torch, the same way.
+    floor = _bare_torch_start(cluster, node2)
+    assert again - cut_at[0] <= agent_timeout + 2 + max(0.0, floor - 2), (again - cut_at[0], floor)
     (quarantined,) = _of(seen, ev.HostQuarantined)
     assert (quarantined.hostname, quarantined.state) == (node1, "LOST")
     # The cut-off agent notices the silence too, and ends with its worker.
@@ -456,3 +459,17 @@ def test_a_spare_node_of_the_allocation_replaces_a_failed_one(slurm, tmp_path):
         "'attempt 1: spare snode2 replaces snode1 (host 0)']"
     ) in lines, result
     assert "steps ['batch']" in lines, result  # the spare's step ended with the launch
+
+
+def _bare_torch_start(cluster, host: str) -> float:
+    """Seconds a bare Python process on ``host`` takes to start and import torch.distributed."""
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    subprocess.run(
+        [*cluster.enter_argv(host), sys.executable, "-c", "import torch.distributed"],
+        check=True,
+        timeout=120,
+    )
+    return time.monotonic() - started
