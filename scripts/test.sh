@@ -11,7 +11,7 @@
 #
 # The tests run in parallel: TORCHRUNX_TEST_WORKERS pytest-xdist workers (default 3; 0: one
 # process, as `python -m pytest` runs them), `--dist loadgroup`: each worker has test hosts of
-# its own, and the SLURM, Ray, framework and container tests run in groups of their own
+# its own, and the SLURM, Ray, framework, container and plugin tests run in groups of their own
 # (tests/conftest.py; CONTRIBUTING.md, "The whole suite").
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -33,6 +33,8 @@ GROUPS_BY_FILE = {
     "test_plugins.py": "plugins",  # a package installed into the environment, then removed
 }
 """Test files whose tests run on one pytest-xdist worker, in the group named."""
+GROUPS_FIRST = ("frameworks", "slurm", "ray", "containers", "plugins")
+"""The groups in the order they are handed out, before every other test: the longest first."""
 QUICK_FILES = (
     "test_rules_*.py",
     "test_pure.py",
@@ -74,6 +76,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
         return
     from _pytest.nodeid import NodeId
+
+    # The groups first, longest first: xdist hands out work in collection order, and a long
+    # group handed out last would run alone at the end (each worker collects the same order).
+    first = {name: place for place, name in enumerate(GROUPS_FIRST)}
+    items.sort(
+        key=lambda item: min(
+            (first.get(str(mark.args[0]), len(first)) for mark in item.iter_markers("xdist_group")),
+            default=len(first) + 1,
+        )
+    )
 
     for item in items:
         names = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group")})
