@@ -51,6 +51,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,40 @@ class SlurmCluster:
             timeout=timeout,
             env={**os.environ, **self.env, **(env or {})},
             check=False,
+        )
+
+    def python_job(  # noqa: PLR0913 (sbatch's knobs, passed on)
+        self,
+        source: str,
+        folder: Path,
+        *,
+        nodes: int = 2,
+        job_id_argument: bool = False,
+        env: Mapping[str, str] | None = None,
+        extra_args: Iterable[str] = ("--ntasks-per-node=1",),
+        timeout: float = 120,
+    ) -> JobResult:
+        """A batch job that runs the Python ``source`` (saved in ``folder``) with this interpreter.
+
+        Args:
+            source: The Python program the job runs (written to ``folder / "job.py"``).
+            folder: Where the program is saved (a test's ``tmp_path``).
+            nodes: Number of nodes (``--nodes``).
+            job_id_argument: Pass the job's id (``$SLURM_JOB_ID``) as the program's argument.
+            env: Extra variables, as for :meth:`sbatch`.
+            extra_args: More ``sbatch`` options (default: one task per node).
+            timeout: Seconds from submission to the end of the job.
+
+        Returns:
+            How the job ended, as :meth:`sbatch` returns it.
+        """
+        program = folder / "job.py"
+        program.write_text(source)
+        line = f"{shlex.quote(sys.executable)} {shlex.quote(str(program))}"
+        if job_id_argument:
+            line += ' "$SLURM_JOB_ID"'
+        return self.sbatch(
+            line + "\n", nodes=nodes, env=env, extra_args=extra_args, timeout=timeout
         )
 
     def sbatch(  # noqa: PLR0913 (sbatch has many knobs)

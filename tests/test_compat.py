@@ -12,9 +12,7 @@ import io
 import json
 import os
 import re
-import shlex
 import socket
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -418,13 +416,7 @@ print(json.dumps({
 
 @pytest.mark.slurm
 def test_a_0_4_script_uses_every_node_of_its_allocation(slurm, tmp_path):
-    script = tmp_path / "launch.py"
-    script.write_text(SLURM_SCRIPT)
-    result = slurm.sbatch(
-        f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}\n",
-        nodes=2,
-        extra_args=["--ntasks-per-node=1"],
-    )
+    result = slurm.python_job(SLURM_SCRIPT, tmp_path)
     assert (result.state, result.exit_code) == ("COMPLETED", 0), result
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["hosts"] == ["snode1", "snode2"]

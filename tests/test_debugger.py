@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -476,17 +475,11 @@ print("RESULTS", result.ranks, flush=True)
 
 @pytest.mark.slurm
 def test_in_a_batch_job_a_breakpoint_on_an_srun_started_rank_is_skipped(slurm, tmp_path):
-    script = tmp_path / "launch.py"
-    script.write_text(SLURM_SCRIPT)
-    result = slurm.sbatch(
-        f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}\n",
-        nodes=2,
-        env={"PYTHONPATH": str(ROOT)},
-    )
+    result = slurm.python_job(SLURM_SCRIPT, tmp_path, env={"PYTHONPATH": str(ROOT)}, extra_args=())
     assert result.exit_code == 0, result
     assert "RESULTS [42, 43]" in result.stdout.splitlines(), result
     assert (
-        f"breakpoint() at {script}:9 in rank 1 skipped: the launcher has no terminal"
+        f"breakpoint() at {tmp_path / 'job.py'}:9 in rank 1 skipped: the launcher has no terminal"
         in result.stderr
     ), result
 

@@ -440,16 +440,8 @@ print("steps", sorted(out.split()))
 def test_a_spare_node_of_the_allocation_replaces_a_failed_one(slurm, tmp_path):
     # sbatch --nodes=2 with spare_hosts=1: snode1 runs, snode2 (an srun step) waits; snode1's
     # agent dies and snode2 runs the next attempt as host 0 (the rendezvous store moves too).
-    import shlex
-    import sys
 
-    script = tmp_path / "spare.py"
-    script.write_text(SPARE_NODE_SCRIPT)
-    result = slurm.sbatch(
-        f'{shlex.quote(sys.executable)} {shlex.quote(str(script))} "$SLURM_JOB_ID"\n',
-        nodes=2,
-        extra_args=["--ntasks-per-node=1"],
-    )
+    result = slurm.python_job(SPARE_NODE_SCRIPT, tmp_path, job_id_argument=True)
     assert result.exit_code == 0, result
     lines = result.stdout.splitlines()
     assert "hosts ['snode2']" in lines, result

@@ -97,13 +97,7 @@ print("steps", steps())
 
 
 def test_srun_steps_end_with_the_launch_even_when_a_worker_fails(slurm, tmp_path):
-    script = tmp_path / "cleanup.py"
-    script.write_text(CLEANUP_SCRIPT)
-    result = slurm.sbatch(
-        f'{shlex.quote(sys.executable)} {shlex.quote(str(script))} "$SLURM_JOB_ID"\n',
-        nodes=2,
-        extra_args=["--ntasks-per-node=1"],
-    )
+    result = slurm.python_job(CLEANUP_SCRIPT, tmp_path, job_id_argument=True)
     assert result.exit_code == 0, result
     lines = result.stdout.splitlines()
     assert "ok [7, 7]" in lines
@@ -189,13 +183,7 @@ print("steps after", steps())
 
 
 def test_warm_agents_in_an_allocation_are_srun_steps_that_end_with_the_block(slurm, tmp_path):
-    script = tmp_path / "warm.py"
-    script.write_text(WARM_SCRIPT)
-    result = slurm.sbatch(
-        f'{shlex.quote(sys.executable)} {shlex.quote(str(script))} "$SLURM_JOB_ID"\n',
-        nodes=2,
-        extra_args=["--ntasks-per-node=1"],
-    )
+    result = slurm.python_job(WARM_SCRIPT, tmp_path, job_id_argument=True)
     assert result.exit_code == 0, result
     lines = result.stdout.splitlines()
     assert "nodes ['snode1', 'snode2']" in lines, result
