@@ -134,9 +134,8 @@ def test_default_log_dir_and_unique_folders(tmp_path, monkeypatch):
     for folder in folders:  # ISO 8601 names that sort by time, each with its events beside it
         assert folder.name[:4].isdigit() and "T" in folder.name
         assert (folder.parent / f"{folder.name}.events.jsonl").is_file()
-    # "latest" points at the newer launch's folder (relative: the root may move).
-    assert os.readlink(tmp_path / "torchrunx_logs" / "latest") == folders[-1].name
-    assert len(entries) == 5
+    assert len(entries) == 4  # the folders and their events files: no "latest" link (0.4's)
+    assert len(next(os.walk(tmp_path / "torchrunx_logs"))[1]) == 2  # as 0.4's test counts them
 
 
 def test_log_level_from_environment(log_dir, monkeypatch):

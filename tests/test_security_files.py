@@ -142,9 +142,7 @@ def test_a_launch_in_a_shared_root_writes_elsewhere_than_planted_names(
     assert "." in folder.name  # the microseconds name, after the second's was found taken
     assert mode(folder) == 0o700
     events = logdirs.events_file(folder)
-    latest = shared_root / "latest"
-    assert sorted(made) == sorted([folder, events, latest])
-    assert os.readlink(latest) == folder.name
+    assert sorted(made) == sorted([folder, events])
     assert mode(events) == 0o600
     assert "LaunchStarted" in events.read_text()
     files = sorted(folder.iterdir())
@@ -239,16 +237,3 @@ def test_a_private_tmpdir_that_cannot_be_made_is_a_warning_of_the_agent(
     assert f"keep the inherited TMPDIR ({shared})" in agent_log
     console = capsys.readouterr().out  # the default console shows an agent's warnings
     assert "[localhost] could not make the workers' private temporary folder" in console
-
-
-def test_a_planted_latest_is_left_alone_and_the_launch_goes_on(tmp_path, monkeypatch):
-    # "latest" is a convenience: a folder (or a file) of that name is not replaced or followed.
-    root = tmp_path / "logs"
-    root.mkdir(mode=0o700)
-    (root / "latest").mkdir()
-    (root / "latest" / "keep").write_text("mine")
-    monkeypatch.setenv("TORCHRUNX_LOG_DIR", str(root))
-    assert trx.launch(os.getpid, hostnames=["localhost"], workers_per_host=1, backend=None).ranks
-    assert (root / "latest" / "keep").read_text() == "mine"
-    assert not (root / "latest").is_symlink()
-    assert not [each for each in root.iterdir() if each.name.startswith(".latest")]

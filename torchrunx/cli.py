@@ -33,6 +33,7 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
+from torchrunx import cli_logs
 from torchrunx.cli_hints import add_renamed_options, add_torchrun_options
 from torchrunx.cli_options import (
     add_dataclass_arguments,
@@ -211,6 +212,8 @@ them. Put `--` between torchrunx's options and what to run:
       list the registered functions, presets and host providers
   torchrunx check [options]
       check every host before a launch (SSH, interpreter, versions, ports, GPUs)
+  torchrunx logs [LAUNCH] [--rank N] [--follow]
+      show the newest (or a named) launch's log files, which file is whose rank
 
 A script or module initialises torch.distributed itself (--backend defaults to None), as
 under torchrun; a function finds the process group initialised (--backend defaults to auto).
@@ -410,12 +413,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 success, 1 the launch failed, 2 bad command line, 130 interrupted.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv[:1] in (["run"], ["builtins"], ["check"]) else None
+    command = argv[0] if argv[:1] in (["run"], ["builtins"], ["check"], ["logs"]) else None
     words = argv[1:] if command else argv
+    if command == "logs":
+        return cli_logs.main(words)
     parser = _command_parser(command)
     if command == "builtins":
         parser.parse_args(words)
-        return _builtins()
+        from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
+
+        print(plugins.builtins_text())  # noqa: T201 (the command's output)
+        return EXIT_OK
     if command == "check":
         return _check(parser, _parse_options(parser, words))
     # torchrunx's options, then `--`, then what to run (or a registered function's arguments).
@@ -515,31 +523,6 @@ def _show_result(value: object) -> str | None:
         return json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
         return repr(value)
-
-
-def _builtins() -> int:
-    """``torchrunx builtins``: what plugins (and torchrunx itself) registered."""
-    from torchrunx import plugins  # noqa: PLC0415 (entry points are read on use)
-
-    lines = ["functions (torchrunx run NAME -- args):"]
-    functions = plugins.function_names()
-    width = max((len(name) for name in functions), default=0)
-    lines += [f"  {name:<{width}}  {doc}".rstrip() for name, doc in functions.items()]
-    lines.append("presets (--preset NAME, Launcher.from_preset(NAME)):")
-    for name in plugins.preset_names():
-        try:
-            values = plugins.preset(name)
-        except (ValueError, RuntimeError) as exc:
-            lines.append(f"  {name}  (cannot be loaded: {exc})")
-            continue
-        settings = ", ".join(f"{key}={value!r}" for key, value in values.items())
-        lines.append(f"  {name}  {settings}")
-    lines.append("host providers (--hostnames NAME[:ARGUMENT]):")
-    lines += [f"  {name}" for name in plugins.host_provider_names()]
-    lines.append("transports (--agent-start NAME[:ARGUMENT]):")
-    lines += [f"  {name}" for name in plugins.transport_names()]
-    print("\n".join(lines))  # noqa: T201 (the command's output)
-    return EXIT_OK
 
 
 def _dry_run(launcher: Launcher, target: _Target | None) -> int:

@@ -442,3 +442,25 @@ def hello(*words: str) -> str:
     """Say where each rank runs: 'rank R of W on HOST' (and any WORDS given)."""
     text = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} on {os.uname().nodename}"
     return " ".join([text, *words])
+
+
+def builtins_text() -> str:
+    """What ``torchrunx builtins`` prints: what plugins (and torchrunx itself) registered."""
+    lines = ["functions (torchrunx run NAME -- args):"]
+    functions = function_names()
+    width = max((len(name) for name in functions), default=0)
+    lines += [f"  {name:<{width}}  {doc}".rstrip() for name, doc in functions.items()]
+    lines.append("presets (--preset NAME, Launcher.from_preset(NAME)):")
+    for name in preset_names():
+        try:
+            values = preset(name)
+        except (ValueError, RuntimeError) as exc:
+            lines.append(f"  {name}  (cannot be loaded: {exc})")
+            continue
+        settings = ", ".join(f"{key}={value!r}" for key, value in values.items())
+        lines.append(f"  {name}  {settings}")
+    lines.append("host providers (--hostnames NAME[:ARGUMENT]):")
+    lines += [f"  {name}" for name in host_provider_names()]
+    lines.append("transports (--agent-start NAME[:ARGUMENT]):")
+    lines += [f"  {name}" for name in transport_names()]
+    return "\n".join(lines)

@@ -6,20 +6,18 @@ the folder and the files a launch writes are new, and private to its user.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import grp
 import logging
 import os
 import pwd
-import secrets
 import stat
 from typing import TYPE_CHECKING
 
 from torchrunx.logs import create_private_file
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Sequence
     from pathlib import Path
 
 _logger = logging.getLogger("torchrunx.logs")
@@ -69,35 +67,8 @@ def new_log_dir(root: Path, now: Callable[[], dt.datetime] = dt.datetime.now) ->
                 root,
             )
             continue
-        point_latest(root, path)
         return path
     raise FileExistsError(f"cannot create a new log folder under {root}")
-
-
-LATEST = "latest"
-"""The symbolic link in the log root to the newest launch's folder."""
-
-
-def point_latest(root: Path, folder: Path) -> None:
-    """Point ``root/latest`` at ``folder`` (a relative symbolic link), replacing the old link.
-
-    The new link is made under a unique name, then renamed over the old one, so ``latest`` is
-    never missing nor half-made. Anything else named ``latest`` (a file, a folder, another
-    user's link in a shared sticky root) is left alone, and so is the link when the rename is
-    refused: it is a convenience, never a reason to fail a launch.
-    """
-    link = root / LATEST
-    if link.exists() and not link.is_symlink():
-        _logger.debug("%s is not a link of torchrunx's: not pointed at %s", link, folder.name)
-        return
-    temporary = root / f".{LATEST}-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        temporary.symlink_to(folder.name)
-        temporary.replace(link)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-        _logger.debug("cannot point %s at %s: %s", link, folder.name, exc)
 
 
 def make_log_root(root: Path) -> None:
@@ -209,3 +180,15 @@ def events_file(log_dir: Path) -> Path:
     Not inside: the folder holds one log file per agent and worker, and nothing else.
     """
     return log_dir.with_name(f"{log_dir.name}.events.jsonl")
+
+
+def log_file_name(hostnames: Sequence[str], host_index: int, local_rank: int | None) -> str:
+    """The file name of a worker's log (``HOST[LOCAL_RANK].log``) or its agent's (``HOST.log``).
+
+    A host name given again (two agents on one host) gets ``-N`` for its N-th repeat:
+    ``node1-1[0].log``. ``torchrunx logs`` reads the same names back.
+    """
+    hostname = hostnames[host_index]
+    occurrence = list(hostnames[:host_index]).count(hostname)
+    base = hostname if occurrence == 0 else f"{hostname}-{occurrence}"
+    return f"{base}.log" if local_rank is None else f"{base}[{local_rank}].log"

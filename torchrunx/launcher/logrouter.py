@@ -20,7 +20,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torchrunx.launcher.logdirs import new_log_dir
+from torchrunx.launcher.logdirs import log_file_name, new_log_dir
 from torchrunx.logs import (
     AGENT_CONSOLE_LOGGER,
     BatchFlush,
@@ -168,10 +168,7 @@ class LogRouter:
             self.owned.extend(given)  # made for this launch: closed with it
 
     def _file_name(self, host_index: int, local_rank: int | None) -> str:
-        hostname = self.hostnames[host_index]
-        occurrence = self.hostnames[:host_index].count(hostname)
-        base = hostname if occurrence == 0 else f"{hostname}-{occurrence}"
-        return f"{base}.log" if local_rank is None else f"{base}[{local_rank}].log"
+        return log_file_name(self.hostnames, host_index, local_rank)
 
     def _add_defaults_for_agents(self) -> None:
         root = os.environ.get("TORCHRUNX_LOG_DIR", "./torchrunx_logs")
