@@ -33,7 +33,7 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
-from torchrunx import cli_logs
+from torchrunx import cli_logs, cli_report
 from torchrunx.cli_hints import add_renamed_options, add_torchrun_options
 from torchrunx.cli_options import (
     add_dataclass_arguments,
@@ -214,6 +214,8 @@ them. Put `--` between torchrunx's options and what to run:
       check every host before a launch (SSH, interpreter, versions, ports, GPUs)
   torchrunx logs [LAUNCH] [--rank N] [--follow]
       show the newest (or a named) launch's log files, which file is whose rank
+  torchrunx report [LAUNCH]
+      write one HTML page about a launch: timeline, timings, first failure, log links
 
 A script or module initialises torch.distributed itself (--backend defaults to None), as
 under torchrun; a function finds the process group initialised (--backend defaults to auto).
@@ -413,10 +415,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 success, 1 the launch failed, 2 bad command line, 130 interrupted.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv[:1] in (["run"], ["builtins"], ["check"], ["logs"]) else None
+    command = (
+        argv[0] if argv[:1] in (["run"], ["builtins"], ["check"], ["logs"], ["report"]) else None
+    )
     words = argv[1:] if command else argv
-    if command == "logs":
-        return cli_logs.main(words)
+    if command in ("logs", "report"):
+        return (cli_logs.main if command == "logs" else cli_report.main)(words)
     parser = _command_parser(command)
     if command == "builtins":
         parser.parse_args(words)

@@ -132,7 +132,7 @@ class WorkerStateChanged:
 
 @dataclass(frozen=True)
 class WorkerFailed:
-    """A worker failed: what happened, in one line."""
+    """A worker failed: what happened, in one line (and the worker's traceback, if it raised)."""
 
     rank: int
     host_index: int
@@ -141,6 +141,8 @@ class WorkerFailed:
     attempt: int
     reason: str
     time: float = field(default_factory=_now)
+    traceback: str | None = None
+    """The traceback as the worker printed it, when the worker raised; else None."""
 
 
 @dataclass(frozen=True)

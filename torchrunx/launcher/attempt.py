@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchrunx.errors import WorkerFailedError
+from torchrunx.errors import RemoteTraceback, WorkerFailedError
 from torchrunx.events import (
     AgentState,
     Event,
@@ -143,6 +143,9 @@ class AttemptState:
                 rank.local_rank,
                 self.progress.attempt,
                 summary(error),
+                traceback=remote.text
+                if isinstance(remote := error.__cause__, RemoteTraceback)
+                else None,
             )
         )
         return events
