@@ -33,7 +33,7 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
-from torchrunx import cli_logs, cli_report
+from torchrunx import cli_logs, cli_report, cli_top
 from torchrunx.cli_hints import add_renamed_options, add_torchrun_options
 from torchrunx.cli_options import (
     add_dataclass_arguments,
@@ -216,6 +216,8 @@ them. Put `--` between torchrunx's options and what to run:
       show the newest (or a named) launch's log files, which file is whose rank
   torchrunx report [LAUNCH]
       write one HTML page about a launch: timeline, timings, first failure, log links
+  torchrunx top [--pid PID]
+      a live view of a running launch of yours, from another terminal
 
 A script or module initialises torch.distributed itself (--backend defaults to None), as
 under torchrun; a function finds the process group initialised (--backend defaults to auto).
@@ -405,6 +407,10 @@ def _target(
     return target
 
 
+_VIEWS = {"logs": cli_logs.main, "report": cli_report.main, "top": cli_top.main}
+"""The commands that look at launches (each parses its own words)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``torchrunx`` command (also ``python -m torchrunx``); see ``torchrunx --help``.
 
@@ -415,12 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 success, 1 the launch failed, 2 bad command line, 130 interrupted.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = (
-        argv[0] if argv[:1] in (["run"], ["builtins"], ["check"], ["logs"], ["report"]) else None
-    )
+    command = argv[0] if argv[:1] in [[c] for c in ("run", "builtins", "check", *_VIEWS)] else None
     words = argv[1:] if command else argv
-    if command in ("logs", "report"):
-        return (cli_logs.main if command == "logs" else cli_report.main)(words)
+    if command in _VIEWS:
+        return _VIEWS[command](words)
     parser = _command_parser(command)
     if command == "builtins":
         parser.parse_args(words)

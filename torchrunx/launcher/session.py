@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -46,6 +47,7 @@ from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.records import AgentRecord
 from torchrunx.launcher.reports import summary
 from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.view_server import LAST_LINE_CHARS, ViewServer
 from torchrunx.launcher.where import StacksLook, print_look
 from torchrunx.wire import handshake
 from torchrunx.wire.messages import (
@@ -138,6 +140,7 @@ class LaunchLoop:
             plan, self.state, listener=self.listener, pool=self.pool, logs=self.logs, sink=self.sink
         )
         self.health: HealthServer | None = None
+        self.view: ViewServer | None = None
         self._next_tick = 0.0
         self._next_beat = 0.0
         self._interrupt: tuple[object, BaseException] | None = None
@@ -353,7 +356,14 @@ class LaunchLoop:
     # -- health and timings -----------------------------------------------------------------
 
     def open_health(self) -> None:
-        """Serve ``GET /health`` if the plan asks for it (an OSError ends the launch)."""
+        """Serve ``GET /health`` if the plan asks for it (an OSError ends the launch).
+
+        And the view socket for ``torchrunx top`` (this user's only), unless
+        ``TORCHRUNX_VIEW=0``.
+        """
+        if os.environ.get("TORCHRUNX_VIEW", "1") != "0":
+            self.view = ViewServer(self.view_snapshot, self.view_info())
+            self.view.start()
         port = self.plan.health_port
         if port is not None:  # close() cleans up
             self.health = HealthServer(
@@ -371,6 +381,25 @@ class LaunchLoop:
         faults = list(st.faults)
         cause = summary(choose_cause(faults).error) if faults else None
         return st.health(time.monotonic(), max_restarts=self.plan.max_restarts, cause=cause)
+
+    def view_info(self) -> dict[str, object]:
+        """What ``torchrunx top`` shows of the launch itself."""
+        log_dir = self.logs.log_dir
+        return {
+            "pid": os.getpid(),
+            "started": time.time(),
+            "log_dir": None if log_dir is None else str(log_dir),
+            "hostnames": [a.slots.hostname for a in self.state.agents],
+        }
+
+    def view_snapshot(self) -> dict[str, object]:
+        """Called from the view's threads: the health report and each source's last line."""
+        last = {
+            f"{host}:{'agent' if local is None else local}": source.tail[-1][:LAST_LINE_CHARS]
+            for (host, local), source in list(self.logs.sources.items())
+            if source.tail
+        }
+        return {"report": self.health_report().to_dict(), "last_lines": last}
 
     def timings(self) -> LaunchTimings:
         """Phase durations of the attempt that succeeded."""
@@ -403,6 +432,8 @@ class LaunchLoop:
         self.loop.close()
         if self.health is not None:
             self.health.close()
+        if self.view is not None:
+            self.view.close()
         self.sink.close()
         self.logs.close()
 

@@ -1,0 +1,226 @@
+"""``torchrunx top``: the view's rules (pure), and real launches seen from another process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+from attacker import as_attacker
+
+from torchrunx.cli_top import GROUP_ABOVE, Ages, find_views, render_text
+from torchrunx.launcher.view_server import runtime_dir
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+def _snapshot(workers: int, state: str = "HEALTHY") -> dict[str, object]:
+    return {
+        "pid": 42,
+        "log_dir": "logs/L",
+        "report": {
+            "healthy": True,
+            "launch_state": "running",
+            "attempt": 0,
+            "restarts": 0,
+            "max_restarts": 1,
+            "uptime": 3.0,
+            "agents": [
+                {"hostname": "a", "state": "RUNNING", "last_heartbeat_age": 0.25, "role": "host"}
+            ],
+            "workers": [
+                {
+                    "rank": r,
+                    "host_index": 0,
+                    "hostname": "a",
+                    "local_rank": r,
+                    "pid": 100 + r,
+                    "state": state,
+                }
+                for r in range(workers)
+            ],
+            "failures": [],
+            "world_changes": [],
+        },
+        "last_lines": {"0:1": "step 7"},
+    }
+
+
+def test_rule_a_row_per_rank_with_its_state_age_pid_and_last_line():
+    ages = Ages()
+    lines = render_text(_snapshot(2), ages, now=10.0)
+    assert lines[0] == "launch pid 42  running  attempt 0  restarts 0/1  up 3 s  healthy"
+    assert "a                        RUNNING        0.2 s  host" in lines
+    (row,) = [line for line in lines if line.strip().startswith("1 a ")]
+    assert row.split() == ["1", "a", "HEALTHY", "0.0", "s", "101", "step", "7"]
+    later = render_text(_snapshot(2), ages, now=12.5)
+    assert next(line for line in later if line.strip().startswith("1 a ")).split()[3] == "2.5"
+    changed = render_text(_snapshot(2, "FAILED"), ages, now=13.0)  # a new state starts at 0
+    assert next(line for line in changed if line.strip().startswith("1 a ")).split()[2:4] == [
+        "FAILED",
+        "0.0",
+    ]
+
+
+def test_rule_many_ranks_are_grouped_by_host_and_state():
+    lines = render_text(_snapshot(GROUP_ABOVE + 1), Ages(), now=0.0)
+    assert f"a                        HEALTHY        {GROUP_ABOVE + 1}" in lines
+    assert not any(line.strip().startswith("0 a ") for line in lines)
+
+
+STEPS = """
+import os, sys, time
+import torchrunx as trx
+
+def work(folder):
+    # Rank 1 fails once, when the test says so (then the launch restarts); both ranks wait for
+    # the test to end the launch.
+    def wait_for(name):
+        while not os.path.exists(os.path.join(folder, name)):
+            print("waiting rank", os.environ["RANK"], "for", name, flush=True)
+            time.sleep(0.1)
+    wait_for("go")
+    failed = os.path.join(folder, "failed")
+    if os.environ["RANK"] == "1" and not os.path.exists(failed):
+        open(failed, "w").close()
+        raise ValueError("told to fail")
+    wait_for("end")
+    return 1
+
+result = trx.launch(
+    work, (sys.argv[1],), hostnames=["localhost"], workers_per_host=2, backend=None, max_restarts=1
+)
+print("restarts", result.restarts)
+"""
+
+
+def _start(tmp_path: Path) -> subprocess.Popen[str]:
+    (tmp_path / "steps.py").write_text(STEPS)
+    env = {**os.environ, "TORCHRUNX_LOG_DIR": str(tmp_path / "logs")}
+    return subprocess.Popen(
+        [sys.executable, "steps.py", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _end(folder: Path) -> None:
+    for name in ("failed", "go", "end"):  # rank 1 does not fail (again): the launch returns
+        (folder / name).touch()
+
+
+def _its_view(pid: int) -> Path:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for view in find_views(runtime_dir()):
+            if view.name.startswith(f"{pid}-"):
+                return view
+        time.sleep(0.05)
+    raise AssertionError(f"launch {pid} has no view socket")
+
+
+def _top(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torchrunx", "top", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_top_shows_a_running_launch_and_its_socket_goes_with_it(tmp_path):
+    launch = _start(tmp_path)
+    try:
+        view = _its_view(launch.pid)
+        assert view.stat().st_mode & 0o777 == 0o600
+        assert view.parent.stat().st_mode & 0o777 == 0o700
+        deadline = time.monotonic() + 60
+        while True:  # until both ranks have said something
+            shown = _top("--pid", str(launch.pid), "--once")
+            assert shown.returncode == 0, shown.stderr
+            if shown.stdout.count("waiting rank") == 2 or time.monotonic() > deadline:
+                break
+        assert shown.stdout.startswith(f"launch pid {launch.pid}  running  attempt 0"), shown.stdout
+        for rank in (0, 1):
+            assert "HEALTHY" in shown.stdout and f"waiting rank {rank}" in shown.stdout, (
+                shown.stdout
+            )
+        assert f"{launch.pid}  {view}" in _top("--list").stdout
+    finally:
+        _end(tmp_path)
+        out, _ = launch.communicate(timeout=120)
+    assert "restarts 0" in out
+    assert not view.exists()  # nothing left behind
+    assert _top("--pid", str(launch.pid), "--once").returncode == 1
+
+
+def test_another_user_cannot_reach_a_launchs_view(tmp_path):
+    launch = _start(tmp_path)
+    try:
+        view = _its_view(launch.pid)
+        probe = (
+            "import socket,sys\n"
+            "s=socket.socket(socket.AF_UNIX)\n"
+            "try:\n s.connect(sys.argv[1]); print('DATA', s.recv(100))\n"
+            "except OSError as e: print('REFUSED', type(e).__name__)\n"
+        )
+        done = subprocess.run(
+            as_attacker(["python3", "-c", probe, str(view)]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.stdout.startswith("REFUSED PermissionError"), (done.stdout, done.stderr)
+    finally:
+        _end(tmp_path)
+        launch.communicate(timeout=120)
+
+
+@pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed (scripts/test.sh installs it)"
+)
+def test_the_live_view_in_a_terminal_shows_a_failure_within_a_second(tmp_path):
+    launch = _start(tmp_path)
+    session = f"trx-top-{os.getpid()}"
+    try:
+        _its_view(launch.pid)
+        command = f"{sys.executable} -m torchrunx top --pid {launch.pid}"
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", command],
+            check=True,
+        )
+
+        def pane() -> str:
+            return subprocess.run(
+                ["tmux", "capture-pane", "-p", "-t", session],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+
+        deadline = time.monotonic() + 60
+        while "waiting rank 1" not in pane():
+            assert time.monotonic() < deadline, pane()
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
+        told = time.monotonic()
+        while "attempt 0: ValueError: told to fail" not in pane():
+            assert time.monotonic() - told < 30, pane()
+            time.sleep(0.05)
+        seen = time.monotonic() - told
+        # Within a second of the failure reaching the launcher (the rank's own start of
+        # failing counted in: it polls its file every 0.1 s).
+        assert seen < 2.0, (seen, pane())
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+        _end(tmp_path)
+        launch.communicate(timeout=120)

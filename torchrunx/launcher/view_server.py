@@ -1,0 +1,160 @@
+"""The view socket: a running launch's snapshot, for ``torchrunx top`` of the same user only.
+
+Every launch (unless ``TORCHRUNX_VIEW=0``) listens on a Unix socket in the user's private
+runtime folder (:func:`runtime_dir`: ``$XDG_RUNTIME_DIR/torchrunx``, else
+``/tmp/torchrunx-<uid>``; mode 0700, owned by the user, or no socket at all). There is no
+network port. A connection is served only if the peer's uid (``SO_PEERCRED``) is the launcher's
+own; anything else is closed unread. A served connection gets one JSON line per
+:data:`INTERVAL_S`: the launch's health snapshot (:meth:`HealthReport.to_dict`), what it is
+(its pid, start time, log folder, hosts) and each source's last log line. Reading never changes
+the launch; the socket file is removed when the launch ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import stat
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+INTERVAL_S = 0.5
+"""Seconds between two snapshots sent on a connection."""
+MAX_VIEWERS = 8
+"""Connections served at once; one more is closed at once."""
+LAST_LINE_CHARS = 200
+"""A source's last log line is cut to this many characters."""
+
+
+def runtime_dir(environ: dict[str, str] | None = None) -> Path | None:
+    """The user's private folder for view sockets, made if missing; None if none is safe.
+
+    ``$XDG_RUNTIME_DIR/torchrunx`` when that variable names a folder of the user's, else
+    ``/tmp/torchrunx-<uid>``. The folder must be the user's, mode 0700, and not a link: a folder
+    of that name made by someone else is refused (no view), never used.
+    """
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_RUNTIME_DIR")
+    me = os.geteuid()
+    if base and os.path.isdir(base) and os.stat(base).st_uid == me:  # noqa: PTH112, PTH116
+        folder = Path(base) / "torchrunx"
+    else:
+        folder = Path("/tmp") / f"torchrunx-{me}"  # noqa: S108 (checked below: ours, 0700)
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    try:
+        info = folder.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != me or stat.S_IMODE(info.st_mode) & 0o077:
+        logger.debug("%s is not a private folder of this user: no view socket", folder)
+        return None
+    return folder
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+class ViewServer:
+    """Serves a launch's snapshot on a private Unix socket (owned by the launcher's process).
+
+    Args:
+        snapshot: Called from the server's threads: the launch's state as plain data.
+        info: What the launch is (pid, start, log folder, hosts): sent with every snapshot.
+    """
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], info: dict[str, Any]) -> None:
+        """Keep what to serve; nothing is opened before :meth:`start`."""
+        self._snapshot = snapshot
+        self._info = info
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.path: Path | None = None
+
+    def start(self) -> None:
+        """Listen, if the user has a private runtime folder; a failure only means no view."""
+        folder = runtime_dir()
+        if folder is None:
+            return
+        path = folder / f"{os.getpid()}-{secrets.token_hex(4)}.sock"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(path))
+            path.chmod(0o600)
+            sock.listen(MAX_VIEWERS)
+            sock.settimeout(0.2)
+        except OSError as exc:
+            sock.close()
+            path.unlink(missing_ok=True)
+            logger.debug("no view socket: %s", exc)
+            return
+        self._sock, self.path = sock, path
+        thread = threading.Thread(target=self._accept, name="torchrunx-view", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        sock = self._sock
+        assert sock is not None  # noqa: S101 (started only with one)
+        while not self._stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if peer_uid(conn) != os.geteuid() or self._viewers() >= MAX_VIEWERS:
+                conn.close()  # another user's, or one too many: unread
+                continue
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            with self._lock:
+                self._threads.append(thread)
+            thread.start()
+
+    def _viewers(self) -> int:
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            return len(self._threads) - 1
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)  # a viewer that does not read is dropped, never waited on
+        with conn:
+            while True:  # the last snapshot is sent after close(): how the launch ended
+                try:
+                    line = json.dumps({**self._info, **self._snapshot()}, default=str) + "\n"
+                    conn.sendall(line.encode())
+                except (OSError, ValueError, RuntimeError):
+                    return
+                if self._stop.is_set():
+                    return
+                self._stop.wait(INTERVAL_S)
+
+    def close(self) -> None:
+        """Stop serving, remove the socket file, and wait (bounded) for the threads."""
+        self._stop.set()
+        if self._sock is not None:
+            self._sock.close()
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+        deadline = time.monotonic() + 2.0
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
