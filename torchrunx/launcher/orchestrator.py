@@ -38,6 +38,7 @@ from torchrunx.events import (
 from torchrunx.launcher.dispatch import Dispatch
 from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
 from torchrunx.launcher.preempt import end_preemption
+from torchrunx.launcher.progress import ProgressLine, mib
 from torchrunx.launcher.records import STOP_GRACE
 from torchrunx.launcher.replace import Failed, HostChanges
 from torchrunx.launcher.reports import (
@@ -132,7 +133,18 @@ class Launch:
             for agent in st.agents:
                 self.session.pool.start(agent.index)
             start_by = st.progress.started + self.plan.start_timeout
-            self.session.run_until(lambda: st.agent_table.all_hellos, earliest(start_by, deadline))
+            line = ProgressLine("agents starting", len(st.agents), "hosts up")
+            bundle = self.session.starts.bundle
+
+            def started() -> bool:
+                shipped = f"; code shipped: {mib(bundle.written)}" if bundle else ""
+                line.update(sum(a.hello is not None for a in st.agents), shipped)
+                return st.agent_table.all_hellos
+
+            try:
+                self.session.run_until(started, earliest(start_by, deadline))
+            finally:
+                line.close()
             if self.session.preemption is not None:
                 raise self._preempted()  # noqa: TRY301 (it stopped everything and reported)
             if not st.agent_table.all_hellos and not st.failed:

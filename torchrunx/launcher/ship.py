@@ -75,8 +75,15 @@ class Bundle:
     timeout: float = 60.0
     """Seconds an exchange with one host may take (the launch's ``start_timeout``)."""
     sent: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    _written: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
+    """Bytes written to every host so far, counted as they are written (one mutable cell)."""
     """Bytes written to each host by the exchange (host name to bytes), for logs and tests."""
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    @property
+    def written(self) -> int:
+        """Bytes written to every host so far (the progress line reads it while they are)."""
+        return self._written[0]
 
     @property
     def size(self) -> int:
@@ -124,6 +131,8 @@ class Bundle:
         def write_in_time(data: bytes) -> None:
             try:
                 write(data, deadline - time.monotonic())
+                with self._lock:
+                    self._written[0] += len(data)
             except TimeoutError as exc:
                 raise ShipError(
                     f"shipping took longer than {self.timeout:g} s (start_timeout): the host "

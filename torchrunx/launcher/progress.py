@@ -1,0 +1,92 @@
+"""A progress line for the launch's long steps, on a terminal only (tqdm's conventions).
+
+One line on stderr, redrawn in place with a carriage return at most every
+:data:`MIN_INTERVAL_S`, shown only once a step has taken :data:`DELAY_S` (a quick launch shows
+nothing), and erased when the step ends, so that nothing of it stays between the launch's own
+lines. It is never written into a log, to a stderr that is not a terminal, or in a notebook,
+unless ``TORCHRUNX_PROGRESS=1`` asks for it (then from a step's start, without the delay;
+``0``: never). :func:`progress_text` is pure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import TextIO
+
+MIN_INTERVAL_S = 0.1
+"""The line is redrawn at most this often (tqdm's ``mininterval``)."""
+DELAY_S = 0.5
+"""A step shows no line before it has taken this long (tqdm's ``delay``)."""
+
+
+def progress_enabled(stream: TextIO, environ: dict[str, str] | None = None) -> bool:
+    """Whether to draw: ``TORCHRUNX_PROGRESS`` (1 or 0), else a terminal outside a notebook."""
+    env = os.environ if environ is None else environ
+    forced = env.get("TORCHRUNX_PROGRESS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if "ipykernel" in sys.modules:
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def mib(count: int) -> str:
+    """Bytes as MiB with one decimal."""
+    return f"{count / 2**20:.1f} MiB"
+
+
+def progress_text(what: str, done: int, total: int | None, unit: str, seconds: float) -> str:
+    """``torchrunx: agents starting: 3/8 hosts up [2.1 s]`` (bytes shown as MiB)."""
+    if unit == "bytes":
+        count = mib(done) if total is None else f"{mib(done)} of {mib(total)}"
+    else:
+        count = f"{done}/{total} {unit}" if total is not None else f"{done} {unit}"
+    return f"torchrunx: {what}: {count} [{seconds:.1f} s]"
+
+
+class ProgressLine:
+    """One step's line (owned by the launch's loop).
+
+    Args:
+        what: The step, e.g. ``"agents starting"``.
+        total: How many there are to do, if known.
+        unit: What is counted (``"bytes"``: shown in MiB).
+        stream: Where to draw (stderr).
+    """
+
+    def __init__(
+        self, what: str, total: int | None, unit: str, stream: TextIO | None = None
+    ) -> None:
+        """Start timing the step; nothing is drawn yet."""
+        self.what, self.total, self.unit = what, total, unit
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = progress_enabled(self.stream)
+        self.delay = 0.0 if os.environ.get("TORCHRUNX_PROGRESS") == "1" else DELAY_S
+        self.started = time.monotonic()
+        self._drawn_at = 0.0
+        self._width = 0
+        self.extra = ""
+
+    def update(self, done: int, extra: str = "") -> None:
+        """Redraw with ``done`` (and ``extra`` after it), if it is time to."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self.started < self.delay or now - self._drawn_at < MIN_INTERVAL_S:
+            return
+        text = progress_text(self.what, done, self.total, self.unit, now - self.started) + extra
+        self.stream.write("\r" + text.ljust(self._width))
+        self.stream.flush()
+        self._drawn_at, self._width = now, len(text)
+
+    def close(self) -> None:
+        """Erase the line, if one was drawn."""
+        if self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width = 0
