@@ -41,6 +41,7 @@ QUICK_FILES = (
     "test_launch_state.py",
     "test_warm_state.py",
     "test_xdist.py",
+    "test_docs_data.py",
 )
 """The pure tests (no process, socket or clock): marked ``quick``, with the smoke launches
 marked by hand (``scripts/test.sh --quick``, ``pytest -m quick``)."""
