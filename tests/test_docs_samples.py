@@ -76,3 +76,67 @@ def test_the_command_pages_option_list_names_every_option():
     named = set(re.findall(r"`(--[a-z-]+)`", paragraph))
     named |= {n for pair in re.findall(r"`(--[a-z-]+)`/`(--[a-z-]+)`", paragraph) for n in pair}
     assert options - named == set()
+
+
+def _page_has_line(page: str, line: str) -> None:
+    text = (DOCS / page).read_text()
+    assert line in text.splitlines(), f"docs/{page} lacks the line the code prints:\n{line}"
+
+
+def test_the_hint_samples_are_what_the_hints_say():
+    from torchrunx.launcher.logrouter import auto_cores_text
+
+    _page_has_line("logging.md", (auto_cores_text([("login1", 64)]) or "").rstrip("\n"))
+
+
+def test_the_progress_sample_is_the_progress_line():
+    from torchrunx.launcher.progress import mib, progress_text
+
+    line = (
+        progress_text("agents starting", 5, 8, "hosts up", 2.3)
+        + f"; code shipped: {mib(12 * 2**20)}"
+    )
+    _page_has_line("logging.md", line)
+
+
+def test_the_live_views_sample_is_what_top_prints():
+    from torchrunx.cli_top import Ages, render_text
+
+    workers = [
+        {"rank": r, "host_index": 0, "hostname": "localhost", "local_rank": r, "pid": 5883 + r}
+        for r in (0, 1)
+    ]
+    snapshot = {
+        "pid": 5872,
+        "log_dir": "torchrunx_logs/2026-11-28T10:24:20",
+        "report": {
+            "healthy": True,
+            "launch_state": "running",
+            "attempt": 0,
+            "restarts": 0,
+            "max_restarts": 1,
+            "uptime": 4.2,
+            "agents": [
+                {
+                    "hostname": "localhost",
+                    "state": "RUNNING",
+                    "last_heartbeat_age": 0.1,
+                    "role": "host",
+                }
+            ],
+            "workers": [{**w, "state": "HEALTHY"} for w in workers],
+            "failures": [],
+            "world_changes": [],
+        },
+        "last_lines": {f"0:{r}": f"step 17 rank {r}" for r in (0, 1)},
+    }
+    ages = Ages()
+    render_text(snapshot, ages, now=0.0)  # first seen in that state 1.5 s before
+    lines = render_text(snapshot, ages, now=1.5)
+    assert lines == _top_sample()
+
+
+def _top_sample() -> list[str]:
+    text = (DOCS / "logging.md").read_text()
+    start = text.index("```\nlaunch pid 5872") + 4
+    return text[start : text.index("```", start)].rstrip("\n").splitlines()
