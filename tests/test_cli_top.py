@@ -224,3 +224,20 @@ def test_the_live_view_in_a_terminal_shows_a_failure_within_a_second(tmp_path):
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
         _end(tmp_path)
         launch.communicate(timeout=120)
+
+
+def test_rule_at_scale_a_snapshot_counts_ranks_per_host_and_state_and_lists_agents_not_running():
+    from torchrunx.launcher.view_server import grouped
+
+    report = grouped(
+        {"healthy": False, "agents": [], "workers": []},
+        [("a", "HEALTHY"), ("b", "FAILED"), ("a", "HEALTHY"), ("b", "HEALTHY")],
+        [("a", "RUNNING", 0.5, "host"), ("b", "LOST", 9.0, "host"), ("c", "RUNNING", 0.1, "spare")],
+    )
+    assert report["groups"] == [["a", "HEALTHY", 2], ["b", "FAILED", 1], ["b", "HEALTHY", 1]]
+    assert report["agents_running"] == 1
+    assert [a["hostname"] for a in report["agents"]] == ["b", "c"]  # lost, and a spare
+    assert report["workers"] == []
+    lines = render_text({"report": report}, Ages(), now=0.0)
+    assert "(and 1 more hosts whose agents run)" in lines
+    assert "b                        FAILED          1" in lines

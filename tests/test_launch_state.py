@@ -6,6 +6,8 @@ in which the launcher learns things.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from torchrunx.errors import AgentFailedError, WorkerFailedError, WorkerTimeoutError
@@ -264,6 +266,10 @@ def test_health_is_read_from_the_state():
     report = state.health(110.0, max_restarts=2, cause="AgentFailedError: silent")
     assert not report.healthy
     assert report.failures == ("attempt 0: ValueError: x", "attempt 0: AgentFailedError: silent")
+    # Without rows (the live view at scale): the launch's own fields, no agent or worker.
+    bare = state.health(110.0, max_restarts=2, cause="AgentFailedError: silent", rows=False)
+    assert (bare.agents, bare.workers) == ((), ())
+    assert bare == dataclasses.replace(report, agents=(), workers=())
 
 
 def test_a_new_attempt_forgets_ranks_and_faults_but_keeps_the_history():

@@ -20,14 +20,12 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any, TextIO
 
-from torchrunx.launcher.view_server import runtime_dir
+from torchrunx.launcher.view_server import GROUP_ABOVE, runtime_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
     from pathlib import Path
 
-GROUP_ABOVE = 64
-"""Above this many ranks, the rows are one per host and state, with a count."""
 CONNECT_TIMEOUT_S = 2.0
 """How long to wait for a launch's first snapshot."""
 
@@ -112,12 +110,19 @@ def render_text(snapshot: dict[str, Any], ages: Ages, now: float) -> list[str]:
             f"{agent.get('hostname', '?'):<24} {agent.get('state', '?'):<10} "
             f"{'-' if age is None else f'{age:.1f} s':>9}  {agent.get('role', '')}"
         )
+    if report.get("agents_running"):
+        lines.append(f"(and {report['agents_running']} more hosts whose agents run)")
     workers = report.get("workers", [])
     lines.append("")
-    if len(workers) > GROUP_ABOVE:
-        counts = Counter((w.get("hostname"), w.get("state")) for w in workers)
+    if "groups" in report or len(workers) > GROUP_ABOVE:
+        groups = report.get("groups") or [
+            [h, s, n]
+            for (h, s), n in sorted(
+                Counter((w.get("hostname"), w.get("state")) for w in workers).items()
+            )
+        ]
         lines.append(f"{'host':<24} {'state':<10} {'ranks':>6}")
-        lines += [f"{h!s:<24} {s!s:<10} {n:>6}" for (h, s), n in sorted(counts.items())]
+        lines += [f"{h!s:<24} {s!s:<10} {n:>6}" for h, s, n in groups]
     else:
         lines.append(
             f"{'rank':>5} {'host':<24} {'state':<10} {'in state':>9} {'pid':>8}  last line"

@@ -47,7 +47,7 @@ from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.records import AgentRecord
 from torchrunx.launcher.reports import summary
 from torchrunx.launcher.state import LaunchState
-from torchrunx.launcher.view_server import LAST_LINE_CHARS, ViewServer
+from torchrunx.launcher.view_server import GROUP_ABOVE, LAST_LINE_CHARS, ViewServer, grouped
 from torchrunx.launcher.where import StacksLook, print_look
 from torchrunx.wire import handshake
 from torchrunx.wire.messages import (
@@ -393,7 +393,31 @@ class LaunchLoop:
         }
 
     def view_snapshot(self) -> dict[str, object]:
-        """Called from the view's threads: the health report and each source's last line."""
+        """Called from the view's threads: the health report and each source's last line.
+
+        Above ``GROUP_ABOVE`` ranks: the report's own fields, the ranks counted per host and
+        state, the agents not running listed (:func:`grouped`), and no last lines.
+        """
+        st = self.state
+        ranks = list(st.ranks)
+        if len(ranks) > GROUP_ABOVE:
+            now = time.monotonic()
+            agents = [
+                (
+                    a.slots.hostname,
+                    a.state.value,
+                    None if a.hello is None else now - a.last_heard,
+                    a.role,
+                )
+                for a in list(st.agents)
+            ]
+            cause = summary(choose_cause(list(st.faults)).error) if st.faults else None
+            bare = st.health(now, max_restarts=self.plan.max_restarts, cause=cause, rows=False)
+            table = st.agent_table
+            report = grouped(
+                bare.to_dict(), ((table.hostname(r), r.state.value) for r in ranks), agents
+            )
+            return {"report": report, "last_lines": {}}
         last = {
             f"{host}:{'agent' if local is None else local}": source.tail[-1][:LAST_LINE_CHARS]
             for (host, local), source in list(self.logs.sources.items())

@@ -271,28 +271,41 @@ class LaunchState:
         self.current.clear([])
         self.agent_table.new_attempt(keep_ready=keep_ready)
 
-    def health(self, now: float, *, max_restarts: int, cause: str | None) -> HealthReport:
-        """The ``GET /health`` snapshot (``cause``: the failure summary of this attempt)."""
-        agents = tuple(
-            AgentHealth(
-                a.index,
-                a.slots.hostname,
-                a.state,
-                None if a.hello is None else round(now - a.last_heard, 3),
-                a.role,
+    def health(
+        self, now: float, *, max_restarts: int, cause: str | None, rows: bool = True
+    ) -> HealthReport:
+        """The ``GET /health`` snapshot (``cause``: the failure summary of this attempt).
+
+        Without ``rows``, no agent or worker entry (the live view's summary at scale).
+        """
+        agents = (
+            ()
+            if not rows
+            else tuple(
+                AgentHealth(
+                    a.index,
+                    a.slots.hostname,
+                    a.state,
+                    None if a.hello is None else round(now - a.last_heard, 3),
+                    a.role,
+                )
+                for a in list(self.agents)
             )
-            for a in list(self.agents)
         )
-        workers = tuple(
-            WorkerHealth(
-                r.rank,
-                r.host_index,
-                self.agent_table.hostname(r),
-                r.local_rank,
-                r.pid or None,
-                r.state,
+        workers = (
+            ()
+            if not rows
+            else tuple(
+                WorkerHealth(
+                    r.rank,
+                    r.host_index,
+                    self.agent_table.hostname(r),
+                    r.local_rank,
+                    r.pid or None,
+                    r.state,
+                )
+                for r in list(self.ranks)
             )
-            for r in list(self.ranks)
         )
         failures = [*self.history]
         # While a restart stops the workers, its cause goes into the history (not twice).

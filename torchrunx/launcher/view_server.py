@@ -22,11 +22,12 @@ import stat
 import struct
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,43 @@ MAX_VIEWERS = 8
 """Connections served at once; one more is closed at once."""
 LAST_LINE_CHARS = 200
 """A source's last log line is cut to this many characters."""
+
+
+GROUP_ABOVE = 64
+"""Above this many ranks a snapshot has counts per host and state, not a row per rank."""
+COST_SHARE = 0.05
+"""The most of one core a viewer may cost the launcher: the next snapshot waits at least this
+many times longer than the last one took to make (20 times, for 5%)."""
+
+
+def grouped(
+    report: dict[str, Any],
+    ranks: Iterable[tuple[str, str]],
+    agents: Iterable[tuple[str, str, float | None, str]],
+) -> dict[str, Any]:
+    """A launch's summary at scale: the report's own fields, ranks counted per host and state.
+
+    Args:
+        report: The health report without its rows (``HealthReport.to_dict``).
+        ranks: ``(hostname, state)`` of each rank.
+        agents: ``(hostname, state, heartbeat age, role)`` of each agent: those not running
+            are listed, the others counted.
+    """
+    counts = Counter(ranks)
+    listed, running = [], 0
+    for hostname, state, age, role in agents:
+        if state == "RUNNING" and role == "host":
+            running += 1
+        else:
+            listed.append(
+                {"hostname": hostname, "state": state, "last_heartbeat_age": age, "role": role}
+            )
+    return {
+        **report,
+        "agents": listed,
+        "agents_running": running,
+        "groups": [[host, state, n] for (host, state), n in sorted(counts.items())],
+    }
 
 
 def runtime_dir(environ: dict[str, str] | None = None) -> Path | None:
@@ -137,6 +175,7 @@ class ViewServer:
         conn.settimeout(5.0)  # a viewer that does not read is dropped, never waited on
         with conn:
             while True:  # the last snapshot is sent after close(): how the launch ended
+                started = time.monotonic()
                 try:
                     line = json.dumps({**self._info, **self._snapshot()}, default=str) + "\n"
                     conn.sendall(line.encode())
@@ -144,7 +183,8 @@ class ViewServer:
                     return
                 if self._stop.is_set():
                     return
-                self._stop.wait(INTERVAL_S)
+                took = time.monotonic() - started
+                self._stop.wait(max(INTERVAL_S - took, took / COST_SHARE - took))
 
     def close(self) -> None:
         """Stop serving, remove the socket file, and wait (bounded) for the threads."""
