@@ -220,6 +220,18 @@ def test_the_live_view_in_a_terminal_shows_a_failure_within_a_second(tmp_path):
         # Within a second of the failure reaching the launcher (the rank's own start of
         # failing counted in: it polls its file every 0.1 s).
         assert seen < 2.0, (seen, pane())
+        # Keys: select rank 1, show its log's last lines, quit.
+        subprocess.run(["tmux", "send-keys", "-t", session, "j", "l"], check=True)
+        deadline = time.monotonic() + 30
+        while "--- localhost[1].log: rank 1 (localhost[1]), last lines ---" not in pane():
+            assert time.monotonic() < deadline, pane()
+            time.sleep(0.05)
+        assert "> " in next(line for line in pane().splitlines() if " 1 localhost" in line)[:3]
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        deadline = time.monotonic() + 30
+        while subprocess.run(["tmux", "has-session", "-t", session], check=False).returncode == 0:
+            assert time.monotonic() < deadline, "q did not end the view"
+            time.sleep(0.05)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
         _end(tmp_path)
@@ -241,3 +253,22 @@ def test_rule_at_scale_a_snapshot_counts_ranks_per_host_and_state_and_lists_agen
     lines = render_text({"report": report}, Ages(), now=0.0)
     assert "(and 1 more hosts whose agents run)" in lines
     assert "b                        FAILED          1" in lines
+
+
+def test_rule_keys_select_a_rank_show_its_tail_and_quit():
+    from torchrunx.cli_top import Screen, split_keys
+
+    assert split_keys("jl\x1b[Aq") == ["j", "l", "\x1b[A", "q"]
+    screen = Screen()
+    assert all(screen.key(k, 3) for k in split_keys("jjj"))
+    assert screen.selected == 2  # not past the last rank
+    assert all(screen.key(k, 3) for k in split_keys("\x1b[A\x1b[A\x1b[Ak"))
+    assert screen.selected == 0
+    assert screen.key("l", 3) and screen.tail
+    assert screen.key("l", 3) and not screen.tail
+    assert not screen.key("q", 3)
+    lines = screen.lines(_snapshot(2), Ages(), now=0.0)
+    assert [line[:5] for line in lines if "a  " in line and line[1:6].strip().isdigit()] == [
+        ">   0",
+        "    1",
+    ]

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from torchrunx.launcher.view_server import GROUP_ABOVE, runtime_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
-    from pathlib import Path
 
 CONNECT_TIMEOUT_S = 2.0
 """How long to wait for a launch's first snapshot."""
@@ -175,16 +176,125 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
         return 0
 
 
+KEYS = "keys: j/k or arrows select a rank, l its log's last lines (again: hide), q quits"
+"""The key help under the live screen."""
+TAIL_LINES = 12
+"""Lines of a rank's log shown by ``l``."""
+
+
+class Screen:
+    """What the live screen shows besides the snapshot: the selected rank and its log's tail."""
+
+    def __init__(self) -> None:
+        """No rank selected, no tail shown."""
+        self.selected = 0
+        self.tail = False
+
+    def key(self, key: str, ranks: int) -> bool:
+        """Apply one key press; False for quit."""
+        if key in ("q", "\x03"):
+            return False
+        if key in ("j", "\x1b[B"):
+            self.selected = min(self.selected + 1, max(ranks - 1, 0))
+        elif key in ("k", "\x1b[A"):
+            self.selected = max(self.selected - 1, 0)
+        elif key == "l":
+            self.tail = not self.tail
+        return True
+
+    def lines(self, snapshot: dict[str, Any], ages: Ages, now: float) -> list[str]:
+        """The snapshot's lines, the selected rank marked, then its log's tail if asked."""
+        lines = render_text(snapshot, ages, now)
+        workers = snapshot.get("report", {}).get("workers", [])
+        rows = [
+            i for i, line in enumerate(lines) if line.startswith(" ") and line[:6].strip().isdigit()
+        ]
+        if rows and workers and "groups" not in snapshot.get("report", {}):
+            self.selected = min(self.selected, len(rows) - 1)
+            row = rows[self.selected]
+            lines[row] = ">" + lines[row][1:]
+            if self.tail:
+                lines += ["", *_tail(snapshot, workers[self.selected])]
+        return [*lines, "", KEYS]
+
+
+def split_keys(pressed: str) -> list[str]:
+    """The keys in what one read of the terminal returned (an arrow is three characters)."""
+    keys, i = [], 0
+    while i < len(pressed):
+        size = 3 if pressed.startswith("\x1b[", i) else 1
+        keys.append(pressed[i : i + size])
+        i += size
+    return keys
+
+
+def _tail(snapshot: dict[str, Any], worker: dict[str, Any]) -> list[str]:
+    """The last lines of a worker's log file (in the launch's log folder), with a heading."""
+    from torchrunx.cli_logs import rank_files, read_events  # noqa: PLC0415
+    from torchrunx.launcher.logdirs import events_file  # noqa: PLC0415
+
+    folder = snapshot.get("log_dir")
+    if not folder:
+        return ["(this launch writes no log files)"]
+    path = Path(folder)
+    files = rank_files(path, read_events(events_file(path)))
+    chosen = next((f for f in files if f.rank == worker.get("rank")), None)
+    if chosen is None or not chosen.path.is_file():
+        return [f"(no log file of rank {worker.get('rank')} yet)"]
+    with chosen.path.open("rb") as f:
+        f.seek(max(0, chosen.path.stat().st_size - 8192))
+        text = f.read().decode(errors="replace").splitlines()[-TAIL_LINES:]
+    return [f"--- {chosen.path.name}: {chosen.label}, last lines ---", *text]
+
+
 def _live(view: Path, ages: Ages, out: TextIO) -> int:
-    """The live screen (rich), until the launch ends or the user quits."""
+    """The live screen (rich), until the launch ends or the user quits (keys: :data:`KEYS`)."""
+    import select  # noqa: PLC0415
+    import termios  # noqa: PLC0415
+    import tty  # noqa: PLC0415
+
     from rich.console import Console  # noqa: PLC0415 (only for the live screen)
     from rich.live import Live  # noqa: PLC0415
     from rich.text import Text  # noqa: PLC0415
 
     console = Console(file=out)
-    with Live(Text("connecting..."), console=console, screen=False, auto_refresh=False) as live:
-        for snapshot in snapshots(view):
-            lines = render_text(snapshot, ages, time.monotonic())
-            live.update(Text("\n".join(lines)), refresh=True)
+    screen: Screen = Screen()
+    snapshot: dict[str, Any] = {}
+    keys = sys.stdin.fileno() if sys.stdin.isatty() else None
+    saved = termios.tcgetattr(keys) if keys is not None else None
+    if keys is not None:
+        tty.setcbreak(keys)
+    try:
+        with (
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock,
+            Live(Text("connecting..."), console=console, auto_refresh=False) as live,
+        ):
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            sock.connect(str(view))
+            buffer, ended = b"", False
+            while not ended:
+                ready, _, _ = select.select(
+                    [sock, *([keys] if keys is not None else [])], [], [], 5
+                )
+                if not ready:
+                    break  # no snapshot for 5 s: the launcher is gone
+                if keys in ready:
+                    count = len(snapshot.get("report", {}).get("workers", []))
+                    pressed = os.read(keys, 64).decode(errors="replace")
+                    if not all(screen.key(key, count) for key in split_keys(pressed)):
+                        return 0
+                if sock in ready:
+                    data = sock.recv(1 << 20)
+                    ended = not data
+                    buffer += data
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        snapshot = json.loads(line)
+                if snapshot:
+                    text = "\n".join(screen.lines(snapshot, ages, time.monotonic()))
+                    live.update(Text(text), refresh=True)
+    finally:
+        if keys is not None and saved is not None:
+            termios.tcsetattr(keys, termios.TCSADRAIN, saved)
     console.print("the launch ended")
     return 0
