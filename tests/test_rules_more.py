@@ -1232,7 +1232,16 @@ def test_rule_a_fault_is_recorded_as_it_happened_and_in_the_order_learnt():
         "local_rank": 0,
         "attempt": 0,
         "reason": "ValueError: bad",
+        "traceback": None,  # raised here, not in a worker
     }
+    # A worker's exception carries the worker's traceback (its cause), and so does the event.
+    from torchrunx.errors import RemoteTraceback
+
+    raised = ValueError("in the worker")
+    raised.__cause__ = RemoteTraceback("Traceback (most recent call last):\nValueError: x\n")
+    _, from_worker = state.current.add_fault("exception", raised, 4.0, rank=state.ranks[0])
+    assert isinstance(from_worker, WorkerFailed)
+    assert from_worker.traceback == "Traceback (most recent call last):\nValueError: x\n"
 
 
 def test_rule_a_fault_before_the_launch_stops_is_not_a_consequence_of_stopping():
