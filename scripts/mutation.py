@@ -299,7 +299,7 @@ TARGETS: dict[str, Target] = {
         note="the lines between torchrunx check and its probes",
     ),
     "ship": Target(
-        "torchrunx/launcher/ship.py",
+        "torchrunx/engines/ship.py",
         ("tests/test_rules_reach.py",),
         functions=(
             "make_bundle",
@@ -447,16 +447,16 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         '_, current, after = text.rpartition("Current thread")',
         "faulthandler writes 'Current thread' once: the first occurrence is the last",
     ),
-    "torchrunx.launcher.ship.x_make_bundle__mutmut_74": (
+    "torchrunx.engines.ship.x_make_bundle__mutmut_74": (
         'separators=(",", "XX:XX")',
         "the manifest is a list of lists: JSON's key separator never appears in it",
     ),
-    "torchrunx.launcher.ship.x\u01c1_Ignores\u01c1read__mutmut_11": (
+    "torchrunx.engines.ship.x\u01c1_Ignores\u01c1read__mutmut_11": (
         'decode("UTF-8", "replace")',
         "Python takes a codec's name in either case",
     ),
-    "torchrunx.launcher.ship.x__walk__mutmut_43": ("ignored(rel, folder=None)", _FALSY),
-    "torchrunx.launcher.ship.x_make_bundle__mutmut_51": (
+    "torchrunx.engines.ship.x__walk__mutmut_43": ("ignored(rel, folder=None)", _FALSY),
+    "torchrunx.engines.ship.x_make_bundle__mutmut_51": (
         "if (rel) or True else place",
         "a shipped file's rel is empty: normpath(join(place, '')) is place itself",
     ),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 from wire_helpers import server_handshake
 
+from torchrunx.engines.command import AGENT_COMMAND, agent_script
 from torchrunx.env import forwarded_env
 from torchrunx.errors import ProtocolError, WorkerFailedError, is_collective_error
 from torchrunx.events import (
@@ -23,7 +24,6 @@ from torchrunx.events import (
     event_to_dict,
 )
 from torchrunx.hosts import resolve as hosts
-from torchrunx.launcher.transport import AGENT_COMMAND, agent_script
 from torchrunx.wire import handshake, messages, records
 from torchrunx.wire.bootstrap import AgentBootstrap
 

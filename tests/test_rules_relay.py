@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from torchrunx.engines.builtin import openssh_command
+from torchrunx.engines.builtin import openssh_command, srun_command
+from torchrunx.engines.command import AGENT_COMMAND
 from torchrunx.errors import ProtocolError
 from torchrunx.launcher.agent_starts import listen_hosts
 from torchrunx.launcher.plan import check_relay
-from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
 from torchrunx.wire.relay import (
     DATA,
     EOF,

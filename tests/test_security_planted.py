@@ -26,7 +26,7 @@ from attacker import plant, shared_folder
 
 import torchrunx as trx
 from torchrunx.agent.worker import users_path
-from torchrunx.launcher.transport import AGENT_ARGV, agent_script, unpack_source
+from torchrunx.engines.command import AGENT_ARGV, agent_script, unpack_source
 from torchrunx.wire.bootstrap import BOOT_CODE, SAFE_PATH_MARK, SAVED_PYTHONPATH, agent_environ
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ Starting is blocking work (an SSH connection and login, ``srun``, ``fork``/``exe
 small pool of threads (at most :data:`START_THREADS`, whatever the number of hosts); each start
 and each agent's exit is handed to the launch's loop as an :class:`AgentStarted` /
 :class:`AgentStartFailed` / :class:`AgentExited` event on its queue. How an agent is started is
-in :mod:`torchrunx.launcher.transport` and :mod:`torchrunx.launcher.ssh`; what a started agent
+in :mod:`torchrunx.engines.command` and :mod:`torchrunx.engines.ssh`; what a started agent
 says comes on its connection (:mod:`torchrunx.launcher.listener`).
 """
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from torchrunx.errors import AgentFailedError
 
 if TYPE_CHECKING:
+    from torchrunx.engines.protocol import AgentProcess
     from torchrunx.launcher.ioloop import IOLoop
-    from torchrunx.launcher.transport import AgentProcess
 
 START_THREADS = 32
 """Agents started at once (SSH logins are slow but light: they wait on the network)."""

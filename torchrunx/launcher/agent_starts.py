@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torchrunx import plugins
 from torchrunx.engines import AgentStart
+from torchrunx.engines.command import agent_script
 from torchrunx.env import local_agent_env
 from torchrunx.errors import AgentFailedError, add_note
 from torchrunx.launcher import listener as listener_module
 from torchrunx.launcher.reach import default_python, host_sys_path, package_root, python_for
-from torchrunx.launcher.transport import agent_script
 from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap
 from torchrunx.wire.lines import parse_line
 from torchrunx.wire.messages import HEARTBEAT_INTERVAL
@@ -39,11 +39,11 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from torchrunx.engines import Transport
+    from torchrunx.engines.protocol import AgentProcess
+    from torchrunx.engines.relay import Adopt
+    from torchrunx.engines.ship import Bundle
     from torchrunx.launcher.plan import LaunchPlan, StartMethod
     from torchrunx.launcher.records import AgentRecord
-    from torchrunx.launcher.relay import Adopt
-    from torchrunx.launcher.ship import Bundle
-    from torchrunx.launcher.transport import AgentProcess
     from torchrunx.wire.lines import Record
 
 logger = logging.getLogger("torchrunx.agent_starts")
@@ -119,7 +119,7 @@ class AgentStarts:
             self.transport(method)
         self._refuse_unable_transports()
         if self.plan.ship and any(agent.remote for agent in self.agents):
-            from torchrunx.launcher.ship import make_bundle  # noqa: PLC0415 (only when shipping)
+            from torchrunx.engines.ship import make_bundle  # noqa: PLC0415 (only when shipping)
 
             self.bundle = make_bundle(
                 self.plan.ship, self.plan.ship_exclude, timeout=self.plan.start_timeout
@@ -146,21 +146,21 @@ class AgentStarts:
                     )
                     raise ValueError(msg)
                 continue
-            if self.plan.relay == "on" and not getattr(transport, "relays", False):
+            if self.plan.relay == "on" and not transport.relays:
                 msg = (
                     f"relay='on': agents started with {method!r} cannot relay connections "
                     "(ssh, srun and kubectl can); use relay='auto', which connects them "
                     "back directly, or another agent_start"
                 )
                 raise ValueError(msg)
-            if self.plan.container and not getattr(transport, "containers", False):
+            if self.plan.container and not transport.containers:
                 msg = (
                     f"container: agents started with {method!r} cannot run in a container "
                     "(ssh and srun can; kubectl's are in their pod's container already)"
                 )
                 raise ValueError(msg)
             options = bool(self.plan.container) and self.plan.container[0].startswith("-")
-            if options and not getattr(transport, "container_options", False):
+            if options and not transport.container_options:
                 msg = (
                     f"container {shlex.join(self.plan.container)!r} is options of srun "
                     f"(pyxis's --container-image), but agents started with {method!r} "
@@ -168,7 +168,7 @@ class AgentStarts:
                     "'podman exec -i NAME'"
                 )
                 raise ValueError(msg)
-            if self.plan.ship and not getattr(transport, "ships", False):
+            if self.plan.ship and not transport.ships:
                 msg = (
                     f"ship: agents started with {method!r} cannot fetch shipped code (ssh, "
                     "srun and kubectl can); give the hosts the code another way (Ray: its "
@@ -242,7 +242,7 @@ class AgentStarts:
             self.emit(index, (None, line.levelno, line.name, line.text, time.time()))
 
         transport = self.transport(agent.method)
-        relays = bool(self.relay_script) and agent.remote and getattr(transport, "relays", False)
+        relays = bool(self.relay_script) and agent.remote and transport.relays
         try:
             started = self._start(transport, agent, on_line, relays=relays)
         except AgentFailedError as exc:

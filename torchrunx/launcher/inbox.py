@@ -15,6 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from torchrunx.engines.command import agent_exit_error
 from torchrunx.errors import AgentFailedError, is_collective_error
 from torchrunx.events import HostQuarantined
 from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
@@ -23,7 +24,6 @@ from torchrunx.launcher.listener import FrameReceived, Peer, PeerClosed
 from torchrunx.launcher.reach import python_for
 from torchrunx.launcher.records import STOP_GRACE, Phase
 from torchrunx.launcher.reports import (
-    agent_exit_error,
     rebuild_exception,
     summary,
     watchdog_error,

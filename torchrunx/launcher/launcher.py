@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 import tyro
 
 from torchrunx import plugins, serialization
+from torchrunx.engines.ssh import read_ssh_config
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
     check_env_fields,
@@ -65,7 +66,6 @@ from torchrunx.launcher.reach import (
 from torchrunx.launcher.renamed import refuse_renamed, refuses_renamed_keywords
 from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.spares import check_resilience, split_spares
-from torchrunx.launcher.ssh import read_ssh_config
 from torchrunx.launcher.warm import WarmLauncher
 from torchrunx.launcher.where import sigquit_shows_stacks
 from torchrunx.logs import (

@@ -62,11 +62,11 @@ class LaunchPlan:
     launcher_address: str | None = None
     """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR`` is read where it is used)."""
     relay: str = "off"
-    """Whether remote agents relay their connections (:mod:`torchrunx.launcher.relay`)."""
+    """Whether remote agents relay their connections (:mod:`torchrunx.engines.relay`)."""
     python: str | Mapping[str, str] | None = None
     """The remote hosts' interpreter, or each one's (:mod:`torchrunx.launcher.reach`)."""
     ship: tuple[str, ...] = ()
-    """Paths shipped to the remote hosts (:mod:`torchrunx.launcher.ship`)."""
+    """Paths shipped to the remote hosts (:mod:`torchrunx.engines.ship`)."""
     ship_exclude: tuple[str, ...] = ()
     container: tuple[str, ...] = ()
     """The command (an argument vector) that runs remote agents in a container."""

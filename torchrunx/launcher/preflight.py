@@ -42,9 +42,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from torchrunx.agent.probe import ProbeReport
+    from torchrunx.engines.protocol import AgentProcess
     from torchrunx.launcher.launcher import Launcher
     from torchrunx.launcher.plan import LaunchPlan
-    from torchrunx.launcher.transport import AgentProcess
     from torchrunx.wire.lines import Record
 
 PROBE_CODE = BOOT_CODE.replace(

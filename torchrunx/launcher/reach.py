@@ -2,7 +2,7 @@
 
 ``Launcher(python=...)`` names the interpreter of the remote hosts (one for all, or one per host)
 when it is not at the launcher's path; ``Launcher(ship=...)`` copies code to them
-(:mod:`torchrunx.launcher.ship`). Either way such a host keeps its interpreter's own ``sys.path``
+(:mod:`torchrunx.engines.ship`). Either way such a host keeps its interpreter's own ``sys.path``
 (its installation's packages), after the launch's project entries (:func:`host_sys_path`).
 """
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from torchrunx.launcher.ship import Bundle
+    from torchrunx.engines.ship import Bundle
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -167,7 +167,7 @@ def host_sys_path(bundle: Bundle | None, path: Sequence[str] | None = None) -> t
     projects = project_paths(path)
     if bundle is None:
         return projects
-    from torchrunx.launcher.ship import lib_entry  # noqa: PLC0415 (pathspec: only when shipping)
+    from torchrunx.engines.ship import lib_entry  # noqa: PLC0415 (pathspec: only when shipping)
 
     lib = lib_entry(bundle)
     placed: list[str] = [lib] if lib is not None else []
@@ -190,7 +190,7 @@ def package_root(bundle: Bundle | None) -> str:
     root = str(PACKAGE.parent)
     if bundle is None:
         return root
-    from torchrunx.launcher.ship import lib_entry  # noqa: PLC0415 (pathspec: only when shipping)
+    from torchrunx.engines.ship import lib_entry  # noqa: PLC0415 (pathspec: only when shipping)
 
     return lib_entry(bundle) or bundle.place(root) or root
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 from typing import TYPE_CHECKING
 
 from torchrunx import serialization
@@ -23,7 +22,6 @@ from torchrunx.errors import (
     WorkerRaisedError,
     WorkerTimeoutError,
     add_note,
-    describe_exit,
     exception_text,
 )
 
@@ -85,51 +83,6 @@ def watchdog_error(hostname: str, rank: int, message: WorkerTimedOut) -> WorkerT
             error, f"Python stack of rank {rank} when its limit passed:\n{message.stack.rstrip()}"
         )
     return error
-
-
-def agent_exit_error(  # noqa: PLR0913 (what is known about the end)
-    hostname: str,
-    status: int | None,
-    *,
-    remote: bool,
-    connected: bool,
-    env_file: str | None,
-    stderr_tail: str,
-    python: str | None = None,
-) -> AgentFailedError:
-    """An agent that ended without saying it was done; ``python``: what python= named for it."""
-    if status == 127 and python is not None and remote:
-        reason = (
-            "the agent could not start (exit status 127): a command it needs is missing on "
-            f"that host (its message is below); it ran {python}, the interpreter "
-            "Launcher(python=...) names for it: check that path on that host"
-        )
-    elif status == 127:
-        reason = (
-            "the agent could not start (exit status 127): a command it needs is missing on "
-            f"that host (its message is below); it ran the launcher's interpreter "
-            f"({sys.executable}): name that host's own with Launcher(python=...), and send the "
-            "project's code with Launcher(ship=...) if the host does not share your files"
-        )
-    elif "No module named 'torchrunx'" in stderr_tail:
-        reason = (
-            f"the agent could not start (exit status {status}): torchrunx is not importable on "
-            "that host; send it with Launcher(ship=...) (torchrunx travels with shipped code), "
-            "install it in the host's interpreter (Launcher(python=...)), or launch from a "
-            "filesystem the host shares"
-        )
-    elif status is not None and status < 0 and remote:
-        reason = "the agent ended without an exit status (killed by a signal, or SSH dropped)"
-    elif status is not None and status < 0:
-        reason = f"the agent process ended with {describe_exit(None, -status)}"
-    else:
-        reason = f"the agent process ended unexpectedly (exit status {status})"
-        if not connected and env_file is not None:
-            reason += (
-                f" before it connected; env_file {env_file!r} is sourced first: did it fail? "
-                "(its output, if any, is below)"
-            )
-    return AgentFailedError(hostname, reason, stderr_tail)
 
 
 def output_tail_note(tail: Sequence[str], path: object | None) -> str | None:

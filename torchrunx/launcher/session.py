@@ -60,8 +60,8 @@ if TYPE_CHECKING:
     import socket
     from collections.abc import Callable
 
+    from torchrunx.engines.forward import PortForward
     from torchrunx.launcher.agent_pool import Starter
-    from torchrunx.launcher.forward import PortForward
     from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.results import LaunchTimings
 

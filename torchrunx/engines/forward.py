@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     import paramiko
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchrunx.launcher.forward")  # its name from before it moved here
 
 _CHUNK = 65536
 _End = Union["socket.socket", "paramiko.Channel"]

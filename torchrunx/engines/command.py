@@ -1,4 +1,4 @@
-"""Starting an agent: a local subprocess or ``srun`` (over SSH: :mod:`torchrunx.launcher.ssh`).
+"""Starting an agent: a local subprocess or ``srun`` (over SSH: :mod:`torchrunx.engines.ssh`).
 
 All start the same constant command, which reads everything else from its stdin::
 
@@ -25,25 +25,27 @@ import math
 import os
 import select
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from torchrunx.errors import AgentFailedError, ShipError
-from torchrunx.launcher.relay import Adopt, LauncherRelay
-from torchrunx.launcher.ship import read_fd, write_within
+from torchrunx.engines.relay import Adopt, LauncherRelay
+from torchrunx.engines.ship import read_fd, write_within
+from torchrunx.errors import AgentFailedError, ShipError, describe_exit
 from torchrunx.wire.bootstrap import BOOT_CODE, PYTHONPATH_WITHOUT_CWD, SAFE_START
 from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
 from torchrunx.wire.relay import MAX_DATA, PIPE_SIZE
 
 if TYPE_CHECKING:
-    from torchrunx.launcher.ship import Bundle
+    from collections.abc import Callable, Sequence
+
+    from torchrunx.engines.protocol import OnLine, Reader
+    from torchrunx.engines.ship import Bundle
 
 logger = logging.getLogger("torchrunx.transport")
 
@@ -72,7 +74,7 @@ def agent_script(  # noqa: PLR0913 (what the script holds)
 
     Forwarded variables are exported first; then the interpreter is checked (a missing one
     ends the script with status 127 and says which option names another); then, with ``ship``
-    (a shipped tree's digest, :mod:`torchrunx.launcher.ship`), the code is fetched into the
+    (a shipped tree's digest, :mod:`torchrunx.engines.ship`), the code is fetched into the
     host's cache by :mod:`torchrunx.agent.unpack` and its copy is the working directory instead
     of ``cwd``; then ``env_file`` is sourced (so it can extend or override the variables); then
     the interpreter replaces the shell, running ``code`` (the agent's boot code; ``torchrunx
@@ -131,61 +133,60 @@ def unpack_source() -> str:
     return (Path(__file__).parent.parent / "agent" / "unpack.py").read_text()
 
 
-class AgentProcess(Protocol):
-    """A started agent, as the launcher sees it: its output and its end."""
+def agent_exit_error(  # noqa: PLR0913 (what is known about the end)
+    hostname: str,
+    status: int | None,
+    *,
+    remote: bool,
+    connected: bool,
+    env_file: str | None,
+    stderr_tail: str,
+    python: str | None = None,
+) -> AgentFailedError:
+    """An agent that ended without saying it was done; ``python``: what python= named for it."""
+    if status == 127 and python is not None and remote:
+        reason = (
+            "the agent could not start (exit status 127): a command it needs is missing on "
+            f"that host (its message is below); it ran {python}, the interpreter "
+            "Launcher(python=...) names for it: check that path on that host"
+        )
+    elif status == 127:
+        reason = (
+            "the agent could not start (exit status 127): a command it needs is missing on "
+            f"that host (its message is below); it ran the launcher's interpreter "
+            f"({sys.executable}): name that host's own with Launcher(python=...), and send the "
+            "project's code with Launcher(ship=...) if the host does not share your files"
+        )
+    elif "No module named 'torchrunx'" in stderr_tail:
+        reason = (
+            f"the agent could not start (exit status {status}): torchrunx is not importable on "
+            "that host; send it with Launcher(ship=...) (torchrunx travels with shipped code), "
+            "install it in the host's interpreter (Launcher(python=...)), or launch from a "
+            "filesystem the host shares"
+        )
+    elif status is not None and status < 0 and remote:
+        reason = "the agent ended without an exit status (killed by a signal, or SSH dropped)"
+    elif status is not None and status < 0:
+        reason = f"the agent process ended with {describe_exit(None, -status)}"
+    else:
+        reason = f"the agent process ended unexpectedly (exit status {status})"
+        if not connected and env_file is not None:
+            reason += (
+                f" before it connected; env_file {env_file!r} is sourced first: did it fail? "
+                "(its output, if any, is below)"
+            )
+    return AgentFailedError(hostname, reason, stderr_tail)
 
-    hostname: str
 
-    @property
-    def exit_fd(self) -> int:
-        """A descriptor readable once the agent has ended (-1: none; :meth:`wait` polls)."""
-        ...
-
-    def readers(self) -> list[Reader]:
-        """The descriptors of the agent's output, each with what reads it when it is readable.
-
-        A reader takes what is there without blocking and returns ``False`` once its stream
-        has ended. The launcher's loop calls them; lines go to the ``on_line`` of the start.
-        """
-        ...
-
-    def stderr_tail(self) -> str:
-        """The last lines the agent (or ssh) wrote to stderr."""
-        ...
-
-    def wait(self, timeout: float | None) -> int | None:
-        """Wait for the agent to end (``None``: for as long as it takes).
-
-        Returns:
-            Its exit status, or ``None`` if it still runs.
-        """
-        ...
-
-    def close(self, grace: float = 5.0) -> None:
-        """End the agent if it still runs and release everything held for it.
-
-        Args:
-            grace: Seconds the agent gets to end by itself after its stdin closes. ``0`` for
-                an agent that is lost (its host unreachable): do not wait for it at all.
-        """
-        ...
-
-
-OnLine = Callable[[bool, str], None]
-"""Receives each whole line an agent writes: ``(is_stderr, text)``."""
-
-
-Reader = tuple[int, Callable[[], bool]]
-"""A descriptor and the function that reads it when it is readable (``False``: it ended)."""
-
-_READS_PER_CALL = 16
+READS_PER_CALL = 16
 """Reads one reader call does at most, so that one chatty agent cannot hold up the loop."""
 
 
-class _AgentOutput:
+class AgentOutput:
     """An agent's stdout and stderr as whole lines, handed on; keeps the stderr tail."""
 
     def __init__(self, on_line: OnLine) -> None:
+        """Hand each whole line to ``on_line``."""
         self.on_line = on_line
         self.splitters = {False: LineSplitter(), True: LineSplitter()}
         self.tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
@@ -209,7 +210,7 @@ class _AgentOutput:
         return self.ended[False] and self.ended[True]
 
 
-def _drain(readers: list[Reader], timeout: float) -> None:
+def drain(readers: list[Reader], timeout: float) -> None:
     """Read ``readers`` until each has ended, or for ``timeout`` seconds at most."""
     deadline = time.monotonic() + timeout
     live = dict(readers)
@@ -223,11 +224,6 @@ def _drain(readers: list[Reader], timeout: float) -> None:
         for fd in live:
             poller.register(fd, select.POLLIN)
         poller.poll(math.ceil(min(left, 0.05) * 1000))
-
-
-# What a fresh SSH login would have: an srun step gets these (and SLURM's own) like a remote
-# agent over SSH; everything else travels on stdin.
-_LOGIN_VARIABLES = ("HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "PATH")
 
 
 _TERM_GRACE = 3.0
@@ -245,7 +241,7 @@ class PipeReaders:
     stderr's): a local child's pipes, or those a relay thread writes (Ray).
     """
 
-    _output: _AgentOutput
+    _output: AgentOutput
     _streams: dict[bool, int]
     _relay: LauncherRelay | None = None
 
@@ -258,7 +254,7 @@ class PipeReaders:
         ]
 
     def _read(self, fd: int, *, is_stderr: bool) -> bool:
-        for _ in range(_READS_PER_CALL):
+        for _ in range(READS_PER_CALL):
             try:
                 chunk = os.read(fd, 65536)
             except (BlockingIOError, InterruptedError):
@@ -275,7 +271,7 @@ class PipeReaders:
 
         A relaying host whose stream was broken ends with why (what its stdout began with).
         """
-        _drain(self.readers(), 0.5)
+        drain(self.readers(), 0.5)
         tail = list(self._output.tail)
         if self._relay is not None and self._relay.broken is not None:
             tail.append(f"torchrunx: {self._relay.broken}")
@@ -306,14 +302,14 @@ class CommandAgent(PipeReaders):
 
         The bootstrap line (it holds the secret) is made only once the child has started, as
         it is written, and never held in a variable: no frame of a traceback shows it.
-        ``relay``: the host relays (:mod:`torchrunx.launcher.relay`); its channels go to it.
+        ``relay``: the host relays (:mod:`torchrunx.engines.relay`); its channels go to it.
         ``ship``: the code shipped to the host, exchanged between the script and the bootstrap.
 
         Raises:
             AgentFailedError: The command cannot be started, or the code not shipped.
         """
         self.hostname = hostname
-        self._output = _AgentOutput(on_line)
+        self._output = AgentOutput(on_line)
         try:
             self._process = subprocess.Popen(
                 argv,
@@ -446,7 +442,7 @@ class CommandAgent(PipeReaders):
     def _release(self) -> None:
         if self._relay is not None:
             self._relay.join(2.0)
-        _drain(self.readers(), 2.0)  # its last lines (a child it left may keep a pipe open)
+        drain(self.readers(), 2.0)  # its last lines (a child it left may keep a pipe open)
         if self._relay is not None:
             self._relay.close_output()
         for stream in (self._process.stdout, self._process.stderr):
@@ -501,87 +497,6 @@ class LocalAgent(CommandAgent):
         if self.wait(grace) is None:
             self._kill()
         self._release()
-
-
-def srun_command(
-    hostname: str,
-    *,
-    cpus: int | None,
-    srun: str = "srun",
-    unbuffered: bool = False,
-    container: Sequence[str] = (),
-) -> list[str]:
-    """The ``srun`` command line that starts the agent of ``hostname`` as a job step.
-
-    One task on that one node, sharing the job's resources with other steps (``--overlap``),
-    unbound (``--cpu-bind=none``) and given the node's CPUs (``cpus``), so that all workers the
-    agent forks can use them. The step's environment is only what a login would have
-    (``--export`` lists names, never values) plus SLURM's own variables; everything else travels
-    on stdin as for every agent. ``unbuffered``: the step's stdout as it comes, not line by line
-    (a relaying host's frames are not lines).
-    """
-    command = [
-        srun,
-        "--overlap",
-        "--nodes=1",
-        "--ntasks=1",
-        f"--nodelist={hostname}",
-        "--cpu-bind=none",
-        "--quiet",
-        "--job-name=torchrunx-agent",
-        f"--export={','.join(_LOGIN_VARIABLES)}",
-    ]
-    if cpus is not None:
-        command.append(f"--cpus-per-task={cpus}")
-    if unbuffered:
-        command.append("--unbuffered")
-    return [*command, *container, *AGENT_ARGV]
-
-
-class SrunAgent(CommandAgent):
-    """An agent on another node of the SLURM allocation, started as a job step by ``srun``.
-
-    ``srun`` relays the agent's stdin, stdout and stderr, so the agent behaves as over SSH; its
-    processes live in SLURM's accounting and are cleaned up with the job.
-    """
-
-    def __init__(  # noqa: PLR0913 (what a start needs)
-        self,
-        hostname: str,
-        script: bytes,
-        bootstrap: Callable[[], bytes],
-        on_line: OnLine,
-        *,
-        cpus: int | None,
-        environ: dict[str, str] | None = None,
-        relay: Adopt | None = None,
-        ship: Bundle | None = None,
-        container: Sequence[str] = (),
-    ) -> None:
-        """Start ``srun`` and hand the agent its script and bootstrap (``bootstrap()``) on stdin.
-
-        ``srun`` itself runs with the launcher's environment (it needs the ``SLURM_*``
-        variables of the job); the step gets only login variables (see :func:`srun_command`).
-
-        Raises:
-            AgentFailedError: ``srun`` is not installed or cannot be started.
-        """
-        srun = shutil.which("srun")
-        if srun is None:
-            raise AgentFailedError(hostname, "cannot start the agent with srun: srun not found")
-        env = dict(os.environ if environ is None else environ)
-        super().__init__(
-            hostname,
-            srun_command(
-                hostname, cpus=cpus, srun=srun, unbuffered=relay is not None, container=container
-            ),
-            env,
-            script,
-            bootstrap,
-            on_line,
-            relay,
-            ship,
-        )
 
 
 def route_address(hostname: str) -> str:

@@ -1,7 +1,7 @@
 """Starting an agent on a remote host: one SSH connection (paramiko) that runs the agent command.
 
 The command and the script it reads from stdin are those of every agent
-(:mod:`torchrunx.launcher.transport`); ``~/.ssh/config`` (or ``ssh_config_file``) says where and
+(:mod:`torchrunx.engines.command`); ``~/.ssh/config`` (or ``ssh_config_file``) says where and
 how each host is reached (:func:`resolve_ssh_target`), ProxyJump and ProxyCommand included.
 """
 
@@ -17,18 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchrunx.errors import AgentFailedError, ShipError
-from torchrunx.launcher.forward import PortForward
-from torchrunx.launcher.relay import Adopt, LauncherRelay
-from torchrunx.launcher.reports import agent_exit_error
-from torchrunx.launcher.transport import (
-    _READS_PER_CALL,
+from torchrunx.engines.command import (
+    READS_PER_CALL,
+    AgentOutput,
     PipeReaders,
-    _AgentOutput,
-    _drain,
+    agent_exit_error,
+    drain,
     remote_command,
     write_all,
 )
+from torchrunx.engines.forward import PortForward
+from torchrunx.engines.relay import Adopt, LauncherRelay
+from torchrunx.errors import AgentFailedError, ShipError
 from torchrunx.wire.relay import MAX_DATA
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     import paramiko
     from paramiko import Channel
 
-    from torchrunx.launcher.ship import Bundle
-    from torchrunx.launcher.transport import OnLine, Reader
+    from torchrunx.engines.protocol import OnLine, Reader
+    from torchrunx.engines.ship import Bundle
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,7 @@ class SshAgent(PipeReaders):
 
         ``bootstrap_for`` builds the bootstrap line from the launcher address that this
         connection's local end has (the address the host can reach the launcher on).
-        ``relay``: the host relays (:mod:`torchrunx.launcher.relay`); its channels go to it.
+        ``relay``: the host relays (:mod:`torchrunx.engines.relay`); its channels go to it.
         ``ship``: the code shipped to the host, exchanged between the script and the bootstrap.
         ``container``: the command that runs the agent in a container there (an argv prefix).
 
@@ -304,7 +304,7 @@ class SshAgent(PipeReaders):
         import paramiko  # noqa: PLC0415
 
         self.hostname = hostname
-        self._output = _AgentOutput(on_line)
+        self._output = AgentOutput(on_line)
         target = resolve_ssh_target(hostname, config_file, connect_timeout)
         connect_started = time.monotonic()
         self._clients = ssh_connect(target, config_file)
@@ -472,7 +472,7 @@ class SshAgent(PipeReaders):
 
     def _read_channel(self) -> bool:
         channel = self._channel
-        for _ in range(_READS_PER_CALL):
+        for _ in range(READS_PER_CALL):
             if channel.recv_ready():
                 self._output.feed(channel.recv(65536), is_stderr=False)
             elif channel.recv_stderr_ready():
@@ -503,13 +503,13 @@ class SshAgent(PipeReaders):
             self._channel.shutdown_write()
         if grace > 0:
             self.wait(grace)
-        _drain(self.readers(), 2.0 if grace > 0 else 0.2)
+        drain(self.readers(), 2.0 if grace > 0 else 0.2)
         with contextlib.suppress(Exception):
             self._channel.close()
         _close_all(self._clients)
         if self._relay is not None:  # the channel is closed: its reading threads end
             self._relay.join(2.0)
-            _drain(self.readers(), 0.2)
+            drain(self.readers(), 0.2)
             self._relay.close_output()
             with contextlib.suppress(OSError):
                 os.close(self._streams[True])
