@@ -52,9 +52,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import torchrunx as trx
 from torchrunx import serialization
-from torchrunx.hosts.resolve import HostSlots
 from torchrunx.launcher.orchestrator import Launch
-from torchrunx.launcher.plan import LaunchPlan
+from torchrunx.launcher.settings.plan import LaunchPlan
+from torchrunx.launcher.settings.resolve import HostSlots
 from torchrunx.wire import handshake, messages, records
 
 REPO = Path(__file__).resolve().parent.parent

@@ -232,7 +232,7 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "hosts": Target(
-        "torchrunx/hosts/resolve.py",
+        "torchrunx/launcher/settings/resolve.py",
         ("tests/test_hosts.py", "tests/test_plugins.py", "tests/test_rules_more.py"),
         functions=("hostnames_source", "check_hostname", "check_hostnames"),
         note="the validation of hostnames (resolution and counting read the machine)",

@@ -23,7 +23,7 @@ from torchrunx.events import (
     dataclass_to_dict,
     event_to_dict,
 )
-from torchrunx.hosts import resolve as hosts
+from torchrunx.launcher.settings import resolve as hosts
 from torchrunx.wire import handshake, messages, records
 from torchrunx.wire.bootstrap import AgentBootstrap
 

@@ -18,7 +18,7 @@ from torchrunx.engines.kubernetes import (
 )
 from torchrunx.engines.ray import RayProvider, RayTransport, node_table, ordered, ray_address
 from torchrunx.engines.ray_actor import agent_environ
-from torchrunx.launcher.plan import check_agent_start, paired_transport, start_methods
+from torchrunx.launcher.settings.plan import check_agent_start, paired_transport, start_methods
 
 # -- kubectl ----------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ no network. Sections:
 - the launch state (torchrunx/launcher/state.py): every record's fields, settling, waits,
   silence, kept workers, attempts, health and timings;
 - SLURM allocations and hostfiles (torchrunx/hosts/hostlists.py), with no ``scontrol`` process;
-- host names (the checks of torchrunx/hosts/resolve.py): every reason, in full;
+- host names (the checks of torchrunx/launcher/settings/resolve.py): every reason, in full;
 - the checks of the Launcher's fields (torchrunx/launcher/launcher.py): every message, in full;
 - the handshake, sealed records and frames (torchrunx/wire/handshake.py, records.py, messages.py):
   the frame parser however its input is cut, the limits, the close record, both reading styles,
@@ -65,7 +65,6 @@ from torchrunx.events import AgentStarted as AgentStartedEvent
 from torchrunx.events import AgentState, HostQuarantined, WorkerFailed, WorkerState
 from torchrunx.events import WorkersStarted as WorkersStartedEvent
 from torchrunx.hosts import hostlists
-from torchrunx.hosts import resolve as hosts
 from torchrunx.hosts.hostlists import HostSlots
 from torchrunx.launcher import launcher as launcher_module
 from torchrunx.launcher.agent_pool import AgentExited, AgentStarted, AgentStartFailed
@@ -74,9 +73,10 @@ from torchrunx.launcher.failures import choose_cause, restarts_for
 from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.listener import FrameReceived, PeerClosed
-from torchrunx.launcher.plan import LaunchPlan
 from torchrunx.launcher.records import OUTCOME_WAIT, AgentRecord, Fault, Phase
 from torchrunx.launcher.results import LaunchTimings
+from torchrunx.launcher.settings import resolve as hosts
+from torchrunx.launcher.settings.plan import LaunchPlan
 from torchrunx.launcher.state import LaunchState
 from torchrunx.wire import handshake, messages
 from torchrunx.wire.messages import (
@@ -1806,7 +1806,7 @@ def test_rule_a_hostfiles_errors_name_its_path(tmp_path):
         hostlists.read_hostfile(tmp_path)  # a folder
 
 
-# -- host names (the checks of torchrunx/hosts/resolve.py) ---------------------------------------
+# -- host names (the checks of torchrunx/launcher/settings/resolve.py) ---------------------------------------
 
 
 @pytest.mark.parametrize(

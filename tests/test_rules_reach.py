@@ -15,7 +15,7 @@ import torchrunx as trx
 from torchrunx.agent import unpack
 from torchrunx.engines import ship
 from torchrunx.engines.command import MISSING_PYTHON, agent_script, unpack_source
-from torchrunx.launcher import reach
+from torchrunx.launcher.settings import reach
 from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap
 
 PACKAGE = Path(trx.__file__).resolve().parent
@@ -447,7 +447,7 @@ def test_a_file_below_an_ignored_folder_is_not_shipped_even_if_a_pattern_takes_i
 
 
 def test_rule_python_naming_a_host_on_this_machine_is_refused_not_ignored():
-    from torchrunx.launcher.reach import check_python_hosts
+    from torchrunx.launcher.settings.reach import check_python_hosts
 
     with pytest.raises(
         ValueError, match=r"^python names \['localhost'\], which run on this machine"
@@ -459,7 +459,7 @@ def test_rule_python_naming_a_host_on_this_machine_is_refused_not_ignored():
 def test_rule_one_python_for_every_host_says_it_is_not_this_machines(caplog):
     import logging
 
-    from torchrunx.launcher.reach import check_python_hosts
+    from torchrunx.launcher.settings.reach import check_python_hosts
 
     with caplog.at_level(logging.WARNING, logger="torchrunx.launcher"):
         check_python_hosts("/x/python", ["localhost", "node2"], ["local", "ssh"])

@@ -244,7 +244,7 @@ status 0 when every host is ready, 1 when one is not, 2 for a bad command line."
 
 _BUILTINS_DESCRIPTION = """\
 List the functions, presets and host providers that installed packages registered (entry point
-groups torchrunx.functions, torchrunx.presets and torchrunx.hosts.resolve)."""
+groups torchrunx.functions, torchrunx.presets and torchrunx.launcher.settings.resolve)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,7 +172,7 @@ def provider_spec(spec: str) -> tuple[str, str | None] | None:
     ``"pbs"`` is ``("pbs", None)``, ``"hostfile:/etc/hosts.mpi"`` is
     ``("hostfile", "/etc/hosts.mpi")``; ``"auto"`` and any other name are None. Whether a
     ``hostnames`` value names a provider, a hostfile or hosts is for
-    :func:`torchrunx.hosts.resolve.hostnames_source` to say.
+    :func:`torchrunx.launcher.settings.resolve.hostnames_source` to say.
     """
     name, sep, argument = spec.partition(":")
     if spec == "auto" or name not in host_provider_names():

@@ -29,7 +29,12 @@ from torchrunx.engines.command import agent_script
 from torchrunx.env import local_agent_env
 from torchrunx.errors import AgentFailedError, add_note
 from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.reach import default_python, host_sys_path, package_root, python_for
+from torchrunx.launcher.settings.reach import (
+    default_python,
+    host_sys_path,
+    package_root,
+    python_for,
+)
 from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap
 from torchrunx.wire.lines import parse_line
 from torchrunx.wire.messages import HEARTBEAT_INTERVAL
@@ -42,8 +47,8 @@ if TYPE_CHECKING:
     from torchrunx.engines.protocol import AgentProcess
     from torchrunx.engines.relay import Adopt
     from torchrunx.engines.ship import Bundle
-    from torchrunx.launcher.plan import LaunchPlan, StartMethod
     from torchrunx.launcher.records import AgentRecord
+    from torchrunx.launcher.settings.plan import LaunchPlan, StartMethod
     from torchrunx.wire.lines import Record
 
 logger = logging.getLogger("torchrunx.agent_starts")

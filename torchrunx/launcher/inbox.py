@@ -21,7 +21,6 @@ from torchrunx.events import HostQuarantined
 from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
 from torchrunx.launcher.channels import WorkerChannel
 from torchrunx.launcher.listener import FrameReceived, Peer, PeerClosed
-from torchrunx.launcher.reach import python_for
 from torchrunx.launcher.records import STOP_GRACE, Phase
 from torchrunx.launcher.reports import (
     rebuild_exception,
@@ -29,6 +28,7 @@ from torchrunx.launcher.reports import (
     watchdog_error,
     worker_where,
 )
+from torchrunx.launcher.settings.reach import python_for
 from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
@@ -60,8 +60,8 @@ if TYPE_CHECKING:
     from torchrunx.launcher.debugger import Debugger
     from torchrunx.launcher.listener import Listener, NetEvent
     from torchrunx.launcher.logrouter import LogRouter
-    from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.records import AgentRecord, FaultKind, RankRecord
+    from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.state import LaunchState
     from torchrunx.wire.messages import Message
 

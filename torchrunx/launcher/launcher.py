@@ -1,8 +1,9 @@
 """The settings of a launch (:class:`Launcher`) and its entry points: run, warm, dry_run.
 
 A :class:`Launcher` holds the fields as given and checks them (:meth:`Launcher.validate`);
-:meth:`Launcher.plan` resolves them once into a frozen :class:`~torchrunx.launcher.plan.LaunchPlan`
-(hosts, workers, how each agent starts, forwarded variables), which is all the launch reads::
+:meth:`Launcher.plan` resolves them once into a frozen
+:class:`~torchrunx.launcher.settings.plan.LaunchPlan` (hosts, workers, how each agent starts,
+forwarded variables), which is all the launch reads::
 
     Launcher.run(func) ─ validate ─ pickle the call ─ plan ─ Launch(plan, call).execute()
       (orchestrator.py: listen, start agents, hellos, specs, monitor, restart or raise,
@@ -38,7 +39,6 @@ from torchrunx.env import (
     unmatched_env_vars,
 )
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
-from torchrunx.hosts.resolve import Hostnames, check_hostnames, resolve_hosts
 from torchrunx.launcher.debugger import check_debug_env
 from torchrunx.launcher.dryrun import describe_launch
 from torchrunx.launcher.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
@@ -48,7 +48,9 @@ from torchrunx.launcher.health import (
 )
 from torchrunx.launcher.logrouter import log_level_from_env
 from torchrunx.launcher.orchestrator import Launch
-from torchrunx.launcher.plan import (
+from torchrunx.launcher.preempt import default_grace, sigterm_preempts
+from torchrunx.launcher.results import LaunchResult
+from torchrunx.launcher.settings.plan import (
     Backend,
     LaunchPlan,
     check_agent_start,
@@ -56,15 +58,14 @@ from torchrunx.launcher.plan import (
     paired_transport,
     start_methods,
 )
-from torchrunx.launcher.preempt import default_grace, sigterm_preempts
-from torchrunx.launcher.reach import (
+from torchrunx.launcher.settings.reach import (
     check_container,
     check_python,
     check_python_hosts,
     check_ship,
 )
-from torchrunx.launcher.renamed import refuse_renamed, refuses_renamed_keywords
-from torchrunx.launcher.results import LaunchResult
+from torchrunx.launcher.settings.renamed import refuse_renamed, refuses_renamed_keywords
+from torchrunx.launcher.settings.resolve import Hostnames, check_hostnames, resolve_hosts
 from torchrunx.launcher.spares import check_resilience, split_spares
 from torchrunx.launcher.warm import WarmLauncher
 from torchrunx.launcher.where import sigquit_shows_stacks

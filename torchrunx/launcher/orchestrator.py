@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torchrunx.launcher.agent_pool import Starter
-    from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.records import Fault
+    from torchrunx.launcher.settings.plan import LaunchPlan
 
 logger = logging.getLogger("torchrunx.launcher")
 

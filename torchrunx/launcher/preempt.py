@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 
 from torchrunx import serialization
 from torchrunx.errors import Preempted, add_note
-from torchrunx.hosts.resolve import in_slurm_allocation
+from torchrunx.launcher.settings.resolve import in_slurm_allocation
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
 
-    from torchrunx.launcher.plan import LaunchPlan
+    from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.state import LaunchState
 
 logger = logging.getLogger("torchrunx.launcher")

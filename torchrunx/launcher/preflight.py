@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.agent_pool import START_THREADS
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
-from torchrunx.launcher.reach import host_sys_path, package_root
 from torchrunx.launcher.records import AgentRecord
+from torchrunx.launcher.settings.reach import host_sys_path, package_root
 from torchrunx.wire.bootstrap import BOOT_CODE
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from torchrunx.agent.probe import ProbeReport
     from torchrunx.engines.protocol import AgentProcess
     from torchrunx.launcher.launcher import Launcher
-    from torchrunx.launcher.plan import LaunchPlan
+    from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.wire.lines import Record
 
 PROBE_CODE = BOOT_CODE.replace(

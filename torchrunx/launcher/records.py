@@ -17,8 +17,8 @@ from torchrunx.events import (
 )
 
 if TYPE_CHECKING:
-    from torchrunx.hosts.resolve import HostSlots
-    from torchrunx.launcher.plan import StartMethod
+    from torchrunx.launcher.settings.plan import StartMethod
+    from torchrunx.launcher.settings.resolve import HostSlots
     from torchrunx.wire.messages import AgentHello, WorkerExited, WorkerResult, WorkerSpec
 
 

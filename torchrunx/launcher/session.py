@@ -62,8 +62,8 @@ if TYPE_CHECKING:
 
     from torchrunx.engines.forward import PortForward
     from torchrunx.launcher.agent_pool import Starter
-    from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.results import LaunchTimings
+    from torchrunx.launcher.settings.plan import LaunchPlan
 
 logger = logging.getLogger("torchrunx.launcher")
 

@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from torchrunx.launcher.orchestrator import Launch
-    from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.results import LaunchTimings
+    from torchrunx.launcher.settings.plan import LaunchPlan
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("torchrunx.launcher")
 
-PACKAGE = Path(__file__).resolve().parent.parent
+PACKAGE = Path(__file__).resolve().parents[2]
 """torchrunx's own package folder."""
 
 Python = str | Mapping[str, str] | None

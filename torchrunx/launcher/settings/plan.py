@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torchrunx import plugins
 from torchrunx.errors import SlurmError
-from torchrunx.hosts.resolve import (
+from torchrunx.launcher.settings.resolve import (
     hostnames_source,
     in_slurm_allocation,
     is_local_host,
@@ -64,7 +64,7 @@ class LaunchPlan:
     relay: str = "off"
     """Whether remote agents relay their connections (:mod:`torchrunx.engines.relay`)."""
     python: str | Mapping[str, str] | None = None
-    """The remote hosts' interpreter, or each one's (:mod:`torchrunx.launcher.reach`)."""
+    """The remote hosts' interpreter, or each one's (:mod:`torchrunx.launcher.settings.reach`)."""
     ship: tuple[str, ...] = ()
     """Paths shipped to the remote hosts (:mod:`torchrunx.engines.ship`)."""
     ship_exclude: tuple[str, ...] = ()
