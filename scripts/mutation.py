@@ -84,7 +84,7 @@ attempt.py) alike."""
 
 TARGETS: dict[str, Target] = {
     "failures": Target(
-        "torchrunx/launcher/failures.py",
+        "torchrunx/launcher/state/failures.py",
         (
             "tests/test_rules_failures.py",
             "tests/test_launch_state.py",
@@ -93,17 +93,17 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "launch_state": Target(
-        "torchrunx/launcher/state.py",
+        "torchrunx/launcher/state/state.py",
         _STATE_TESTS,
         note="runs, stops, restarts, phases and read-outs",
     ),
     "agent_table": Target(
-        "torchrunx/launcher/agent_table.py",
+        "torchrunx/launcher/state/agent_table.py",
         _STATE_TESTS,
         note="every agent and the world: moves, hellos, exits, silences, the world's changes",
     ),
     "attempt": Target(
-        "torchrunx/launcher/attempt.py",
+        "torchrunx/launcher/state/attempt.py",
         _STATE_TESTS,
         note="the ranks and faults of an attempt: moves, hellos, exits, outcomes",
     ),
@@ -143,7 +143,7 @@ TARGETS: dict[str, Target] = {
         note="which Ray nodes are hosts, in which order (Ray itself runs in test_ray)",
     ),
     "spares": Target(
-        "torchrunx/launcher/spares.py",
+        "torchrunx/launcher/state/spares.py",
         ("tests/test_rules_resilience.py",),
         note="spare_hosts and min_hosts: their checks and the next world",
     ),
@@ -275,7 +275,7 @@ TARGETS: dict[str, Target] = {
         note="torchrunx check's judgement of each host's answer, and its lines",
     ),
     "reports": Target(
-        "torchrunx/launcher/reports.py",
+        "torchrunx/launcher/state/reports.py",
         ("tests/test_rules_reports.py",),
         functions=("stacks_note", "_same_stack", "innermost_frame", "rank_ranges"),
         note="the stacks note: ranks with the same stack together",
@@ -439,11 +439,11 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "data = os.read(self._fd, 65537)",
         "a terminal's line is far shorter than either size; lines are joined across reads",
     ),
-    "torchrunx.launcher.reports.x__same_stack__mutmut_16": (
+    "torchrunx.launcher.state.reports.x__same_stack__mutmut_16": (
         'lines.append(line.rpartition(" 0x")[0])  # "Current thread" or "Thread"',
         "a thread's header holds ' 0x' once (its id): the first occurrence is the last",
     ),
-    "torchrunx.launcher.reports.x_innermost_frame__mutmut_3": (
+    "torchrunx.launcher.state.reports.x_innermost_frame__mutmut_3": (
         '_, current, after = text.rpartition("Current thread")',
         "faulthandler writes 'Current thread' once: the first occurrence is the last",
     ),
@@ -473,37 +473,37 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     ),
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
-    "torchrunx.launcher.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),
-    "torchrunx.launcher.failures.x_restarts_for__mutmut_12": (
+    "torchrunx.launcher.state.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),
+    "torchrunx.launcher.state.failures.x_restarts_for__mutmut_12": (
         'type_name.rsplit(".", )[-1]',
         _RSPLIT,
     ),
-    "torchrunx.launcher.failures.x_restarts_for__mutmut_15": (
+    "torchrunx.launcher.state.failures.x_restarts_for__mutmut_15": (
         'type_name.rsplit(".", 2)[-1]',
         _RSPLIT,
     ),
     "torchrunx.devices.x_resolve_backend__mutmut_4": ("undecided = None", _FALSY),
-    "torchrunx.launcher.agent_table.x\u01c1AgentTable\u01c1workers_ended__mutmut_4": (
+    "torchrunx.launcher.state.agent_table.x\u01c1AgentTable\u01c1workers_ended__mutmut_4": (
         "message.attempt <= attempt",
         "for an equal attempt the reply is accepted by the first condition already",
     ),
-    "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1settle__mutmut_2": (
+    "torchrunx.launcher.state.attempt.x\u01c1AttemptState\u01c1settle__mutmut_2": (
         "self._waiting.discard(None)",
         "a cache of due/next_due: a settled rank's settle_by is None, so it is never due",
     ),
-    "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1settle__mutmut_3": (
+    "torchrunx.launcher.state.attempt.x\u01c1AttemptState\u01c1settle__mutmut_3": (
         "self._alarmed.discard(None)",
         "a cache of alarm, which skips settled ranks",
     ),
-    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1timings__mutmut_38": (
+    "torchrunx.launcher.state.state.x\u01c1LaunchState\u01c1timings__mutmut_38": (
         "ranks, strict=None)",
         _ZIP,
     ),
-    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1timings__mutmut_41": (
+    "torchrunx.launcher.state.state.x\u01c1LaunchState\u01c1timings__mutmut_41": (
         "zip(self.ranks, ranks, )",
         _ZIP,
     ),
-    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1timings__mutmut_42": (
+    "torchrunx.launcher.state.state.x\u01c1LaunchState\u01c1timings__mutmut_42": (
         "ranks, strict=False)",
         _ZIP,
     ),
@@ -766,7 +766,7 @@ def say(text: str = "") -> None:
 
 
 def mutant_prefix(target: Target) -> str:
-    """``torchrunx.launcher.failures.``: what mutmut's names of this module's mutants start with."""
+    """``torchrunx.launcher.state.failures.``: how mutmut's names of its mutants start."""
     return target.source.removesuffix(".py").replace("/", ".") + "."
 
 

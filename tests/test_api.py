@@ -10,7 +10,7 @@ import typing
 import pytest
 
 import torchrunx as trx
-from torchrunx.launcher.results import LaunchResult
+from torchrunx.launcher.state.results import LaunchResult
 
 
 def test_exports_are_sorted_and_complete():

@@ -21,7 +21,8 @@ from conftest import listening_addresses
 import torchrunx as trx
 from torchrunx import events as ev
 from torchrunx.events import AgentState, WorkerState
-from torchrunx.launcher.health import (
+from torchrunx.launcher.health_server import HealthServer
+from torchrunx.launcher.state.health import (
     AgentHealth,
     HealthReport,
     WorkerHealth,
@@ -29,7 +30,6 @@ from torchrunx.launcher.health import (
     health_host_from_env,
     health_port_from_env,
 )
-from torchrunx.launcher.health_server import HealthServer
 
 LOCAL = "127.0.0.1"
 # No proxy from the environment may stand between the tests and 127.0.0.1.

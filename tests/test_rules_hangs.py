@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from torchrunx.launcher.hangs import (
+from torchrunx.launcher.state.hangs import (
     CollectiveEntry,
     RankSnapshot,
     diagnose,

@@ -110,8 +110,8 @@ def test_relay_takes_off_auto_or_on(value):
 def test_a_relaying_hosts_bootstrap_line_carries_the_mode_for_the_relay_alone():
     from torchrunx.hosts import HostSlots
     from torchrunx.launcher.agent_starts import AgentStarts
-    from torchrunx.launcher.records import AgentRecord
     from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.state.records import AgentRecord
     from torchrunx.wire.bootstrap import AgentBootstrap
 
     plan = LaunchPlan(

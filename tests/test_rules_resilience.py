@@ -20,10 +20,10 @@ from torchrunx.errors import AgentFailedError, Preempted
 from torchrunx.events import AgentState
 from torchrunx.hosts import HostSlots
 from torchrunx.launcher.preempt import default_grace, end_preemption, slurm_kill_wait
-from torchrunx.launcher.records import AgentRecord, Phase
 from torchrunx.launcher.settings.plan import LaunchPlan
-from torchrunx.launcher.spares import Reshape, check_resilience, reshape, split_spares
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.state.records import AgentRecord, Phase
+from torchrunx.launcher.state.spares import Reshape, check_resilience, reshape, split_spares
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire.messages import AgentHello, WorkerResult, WorkersEnded, WorkerSpec
 
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     )
     from torchrunx.events import AgentState, WorkerState
     from torchrunx.launcher.launcher import Launcher, launch
-    from torchrunx.launcher.results import LaunchResult, LaunchTimings
+    from torchrunx.launcher.state.results import LaunchResult, LaunchTimings
     from torchrunx.launcher.submit import SlurmJob, submit
     from torchrunx.launcher.warm import WarmLauncher
     from torchrunx.logs import LogSetup, add_filter_to_handler, file_handler, stream_handler
@@ -110,8 +110,8 @@ _HOME = {
     "add_filter_to_handler": "torchrunx.logs",
     "file_handler": "torchrunx.logs",
     "stream_handler": "torchrunx.logs",
-    "LaunchResult": "torchrunx.launcher.results",
-    "LaunchTimings": "torchrunx.launcher.results",
+    "LaunchResult": "torchrunx.launcher.state.results",
+    "LaunchTimings": "torchrunx.launcher.state.results",
     "WarmLauncher": "torchrunx.launcher.warm",
     "worker_cache": "torchrunx.agent.worker",
 }

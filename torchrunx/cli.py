@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torchrunx.launcher.launcher import Launcher
-    from torchrunx.launcher.results import LaunchResult
+    from torchrunx.launcher.state.results import LaunchResult
 
 __all__ = ["add_launcher_arguments", "launcher_from_args", "main"]
 

@@ -237,7 +237,7 @@ def dataclass_to_dict(instance: object, *, ndigits: int | None = None) -> dict[s
 
     Nested dataclasses become dicts, enums their values, and tuples and lists lists, at any
     depth; with ``ndigits``, floats are rounded to that many decimals. The events file and the
-    health report (:mod:`torchrunx.launcher.health`) are both written with it.
+    health report (:mod:`torchrunx.launcher.state.health`) are both written with it.
 
     Raises:
         TypeError: ``instance`` is not a dataclass instance.

@@ -2,6 +2,6 @@
 
 The settings (:mod:`~torchrunx.launcher.launcher`), the launch that starts the agents, reads
 their messages and decides (:mod:`~torchrunx.launcher.orchestrator`,
-:mod:`~torchrunx.launcher.state`), warm agents, the health endpoint, events and results. Agents
-and workers never import this package.
+:mod:`~torchrunx.launcher.state.state`), warm agents, the health endpoint, events and results.
+Agents and workers never import this package.
 """

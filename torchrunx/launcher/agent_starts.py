@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from torchrunx.engines.protocol import AgentProcess
     from torchrunx.engines.relay import Adopt
     from torchrunx.engines.ship import Bundle
-    from torchrunx.launcher.records import AgentRecord
     from torchrunx.launcher.settings.plan import LaunchPlan, StartMethod
+    from torchrunx.launcher.state.records import AgentRecord
     from torchrunx.wire.lines import Record
 
 logger = logging.getLogger("torchrunx.agent_starts")

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from torchrunx import serialization
 from torchrunx.devices import resolve_backend
 from torchrunx.errors import AgentFailedError, SerializationError
-from torchrunx.launcher.records import Phase
 from torchrunx.launcher.replace import Failed
+from torchrunx.launcher.state.records import Phase
 from torchrunx.wire.messages import WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:

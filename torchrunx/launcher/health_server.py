@@ -1,7 +1,7 @@
 """The health endpoint: an HTTP ``GET /health`` that reports a running launch's state.
 
 While a launch runs, the launcher can serve a snapshot of it
-(:class:`~torchrunx.launcher.health.HealthReport`) over HTTP, for probes from outside the
+(:class:`~torchrunx.launcher.state.health.HealthReport`) over HTTP, for probes from outside the
 process (a Kubernetes liveness probe, Nagios, ``curl``)::
 
     GET  /health   200 + JSON while the launch is healthy, 503 + the same JSON once not
@@ -26,17 +26,17 @@ name resolving to ``127.0.0.1``) sends its own name, so a browser on this machin
 made to read the report.
 
 The launcher serves it on ``127.0.0.1`` unless ``TORCHRUNX_HEALTH_CHECK_HOST`` names another
-address (``*``: every interface; :func:`~torchrunx.launcher.health.health_host_from_env`), for
+address (``*``: every interface; :func:`~torchrunx.launcher.state.health.health_host_from_env`), for
 probes from other machines (a kubelet probes the pod's address, a monitoring server the
 node's). The report holds host names, ranks, pids, states and, per failure, its attempt and
 exception type: never the launch's secret, nor any environment value, nor what the function
 returned, nor an exception's message, which may hold anything, unless
 ``TORCHRUNX_HEALTH_CHECK_DETAILS=1`` asks for the first line of each
-(:func:`~torchrunx.launcher.health.health_details_from_env`,
-:meth:`~torchrunx.launcher.health.HealthReport.redacted`).
+(:func:`~torchrunx.launcher.state.health.health_details_from_env`,
+:meth:`~torchrunx.launcher.state.health.HealthReport.redacted`).
 
 The port comes from ``Launcher.health_check_port`` or, when that is not set,
-``TORCHRUNX_HEALTH_CHECK_PORT`` (:func:`~torchrunx.launcher.health.health_port_from_env`).
+``TORCHRUNX_HEALTH_CHECK_PORT`` (:func:`~torchrunx.launcher.state.health.health_port_from_env`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import time
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from torchrunx.launcher.health import (
+from torchrunx.launcher.state.health import (
     DEFAULT_HOST,
     ENV_VAR,
     HOST_ENV_VAR,
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
-    from torchrunx.launcher.health import HealthReport
+    from torchrunx.launcher.state.health import HealthReport
 
 logger = logging.getLogger("torchrunx.health")
 
@@ -143,16 +143,16 @@ class HealthServer:
                 (every local user included: see the security notes of
                 :mod:`torchrunx.launcher.health_server`),
                 as the launcher's default
-                (:func:`~torchrunx.launcher.health.health_host_from_env`). ``""``: every
+                (:func:`~torchrunx.launcher.state.health.health_host_from_env`). ``""``: every
                 interface (IPv6 and IPv4 where the machine has both), for probes from other
                 machines; the report holds no secret and no environment value.
             details: Serve each failure's message (the first line of its exception), and, when
                 the snapshot itself fails, the exception's message in the 500 answer. The
                 default serves exception types only
-                (:meth:`~torchrunx.launcher.health.HealthReport.redacted`): a message may hold
+                (:meth:`~torchrunx.launcher.state.health.HealthReport.redacted`): a message may hold
                 anything the failing code put in it.
             token: Answer only requests with ``Authorization: Bearer <token>`` (others get
-                ``401``). ``None``: :data:`~torchrunx.launcher.health.TOKEN_ENV_VAR`'s value
+                ``401``). ``None``: :data:`~torchrunx.launcher.state.health.TOKEN_ENV_VAR`'s value
                 (unset or empty: no token, as the launcher does); ``""``: no token whatever the
                 environment says.
 

@@ -2,7 +2,7 @@
 
 Frames from agents and, forwarded by them, from workers (each worker's as if on a connection
 of its own: a :class:`~torchrunx.launcher.channels.WorkerChannel`), closed connections, agents'
-starts and ends, silences: each is applied to :class:`~torchrunx.launcher.state.LaunchState`,
+starts and ends, silences: each is applied to :class:`~torchrunx.launcher.state.state.LaunchState`,
 by the part it concerns (an agent: its ``agent_table``; a worker or a fault: its ``current``
 attempt), and what follows from it is done here (an event to the sinks, a fault recorded, a
 connection dropped, log lines routed). Nothing here decides what the launch does next;
@@ -21,14 +21,14 @@ from torchrunx.events import HostQuarantined
 from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
 from torchrunx.launcher.channels import WorkerChannel
 from torchrunx.launcher.listener import FrameReceived, Peer, PeerClosed
-from torchrunx.launcher.records import STOP_GRACE, Phase
-from torchrunx.launcher.reports import (
+from torchrunx.launcher.settings.reach import python_for
+from torchrunx.launcher.state.records import STOP_GRACE, Phase
+from torchrunx.launcher.state.reports import (
     rebuild_exception,
     summary,
     watchdog_error,
     worker_where,
 )
-from torchrunx.launcher.settings.reach import python_for
 from torchrunx.wire.messages import (
     AgentDone,
     AgentHello,
@@ -60,9 +60,9 @@ if TYPE_CHECKING:
     from torchrunx.launcher.debugger import Debugger
     from torchrunx.launcher.listener import Listener, NetEvent
     from torchrunx.launcher.logrouter import LogRouter
-    from torchrunx.launcher.records import AgentRecord, FaultKind, RankRecord
     from torchrunx.launcher.settings.plan import LaunchPlan
-    from torchrunx.launcher.state import LaunchState
+    from torchrunx.launcher.state.records import AgentRecord, FaultKind, RankRecord
+    from torchrunx.launcher.state.state import LaunchState
     from torchrunx.wire.messages import Message
 
 logger = logging.getLogger("torchrunx.launcher")

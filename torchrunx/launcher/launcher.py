@@ -41,15 +41,9 @@ from torchrunx.env import (
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
 from torchrunx.launcher.debugger import check_debug_env
 from torchrunx.launcher.dryrun import describe_launch
-from torchrunx.launcher.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
-from torchrunx.launcher.health import (
-    health_details_from_env,
-    health_port_from_env,
-)
 from torchrunx.launcher.logrouter import log_level_from_env
 from torchrunx.launcher.orchestrator import Launch
 from torchrunx.launcher.preempt import default_grace, sigterm_preempts
-from torchrunx.launcher.results import LaunchResult
 from torchrunx.launcher.settings.plan import (
     Backend,
     LaunchPlan,
@@ -66,7 +60,13 @@ from torchrunx.launcher.settings.reach import (
 )
 from torchrunx.launcher.settings.renamed import refuse_renamed, refuses_renamed_keywords
 from torchrunx.launcher.settings.resolve import Hostnames, check_hostnames, resolve_hosts
-from torchrunx.launcher.spares import check_resilience, split_spares
+from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
+from torchrunx.launcher.state.health import (
+    health_details_from_env,
+    health_port_from_env,
+)
+from torchrunx.launcher.state.results import LaunchResult
+from torchrunx.launcher.state.spares import check_resilience, split_spares
 from torchrunx.launcher.warm import WarmLauncher
 from torchrunx.launcher.where import sigquit_shows_stacks
 from torchrunx.logs import (

@@ -5,10 +5,10 @@
 between attempts, a :class:`~torchrunx.launcher.replace.HostChanges` (``host_changes``); what
 its workers are sent and return, a :class:`~torchrunx.launcher.dispatch.Dispatch`
 (``dispatch``). Every change of the launch state goes through the methods of
-:class:`~torchrunx.launcher.state.LaunchState` (the session's). Which failure is the cause and
-whether to restart is :mod:`~torchrunx.launcher.failures` (pure); the error raised and its notes
-are :mod:`~torchrunx.launcher.reports` (pure). What happens between two runs of warm agents is
-:mod:`~torchrunx.launcher.warm`'s (it hands :meth:`Launch.run_call` its two steps)::
+:class:`~torchrunx.launcher.state.state.LaunchState` (the session's). Which failure is the cause and
+whether to restart is :mod:`~torchrunx.launcher.state.failures` (pure); the error raised and its
+notes are :mod:`~torchrunx.launcher.state.reports` (pure). What happens between two runs of warm
+agents is :mod:`~torchrunx.launcher.warm`'s (it hands :meth:`Launch.run_call` its two steps)::
 
     open: start agents ─▶ every AgentHello (start_timeout)
     run_call: [warm: prepare] ─▶ specs (or the call to kept workers) ─▶ monitor
@@ -36,11 +36,12 @@ from torchrunx.events import (
     WorkerState,
 )
 from torchrunx.launcher.dispatch import Dispatch
-from torchrunx.launcher.failures import choose_cause, others, restartable, restarts_for
 from torchrunx.launcher.preempt import end_preemption
-from torchrunx.launcher.records import STOP_GRACE
 from torchrunx.launcher.replace import Failed, HostChanges
-from torchrunx.launcher.reports import (
+from torchrunx.launcher.session import LaunchLoop, earliest
+from torchrunx.launcher.state.failures import choose_cause, others, restartable, restarts_for
+from torchrunx.launcher.state.records import STOP_GRACE
+from torchrunx.launcher.state.reports import (
     finish_report,
     launch_timeout_error,
     output_tail_note,
@@ -48,15 +49,14 @@ from torchrunx.launcher.reports import (
     start_timeout_error,
     summary,
 )
-from torchrunx.launcher.session import LaunchLoop, earliest
 from torchrunx.wire.messages import Stop
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torchrunx.launcher.agent_pool import Starter
-    from torchrunx.launcher.records import Fault
     from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.state.records import Fault
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -223,7 +223,7 @@ class Launch:
         st = self.state
         if not isinstance(exc, Failed):
             # Ctrl-C, SIGTERM, or a failure of the launcher itself: it comes first, even in the
-            # middle of a restart (see torchrunx.launcher.failures).
+            # middle of a restart (see torchrunx.launcher.state.failures).
             self.session.inbox.fault("launch", exc, time.time())
         st.begin_failure()
         try:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
 
     from torchrunx.launcher.settings.plan import LaunchPlan
-    from torchrunx.launcher.state import LaunchState
+    from torchrunx.launcher.state.state import LaunchState
 
 logger = logging.getLogger("torchrunx.launcher")
 

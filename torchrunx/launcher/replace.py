@@ -9,7 +9,7 @@ world is, is the launch state's.
 - without spares or ``min_hosts``: a new agent on each failed host (a new SSH connection or
   ``srun`` step), the host keeping its place;
 - with them: each failed host is quarantined, and a spare takes its place, or the world
-  shrinks (which one is :func:`torchrunx.launcher.spares.reshape`'s decision).
+  shrinks (which one is :func:`torchrunx.launcher.state.spares.reshape`'s decision).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 from torchrunx.events import AgentState, HostsChanged
 from torchrunx.launcher.session import earliest
-from torchrunx.launcher.spares import reshape
+from torchrunx.launcher.state.spares import reshape
 
 if TYPE_CHECKING:
-    from torchrunx.launcher.records import AgentRecord
     from torchrunx.launcher.session import LaunchLoop
+    from torchrunx.launcher.state.records import AgentRecord
 
 logger = logging.getLogger("torchrunx.launcher")
 

@@ -13,7 +13,7 @@ The parts, each the owner of one thing:
 - :mod:`~torchrunx.launcher.agent_pool`: starting, replacing and closing agent processes;
 - :mod:`~torchrunx.launcher.agent_starts`: how one host's agent is started, and its bootstrap;
 - :mod:`~torchrunx.launcher.inbox`: what arrives, applied to the launch state;
-- :mod:`~torchrunx.launcher.state`: what every agent and rank is (pure);
+- :mod:`~torchrunx.launcher.state.state`: what every agent and rank is (pure);
 - the log router, the event sink and the health endpoint.
 
 One thread runs the loop at a time: the caller's during a launch or a warm run, the idle thread
@@ -35,17 +35,21 @@ from torchrunx.events import AgentState, EventSink, Preempting
 from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.debugger import Debugger
-from torchrunx.launcher.failures import choose_cause
-from torchrunx.launcher.health import HealthReport, health_details_from_env, health_host_from_env
 from torchrunx.launcher.health_server import HealthServer
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.ioloop import IOLoop
 from torchrunx.launcher.listener import Listener, NetEvent
 from torchrunx.launcher.logdirs import events_file
 from torchrunx.launcher.logrouter import LogRouter
-from torchrunx.launcher.records import AgentRecord
-from torchrunx.launcher.reports import summary
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.state.failures import choose_cause
+from torchrunx.launcher.state.health import (
+    HealthReport,
+    health_details_from_env,
+    health_host_from_env,
+)
+from torchrunx.launcher.state.records import AgentRecord
+from torchrunx.launcher.state.reports import summary
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.launcher.where import StacksLook, print_look
 from torchrunx.wire import handshake
 from torchrunx.wire.messages import (
@@ -62,8 +66,8 @@ if TYPE_CHECKING:
 
     from torchrunx.engines.forward import PortForward
     from torchrunx.launcher.agent_pool import Starter
-    from torchrunx.launcher.results import LaunchTimings
     from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.state.results import LaunchTimings
 
 logger = logging.getLogger("torchrunx.launcher")
 

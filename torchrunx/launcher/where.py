@@ -5,7 +5,7 @@ main thread, asks every connected agent for its live workers' Python stacks
 (:class:`~torchrunx.wire.messages.ShowStacks`). The agents answer within about 0.5 s
 (:class:`~torchrunx.wire.messages.WorkerStacks` with ``shown``); once all have answered, or
 after :data:`ANSWER_WAIT`, the stacks are printed on the launcher's stderr, ranks with the same
-stack in one section (:func:`~torchrunx.launcher.reports.stacks_note`). Nothing is stopped.
+stack in one section (:func:`~torchrunx.launcher.state.reports.stacks_note`). Nothing is stopped.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from torchrunx.launcher.reports import stacks_note
+from torchrunx.launcher.state.reports import stacks_note
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from torchrunx.launcher.records import AgentRecord, RankRecord
+    from torchrunx.launcher.state.records import AgentRecord, RankRecord
 
 ANSWER_WAIT = 2.0
 """Seconds the launcher waits for the agents' answers before printing what came."""

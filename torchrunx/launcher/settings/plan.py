@@ -88,7 +88,7 @@ class LaunchPlan:
     keep_workers: bool = False
     """Warm agents whose workers stay from run to run too."""
     spares: int = 0
-    """The last ``spares`` of ``hosts`` are spare hosts (:mod:`torchrunx.launcher.spares`)."""
+    """The last ``spares`` of ``hosts`` are spare hosts (:mod:`torchrunx.launcher.state.spares`)."""
     min_hosts: int | None = None
     """The fewest hosts a restart may go on with (None: never fewer)."""
     preemption_grace: float = 0.0

@@ -21,12 +21,12 @@ from torchrunx.errors import (
     TorchrunxError,
     WorkerRaisedError,
 )
-from torchrunx.launcher.reports import summary
+from torchrunx.launcher.state.reports import summary
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from torchrunx.launcher.records import Fault
+    from torchrunx.launcher.state.records import Fault
 
 RESTART_CATEGORIES = ("exceptions", "deaths", "timeouts")
 ALL_RESTART_CATEGORIES = (*RESTART_CATEGORIES, "hosts")

@@ -1,8 +1,8 @@
 """The records a launch keeps: its phases and the moves allowed, each agent and rank, and faults.
 
-Plain data, changed only by the methods of :class:`~torchrunx.launcher.state.LaunchState` and
-its parts (see :mod:`torchrunx.launcher.state` for the drawing of :data:`PHASE_MOVES`; the agent
-and worker moves are drawn in :mod:`torchrunx.events`).
+Plain data, changed only by the methods of :class:`~torchrunx.launcher.state.state.LaunchState` and
+its parts (see :mod:`torchrunx.launcher.state.state` for the drawing of :data:`PHASE_MOVES`; the
+agent and worker moves are drawn in :mod:`torchrunx.events`).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ IDLE: warm agents wait for the next run."""
 class Progress:
     """Where the launch is: its phase, its attempt, and the flags every part of its state reads.
 
-    Held by :class:`~torchrunx.launcher.state.LaunchState` and shared with its parts (the agent
-    table, the attempt), which read it and move the phase only by :data:`PHASE_MOVES`.
+    Held by :class:`~torchrunx.launcher.state.state.LaunchState` and shared with its parts (the
+    agent table, the attempt), which read it and move the phase only by :data:`PHASE_MOVES`.
     """
 
     started: float
@@ -174,7 +174,8 @@ class AgentRecord:
     """Its process ended before its connection: judged when the connection ends, or then."""
     role: AgentRole = "host"
     """``"host"``: one of the world's (it runs ranks); ``"spare"``: waits to replace one;
-    ``"quarantined"``: it failed, and takes no further part (:mod:`torchrunx.launcher.spares`)."""
+    ``"quarantined"``: it failed, and takes no further part
+    (:mod:`torchrunx.launcher.state.spares`)."""
 
     @property
     def remote(self) -> bool:

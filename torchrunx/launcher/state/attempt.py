@@ -1,13 +1,13 @@
 """The ranks of one attempt, as pure data: what each is and reported, and the faults seen.
 
-:class:`AttemptState` is the attempt's part of :class:`~torchrunx.launcher.state.LaunchState`:
+:class:`AttemptState` is the attempt's part of :class:`~torchrunx.launcher.state.state.LaunchState`:
 it holds the ranks of the current attempt, its faults and the stacks dumped on a stop. It
 applies what the launch reads about the workers (specs assigned, forks, hellos, exits,
-outcomes, ends of connections) by :data:`~torchrunx.launcher.records.WORKER_MOVES`, records
-failures (a rank's, an agent's, the launcher's) as :class:`~torchrunx.launcher.records.Fault`
+outcomes, ends of connections) by :data:`~torchrunx.launcher.state.records.WORKER_MOVES`, records
+failures (a rank's, an agent's, the launcher's) as :class:`~torchrunx.launcher.state.records.Fault`
 facts, and returns the public events that follow. The agents are the
-:class:`~torchrunx.launcher.agent_table.AgentTable`'s (it reads them, and moves one that failed
-there); the launch around the attempt (runs, stops, restarts, read-outs) is the launch
+:class:`~torchrunx.launcher.state.agent_table.AgentTable`'s (it reads them, and moves one that
+failed there); the launch around the attempt (runs, stops, restarts, read-outs) is the launch
 state's. Nothing here touches a socket, a process or the clock.
 
 A rank's end has two halves: its agent reports the exit (``WorkerExited``), and its channel
@@ -15,7 +15,7 @@ A rank's end has two halves: its agent reports the exit (``WorkerExited``), and 
 outcome comes on a connection of the worker's own instead, and travels apart (the channel
 says so first: ``DirectOutcome``). A rank "settles" when both are known, or, if its channel or
 that connection stays open (a forked child may hold it),
-:data:`~torchrunx.launcher.records.OUTCOME_WAIT` seconds after its exit (an agent's end is
+:data:`~torchrunx.launcher.state.records.OUTCOME_WAIT` seconds after its exit (an agent's end is
 judged the same way, by the agent table).
 """
 
@@ -32,7 +32,7 @@ from torchrunx.events import (
     WorkerStateChanged,
 )
 from torchrunx.events import WorkersStarted as WorkersStartedEvent
-from torchrunx.launcher.records import (
+from torchrunx.launcher.state.records import (
     OUTCOME_WAIT,
     RUNNING_STATES,
     WORKER_MOVES,
@@ -41,11 +41,11 @@ from torchrunx.launcher.records import (
     Phase,
     RankRecord,
 )
-from torchrunx.launcher.reports import summary
+from torchrunx.launcher.state.reports import summary
 
 if TYPE_CHECKING:
-    from torchrunx.launcher.agent_table import AgentTable
-    from torchrunx.launcher.records import AgentRecord, Progress
+    from torchrunx.launcher.state.agent_table import AgentTable
+    from torchrunx.launcher.state.records import AgentRecord, Progress
     from torchrunx.wire.messages import (
         WorkerExited,
         WorkerHello,

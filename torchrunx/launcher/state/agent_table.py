@@ -1,19 +1,19 @@
 """Every agent of a launch, as pure data: what each is, which of them run ranks, and their ends.
 
-:class:`AgentTable` is the agents' part of :class:`~torchrunx.launcher.state.LaunchState`: it
-holds every :class:`~torchrunx.launcher.records.AgentRecord` (the world's hosts, then the
+:class:`AgentTable` is the agents' part of :class:`~torchrunx.launcher.state.state.LaunchState`: it
+holds every :class:`~torchrunx.launcher.state.records.AgentRecord` (the world's hosts, then the
 spares), the world (the agents that run ranks, in rank order), and how the world changed. It
 applies what the launch reads about an agent (its hello, a message heard, the reply that its
 workers ended, its exit, the end of its connection) by
-:data:`~torchrunx.launcher.records.AGENT_MOVES`, finds the agents silent for too long, and
+:data:`~torchrunx.launcher.state.records.AGENT_MOVES`, finds the agents silent for too long, and
 makes the world's changes between attempts: a new agent on a host, a host quarantined, a spare
 in its place, a smaller world. An agent's failure is recorded by the attempt
-(:mod:`~torchrunx.launcher.attempt`), which moves the agent here.
+(:mod:`~torchrunx.launcher.state.attempt`), which moves the agent here.
 Nothing here touches a socket, a process or the clock.
 
 An agent's end is judged as a rank's is: its exit can overtake its last message (``AgentDone``)
 on its connection, so an exit with the connection still open waits
-:data:`~torchrunx.launcher.records.OUTCOME_WAIT` seconds for it.
+:data:`~torchrunx.launcher.state.records.OUTCOME_WAIT` seconds for it.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchrunx.events import AgentStarted, AgentState, Event
-from torchrunx.launcher.records import AGENT_MOVES, OUTCOME_WAIT, AgentRecord, Phase
+from torchrunx.launcher.state.records import AGENT_MOVES, OUTCOME_WAIT, AgentRecord, Phase
 
 if TYPE_CHECKING:
-    from torchrunx.launcher.records import Progress, RankRecord
-    from torchrunx.launcher.spares import Reshape
+    from torchrunx.launcher.state.records import Progress, RankRecord
+    from torchrunx.launcher.state.spares import Reshape
     from torchrunx.wire.messages import AgentHello, WorkersEnded
 
 

@@ -19,18 +19,19 @@ its extra failures), so that ``GET /health``, :class:`~torchrunx.LaunchResult` a
 give one answer.
 
 It is composed of parts, each the owner of its data, which share one
-:class:`~torchrunx.launcher.records.Progress` (the phase, the attempt, the flags they all read):
+:class:`~torchrunx.launcher.state.records.Progress` (the phase, the attempt, the flags they all
+read):
 
-- :class:`~torchrunx.launcher.agent_table.AgentTable` (``agent_table``): every agent, the world,
-  and its changes;
-- :class:`~torchrunx.launcher.attempt.AttemptState` (``current``): the current attempt's ranks,
-  its faults and stacks.
+- :class:`~torchrunx.launcher.state.agent_table.AgentTable` (``agent_table``): every agent, the
+  world, and its changes;
+- :class:`~torchrunx.launcher.state.attempt.AttemptState` (``current``): the current attempt's
+  ranks, its faults and stacks.
 
 What arrives about an agent or a worker is applied by the part it concerns; what concerns the
 launch as a whole (a run, a stop, a restart, the next attempt) by :class:`LaunchState` itself.
-Failures are recorded as :class:`~torchrunx.launcher.records.Fault` facts while the launch
+Failures are recorded as :class:`~torchrunx.launcher.state.records.Fault` facts while the launch
 runs, and which one is the cause is decided once everything has stopped, by
-:mod:`torchrunx.launcher.failures`.
+:mod:`torchrunx.launcher.state.failures`.
 """
 
 from __future__ import annotations
@@ -39,16 +40,16 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from torchrunx.events import AgentState, WorkerState
-from torchrunx.launcher.agent_table import AgentTable
-from torchrunx.launcher.attempt import AttemptState
-from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth
-from torchrunx.launcher.records import Phase, Progress, RankRecord
-from torchrunx.launcher.results import LaunchTimings
+from torchrunx.launcher.state.agent_table import AgentTable
+from torchrunx.launcher.state.attempt import AttemptState
+from torchrunx.launcher.state.health import AgentHealth, HealthReport, WorkerHealth
+from torchrunx.launcher.state.records import Phase, Progress, RankRecord
+from torchrunx.launcher.state.results import LaunchTimings
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from torchrunx.launcher.records import AgentRecord, Fault
+    from torchrunx.launcher.state.records import AgentRecord, Fault
 
 
 class LaunchState:

@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torchrunx.launcher.reports import rank_ranges
+from torchrunx.launcher.state.reports import rank_ranges
 
 Phase = Literal["before the process group formed", "in the user's code", "in a collective"]
 
