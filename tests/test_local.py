@@ -36,7 +36,7 @@ from torchrunx.wire.messages import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from torchrunx.launcher.listener import FrameReceived
+    from torchrunx.launcher.net.listener import FrameReceived
 
 LOCAL = {"hostnames": ["localhost"], "workers_per_host": 2, "backend": "gloo"}
 

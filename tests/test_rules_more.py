@@ -68,9 +68,9 @@ from torchrunx.hosts import hostlists
 from torchrunx.hosts.hostlists import HostSlots
 from torchrunx.launcher import launcher as launcher_module
 from torchrunx.launcher.agent_pool import AgentExited, AgentStarted, AgentStartFailed
-from torchrunx.launcher.channels import WorkerChannel
 from torchrunx.launcher.inbox import Inbox
-from torchrunx.launcher.listener import FrameReceived, PeerClosed
+from torchrunx.launcher.net.channels import WorkerChannel
+from torchrunx.launcher.net.listener import FrameReceived, PeerClosed
 from torchrunx.launcher.settings import resolve as hosts
 from torchrunx.launcher.settings.plan import LaunchPlan
 from torchrunx.launcher.state.failures import choose_cause, restarts_for

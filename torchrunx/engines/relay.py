@@ -3,9 +3,9 @@
 A relaying host (:mod:`torchrunx.agent.relay`) writes :mod:`torchrunx.wire.relay` frames on the
 agent's stdout and reads them on its stdin. :class:`LauncherRelay` reads them in a thread of its
 own: each channel the host opens becomes one end of a socket pair, whose other end the listener
-adopts as if it had connected (:meth:`torchrunx.launcher.listener.Listener.adopt`): the handshake,
-the sealed records and every message then run as for a direct connection. A second thread reads
-the pairs and writes what the launcher sends, as frames, to the agent's stdin. The agent's own
+adopts as if it had connected (:meth:`torchrunx.launcher.net.listener.Listener.adopt`): the
+handshake, the sealed records and every message then run as for a direct connection. A second thread
+reads the pairs and writes what the launcher sends, as frames, to the agent's stdin. The agent's own
 stdout (:data:`~torchrunx.wire.relay.OUT` frames) is written to a pipe the launch's loop reads as
 that agent's stdout.
 
@@ -19,7 +19,7 @@ is released at once and the host is told (an EOF from the launcher ends the chan
 :mod:`torchrunx.wire.relay`), whether or not the host's side ever ends. A channel that cannot
 be opened (out of descriptors) is refused alone: the host is told to close it, and every other
 channel goes on. So another user of a relaying host who opens idle connections to its relay
-(the listener sheds them, :meth:`~torchrunx.launcher.listener.Listener.adopt`) cannot exhaust
+(the listener sheds them, :meth:`~torchrunx.launcher.net.listener.Listener.adopt`) cannot exhaust
 the launcher's descriptors or end the host's other channels.
 """
 

@@ -5,7 +5,7 @@ small pool of threads (at most :data:`START_THREADS`, whatever the number of hos
 and each agent's exit is handed to the launch's loop as an :class:`AgentStarted` /
 :class:`AgentStartFailed` / :class:`AgentExited` event on its queue. How an agent is started is
 in :mod:`torchrunx.engines.command` and :mod:`torchrunx.engines.ssh`; what a started agent
-says comes on its connection (:mod:`torchrunx.launcher.listener`).
+says comes on its connection (:mod:`torchrunx.launcher.net.listener`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torchrunx.errors import AgentFailedError
 
 if TYPE_CHECKING:
     from torchrunx.engines.protocol import AgentProcess
-    from torchrunx.launcher.ioloop import IOLoop
+    from torchrunx.launcher.net.ioloop import IOLoop
 
 START_THREADS = 32
 """Agents started at once (SSH logins are slow but light: they wait on the network)."""

@@ -28,7 +28,7 @@ from torchrunx.engines import AgentStart
 from torchrunx.engines.command import agent_script
 from torchrunx.env import local_agent_env
 from torchrunx.errors import AgentFailedError, add_note
-from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.net import listener as listener_module
 from torchrunx.launcher.settings.reach import (
     default_python,
     host_sys_path,

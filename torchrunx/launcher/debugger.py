@@ -27,7 +27,7 @@ from torchrunx.wire.messages import DebugInput, DebugOutput
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from torchrunx.launcher.ioloop import IOLoop
+    from torchrunx.launcher.net.ioloop import IOLoop
 
 POST_MORTEM_ENV_VAR = "TORCHRUNX_POST_MORTEM"
 """Set (``1``): a rank that raises opens pdb at the raising frame in the launcher's terminal."""

@@ -1,7 +1,7 @@
 """What arrives during a launch, applied to the launch state.
 
 Frames from agents and, forwarded by them, from workers (each worker's as if on a connection
-of its own: a :class:`~torchrunx.launcher.channels.WorkerChannel`), closed connections, agents'
+of its own: a :class:`~torchrunx.launcher.net.channels.WorkerChannel`), closed connections, agents'
 starts and ends, silences: each is applied to :class:`~torchrunx.launcher.state.state.LaunchState`,
 by the part it concerns (an agent: its ``agent_table``; a worker or a fault: its ``current``
 attempt), and what follows from it is done here (an event to the sinks, a fault recorded, a
@@ -19,8 +19,8 @@ from torchrunx.engines.command import agent_exit_error
 from torchrunx.errors import AgentFailedError, is_collective_error
 from torchrunx.events import HostQuarantined
 from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
-from torchrunx.launcher.channels import WorkerChannel
-from torchrunx.launcher.listener import FrameReceived, Peer, PeerClosed
+from torchrunx.launcher.net.channels import WorkerChannel
+from torchrunx.launcher.net.listener import FrameReceived, Peer, PeerClosed
 from torchrunx.launcher.settings.reach import python_for
 from torchrunx.launcher.state.records import STOP_GRACE, Phase
 from torchrunx.launcher.state.reports import (
@@ -58,8 +58,8 @@ if TYPE_CHECKING:
     from torchrunx.events import Event, EventSink
     from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
     from torchrunx.launcher.debugger import Debugger
-    from torchrunx.launcher.listener import Listener, NetEvent
     from torchrunx.launcher.logrouter import LogRouter
+    from torchrunx.launcher.net.listener import Listener, NetEvent
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.state.records import AgentRecord, FaultKind, RankRecord
     from torchrunx.launcher.state.state import LaunchState

@@ -8,8 +8,8 @@ nothing: starting, stopping, restarting and collecting are the orchestrator's, w
 
 The parts, each the owner of one thing:
 
-- :mod:`~torchrunx.launcher.ioloop`: the one selector loop for every connection of the launch;
-- :mod:`~torchrunx.launcher.listener`: accepting, authenticating and framing connections;
+- :mod:`~torchrunx.launcher.net.ioloop`: the one selector loop for every connection of the launch;
+- :mod:`~torchrunx.launcher.net.listener`: accepting, authenticating and framing connections;
 - :mod:`~torchrunx.launcher.agent_pool`: starting, replacing and closing agent processes;
 - :mod:`~torchrunx.launcher.agent_starts`: how one host's agent is started, and its bootstrap;
 - :mod:`~torchrunx.launcher.inbox`: what arrives, applied to the launch state;
@@ -37,10 +37,10 @@ from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.debugger import Debugger
 from torchrunx.launcher.health_server import HealthServer
 from torchrunx.launcher.inbox import Inbox
-from torchrunx.launcher.ioloop import IOLoop
-from torchrunx.launcher.listener import Listener, NetEvent
 from torchrunx.launcher.logdirs import events_file
 from torchrunx.launcher.logrouter import LogRouter
+from torchrunx.launcher.net.ioloop import IOLoop
+from torchrunx.launcher.net.listener import Listener, NetEvent
 from torchrunx.launcher.state.failures import choose_cause
 from torchrunx.launcher.state.health import (
     HealthReport,

@@ -155,7 +155,7 @@ class AgentRecord:
     method: StartMethod
     state: AgentState = AgentState.STARTING
     conn: int | None = None
-    """The ident of its connection (:class:`torchrunx.launcher.listener.Peer`)."""
+    """The ident of its connection (:class:`torchrunx.launcher.net.listener.Peer`)."""
     hello: AgentHello | None = None
     spec: WorkerSpec | None = None
     pids: tuple[int, ...] = ()

@@ -3,8 +3,8 @@
 Agents connect here, and workers whose outcome is large (see
 :class:`~torchrunx.wire.messages.DirectOutcome`; their other messages travel through their agent).
 Each connection is non-blocking and lives in the launch's
-:class:`~torchrunx.launcher.ioloop.IOLoop`: the handshake (:mod:`torchrunx.wire.handshake`) is read
-as its bytes come, under one deadline for the whole of it, and nothing is unpickled before it
+:class:`~torchrunx.launcher.net.ioloop.IOLoop`: the handshake (:mod:`torchrunx.wire.handshake`) is
+read as its bytes come, under one deadline for the whole of it, and nothing is unpickled before it
 succeeds. An authenticated connection becomes a :class:`Peer`, whose frames go, as
 :class:`FrameReceived` and :class:`PeerClosed`, to the one queue the launch reads. Sending is
 buffered (:meth:`Peer.send`), so a slow peer never blocks the loop.
@@ -41,8 +41,8 @@ from torchrunx.wire.records import FrameReader, Sealer, frame_pieces
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from torchrunx.launcher.channels import WorkerChannel
-    from torchrunx.launcher.ioloop import IOLoop
+    from torchrunx.launcher.net.channels import WorkerChannel
+    from torchrunx.launcher.net.ioloop import IOLoop
     from torchrunx.wire.handshake import Role
     from torchrunx.wire.messages import Message
     from torchrunx.wire.records import SessionKeys
