@@ -20,8 +20,8 @@ import pytest
 from conftest import listened_during_launch
 
 import torchrunx as trx
-from torchrunx.launcher.agent_starts import listen_hosts
 from torchrunx.launcher.inbox import Inbox
+from torchrunx.launcher.starts.agent_starts import listen_hosts
 from torchrunx.wire import handshake
 from torchrunx.wire.handshake import MAGIC
 from torchrunx.wire.messages import (

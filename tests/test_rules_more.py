@@ -67,12 +67,12 @@ from torchrunx.events import WorkersStarted as WorkersStartedEvent
 from torchrunx.hosts import hostlists
 from torchrunx.hosts.hostlists import HostSlots
 from torchrunx.launcher import launcher as launcher_module
-from torchrunx.launcher.agent_pool import AgentExited, AgentStarted, AgentStartFailed
 from torchrunx.launcher.inbox import Inbox
 from torchrunx.launcher.net.channels import WorkerChannel
 from torchrunx.launcher.net.listener import FrameReceived, PeerClosed
 from torchrunx.launcher.settings import resolve as hosts
 from torchrunx.launcher.settings.plan import LaunchPlan
+from torchrunx.launcher.starts.agent_pool import AgentExited, AgentStarted, AgentStartFailed
 from torchrunx.launcher.state.failures import choose_cause, restarts_for
 from torchrunx.launcher.state.health import AgentHealth, HealthReport, WorkerHealth
 from torchrunx.launcher.state.records import OUTCOME_WAIT, AgentRecord, Fault, Phase

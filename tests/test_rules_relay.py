@@ -10,8 +10,8 @@ import pytest
 from torchrunx.engines.builtin import openssh_command, srun_command
 from torchrunx.engines.command import AGENT_COMMAND
 from torchrunx.errors import ProtocolError
-from torchrunx.launcher.agent_starts import listen_hosts
 from torchrunx.launcher.settings.plan import check_relay
+from torchrunx.launcher.starts.agent_starts import listen_hosts
 from torchrunx.wire.relay import (
     DATA,
     EOF,
@@ -109,8 +109,8 @@ def test_relay_takes_off_auto_or_on(value):
 
 def test_a_relaying_hosts_bootstrap_line_carries_the_mode_for_the_relay_alone():
     from torchrunx.hosts import HostSlots
-    from torchrunx.launcher.agent_starts import AgentStarts
     from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.starts.agent_starts import AgentStarts
     from torchrunx.launcher.state.records import AgentRecord
     from torchrunx.wire.bootstrap import AgentBootstrap
 

@@ -17,7 +17,7 @@ import pytest
 import torchrunx as trx
 from torchrunx.engines import command
 from torchrunx.errors import AgentFailedError
-from torchrunx.launcher.agent_starts import AgentStarts
+from torchrunx.launcher.starts.agent_starts import AgentStarts
 from torchrunx.wire import handshake
 from torchrunx.wire.bootstrap import AgentBootstrap
 

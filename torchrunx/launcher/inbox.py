@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 from torchrunx.engines.command import agent_exit_error
 from torchrunx.errors import AgentFailedError, is_collective_error
 from torchrunx.events import HostQuarantined
-from torchrunx.launcher.agent_pool import AgentStarted, AgentStartFailed
 from torchrunx.launcher.net.channels import WorkerChannel
 from torchrunx.launcher.net.listener import FrameReceived, Peer, PeerClosed
 from torchrunx.launcher.settings.reach import python_for
+from torchrunx.launcher.starts.agent_pool import AgentStarted, AgentStartFailed
 from torchrunx.launcher.state.records import STOP_GRACE, Phase
 from torchrunx.launcher.state.reports import (
     rebuild_exception,
@@ -56,11 +56,11 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torchrunx.events import Event, EventSink
-    from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
     from torchrunx.launcher.debugger import Debugger
     from torchrunx.launcher.logrouter import LogRouter
     from torchrunx.launcher.net.listener import Listener, NetEvent
     from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
     from torchrunx.launcher.state.records import AgentRecord, FaultKind, RankRecord
     from torchrunx.launcher.state.state import LaunchState
     from torchrunx.wire.messages import Message

@@ -54,8 +54,8 @@ from torchrunx.wire.messages import Stop
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from torchrunx.launcher.agent_pool import Starter
     from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.starts.agent_pool import Starter
     from torchrunx.launcher.state.records import Fault
 
 logger = logging.getLogger("torchrunx.launcher")

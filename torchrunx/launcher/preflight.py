@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.launcher.agent_pool import START_THREADS
-from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.settings.reach import host_sys_path, package_root
+from torchrunx.launcher.starts.agent_pool import START_THREADS
+from torchrunx.launcher.starts.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.state.records import AgentRecord
 from torchrunx.wire.bootstrap import BOOT_CODE
 

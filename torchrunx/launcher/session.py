@@ -10,8 +10,9 @@ The parts, each the owner of one thing:
 
 - :mod:`~torchrunx.launcher.net.ioloop`: the one selector loop for every connection of the launch;
 - :mod:`~torchrunx.launcher.net.listener`: accepting, authenticating and framing connections;
-- :mod:`~torchrunx.launcher.agent_pool`: starting, replacing and closing agent processes;
-- :mod:`~torchrunx.launcher.agent_starts`: how one host's agent is started, and its bootstrap;
+- :mod:`~torchrunx.launcher.starts.agent_pool`: starting, replacing and closing agent processes;
+- :mod:`~torchrunx.launcher.starts.agent_starts`: how one host's agent is started, and its
+  bootstrap;
 - :mod:`~torchrunx.launcher.inbox`: what arrives, applied to the launch state;
 - :mod:`~torchrunx.launcher.state.state`: what every agent and rank is (pure);
 - the log router, the event sink and the health endpoint.
@@ -32,8 +33,6 @@ import time
 from typing import TYPE_CHECKING
 
 from torchrunx.events import AgentState, EventSink, Preempting
-from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
-from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.debugger import Debugger
 from torchrunx.launcher.health_server import HealthServer
 from torchrunx.launcher.inbox import Inbox
@@ -41,6 +40,8 @@ from torchrunx.launcher.logdirs import events_file
 from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.net.ioloop import IOLoop
 from torchrunx.launcher.net.listener import Listener, NetEvent
+from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
+from torchrunx.launcher.starts.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.state.failures import choose_cause
 from torchrunx.launcher.state.health import (
     HealthReport,
@@ -65,8 +66,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torchrunx.engines.forward import PortForward
-    from torchrunx.launcher.agent_pool import Starter
     from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.starts.agent_pool import Starter
     from torchrunx.launcher.state.results import LaunchTimings
 
 logger = logging.getLogger("torchrunx.launcher")

@@ -1,11 +1,11 @@
 """How the agent of one host is started: its script, its bootstrap line, and the transport.
 
-The launcher's start threads (:mod:`torchrunx.launcher.agent_pool`) call :class:`AgentStarts` with a
-host index; it hands the start to the host's transport (:mod:`torchrunx.engines`: a local
+The launcher's start threads (:mod:`torchrunx.launcher.starts.agent_pool`) call :class:`AgentStarts`
+with a host index; it hands the start to the host's transport (:mod:`torchrunx.engines`: a local
 subprocess, SSH, ``srun``, Ray, ``kubectl`` or a plugin's), made once per launch, and builds the one
 JSON line the agent reads first (:class:`AgentBootstrap`), including the address the agent calls
-back on; and where the launcher listens for them (:func:`listen_socket`): only where they
-connect, when that is known before they start.
+back on; and where the launcher listens for them (:func:`listen_socket`): only where they connect,
+when that is known before they start.
 """
 
 from __future__ import annotations
