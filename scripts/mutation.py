@@ -281,13 +281,13 @@ TARGETS: dict[str, Target] = {
         note="the stacks note: ranks with the same stack together",
     ),
     "where": Target(
-        "torchrunx/launcher/where.py",
+        "torchrunx/launcher/view/where.py",
         ("tests/test_rules_reports.py",),
         functions=("StacksLook.*",),
         note="a look at every rank's stacks (Ctrl-\\): who answered, when to print, what",
     ),
     "debugger": Target(
-        "torchrunx/launcher/debugger.py",
+        "torchrunx/launcher/view/debugger.py",
         ("tests/test_rules_debugger.py",),
         functions=("Debugger.*", "debugpy_from_env"),
         note="pdb in a rank, the launcher's side: who has the terminal, what is sent, pauses",
@@ -411,31 +411,31 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         'return hmac.digest(prk, info + b"\\x01", "SHA256")[:KEY_BYTES]',
         _DIGEST_NAME,
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ__init____mutmut_14": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ__init____mutmut_14": (
         "self._reading = None",
         "read only as a truth value, where None and False are alike",
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ_answer__mutmut_4": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ_answer__mutmut_4": (
         "stop.waiting = None",
         "read only as a truth value, where None and False are alike",
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁon_output__mutmut_22": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁon_output__mutmut_22": (
         'stop.prompt = message.text.rsplit("\\n", )[-1]',
         _LAST_LINE,
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁon_output__mutmut_25": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁon_output__mutmut_25": (
         'stop.prompt = message.text.rsplit("\\n", 2)[-1]',
         _LAST_LINE,
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ_current__mutmut_1": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ_current__mutmut_1": (
         "return None if (self.current is None) and False else self.stops.get(self.current)",
         "stops has no None key: get(None) is None too",
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ_on_readable__mutmut_7": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ_on_readable__mutmut_7": (
         "data = None",
         "read only as a truth value (the end of input), where None and b'' are alike",
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ_on_readable__mutmut_6": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ_on_readable__mutmut_6": (
         "data = os.read(self._fd, 65537)",
         "a terminal's line is far shorter than either size; lines are joined across reads",
     ),

@@ -307,7 +307,7 @@ def _open_private(path: Path) -> int:
     """Open (or create) the events file for appending: mode 0600, never through a symlink.
 
     The launcher's file was created empty, 0600, by
-    :func:`torchrunx.launcher.logdirs.new_log_dir` in a log root it checked; reopening it here
+    :func:`torchrunx.launcher.view.logdirs.new_log_dir` in a log root it checked; reopening it here
     must find that same file: a regular file, owned by this user, with one link. Whatever the
     umask, the mode is set to 0600.
 

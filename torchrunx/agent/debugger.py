@@ -5,7 +5,7 @@ the function calls ``breakpoint()`` (or ``pdb.set_trace()``), a :class:`RankPdb`
 caller's frame: everything pdb writes goes to
 the launcher as :class:`~torchrunx.wire.messages.DebugOutput`, and each prompt waits for the
 line the user types in the launcher's terminal (:class:`~torchrunx.wire.messages.DebugInput`).
-The launcher's side is :mod:`torchrunx.launcher.debugger`.
+The launcher's side is :mod:`torchrunx.launcher.view.debugger`.
 
 Without a terminal at the launcher (its stdin is not a TTY: a batch job, a notebook, a pipe) a
 breakpoint is skipped with a warning on the worker's stderr naming the rank and the line; the

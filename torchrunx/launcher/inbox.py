@@ -56,13 +56,13 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torchrunx.events import Event, EventSink
-    from torchrunx.launcher.debugger import Debugger
-    from torchrunx.launcher.logrouter import LogRouter
     from torchrunx.launcher.net.listener import Listener, NetEvent
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
     from torchrunx.launcher.state.records import AgentRecord, FaultKind, RankRecord
     from torchrunx.launcher.state.state import LaunchState
+    from torchrunx.launcher.view.debugger import Debugger
+    from torchrunx.launcher.view.logrouter import LogRouter
     from torchrunx.wire.messages import Message
 
 logger = logging.getLogger("torchrunx.launcher")

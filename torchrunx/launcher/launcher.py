@@ -39,9 +39,7 @@ from torchrunx.env import (
     unmatched_env_vars,
 )
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
-from torchrunx.launcher.debugger import check_debug_env
 from torchrunx.launcher.dryrun import describe_launch
-from torchrunx.launcher.logrouter import log_level_from_env
 from torchrunx.launcher.orchestrator import Launch
 from torchrunx.launcher.preempt import default_grace, sigterm_preempts
 from torchrunx.launcher.settings.plan import (
@@ -67,8 +65,10 @@ from torchrunx.launcher.state.health import (
 )
 from torchrunx.launcher.state.results import LaunchResult
 from torchrunx.launcher.state.spares import check_resilience, split_spares
+from torchrunx.launcher.view.debugger import check_debug_env
+from torchrunx.launcher.view.logrouter import log_level_from_env
+from torchrunx.launcher.view.where import sigquit_shows_stacks
 from torchrunx.launcher.warm import WarmLauncher
-from torchrunx.launcher.where import sigquit_shows_stacks
 from torchrunx.logs import (
     ConsoleRanks,
     LogHandlers,

@@ -33,11 +33,7 @@ import time
 from typing import TYPE_CHECKING
 
 from torchrunx.events import AgentState, EventSink, Preempting
-from torchrunx.launcher.debugger import Debugger
-from torchrunx.launcher.health_server import HealthServer
 from torchrunx.launcher.inbox import Inbox
-from torchrunx.launcher.logdirs import events_file
-from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.net.ioloop import IOLoop
 from torchrunx.launcher.net.listener import Listener, NetEvent
 from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
@@ -51,7 +47,11 @@ from torchrunx.launcher.state.health import (
 from torchrunx.launcher.state.records import AgentRecord
 from torchrunx.launcher.state.reports import summary
 from torchrunx.launcher.state.state import LaunchState
-from torchrunx.launcher.where import StacksLook, print_look
+from torchrunx.launcher.view.debugger import Debugger
+from torchrunx.launcher.view.health_server import HealthServer
+from torchrunx.launcher.view.logdirs import events_file
+from torchrunx.launcher.view.logrouter import LogRouter
+from torchrunx.launcher.view.where import StacksLook, print_look
 from torchrunx.wire import handshake
 from torchrunx.wire.messages import (
     HEARTBEAT_INTERVAL,

@@ -41,7 +41,7 @@ from torchrunx.launcher.session import earliest
 from torchrunx.launcher.state.records import Phase
 from torchrunx.launcher.state.reports import summary
 from torchrunx.launcher.state.results import LaunchResult
-from torchrunx.launcher.where import sigquit_shows_stacks
+from torchrunx.launcher.view.where import sigquit_shows_stacks
 from torchrunx.serialization import dumps_call
 
 if TYPE_CHECKING:

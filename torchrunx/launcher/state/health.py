@@ -3,7 +3,7 @@
 :class:`HealthReport` is the snapshot that ``GET /health`` serves (the launch state makes it);
 :func:`health_port_from_env`, :func:`health_host_from_env`, :func:`health_details_from_env` and
 :func:`health_token_from_env` read where and how the launcher serves it. The server itself is
-:mod:`torchrunx.launcher.health_server`.
+:mod:`torchrunx.launcher.view.health_server`.
 """
 
 from __future__ import annotations

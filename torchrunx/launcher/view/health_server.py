@@ -141,7 +141,7 @@ class HealthServer:
                 threads, possibly several at once, so it must be thread-safe, and quick.
             host: Address to listen on. The default ``"127.0.0.1"`` is this machine only
                 (every local user included: see the security notes of
-                :mod:`torchrunx.launcher.health_server`),
+                :mod:`torchrunx.launcher.view.health_server`),
                 as the launcher's default
                 (:func:`~torchrunx.launcher.state.health.health_host_from_env`). ``""``: every
                 interface (IPv6 and IPv4 where the machine has both), for probes from other

@@ -20,7 +20,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torchrunx.launcher.logdirs import new_log_dir
+from torchrunx.launcher.view.logdirs import new_log_dir
 from torchrunx.logs import (
     AGENT_CONSOLE_LOGGER,
     BatchFlush,
