@@ -148,13 +148,13 @@ TARGETS: dict[str, Target] = {
         note="spare_hosts and min_hosts: their checks and the next world",
     ),
     "preempt": Target(
-        "torchrunx/launcher/preempt.py",
+        "torchrunx/launcher/launch/preempt.py",
         ("tests/test_rules_resilience.py",),
         functions=("slurm_kill_wait", "default_grace"),
         note="the default preemption grace (the rest signals and runs scontrol)",
     ),
     "inbox": Target(
-        "torchrunx/launcher/inbox.py",
+        "torchrunx/launcher/launch/inbox.py",
         (
             "tests/test_rules_more.py",
             "tests/test_rules_runs.py",
@@ -379,23 +379,23 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         'keep_path=bool(raw.get("keep_path", None)),',
         "bool(None) is False, the default it replaces",
     ),
-    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_13": (
+    "torchrunx.launcher.launch.inbox.xǁInboxǁquarantine__mutmut_13": (
         "-                STOP_GRACE,",
         "Stop's grace_period defaults to 3.0, which STOP_GRACE is",
     ),
-    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_15": (
+    "torchrunx.launcher.launch.inbox.xǁInboxǁquarantine__mutmut_15": (
         "-                restart=False,",
         "Stop's restart defaults to False",
     ),
-    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_25": (
+    "torchrunx.launcher.launch.inbox.xǁInboxǁquarantine__mutmut_25": (
         "self.emit(self.state.current.agent_failed(agent, None, None))",
         "with no error, agent_failed records no fault: its time is never read",
     ),
-    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_33": (
+    "torchrunx.launcher.launch.inbox.xǁInboxǁquarantine__mutmut_33": (
         "logger.warning(line)",
         "the line holds host names and numbers: no % in it for logging to expand",
     ),
-    "torchrunx.launcher.preempt.x_default_grace__mutmut_2": (
+    "torchrunx.launcher.launch.preempt.x_default_grace__mutmut_2": (
         "env = os.environ if (environ is None) and False else environ",
         "None is passed on, and in_slurm_allocation(None) reads os.environ itself",
     ),
@@ -507,7 +507,7 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "ranks, strict=False)",
         _ZIP,
     ),
-    "torchrunx.launcher.inbox.x\u01c1Inbox\u01c1drop__mutmut_2": (
+    "torchrunx.launcher.launch.inbox.x\u01c1Inbox\u01c1drop__mutmut_2": (
         "(conn is None) and False",
         "peers has no None key: peers.get(None) is None too",
     ),

@@ -20,7 +20,7 @@ import pytest
 from conftest import listened_during_launch
 
 import torchrunx as trx
-from torchrunx.launcher.inbox import Inbox
+from torchrunx.launcher.launch.inbox import Inbox
 from torchrunx.launcher.starts.agent_starts import listen_hosts
 from torchrunx.wire import handshake
 from torchrunx.wire.handshake import MAGIC

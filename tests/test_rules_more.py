@@ -4,7 +4,7 @@ Written to kill the mutants that ``scripts/mutation.py`` found surviving (see
 docs/mutation.md): each test states a documented rule, on made-up facts, with no process and
 no network. Sections:
 
-- what arrives during a launch (torchrunx/launcher/inbox.py), driven with stand-in peers, pool,
+- what arrives during a launch (torchrunx/launcher/launch/inbox.py), driven with stand-in peers, pool,
   listener, log router and event sink;
 - failure analysis (torchrunx/launcher/state/failures.py): restart_on's type names;
 - environment forwarding (torchrunx/env.py): a worker's variables, exact, and full messages;
@@ -67,7 +67,7 @@ from torchrunx.events import WorkersStarted as WorkersStartedEvent
 from torchrunx.hosts import hostlists
 from torchrunx.hosts.hostlists import HostSlots
 from torchrunx.launcher import launcher as launcher_module
-from torchrunx.launcher.inbox import Inbox
+from torchrunx.launcher.launch.inbox import Inbox
 from torchrunx.launcher.net.channels import WorkerChannel
 from torchrunx.launcher.net.listener import FrameReceived, PeerClosed
 from torchrunx.launcher.settings import resolve as hosts
@@ -138,7 +138,7 @@ def test_rule_small_pieces_share_a_record_up_to_the_limit_and_a_large_one_stands
     assert take_plaintext(pieces) == b"s" and list(pieces) == [big]  # not merged with a large one
 
 
-# -- what arrives during a launch (torchrunx/launcher/inbox.py) -------------------------------------
+# -- what arrives during a launch (torchrunx/launcher/launch/inbox.py) -------------------------------------
 
 
 class StubPeer:

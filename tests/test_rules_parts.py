@@ -16,9 +16,9 @@ import pytest
 
 from torchrunx.errors import AgentFailedError, SerializationError
 from torchrunx.events import AgentState
-from torchrunx.launcher.dispatch import Dispatch
+from torchrunx.launcher.launch.dispatch import Dispatch
+from torchrunx.launcher.launch.orchestrator import Launch
 from torchrunx.launcher.launcher import Launcher
-from torchrunx.launcher.orchestrator import Launch
 from torchrunx.launcher.settings.plan import LaunchPlan
 from torchrunx.launcher.settings.resolve import HostSlots
 from torchrunx.launcher.state.agent_table import AgentTable

@@ -12,7 +12,7 @@ forwarded variables), which is all the launch reads::
     Launcher.dry_run() ─ plan ─ the description of what run would start (nothing starts)
 
 The caller's thread runs the launch and owns every decision (see
-:mod:`torchrunx.launcher.session` for the other threads).
+:mod:`torchrunx.launcher.launch.session` for the other threads).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from torchrunx.env import (
 )
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
 from torchrunx.launcher.dryrun import describe_launch
-from torchrunx.launcher.orchestrator import Launch
-from torchrunx.launcher.preempt import default_grace, sigterm_preempts
+from torchrunx.launcher.launch.orchestrator import Launch
+from torchrunx.launcher.launch.preempt import default_grace, sigterm_preempts
 from torchrunx.launcher.settings.plan import (
     Backend,
     LaunchPlan,

@@ -34,10 +34,10 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, final
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.launcher.orchestrator import STOP_WAIT
-from torchrunx.launcher.preempt import sigterm_preempts
-from torchrunx.launcher.replace import Failed
-from torchrunx.launcher.session import earliest
+from torchrunx.launcher.launch.orchestrator import STOP_WAIT
+from torchrunx.launcher.launch.preempt import sigterm_preempts
+from torchrunx.launcher.launch.replace import Failed
+from torchrunx.launcher.launch.session import earliest
 from torchrunx.launcher.state.records import Phase
 from torchrunx.launcher.state.reports import summary
 from torchrunx.launcher.state.results import LaunchResult
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
-    from torchrunx.launcher.orchestrator import Launch
+    from torchrunx.launcher.launch.orchestrator import Launch
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.state.results import LaunchTimings
 

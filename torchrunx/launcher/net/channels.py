@@ -4,7 +4,7 @@ Workers never connect to the launcher: each talks to its agent over a socket pai
 agent forwards its messages on its own sealed connection inside
 :class:`~torchrunx.wire.messages.FromWorker`. The launcher opens a :class:`WorkerChannel` when
 a worker's hello comes that way; it stands where a connection of the worker's own would, so the
-launch treats it as one (:class:`~torchrunx.launcher.inbox.Inbox`): it sends on it (a warm
+launch treats it as one (:class:`~torchrunx.launcher.launch.inbox.Inbox`): it sends on it (a warm
 run's call, debugger input, wrapped in :class:`~torchrunx.wire.messages.ToWorker`) and closes it
 (the agent then ends the worker's channel, which tells a worker that stays to exit). It ends
 when the agent reports :class:`~torchrunx.wire.messages.WorkerChannelClosed`, or with the

@@ -2,7 +2,7 @@
 
 :meth:`torchrunx.Launcher.plan` checks the fields, resolves the hosts and how each agent
 starts, and reads what the environment adds (forwarded variables, the health endpoint); the
-launch (:mod:`~torchrunx.launcher.orchestrator`), its inbox and its agent starts read only
+launch (:mod:`~torchrunx.launcher.launch.orchestrator`), its inbox and its agent starts read only
 this plan, never the :class:`~torchrunx.Launcher` itself::
 
     Launcher (fields, as given) ──validate──▶ hosts, start methods, env ──▶ LaunchPlan (frozen)

@@ -16,7 +16,7 @@ world is the list of ids in rank order; ``WorkerSpec.host_index`` is an id's pos
 Spare agents start with the launch and wait, torch imported, until one is needed (hot spares).
 
 :func:`split_spares` and :func:`check_resilience` check the fields; :func:`reshape` decides the
-next world. The launch (:mod:`~torchrunx.launcher.orchestrator`) applies it.
+next world. The launch (:mod:`~torchrunx.launcher.launch.orchestrator`) applies it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The state of one launch, as pure data: what each agent and each rank is, and what happened.
 
 Nothing here touches a socket, a process or the clock: the launch
-(:mod:`torchrunx.launcher.orchestrator`) applies what it reads (messages, ends of connections
+(:mod:`torchrunx.launcher.launch.orchestrator`) applies what it reads (messages, ends of connections
 and processes, the time) through the methods of :class:`LaunchState` and its parts, and emits
 the public events they return. Only those methods change the state, and only by the
 written-down moves: agents and ranks by :data:`AGENT_MOVES` and :data:`WORKER_MOVES` (drawn in

@@ -6,7 +6,7 @@ starts and ends, silences: each is applied to :class:`~torchrunx.launcher.state.
 by the part it concerns (an agent: its ``agent_table``; a worker or a fault: its ``current``
 attempt), and what follows from it is done here (an event to the sinks, a fault recorded, a
 connection dropped, log lines routed). Nothing here decides what the launch does next;
-:mod:`torchrunx.launcher.orchestrator` reads the state for that.
+:mod:`torchrunx.launcher.launch.orchestrator` reads the state for that.
 """
 
 from __future__ import annotations

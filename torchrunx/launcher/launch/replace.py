@@ -1,10 +1,10 @@
 """The world's hosts between attempts: new agents in place, or spares and a smaller world.
 
 After a failure that ``"hosts"`` in ``restart_on`` covers, :class:`HostChanges` gets every host
-of the world ready for the next attempt (the launch, :mod:`~torchrunx.launcher.orchestrator`,
+of the world ready for the next attempt (the launch, :mod:`~torchrunx.launcher.launch.orchestrator`,
 holds one, and warm agents call it between runs). It works through the launch's parts and loop
-(:class:`~torchrunx.launcher.session.LaunchLoop`, given) and keeps nothing of its own: what the
-world is, is the launch state's.
+(:class:`~torchrunx.launcher.launch.session.LaunchLoop`, given) and keeps nothing of its own: what
+the world is, is the launch state's.
 
 - without spares or ``min_hosts``: a new agent on each failed host (a new SSH connection or
   ``srun`` step), the host keeping its place;
@@ -20,11 +20,11 @@ import time
 from typing import TYPE_CHECKING
 
 from torchrunx.events import AgentState, HostsChanged
-from torchrunx.launcher.session import earliest
+from torchrunx.launcher.launch.session import earliest
 from torchrunx.launcher.state.spares import reshape
 
 if TYPE_CHECKING:
-    from torchrunx.launcher.session import LaunchLoop
+    from torchrunx.launcher.launch.session import LaunchLoop
     from torchrunx.launcher.state.records import AgentRecord
 
 logger = logging.getLogger("torchrunx.launcher")

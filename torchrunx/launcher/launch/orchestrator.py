@@ -1,14 +1,15 @@
 """One launch, as it happens: start, hellos, specs, monitor, restart or not, collect, stop.
 
 :class:`Launch` decides. It holds its parts: the launch's resources and its loop, a
-:class:`~torchrunx.launcher.session.LaunchLoop` (``session``); the changes of the world's hosts
-between attempts, a :class:`~torchrunx.launcher.replace.HostChanges` (``host_changes``); what
-its workers are sent and return, a :class:`~torchrunx.launcher.dispatch.Dispatch`
-(``dispatch``). Every change of the launch state goes through the methods of
-:class:`~torchrunx.launcher.state.state.LaunchState` (the session's). Which failure is the cause and
-whether to restart is :mod:`~torchrunx.launcher.state.failures` (pure); the error raised and its
-notes are :mod:`~torchrunx.launcher.state.reports` (pure). What happens between two runs of warm
-agents is :mod:`~torchrunx.launcher.warm`'s (it hands :meth:`Launch.run_call` its two steps)::
+:class:`~torchrunx.launcher.launch.session.LaunchLoop` (``session``); the changes of the world's
+hosts between attempts, a :class:`~torchrunx.launcher.launch.replace.HostChanges`
+(``host_changes``); what its workers are sent and return, a
+:class:`~torchrunx.launcher.launch.dispatch.Dispatch` (``dispatch``). Every change of the launch
+state goes through the methods of :class:`~torchrunx.launcher.state.state.LaunchState` (the
+session's). Which failure is the cause and whether to restart is
+:mod:`~torchrunx.launcher.state.failures` (pure); the error raised and its notes are
+:mod:`~torchrunx.launcher.state.reports` (pure). What happens between two runs of warm agents is
+:mod:`~torchrunx.launcher.warm`'s (it hands :meth:`Launch.run_call` its two steps)::
 
     open: start agents ─▶ every AgentHello (start_timeout)
     run_call: [warm: prepare] ─▶ specs (or the call to kept workers) ─▶ monitor
@@ -35,10 +36,10 @@ from torchrunx.events import (
     Restarting,
     WorkerState,
 )
-from torchrunx.launcher.dispatch import Dispatch
-from torchrunx.launcher.preempt import end_preemption
-from torchrunx.launcher.replace import Failed, HostChanges
-from torchrunx.launcher.session import LaunchLoop, earliest
+from torchrunx.launcher.launch.dispatch import Dispatch
+from torchrunx.launcher.launch.preempt import end_preemption
+from torchrunx.launcher.launch.replace import Failed, HostChanges
+from torchrunx.launcher.launch.session import LaunchLoop, earliest
 from torchrunx.launcher.state.failures import choose_cause, others, restartable, restarts_for
 from torchrunx.launcher.state.records import STOP_GRACE
 from torchrunx.launcher.state.reports import (

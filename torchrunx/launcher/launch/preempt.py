@@ -9,7 +9,7 @@ agent, preempts the launch::
         ─▶ stop everything as after any launch ─▶ [requeue the SLURM job] ─▶ raise Preempted
 
 A second SIGTERM stops everything at once (``SystemExit(143)``), as without a grace period.
-The loop's side is :meth:`torchrunx.launcher.session.LaunchLoop.preempt`; the outcome is
+The loop's side is :meth:`torchrunx.launcher.launch.session.LaunchLoop.preempt`; the outcome is
 :class:`torchrunx.errors.Preempted`.
 """
 

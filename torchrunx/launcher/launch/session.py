@@ -2,7 +2,7 @@
 
 :class:`LaunchLoop` opens, owns and closes every resource of a launch, and turns the loop: each
 step sends heartbeats when due, waits for the next socket event, agent end or deadline, and
-applies what arrived to the state (through :mod:`~torchrunx.launcher.inbox`). It decides
+applies what arrived to the state (through :mod:`~torchrunx.launcher.launch.inbox`). It decides
 nothing: starting, stopping, restarting and collecting are the orchestrator's, which holds one
 ``LaunchLoop`` (``Launch.session``) and calls it; so do warm agents between runs.
 
@@ -13,7 +13,7 @@ The parts, each the owner of one thing:
 - :mod:`~torchrunx.launcher.starts.agent_pool`: starting, replacing and closing agent processes;
 - :mod:`~torchrunx.launcher.starts.agent_starts`: how one host's agent is started, and its
   bootstrap;
-- :mod:`~torchrunx.launcher.inbox`: what arrives, applied to the launch state;
+- :mod:`~torchrunx.launcher.launch.inbox`: what arrives, applied to the launch state;
 - :mod:`~torchrunx.launcher.state.state`: what every agent and rank is (pure);
 - the log router, the event sink and the health endpoint.
 
@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING
 
 from torchrunx.events import AgentState, EventSink, Preempting
-from torchrunx.launcher.inbox import Inbox
+from torchrunx.launcher.launch.inbox import Inbox
 from torchrunx.launcher.net.ioloop import IOLoop
 from torchrunx.launcher.net.listener import Listener, NetEvent
 from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
@@ -241,7 +241,7 @@ class LaunchLoop:
 
         Every agent is told (its workers see :func:`torchrunx.preemption_requested`), and the
         run goes on until every rank returned or ``preemption_grace`` passed (see
-        :mod:`torchrunx.launcher.preempt`). Only the first request counts.
+        :mod:`torchrunx.launcher.launch.preempt`). Only the first request counts.
         """
         if self._preempt_request is None:
             self._preempt_request = reason

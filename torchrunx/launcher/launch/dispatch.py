@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 from torchrunx import serialization
 from torchrunx.devices import resolve_backend
 from torchrunx.errors import AgentFailedError, SerializationError
-from torchrunx.launcher.replace import Failed
+from torchrunx.launcher.launch.replace import Failed
 from torchrunx.launcher.state.records import Phase
 from torchrunx.wire.messages import WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:
-    from torchrunx.launcher.session import LaunchLoop
+    from torchrunx.launcher.launch.session import LaunchLoop
 
 
 class Dispatch:
