@@ -133,7 +133,7 @@ def test_no_import_cycle_type_checking_imports_included():
 
 def test_an_agent_and_a_worker_load_nothing_of_the_launcher_side():
     code = (
-        "import sys, torchrunx.agent.agent, torchrunx.agent.worker, torchrunx.agent.guardian\n"
+        "import sys, torchrunx.agent.agent, torchrunx.worker.worker, torchrunx.agent.guardian\n"
         "print('\\n'.join(m for m in sys.modules if m.startswith('torchrunx')))"
     )
     done = subprocess.run(

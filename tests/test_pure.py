@@ -239,8 +239,8 @@ print("ok")
 
 
 def test_an_exception_whose_str_raises_is_reported_with_its_type_and_traceback():
-    from torchrunx.agent.worker import _exception_message
     from torchrunx.errors import exception_text
+    from torchrunx.worker.worker import _exception_message
 
     class UnprintableError(Exception):
         def __str__(self) -> str:

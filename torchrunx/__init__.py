@@ -8,7 +8,7 @@ Example::
     loss0 = result.rank(0)
 
 The public names are imported on first use, so agents and workers (which import
-``torchrunx.agent.agent`` and ``torchrunx.agent.worker``) never load the launcher's side.
+``torchrunx.agent.agent`` and ``torchrunx.worker.worker``) never load the launcher's side.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torchrunx.agent.worker import worker_cache
     from torchrunx.cli import add_launcher_arguments, launcher_from_args
     from torchrunx.env import DEFAULT_ENV_VARS_FOR_COPY
     from torchrunx.errors import (
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
         preemption_reason,
         preemption_requested,
     )
+    from torchrunx.worker.worker import worker_cache
 
 __version__ = "0.5.0"
 """The release: the successor of the original torchrunx 0.4 (pyproject.toml reads it here)."""
@@ -113,7 +113,7 @@ _HOME = {
     "LaunchResult": "torchrunx.launcher.state.results",
     "LaunchTimings": "torchrunx.launcher.state.results",
     "WarmLauncher": "torchrunx.launcher.warm",
-    "worker_cache": "torchrunx.agent.worker",
+    "worker_cache": "torchrunx.worker.worker",
 }
 
 _SUBMODULES = frozenset({"timer", "events", "hosts"})

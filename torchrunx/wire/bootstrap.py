@@ -39,7 +39,7 @@ puts it back."""
 # the built-in posix module; the launcher's entries then lose it too, unless it holds the
 # torchrunx the launcher runs (``package_root``: a checkout launched from, which the user
 # runs already). A worker gets the launcher's whole sys.path back before it loads the user's
-# function (torchrunx.agent.worker). See docs/security.md.
+# function (torchrunx.worker.worker). See docs/security.md.
 #
 # The line is handed over without staying behind: ``globals().pop`` takes ``b`` (which holds
 # the secret) out of ``__main__`` as it passes it, so neither the agent nor its forked workers

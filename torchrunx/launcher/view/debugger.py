@@ -1,6 +1,6 @@
 """The launcher's side of ``breakpoint()`` in a worker: pdb sessions in the launcher's terminal.
 
-A worker that stops in its debugger (:mod:`torchrunx.agent.debugger`) sends what pdb wrote as
+A worker that stops in its debugger (:mod:`torchrunx.worker.debugger`) sends what pdb wrote as
 :class:`~torchrunx.wire.messages.DebugOutput`; :class:`Debugger` prints it, reads the line the
 user types on the launcher's stdin (through the launch's own I/O loop, so heartbeats, other
 ranks' output and faults go on meanwhile) and sends it to that rank.

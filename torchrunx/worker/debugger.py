@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from torchrunx import timer
-from torchrunx.agent.store import after_import
 from torchrunx.errors import ProtocolError
 from torchrunx.peercred import held_by, loopback_peer
 from torchrunx.wire.messages import DebugInput, DebugOutput, DebugpyListening
+from torchrunx.worker.hooks import after_import
 
 if TYPE_CHECKING:
     from types import FrameType

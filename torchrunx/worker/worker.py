@@ -33,12 +33,9 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from torchrunx import serialization
-from torchrunx.agent import debugger
-from torchrunx.agent.capture import capture_logging
 from torchrunx.devices import cuda_device, device_env, process_group_options
 from torchrunx.env import worker_env
 from torchrunx.errors import ProtocolError, add_note, exception_text, is_collective_error
-from torchrunx.integrations import framework_env
 from torchrunx.wire import handshake
 from torchrunx.wire.channel import ChannelConnection
 from torchrunx.wire.messages import (
@@ -50,6 +47,9 @@ from torchrunx.wire.messages import (
     WorkerResult,
     WorkerSpec,
 )
+from torchrunx.worker import debugger
+from torchrunx.worker.capture import capture_logging
+from torchrunx.worker.frameworks import framework_env
 
 if TYPE_CHECKING:
     import socket
