@@ -1,6 +1,9 @@
-"""Starting an agent: a local subprocess or ``srun`` (over SSH: :mod:`torchrunx.engines.ssh`).
+"""Starting an agent: the agent command, its script, and agent processes behind a local command.
 
-All start the same constant command, which reads everything else from its stdin::
+A local subprocess (:class:`LocalAgent`), or a local command that relays the agent to its host
+(:class:`CommandAgent`: ``srun``, ``kubectl exec -i``, OpenSSH's ``ssh``); over paramiko's SSH
+it is :mod:`torchrunx.engines.ssh`. Also why an agent ended (:func:`agent_exit_error`), for
+every transport. All start the same constant command, which reads everything else from its stdin::
 
     bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'
         stdin: export VAR=value ...; cd CWD && source ENV_FILE && { PYTHONPATH less CWD } &&
