@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import json
 import logging
 import os
 import shlex
@@ -322,14 +321,12 @@ class AgentStarts:
     def bootstrap(self, agent: AgentRecord, local_address: str, *, relays: bool = False) -> bytes:
         """The agent's bootstrap line; ``local_address``: this machine's, as the host sees it.
 
-        ``relays``: for the host's relay, which reads its mode (``"relay"``) and removes it.
+        ``relays``: for the host's relay, which reads the launch's relay mode in it
+        (:attr:`AgentBootstrap.relay`) and hands the agent the line without it.
         """
-        line = self._bootstrap(agent, local_address)
-        if not relays:
-            return line
-        return json.dumps({**json.loads(line), "relay": self.plan.relay}).encode() + b"\n"
+        return self._bootstrap(agent, local_address, self.plan.relay if relays else "")
 
-    def _bootstrap(self, agent: AgentRecord, local_address: str) -> bytes:
+    def _bootstrap(self, agent: AgentRecord, local_address: str, relay: str) -> bytes:
         address = (self.configured_address() or local_address) if agent.remote else local_address
         keep_path = self.keeps_path(agent)
         return AgentBootstrap(
@@ -349,6 +346,7 @@ class AgentStarts:
             warm=self.plan.warm,
             local_only=all(not a.remote for a in self.agents),
             package_root=package_root(self.bundle if agent.remote else None),
+            relay=relay,
         ).to_json_line()
 
 
