@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/many_hosts.py [--hosts 1000] [--workers 8] [--simulators 4] [--floor]
 
-The launcher is the real one (:class:`torchrunx.launcher.orchestrator.Launch`: its listener,
+The launcher is the real one (:class:`torchrunx.launcher.launch.orchestrator.Launch`: its listener,
 handshakes,
 frames, launch state, heartbeats and result collection); only the agents and workers are
 simulated. They speak the real protocol (:mod:`torchrunx.wire`) without torch, from a few
@@ -52,9 +52,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import torchrunx as trx
 from torchrunx import serialization
-from torchrunx.hosts.resolve import HostSlots
-from torchrunx.launcher.orchestrator import Launch
-from torchrunx.launcher.plan import LaunchPlan
+from torchrunx.launcher.launch.orchestrator import Launch
+from torchrunx.launcher.settings.plan import LaunchPlan
+from torchrunx.launcher.settings.resolve import HostSlots
 from torchrunx.wire import handshake, messages, records
 
 REPO = Path(__file__).resolve().parent.parent

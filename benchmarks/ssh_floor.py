@@ -27,7 +27,7 @@ from typing import Any
 import paramiko  # imported before the timer, as 0.4 does (ours imports it in the call)
 from driver import cpu_seconds, finish_report
 
-from torchrunx.launcher.ssh import resolve_ssh_target, ssh_connect
+from torchrunx.engines.ssh import resolve_ssh_target, ssh_connect
 
 HERE = Path(__file__).resolve().parent
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 
 from torchrunx.events import AgentState, WorkerState  # noqa: E402
-from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth  # noqa: E402
+from torchrunx.launcher.state.health import AgentHealth, HealthReport, WorkerHealth  # noqa: E402
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -47,7 +47,7 @@ def _serve(hosts: int, workers: int) -> None:
     """The simulated launcher: serves the view until stdin closes."""
     from dataclasses import dataclass  # noqa: PLC0415
 
-    from torchrunx.launcher.view_server import (  # noqa: PLC0415
+    from torchrunx.launcher.view.view_server import (  # noqa: PLC0415
         GROUP_ABOVE,
         ViewServer,
         grouped,
@@ -168,8 +168,8 @@ trx.launch(time.sleep, (float(sys.argv[1]),), hostnames=["localhost"] * 8, worke
 
 
 def real(seconds: float) -> None:
-    from torchrunx.cli_top import find_views  # noqa: PLC0415
-    from torchrunx.launcher.view_server import runtime_dir  # noqa: PLC0415
+    from torchrunx.commands.top import find_views  # noqa: PLC0415
+    from torchrunx.launcher.view.view_server import runtime_dir  # noqa: PLC0415
 
     results = {}
     for watched in (False, True):

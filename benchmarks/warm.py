@@ -713,7 +713,7 @@ def local_floor_agent(argv: list[str], scratch: Path) -> FloorAgent:
 
 
 def ssh_floor_agent(host: str, config_file: str, command: str) -> FloorAgent:
-    from torchrunx.launcher.ssh import resolve_ssh_target, ssh_connect  # noqa: PLC0415
+    from torchrunx.engines.ssh import resolve_ssh_target, ssh_connect  # noqa: PLC0415
 
     clients: list[paramiko.SSHClient] = ssh_connect(
         resolve_ssh_target(host, config_file, 10.0), config_file

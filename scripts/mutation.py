@@ -84,7 +84,7 @@ attempt.py) alike."""
 
 TARGETS: dict[str, Target] = {
     "failures": Target(
-        "torchrunx/launcher/failures.py",
+        "torchrunx/launcher/state/failures.py",
         (
             "tests/test_rules_failures.py",
             "tests/test_launch_state.py",
@@ -93,17 +93,17 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "launch_state": Target(
-        "torchrunx/launcher/state.py",
+        "torchrunx/launcher/state/state.py",
         _STATE_TESTS,
         note="runs, stops, restarts, phases and read-outs",
     ),
     "agent_table": Target(
-        "torchrunx/launcher/agent_table.py",
+        "torchrunx/launcher/state/agent_table.py",
         _STATE_TESTS,
         note="every agent and the world: moves, hellos, exits, silences, the world's changes",
     ),
     "attempt": Target(
-        "torchrunx/launcher/attempt.py",
+        "torchrunx/launcher/state/attempt.py",
         _STATE_TESTS,
         note="the ranks and faults of an attempt: moves, hellos, exits, outcomes",
     ),
@@ -143,18 +143,18 @@ TARGETS: dict[str, Target] = {
         note="which Ray nodes are hosts, in which order (Ray itself runs in test_ray)",
     ),
     "spares": Target(
-        "torchrunx/launcher/spares.py",
+        "torchrunx/launcher/state/spares.py",
         ("tests/test_rules_resilience.py",),
         note="spare_hosts and min_hosts: their checks and the next world",
     ),
     "preempt": Target(
-        "torchrunx/launcher/preempt.py",
+        "torchrunx/launcher/launch/preempt.py",
         ("tests/test_rules_resilience.py",),
         functions=("slurm_kill_wait", "default_grace"),
         note="the default preemption grace (the rest signals and runs scontrol)",
     ),
     "inbox": Target(
-        "torchrunx/launcher/inbox.py",
+        "torchrunx/launcher/launch/inbox.py",
         (
             "tests/test_rules_more.py",
             "tests/test_rules_runs.py",
@@ -232,7 +232,7 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "hosts": Target(
-        "torchrunx/hosts/resolve.py",
+        "torchrunx/launcher/settings/resolve.py",
         ("tests/test_hosts.py", "tests/test_plugins.py", "tests/test_rules_more.py"),
         functions=("hostnames_source", "check_hostname", "check_hostnames"),
         note="the validation of hostnames (resolution and counting read the machine)",
@@ -275,19 +275,19 @@ TARGETS: dict[str, Target] = {
         note="torchrunx check's judgement of each host's answer, and its lines",
     ),
     "reports": Target(
-        "torchrunx/launcher/reports.py",
+        "torchrunx/launcher/state/reports.py",
         ("tests/test_rules_reports.py",),
         functions=("stacks_note", "_same_stack", "innermost_frame", "rank_ranges"),
         note="the stacks note: ranks with the same stack together",
     ),
     "where": Target(
-        "torchrunx/launcher/where.py",
+        "torchrunx/launcher/view/where.py",
         ("tests/test_rules_reports.py",),
         functions=("StacksLook.*",),
         note="a look at every rank's stacks (Ctrl-\\): who answered, when to print, what",
     ),
     "debugger": Target(
-        "torchrunx/launcher/debugger.py",
+        "torchrunx/launcher/view/debugger.py",
         ("tests/test_rules_debugger.py",),
         functions=("Debugger.*", "debugpy_from_env"),
         note="pdb in a rank, the launcher's side: who has the terminal, what is sent, pauses",
@@ -299,7 +299,7 @@ TARGETS: dict[str, Target] = {
         note="the lines between torchrunx check and its probes",
     ),
     "ship": Target(
-        "torchrunx/launcher/ship.py",
+        "torchrunx/engines/ship.py",
         ("tests/test_rules_reach.py",),
         functions=(
             "make_bundle",
@@ -379,23 +379,23 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         'keep_path=bool(raw.get("keep_path", None)),',
         "bool(None) is False, the default it replaces",
     ),
-    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_13": (
+    "torchrunx.launcher.launch.inbox.xǁInboxǁquarantine__mutmut_13": (
         "-                STOP_GRACE,",
         "Stop's grace_period defaults to 3.0, which STOP_GRACE is",
     ),
-    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_15": (
+    "torchrunx.launcher.launch.inbox.xǁInboxǁquarantine__mutmut_15": (
         "-                restart=False,",
         "Stop's restart defaults to False",
     ),
-    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_25": (
+    "torchrunx.launcher.launch.inbox.xǁInboxǁquarantine__mutmut_25": (
         "self.emit(self.state.current.agent_failed(agent, None, None))",
         "with no error, agent_failed records no fault: its time is never read",
     ),
-    "torchrunx.launcher.inbox.xǁInboxǁquarantine__mutmut_33": (
+    "torchrunx.launcher.launch.inbox.xǁInboxǁquarantine__mutmut_33": (
         "logger.warning(line)",
         "the line holds host names and numbers: no % in it for logging to expand",
     ),
-    "torchrunx.launcher.preempt.x_default_grace__mutmut_2": (
+    "torchrunx.launcher.launch.preempt.x_default_grace__mutmut_2": (
         "env = os.environ if (environ is None) and False else environ",
         "None is passed on, and in_slurm_allocation(None) reads os.environ itself",
     ),
@@ -411,52 +411,52 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         'return hmac.digest(prk, info + b"\\x01", "SHA256")[:KEY_BYTES]',
         _DIGEST_NAME,
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ__init____mutmut_14": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ__init____mutmut_14": (
         "self._reading = None",
         "read only as a truth value, where None and False are alike",
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ_answer__mutmut_4": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ_answer__mutmut_4": (
         "stop.waiting = None",
         "read only as a truth value, where None and False are alike",
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁon_output__mutmut_22": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁon_output__mutmut_22": (
         'stop.prompt = message.text.rsplit("\\n", )[-1]',
         _LAST_LINE,
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁon_output__mutmut_25": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁon_output__mutmut_25": (
         'stop.prompt = message.text.rsplit("\\n", 2)[-1]',
         _LAST_LINE,
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ_current__mutmut_1": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ_current__mutmut_1": (
         "return None if (self.current is None) and False else self.stops.get(self.current)",
         "stops has no None key: get(None) is None too",
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ_on_readable__mutmut_7": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ_on_readable__mutmut_7": (
         "data = None",
         "read only as a truth value (the end of input), where None and b'' are alike",
     ),
-    "torchrunx.launcher.debugger.xǁDebuggerǁ_on_readable__mutmut_6": (
+    "torchrunx.launcher.view.debugger.xǁDebuggerǁ_on_readable__mutmut_6": (
         "data = os.read(self._fd, 65537)",
         "a terminal's line is far shorter than either size; lines are joined across reads",
     ),
-    "torchrunx.launcher.reports.x__same_stack__mutmut_16": (
+    "torchrunx.launcher.state.reports.x__same_stack__mutmut_16": (
         'lines.append(line.rpartition(" 0x")[0])  # "Current thread" or "Thread"',
         "a thread's header holds ' 0x' once (its id): the first occurrence is the last",
     ),
-    "torchrunx.launcher.reports.x_innermost_frame__mutmut_3": (
+    "torchrunx.launcher.state.reports.x_innermost_frame__mutmut_3": (
         '_, current, after = text.rpartition("Current thread")',
         "faulthandler writes 'Current thread' once: the first occurrence is the last",
     ),
-    "torchrunx.launcher.ship.x_make_bundle__mutmut_74": (
+    "torchrunx.engines.ship.x_make_bundle__mutmut_74": (
         'separators=(",", "XX:XX")',
         "the manifest is a list of lists: JSON's key separator never appears in it",
     ),
-    "torchrunx.launcher.ship.x\u01c1_Ignores\u01c1read__mutmut_11": (
+    "torchrunx.engines.ship.x\u01c1_Ignores\u01c1read__mutmut_11": (
         'decode("UTF-8", "replace")',
         "Python takes a codec's name in either case",
     ),
-    "torchrunx.launcher.ship.x__walk__mutmut_43": ("ignored(rel, folder=None)", _FALSY),
-    "torchrunx.launcher.ship.x_make_bundle__mutmut_51": (
+    "torchrunx.engines.ship.x__walk__mutmut_43": ("ignored(rel, folder=None)", _FALSY),
+    "torchrunx.engines.ship.x_make_bundle__mutmut_51": (
         "if (rel) or True else place",
         "a shipped file's rel is empty: normpath(join(place, '')) is place itself",
     ),
@@ -473,41 +473,41 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     ),
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
-    "torchrunx.launcher.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),
-    "torchrunx.launcher.failures.x_restarts_for__mutmut_12": (
+    "torchrunx.launcher.state.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),
+    "torchrunx.launcher.state.failures.x_restarts_for__mutmut_12": (
         'type_name.rsplit(".", )[-1]',
         _RSPLIT,
     ),
-    "torchrunx.launcher.failures.x_restarts_for__mutmut_15": (
+    "torchrunx.launcher.state.failures.x_restarts_for__mutmut_15": (
         'type_name.rsplit(".", 2)[-1]',
         _RSPLIT,
     ),
     "torchrunx.devices.x_resolve_backend__mutmut_4": ("undecided = None", _FALSY),
-    "torchrunx.launcher.agent_table.x\u01c1AgentTable\u01c1workers_ended__mutmut_4": (
+    "torchrunx.launcher.state.agent_table.x\u01c1AgentTable\u01c1workers_ended__mutmut_4": (
         "message.attempt <= attempt",
         "for an equal attempt the reply is accepted by the first condition already",
     ),
-    "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1settle__mutmut_2": (
+    "torchrunx.launcher.state.attempt.x\u01c1AttemptState\u01c1settle__mutmut_2": (
         "self._waiting.discard(None)",
         "a cache of due/next_due: a settled rank's settle_by is None, so it is never due",
     ),
-    "torchrunx.launcher.attempt.x\u01c1AttemptState\u01c1settle__mutmut_3": (
+    "torchrunx.launcher.state.attempt.x\u01c1AttemptState\u01c1settle__mutmut_3": (
         "self._alarmed.discard(None)",
         "a cache of alarm, which skips settled ranks",
     ),
-    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1timings__mutmut_38": (
+    "torchrunx.launcher.state.state.x\u01c1LaunchState\u01c1timings__mutmut_38": (
         "ranks, strict=None)",
         _ZIP,
     ),
-    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1timings__mutmut_41": (
+    "torchrunx.launcher.state.state.x\u01c1LaunchState\u01c1timings__mutmut_41": (
         "zip(self.ranks, ranks, )",
         _ZIP,
     ),
-    "torchrunx.launcher.state.x\u01c1LaunchState\u01c1timings__mutmut_42": (
+    "torchrunx.launcher.state.state.x\u01c1LaunchState\u01c1timings__mutmut_42": (
         "ranks, strict=False)",
         _ZIP,
     ),
-    "torchrunx.launcher.inbox.x\u01c1Inbox\u01c1drop__mutmut_2": (
+    "torchrunx.launcher.launch.inbox.x\u01c1Inbox\u01c1drop__mutmut_2": (
         "(conn is None) and False",
         "peers has no None key: peers.get(None) is None too",
     ),
@@ -766,7 +766,7 @@ def say(text: str = "") -> None:
 
 
 def mutant_prefix(target: Target) -> str:
-    """``torchrunx.launcher.failures.``: what mutmut's names of this module's mutants start with."""
+    """``torchrunx.launcher.state.failures.``: how mutmut's names of its mutants start."""
     return target.source.removesuffix(".py").replace("/", ".") + "."
 
 

@@ -345,8 +345,8 @@ def no_leftover_processes() -> Iterator[None]:
 @pytest.fixture
 def listen_sockets(monkeypatch: pytest.MonkeyPatch) -> list[socket.socket]:
     """Every listening socket the launches of this test open, in order (a spy on
-    ``torchrunx.launcher.listener.listen_socket``)."""
-    from torchrunx.launcher import listener as listener_module
+    ``torchrunx.launcher.net.listener.listen_socket``)."""
+    from torchrunx.launcher.net import listener as listener_module
 
     made: list[socket.socket] = []
     real_listen = listener_module.listen_socket

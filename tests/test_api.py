@@ -10,7 +10,7 @@ import typing
 import pytest
 
 import torchrunx as trx
-from torchrunx.launcher.results import LaunchResult
+from torchrunx.launcher.state.results import LaunchResult
 
 
 def test_exports_are_sorted_and_complete():
@@ -27,7 +27,7 @@ def test_agent_side_does_not_import_the_launcher():
     import subprocess
     import sys
 
-    code = "import sys, torchrunx.agent.agent, torchrunx.agent.worker; print(sorted(m for m in sys.modules if m in ('torchrunx.launcher', 'paramiko', 'torch')))"
+    code = "import sys, torchrunx.agent.agent, torchrunx.worker.worker; print(sorted(m for m in sys.modules if m in ('torchrunx.launcher', 'paramiko', 'torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -20,7 +20,7 @@ import tyro
 
 import torchrunx as trx
 from torchrunx.cli import add_launcher_arguments, launcher_from_args
-from torchrunx.launcher.renamed import RENAMED_FIELDS
+from torchrunx.launcher.settings.renamed import RENAMED_FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import torchrunx as trx
-from torchrunx import cli_logs
-from torchrunx.cli_logs import RankFile, find_launch, launches, rank_files, select
+from torchrunx.commands import logs as cli_logs
+from torchrunx.commands.logs import RankFile, find_launch, launches, rank_files, select
 
 
 def _events(*events: dict[str, object]) -> list[dict[str, object]]:

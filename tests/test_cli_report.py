@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import torchrunx as trx
-from torchrunx.cli_logs import launches, rank_files
-from torchrunx.cli_report import COLORS, render
+from torchrunx.commands.logs import launches, rank_files
+from torchrunx.commands.report import COLORS, render
 
 T0 = 1_000.0
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import pytest
 from attacker import as_attacker
 
-from torchrunx.cli_top import GROUP_ABOVE, Ages, find_views, render_text
-from torchrunx.launcher.view_server import runtime_dir
+from torchrunx.commands.top import GROUP_ABOVE, Ages, find_views, render_text
+from torchrunx.launcher.view.view_server import runtime_dir
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -239,7 +239,7 @@ def test_the_live_view_in_a_terminal_shows_a_failure_within_a_second(tmp_path):
 
 
 def test_rule_at_scale_a_snapshot_counts_ranks_per_host_and_state_and_lists_agents_not_running():
-    from torchrunx.launcher.view_server import grouped
+    from torchrunx.launcher.view.view_server import grouped
 
     report = grouped(
         {"healthy": False, "agents": [], "workers": []},
@@ -256,7 +256,7 @@ def test_rule_at_scale_a_snapshot_counts_ranks_per_host_and_state_and_lists_agen
 
 
 def test_rule_keys_select_a_rank_show_its_tail_and_quit():
-    from torchrunx.cli_top import Screen, split_keys
+    from torchrunx.commands.top import Screen, split_keys
 
     assert split_keys("jl\x1b[Aq") == ["j", "l", "\x1b[A", "q"]
     screen = Screen()

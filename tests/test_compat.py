@@ -27,8 +27,8 @@ from torchrunx.env import (
     local_agent_env,
     split_extra_env_vars,
 )
-from torchrunx.hosts.resolve import HostSlots, resolve_hosts
-from torchrunx.launcher import logdirs
+from torchrunx.launcher.settings.resolve import HostSlots, resolve_hosts
+from torchrunx.launcher.view import logdirs
 from torchrunx.wire.bootstrap import AgentBootstrap
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from torchrunx import events
-from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth
+from torchrunx.launcher.state.health import AgentHealth, HealthReport, WorkerHealth
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

@@ -84,13 +84,13 @@ def _page_has_line(page: str, line: str) -> None:
 
 
 def test_the_hint_samples_are_what_the_hints_say():
-    from torchrunx.launcher.logrouter import auto_cores_text
+    from torchrunx.launcher.view.logrouter import auto_cores_text
 
     _page_has_line("logging.md", (auto_cores_text([("login1", 64)]) or "").rstrip("\n"))
 
 
 def test_the_progress_sample_is_the_progress_line():
-    from torchrunx.launcher.progress import mib, progress_text
+    from torchrunx.launcher.view.progress import mib, progress_text
 
     line = (
         progress_text("agents starting", 5, 8, "hosts up", 2.3)
@@ -100,7 +100,7 @@ def test_the_progress_sample_is_the_progress_line():
 
 
 def test_the_live_views_sample_is_what_top_prints():
-    from torchrunx.cli_top import Ages, render_text
+    from torchrunx.commands.top import Ages, render_text
 
     workers = [
         {"rank": r, "host_index": 0, "hostname": "localhost", "local_rank": r, "pid": 5883 + r}

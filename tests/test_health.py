@@ -21,7 +21,7 @@ from conftest import listening_addresses
 import torchrunx as trx
 from torchrunx import events as ev
 from torchrunx.events import AgentState, WorkerState
-from torchrunx.launcher.health import (
+from torchrunx.launcher.state.health import (
     AgentHealth,
     HealthReport,
     WorkerHealth,
@@ -29,7 +29,7 @@ from torchrunx.launcher.health import (
     health_host_from_env,
     health_port_from_env,
 )
-from torchrunx.launcher.health_server import HealthServer
+from torchrunx.launcher.view.health_server import HealthServer
 
 LOCAL = "127.0.0.1"
 # No proxy from the environment may stand between the tests and 127.0.0.1.
@@ -503,7 +503,7 @@ def test_default_host_is_loopback_and_every_interface_is_asked_for(snapshot):
 
 
 def test_close_does_not_wait_for_a_stuck_snapshot_past_its_deadline(snapshot, monkeypatch):
-    monkeypatch.setattr("torchrunx.launcher.health_server._CLOSE_JOIN_TIMEOUT", 0.2)
+    monkeypatch.setattr("torchrunx.launcher.view.health_server._CLOSE_JOIN_TIMEOUT", 0.2)
     release = threading.Event()
     entered = threading.Event()
 

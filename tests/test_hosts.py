@@ -18,8 +18,8 @@ import torchrunx as trx
 from torchrunx import devices
 from torchrunx.devices import device_env
 from torchrunx.hosts import hostlists
-from torchrunx.hosts import resolve as hosts
-from torchrunx.hosts.resolve import HostSlots
+from torchrunx.launcher.settings import resolve as hosts
+from torchrunx.launcher.settings.resolve import HostSlots
 
 SLURM_VARIABLES = (
     "SLURM_JOB_ID",

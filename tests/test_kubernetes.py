@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 import torchrunx as trx
+from torchrunx.engines.command import AGENT_ARGV
 from torchrunx.engines.kubernetes import KubernetesProvider, read_pods
-from torchrunx.launcher.transport import AGENT_ARGV
 
 STANDIN = Path(__file__).with_name("kubectl_standin.py")
 

@@ -12,10 +12,16 @@ import pytest
 
 from torchrunx.errors import AgentFailedError, WorkerFailedError, WorkerTimeoutError
 from torchrunx.events import AgentState, WorkerFailed, WorkerState, WorkerStateChanged
-from torchrunx.hosts.resolve import HostSlots
-from torchrunx.launcher.failures import choose_cause, others, restartable
-from torchrunx.launcher.records import AGENT_MOVES, OUTCOME_WAIT, WORKER_MOVES, AgentRecord, Phase
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.settings.resolve import HostSlots
+from torchrunx.launcher.state.failures import choose_cause, others, restartable
+from torchrunx.launcher.state.records import (
+    AGENT_MOVES,
+    OUTCOME_WAIT,
+    WORKER_MOVES,
+    AgentRecord,
+    Phase,
+)
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire.messages import (
     AgentHello,
     WorkerExited,

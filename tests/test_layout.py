@@ -14,11 +14,26 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "torchrunx"
 
-LAUNCHER_SIDE = ("torchrunx.launcher", "torchrunx.hosts", "torchrunx.plugins", "torchrunx.cli")
+LAUNCHER_SIDE = (
+    "torchrunx.launcher",
+    "torchrunx.engines",
+    "torchrunx.hosts",
+    "torchrunx.plugins",
+    "torchrunx.cli",
+    "torchrunx.integrations.cli",
+    "torchrunx.integrations.parsing",
+)
 """What runs only in the caller's process: the host side never imports it."""
 
-HOST_SIDE = ("torchrunx.agent", "torchrunx.wire")
+HOST_SIDE = ("torchrunx.agent", "torchrunx.worker", "torchrunx.wire")
 """What runs on every host (the agent, its guardian and workers) and what it shares."""
+
+PACKAGES = ("launcher", "engines", "agent", "worker", "wire", "hosts", "integrations")
+"""The folders under ``torchrunx/`` (each with its sub-packages, if any)."""
+
+MAX_FOLDER_MODULES = 16
+"""Modules in one folder, its ``__init__.py`` aside (the folder itself): more, and it is cut
+into sub-packages that say what each part is."""
 
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 400
@@ -77,11 +92,19 @@ def _reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
 def test_the_packages_hold_every_module():
     modules = _modules()
     top = sorted(n for n in modules if n.count(".") == 1)
-    assert {"torchrunx.launcher", "torchrunx.agent", "torchrunx.wire", "torchrunx.hosts"} <= set(
-        top
-    )
-    for package in ("launcher", "agent", "wire", "hosts"):
-        assert ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
+    assert {f"torchrunx.{package}" for package in PACKAGES} <= set(top)
+    for init in PACKAGE.rglob("__init__.py"):
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} says what it holds"
+
+
+def test_no_folder_holds_more_than_16_modules():
+    crowded = []
+    for folder in [PACKAGE, *(p.parent for p in PACKAGE.rglob("*/__init__.py"))]:
+        count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+        if count > MAX_FOLDER_MODULES:
+            crowded.append(f"{folder.relative_to(PACKAGE.parent)}/: {count} modules")
+    assert crowded == []
+    assert not [p for p in PACKAGE.rglob("*.py") if not (p.parent / "__init__.py").exists()]
 
 
 def test_the_host_side_never_imports_the_launcher_side():
@@ -89,6 +112,8 @@ def test_the_host_side_never_imports_the_launcher_side():
     graph = _imports(modules)
     host_side = [n for n in modules if _under(n, HOST_SIDE)]
     assert len(host_side) >= 10
+    # What a worker's own code imports: the framework glue, never the 0.4 command-line shim.
+    host_side += ["torchrunx.integrations", "torchrunx.integrations.lightning"]
     for name in host_side:
         for target, via in _reachable(graph, name).items():
             assert not _under(target, LAUNCHER_SIDE), f"{name} imports {target} (via {via})"
@@ -131,16 +156,79 @@ def test_no_import_cycle_type_checking_imports_included():
     assert _cycles(_imports(_modules())) == []
 
 
+def _package(name: str, path: Path, depth: int | None) -> str:
+    """The package of a module: the folder that holds it, or its first ``depth`` levels under
+    ``torchrunx/`` (1: ``torchrunx.launcher`` for all of ``launcher/``). A module at the top of
+    ``torchrunx/`` (the API, ``errors``, ``plugins``...) is a node of its own."""
+    folder = path.parent.relative_to(PACKAGE.parent).parts
+    if len(folder) == 1:
+        return name
+    return ".".join(folder if depth is None else folder[: depth + 1])
+
+
+def _package_imports(depth: int | None) -> dict[str, set[str]]:
+    """Which package imports which (type-checking imports included)."""
+    modules = _modules()
+    packages: dict[str, set[str]] = {}
+    for name, targets in _imports(modules).items():
+        source = _package(name, modules[name], depth)
+        found = packages.setdefault(source, set())
+        found.update(_package(t, modules[t], depth) for t in targets if t in modules)
+        found.discard(source)
+    return packages
+
+
+def test_no_package_import_cycle_folders_or_their_sub_packages():
+    top, folders = _package_imports(1), _package_imports(None)
+    assert {"torchrunx.engines", "torchrunx.agent", "torchrunx.plugins"} <= top[
+        "torchrunx.launcher"
+    ]
+    assert "torchrunx.launcher.state" in folders["torchrunx.launcher.launch"]
+    assert _cycles(top) == []
+    assert _cycles(folders) == []
+
+
+def test_the_engines_are_a_layer_under_the_launcher():
+    modules = _modules()
+    graph = _imports(modules)
+    engines = [n for n in modules if _under(n, ("torchrunx.engines",))]
+    assert "torchrunx.engines.protocol" in engines
+    for name in engines:
+        for target, via in _reachable(graph, name).items():
+            assert not _under(target, ("torchrunx.launcher",)), f"{name} imports {target} ({via})"
+
+
+def test_no_module_imports_a_private_name_of_another_package_nor_an_engine_any():
+    modules = _modules()
+    private = []
+    for name, path in modules.items():
+        own = _package(name, path, None)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0):
+                continue
+            if node.module not in modules:
+                continue
+            theirs = _package(node.module, modules[node.module], None)
+            for alias in node.names:
+                hidden = alias.name.startswith("_") and not alias.name.startswith("__")
+                if hidden and (theirs != own or _under(name, ("torchrunx.engines",))):
+                    private.append(f"{name} imports {node.module}.{alias.name}")
+    assert private == []
+
+
 def test_an_agent_and_a_worker_load_nothing_of_the_launcher_side():
     code = (
-        "import sys, torchrunx.agent.agent, torchrunx.agent.worker, torchrunx.agent.guardian\n"
+        "import sys, torchrunx.agent.agent, torchrunx.worker.worker, torchrunx.agent.guardian\n"
+        "import torchrunx.agent.workerprocess, torchrunx.integrations\n"
         "print('\\n'.join(m for m in sys.modules if m.startswith('torchrunx')))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     loaded = done.stdout.split()
-    assert "torchrunx.agent.agent" in loaded
+    assert {"torchrunx.agent.agent", "torchrunx.worker.worker", "torchrunx.integrations"} <= set(
+        loaded
+    )
     assert [m for m in loaded if _under(m, LAUNCHER_SIDE)] == []
 
 

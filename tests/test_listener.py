@@ -23,9 +23,9 @@ from wire_helpers import server_handshake
 
 import torchrunx as trx
 from torchrunx.errors import ProtocolError
-from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.ioloop import IOLoop
-from torchrunx.launcher.listener import FrameReceived, Listener, PeerClosed
+from torchrunx.launcher.net import listener as listener_module
+from torchrunx.launcher.net.ioloop import IOLoop
+from torchrunx.launcher.net.listener import FrameReceived, Listener, PeerClosed
 from torchrunx.wire import handshake, records
 from torchrunx.wire.messages import Heartbeat, LogLines, WorkerResult
 from torchrunx.wire.records import FrameReader
@@ -250,9 +250,9 @@ _FLOODED_LISTENER = r"""
 import collections, logging, os, resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 logging.basicConfig(level=logging.DEBUG, format="%(name)s %(levelname)s %(message)s")
-from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.ioloop import IOLoop
-from torchrunx.launcher.listener import FrameReceived, Listener
+from torchrunx.launcher.net import listener as listener_module
+from torchrunx.launcher.net.ioloop import IOLoop
+from torchrunx.launcher.net.listener import FrameReceived, Listener
 listener_module.HANDSHAKE_TIMEOUT = 0.5
 loop, events = IOLoop(), collections.deque()
 sock = listener_module.listen_socket("127.0.0.1")
@@ -314,7 +314,7 @@ import logging, os, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
 import torchrunx as trx
-from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.net import listener as listener_module
 listener_module.HANDSHAKE_TIMEOUT = 0.5
 real_listen = listener_module.listen_socket
 
@@ -476,7 +476,7 @@ import logging, os, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
 import torchrunx as trx
-from torchrunx.launcher import listener as listener_module
+from torchrunx.launcher.net import listener as listener_module
 real_listen = listener_module.listen_socket
 
 def flooded(host=None, ports=(0,)):  # the flood is queued before the launch accepts anything

@@ -20,8 +20,8 @@ import pytest
 from conftest import listened_during_launch
 
 import torchrunx as trx
-from torchrunx.launcher.agent_starts import listen_hosts
-from torchrunx.launcher.inbox import Inbox
+from torchrunx.launcher.launch.inbox import Inbox
+from torchrunx.launcher.starts.agent_starts import listen_hosts
 from torchrunx.wire import handshake
 from torchrunx.wire.handshake import MAGIC
 from torchrunx.wire.messages import (
@@ -36,7 +36,7 @@ from torchrunx.wire.messages import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from torchrunx.launcher.listener import FrameReceived
+    from torchrunx.launcher.net.listener import FrameReceived
 
 LOCAL = {"hostnames": ["localhost"], "workers_per_host": 2, "backend": "gloo"}
 

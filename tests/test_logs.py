@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 import pytest
 
 import torchrunx as trx
-from torchrunx.launcher.logrouter import TAIL_BYTES, TAIL_LINES, LogRouter, log_level_from_env
+from torchrunx.launcher.view.logrouter import TAIL_BYTES, TAIL_LINES, LogRouter, log_level_from_env
 from torchrunx.wire.lines import (
     TAIL_LINE_BYTES,
     Line,
@@ -870,7 +870,7 @@ def test_auto_on_a_machine_without_gpus_says_once_that_it_started_a_worker_per_c
 
 
 def test_rule_the_auto_cores_hint_names_at_most_four_hosts():
-    from torchrunx.launcher.logrouter import auto_cores_text
+    from torchrunx.launcher.view.logrouter import auto_cores_text
 
     assert auto_cores_text([]) is None
     hosts = [(f"n{i}", 64) for i in range(6)]

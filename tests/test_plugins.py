@@ -14,7 +14,7 @@ import pytest
 
 import torchrunx as trx
 from torchrunx import plugins
-from torchrunx.hosts.resolve import HostSlots, resolve_hosts
+from torchrunx.launcher.settings.resolve import HostSlots, resolve_hosts
 
 PLUGIN = Path(__file__).resolve().parent.parent / "examples" / "plugin_package"
 
@@ -32,8 +32,8 @@ def test_imports_go_one_way():
         "metadata_before = 'importlib.metadata' in sys.modules\n"
         "import torchrunx.plugins\n"
         "assert 'torchrunx.hosts.hostlists' in sys.modules\n"
-        "assert 'torchrunx.hosts.resolve' not in sys.modules\n"
-        "import torchrunx.hosts.resolve\n"
+        "assert 'torchrunx.launcher.settings.resolve' not in sys.modules\n"
+        "import torchrunx.launcher.settings.resolve\n"
         "assert metadata_before or 'importlib.metadata' not in sys.modules\n"
     )
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

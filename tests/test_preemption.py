@@ -428,7 +428,7 @@ def test_an_sbatch_job_preempted_once_requeues_and_finishes_from_its_checkpoint(
 
 def test_the_default_grace_runs_scontrol_show_config(monkeypatch, tmp_path):
     # SLURM's own tool, found on PATH: a stand-in that prints a config, then one that fails.
-    from torchrunx.launcher.preempt import default_grace
+    from torchrunx.launcher.launch.preempt import default_grace
 
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")

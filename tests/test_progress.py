@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from torchrunx.launcher import progress
-from torchrunx.launcher.progress import ProgressLine, progress_enabled, progress_text
+from torchrunx.launcher.view import progress
+from torchrunx.launcher.view.progress import ProgressLine, progress_enabled, progress_text
 
 
 class _Terminal(io.StringIO):

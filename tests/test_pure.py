@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 from wire_helpers import server_handshake
 
+from torchrunx.engines.command import AGENT_COMMAND, agent_script
 from torchrunx.env import forwarded_env
 from torchrunx.errors import ProtocolError, WorkerFailedError, is_collective_error
 from torchrunx.events import (
@@ -22,8 +23,7 @@ from torchrunx.events import (
     dataclass_to_dict,
     event_to_dict,
 )
-from torchrunx.hosts import resolve as hosts
-from torchrunx.launcher.transport import AGENT_COMMAND, agent_script
+from torchrunx.launcher.settings import resolve as hosts
 from torchrunx.wire import handshake, messages, records
 from torchrunx.wire.bootstrap import AgentBootstrap
 
@@ -239,8 +239,8 @@ print("ok")
 
 
 def test_an_exception_whose_str_raises_is_reported_with_its_type_and_traceback():
-    from torchrunx.agent.worker import _exception_message
     from torchrunx.errors import exception_text
+    from torchrunx.worker.worker import _exception_message
 
     class UnprintableError(Exception):
         def __str__(self) -> str:

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from torchrunx.launcher.relay import LauncherRelay
+from torchrunx.engines.relay import LauncherRelay
 from torchrunx.wire.relay import DATA, EOF, OPEN, FrameSplitter, frame
 
 if TYPE_CHECKING:

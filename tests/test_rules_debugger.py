@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from torchrunx.launcher import debugger as debugger_module
-from torchrunx.launcher.debugger import Debugger
+from torchrunx.launcher.view import debugger as debugger_module
+from torchrunx.launcher.view.debugger import Debugger
 from torchrunx.wire.messages import DebugInput, DebugOutput
 
 if TYPE_CHECKING:

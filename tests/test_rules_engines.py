@@ -7,6 +7,7 @@ import json
 import pytest
 
 from torchrunx import plugins
+from torchrunx.engines.command import AGENT_ARGV
 from torchrunx.engines.kubernetes import (
     KubectlOptions,
     KubectlTransport,
@@ -17,8 +18,7 @@ from torchrunx.engines.kubernetes import (
 )
 from torchrunx.engines.ray import RayProvider, RayTransport, node_table, ordered, ray_address
 from torchrunx.engines.ray_actor import agent_environ
-from torchrunx.launcher.plan import check_agent_start, paired_transport, start_methods
-from torchrunx.launcher.transport import AGENT_ARGV
+from torchrunx.launcher.settings.plan import check_agent_start, paired_transport, start_methods
 
 # -- kubectl ----------------------------------------------------------------------------------
 
@@ -311,3 +311,63 @@ def test_agent_start_must_name_a_transport_that_takes_its_argument():
     assert plugins.transport_spec("ray:h:1") == ("ray", "h:1")
     assert plugins.transport_spec("ssh") == ("ssh", None)
     assert plugins.transport_spec("kubectl:") == ("kubectl", "")
+
+
+def test_a_transport_has_every_capability_as_an_attribute_false_unless_declared():
+    from torchrunx.engines.builtin import LocalTransport, SrunTransport, SshTransport
+    from torchrunx.engines.kubernetes import KubectlTransport
+    from torchrunx.engines.protocol import CAPABILITIES, Transport, with_declared_capabilities
+
+    class Structural:  # the form docs/engines.md shows: only what it has
+        name = "docker"
+        remote = True
+        relays = True
+
+    made = with_declared_capabilities(Structural())
+    assert (made.relays, made.ships, made.containers, made.container_options) == (
+        True,
+        False,
+        False,
+        False,
+    )
+    assert isinstance(made, Transport) is False  # no start(): the loader refuses it first
+    assert {c: getattr(LocalTransport(), c) for c in CAPABILITIES} == dict.fromkeys(
+        CAPABILITIES, False
+    )
+    assert (SshTransport.relays, SshTransport.ships, SshTransport.containers) == (True,) * 3
+    assert not SshTransport.container_options
+    assert SrunTransport.container_options
+    assert KubectlTransport.relays
+    assert not KubectlTransport.containers
+
+    class Slotted:
+        __slots__ = ()
+        name = "slotted"
+        remote = False
+
+    with pytest.raises(TypeError, match="declare relays = False"):
+        with_declared_capabilities(Slotted())
+
+
+def test_the_transport_loader_gives_a_plugin_the_capabilities_it_leaves_out(monkeypatch):
+    class Minimal:
+        name = "minimal"
+        remote = True
+
+        def __init__(self, argument):
+            self.argument = argument
+
+        def start(self, start):
+            raise NotImplementedError
+
+        def describe(self, hostname):
+            return hostname
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(plugins._BUILTIN_TRANSPORTS, "minimal", "tests:unused")
+    monkeypatch.setattr(plugins, "_import_ref", lambda _ref: Minimal)
+    made = plugins.transport("minimal", "x")
+    assert made.argument == "x"
+    assert not (made.relays or made.ships or made.containers or made.container_options)

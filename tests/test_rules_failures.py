@@ -1,4 +1,4 @@
-"""The rules of failure analysis (torchrunx/launcher/failures.py), one test per rule, on made-up facts.
+"""The rules of failure analysis (torchrunx/launcher/state/failures.py), one test per rule, on made-up facts.
 
 The documented rules (docs/failures.md "Which failure is raised", docs/restarts.md):
 
@@ -28,9 +28,15 @@ from torchrunx.errors import (
     WorkerTimeoutError,
 )
 from torchrunx.hosts.hostlists import HostSlots
-from torchrunx.launcher.failures import choose_cause, others, relevant, restartable, restarts_for
-from torchrunx.launcher.records import OUTCOME_WAIT, AgentRecord, Fault, FaultKind, RankRecord
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.state.failures import (
+    choose_cause,
+    others,
+    relevant,
+    restartable,
+    restarts_for,
+)
+from torchrunx.launcher.state.records import OUTCOME_WAIT, AgentRecord, Fault, FaultKind, RankRecord
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire.messages import AgentHello, WorkerExited, WorkerSpec
 
 ECHO = "[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1234"

@@ -22,7 +22,7 @@ import pytest
 from wire_helpers import server_handshake
 
 from torchrunx.errors import ProtocolError
-from torchrunx.launcher.listener import _Pending
+from torchrunx.launcher.net.listener import _Pending
 from torchrunx.wire import handshake, messages, records
 
 SECRET = b"s" * 32

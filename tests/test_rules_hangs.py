@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from torchrunx.launcher.hangs import (
+from torchrunx.launcher.state.hangs import (
     CollectiveEntry,
     RankSnapshot,
     diagnose,
@@ -82,7 +82,7 @@ def test_rule_a_collective_is_done_when_retired_gloo_or_completed_nccl():
 
 
 def test_rule_torchrunxs_own_frames_are_not_the_call_site():
-    raw = {"frames": [{"name": "run", "filename": "/x/torchrunx/agent/worker.py", "line": 9}]}
+    raw = {"frames": [{"name": "run", "filename": "/x/torchrunx/worker/worker.py", "line": 9}]}
     assert entry_from_recorder(raw).site == ""
 
 

@@ -4,15 +4,15 @@ Written to kill the mutants that ``scripts/mutation.py`` found surviving (see
 docs/mutation.md): each test states a documented rule, on made-up facts, with no process and
 no network. Sections:
 
-- what arrives during a launch (torchrunx/launcher/inbox.py), driven with stand-in peers, pool,
+- what arrives during a launch (torchrunx/launcher/launch/inbox.py), driven with stand-in peers, pool,
   listener, log router and event sink;
-- failure analysis (torchrunx/launcher/failures.py): restart_on's type names;
+- failure analysis (torchrunx/launcher/state/failures.py): restart_on's type names;
 - environment forwarding (torchrunx/env.py): a worker's variables, exact, and full messages;
 - device choice (torchrunx/devices.py): isolation, threads, the device of a worker;
-- the launch state (torchrunx/launcher/state.py): every record's fields, settling, waits,
+- the launch state (torchrunx/launcher/state/state.py): every record's fields, settling, waits,
   silence, kept workers, attempts, health and timings;
 - SLURM allocations and hostfiles (torchrunx/hosts/hostlists.py), with no ``scontrol`` process;
-- host names (the checks of torchrunx/hosts/resolve.py): every reason, in full;
+- host names (the checks of torchrunx/launcher/settings/resolve.py): every reason, in full;
 - the checks of the Launcher's fields (torchrunx/launcher/launcher.py): every message, in full;
 - the handshake, sealed records and frames (torchrunx/wire/handshake.py, records.py, messages.py):
   the frame parser however its input is cut, the limits, the close record, both reading styles,
@@ -65,19 +65,19 @@ from torchrunx.events import AgentStarted as AgentStartedEvent
 from torchrunx.events import AgentState, HostQuarantined, WorkerFailed, WorkerState
 from torchrunx.events import WorkersStarted as WorkersStartedEvent
 from torchrunx.hosts import hostlists
-from torchrunx.hosts import resolve as hosts
 from torchrunx.hosts.hostlists import HostSlots
 from torchrunx.launcher import launcher as launcher_module
-from torchrunx.launcher.agent_pool import AgentExited, AgentStarted, AgentStartFailed
-from torchrunx.launcher.channels import WorkerChannel
-from torchrunx.launcher.failures import choose_cause, restarts_for
-from torchrunx.launcher.health import AgentHealth, HealthReport, WorkerHealth
-from torchrunx.launcher.inbox import Inbox
-from torchrunx.launcher.listener import FrameReceived, PeerClosed
-from torchrunx.launcher.plan import LaunchPlan
-from torchrunx.launcher.records import OUTCOME_WAIT, AgentRecord, Fault, Phase
-from torchrunx.launcher.results import LaunchTimings
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.launch.inbox import Inbox
+from torchrunx.launcher.net.channels import WorkerChannel
+from torchrunx.launcher.net.listener import FrameReceived, PeerClosed
+from torchrunx.launcher.settings import resolve as hosts
+from torchrunx.launcher.settings.plan import LaunchPlan
+from torchrunx.launcher.starts.agent_pool import AgentExited, AgentStarted, AgentStartFailed
+from torchrunx.launcher.state.failures import choose_cause, restarts_for
+from torchrunx.launcher.state.health import AgentHealth, HealthReport, WorkerHealth
+from torchrunx.launcher.state.records import OUTCOME_WAIT, AgentRecord, Fault, Phase
+from torchrunx.launcher.state.results import LaunchTimings
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire import handshake, messages
 from torchrunx.wire.messages import (
     AgentDone,
@@ -138,7 +138,7 @@ def test_rule_small_pieces_share_a_record_up_to_the_limit_and_a_large_one_stands
     assert take_plaintext(pieces) == b"s" and list(pieces) == [big]  # not merged with a large one
 
 
-# -- what arrives during a launch (torchrunx/launcher/inbox.py) -------------------------------------
+# -- what arrives during a launch (torchrunx/launcher/launch/inbox.py) -------------------------------------
 
 
 class StubPeer:
@@ -970,7 +970,7 @@ def test_rule_settling_a_rank_emits_what_follows():
     assert rank.settled and rank.state is WorkerState.FAILED and len(parts.events) == 2
 
 
-# -- failure analysis (torchrunx/launcher/failures.py) ----------------------------------------------
+# -- failure analysis (torchrunx/launcher/state/failures.py) ----------------------------------------------
 
 
 def test_rule_choosing_a_cause_out_of_no_failure_is_a_bug_said_plainly():
@@ -1131,7 +1131,7 @@ def test_rule_a_worker_uses_its_gpu_by_local_rank_or_cuda_0_when_isolated(
     assert cuda_device(local_rank=local_rank, gpus=gpus, isolated=isolated) == expected
 
 
-# -- the launch state (torchrunx/launcher/state.py) ------------------------------------------
+# -- the launch state (torchrunx/launcher/state/state.py) ------------------------------------------
 
 
 def launch(
@@ -1815,7 +1815,7 @@ def test_rule_a_hostfiles_errors_name_its_path(tmp_path):
         hostlists.read_hostfile(tmp_path)  # a folder
 
 
-# -- host names (the checks of torchrunx/hosts/resolve.py) ---------------------------------------
+# -- host names (the checks of torchrunx/launcher/settings/resolve.py) ---------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -16,16 +16,16 @@ import pytest
 
 from torchrunx.errors import AgentFailedError, SerializationError
 from torchrunx.events import AgentState
-from torchrunx.hosts.resolve import HostSlots
-from torchrunx.launcher.agent_table import AgentTable
-from torchrunx.launcher.attempt import AttemptState
-from torchrunx.launcher.dispatch import Dispatch
+from torchrunx.launcher.launch.dispatch import Dispatch
+from torchrunx.launcher.launch.orchestrator import Launch
 from torchrunx.launcher.launcher import Launcher
-from torchrunx.launcher.orchestrator import Launch
-from torchrunx.launcher.plan import LaunchPlan
-from torchrunx.launcher.records import AgentRecord, Phase, Progress
-from torchrunx.launcher.spares import Reshape
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.settings.plan import LaunchPlan
+from torchrunx.launcher.settings.resolve import HostSlots
+from torchrunx.launcher.state.agent_table import AgentTable
+from torchrunx.launcher.state.attempt import AttemptState
+from torchrunx.launcher.state.records import AgentRecord, Phase, Progress
+from torchrunx.launcher.state.spares import Reshape
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.serialization import dumps
 from torchrunx.wire.messages import AgentHello, WorkerSpec, WorkersStarted
 

@@ -13,8 +13,9 @@ import pytest
 
 import torchrunx as trx
 from torchrunx.agent import unpack
-from torchrunx.launcher import reach, ship
-from torchrunx.launcher.transport import MISSING_PYTHON, agent_script, unpack_source
+from torchrunx.engines import ship
+from torchrunx.engines.command import MISSING_PYTHON, agent_script, unpack_source
+from torchrunx.launcher.settings import reach
 from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap
 
 PACKAGE = Path(trx.__file__).resolve().parent
@@ -351,8 +352,8 @@ def test_a_trees_record_goes_a_day_after_its_tree_and_never_before(tmp_path, mon
 
 
 def test_container_is_a_command_line_put_before_the_agent_command():
-    from torchrunx.engines.builtin import openssh_command
-    from torchrunx.launcher.transport import AGENT_COMMAND, remote_command, srun_command
+    from torchrunx.engines.builtin import openssh_command, srun_command
+    from torchrunx.engines.command import AGENT_COMMAND, remote_command
 
     reach.check_container(None)
     reach.check_container("podman exec -i trainer")
@@ -382,8 +383,8 @@ def test_container_is_a_command_line_put_before_the_agent_command():
 
 
 def test_pyxis_options_are_srun_options_before_the_agent_command():
-    from torchrunx.engines.builtin import SrunTransport, SshTransport
-    from torchrunx.launcher.transport import AGENT_ARGV, srun_command
+    from torchrunx.engines.builtin import SrunTransport, SshTransport, srun_command
+    from torchrunx.engines.command import AGENT_ARGV
 
     options = ("--container-image=/img/train.sqsh", "--container-mounts=/data:/data")
     reach.check_container(" ".join(options))
@@ -392,7 +393,7 @@ def test_pyxis_options_are_srun_options_before_the_agent_command():
     assert srun[: srun.index(options[0])][-1] == "--cpus-per-task=4"
     assert srun[srun.index(options[0]) :] == [*options, *AGENT_ARGV]
     assert SrunTransport.container_options is True
-    assert not getattr(SshTransport, "container_options", False)
+    assert not SshTransport.container_options
     assert reach.default_python(None, "h", options) == "python3"
 
 
@@ -446,7 +447,7 @@ def test_a_file_below_an_ignored_folder_is_not_shipped_even_if_a_pattern_takes_i
 
 
 def test_rule_python_naming_a_host_on_this_machine_is_refused_not_ignored():
-    from torchrunx.launcher.reach import check_python_hosts
+    from torchrunx.launcher.settings.reach import check_python_hosts
 
     with pytest.raises(
         ValueError, match=r"^python names \['localhost'\], which run on this machine"
@@ -458,7 +459,7 @@ def test_rule_python_naming_a_host_on_this_machine_is_refused_not_ignored():
 def test_rule_one_python_for_every_host_says_it_is_not_this_machines(caplog):
     import logging
 
-    from torchrunx.launcher.reach import check_python_hosts
+    from torchrunx.launcher.settings.reach import check_python_hosts
 
     with caplog.at_level(logging.WARNING, logger="torchrunx.launcher"):
         check_python_hosts("/x/python", ["localhost", "node2"], ["local", "ssh"])

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
 import pytest
 
-from torchrunx.engines.builtin import openssh_command
+from torchrunx.engines.builtin import openssh_command, srun_command
+from torchrunx.engines.command import AGENT_COMMAND
 from torchrunx.errors import ProtocolError
-from torchrunx.launcher.agent_starts import listen_hosts
-from torchrunx.launcher.plan import check_relay
-from torchrunx.launcher.transport import AGENT_COMMAND, srun_command
+from torchrunx.launcher.settings.plan import check_relay
+from torchrunx.launcher.starts.agent_starts import listen_hosts
 from torchrunx.wire.relay import (
     DATA,
     EOF,
@@ -107,11 +108,11 @@ def test_relay_takes_off_auto_or_on(value):
         check_relay(good)
 
 
-def test_a_relaying_hosts_bootstrap_line_carries_the_mode_for_the_relay_alone():
+def test_a_relaying_hosts_bootstrap_line_carries_the_mode_as_a_typed_field():
     from torchrunx.hosts import HostSlots
-    from torchrunx.launcher.agent_starts import AgentStarts
-    from torchrunx.launcher.plan import LaunchPlan
-    from torchrunx.launcher.records import AgentRecord
+    from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.starts.agent_starts import AgentStarts
+    from torchrunx.launcher.state.records import AgentRecord
     from torchrunx.wire.bootstrap import AgentBootstrap
 
     plan = LaunchPlan(
@@ -120,12 +121,15 @@ def test_a_relaying_hosts_bootstrap_line_carries_the_mode_for_the_relay_alone():
     agent = AgentRecord(0, plan.hosts[0], "ssh", role="host")
     starts = AgentStarts(plan, [agent], 1234, b"s" * 32, 20, lambda *_: None)
     line = starts.bootstrap(agent, "10.0.0.1", relays=True)
-    data = json.loads(line)
-    assert data.pop("relay") == "auto"
-    assert AgentBootstrap.from_json_line(json.dumps(data)).launcher_port == 1234
-    with pytest.raises(ProtocolError):  # the agent itself would refuse the relay's field
-        AgentBootstrap.from_json_line(line)
-    assert "relay" not in json.loads(starts.bootstrap(agent, "10.0.0.1"))
+    relayed = AgentBootstrap.from_json_line(line)
+    assert (relayed.relay, relayed.launcher_port) == ("auto", 1234)
+    own = starts.bootstrap(agent, "10.0.0.1")
+    assert "relay" not in json.loads(own)  # an agent's own line: as before, without it
+    assert AgentBootstrap.from_json_line(own).relay == ""
+    # What the relay hands its agent: the same line, the mode taken out.
+    assert dataclasses.replace(relayed, relay="").to_json_line() == own
+    with pytest.raises(ProtocolError, match="field 'relay' must be"):
+        AgentBootstrap.from_json_line(json.dumps({**json.loads(line), "relay": "sideways"}))
 
 
 def test_the_dry_run_says_when_hosts_relay(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchrunx.launcher.reports import (
+from torchrunx.launcher.state.reports import (
     MAX_STACKS_SHOWN,
     innermost_frame,
     rank_ranges,
@@ -96,8 +96,8 @@ def test_rule_ranks_are_written_as_ranges(ranks, text):
 
 def test_rule_a_look_waits_for_every_asked_agent_or_its_deadline_and_says_who_did_not_answer():
     from torchrunx.hosts.hostlists import HostSlots
-    from torchrunx.launcher.records import AgentRecord, RankRecord
-    from torchrunx.launcher.where import ANSWER_WAIT, StacksLook
+    from torchrunx.launcher.state.records import AgentRecord, RankRecord
+    from torchrunx.launcher.view.where import ANSWER_WAIT, StacksLook
     from torchrunx.wire.messages import WorkerSpec
 
     agents = [AgentRecord(i, HostSlots(f"node{i + 1}", 2), "ssh") for i in range(3)]
@@ -157,8 +157,8 @@ def test_rule_stacks_are_the_same_by_their_frames_only():
 
 def test_rule_an_agent_without_workers_places_no_stack():
     from torchrunx.hosts.hostlists import HostSlots
-    from torchrunx.launcher.records import AgentRecord
-    from torchrunx.launcher.where import StacksLook
+    from torchrunx.launcher.state.records import AgentRecord
+    from torchrunx.launcher.view.where import StacksLook
 
     agent = AgentRecord(0, HostSlots("node1", None), "ssh")  # no spec: no workers given yet
     look = StacksLook([agent], now=0.0)

@@ -19,11 +19,11 @@ from torchrunx import serialization
 from torchrunx.errors import AgentFailedError, Preempted
 from torchrunx.events import AgentState
 from torchrunx.hosts import HostSlots
-from torchrunx.launcher.plan import LaunchPlan
-from torchrunx.launcher.preempt import default_grace, end_preemption, slurm_kill_wait
-from torchrunx.launcher.records import AgentRecord, Phase
-from torchrunx.launcher.spares import Reshape, check_resilience, reshape, split_spares
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.launch.preempt import default_grace, end_preemption, slurm_kill_wait
+from torchrunx.launcher.settings.plan import LaunchPlan
+from torchrunx.launcher.state.records import AgentRecord, Phase
+from torchrunx.launcher.state.spares import Reshape, check_resilience, reshape, split_spares
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire.messages import AgentHello, WorkerResult, WorkersEnded, WorkerSpec
 
 
@@ -257,7 +257,7 @@ def test_the_messages_name_the_field_and_the_way_out():
 
 
 def test_the_default_grace_reads_this_process_and_scontrol(monkeypatch):
-    from torchrunx.launcher import preempt
+    from torchrunx.launcher.launch import preempt
 
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
@@ -337,7 +337,7 @@ def _scontrol(
     monkeypatch: pytest.MonkeyPatch, returncode: int, stderr: str = ""
 ) -> list[list[str]]:
     """``scontrol`` is installed and ``scontrol requeue`` answers ``returncode`` (no process)."""
-    from torchrunx.launcher import preempt
+    from torchrunx.launcher.launch import preempt
 
     ran: list[list[str]] = []
 

@@ -2,7 +2,7 @@
 end, the phase moves they make, and the failures that never restart.
 
 Pure: the launch state is driven through its methods in the order the orchestrator and the
-warm agents' code call them (torchrunx/launcher/orchestrator.py, warm.py); no process starts.
+warm agents' code call them (torchrunx/launcher/launch/orchestrator.py, warm.py); no process starts.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from conftest import worker_spec
 from torchrunx.errors import AgentFailedError
 from torchrunx.events import AgentState, WorkerFailed, WorkerState
 from torchrunx.hosts import HostSlots
-from torchrunx.launcher.failures import restarts_for
-from torchrunx.launcher.inbox import Inbox
-from torchrunx.launcher.records import PHASE_MOVES, AgentRecord, Fault, Phase
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.launch.inbox import Inbox
+from torchrunx.launcher.state.failures import restarts_for
+from torchrunx.launcher.state.records import PHASE_MOVES, AgentRecord, Fault, Phase
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire.messages import AgentHello, WorkerResult
 
 STARTED = 100.0

@@ -1,4 +1,4 @@
-"""The rules of the launch state's moves (torchrunx/launcher/state.py), for every pair of states.
+"""The rules of the launch state's moves (torchrunx/launcher/state/state.py), for every pair of states.
 
 The expected moves are written out here from the diagram in the module's docstring (and
 torchrunx/events.py's), not read from the module, so that a move added or removed there is
@@ -24,8 +24,8 @@ import pytest
 
 from torchrunx.events import AgentState, WorkerState, WorkerStateChanged
 from torchrunx.hosts.hostlists import HostSlots
-from torchrunx.launcher.records import AgentRecord, RankRecord
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.state.records import AgentRecord, RankRecord
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire.messages import WorkerSpec
 
 A = AgentState

@@ -33,9 +33,9 @@ from wire_helpers import server_handshake
 
 import torchrunx as trx
 from torchrunx.errors import ProtocolError
-from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.ioloop import IOLoop
-from torchrunx.launcher.listener import FrameReceived, Listener, PeerClosed
+from torchrunx.launcher.net import listener as listener_module
+from torchrunx.launcher.net.ioloop import IOLoop
+from torchrunx.launcher.net.listener import FrameReceived, Listener, PeerClosed
 from torchrunx.wire import handshake
 from torchrunx.wire.messages import LogLines
 from torchrunx.wire.records import Connection

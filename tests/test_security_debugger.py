@@ -180,7 +180,7 @@ import os, sys
 import torchrunx as trx
 
 def work(port):
-    from torchrunx.agent import debugger
+    from torchrunx.worker import debugger
     from torchrunx.wire.messages import DebugpyListening
     rank = int(os.environ["RANK"])
     if rank == 3:  # a worker (or code it runs) names a port TORCHRUNX_DEBUGPY did not

@@ -18,7 +18,7 @@ import pytest
 
 import torchrunx as trx
 from torchrunx.events import EventSink, LaunchStarted
-from torchrunx.launcher import logdirs
+from torchrunx.launcher.view import logdirs
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from torchrunx.launcher import health_server as health_module
-from torchrunx.launcher.health import HealthReport
-from torchrunx.launcher.health_server import MAX_CONNECTIONS, HealthServer
+from torchrunx.launcher.state.health import HealthReport
+from torchrunx.launcher.view import health_server as health_module
+from torchrunx.launcher.view.health_server import MAX_CONNECTIONS, HealthServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

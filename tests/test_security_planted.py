@@ -25,9 +25,9 @@ import pytest
 from attacker import plant, shared_folder
 
 import torchrunx as trx
-from torchrunx.agent.worker import users_path
-from torchrunx.launcher.transport import AGENT_ARGV, agent_script, unpack_source
+from torchrunx.engines.command import AGENT_ARGV, agent_script, unpack_source
 from torchrunx.wire.bootstrap import BOOT_CODE, SAFE_PATH_MARK, SAVED_PYTHONPATH, agent_environ
+from torchrunx.worker.worker import users_path
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -22,7 +22,7 @@ import pytest
 from attacker import as_attacker, shared_folder
 from conftest import torchrunx_processes
 
-from torchrunx.launcher.listener import RELAYED_PENDING
+from torchrunx.launcher.net.listener import RELAYED_PENDING
 
 ROOT = Path(__file__).resolve().parent.parent
 

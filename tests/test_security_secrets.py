@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 import torchrunx as trx
+from torchrunx.engines import command
 from torchrunx.errors import AgentFailedError
-from torchrunx.launcher import transport
-from torchrunx.launcher.agent_starts import AgentStarts
+from torchrunx.launcher.starts.agent_starts import AgentStarts
 from torchrunx.wire import handshake
 from torchrunx.wire.bootstrap import AgentBootstrap
 
@@ -81,7 +81,7 @@ def test_a_failed_local_start_shows_no_secret_in_its_traceback_locals(monkeypatc
     def no_bash(*_args: object, **_kwargs: object) -> subprocess.Popen[bytes]:
         raise OSError("no bash here")
 
-    monkeypatch.setattr(transport.subprocess, "Popen", no_bash)
+    monkeypatch.setattr(command.subprocess, "Popen", no_bash)
     with pytest.raises(AgentFailedError) as info:
         trx.Launcher(hostnames=["localhost"], workers_per_host=1, backend=None).run(int)
     text = format_with_locals(info.value)

@@ -1,7 +1,7 @@
 """What an authenticated peer's malformed frames, and a man in the middle, can do to a stream.
 
 Second round of ``test_security.py``, with its man in the middle (:class:`Mitm`) on real
-connections and the launcher's real :class:`~torchrunx.launcher.listener.Listener`:
+connections and the launcher's real :class:`~torchrunx.launcher.net.listener.Listener`:
 
 - a malformed frame from a peer that knows the secret drops that connection only (never the
   launcher's loop), and its declared sizes are checked before anything is allocated;
@@ -42,9 +42,9 @@ from test_security import (
 )
 
 from torchrunx.errors import ProtocolError
-from torchrunx.launcher import listener as listener_module
-from torchrunx.launcher.ioloop import IOLoop
-from torchrunx.launcher.listener import FrameReceived, Listener, PeerClosed
+from torchrunx.launcher.net import listener as listener_module
+from torchrunx.launcher.net.ioloop import IOLoop
+from torchrunx.launcher.net.listener import FrameReceived, Listener, PeerClosed
 from torchrunx.wire import handshake, messages, records
 from torchrunx.wire.messages import LogLines, WorkerException, WorkerSpec, WorkerStacks
 

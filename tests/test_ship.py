@@ -1,5 +1,5 @@
 """The shipped-code exchange, end to end on this machine: the launcher's side
-(:meth:`torchrunx.launcher.ship.Bundle.exchange`) with the real unpacker in a child process,
+(:meth:`torchrunx.engines.ship.Bundle.exchange`) with the real unpacker in a child process,
 started as the agent's script starts it (``python -I -S -c SOURCE CACHE DIGEST``), on pipes.
 """
 
@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from torchrunx.launcher import ship
-from torchrunx.launcher.ship import write_within
-from torchrunx.launcher.transport import unpack_source
+from torchrunx.engines import ship
+from torchrunx.engines.command import unpack_source
+from torchrunx.engines.ship import write_within
 
 if TYPE_CHECKING:
     from pathlib import Path

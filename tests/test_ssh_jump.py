@@ -7,8 +7,8 @@ import os
 import pytest
 
 import torchrunx as trx
+from torchrunx.engines.ssh import last_jump, parse_jump, resolve_ssh_target, ssh_connect
 from torchrunx.errors import AgentFailedError
-from torchrunx.launcher.ssh import last_jump, parse_jump, resolve_ssh_target, ssh_connect
 
 CONFIG = """
 Host target

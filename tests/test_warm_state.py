@@ -10,9 +10,9 @@ from conftest import worker_spec
 
 from torchrunx.errors import AgentFailedError, WorkerFailedError
 from torchrunx.events import AgentState, WorkerFailed, WorkerState
-from torchrunx.hosts.resolve import HostSlots
-from torchrunx.launcher.records import AgentRecord
-from torchrunx.launcher.state import LaunchState
+from torchrunx.launcher.settings.resolve import HostSlots
+from torchrunx.launcher.state.records import AgentRecord
+from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire.messages import (
     AgentHello,
     WorkerExited,

@@ -108,7 +108,7 @@ def test_sigquit_prints_every_ranks_stack_grouped_and_the_launch_goes_on(how, tm
 
 
 def test_rule_sigquit_is_taken_only_where_it_has_its_default_action():
-    from torchrunx.launcher.where import sigquit_shows_stacks
+    from torchrunx.launcher.view.where import sigquit_shows_stacks
 
     asked: list[int] = []
     assert signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL

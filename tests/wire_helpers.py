@@ -1,7 +1,7 @@
 """The launcher's side of the wire, blocking and whole, for tests and benchmarks.
 
 The launcher itself runs the handshake and reads records without blocking, in its listener
-(:mod:`torchrunx.launcher.listener`); tests and the many-hosts benchmark want the same steps
+(:mod:`torchrunx.launcher.net.listener`); tests and the many-hosts benchmark want the same steps
 one at a time, on a blocking socket or on whole records they hold.
 """
 

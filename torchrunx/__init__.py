@@ -8,7 +8,7 @@ Example::
     loss0 = result.rank(0)
 
 The public names are imported on first use, so agents and workers (which import
-``torchrunx.agent.agent`` and ``torchrunx.agent.worker``) never load the launcher's side.
+``torchrunx.agent.agent`` and ``torchrunx.worker.worker``) never load the launcher's side.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torchrunx.agent.worker import worker_cache
     from torchrunx.cli import add_launcher_arguments, launcher_from_args
     from torchrunx.env import DEFAULT_ENV_VARS_FOR_COPY
     from torchrunx.errors import (
@@ -34,7 +33,7 @@ if TYPE_CHECKING:
     )
     from torchrunx.events import AgentState, WorkerState
     from torchrunx.launcher.launcher import Launcher, launch
-    from torchrunx.launcher.results import LaunchResult, LaunchTimings
+    from torchrunx.launcher.state.results import LaunchResult, LaunchTimings
     from torchrunx.launcher.submit import SlurmJob, submit
     from torchrunx.launcher.warm import WarmLauncher
     from torchrunx.logs import LogSetup, add_filter_to_handler, file_handler, stream_handler
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
         preemption_reason,
         preemption_requested,
     )
+    from torchrunx.worker.worker import worker_cache
 
 __version__ = "0.5.0"
 """The release: the successor of the original torchrunx 0.4 (pyproject.toml reads it here)."""
@@ -110,10 +110,10 @@ _HOME = {
     "add_filter_to_handler": "torchrunx.logs",
     "file_handler": "torchrunx.logs",
     "stream_handler": "torchrunx.logs",
-    "LaunchResult": "torchrunx.launcher.results",
-    "LaunchTimings": "torchrunx.launcher.results",
+    "LaunchResult": "torchrunx.launcher.state.results",
+    "LaunchTimings": "torchrunx.launcher.state.results",
     "WarmLauncher": "torchrunx.launcher.warm",
-    "worker_cache": "torchrunx.agent.worker",
+    "worker_cache": "torchrunx.worker.worker",
 }
 
 _SUBMODULES = frozenset({"timer", "events", "hosts"})

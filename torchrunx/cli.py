@@ -33,19 +33,21 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
-from torchrunx import cli_logs, cli_report, cli_top
 from torchrunx.cli_hints import add_renamed_options, add_torchrun_options
 from torchrunx.cli_options import (
     add_dataclass_arguments,
     dataclass_from_namespace,
     typed_arguments,
 )
+from torchrunx.commands import logs as cli_logs
+from torchrunx.commands import report as cli_report
+from torchrunx.commands import top as cli_top
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from torchrunx.launcher.launcher import Launcher
-    from torchrunx.launcher.results import LaunchResult
+    from torchrunx.launcher.state.results import LaunchResult
 
 __all__ = ["add_launcher_arguments", "launcher_from_args", "main"]
 
@@ -251,7 +253,7 @@ status 0 when every host is ready, 1 when one is not, 2 for a bad command line."
 
 _BUILTINS_DESCRIPTION = """\
 List the functions, presets and host providers that installed packages registered (entry point
-groups torchrunx.functions, torchrunx.presets and torchrunx.hosts.resolve)."""
+groups torchrunx.functions, torchrunx.presets and torchrunx.launcher.settings.resolve)."""
 
 
 @dataclasses.dataclass(frozen=True)

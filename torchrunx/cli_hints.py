@@ -1,13 +1,13 @@
 """Options the ``torchrunx`` command refuses, each with what to write instead.
 
 Two kinds: keywords of earlier torchrunx releases (``--worker-timeout``: their message is
-:data:`torchrunx.launcher.renamed.RENAMED_FIELDS`'s, with the new option), and ``torchrun``'s
-options. Users bring ``torchrun`` habits (``--nproc-per-node=8``, ``--standalone``, ``--tee
-3``): each of torchrun's options, in both spellings (``--nproc-per-node`` and
-``--nproc_per_node``), is a hidden option whose use is an error naming torchrunx's
-counterpart, with the value carried over where there is one (``--nproc-per-node 8``:
-``--workers-per-host 8``). :data:`TORCHRUN_OPTIONS` is the one table of them (``tests/test_cli.py``
-checks that docs/migrating.md lists each).
+:data:`torchrunx.launcher.settings.renamed.RENAMED_FIELDS`'s, with the new option), and
+``torchrun``'s options. Users bring ``torchrun`` habits (``--nproc-per-node=8``,
+``--standalone``, ``--tee 3``): each of torchrun's options, in both spellings
+(``--nproc-per-node`` and ``--nproc_per_node``), is a hidden option whose use is an error naming
+torchrunx's counterpart, with the value carried over where there is one (``--nproc-per-node 8``:
+``--workers-per-host 8``). :data:`TORCHRUN_OPTIONS` is the one table of them
+(``tests/test_cli.py`` checks that docs/migrating.md lists each).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class _Renamed(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object, **__: object) -> NoReturn:
         """Refuse the option, with what replaced it (``Launcher``'s message for the keyword)."""
-        from torchrunx.launcher.renamed import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
+        from torchrunx.launcher.settings.renamed import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
 
         message = RENAMED_FIELDS[self.dest]
         if new := re.search(r"use (\w+)=", message):
@@ -139,7 +139,7 @@ def add_renamed_options(group: argparse._ArgumentGroup) -> None:
     Args:
         group: Where :func:`add_launcher_arguments` put the launcher's options.
     """
-    from torchrunx.launcher.renamed import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
+    from torchrunx.launcher.settings.renamed import RENAMED_FIELDS  # noqa: PLC0415 (workers import this module)
 
     for name in RENAMED_FIELDS:  # keywords of earlier releases, for a clear error
         option = "--" + name.replace("_", "-")

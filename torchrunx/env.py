@@ -4,7 +4,7 @@ An agent on the launcher's own machine starts from the launcher's whole environm
 per-process variables); every agent, local or remote, then exports the launcher's variables
 that match the forwarded patterns and the values given in ``extra_env_vars``. Values never
 appear on a command line: they travel on the agent's stdin (see
-:mod:`torchrunx.launcher.transport`),
+:mod:`torchrunx.engines.command`),
 are exported by the agent's shell, and workers inherit them.
 """
 

@@ -249,7 +249,7 @@ class ProtocolError(TorchrunxError):
 class ShipError(TorchrunxError):
     """Shipping code to a host failed: it ended, answered out of turn, or took too long.
 
-    Raised by the launcher's side of the exchange (:mod:`torchrunx.launcher.ship`); the start
+    Raised by the launcher's side of the exchange (:mod:`torchrunx.engines.ship`); the start
     of the host's agent turns it into an :class:`AgentFailedError` that names it.
     """
 

@@ -239,7 +239,7 @@ def dataclass_to_dict(instance: object, *, ndigits: int | None = None) -> dict[s
 
     Nested dataclasses become dicts, enums their values, and tuples and lists lists, at any
     depth; with ``ndigits``, floats are rounded to that many decimals. The events file and the
-    health report (:mod:`torchrunx.launcher.health`) are both written with it.
+    health report (:mod:`torchrunx.launcher.state.health`) are both written with it.
 
     Raises:
         TypeError: ``instance`` is not a dataclass instance.
@@ -309,7 +309,7 @@ def _open_private(path: Path) -> int:
     """Open (or create) the events file for appending: mode 0600, never through a symlink.
 
     The launcher's file was created empty, 0600, by
-    :func:`torchrunx.launcher.logdirs.new_log_dir` in a log root it checked; reopening it here
+    :func:`torchrunx.launcher.view.logdirs.new_log_dir` in a log root it checked; reopening it here
     must find that same file: a regular file, owned by this user, with one link. Whatever the
     umask, the mode is set to 0600.
 

@@ -2,7 +2,7 @@
 
 :func:`stream_handler`, :func:`file_handler` and :func:`add_filter_to_handler` (re-exported as
 ``trx.stream_handler``, ...) make handlers that receive one agent's or worker's records. The
-launcher's :class:`~torchrunx.launcher.logrouter.LogRouter` writes to these handlers directly
+launcher's :class:`~torchrunx.launcher.view.logrouter.LogRouter` writes to these handlers directly
 (:class:`DirectWriter`), the text their formatter would make, as long as they are as made here.
 """
 
@@ -154,7 +154,7 @@ def add_source_filter(
 class BatchFlush:
     """Mixin: skip the flush after every record; the launcher's router flushes once per batch.
 
-    :class:`~torchrunx.launcher.logrouter.LogRouter` calls :meth:`flush_batch`.
+    :class:`~torchrunx.launcher.view.logrouter.LogRouter` calls :meth:`flush_batch`.
 
     Forwarded lines arrive in batches of up to thousands; one write and flush per line would
     make the launcher the bottleneck of a chatty worker.

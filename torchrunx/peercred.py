@@ -2,7 +2,7 @@
 
 A TCP port on ``127.0.0.1`` can be reached by every user of the machine. Where torchrunx
 accepts on such a port a connection that must be the user's own (an IDE attaching to a rank's
-debugger, see :mod:`torchrunx.agent.debugger` and :mod:`torchrunx.launcher.forward`), it asks
+debugger, see :mod:`torchrunx.worker.debugger` and :mod:`torchrunx.engines.forward`), it asks
 the kernel who made the other end: ``/proc/net/tcp`` (and ``tcp6``) lists every socket of this
 network namespace with the uid of its owner and its inode. The other end of an accepted
 connection is the row whose local address is our peer's and whose remote address is ours.

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from torchrunx.engines.protocol import Transport, with_declared_capabilities
 from torchrunx.hosts.hostlists import (
     HostSlots,
     check_host_name,
@@ -171,7 +172,7 @@ def provider_spec(spec: str) -> tuple[str, str | None] | None:
     ``"pbs"`` is ``("pbs", None)``, ``"hostfile:/etc/hosts.mpi"`` is
     ``("hostfile", "/etc/hosts.mpi")``; ``"auto"`` and any other name are None. Whether a
     ``hostnames`` value names a provider, a hostfile or hosts is for
-    :func:`torchrunx.hosts.resolve.hostnames_source` to say.
+    :func:`torchrunx.launcher.settings.resolve.hostnames_source` to say.
     """
     name, sep, argument = spec.partition(":")
     if spec == "auto" or name not in host_provider_names():
@@ -200,8 +201,11 @@ def transport_spec(spec: str) -> tuple[str, str | None]:
     return name, (argument if sep else None)
 
 
-def transport(name: str, argument: str | None = None, **settings: Any) -> Any:  # noqa: ANN401
+def transport(name: str, argument: str | None = None, **settings: Any) -> Transport:  # noqa: ANN401
     """A new transport of the kind registered under ``name``, for one launch.
+
+    A capability it does not declare (``relays``, ``ships``...) is ``False`` on it from here
+    on (:func:`torchrunx.engines.protocol.with_declared_capabilities`).
 
     ``settings`` go to torchrunx's own transports that take them (``ssh_config_file``).
 
@@ -221,7 +225,7 @@ def transport(name: str, argument: str | None = None, **settings: Any) -> Any:  
     for needed in ("start", "describe", "close"):
         if not callable(getattr(made, needed, None)):
             raise TypeError(f"transport {name!r} made {made!r}, which has no {needed}() method")
-    return made
+    return with_declared_capabilities(made)
 
 
 def _import_ref(ref: str) -> object:

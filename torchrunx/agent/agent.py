@@ -70,7 +70,6 @@ from typing import TYPE_CHECKING, NoReturn
 from torchrunx import preemption
 from torchrunx.agent import leftovers
 from torchrunx.agent.attempt import Attempt
-from torchrunx.agent.capture import capture_logging
 from torchrunx.agent.guardian import fork_agent, missing_pidfds
 from torchrunx.agent.link import LauncherLink
 from torchrunx.agent.preload import TorchPreload
@@ -93,6 +92,7 @@ from torchrunx.wire.messages import (
     WorkersStarted,
     WorkerStacks,
 )
+from torchrunx.worker.capture import capture_logging
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -317,7 +317,7 @@ def _warn_agent(message: str) -> None:
     """A warning of the agent's, as its logging writes one, before that logging is set up.
 
     :func:`make_private_dir` runs in the guardian, before the fork and before the agent's
-    :func:`torchrunx.agent.capture.capture_logging`; the agent's stderr goes to the launcher,
+    :func:`torchrunx.worker.capture.capture_logging`; the agent's stderr goes to the launcher,
     which reads this marked line as a ``WARNING`` record of ``torchrunx.agent.leftovers`` on
     that host.
     """

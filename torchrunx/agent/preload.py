@@ -1,6 +1,6 @@
 """The agent imports torch once, in a background thread, so that its workers inherit it.
 
-The thread also imports :mod:`torchrunx.agent.worker` (with cloudpickle and the rest of what a
+The thread also imports :mod:`torchrunx.worker.worker` (with cloudpickle and the rest of what a
 worker
 runs), with or without torch, so that no worker imports it after its fork.
 
@@ -53,7 +53,7 @@ def _preload_torch(enabled: bool, done_fd: int, tid: list[int]) -> None:
     try:
         # The workers' own module and what it imports (cloudpickle, ...): imported once here,
         # not in every forked worker (where it took 30 ms of each warm run's start).
-        import torchrunx.agent.worker  # noqa: F401, PLC0415
+        import torchrunx.worker.worker  # noqa: F401, PLC0415
 
         if enabled:
             with contextlib.suppress(ImportError), warnings.catch_warnings():

@@ -27,9 +27,9 @@ agent (a preemption notice) and ignores SIGINT, as the agent does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
-import json
 import os
 import select
 import signal
@@ -37,10 +37,10 @@ import socket
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from torchrunx.errors import ProtocolError
-from torchrunx.wire.bootstrap import BOOT_CODE, agent_environ
+from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap, agent_environ
 from torchrunx.wire.relay import (
     DATA,
     EOF,
@@ -346,19 +346,24 @@ class HostRelay:
                 self.child.kill()
 
 
+def _malformed(reason: str) -> NoReturn:
+    sys.stderr.write(f"torchrunx relay: malformed bootstrap line ({reason})\n")
+    sys.exit(2)
+
+
 def main(line: bytes) -> None:
     """Entry point of the relay process (its boot code passes the bootstrap line)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        data = json.loads(line)
-        mode = data.pop("relay")
-        host, port = data["launcher"]
-        address = (str(host), int(port))
-    except (ValueError, KeyError, TypeError) as exc:
-        sys.stderr.write(f"torchrunx relay: malformed bootstrap line ({exc!r})\n")
-        sys.exit(2)
+        boot = AgentBootstrap.from_json_line(line)
+    except ProtocolError as exc:
+        _malformed(str(exc))
     finally:
         del line
+    if not boot.relay:
+        _malformed("malformed agent bootstrap: field 'relay' is missing")
+    host, port = address = (boot.launcher_address, boot.launcher_port)
+    mode, boot = boot.relay, dataclasses.replace(boot, relay="")  # the agent's line
     listener = None
     if mode != "auto" or not reaches(address):
         if mode == "auto":
@@ -367,7 +372,9 @@ def main(line: bytes) -> None:
                 "its connections are relayed over the agent's channel\n"
             )
         listener = socket.create_server(("127.0.0.1", 0), backlog=4096)
-        data["launcher"] = ["127.0.0.1", listener.getsockname()[1]]
+        boot = dataclasses.replace(
+            boot, launcher_address="127.0.0.1", launcher_port=listener.getsockname()[1]
+        )
     child = subprocess.Popen(
         [sys.executable, "-u", "-c", BOOT_CODE],
         stdin=subprocess.PIPE,
@@ -378,9 +385,9 @@ def main(line: bytes) -> None:
     signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
     assert child.stdin is not None  # noqa: S101 (started with a pipe)
     with contextlib.suppress(OSError):  # it died at once: its stderr (ours) says why
-        child.stdin.write(json.dumps(data).encode() + b"\n")
+        child.stdin.write(boot.to_json_line())
         child.stdin.flush()
-    del data  # the secret: no frame keeps it
+    del boot  # the secret: no frame keeps it
     opened = f"{own_address(address)}\n{address[0]}".encode()
     code = HostRelay(listener, child, opened).run()
     os._exit(code)

@@ -2,7 +2,7 @@
 
 This file runs on the host *before* torchrunx can be imported there (the launch may be what
 brings torchrunx), as ``python -c SOURCE CACHE DIGEST``: the agent's script (on its stdin, see
-:func:`torchrunx.launcher.transport.agent_script`) runs it before it changes into the copy and
+:func:`torchrunx.engines.command.agent_script`) runs it before it changes into the copy and
 starts the agent. It uses the standard library only.
 
 The cache, ``CACHE`` (``$TORCHRUNX_CACHE_DIR/code``, else ``~/.cache/torchrunx/code``), is
@@ -28,7 +28,7 @@ root in a container):
   (or whose mode) no longer match is fetched again.
 
 The exchange runs on the agent's stdin and stdout (the launcher's side is
-:mod:`torchrunx.launcher.ship`). This side writes one line at a time, ``torchrunx-ship WORD``:
+:mod:`torchrunx.engines.ship`). This side writes one line at a time, ``torchrunx-ship WORD``:
 
 1. ``have``: ``trees/DIGEST`` exists and is whole (it was shipped before, and checked as
    above): nothing more is sent.

@@ -15,7 +15,7 @@ makes it a worker process, in this order:
    (:mod:`torchrunx.agent.leftovers`), if it could make one;
 7. ``faulthandler`` on SIGUSR1, writing its Python stacks into its stack pipe;
    rank 0 serves the rendezvous store's socket (:mod:`torchrunx.agent.store`);
-8. :func:`torchrunx.agent.worker.run` (imported only here), whose return value is the exit code.
+8. :func:`torchrunx.worker.worker.run` (imported only here), whose return value is the exit code.
 
 The child never returns into the agent's code: it ends with ``os._exit``, exit code 1 if
 anything above raised.
@@ -106,7 +106,7 @@ def become_worker(  # noqa: PLR0913 (what a worker needs from its agent)
         faulthandler.register(signal.SIGUSR1, file=fork.stack, all_threads=True)
         if store_fd is not None:  # the other ranks may be waiting in its backlog already
             serve_when_torch_imported(store_fd, spec.master_port, spec.timeout)
-        from torchrunx.agent import worker  # noqa: PLC0415 (only in the worker)
+        from torchrunx.worker import worker  # noqa: PLC0415 (only in the worker)
 
         code = worker.run(boot, fork.channel, spec, payload, fork.local_rank, gpus=gpus, cpus=cpus)
     finally:

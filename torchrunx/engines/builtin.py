@@ -1,35 +1,40 @@
 """torchrunx's own transports: ``local``, ``ssh`` and ``srun`` (see :mod:`torchrunx.engines`).
 
-Each is a thin, stateless front for the agent processes of :mod:`torchrunx.launcher.transport`
-and :mod:`torchrunx.launcher.ssh`; they are registered as entry points like any plugin's.
+Each is a thin, stateless front for its agent processes: a local child
+(:class:`~torchrunx.engines.command.LocalAgent`), an SSH connection
+(:class:`~torchrunx.engines.ssh.SshAgent`, or OpenSSH's ``ssh`` as a
+:class:`~torchrunx.engines.command.CommandAgent`), or a SLURM job step (:class:`SrunAgent`,
+here); they are registered as entry points like any plugin's.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import shutil
 from typing import TYPE_CHECKING, ClassVar
 
-from torchrunx.errors import AgentFailedError
-from torchrunx.hosts.resolve import slurm_allocation
-from torchrunx.launcher.ssh import SshAgent, resolve_ssh_target
-from torchrunx.launcher.transport import (
+from torchrunx.engines.command import (
+    AGENT_ARGV,
     AGENT_COMMAND,
     CommandAgent,
     LocalAgent,
-    SrunAgent,
     remote_command,
     route_address,
-    srun_command,
 )
+from torchrunx.engines.protocol import Transport
+from torchrunx.engines.ssh import SshAgent, resolve_ssh_target
+from torchrunx.errors import AgentFailedError
+from torchrunx.hosts.hostlists import slurm_allocation
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from pathlib import Path
 
-    from torchrunx.engines import AgentStart
-    from torchrunx.launcher.transport import AgentProcess
+    from torchrunx.engines.protocol import AgentProcess, AgentStart, OnLine
+    from torchrunx.engines.relay import Adopt
+    from torchrunx.engines.ship import Bundle
 
 
 def no_argument(name: str, argument: str | None) -> None:
@@ -42,11 +47,11 @@ def no_argument(name: str, argument: str | None) -> None:
         raise ValueError(f"agent_start={name}:{argument!r}: the {name} transport takes no argument")
 
 
-class LocalTransport:
+class LocalTransport(Transport):
     """An agent on this machine: a plain subprocess in its own session."""
 
-    name: ClassVar[str] = "local"
-    remote: ClassVar[bool] = False
+    name = "local"
+    remote = False
 
     def __init__(self, argument: str | None = None) -> None:
         """Takes no argument (raises ValueError for one)."""
@@ -70,16 +75,16 @@ class LocalTransport:
         """Nothing is held."""
 
 
-class SshTransport:
+class SshTransport(Transport):
     """An agent over one SSH connection (``~/.ssh/config`` or ``ssh_config_file``)."""
 
-    name: ClassVar[str] = "ssh"
-    remote: ClassVar[bool] = True
-    relays: ClassVar[bool] = True
+    name = "ssh"
+    remote = True
+    relays = True
     """Its agents can relay connections (``AgentStart.relay``) over the SSH channel."""
-    ships: ClassVar[bool] = True
+    ships = True
     """Its agents can fetch shipped code (``AgentStart.ship``) over the SSH channel."""
-    containers: ClassVar[bool] = True
+    containers = True
     """Its agents can run in a container (``AgentStart.container``)."""
     settings: ClassVar[tuple[str, ...]] = ("ssh_config_file",)
     """What :func:`torchrunx.plugins.transport` passes on from the launch."""
@@ -157,18 +162,18 @@ class SshTransport:
         """Nothing is held (each agent owns its connection)."""
 
 
-class SrunTransport:
+class SrunTransport(Transport):
     """An agent as a job step on a node of the SLURM allocation."""
 
-    name: ClassVar[str] = "srun"
-    remote: ClassVar[bool] = True
-    relays: ClassVar[bool] = True
+    name = "srun"
+    remote = True
+    relays = True
     """Its agents can relay connections (``AgentStart.relay``) over the step's stdio."""
-    ships: ClassVar[bool] = True
+    ships = True
     """Its agents can fetch shipped code (``AgentStart.ship``) over the step's stdio."""
-    containers: ClassVar[bool] = True
+    containers = True
     """Its agents can run in a container (``AgentStart.container``)."""
-    container_options: ClassVar[bool] = True
+    container_options = True
     """``AgentStart.container`` may be options of ``srun`` itself: pyxis's
     ``--container-image=IMAGE`` and its other ``--container-*`` options."""
 
@@ -241,3 +246,89 @@ def slurm_cpus(hostname: str) -> int | None:
         return slurm_allocation().cpus(hostname)
     except (RuntimeError, ValueError):
         return None
+
+
+# What a fresh SSH login would have: an srun step gets these (and SLURM's own) like a remote
+# agent over SSH; everything else travels on stdin.
+_LOGIN_VARIABLES = ("HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "PATH")
+
+
+def srun_command(
+    hostname: str,
+    *,
+    cpus: int | None,
+    srun: str = "srun",
+    unbuffered: bool = False,
+    container: Sequence[str] = (),
+) -> list[str]:
+    """The ``srun`` command line that starts the agent of ``hostname`` as a job step.
+
+    One task on that one node, sharing the job's resources with other steps (``--overlap``),
+    unbound (``--cpu-bind=none``) and given the node's CPUs (``cpus``), so that all workers the
+    agent forks can use them. The step's environment is only what a login would have
+    (``--export`` lists names, never values) plus SLURM's own variables; everything else travels
+    on stdin as for every agent. ``unbuffered``: the step's stdout as it comes, not line by line
+    (a relaying host's frames are not lines).
+    """
+    command = [
+        srun,
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={hostname}",
+        "--cpu-bind=none",
+        "--quiet",
+        "--job-name=torchrunx-agent",
+        f"--export={','.join(_LOGIN_VARIABLES)}",
+    ]
+    if cpus is not None:
+        command.append(f"--cpus-per-task={cpus}")
+    if unbuffered:
+        command.append("--unbuffered")
+    return [*command, *container, *AGENT_ARGV]
+
+
+class SrunAgent(CommandAgent):
+    """An agent on another node of the SLURM allocation, started as a job step by ``srun``.
+
+    ``srun`` relays the agent's stdin, stdout and stderr, so the agent behaves as over SSH; its
+    processes live in SLURM's accounting and are cleaned up with the job.
+    """
+
+    def __init__(  # noqa: PLR0913 (what a start needs)
+        self,
+        hostname: str,
+        script: bytes,
+        bootstrap: Callable[[], bytes],
+        on_line: OnLine,
+        *,
+        cpus: int | None,
+        environ: dict[str, str] | None = None,
+        relay: Adopt | None = None,
+        ship: Bundle | None = None,
+        container: Sequence[str] = (),
+    ) -> None:
+        """Start ``srun`` and hand the agent its script and bootstrap (``bootstrap()``) on stdin.
+
+        ``srun`` itself runs with the launcher's environment (it needs the ``SLURM_*``
+        variables of the job); the step gets only login variables (see :func:`srun_command`).
+
+        Raises:
+            AgentFailedError: ``srun`` is not installed or cannot be started.
+        """
+        srun = shutil.which("srun")
+        if srun is None:
+            raise AgentFailedError(hostname, "cannot start the agent with srun: srun not found")
+        env = dict(os.environ if environ is None else environ)
+        super().__init__(
+            hostname,
+            srun_command(
+                hostname, cpus=cpus, srun=srun, unbuffered=relay is not None, container=container
+            ),
+            env,
+            script,
+            bootstrap,
+            on_line,
+            relay,
+            ship,
+        )

@@ -23,18 +23,18 @@ import shutil
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from torchrunx.engines.builtin import agent_route
+from torchrunx.engines.command import AGENT_ARGV, CommandAgent
+from torchrunx.engines.protocol import Transport
 from torchrunx.errors import AgentFailedError
 from torchrunx.hosts.hostlists import HostSlots
-from torchrunx.launcher.transport import AGENT_ARGV, CommandAgent
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from torchrunx.engines import AgentStart
-    from torchrunx.launcher.transport import AgentProcess
+    from torchrunx.engines.protocol import AgentProcess, AgentStart
 
 GPU_RESOURCE = "nvidia.com/gpu"
 """The extended resource that GPUs are requested by (the NVIDIA device plugin's)."""
@@ -277,14 +277,14 @@ class KubernetesProvider:
 PROVIDER = KubernetesProvider()
 
 
-class KubectlTransport:
+class KubectlTransport(Transport):
     """Agents started with ``kubectl exec -i POD -- AGENT``; the hosts are pod names."""
 
-    name: ClassVar[str] = "kubectl"
-    remote: ClassVar[bool] = True
-    relays: ClassVar[bool] = True
+    name = "kubectl"
+    remote = True
+    relays = True
     """Its agents can relay connections (``AgentStart.relay``) over ``kubectl exec -i``."""
-    ships: ClassVar[bool] = True
+    ships = True
     """Its agents can fetch shipped code (``AgentStart.ship``) over ``kubectl exec -i``."""
 
     def __init__(self, argument: str | None = None) -> None:

@@ -29,19 +29,19 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from torchrunx.engines import ray_actor
 from torchrunx.engines.builtin import agent_route
+from torchrunx.engines.command import AGENT_ARGV, AgentOutput, PipeReaders, drain
+from torchrunx.engines.protocol import Transport
 from torchrunx.errors import AgentFailedError
 from torchrunx.hosts.hostlists import HostSlots
-from torchrunx.launcher.transport import AGENT_ARGV, PipeReaders, _AgentOutput, _drain
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from torchrunx.engines import AgentStart
-    from torchrunx.launcher.transport import AgentProcess
+    from torchrunx.engines.protocol import AgentProcess, AgentStart
 
 logger = logging.getLogger("torchrunx.ray")
 
@@ -183,11 +183,11 @@ class RayProvider:
 PROVIDER = RayProvider()
 
 
-class RayTransport:
+class RayTransport(Transport):
     """Agents started by Ray actors, one per host, in one placement group for the launch."""
 
-    name: ClassVar[str] = "ray"
-    remote: ClassVar[bool] = True
+    name = "ray"
+    remote = True
 
     def __init__(self, argument: str | None = None) -> None:
         """``argument``: the cluster's address (else ``RAY_ADDRESS``, else ``"auto"``)."""
@@ -358,7 +358,7 @@ class RayAgent(PipeReaders):
         self._where = where
         self._actor = actor
         self._forget = forget
-        self._output = _AgentOutput(start.on_line)
+        self._output = AgentOutput(start.on_line)
         self._pipes = {False: os.pipe(), True: os.pipe()}
         self._streams = {is_stderr: pipe[0] for is_stderr, pipe in self._pipes.items()}
         self._exit = os.pipe()
@@ -437,7 +437,7 @@ class RayAgent(PipeReaders):
         self._stopping.set()
         self._forget(self._actor)
         self._reader.join(timeout=_READ_WAIT + 3.0)
-        _drain(self.readers(), 0.5)
+        drain(self.readers(), 0.5)
         for fd in (*(p[0] for p in self._pipes.values()), self._exit[0]):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -1,8 +1,8 @@
 """Host lists as SLURM and hostfiles give them, parsed into :class:`HostSlots`.
 
 Pure, but for ``scontrol``: everything reads an environment mapping or file text given to it.
-:mod:`torchrunx.hosts.resolve` resolves the ``hostnames`` field with these parsers and the host
-providers of :mod:`torchrunx.plugins`, which are built on them too.
+:mod:`torchrunx.launcher.settings.resolve` resolves the ``hostnames`` field with these parsers
+and the host providers of :mod:`torchrunx.plugins`, which are built on them too.
 
 * SLURM: the allocation a process runs in (``SLURM_JOB_ID`` with ``SLURM_JOB_NODELIST``), whose
   compressed node list (``gpu-[01-04],cpu7``) is expanded by ``scontrol show hostnames`` where

@@ -17,42 +17,23 @@ frameworks need nothing from this package:
   cluster environment explicitly (torchrunx 0.4's ``TorchrunxClusterEnvironment``).
 
 The framework modules are imported only when asked for, so ``import torchrunx.integrations``
-needs no framework installed.
+needs no framework installed. :func:`framework_env`, which every worker calls, lives in
+:mod:`torchrunx.worker.frameworks` (re-exported here): a worker imports nothing of this
+package, whose :mod:`~torchrunx.integrations.cli` (0.4's ``argparse`` helpers) is the
+launcher's side.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from collections.abc import Mapping
+from torchrunx.worker.frameworks import framework_env
 
+if TYPE_CHECKING:
     from torchrunx.integrations.lightning import TorchrunxClusterEnvironment, TorchrunxEnvironment
 
 __all__ = ["TorchrunxClusterEnvironment", "TorchrunxEnvironment", "framework_env"]
-
-
-def framework_env(environ: Mapping[str, str], *, gpus: int) -> dict[str, str]:
-    """Variables that frameworks read, for one worker; called by the worker before ``func``.
-
-    ``ACCELERATE_USE_CPU=true`` where the host has no GPU that torch (or any other torch
-    accelerator) can use, unless the variable is already set: Accelerate, and Transformers'
-    ``Trainer`` through it, then use the launch's process group on CPU (``MULTI_CPU``)
-    instead of training one model per worker. Nothing is set where torch is not imported
-    (``backend=None``).
-
-    Args:
-        environ: The worker's environment so far.
-        gpus: The number of GPUs the agent counted on this host.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or gpus > 0 or "ACCELERATE_USE_CPU" in environ:
-        return {}
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6: CUDA, ROCm, XPU, ...
-    found = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
-    return {} if found else {"ACCELERATE_USE_CPU": "true"}
 
 
 def __getattr__(name: str) -> Any:  # noqa: ANN401 (a class of an optional framework)

@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Protocol
 
 from torchrunx import plugins
 from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
-from torchrunx.hosts.resolve import hostnames_source
-from torchrunx.launcher.agent_starts import count_mode
-from torchrunx.launcher.reach import default_python
+from torchrunx.launcher.settings.reach import default_python
+from torchrunx.launcher.settings.resolve import hostnames_source
+from torchrunx.launcher.starts.agent_starts import count_mode
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from pathlib import Path
 
     from torchrunx.hosts import HostSlots
-    from torchrunx.launcher.plan import LaunchPlan, StartMethod
+    from torchrunx.launcher.settings.plan import LaunchPlan, StartMethod
 
 
 class Launcher(Protocol):

@@ -1,8 +1,9 @@
 """The settings of a launch (:class:`Launcher`) and its entry points: run, warm, dry_run.
 
 A :class:`Launcher` holds the fields as given and checks them (:meth:`Launcher.validate`);
-:meth:`Launcher.plan` resolves them once into a frozen :class:`~torchrunx.launcher.plan.LaunchPlan`
-(hosts, workers, how each agent starts, forwarded variables), which is all the launch reads::
+:meth:`Launcher.plan` resolves them once into a frozen
+:class:`~torchrunx.launcher.settings.plan.LaunchPlan` (hosts, workers, how each agent starts,
+forwarded variables), which is all the launch reads::
 
     Launcher.run(func) ─ validate ─ pickle the call ─ plan ─ Launch(plan, call).execute()
       (orchestrator.py: listen, start agents, hellos, specs, monitor, restart or raise,
@@ -11,7 +12,7 @@ A :class:`Launcher` holds the fields as given and checks them (:meth:`Launcher.v
     Launcher.dry_run() ─ plan ─ the description of what run would start (nothing starts)
 
 The caller's thread runs the launch and owns every decision (see
-:mod:`torchrunx.launcher.session` for the other threads).
+:mod:`torchrunx.launcher.launch.session` for the other threads).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 import tyro
 
 from torchrunx import plugins, serialization
+from torchrunx.engines.ssh import read_ssh_config
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
     check_env_fields,
@@ -37,17 +39,10 @@ from torchrunx.env import (
     unmatched_env_vars,
 )
 from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field types)
-from torchrunx.hosts.resolve import Hostnames, check_hostnames, resolve_hosts
-from torchrunx.launcher.debugger import check_debug_env
 from torchrunx.launcher.dryrun import describe_launch
-from torchrunx.launcher.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
-from torchrunx.launcher.health import (
-    health_details_from_env,
-    health_port_from_env,
-)
-from torchrunx.launcher.logrouter import log_level_from_env
-from torchrunx.launcher.orchestrator import Launch
-from torchrunx.launcher.plan import (
+from torchrunx.launcher.launch.orchestrator import Launch
+from torchrunx.launcher.launch.preempt import default_grace, sigterm_preempts
+from torchrunx.launcher.settings.plan import (
     Backend,
     LaunchPlan,
     check_agent_start,
@@ -55,19 +50,25 @@ from torchrunx.launcher.plan import (
     paired_transport,
     start_methods,
 )
-from torchrunx.launcher.preempt import default_grace, sigterm_preempts
-from torchrunx.launcher.reach import (
+from torchrunx.launcher.settings.reach import (
     check_container,
     check_python,
     check_python_hosts,
     check_ship,
 )
-from torchrunx.launcher.renamed import refuse_renamed, refuses_renamed_keywords
-from torchrunx.launcher.results import LaunchResult
-from torchrunx.launcher.spares import check_resilience, split_spares
-from torchrunx.launcher.ssh import read_ssh_config
+from torchrunx.launcher.settings.renamed import refuse_renamed, refuses_renamed_keywords
+from torchrunx.launcher.settings.resolve import Hostnames, check_hostnames, resolve_hosts
+from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
+from torchrunx.launcher.state.health import (
+    health_details_from_env,
+    health_port_from_env,
+)
+from torchrunx.launcher.state.results import LaunchResult
+from torchrunx.launcher.state.spares import check_resilience, split_spares
+from torchrunx.launcher.view.debugger import check_debug_env
+from torchrunx.launcher.view.logrouter import log_level_from_env
+from torchrunx.launcher.view.where import sigquit_shows_stacks
 from torchrunx.launcher.warm import WarmLauncher
-from torchrunx.launcher.where import sigquit_shows_stacks
 from torchrunx.logs import (
     ConsoleRanks,
     LogHandlers,

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.launcher.agent_pool import START_THREADS
-from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
-from torchrunx.launcher.reach import host_sys_path, package_root
-from torchrunx.launcher.records import AgentRecord
+from torchrunx.launcher.settings.reach import host_sys_path, package_root
+from torchrunx.launcher.starts.agent_pool import START_THREADS
+from torchrunx.launcher.starts.agent_starts import AgentStarts, listen_socket
+from torchrunx.launcher.state.records import AgentRecord
 from torchrunx.wire.bootstrap import BOOT_CODE
 
 if TYPE_CHECKING:
@@ -42,9 +42,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from torchrunx.agent.probe import ProbeReport
+    from torchrunx.engines.protocol import AgentProcess
     from torchrunx.launcher.launcher import Launcher
-    from torchrunx.launcher.plan import LaunchPlan
-    from torchrunx.launcher.transport import AgentProcess
+    from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.wire.lines import Record
 
 PROBE_CODE = BOOT_CODE.replace(

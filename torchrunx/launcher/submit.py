@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from torchrunx.launcher.launcher import Launcher
-    from torchrunx.launcher.results import LaunchResult
+    from torchrunx.launcher.state.results import LaunchResult
 
 ACTIVE_STATES = frozenset(
     {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}

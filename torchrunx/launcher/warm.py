@@ -34,23 +34,23 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, final
 
 from torchrunx.errors import AgentFailedError
-from torchrunx.launcher.orchestrator import STOP_WAIT
-from torchrunx.launcher.preempt import sigterm_preempts
-from torchrunx.launcher.records import Phase
-from torchrunx.launcher.replace import Failed
-from torchrunx.launcher.reports import summary
-from torchrunx.launcher.results import LaunchResult
-from torchrunx.launcher.session import earliest
-from torchrunx.launcher.where import sigquit_shows_stacks
+from torchrunx.launcher.launch.orchestrator import STOP_WAIT
+from torchrunx.launcher.launch.preempt import sigterm_preempts
+from torchrunx.launcher.launch.replace import Failed
+from torchrunx.launcher.launch.session import earliest
+from torchrunx.launcher.state.records import Phase
+from torchrunx.launcher.state.reports import summary
+from torchrunx.launcher.state.results import LaunchResult
+from torchrunx.launcher.view.where import sigquit_shows_stacks
 from torchrunx.serialization import dumps_call
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
-    from torchrunx.launcher.orchestrator import Launch
-    from torchrunx.launcher.plan import LaunchPlan
-    from torchrunx.launcher.results import LaunchTimings
+    from torchrunx.launcher.launch.orchestrator import Launch
+    from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.state.results import LaunchTimings
 
 P = ParamSpec("P")
 R = TypeVar("R")

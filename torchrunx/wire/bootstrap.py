@@ -39,7 +39,7 @@ puts it back."""
 # the built-in posix module; the launcher's entries then lose it too, unless it holds the
 # torchrunx the launcher runs (``package_root``: a checkout launched from, which the user
 # runs already). A worker gets the launcher's whole sys.path back before it loads the user's
-# function (torchrunx.agent.worker). See docs/security.md.
+# function (torchrunx.worker.worker). See docs/security.md.
 #
 # The line is handed over without staying behind: ``globals().pop`` takes ``b`` (which holds
 # the secret) out of ``__main__`` as it passes it, so neither the agent nor its forked workers
@@ -117,6 +117,10 @@ COUNT_MODES = ("auto", "gpu", "cpu")
 """What an agent counts for its worker count when the launcher gave none."""
 
 
+RELAY_MODES = ("", "auto", "on")
+""":attr:`AgentBootstrap.relay`: none (the agent's own line), or the relay's mode."""
+
+
 @dataclass(frozen=True)
 class AgentBootstrap:
     """What an agent needs to find and join its launch; sent as one JSON line on its stdin.
@@ -162,6 +166,10 @@ class AgentBootstrap:
     """The ``sys.path`` entry that holds the launcher's torchrunx, as the host sees it (a shipped
     tree's entries are relative): the only way the working folder stays on the agent's
     ``sys.path`` (read by the boot code)."""
+    relay: str = ""
+    """``Launcher(relay=...)`` for a host that relays (``"auto"`` or ``"on"``): the line goes
+    first to the host's relay (:mod:`torchrunx.agent.relay`), which reads the mode and hands
+    its agent the line with this field empty; ``""``: the agent's own line (left out of it)."""
 
     def to_json_line(self) -> bytes:
         """Encode as one line of JSON (the secret as hex), ending with a newline."""
@@ -182,6 +190,8 @@ class AgentBootstrap:
             "keep_path": self.keep_path,
             "package_root": self.package_root,
         }
+        if self.relay:
+            data["relay"] = self.relay
         return json.dumps(data).encode() + b"\n"
 
     @classmethod
@@ -219,6 +229,7 @@ class AgentBootstrap:
             local_only=fields.boolean("local_only"),
             keep_path=fields.boolean("keep_path"),
             package_root=fields.path("package_root"),
+            relay=fields.choice("relay", RELAY_MODES, default=""),
         )
         fields.no_others()
         return bootstrap

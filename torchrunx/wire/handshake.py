@@ -4,7 +4,7 @@ The launcher (server) greets with the protocol's magic and a fresh nonce; the cl
 worker) answers with its role, its own nonce and an HMAC proving it knows the secret; the
 server answers with its own proof. Only fixed-size byte strings are read until then: nothing
 is unpickled. Each end then derives the connection's two keys (:func:`session_keys`). The
-server side runs in the launcher's listener (:mod:`torchrunx.launcher.listener`), without
+server side runs in the launcher's listener (:mod:`torchrunx.launcher.net.listener`), without
 blocking; :func:`connect` is the client side, with its retries.
 """
 

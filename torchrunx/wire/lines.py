@@ -3,7 +3,7 @@ r"""The line format that agents, workers and the launcher share: marked lines an
 Each worker's file descriptors 1 and 2 are pipes read by its agent. ``logging`` and
 ``warnings`` records in workers and agents are written to stderr as *marked lines* that keep
 their level and logger name (:class:`MarkedLineFormatter`, set up by
-:func:`torchrunx.agent.capture.capture_logging`)::
+:func:`torchrunx.worker.capture.capture_logging`)::
 
     \x1e<levelno>\x1f<logger name>\x1f<message, newlines as \x1d>\n
 

@@ -4,7 +4,7 @@ When a host cannot connect back to the launcher (``Launcher(relay=...)``), a sma
 starts before the agent (:mod:`torchrunx.agent.relay`). The agent and its workers connect to the
 relay on the host's loopback interface, and the relay carries each connection, as a numbered
 channel, over the transport's own channel: SSH's stdin and stdout, an ``srun`` step's, or
-``kubectl exec``'s. On the launcher, :mod:`torchrunx.launcher.relay` hands each channel to the
+``kubectl exec``'s. On the launcher, :mod:`torchrunx.engines.relay` hands each channel to the
 listener as if it had connected. The relay moves bytes only: the handshake and the sealed records
 run end to end, between the agent (or worker) and the launcher, so the relay holds no key and can
 neither read nor forge a message.

@@ -1,0 +1,301 @@
+"""``torchrunx top``: a live view of your running launches, from another terminal.
+
+It finds the launches itself: each running launch of yours listens on a socket in your
+private runtime folder (:mod:`torchrunx.launcher.view.view_server`); no port to type, and no
+one else's view.
+The screen (rich's live display) shows the launch (pid, age, state, attempt, restarts, log
+folder), each host's agent (state, heartbeat age), each rank (state, time in that state, pid,
+last log line) and the failures and world changes so far; it is redrawn at each snapshot (2 a
+second). With more than :data:`GROUP_ABOVE` ranks, the ranks are grouped by host and state.
+``--once`` prints one snapshot as plain text and exits (for scripts). :func:`render_text` is
+pure: a snapshot in, the lines out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from torchrunx.launcher.view.view_server import GROUP_ABOVE, runtime_dir
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+CONNECT_TIMEOUT_S = 2.0
+"""How long to wait for a launch's first snapshot."""
+
+
+def find_views(folder: Path | None) -> list[Path]:
+    """The sockets of your running launches, oldest first; those that answer no more are removed.
+
+    A launcher killed before it could remove its socket leaves the file behind; nothing
+    listens on it, and it is removed here (it is yours: the folder is private).
+    """
+    if folder is None:
+        return []
+    found = []
+    for path in sorted(folder.glob("*.sock"), key=lambda p: p.stat().st_mtime):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+            continue
+        except OSError:
+            continue
+        finally:
+            probe.close()
+        found.append(path)
+    return found
+
+
+def snapshots(path: Path) -> Iterator[dict[str, Any]]:
+    """The snapshots a launch's socket sends, until the launch ends (or stops answering)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect(str(path))
+        buffer = b""
+        while True:
+            try:
+                data = sock.recv(1 << 16)
+            except TimeoutError:
+                return
+            if not data:
+                return
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                yield json.loads(line)
+
+
+class Ages:
+    """How long each rank has been in its state, as far as this view has seen it change."""
+
+    def __init__(self) -> None:
+        """No rank seen yet."""
+        self.since: dict[object, tuple[str, float]] = {}
+
+    def age(self, key: object, state: str, now: float) -> float:
+        """Seconds ``key`` has been in ``state`` (since this view first saw it there)."""
+        seen = self.since.get(key)
+        if seen is None or seen[0] != state:
+            self.since[key] = (state, now)
+            return 0.0
+        return now - seen[1]
+
+
+def render_text(snapshot: dict[str, Any], ages: Ages, now: float) -> list[str]:
+    """The view of one snapshot as lines of text (what ``--once`` prints, and the screen shows)."""
+    report = snapshot.get("report", {})
+    last = snapshot.get("last_lines", {})
+    lines = [
+        (
+            f"launch pid {snapshot.get('pid')}  {report.get('launch_state')}  "
+            f"attempt {report.get('attempt')}  restarts {report.get('restarts')}/"
+            f"{report.get('max_restarts')}  up {report.get('uptime', 0):.0f} s  "
+            f"{'healthy' if report.get('healthy') else 'UNHEALTHY'}"
+        ),
+        f"logs: {snapshot.get('log_dir') or '(none)'}",
+        "",
+        f"{'host':<24} {'agent':<10} {'heartbeat':>9}  role",
+    ]
+    for agent in report.get("agents", []):
+        age = agent.get("last_heartbeat_age")
+        lines.append(
+            f"{agent.get('hostname', '?'):<24} {agent.get('state', '?'):<10} "
+            f"{'-' if age is None else f'{age:.1f} s':>9}  {agent.get('role', '')}"
+        )
+    if report.get("agents_running"):
+        lines.append(f"(and {report['agents_running']} more hosts whose agents run)")
+    workers = report.get("workers", [])
+    lines.append("")
+    if "groups" in report or len(workers) > GROUP_ABOVE:
+        groups = report.get("groups") or [
+            [h, s, n]
+            for (h, s), n in sorted(
+                Counter((w.get("hostname"), w.get("state")) for w in workers).items()
+            )
+        ]
+        lines.append(f"{'host':<24} {'state':<10} {'ranks':>6}")
+        lines += [f"{h!s:<24} {s!s:<10} {n:>6}" for h, s, n in groups]
+    else:
+        lines.append(
+            f"{'rank':>5} {'host':<24} {'state':<10} {'in state':>9} {'pid':>8}  last line"
+        )
+        for w in workers:
+            state = str(w.get("state"))
+            key = (w.get("host_index"), w.get("local_rank"))
+            line = last.get(f"{w.get('host_index')}:{w.get('local_rank')}", "")
+            lines.append(
+                f"{'-' if w.get('rank') is None else w.get('rank'):>5} "
+                f"{w.get('hostname', '?'):<24} {state:<10} "
+                f"{ages.age(key, state, now):>7.1f} s {w.get('pid') or '-':>8}  {line}"
+            )
+    for title, items in (("failures", "failures"), ("world changes", "world_changes")):
+        if report.get(items):
+            lines += ["", f"{title}:", *(f"  {item}" for item in report[items])]
+    return lines
+
+
+def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+    """Run ``torchrunx top`` with ``argv`` (the words after ``top``); its exit status."""
+    p = argparse.ArgumentParser(
+        prog="torchrunx top",
+        description="A live view of a running launch of yours (the newest, or --pid's), "
+        "redrawn twice a second until it ends (or Ctrl-C). Only your own launches can "
+        "be viewed; there is no network port.",
+    )
+    p.add_argument("--pid", type=int, help="the launch whose launcher has this pid")
+    p.add_argument("--list", action="store_true", help="list your running launches and exit")
+    p.add_argument("--once", action="store_true", help="print one snapshot as text and exit")
+    args = p.parse_args(argv)
+    views = find_views(runtime_dir())
+    if args.list:
+        out.writelines(f"{v.name.split('-')[0]}  {v}\n" for v in views)
+        return 0
+    if args.pid is not None:
+        views = [v for v in views if v.name.split("-")[0] == str(args.pid)]
+    if not views:
+        which = f"with launcher pid {args.pid} " if args.pid is not None else ""
+        p.exit(1, f"torchrunx top: no running launch of yours {which}to show\n")
+    ages = Ages()
+    try:
+        if args.once or not out.isatty():
+            for snapshot in snapshots(views[-1]):
+                out.write("\n".join(render_text(snapshot, ages, time.monotonic())) + "\n")
+                return 0
+            return 1
+        return _live(views[-1], ages, out)
+    except KeyboardInterrupt:
+        return 0
+
+
+KEYS = "keys: j/k or arrows select a rank, l its log's last lines (again: hide), q quits"
+"""The key help under the live screen."""
+TAIL_LINES = 12
+"""Lines of a rank's log shown by ``l``."""
+
+
+class Screen:
+    """What the live screen shows besides the snapshot: the selected rank and its log's tail."""
+
+    def __init__(self) -> None:
+        """No rank selected, no tail shown."""
+        self.selected = 0
+        self.tail = False
+
+    def key(self, key: str, ranks: int) -> bool:
+        """Apply one key press; False for quit."""
+        if key in ("q", "\x03"):
+            return False
+        if key in ("j", "\x1b[B"):
+            self.selected = min(self.selected + 1, max(ranks - 1, 0))
+        elif key in ("k", "\x1b[A"):
+            self.selected = max(self.selected - 1, 0)
+        elif key == "l":
+            self.tail = not self.tail
+        return True
+
+    def lines(self, snapshot: dict[str, Any], ages: Ages, now: float) -> list[str]:
+        """The snapshot's lines, the selected rank marked, then its log's tail if asked."""
+        lines = render_text(snapshot, ages, now)
+        workers = snapshot.get("report", {}).get("workers", [])
+        rows = [
+            i for i, line in enumerate(lines) if line.startswith(" ") and line[:6].strip().isdigit()
+        ]
+        if rows and workers and "groups" not in snapshot.get("report", {}):
+            self.selected = min(self.selected, len(rows) - 1)
+            row = rows[self.selected]
+            lines[row] = ">" + lines[row][1:]
+            if self.tail:
+                lines += ["", *_tail(snapshot, workers[self.selected])]
+        return [*lines, "", KEYS]
+
+
+def split_keys(pressed: str) -> list[str]:
+    """The keys in what one read of the terminal returned (an arrow is three characters)."""
+    keys, i = [], 0
+    while i < len(pressed):
+        size = 3 if pressed.startswith("\x1b[", i) else 1
+        keys.append(pressed[i : i + size])
+        i += size
+    return keys
+
+
+def _tail(snapshot: dict[str, Any], worker: dict[str, Any]) -> list[str]:
+    """The last lines of a worker's log file (in the launch's log folder), with a heading."""
+    from torchrunx.commands.logs import rank_files, read_events  # noqa: PLC0415
+    from torchrunx.launcher.view.logdirs import events_file  # noqa: PLC0415
+
+    folder = snapshot.get("log_dir")
+    if not folder:
+        return ["(this launch writes no log files)"]
+    path = Path(folder)
+    files = rank_files(path, read_events(events_file(path)))
+    chosen = next((f for f in files if f.rank == worker.get("rank")), None)
+    if chosen is None or not chosen.path.is_file():
+        return [f"(no log file of rank {worker.get('rank')} yet)"]
+    with chosen.path.open("rb") as f:
+        f.seek(max(0, chosen.path.stat().st_size - 8192))
+        text = f.read().decode(errors="replace").splitlines()[-TAIL_LINES:]
+    return [f"--- {chosen.path.name}: {chosen.label}, last lines ---", *text]
+
+
+def _live(view: Path, ages: Ages, out: TextIO) -> int:
+    """The live screen (rich), until the launch ends or the user quits (keys: :data:`KEYS`)."""
+    import select  # noqa: PLC0415
+    import termios  # noqa: PLC0415
+    import tty  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415 (only for the live screen)
+    from rich.live import Live  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    console = Console(file=out)
+    screen: Screen = Screen()
+    snapshot: dict[str, Any] = {}
+    keys = sys.stdin.fileno() if sys.stdin.isatty() else None
+    saved = termios.tcgetattr(keys) if keys is not None else None
+    if keys is not None:
+        tty.setcbreak(keys)
+    try:
+        with (
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock,
+            Live(Text("connecting..."), console=console, auto_refresh=False) as live,
+        ):
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            sock.connect(str(view))
+            buffer, ended = b"", False
+            while not ended:
+                ready, _, _ = select.select(
+                    [sock, *([keys] if keys is not None else [])], [], [], 5
+                )
+                if not ready:
+                    break  # no snapshot for 5 s: the launcher is gone
+                if keys in ready:
+                    count = len(snapshot.get("report", {}).get("workers", []))
+                    pressed = os.read(keys, 64).decode(errors="replace")
+                    if not all(screen.key(key, count) for key in split_keys(pressed)):
+                        return 0
+                if sock in ready:
+                    data = sock.recv(1 << 20)
+                    ended = not data
+                    buffer += data
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        snapshot = json.loads(line)
+                if snapshot:
+                    text = "\n".join(screen.lines(snapshot, ages, time.monotonic()))
+                    live.update(Text(text), refresh=True)
+    finally:
+        if keys is not None and saved is not None:
+            termios.tcsetattr(keys, termios.TCSADRAIN, saved)
+    console.print("the launch ended")
+    return 0

@@ -1,0 +1,473 @@
+"""The parts of one launch and its one loop, which the orchestrator's ``Launch`` decides with.
+
+:class:`LaunchLoop` opens, owns and closes every resource of a launch, and turns the loop: each
+step sends heartbeats when due, waits for the next socket event, agent end or deadline, and
+applies what arrived to the state (through :mod:`~torchrunx.launcher.launch.inbox`). It decides
+nothing: starting, stopping, restarting and collecting are the orchestrator's, which holds one
+``LaunchLoop`` (``Launch.session``) and calls it; so do warm agents between runs.
+
+The parts, each the owner of one thing:
+
+- :mod:`~torchrunx.launcher.net.ioloop`: the one selector loop for every connection of the launch;
+- :mod:`~torchrunx.launcher.net.listener`: accepting, authenticating and framing connections;
+- :mod:`~torchrunx.launcher.starts.agent_pool`: starting, replacing and closing agent processes;
+- :mod:`~torchrunx.launcher.starts.agent_starts`: how one host's agent is started, and its
+  bootstrap;
+- :mod:`~torchrunx.launcher.launch.inbox`: what arrives, applied to the launch state;
+- :mod:`~torchrunx.launcher.state.state`: what every agent and rank is (pure);
+- the log router, the event sink and the health endpoint.
+
+One thread runs the loop at a time: the caller's during a launch or a warm run, the idle thread
+of :mod:`~torchrunx.launcher.warm` between warm runs. The only other threads start agents (a
+pool of at most 32), serve ``GET /health`` (reading, never changing, the state), and, for SSH
+agents, are paramiko's own.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from torchrunx.events import AgentState, EventSink, Preempting
+from torchrunx.launcher.launch.inbox import Inbox
+from torchrunx.launcher.net.ioloop import IOLoop
+from torchrunx.launcher.net.listener import Listener, NetEvent
+from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
+from torchrunx.launcher.starts.agent_starts import AgentStarts, listen_socket
+from torchrunx.launcher.state.failures import choose_cause
+from torchrunx.launcher.state.health import (
+    HealthReport,
+    health_details_from_env,
+    health_host_from_env,
+)
+from torchrunx.launcher.state.records import AgentRecord
+from torchrunx.launcher.state.reports import summary
+from torchrunx.launcher.state.state import LaunchState
+from torchrunx.launcher.view.debugger import Debugger
+from torchrunx.launcher.view.health_server import HealthServer
+from torchrunx.launcher.view.logdirs import events_file
+from torchrunx.launcher.view.logrouter import LogRouter
+from torchrunx.launcher.view.view_server import GROUP_ABOVE, LAST_LINE_CHARS, ViewServer, grouped
+from torchrunx.launcher.view.where import StacksLook, print_look
+from torchrunx.wire import handshake
+from torchrunx.wire.messages import (
+    HEARTBEAT_INTERVAL,
+    DebugInput,
+    Heartbeat,
+    Preempt,
+    ShowStacks,
+)
+
+if TYPE_CHECKING:
+    import socket
+    from collections.abc import Callable
+
+    from torchrunx.engines.forward import PortForward
+    from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.starts.agent_pool import Starter
+    from torchrunx.launcher.state.results import LaunchTimings
+
+logger = logging.getLogger("torchrunx.launcher")
+
+TICK = HEARTBEAT_INTERVAL / 2
+"""Seconds between two rounds of silence checks, agent polls and judgements due."""
+BEAT_EVERY = HEARTBEAT_INTERVAL
+"""Seconds between two heartbeats to each agent: as often as agents send theirs (every tick
+would double the launcher's sends, a thousand a round at a thousand hosts, for nothing: an
+agent only needs to hear from the launcher within ``agent_timeout``)."""
+
+
+class LaunchLoop:
+    """The parts of one launch and its loop; owned by the thread that runs the loop."""
+
+    def __init__(self, plan: LaunchPlan, *, starter: Starter | None = None) -> None:
+        """Open the logs, the events file, the listening socket and the loop; start nothing.
+
+        ``starter`` replaces how agents start (the many-hosts benchmark simulates them). What
+        was opened is closed again if a later part fails (an unwritable log folder, a bad
+        ``TORCHRUNX_LOG_LEVEL``, no descriptor left).
+        """
+        self.plan = plan
+        with contextlib.ExitStack() as undo:
+            self.logs = LogRouter(
+                plan.log_handlers,
+                list(plan.hostnames),
+                console_ranks=plan.console_ranks,
+                workers_per_host=[host.workers for host in plan.hosts],
+            )
+            undo.callback(self.logs.close)
+            log_dir = self.logs.log_dir
+            self.sink = EventSink(
+                plan.event_handlers, None if log_dir is None else events_file(log_dir)
+            )
+            undo.callback(self.sink.close)
+            self.secret = handshake.new_secret()  # through the module: tests replace it
+            self.queue: collections.deque[NetEvent | PoolEvent] = collections.deque()
+            """The one queue: what the listener read and what the pool saw, in order."""
+            self.loop = IOLoop()
+            undo.callback(self.loop.close)
+            sock = listen_socket(plan)
+            undo.callback(sock.close)
+            self.listener = Listener(self.loop, self.secret, sock, self.queue.append)
+            undo.pop_all()  # all open: close() releases them
+        self.port = self.listener.port
+        agents = [
+            AgentRecord(i, h, m, role="host" if i < plan.world_hosts else "spare")
+            for i, (h, m) in enumerate(zip(plan.hosts, plan.methods, strict=True))
+        ]
+        self.state = LaunchState(
+            agents,
+            world=agents[: plan.world_hosts],
+            started=time.monotonic(),
+            max_restarts=plan.max_restarts,
+            agent_timeout=plan.agent_timeout,
+            start_timeout=plan.start_timeout,
+            keep_workers=plan.keep_workers,
+        )
+        self.starts = AgentStarts(
+            plan,
+            self.state.agents,
+            self.port,
+            self.secret,
+            self.logs.level,
+            lambda index, record: self.logs.emit_batch(index, 0, (record,)),
+            adopt=self._adopt,
+        )
+        self.pool = AgentPool(
+            self.loop, self.queue.append, starter or self.starts, list(plan.hostnames)
+        )
+        self.inbox = Inbox(
+            plan, self.state, listener=self.listener, pool=self.pool, logs=self.logs, sink=self.sink
+        )
+        self.health: HealthServer | None = None
+        self.view: ViewServer | None = None
+        self._next_tick = 0.0
+        self._next_beat = 0.0
+        self._interrupt: tuple[object, BaseException] | None = None
+        """A run's token and the error raised in it at its next wake-up (:meth:`interrupt`)."""
+        self.run_token: object = None
+        """The token of the run under way (set by ``Launch.run_call``; see :meth:`interrupt`)."""
+        self._want_stacks = False
+        """Set by SIGQUIT (:meth:`ask_stacks`): look at every rank's stacks at the next wake."""
+        self._preempt_request: str | None = None
+        """Set by SIGTERM or an agent's notice (:meth:`preempt`): the reason."""
+        self.preemption: tuple[str, float] | None = None
+        """The preemption under way: its reason and its deadline (monotonic)."""
+        self.look: StacksLook | None = None
+        """The look at every rank's stacks under way, if any."""
+        self.inbox.on_shown = self._on_shown
+        self.inbox.on_preempt = self.preempt
+        self.debugger = Debugger(
+            self.loop,
+            self._send_debug,
+            lambda rank: self.state.agent_table.hostname(self.state.ranks[rank]),
+            stdin_fd=0,  # the process's standard input, whatever sys.stdin is now
+        )
+        """``breakpoint()`` in the workers: pdb sessions in this terminal."""
+        self.inbox.debugger = self.debugger
+        self.inbox.on_debugpy = self._on_debugpy
+        self._forwards: dict[tuple[int, int], PortForward] = {}
+        """Per rank and host, the port made reachable here (``TORCHRUNX_DEBUGPY``), closed last."""
+
+    def _on_debugpy(self, rank: int, port: int) -> None:
+        """Rank ``rank``'s debugpy listens on its host's ``127.0.0.1:port``: say where to attach.
+
+        Over SSH the port is forwarded to this machine's own ``127.0.0.1:port`` through the
+        agent's SSH connection; an agent on this machine needs nothing; an ``srun`` step's host
+        is named, with the ``ssh -L`` that reaches it. Only the rank and port that
+        ``TORCHRUNX_DEBUGPY`` named are forwarded: a worker cannot open a forward to another port.
+        """
+        if (rank, port) != self.debugger.debugpy:
+            logger.warning(
+                "rank %d asked for an IDE's debugger on port %d, which TORCHRUNX_DEBUGPY did "
+                "not name: nothing forwarded",
+                rank,
+                port,
+            )
+            return
+        record = self.state.ranks[rank]
+        host = self.state.agent_table.hostname(record)
+        process = self.pool.processes.get(record.host_index)
+        forward = getattr(process, "forward", None)
+        key = (rank, record.host_index)
+        if key in self._forwards:  # a restarted or kept worker: the same forward
+            where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
+        elif forward is not None:
+            try:
+                self._forwards[key] = forward(port, port)
+                where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
+            except OSError as exc:
+                where = (
+                    f"127.0.0.1:{port} on {host} (not forwarded: {exc}; choose another port "
+                    f"with TORCHRUNX_DEBUGPY={rank}:PORT, or run ssh -L {port}:127.0.0.1:{port} "
+                    f"{host})"
+                )
+        elif self.plan.methods[record.host_index] == "local":
+            where = f"127.0.0.1:{port} on this machine"
+        else:
+            where = (
+                f"127.0.0.1:{port} on {host} (reach it with ssh -L {port}:127.0.0.1:{port} {host})"
+            )
+        sys.stderr.write(
+            f"torchrunx: rank {rank} on {host} waits for an IDE's debugger (debugpy): attach to "
+            f"{where}\n"
+        )
+        sys.stderr.flush()
+
+    def _send_debug(self, rank: int, message: DebugInput) -> None:
+        record = self.state.ranks[rank] if rank < len(self.state.ranks) else None
+        peer = None if record is None or record.conn is None else self.inbox.peers.get(record.conn)
+        if peer is not None:
+            peer.send(message)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def interrupt(self, error: BaseException, token: object) -> None:
+        """From any thread: make run ``token`` stop as a Ctrl-C would, raising ``error``.
+
+        If that run is under way (or about to start: ``token`` given to ``Launch.run_call``),
+        the launch's thread raises ``error`` at its next wake-up (at once: the loop is woken),
+        whether it waits for its workers, for agents still stopping or for new agents; then
+        it stops the run's workers and raises ``error`` with its notes. A request for
+        another run, or one that came after its run ended, does nothing.
+        """
+        self._interrupt = (token, error)
+        self.loop.post(lambda: None)
+
+    def preempt(self, reason: str) -> None:
+        """From SIGTERM's handler or an agent's notice: preempt the launch at the next wake.
+
+        Every agent is told (its workers see :func:`torchrunx.preemption_requested`), and the
+        run goes on until every rank returned or ``preemption_grace`` passed (see
+        :mod:`torchrunx.launcher.launch.preempt`). Only the first request counts.
+        """
+        if self._preempt_request is None:
+            self._preempt_request = reason
+        self.loop.wake()
+
+    def _begin_preemption(self, reason: str) -> None:
+        grace = self.plan.preemption_grace
+        self.preemption = (reason, time.monotonic() + grace)
+        message = Preempt(time.time() + grace, reason)
+        for agent in self.state.world:
+            if agent.conn is not None and not agent.over:
+                self.inbox.peer_of(agent).send(message)
+        logger.warning("%s: every rank has %g s to save and return (preemption)", reason, grace)
+        self.sink.emit(Preempting(reason, grace))
+
+    def ask_stacks(self) -> None:
+        """From SIGQUIT's handler: print every rank's stacks soon; the launch goes on."""
+        self._want_stacks = True
+        self.loop.wake()
+
+    def _look(self, now: float) -> None:
+        """Ask the agents for their workers' stacks, or print the answers once they are in."""
+        if self._want_stacks and self.look is None:
+            agents = [a for a in self.state.agents if a.conn is not None and not a.over]
+            for agent in agents:
+                self.inbox.peer_of(agent).send(ShowStacks())
+            self.look = StacksLook(agents, now)
+        self._want_stacks = False
+        if self.look is not None and self.look.due(now):
+            look, self.look = self.look, None
+            print_look(look.text(self.state.ranks, self.state.agent_table.hostname))
+
+    def _on_shown(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
+        if self.look is not None:
+            self.look.answer(agent, stacks)
+
+    def run_until(
+        self, done: Callable[[], bool], deadline: float | None, *, interruptible: bool = True
+    ) -> None:
+        """Run the loop until ``done()``, a failure (unless stopping), or ``deadline``.
+
+        Raises:
+            BaseException: The error of an :meth:`interrupt` of this run (if
+                ``interruptible``: not while stopping workers).
+        """
+        st = self.state
+        while not done():
+            if self._preempt_request is not None and self.preemption is None:
+                self._begin_preemption(self._preempt_request)
+            if interruptible and self.preemption is not None:
+                if time.monotonic() >= self.preemption[1]:
+                    return  # the grace is over
+                deadline = earliest(deadline, self.preemption[1])
+            if interruptible and self._interrupt is not None:
+                token, error = self._interrupt
+                if token is self.run_token:
+                    self._interrupt = None
+                    raise error
+            if not st.progress.stopping and (st.failed or st.current.alarm):
+                return
+            now = time.monotonic()
+            # Time with a rank in the debugger does not count: the deadline moves by it.
+            limit = None if deadline is None else deadline + self.debugger.paused(now)
+            if limit is not None and now >= limit:
+                return
+            self.step(limit)
+
+    def step(self, deadline: float | None = None) -> None:
+        """One turn of the loop: the periodic round if due, else wait and apply what comes.
+
+        The wait ends at the next heartbeat round, the next judgement due, the listener's
+        next deadline, or ``deadline``, whichever comes first.
+        """
+        now = time.monotonic()
+        if self._want_stacks or self.look is not None:
+            self._look(now)
+        if now >= self._next_tick:
+            self._tick(now)
+            self._next_tick = now + TICK
+            return
+        wake = earliest(
+            self._next_tick,
+            deadline,
+            self.state.next_due(),
+            self.listener.next_deadline,
+            None if self.look is None else self.look.deadline,
+        )
+        self.loop.run_once(max(0.0, (wake or now) - now))
+        self.apply_queue()
+
+    def _tick(self, now: float) -> None:
+        """Heartbeats out; silent agents lost; agents' ends polled; overdue ends judged."""
+        st = self.state
+        if now >= self._next_beat:
+            self._next_beat = now + BEAT_EVERY
+            for agent in st.agents:
+                if agent.conn is not None and not agent.over:
+                    self.inbox.peer_of(agent).send(Heartbeat())
+        for agent, silent in st.agent_table.silent_agents(now):
+            self.inbox.agent_silent(agent, silent)
+        self.listener.tick(now)
+        self.pool.poll()
+        agents, ranks = st.due(now)
+        for agent in agents:
+            self.inbox.judge_agent(agent)
+        for rank in ranks:
+            self.inbox.settle(rank)
+
+    def apply_queue(self) -> None:
+        """Apply what the listener and the pool queued, in order."""
+        while self.queue:
+            self.inbox.apply(self.queue.popleft())
+
+    # -- health and timings -----------------------------------------------------------------
+
+    def open_health(self) -> None:
+        """Serve ``GET /health`` if the plan asks for it (an OSError ends the launch).
+
+        And the view socket for ``torchrunx top`` (this user's only), unless
+        ``TORCHRUNX_VIEW=0``.
+        """
+        if os.environ.get("TORCHRUNX_VIEW", "1") != "0":
+            self.view = ViewServer(self.view_snapshot, self.view_info())
+            self.view.start()
+        port = self.plan.health_port
+        if port is not None:  # close() cleans up
+            self.health = HealthServer(
+                port,
+                self.health_report,
+                host=health_host_from_env(),
+                details=health_details_from_env(),
+            )
+            self.health.start()
+            logger.info("health endpoint: %s", self.health.url)
+
+    def health_report(self) -> HealthReport:
+        """Called from the health server's threads: reads the state, changes nothing."""
+        st = self.state
+        faults = list(st.faults)
+        cause = summary(choose_cause(faults).error) if faults else None
+        return st.health(time.monotonic(), max_restarts=self.plan.max_restarts, cause=cause)
+
+    def view_info(self) -> dict[str, object]:
+        """What ``torchrunx top`` shows of the launch itself."""
+        log_dir = self.logs.log_dir
+        return {
+            "pid": os.getpid(),
+            "started": time.time(),
+            "log_dir": None if log_dir is None else str(log_dir),
+            "hostnames": [a.slots.hostname for a in self.state.agents],
+        }
+
+    def view_snapshot(self) -> dict[str, object]:
+        """Called from the view's threads: the health report and each source's last line.
+
+        Above ``GROUP_ABOVE`` ranks: the report's own fields, the ranks counted per host and
+        state, the agents not running listed (:func:`grouped`), and no last lines.
+        """
+        st = self.state
+        ranks = list(st.ranks)
+        if len(ranks) > GROUP_ABOVE:
+            now = time.monotonic()
+            agents = [
+                (
+                    a.slots.hostname,
+                    a.state.value,
+                    None if a.hello is None else now - a.last_heard,
+                    a.role,
+                )
+                for a in list(st.agents)
+            ]
+            cause = summary(choose_cause(list(st.faults)).error) if st.faults else None
+            bare = st.health(now, max_restarts=self.plan.max_restarts, cause=cause, rows=False)
+            table = st.agent_table
+            report = grouped(
+                bare.to_dict(), ((table.hostname(r), r.state.value) for r in ranks), agents
+            )
+            return {"report": report, "last_lines": {}}
+        last = {
+            f"{host}:{'agent' if local is None else local}": source.tail[-1][:LAST_LINE_CHARS]
+            for (host, local), source in list(self.logs.sources.items())
+            if source.tail
+        }
+        return {"report": self.health_report().to_dict(), "last_lines": last}
+
+    def timings(self) -> LaunchTimings:
+        """Phase durations of the attempt that succeeded."""
+        processes = self.pool.processes
+        connect = tuple(
+            float(getattr(processes.get(a.index), "connect_seconds", 0.0)) for a in self.state.world
+        )
+        return self.state.timings(connect)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def _adopt(self, sock: socket.socket, addresses: tuple[str, str]) -> None:
+        """A relayed connection (from a relay's thread): the listener takes it in the loop."""
+        # Closed, not leaked, if the launch ends before its loop takes it.
+        self.loop.post(lambda: self.listener.adopt(sock, addresses), on_drop=sock.close)
+
+    def close(self) -> None:
+        """Release everything: agents, connections, the port, the loop, and helper threads."""
+        self.debugger.close()
+        for forward in self._forwards.values():
+            forward.close()
+        self.listener.stop_accepting()
+        for agent in self.state.agents:
+            if agent.state is AgentState.DONE:  # it reads until this end closes, then exits
+                self.inbox.drop(agent.conn)
+        lost = {a.index for a in self.state.agents if a.state is AgentState.LOST}
+        self.pool.close(lost)
+        self.starts.close()  # the transports: Ray's actors and placement group, say
+        self.listener.close()
+        self.loop.close()
+        if self.health is not None:
+            self.health.close()
+        if self.view is not None:
+            self.view.close()
+        self.sink.close()
+        self.logs.close()
+
+
+def earliest(*times: float | None) -> float | None:
+    """The earliest of the times that are known (None if none is)."""
+    known = [t for t in times if t is not None]
+    return min(known) if known else None

@@ -1,0 +1,196 @@
+"""The plan of one launch: the settings resolved once, frozen, before anything starts.
+
+:meth:`torchrunx.Launcher.plan` checks the fields, resolves the hosts and how each agent
+starts, and reads what the environment adds (forwarded variables, the health endpoint); the
+launch (:mod:`~torchrunx.launcher.launch.orchestrator`), its inbox and its agent starts read only
+this plan, never the :class:`~torchrunx.Launcher` itself::
+
+    Launcher (fields, as given) ──validate──▶ hosts, start methods, env ──▶ LaunchPlan (frozen)
+        ──▶ Launch(plan, call) ──▶ AgentStarts(plan), Inbox(plan), LaunchState(plan's limits)
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from torchrunx import plugins
+from torchrunx.errors import SlurmError
+from torchrunx.launcher.settings.resolve import (
+    hostnames_source,
+    in_slurm_allocation,
+    is_local_host,
+    slurm_allocation,
+)
+from torchrunx.wire.relay import MODES as RELAY_MODES
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from pathlib import Path
+
+    from torchrunx.events import EventHandler
+    from torchrunx.hosts import HostSlots
+    from torchrunx.logs import ConsoleRanks, LogHandlers
+
+StartMethod = str
+"""How one host's agent starts: a transport's name (``"local"``, ``"ssh"``, ``"srun"``,
+``"ray"``, ``"kubectl"`` or a plugin's, see :mod:`torchrunx.engines`)."""
+
+Backend = Literal["nccl", "gloo", "mpi", "ucc", "auto"] | None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch (or a set of warm agents) runs with; made by ``Launcher.plan()``."""
+
+    hosts: tuple[HostSlots, ...]
+    methods: tuple[StartMethod, ...]
+    """How each host's agent starts (:func:`start_methods`)."""
+    env: Mapping[str, str] = field(repr=False)
+    """The variables every agent exports (forwarded patterns and given values): never in a
+    repr, since values may be secrets."""
+    transport_argument: str | None = None
+    """The argument of the launch's transport (``"namespace=ml"`` of ``"kubectl:namespace=ml"``)."""
+    workers_per_host: object = "auto"
+    """As given: how an agent counts its workers where the plan does not say."""
+    backend: Backend = "auto"
+    timeout: float = 600.0
+    isolate_gpus: bool = False
+    env_file: str | Path | None = None
+    """The file sourced on every host first, as given (resolved when the agents start)."""
+    launcher_address: str | None = None
+    """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR`` is read where it is used)."""
+    relay: str = "off"
+    """Whether remote agents relay their connections (:mod:`torchrunx.engines.relay`)."""
+    python: str | Mapping[str, str] | None = None
+    """The remote hosts' interpreter, or each one's (:mod:`torchrunx.launcher.settings.reach`)."""
+    ship: tuple[str, ...] = ()
+    """Paths shipped to the remote hosts (:mod:`torchrunx.engines.ship`)."""
+    ship_exclude: tuple[str, ...] = ()
+    container: tuple[str, ...] = ()
+    """The command (an argument vector) that runs remote agents in a container."""
+    ssh_config_file: str | Path | None = None
+    agent_timeout: float = field(kw_only=True)
+    """Given always (``Launcher.agent_timeout`` holds its one default)."""
+    start_timeout: float = 60.0
+    launch_timeout: float | None = None
+    max_restarts: int = 0
+    restart_on: tuple[str, ...] = ()
+    health_port: int | None = None
+    """The health endpoint's port (field, else ``TORCHRUNX_HEALTH_CHECK_PORT``); None: none."""
+    event_handlers: tuple[EventHandler, ...] = ()
+    log_handlers: LogHandlers = "auto"
+    console_ranks: ConsoleRanks = (0,)
+    """The workers the default console shows: global ranks, or ``"all"``."""
+    warm: bool = False
+    """Warm agents: they stay after each run for the next (see :mod:`torchrunx.launcher.warm`)."""
+    keep_workers: bool = False
+    """Warm agents whose workers stay from run to run too."""
+    spares: int = 0
+    """The last ``spares`` of ``hosts`` are spare hosts (:mod:`torchrunx.launcher.state.spares`)."""
+    min_hosts: int | None = None
+    """The fewest hosts a restart may go on with (None: never fewer)."""
+    preemption_grace: float = 0.0
+    """Seconds the ranks get to save and return after a SIGTERM (0: it stops at once)."""
+    requeue: bool = False
+    """Requeue the SLURM job after a preemption."""
+
+    @property
+    def quarantines(self) -> bool:
+        """Whether a failed host is quarantined (replaced by a spare, or dropped), not restarted."""
+        return self.spares > 0 or self.min_hosts is not None
+
+    @property
+    def world_hosts(self) -> int:
+        """How many of ``hosts`` run the first attempt (the others are spares)."""
+        return len(self.hosts) - self.spares
+
+    @property
+    def hostnames(self) -> tuple[str, ...]:
+        """The hosts' names, in launch order."""
+        return tuple(h.hostname for h in self.hosts)
+
+
+def check_agent_start(agent_start: object) -> None:
+    """Refuse an ``agent_start`` that names no transport, or an argument its transport refuses.
+
+    Raises:
+        TypeError: Not a string.
+        ValueError: No transport has that name, or it refuses the argument.
+    """
+    if not isinstance(agent_start, str):
+        raise TypeError(f"agent_start must be a string such as 'ssh', got {agent_start!r}")
+    if agent_start == "auto":
+        return
+    name, argument = plugins.transport_spec(agent_start)
+    known = plugins.transport_names()
+    if name not in known:
+        raise ValueError(
+            f"agent_start={agent_start!r}: no transport named {name!r} (known: "
+            f"{', '.join(['auto', *known])}; a package adds one under the entry point group "
+            f"{plugins.TRANSPORTS_GROUP!r}: see the Engines page of torchrunx's documentation)"
+        )
+    plugins.transport(name, argument).close()  # it checks its argument, starts nothing
+
+
+def check_relay(relay: object) -> None:
+    """Refuse a ``relay`` other than "off", "auto" and "on".
+
+    Raises:
+        ValueError: Any other value.
+    """
+    if relay not in RELAY_MODES:
+        raise ValueError(
+            f'relay={relay!r}: expected one of {", ".join(map(repr, RELAY_MODES))} ("auto" '
+            "relays only for hosts that cannot open a connection to the launcher)"
+        )
+
+
+def paired_transport(hostnames: object) -> str | None:
+    """The transport the host provider of ``hostnames`` names, if it names one (Ray's: ray)."""
+    source = hostnames_source(hostnames)
+    if source.provider is None:
+        return None
+    return plugins.provider_transport(*source.provider)
+
+
+def start_methods(
+    agent_start: str, hostnames: list[str], paired: str | None = None
+) -> tuple[list[StartMethod], str | None]:
+    """How each host's agent starts (a transport per host), and the transport's argument.
+
+    ``agent_start`` is ``"auto"`` or a transport, optionally with an argument
+    (``"kubectl:namespace=ml"``). ``"auto"`` takes ``paired``, the transport the host provider
+    names (Ray's nodes start through Ray), if any; else srun when this process runs in a SLURM
+    allocation, ``srun`` is installed and every remote host is a node of the allocation;
+    otherwise ssh. With ssh and srun, a host that is this machine gets a plain subprocess
+    (``"local"``); any other transport starts every host's agent.
+
+    Raises:
+        SlurmError: ``"srun"`` outside an allocation, without ``srun``, or for a host that is
+            not a node of the allocation.
+    """
+    spec = paired if agent_start == "auto" and paired else agent_start
+    name, sep, argument = spec.partition(":")
+    if name not in ("auto", "ssh", "srun"):
+        return [name] * len(hostnames), (argument if sep else None)
+    local = [is_local_host(host) for host in hostnames]
+    remote = [host for host, here in zip(hostnames, local, strict=True) if not here]
+    method: StartMethod = "ssh"
+    if name == "srun":
+        allocation = slurm_allocation(what="agent_start='srun'")
+        if shutil.which("srun") is None:
+            raise SlurmError("agent_start='srun' but srun is not installed on this machine")
+        outside = [host for host in remote if host not in allocation.nodes]
+        if outside:
+            raise SlurmError(
+                f"agent_start='srun' but {outside} are not nodes of SLURM job "
+                f"{allocation.job_id} ({list(allocation.nodes)}); use agent_start='ssh'"
+            )
+        method = "srun"
+    elif name == "auto" and remote and in_slurm_allocation() and shutil.which("srun"):
+        nodes = set(slurm_allocation().nodes)
+        if all(host in nodes for host in remote):
+            method = "srun"
+    return ["local" if here else method for here in local], None
