@@ -161,9 +161,12 @@ def test_rule_ranks_before_the_group_formed_are_said_so():
     }
     assert diagnosis.unanswered == (2,)
     assert render(diagnosis) == [
+        "no rank waits in a collective; where they are:",
+        "  rank 0: train.py:3 in main",
+        "  rank 1: x.py:1 in f",
         "rank 0 before the process group formed",
         "rank 1 in the user's code",
-        "rank 2 did not answer (their host is silent)",
+        "rank 2 did not answer in time (their host is silent, or the rank holds Python's GIL)",
     ]
 
 
@@ -171,7 +174,12 @@ def test_rule_no_collective_at_all_is_a_deadlock_in_user_code():
     snaps = [_snap(0, where="a.py:1 in lock"), _snap(1, where="a.py:1 in lock")]
     diagnosis = diagnose(snaps, 2)
     assert diagnosis.waiting == ()
-    assert render(diagnosis) == ["ranks 0-1 in the user's code"]
+    assert diagnosis.absent == {"a.py:1 in lock": (0, 1)}
+    assert render(diagnosis) == [
+        "no rank waits in a collective; where they are:",
+        "  ranks 0-1: a.py:1 in lock",
+        "ranks 0-1 in the user's code",
+    ]
 
 
 def test_rule_the_diagnosis_as_json_names_the_same_facts():

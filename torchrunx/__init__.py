@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         preemption_reason,
         preemption_requested,
     )
+    from torchrunx.stall import progress
 
 __version__ = "0.5.0"
 """The release: the successor of the original torchrunx 0.4 (pyproject.toml reads it here)."""
@@ -77,6 +78,7 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "preemption_deadline",
     "preemption_reason",
     "preemption_requested",
+    "progress",
     "stream_handler",
     "submit",
     "worker_cache",
@@ -95,6 +97,7 @@ _HOME = {
     "preemption_deadline": "torchrunx.preemption",
     "preemption_reason": "torchrunx.preemption",
     "preemption_requested": "torchrunx.preemption",
+    "progress": "torchrunx.stall",
     "WorkerError": "torchrunx.errors",
     "WorkerFailedError": "torchrunx.errors",
     "WorkerRaisedError": "torchrunx.errors",

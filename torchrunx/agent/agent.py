@@ -68,7 +68,7 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from torchrunx import preemption
-from torchrunx.agent import leftovers
+from torchrunx.agent import leftovers, stallprobe
 from torchrunx.agent.attempt import Attempt
 from torchrunx.agent.capture import capture_logging
 from torchrunx.agent.guardian import fork_agent, missing_pidfds
@@ -442,6 +442,8 @@ class Agent:
                 self.link.send(WorkerStacks({}, shown=True))  # no worker runs here now
             else:
                 current.show_stacks()
+                for worker in current.group.live() if message.states else ():
+                    stallprobe.ask(worker.page)  # and its RankState, on its channel
 
     def _on_stop(self, message: Stop) -> None:
         if message.restart and self.waiting:

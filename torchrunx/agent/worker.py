@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from torchrunx import serialization
-from torchrunx.agent import debugger
+from torchrunx.agent import debugger, stallprobe
 from torchrunx.agent.capture import capture_logging
 from torchrunx.devices import cuda_device, device_env, process_group_options
 from torchrunx.env import worker_env
@@ -206,6 +206,9 @@ def run(  # noqa: PLR0913 (what one rank needs)
     hello = WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid(), attempt=spec.attempt)
     conn.send(hello)
     debugger.install(conn, rank, spec.hostname, terminal=spec.debugger)
+    if spec.progress_every is not None:  # stall detection: the recorder on, the probe started
+        os.environ.update(stallprobe.recorder_env(os.environ))
+        stallprobe.StallProbe(conn, spec.progress_every).start()
     outcomes = _Outcomes(conn, boot, hello)
     call: list[bytearray] | None = payload
     first = True

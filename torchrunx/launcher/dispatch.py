@@ -17,6 +17,7 @@ from torchrunx.devices import resolve_backend
 from torchrunx.errors import AgentFailedError, SerializationError
 from torchrunx.launcher.records import Phase
 from torchrunx.launcher.replace import Failed
+from torchrunx.launcher.stalls import progress_every
 from torchrunx.wire.messages import WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ class Dispatch:
                 post_mortem=debugger.post_mortem,
                 debugpy=debugger.debugpy,
                 preemption_grace=plan.preemption_grace,
+                progress_every=progress_every(plan.stall_timeout),
             )
             st.current.assign(agent, spec)
             if agent.index not in self._logged:  # its files and consoles, once

@@ -31,7 +31,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from torchrunx.events import AgentState, EventSink, Preempting
+from torchrunx.errors import StallError
+from torchrunx.events import AgentState, EventSink, Preempting, Stalled
 from torchrunx.launcher.agent_pool import AgentPool, PoolEvent
 from torchrunx.launcher.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.debugger import Debugger
@@ -43,8 +44,9 @@ from torchrunx.launcher.ioloop import IOLoop
 from torchrunx.launcher.listener import Listener, NetEvent
 from torchrunx.launcher.logdirs import events_file
 from torchrunx.launcher.logrouter import LogRouter
-from torchrunx.launcher.records import AgentRecord
+from torchrunx.launcher.records import AgentRecord, Phase
 from torchrunx.launcher.reports import summary
+from torchrunx.launcher.stalls import StallWatch, stall_note
 from torchrunx.launcher.state import LaunchState
 from torchrunx.launcher.where import StacksLook, print_look
 from torchrunx.wire import handshake
@@ -53,6 +55,8 @@ from torchrunx.wire.messages import (
     DebugInput,
     Heartbeat,
     Preempt,
+    RankProgress,
+    RankState,
     ShowStacks,
 )
 
@@ -153,6 +157,8 @@ class LaunchLoop:
         self.look: StacksLook | None = None
         """The look at every rank's stacks under way, if any."""
         self.inbox.on_shown = self._on_shown
+        self.stalls = StallWatch(plan.stall_timeout, plan.on_stall, armed=plan.backend is not None)
+        """Stall detection (``stall_timeout``): its clock, and its look at every rank."""
         self.inbox.on_preempt = self.preempt
         self.debugger = Debugger(
             self.loop,
@@ -272,6 +278,36 @@ class LaunchLoop:
     def _on_shown(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
         if self.look is not None:
             self.look.answer(agent, stacks)
+        self.stalls.answer_stacks(agent, stacks)
+
+    def _on_rank(self, rank: int, message: RankProgress | RankState) -> None:
+        now = time.monotonic()
+        if isinstance(message, RankProgress):
+            self.stalls.progressed(now, self.debugger.paused(now))
+        else:
+            self.stalls.answer_state(rank, message)
+
+    def _watch_stalls(self, now: float) -> None:
+        """Stall detection's turn: look at every rank when stalled, act on what came."""
+        st, stalls, paused = self.state, self.stalls, self.debugger.paused(now)
+        running = st.phase is Phase.RUNNING and not st.progress.stopping
+        stalls.run_state(st.attempt if running else None, now, paused)
+        if stalls.due(now, paused):
+            agents = [a for a in st.world if a.conn is not None and not a.over]
+            for agent in agents:
+                self.inbox.peer_of(agent).send(ShowStacks(states=True))
+            live = {r.rank for r in st.ranks if not r.state.is_final}
+            stalls.begin(agents, live, now, paused)
+        if stalls.look is not None and stalls.look.due(now):
+            hosts = {r.rank: st.agent_table.hostname(r) for r in st.ranks}
+            report = stalls.finish(st.ranks, hosts)
+            report.write(self.logs.log_dir)
+            self.sink.emit(Stalled(report.seconds, report.text, report.values, stalls.action))
+            error = StallError(report.seconds, report.text, report.values)
+            if stalls.action == "fail":
+                self.interrupt(error, self.run_token)
+            elif stalls.action == "restart":
+                self.inbox.emit(st.current.add_fault("hang", error, time.time()))
 
     def run_until(
         self, done: Callable[[], bool], deadline: float | None, *, interruptible: bool = True
@@ -313,6 +349,7 @@ class LaunchLoop:
         now = time.monotonic()
         if self._want_stacks or self.look is not None:
             self._look(now)
+        self._watch_stalls(now)
         if now >= self._next_tick:
             self._tick(now)
             self._next_tick = now + TICK
@@ -323,6 +360,7 @@ class LaunchLoop:
             self.state.next_due(),
             self.listener.next_deadline,
             None if self.look is None else self.look.deadline,
+            None if self.stalls.look is None else self.stalls.look.deadline,
         )
         self.loop.run_once(max(0.0, (wake or now) - now))
         self.apply_queue()
@@ -348,7 +386,12 @@ class LaunchLoop:
     def apply_queue(self) -> None:
         """Apply what the listener and the pool queued, in order."""
         while self.queue:
-            self.inbox.apply(self.queue.popleft())
+            event = self.queue.popleft()
+            note = stall_note(event, self.inbox)  # a rank's progress or state on a stall
+            if note is None:
+                self.inbox.apply(event)
+            else:
+                self._on_rank(*note)
 
     # -- health and timings -----------------------------------------------------------------
 
