@@ -11,16 +11,12 @@ import json
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import pytest
 
 import torchrunx as trx
 from torchrunx.errors import StallError
 from torchrunx.events import Stalled
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 STALL = 2.0
 
@@ -55,24 +51,24 @@ def _run(func, *args, **kwargs):
 
 
 def sleep_before_all_reduce(folder: str) -> int:
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch
+    import torch.distributed as dist
 
     t = torch.ones(4)
     for _ in range(3):
         dist.all_reduce(t)
-    with open(f"{folder}/stall-began-{dist.get_rank()}", "w") as f:  # noqa: PTH123
+    with open(f"{folder}/stall-began-{dist.get_rank()}", "w") as f:
         f.write(str(time.time()))
     if dist.get_rank() == 1:
-        while not os.path.exists(f"{folder}/go"):  # noqa: PTH110
+        while not os.path.exists(f"{folder}/go"):
             time.sleep(0.05)  # the sleeping rank
     dist.all_reduce(t)
     return dist.get_rank()
 
 
 def skip_an_all_reduce(folder: str) -> int:
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch
+    import torch.distributed as dist
 
     t = torch.ones(2, 3)
     dist.all_reduce(t)
@@ -84,8 +80,8 @@ def skip_an_all_reduce(folder: str) -> int:
 
 
 def mismatched_ops() -> int:
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch
+    import torch.distributed as dist
 
     t = torch.ones(4)
     dist.all_reduce(t)
@@ -107,23 +103,23 @@ def deadlock_in_user_code() -> int:
 
 
 def hang_in_init_process_group() -> int:
-    import datetime  # noqa: PLC0415
+    import datetime as dt
 
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed as dist
 
     trx.progress()  # backend=None: the stall clock starts here
     dist.init_process_group(  # one rank more than there are: every rank waits for it
         "gloo",
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]) + 1,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=dt.timedelta(seconds=60),
     )
     return 0
 
 
 def healthy_loop(steps: int) -> int:
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch
+    import torch.distributed as dist
 
     t = torch.ones(4)
     for step in range(steps):
@@ -267,11 +263,41 @@ def test_the_users_recorder_size_is_kept_and_the_recorder_is_on_otherwise(monkey
     assert launcher.run(size).ranks == [None]
 
 
-def test_stall_fields_are_checked(tmp_path: Path):
-    del tmp_path
-    with pytest.raises(ValueError, match="stall_timeout must be a positive number"):
-        trx.Launcher(stall_timeout=0).validate()
-    with pytest.raises(ValueError, match="on_stall='later' is not one of"):
-        trx.Launcher(on_stall="later").validate()  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="needs max_restarts >= 1"):
-        trx.Launcher(on_stall="restart").validate()
+def sleep_on_the_last_rank() -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(8)
+    for _ in range(3):
+        dist.all_reduce(t)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        time.sleep(120)  # the sleeping rank, on the second host
+    dist.all_reduce(t)
+    return 0
+
+
+@pytest.mark.cluster
+def test_a_sleeping_rank_on_a_remote_host_is_named_within_seconds(cluster):
+    node1, node2 = cluster.names()
+    events: list[Stalled] = []
+    started = time.monotonic()
+    with pytest.raises(StallError) as caught:
+        trx.launch(
+            sleep_on_the_last_rank,
+            hostnames=[node1, node2],
+            workers_per_host=2,
+            backend="gloo",
+            ssh_config_file=cluster.ssh_config,
+            stall_timeout=STALL,
+            on_stall="fail",
+            event_handlers=(lambda e: events.append(e) if isinstance(e, Stalled) else None,),
+        )
+    values = caught.value.diagnosis
+    [waiting] = values["waiting"]
+    assert (waiting["op"], waiting["seq"], waiting["ranks"]) == ("all_reduce", 5, [0, 1, 2])
+    [(where, ranks)] = values["absent"].items()
+    assert ranks == [3] and "in sleep_on_the_last_rank" in where
+    assert f"--- rank 3 (local rank 1 on host {node2!r}) ---" in caught.value.text
+    assert values["unanswered"] == []
+    assert len(events) == 1
+    assert time.monotonic() - started < 60  # not the 120 s sleep

@@ -192,8 +192,8 @@ python names another; it should share the host's network."""
 rank's flight recorder and stacks are read and a diagnosis shown (docs/debugging.md); None: off."""
 
     on_stall: StallAction = "report"
-    """After a stall's diagnosis: "report" (keep waiting), "fail" (raise StallError), or
-"restart" (the workers, as after a failure: max_restarts, and "timeouts" in restart_on)."""
+    """After a stall's diagnosis: "report" (keep waiting), "fail" (raise StallError), or the
+workers "restart" as after a failure (it needs max_restarts, and "timeouts" in restart_on)."""
 
     max_restarts: int = 0
     """Restart the whole worker group, on the same agents, up to this many times after a
