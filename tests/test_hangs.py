@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -17,6 +18,7 @@ import pytest
 import torchrunx as trx
 from torchrunx.errors import StallError
 from torchrunx.events import Stalled
+from torchrunx.launcher.stalls import ON_DEMAND
 
 STALL = 2.0
 
@@ -301,3 +303,49 @@ def test_a_sleeping_rank_on_a_remote_host_is_named_within_seconds(cluster):
     assert values["unanswered"] == []
     assert len(events) == 1
     assert time.monotonic() - started < 60  # not the 120 s sleep
+
+
+def test_ctrl_backslash_adds_the_collective_view_and_the_launch_goes_on(tmp_path, capfd):
+    launcher, events = _launch(sleep_before_all_reduce, stall_timeout=300)
+
+    def look_then_release() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+            (tmp_path / f"stall-began-{r}").exists() for r in range(3)
+        ):
+            time.sleep(0.05)
+        time.sleep(0.5)  # ranks 0 and 2 are in the all_reduce by now
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(3)
+        (tmp_path / "go").touch()
+
+    threading.Thread(target=look_then_release, daemon=True).start()
+    assert launcher.run(sleep_before_all_reduce, str(tmp_path)).ranks == [0, 1, 2]
+    err = capfd.readouterr().err
+    assert "torchrunx: where every rank is" in err  # the stacks, as before
+    view = err[err.index(ON_DEMAND) :]
+    assert "ranks 0, 2 wait in all_reduce #5 of default_pg ([4] Float)" in view
+    assert "  rank 1: " in view and "in sleep_before_all_reduce" in view
+    assert events == []  # no stall was reported
+
+
+def sleep_long_before_all_reduce() -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if dist.get_rank() == 1:
+        time.sleep(120)
+    dist.all_reduce(t)
+    return 0
+
+
+def test_launch_timeout_names_the_collective_the_ranks_wait_in():
+    launcher, _ = _launch(sleep_long_before_all_reduce, stall_timeout=300, launch_timeout=15)
+    with pytest.raises(trx.LaunchTimeoutError) as caught:
+        launcher.run(sleep_long_before_all_reduce)
+    notes = "\n".join(caught.value.__notes__)
+    view = notes[notes.index("what the ranks were doing at the limit:") :]
+    assert "ranks 0, 2 wait in all_reduce #3 of default_pg ([4] Float)" in view
+    assert "  rank 1: " in view and "in sleep_long_before_all_reduce" in view

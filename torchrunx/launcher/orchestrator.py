@@ -347,6 +347,9 @@ class Launch:
         running = [r.rank for r in st.ranks if r.result is None]
         elapsed = time.monotonic() - st.progress.started
         error = launch_timeout_error(self.plan.launch_timeout or 0.0, elapsed, running)
+        diagnosis = self.session.diagnose_now()  # what the ranks wait for, from stall detection
+        if diagnosis:
+            add_note(error, f"what the ranks were doing at the limit:\n{diagnosis.rstrip()}")
         self.session.inbox.fault("launch", error, time.time())
 
     def _report(self, cause: Fault) -> BaseException:

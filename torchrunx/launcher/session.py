@@ -46,7 +46,7 @@ from torchrunx.launcher.logdirs import events_file
 from torchrunx.launcher.logrouter import LogRouter
 from torchrunx.launcher.records import AgentRecord, Phase
 from torchrunx.launcher.reports import summary
-from torchrunx.launcher.stalls import StallWatch, stall_note
+from torchrunx.launcher.stalls import ON_DEMAND, StallWatch, stall_note
 from torchrunx.launcher.state import LaunchState
 from torchrunx.launcher.where import StacksLook, print_look
 from torchrunx.wire import handshake
@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.forward import PortForward
     from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.results import LaunchTimings
+    from torchrunx.launcher.stalls import LookReason
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -267,7 +268,8 @@ class LaunchLoop:
         """Ask the agents for their workers' stacks, or print the answers once they are in."""
         if self._want_stacks and self.look is None:
             agents = [a for a in self.state.agents if a.conn is not None and not a.over]
-            for agent in agents:
+            states = self._ask_states(now, "on demand")  # the collective view too, if on
+            for agent in agents if not states else ():
                 self.inbox.peer_of(agent).send(ShowStacks())
             self.look = StacksLook(agents, now)
         self._want_stacks = False
@@ -287,20 +289,49 @@ class LaunchLoop:
         else:
             self.stalls.answer_state(rank, message)
 
+    def _ask_states(self, now: float, why: LookReason) -> bool:
+        """Ask every agent for its workers' stacks and states (stall detection's look).
+
+        False where it cannot: stall detection is off (no probe answers), or a look is under way.
+        """
+        stalls, st = self.stalls, self.state
+        if stalls.timeout is None or stalls.look is not None:
+            return False
+        agents = [a for a in st.agents if a.conn is not None and not a.over]
+        for agent in agents:
+            self.inbox.peer_of(agent).send(ShowStacks(states=True))
+        live = {r.rank for r in st.ranks if not r.state.is_final and r.conn is not None}
+        stalls.begin(agents, live, now, self.debugger.paused(now), why)
+        return True
+
+    def diagnose_now(self) -> str | None:
+        """For ``launch_timeout``'s error: the collective view of every rank, now.
+
+        None where stall detection is off; waits for the answers (2 s at most).
+        """
+        if not self._ask_states(time.monotonic(), "launch_timeout"):
+            return None
+        look = self.stalls.look
+        assert look is not None  # noqa: S101 (just begun)
+        self.run_until(lambda: look.due(time.monotonic()), look.deadline, interruptible=False)
+        st = self.state
+        hosts = {r.rank: st.agent_table.hostname(r) for r in st.ranks}
+        return "\n".join(self.stalls.finish(st.ranks, hosts).view)
+
     def _watch_stalls(self, now: float) -> None:
         """Stall detection's turn: look at every rank when stalled, act on what came."""
         st, stalls, paused = self.state, self.stalls, self.debugger.paused(now)
         running = st.phase is Phase.RUNNING and not st.progress.stopping
         stalls.run_state(st.attempt if running else None, now, paused)
         if stalls.due(now, paused):
-            agents = [a for a in st.world if a.conn is not None and not a.over]
-            for agent in agents:
-                self.inbox.peer_of(agent).send(ShowStacks(states=True))
-            live = {r.rank for r in st.ranks if not r.state.is_final}
-            stalls.begin(agents, live, now, paused)
-        if stalls.look is not None and stalls.look.due(now):
+            self._ask_states(now, "stall")
+        look = stalls.look
+        if look is not None and look.why != "launch_timeout" and look.due(now):
             hosts = {r.rank: st.agent_table.hostname(r) for r in st.ranks}
             report = stalls.finish(st.ranks, hosts)
+            if look.why == "on demand":
+                print_look("\n".join([ON_DEMAND, *report.view]) + "\n")
+                return
             report.write(self.logs.log_dir)
             self.sink.emit(Stalled(report.seconds, report.text, report.values, stalls.action))
             error = StallError(report.seconds, report.text, report.values)

@@ -24,7 +24,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from torchrunx.launcher.hangs import CollectiveEntry, RankSnapshot, diagnose, render
 from torchrunx.launcher.listener import FrameReceived
@@ -41,9 +41,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("torchrunx.launcher")
 
 STALL_ACTIONS: tuple[StallAction, ...] = ("report", "fail", "restart")
+LookReason = Literal["stall", "on demand", "launch_timeout"]
 DEFAULT_STALL_TIMEOUT = 300.0
 ANSWER_WAIT = 2.0
 """Seconds the launcher waits for the agents' and ranks' answers before it diagnoses."""
+ON_DEMAND = "torchrunx: the collectives every rank is in (Ctrl-\\; the launch goes on):"
 HEADLINE = "torchrunx: no rank made progress for {seconds:.3g} s (stall_timeout): the diagnosis"
 
 
@@ -108,6 +110,9 @@ class StallLook:
     ranks: set[int]
     """The live ranks whose states are awaited."""
     deadline: float
+    why: LookReason = "stall"
+    """What asked: stall detection, Ctrl-\\ (the collective view beside the stacks), or
+    ``launch_timeout`` (its error's note)."""
     states: dict[int, RankState] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
 
@@ -132,7 +137,7 @@ def snapshots(look: StallLook, hosts: dict[int, str]) -> list[RankSnapshot]:
 
 def diagnosis_text(
     look: StallLook, ranks: list[RankRecord], hostname: dict[int, str]
-) -> tuple[str, dict[str, object]]:
+) -> tuple[str, dict[str, object], list[str]]:
     """The printed diagnosis and its JSON values (with the stacks of the ranks it names)."""
     where = {r.rank: (r.local_rank, hostname.get(r.rank, "?")) for r in ranks}
     snaps = snapshots(look, hostname)
@@ -140,6 +145,7 @@ def diagnosis_text(
     silent = tuple(r for r in sorted(look.ranks) if r not in answered)
     diagnosis = dataclasses.replace(diagnose(snaps, len(ranks)), unanswered=silent)
     lines = render(diagnosis)
+    view = list(lines)
     absent = {r for ranks_ in diagnosis.absent.values() for r in ranks_}
     # The stacks of the ranks that hold the others up, or of every rank when none is named.
     shown = {
@@ -154,7 +160,7 @@ def diagnosis_text(
         lines.extend(stacks_note(shown, where).splitlines()[1:])
     values: dict[str, object] = {"seconds": look.seconds, **diagnosis.to_json()}
     values["stacks"] = {str(r): text for r, text in sorted(shown.items())}
-    return "\n".join(lines) + "\n", values
+    return "\n".join(lines) + "\n", values, view
 
 
 class StallWatch:
@@ -201,10 +207,21 @@ class StallWatch:
             and self.stalled_for(now, paused) >= self.timeout
         )
 
-    def begin(self, agents: list[AgentRecord], ranks: set[int], now: float, paused: float) -> None:
+    def begin(
+        self,
+        agents: list[AgentRecord],
+        ranks: set[int],
+        now: float,
+        paused: float,
+        why: LookReason = "stall",
+    ) -> None:
         """The look at ``agents`` (asked already) and their live ``ranks`` starts."""
         self.look = StallLook(
-            self.stalled_for(now, paused), {a.index for a in agents}, ranks, now + ANSWER_WAIT
+            self.stalled_for(now, paused),
+            {a.index for a in agents},
+            ranks,
+            now + ANSWER_WAIT,
+            why,
         )
 
     def answer_stacks(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
@@ -223,13 +240,15 @@ class StallWatch:
             self.look.states[rank] = state
 
     def finish(self, ranks: list[RankRecord], hostname: dict[int, str]) -> StallReport:
-        """The look is over: its report (the watch waits for progress before the next one)."""
+        """The look is over: its report (after a stall's, the next waits for progress)."""
         look = self.look
         assert look is not None  # noqa: S101 (called once it is due)
-        self.look, self.reported = None, True
-        self.count += 1
-        text, values = diagnosis_text(look, ranks, hostname)
-        return StallReport(look.seconds, text, values, self.count)
+        self.look = None
+        if look.why == "stall":
+            self.reported = True
+            self.count += 1
+        text, values, view = diagnosis_text(look, ranks, hostname)
+        return StallReport(look.seconds, text, values, self.count, tuple(view))
 
 
 def without_probe(stacks: str) -> str:
@@ -248,6 +267,8 @@ class StallReport:
     values: dict[str, object]
     number: int
     """1 for the launch's first report."""
+    view: tuple[str, ...] = ()
+    """The collective view alone: the diagnosis's lines without the stacks."""
 
     @property
     def headline(self) -> str:
