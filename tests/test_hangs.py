@@ -7,6 +7,7 @@ last collective that completed) to the diagnosis.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -349,3 +350,54 @@ def test_launch_timeout_names_the_collective_the_ranks_wait_in():
     view = notes[notes.index("what the ranks were doing at the limit:") :]
     assert "ranks 0, 2 wait in all_reduce #3 of default_pg ([4] Float)" in view
     assert "  rank 1: " in view and "in sleep_long_before_all_reduce" in view
+
+
+def test_a_lost_host_s_error_says_what_the_other_ranks_were_doing():
+    from torchrunx.events import AgentStarted
+
+    agents: list[int] = []
+    frozen: list[int] = []
+
+    def record(event: object) -> None:
+        if isinstance(event, AgentStarted) and event.host_index == 1:
+            agents.append(event.pid)
+
+    def freeze() -> None:  # the second host's agent stops answering: lost after agent_timeout
+        deadline = time.monotonic() + 60
+        while not agents and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(6)  # its workers are up, ranks 0-2 in the all_reduce
+        os.kill(agents[0], signal.SIGSTOP)
+        frozen.append(agents[0])
+
+    threading.Thread(target=freeze, daemon=True).start()
+    launcher = trx.Launcher(
+        hostnames=["localhost", "localhost"],
+        workers_per_host=2,
+        backend="gloo",
+        agent_timeout=2,
+        event_handlers=(record,),
+    )
+    try:
+        with pytest.raises(trx.AgentFailedError) as caught:
+            launcher.run(sleep_long_before_all_reduce_on_rank, 3)
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    view = notes[notes.index("what the ranks were doing when the host was lost:") :]
+    assert "ranks 0-1 wait in all_reduce #3 of default_pg" in view
+    assert "ranks 2-3 did not answer in time" in view
+
+
+def sleep_long_before_all_reduce_on_rank(sleeper: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if dist.get_rank() == sleeper:
+        time.sleep(120)
+    dist.all_reduce(t)
+    return 0

@@ -242,6 +242,9 @@ class Launch:
         """After a failure: stop the workers, find the cause, then restart or raise it."""
         st, plan = self.state, self.plan
         may_restart = st.restarts < plan.max_restarts and self._provisionally_restartable()
+        lost = [f for f in st.faults if f.kind == "lost"]
+        if lost and (view := self.session.diagnose_now()):  # the others, before they stop
+            add_note(lost[0].error, f"what the ranks were doing when the host was lost:\n{view}")
         # Warm agents stay either way: only this run's workers are stopped.
         self.stop_workers(restart=may_restart or plan.warm, dump=not may_restart)
         cause = choose_cause(st.faults)

@@ -305,7 +305,7 @@ class LaunchLoop:
         return True
 
     def diagnose_now(self) -> str | None:
-        """For ``launch_timeout``'s error: the collective view of every rank, now.
+        """For ``launch_timeout``'s error, a lost host's: the collective view of every rank, now.
 
         None where stall detection is off; waits for the answers (2 s at most).
         """
@@ -313,7 +313,8 @@ class LaunchLoop:
             return None
         look = self.stalls.look
         assert look is not None  # noqa: S101 (just begun)
-        self.run_until(lambda: look.due(time.monotonic()), look.deadline, interruptible=False)
+        while not look.due(time.monotonic()):  # also after a failure, unlike run_until
+            self.step(look.deadline)
         st = self.state
         hosts = {r.rank: st.agent_table.hostname(r) for r in st.ranks}
         return "\n".join(self.stalls.finish(st.ranks, hosts).view)
