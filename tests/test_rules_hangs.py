@@ -335,6 +335,9 @@ def test_rule_time_in_the_debugger_does_not_count():
     assert not watch.due(15, paused=6)  # 6 s of it in pdb: 9 s without progress
     assert watch.stalled_for(15, 6) == 9
     assert watch.due(16, paused=6)
+    assert watch.next_due(paused=6) == 16  # the loop wakes then
+    watch.progressed(16, 6)
+    assert watch.next_due(paused=7) == 27
 
 
 def test_rule_without_a_backend_the_clock_starts_at_the_first_progress():

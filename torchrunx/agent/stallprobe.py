@@ -38,7 +38,7 @@ from torchrunx.wire.messages import RankProgress, RankState
 if TYPE_CHECKING:
     from torchrunx.wire.channel import ChannelConnection
 
-POLL = 0.2
+POLL = 0.1
 """Seconds between two looks at the progress and the agent's request."""
 RECORDER_ENTRIES = 2000
 """``TORCH_FR_BUFFER_SIZE`` set for the workers unless the user set a size."""
@@ -78,18 +78,33 @@ def _dist() -> Any:  # noqa: ANN401 (torch.distributed, if imported and usable)
     return dist
 
 
+_DUMPS = ("_dump_fr_trace", "_dump_nccl_trace")
+"""The recorders: gloo's (and other CPU backends'), and NCCL's in a CUDA build of torch."""
+
+
 def _recorder(*, entries: bool) -> dict[str, Any]:
-    """The flight recorder's dump ({} if there is none)."""
-    dist = _dist()
-    if dist is None:
+    """The flight recorders' dumps, merged ({} if there is none).
+
+    ``pg_status`` is keyed by recorder and process group; ``entries`` are both recorders'.
+    """
+    if _dist() is None:
         return {}
-    try:
-        dump_trace = sys.modules["torch._C._distributed_c10d"]._dump_fr_trace  # noqa: SLF001
-        raw = dump_trace(includeCollectives=entries, includeStackTraces=False)
-        dump = pickle.loads(raw) if isinstance(raw, bytes) else raw  # noqa: S301 (torch's own)
-    except Exception:  # noqa: BLE001 (an older torch, no recorder: no progress from it)
-        return {}
-    return dump if isinstance(dump, dict) else {}
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    merged: dict[str, Any] = {"pg_status": {}, "entries": []}
+    for name in _DUMPS:
+        dump_trace = getattr(c10d, name, None)
+        if dump_trace is None:
+            continue
+        try:
+            raw = dump_trace(includeCollectives=entries, includeStackTraces=False)
+            dump = pickle.loads(raw) if isinstance(raw, bytes) else raw  # noqa: S301 (torch's)
+        except Exception:  # noqa: BLE001, S112 (no such recorder here: no progress from it)
+            continue
+        if isinstance(dump, dict):
+            status = dump.get("pg_status") or {}
+            merged["pg_status"].update({f"{name}:{key}": value for key, value in status.items()})
+            merged["entries"].extend(dump.get("entries") or [])
+    return merged
 
 
 def completed() -> int:
@@ -114,7 +129,10 @@ def state(main: threading.Thread) -> RankState:
         stacks.append(f'Thread "{names.get(ident, ident)}":\n')
         stacks.extend(traceback.format_stack(frame))
     entries = []
-    for raw in (_recorder(entries=True).get("entries") or [])[-RECENT:]:
+    recorded = sorted(
+        _recorder(entries=True)["entries"], key=lambda e: e.get("time_created_ns") or 0
+    )
+    for raw in recorded[-RECENT:]:
         group = raw.get("process_group") or ("", "")
         done = bool(raw.get("retired")) or raw.get("state") == "completed"
         entries.append(

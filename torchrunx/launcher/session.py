@@ -393,6 +393,7 @@ class LaunchLoop:
             self.listener.next_deadline,
             None if self.look is None else self.look.deadline,
             None if self.stalls.look is None else self.stalls.look.deadline,
+            self.stalls.next_due(self.debugger.paused(now)),
         )
         self.loop.run_once(max(0.0, (wake or now) - now))
         self.apply_queue()

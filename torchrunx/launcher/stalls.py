@@ -197,6 +197,12 @@ class StallWatch:
         """Seconds without progress, time in the debugger left out."""
         return now - self.last - (paused - self.paused_then)
 
+    def next_due(self, paused: float) -> float | None:
+        """When the clock runs out if nothing moves (monotonic), while it can."""
+        if self.timeout is None or not self.armed or self.reported or self.look is not None:
+            return None
+        return self.last + self.timeout + (paused - self.paused_then)
+
     def due(self, now: float, paused: float) -> bool:
         """Whether to look now: stalled for ``timeout``, not looked at or reported yet."""
         return (
