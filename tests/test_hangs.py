@@ -266,13 +266,15 @@ def test_the_users_recorder_size_is_kept_and_the_recorder_is_on_otherwise(monkey
     assert launcher.run(size).ranks == [None]
 
 
-def sleep_on_the_last_rank() -> int:
+def sleep_on_the_last_rank(folder: str) -> int:
     import torch
     import torch.distributed as dist
 
     t = torch.ones(8)
     for _ in range(3):
         dist.all_reduce(t)
+    with open(f"{folder}/stall-began-{dist.get_rank()}", "w") as f:
+        f.write(str(time.time()))
     if dist.get_rank() == dist.get_world_size() - 1:
         time.sleep(120)  # the sleeping rank, on the second host
     dist.all_reduce(t)
@@ -280,13 +282,14 @@ def sleep_on_the_last_rank() -> int:
 
 
 @pytest.mark.cluster
-def test_a_sleeping_rank_on_a_remote_host_is_named_within_seconds(cluster):
+def test_a_sleeping_rank_on_a_remote_host_is_named_within_seconds(cluster, tmp_path):
     node1, node2 = cluster.names()
     events: list[Stalled] = []
     started = time.monotonic()
     with pytest.raises(StallError) as caught:
         trx.launch(
             sleep_on_the_last_rank,
+            func_args=(str(tmp_path),),
             hostnames=[node1, node2],
             workers_per_host=2,
             backend="gloo",
@@ -304,6 +307,9 @@ def test_a_sleeping_rank_on_a_remote_host_is_named_within_seconds(cluster):
     assert values["unanswered"] == []
     assert len(events) == 1
     assert time.monotonic() - started < 60  # not the 120 s sleep
+    began = max(float((tmp_path / f"stall-began-{r}").read_text()) for r in range(4))
+    assert STALL <= events[0].time - began < STALL + 2  # the target: within stall_timeout + 2 s
+    print(f"stall to diagnosis on the SSH test hosts: {events[0].time - began:.2f} s")
 
 
 def test_ctrl_backslash_adds_the_collective_view_and_the_launch_goes_on(tmp_path, capfd):
@@ -401,3 +407,53 @@ def sleep_long_before_all_reduce_on_rank(sleeper: int) -> int:
         time.sleep(120)
     dist.all_reduce(t)
     return 0
+
+
+def _skipped(values: dict) -> None:
+    [waiting] = values["waiting"]
+    assert (waiting["op"], waiting["seq"], waiting["ranks"]) == ("all_reduce", 3, [0, 1, 3])
+    [(where, ranks)] = values["absent"].items()
+    assert ranks == [2] and "in skip_an_all_reduce" in where
+
+
+def _mismatched(values: dict) -> None:
+    assert values["mismatch"] is True
+    found = {(w["op"], w["seq"], tuple(w["ranks"])) for w in values["waiting"]}
+    assert found == {("all_reduce", 3, (0, 1)), ("broadcast", 3, (2, 3))}
+
+
+def _deadlocked(values: dict) -> None:
+    assert values["waiting"] == [] and values["phases"] == {"in the user's code": [0, 1, 2, 3]}
+    [(where, _)] = values["absent"].items()
+    assert "in deadlock_in_user_code" in where
+
+
+def _before_the_group(values: dict) -> None:
+    assert values["phases"] == {"before the process group formed": [0, 1, 2, 3]}
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("func", "args", "backend", "check"),
+    [
+        (skip_an_all_reduce, ("",), "gloo", _skipped),
+        (mismatched_ops, (), "gloo", _mismatched),
+        (deadlock_in_user_code, (), "gloo", _deadlocked),
+        (hang_in_init_process_group, (), None, _before_the_group),
+    ],
+    ids=["skip", "mismatch", "deadlock", "init"],
+)
+def test_each_hang_is_named_on_the_ssh_test_hosts(cluster, func, args, backend, check):
+    with pytest.raises(StallError) as caught:
+        trx.launch(
+            func,
+            func_args=args,
+            hostnames=cluster.names(),
+            workers_per_host=2,
+            backend=backend,
+            ssh_config_file=cluster.ssh_config,
+            stall_timeout=STALL,
+            on_stall="fail",
+        )
+    assert caught.value.diagnosis["unanswered"] == []
+    check(caught.value.diagnosis)
