@@ -55,8 +55,6 @@ from torchrunx.wire.messages import (
     DebugInput,
     Heartbeat,
     Preempt,
-    RankProgress,
-    RankState,
     ShowStacks,
 )
 
@@ -69,6 +67,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.plan import LaunchPlan
     from torchrunx.launcher.results import LaunchTimings
     from torchrunx.launcher.stalls import LookReason
+    from torchrunx.wire.messages import RankProgress, RankState
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -284,10 +283,7 @@ class LaunchLoop:
 
     def _on_rank(self, rank: int, message: RankProgress | RankState) -> None:
         now = time.monotonic()
-        if isinstance(message, RankProgress):
-            self.stalls.progressed(now, self.debugger.paused(now))
-        else:
-            self.stalls.answer_state(rank, message)
+        self.stalls.note(rank, message, now, self.debugger.paused(now))
 
     def _ask_states(self, now: float, why: LookReason) -> bool:
         """Ask every agent for its workers' stacks and states (stall detection's look).
@@ -313,8 +309,10 @@ class LaunchLoop:
             return None
         look = self.stalls.look
         assert look is not None  # noqa: S101 (just begun)
-        while not look.due(time.monotonic()):  # also after a failure, unlike run_until
-            self.step(look.deadline)
+        while not look.due(time.monotonic()) and self.stalls.look is look:  # not run_until:
+            self.step(look.deadline)  # this runs after a failure too
+        if self.stalls.look is not look:  # the attempt ended meanwhile
+            return None
         st = self.state
         hosts = {r.rank: st.agent_table.hostname(r) for r in st.ranks}
         return "\n".join(self.stalls.finish(st.ranks, hosts).view)

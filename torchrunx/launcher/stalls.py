@@ -240,6 +240,13 @@ class StallWatch:
             for local_rank, text in stacks.items():
                 look.stacks[agent.spec.rank_offset + local_rank] = text
 
+    def note(self, rank: int, message: RankProgress | RankState, now: float, paused: float) -> None:
+        """What a rank sent: its progress, or its state for the look under way."""
+        if isinstance(message, RankProgress):
+            self.progressed(now, paused)
+        else:
+            self.answer_state(rank, message)
+
     def answer_state(self, rank: int, state: RankState) -> None:
         """A rank's state."""
         if self.look is not None:
