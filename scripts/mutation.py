@@ -251,6 +251,7 @@ TARGETS: dict[str, Target] = {
             "tests/test_compat.py",
             "tests/test_hosts.py",
             "tests/test_rules_more.py",
+            "tests/test_rules_hangs.py",
         ),
         functions=("Launcher.validate", "_validate_*"),
         note="the checks of the Launcher's fields",

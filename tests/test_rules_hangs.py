@@ -298,6 +298,9 @@ def test_rule_launcher_validate_checks_the_stall_fields():
         trx.Launcher(stall_timeout=0).validate()
     with pytest.raises(ValueError, match="on_stall"):
         trx.Launcher(on_stall="later").validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs max_restarts >= 1"):
+        trx.Launcher(on_stall="restart").validate()
+    trx.Launcher(on_stall="restart", max_restarts=1).validate()
     assert trx.Launcher().stall_timeout == DEFAULT_STALL_TIMEOUT == 300
     assert trx.Launcher().on_stall == "report"
 
