@@ -234,8 +234,15 @@ TARGETS: dict[str, Target] = {
     "hosts": Target(
         "torchrunx/launcher/settings/resolve.py",
         ("tests/test_hosts.py", "tests/test_plugins.py", "tests/test_rules_more.py"),
-        functions=("hostnames_source", "check_hostname", "check_hostnames"),
-        note="the validation of hostnames (resolution and counting read the machine)",
+        functions=(
+            "hostnames_source",
+            "check_hostname",
+            "check_hostnames",
+            "check_workers",
+            "_check_lengths",
+        ),
+        note="the validation of hostnames and workers_per_host (resolution and counting read "
+        "the machine)",
     ),
     "launcher": Target(
         "torchrunx/launcher/launcher.py",
@@ -244,8 +251,9 @@ TARGETS: dict[str, Target] = {
             "tests/test_compat.py",
             "tests/test_hosts.py",
             "tests/test_rules_more.py",
+            "tests/test_rules_hangs.py",
         ),
-        functions=("Launcher.validate", "_validate_*", "_check_lengths"),
+        functions=("Launcher.validate", "_validate_*"),
         note="the checks of the Launcher's fields",
     ),
     "devices": Target(

@@ -183,6 +183,9 @@ PARSE_FORMS = [
     (["--env-file", "env.sh"], {"env_file": "env.sh"}),
     (["--launch-timeout", "2.5"], {"launch_timeout": 2.5}),
     (["--launch-timeout", "None"], {"launch_timeout": None}),
+    (["--stall-timeout", "60"], {"stall_timeout": 60.0}),
+    (["--stall-timeout", "None"], {"stall_timeout": None}),
+    (["--on-stall", "fail"], {"on_stall": "fail"}),
     (["--start-timeout", "9"], {"start_timeout": 9.0}),
     (["--launcher-address", "10.1.2.3"], {"launcher_address": "10.1.2.3"}),
 ]

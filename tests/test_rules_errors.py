@@ -20,6 +20,7 @@ from torchrunx.errors import (
     AgentFailedError,
     Preempted,
     RemoteTraceback,
+    StallError,
     TorchrunxError,
     WorkerFailedError,
     WorkerTimeoutError,
@@ -91,6 +92,7 @@ def test_a_watchdogs_timeout_names_the_scope_and_its_limit():
         AgentFailedError("node1", "gone", "err"),
         WorkerFailedError("node2", 1, 3, 4242, None, 9),
         WorkerTimeoutError("node0", 2, 6, "step", 1.5),
+        StallError(300.5, "rank 1 in the user's code\n", {"unanswered": [2]}),
     ],
 )
 def test_an_error_pickles_with_its_fields_and_message(error):
@@ -217,3 +219,17 @@ def test_a_collective_error_is_found_within_8_links_of_the_chain_by_cause_or_con
     both.__cause__ = ValueError("the cause is followed, not the context")
     both.__context__ = RuntimeError("NCCL error")
     assert not is_collective_error(both)
+
+
+def test_a_stall_says_how_long_and_carries_its_diagnosis():
+    error = StallError(302.25, "ranks 0-1 wait in all_reduce #41\n", {"mismatch": False})
+    assert str(error) == (
+        "no rank made progress for 302 s (stall_timeout):\nranks 0-1 wait in all_reduce #41\n"
+    )
+    assert (error.seconds, error.text, error.diagnosis) == (
+        302.25,
+        "ranks 0-1 wait in all_reduce #41\n",
+        {"mismatch": False},
+    )
+    assert isinstance(error, TimeoutError) and isinstance(error, TorchrunxError)
+    assert StallError.restart_category == "timeouts"

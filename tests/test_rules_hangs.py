@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
+import pytest
+
+import torchrunx as trx
+from torchrunx.launcher.launch.stalls import (
+    DEFAULT_STALL_TIMEOUT,
+    StallWatch,
+    check_stall_fields,
+    progress_every,
+    without_probe,
+)
 from torchrunx.launcher.state.hangs import (
     CollectiveEntry,
     RankSnapshot,
@@ -13,6 +24,8 @@ from torchrunx.launcher.state.hangs import (
     ranks_text,
     render,
 )
+from torchrunx.wire.messages import RankState
+from torchrunx.worker.stallprobe import RECORDER_ENTRIES, recorder_env, user_frame
 
 
 def _done(seq: int, op: str = "all_reduce", group: str = "default_pg") -> CollectiveEntry:
@@ -161,9 +174,12 @@ def test_rule_ranks_before_the_group_formed_are_said_so():
     }
     assert diagnosis.unanswered == (2,)
     assert render(diagnosis) == [
+        "no rank waits in a collective; where they are:",
+        "  rank 0: train.py:3 in main",
+        "  rank 1: x.py:1 in f",
         "rank 0 before the process group formed",
         "rank 1 in the user's code",
-        "rank 2 did not answer (their host is silent)",
+        "rank 2 did not answer in time (their host is silent, or the rank holds Python's GIL)",
     ]
 
 
@@ -171,7 +187,12 @@ def test_rule_no_collective_at_all_is_a_deadlock_in_user_code():
     snaps = [_snap(0, where="a.py:1 in lock"), _snap(1, where="a.py:1 in lock")]
     diagnosis = diagnose(snaps, 2)
     assert diagnosis.waiting == ()
-    assert render(diagnosis) == ["ranks 0-1 in the user's code"]
+    assert diagnosis.absent == {"a.py:1 in lock": (0, 1)}
+    assert render(diagnosis) == [
+        "no rank waits in a collective; where they are:",
+        "  ranks 0-1: a.py:1 in lock",
+        "ranks 0-1 in the user's code",
+    ]
 
 
 def test_rule_the_diagnosis_as_json_names_the_same_facts():
@@ -254,3 +275,157 @@ def test_rule_only_collectives_every_rank_recorded_are_compared():
     history = dict(_history(20, 3, late_rank=0, jitter=0, seed=0))
     history[1] = history[1][:3]  # rank 1's recorder kept only 3
     assert find_stragglers(history) == []  # 3 shared < 5
+
+
+# -- stall detection: its fields, its clock, its look (torchrunx.launcher.launch.stalls) -------------
+
+
+def test_rule_stall_fields_are_checked_with_what_to_write_instead():
+    check_stall_fields(300, "report", 0)
+    check_stall_fields(None, "fail", 0)  # off
+    check_stall_fields(0.5, "restart", 1)
+    for bad in (0, -1, float("inf"), True, "300"):
+        with pytest.raises(ValueError, match="stall_timeout must be a positive number"):
+            check_stall_fields(bad, "report", 0)
+    with pytest.raises(ValueError, match="on_stall='later' is not one of"):
+        check_stall_fields(300, "later", 0)
+    with pytest.raises(ValueError, match="needs max_restarts >= 1"):
+        check_stall_fields(300, "restart", 0)
+
+
+def test_rule_launcher_validate_checks_the_stall_fields():
+    with pytest.raises(ValueError, match="stall_timeout"):
+        trx.Launcher(stall_timeout=0).validate()
+    with pytest.raises(ValueError, match="on_stall"):
+        trx.Launcher(on_stall="later").validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs max_restarts >= 1"):
+        trx.Launcher(on_stall="restart").validate()
+    trx.Launcher(on_stall="restart", max_restarts=1).validate()
+    assert trx.Launcher().stall_timeout == DEFAULT_STALL_TIMEOUT == 300
+    assert trx.Launcher().on_stall == "report"
+
+
+def test_rule_a_worker_says_it_progressed_at_most_every_fifth_of_the_timeout_or_5_s():
+    assert progress_every(None) is None
+    assert progress_every(2) == 0.4
+    assert progress_every(300) == 5.0
+
+
+def test_rule_the_recorder_is_on_unless_the_user_sized_it():
+    assert recorder_env({}) == {"TORCH_FR_BUFFER_SIZE": str(RECORDER_ENTRIES)}
+    assert recorder_env({"TORCH_FR_BUFFER_SIZE": "0"}) == {}
+    assert recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}) == {}
+
+
+def test_rule_the_stall_clock_runs_while_an_attempt_runs_and_progress_sets_it_back():
+    watch = StallWatch(10, "report", armed=True)
+    watch.run_state(None, 0, 0)
+    assert not watch.due(100, 0)  # nothing runs
+    watch.run_state(0, 100, 0)  # the attempt starts: the clock with it
+    assert not watch.due(109.9, 0)
+    assert watch.due(110, 0)
+    watch.progressed(105, 0)
+    assert not watch.due(114.9, 0) and watch.due(115, 0)
+    watch.run_state(1, 120, 0)  # a restart: the clock starts again
+    assert not watch.due(129, 0) and watch.due(130, 0)
+    watch.run_state(None, 131, 0)  # between warm runs: no stall
+    assert not watch.due(1000, 0)
+
+
+def test_rule_time_in_the_debugger_does_not_count():
+    watch = StallWatch(10, "report", armed=True)
+    watch.run_state(0, 0, paused=0)
+    assert not watch.due(15, paused=6)  # 6 s of it in pdb: 9 s without progress
+    assert watch.stalled_for(15, 6) == 9
+    assert watch.due(16, paused=6)
+    assert watch.next_due(paused=6) == 16  # the loop wakes then
+    watch.progressed(16, 6)
+    assert watch.next_due(paused=7) == 27
+
+
+def test_rule_without_a_backend_the_clock_starts_at_the_first_progress():
+    watch = StallWatch(10, "report", armed=False)
+    watch.run_state(0, 0, 0)
+    assert not watch.due(1000, 0)
+    watch.progressed(1000, 0)
+    assert watch.due(1010, 0)
+
+
+def test_rule_off_is_never_due():
+    watch = StallWatch(None, "report", armed=True)
+    watch.run_state(0, 0, 0)
+    assert not watch.due(10**9, 0)
+
+
+def _agent(index: int, offset: int) -> object:
+    return SimpleNamespace(index=index, spec=SimpleNamespace(rank_offset=offset))
+
+
+def _rank(rank: int, local_rank: int) -> object:
+    return SimpleNamespace(rank=rank, local_rank=local_rank)
+
+
+def test_rule_a_stall_is_looked_at_once_reported_once_until_progress():
+    watch = StallWatch(10, "fail", armed=True)
+    watch.run_state(0, 0, 0)
+    agents = [_agent(0, 0), _agent(1, 2)]
+    watch.begin(agents, {0, 1, 2, 3}, 10, 0)  # type: ignore[arg-type]
+    look = watch.look
+    assert look is not None and not watch.due(11, 0)  # a look under way
+    assert not look.due(10.5)
+    entries = (("default_pg", 5, "all_reduce", ((4,),), ("Float",), False, 1, "t.py:9 in f"),)
+    for rank in (0, 1, 3):
+        watch.answer_state(rank, RankState(group_formed=True, entries=entries, where="t.py:9 in f"))
+    watch.answer_state(
+        2, RankState(group_formed=True, where="t.py:3 in load", stacks="Current thread:\n  x\n")
+    )
+    watch.answer_stacks(agents[0], {0: "a", 1: "a"})  # type: ignore[arg-type]
+    assert not look.due(10.5)  # host 1's stacks are missing
+    watch.answer_stacks(agents[1], {0: "Current thread:\n  load\n", 1: "b"})  # type: ignore[arg-type]
+    assert look.due(10.5) and look.stacks[2] == "Current thread:\n  load\n"
+    ranks = [_rank(0, 0), _rank(1, 1), _rank(2, 0), _rank(3, 1)]
+    report = watch.finish(ranks, dict.fromkeys(range(4), "node"))  # type: ignore[arg-type]
+    assert report.number == 1 and report.seconds == 10
+    assert report.text.splitlines()[:3] == [
+        "ranks 0-1, 3 wait in all_reduce #5 of default_pg ([4] Float) at t.py:9 in f",
+        "not entered all_reduce #5 of default_pg:",
+        "  rank 2: t.py:3 in load",
+    ]
+    assert report.values["stacks"] == {"2": "Current thread:\n  load\n"}
+    assert report.headline.startswith("torchrunx: no rank made progress for 10 s")
+    assert not watch.due(100, 0)  # reported: not again until progress
+    watch.progressed(100, 0)
+    assert watch.due(110, 0)
+
+
+def test_rule_a_rank_that_did_not_answer_in_time_is_named_as_such():
+    watch = StallWatch(1, "report", armed=True)
+    watch.run_state(0, 0, 0)
+    watch.begin([_agent(0, 0)], {0, 1}, 1, 0)  # type: ignore[arg-type]
+    watch.answer_state(0, RankState(group_formed=True, where="t.py:1 in f"))
+    assert watch.look is not None and not watch.look.due(2.9) and watch.look.due(3.0)
+    report = watch.finish([_rank(0, 0), _rank(1, 1)], {0: "n", 1: "n"})  # type: ignore[arg-type]
+    assert report.values["unanswered"] == [1]
+    assert "rank 1 did not answer in time" in report.text
+
+
+def test_rule_the_probes_own_thread_is_left_out_of_the_stacks():
+    stacks = (
+        'Thread 0x1 (most recent call first):\n  File "/x/torchrunx/agent/stallprobe.py", line 3'
+        '\n\nCurrent thread 0x2 (most recent call first):\n  File "t.py", line 1 in f\n'
+    )
+    assert without_probe(stacks) == (
+        'Current thread 0x2 (most recent call first):\n  File "t.py", line 1 in f\n'
+    )
+
+
+def test_rule_the_users_frame_is_the_innermost_outside_torch_and_torchrunx():
+    def code(filename: str, name: str) -> object:
+        return SimpleNamespace(co_filename=filename, co_name=name)
+
+    outer = SimpleNamespace(f_code=code("/me/train.py", "main"), f_lineno=9, f_back=None)
+    inner = SimpleNamespace(
+        f_code=code("/v/torch/distributed/c10d.py", "all_reduce"), f_lineno=1, f_back=outer
+    )
+    assert user_frame(inner) == "/me/train.py:9 in main"
+    assert user_frame(None) == ""

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         Preempted,
         SerializationError,
         SlurmError,
+        StallError,
         TorchrunxError,
         WorkerError,
         WorkerFailedError,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
         preemption_reason,
         preemption_requested,
     )
+    from torchrunx.stall import progress
     from torchrunx.worker.worker import worker_cache
 
 __version__ = "0.5.0"
@@ -61,6 +63,7 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "SerializationError",
     "SlurmError",
     "SlurmJob",
+    "StallError",
     "TorchrunxError",
     "WarmLauncher",
     "WorkerError",
@@ -77,6 +80,7 @@ __all__ = [  # noqa: RUF022 (plain sorted(), as tests/test_api.py checks, not is
     "preemption_deadline",
     "preemption_reason",
     "preemption_requested",
+    "progress",
     "stream_handler",
     "submit",
     "worker_cache",
@@ -88,6 +92,7 @@ _HOME = {
     "SerializationError": "torchrunx.errors",
     "SlurmError": "torchrunx.errors",
     "SlurmJob": "torchrunx.launcher.submit",
+    "StallError": "torchrunx.errors",
     "submit": "torchrunx.launcher.submit",
     "TorchrunxError": "torchrunx.errors",
     "Preempted": "torchrunx.errors",
@@ -95,6 +100,7 @@ _HOME = {
     "preemption_deadline": "torchrunx.preemption",
     "preemption_reason": "torchrunx.preemption",
     "preemption_requested": "torchrunx.preemption",
+    "progress": "torchrunx.stall",
     "WorkerError": "torchrunx.errors",
     "WorkerFailedError": "torchrunx.errors",
     "WorkerRaisedError": "torchrunx.errors",

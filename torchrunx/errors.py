@@ -11,6 +11,9 @@
     │   │   └── WorkerTimeoutError      (also a TimeoutError) it overran a watchdog scope of
     │   │                               torchrunx.timer.expires
     │   ├── LaunchTimeoutError          (also a TimeoutError) launch_timeout was hit
+    │   ├── StallError                  (also a TimeoutError) no rank made progress for
+    │   │                               stall_timeout (on_stall="fail" or "restart"): the
+    │   │                               diagnosis in its message and ``diagnosis``
     │   ├── SerializationError          (also a TypeError) the function, an argument or a
     │   │                               return value cannot be pickled
     │   ├── ProtocolError               a peer broke the wire protocol or failed to authenticate
@@ -236,6 +239,32 @@ class LaunchTimeoutError(TorchrunxError, TimeoutError):
     The message names the limit and the ranks still running; the Python stacks of those
     workers are attached as a note.
     """
+
+
+class StallError(TorchrunxError, TimeoutError):
+    """No rank made progress for ``Launcher.stall_timeout`` seconds (``on_stall`` ``"fail"``).
+
+    With ``on_stall="restart"`` it is the failure that restarts the workers (``restart_on``:
+    ``"timeouts"`` or ``"StallError"``), and raised once no restart is left.
+
+    Attributes:
+        seconds: Seconds without progress when it was raised.
+        diagnosis: What the ranks waited for, as JSON-ready values
+            (``torchrunx.launcher.state.hangs.Diagnosis.to_json``).
+    """
+
+    restart_category = "timeouts"
+
+    def __init__(self, seconds: float, text: str, diagnosis: dict[str, object]) -> None:
+        """A stall: its duration, the diagnosis's text and its values."""
+        self.seconds = seconds
+        self.text = text
+        self.diagnosis = diagnosis
+        super().__init__(f"no rank made progress for {seconds:.3g} s (stall_timeout):\n{text}")
+
+    def __reduce__(self) -> tuple[type[StallError], tuple[float, str, dict[str, object]]]:
+        """Pickle with the constructor's arguments."""
+        return (type(self), (self.seconds, self.text, self.diagnosis))
 
 
 class SerializationError(TorchrunxError, TypeError):

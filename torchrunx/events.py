@@ -168,6 +168,24 @@ class Preempting:
 
 
 @dataclass(frozen=True)
+class Stalled:
+    """No rank made progress for ``Launcher.stall_timeout`` seconds: the diagnosis.
+
+    See :mod:`torchrunx.launcher.state.hangs` (the fields of ``diagnosis``) and docs/debugging.md.
+    """
+
+    seconds: float
+    """Seconds since the last progress of any rank."""
+    text: str
+    """The diagnosis as printed."""
+    diagnosis: dict[str, Any]
+    """The same as JSON-ready values (also in the log folder's ``stall-*.json``)."""
+    action: str
+    """``Launcher.on_stall``: ``"report"``, ``"fail"`` or ``"restart"``."""
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class HostQuarantined:
     """A host's agent failed or was lost: it takes no further part (spare hosts, ``min_hosts``).
 
@@ -216,6 +234,7 @@ Event = (
     | WorkerFailed
     | Restarting
     | Preempting
+    | Stalled
     | HostQuarantined
     | HostsChanged
     | LaunchFinished

@@ -29,7 +29,10 @@ PAGE_SIZE = 512
 _DEADLINE = struct.Struct("=d")  # offset 0: monotonic deadline, 0.0 when no block runs
 _DETAILS = struct.Struct("=dH")  # offset 8: the limit in seconds, then the scope's length
 _SCOPE_OFFSET = _DEADLINE.size + _DETAILS.size
-_SCOPE_MAX = PAGE_SIZE - _SCOPE_OFFSET - 1
+_SCOPE_MAX = PAGE_SIZE - _SCOPE_OFFSET - 9
+ASK_OFFSET = PAGE_SIZE - 9
+"""Offset of a ``=Q`` counter the agent raises to ask for the worker's state on a stall
+(:mod:`torchrunx.worker.stallprobe`)."""
 _USED_OFFSET = PAGE_SIZE - 1  # 1 once the worker used a timer: the agent starts polling
 
 _page: mmap.mmap | None = None
@@ -48,6 +51,11 @@ def attach(page: mmap.mmap) -> None:
     global _page  # noqa: PLW0603 (one page per worker process)
     _page = page
     _stack.clear()
+
+
+def current_page() -> mmap.mmap | None:
+    """This worker's page, if it has one."""
+    return _page
 
 
 def read_page(page: mmap.mmap) -> tuple[float, float, str] | None:

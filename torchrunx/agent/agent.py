@@ -92,6 +92,7 @@ from torchrunx.wire.messages import (
     WorkersStarted,
     WorkerStacks,
 )
+from torchrunx.worker import stallprobe
 from torchrunx.worker.capture import capture_logging
 
 if TYPE_CHECKING:
@@ -442,6 +443,8 @@ class Agent:
                 self.link.send(WorkerStacks({}, shown=True))  # no worker runs here now
             else:
                 current.show_stacks()
+                for worker in current.group.live() if message.states else ():
+                    stallprobe.ask(worker.page)  # and its RankState, on its channel
 
     def _on_stop(self, message: Stop) -> None:
         if message.restart and self.waiting:

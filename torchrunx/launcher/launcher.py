@@ -42,9 +42,11 @@ from torchrunx.events import EventHandler  # noqa: TC001 (tyro reads the field t
 from torchrunx.launcher.dryrun import describe_launch
 from torchrunx.launcher.launch.orchestrator import Launch
 from torchrunx.launcher.launch.preempt import default_grace, sigterm_preempts
+from torchrunx.launcher.launch.stalls import DEFAULT_STALL_TIMEOUT, check_stall_fields
 from torchrunx.launcher.settings.plan import (
     Backend,
     LaunchPlan,
+    StallAction,
     check_agent_start,
     check_relay,
     paired_transport,
@@ -58,6 +60,7 @@ from torchrunx.launcher.settings.reach import (
 )
 from torchrunx.launcher.settings.renamed import refuse_renamed, refuses_renamed_keywords
 from torchrunx.launcher.settings.resolve import Hostnames, check_hostnames, resolve_hosts
+from torchrunx.launcher.settings.resolve import check_workers as _validate_workers
 from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.state.health import (
     health_details_from_env,
@@ -184,6 +187,14 @@ python names another; it should share the host's network."""
 
     launch_timeout: float | None = None
     """Wall-clock limit in seconds for the whole launch (None: no limit)."""
+
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT
+    """Seconds without progress of any rank (a collective completed, trx.progress()) before every
+rank's flight recorder and stacks are read and a diagnosis shown (docs/debugging.md); None: off."""
+
+    on_stall: StallAction = "report"
+    """After a stall's diagnosis: "report" (keep waiting), "fail" (raise StallError), or the
+workers "restart" as after a failure (it needs max_restarts, and "timeouts" in restart_on)."""
 
     max_restarts: int = 0
     """Restart the whole worker group, on the same agents, up to this many times after a
@@ -364,6 +375,8 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
                 default_grace() if self.preemption_grace is None else float(self.preemption_grace)
             ),
             requeue=self.requeue_on_preemption,
+            stall_timeout=self.stall_timeout,
+            on_stall=self.on_stall,
             env=self.exported_env(),
             workers_per_host=self.workers_per_host,
             backend=self.backend,
@@ -424,19 +437,14 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         check_env_fields(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
         check_log_fields(self.log_handlers, self.console_ranks)
         _validate_restarts(self.max_restarts, self.restart_on)
+        check_stall_fields(self.stall_timeout, self.on_stall, self.max_restarts)
         _validate_resilience(self)
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
         health_details_from_env()  # raises ValueError for a bad TORCHRUNX_HEALTH_CHECK_DETAILS
         log_level_from_env()  # raises ValueError for a bad TORCHRUNX_LOG_LEVEL
         check_debug_env()  # and for a bad TORCHRUNX_POST_MORTEM or TORCHRUNX_DEBUGPY
-        if self.env_file is not None and not Path(self.env_file).expanduser().is_file():
-            raise ValueError(f"env_file {str(self.env_file)!r} does not exist or is not a file")
-        if self.ssh_config_file is not None:
-            path = Path(self.ssh_config_file).expanduser()
-            if not path.is_file() or not os.access(path, os.R_OK):
-                raise ValueError(f"ssh_config_file {str(path)!r} does not exist or is not readable")
-            read_ssh_config(path)  # a syntax error is reported now, before any host is touched
+        _validate_files(self.env_file, self.ssh_config_file)
 
     def set_logging_handlers(self, handler_factory: LogHandlers) -> Launcher:
         """Set :attr:`log_handlers` as torchrunx 0.4 did; returns this launcher.
@@ -505,6 +513,16 @@ def launch(
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
 
 
+def _validate_files(env_file: str | Path | None, ssh_config_file: str | Path | None) -> None:
+    if env_file is not None and not Path(env_file).expanduser().is_file():
+        raise ValueError(f"env_file {str(env_file)!r} does not exist or is not a file")
+    if ssh_config_file is not None:
+        path = Path(ssh_config_file).expanduser()
+        if not path.is_file() or not os.access(path, os.R_OK):
+            raise ValueError(f"ssh_config_file {str(path)!r} does not exist or is not readable")
+        read_ssh_config(path)  # a syntax error is reported now, before any host is touched
+
+
 def _validate_resilience(self: Launcher) -> None:
     """``spare_hosts``, ``min_hosts``, ``preemption_grace``, ``requeue_on_preemption``."""
     check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
@@ -568,25 +586,3 @@ def _validate_seconds(name: str, value: object, *, zero: bool = False) -> None:
     ):
         least = "0 or more" if zero else "a positive number of"
         raise ValueError(f"{name} must be {least} seconds, got {value!r}")
-
-
-def _validate_workers(workers: object, hostnames: object) -> None:
-    if workers in ("auto", "slurm", "gpu", "cpu"):
-        return
-    counts = workers if isinstance(workers, list | tuple) else [workers]
-    for count in counts:
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            raise ValueError(
-                "workers_per_host must be positive integers (one, or one per host), 'auto', "
-                f"'slurm', 'gpu' or 'cpu', got {workers!r}"
-            )
-    if isinstance(workers, list | tuple) and isinstance(hostnames, list | tuple):
-        _check_lengths(len(workers), len(hostnames))
-
-
-def _check_lengths(workers: int, hosts: int) -> None:
-    if workers != hosts:
-        raise ValueError(
-            f"workers_per_host has {workers} entries but hostnames has {hosts}; "
-            "give one count per host or a single int"
-        )

@@ -80,6 +80,9 @@ class WorkerSpec:
     preemption_grace: float = 0.0
     """Seconds the ranks get to save and return after a preemption notice; more than 0: a
     SIGTERM that reaches a worker from outside is such a notice (:mod:`torchrunx.preemption`)."""
+    progress_every: float | None = None
+    """``Launcher.stall_timeout`` is on: each worker says :class:`RankProgress` at most this
+    often, and answers a stalled launch's request with its :class:`RankState`."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,29 @@ class ShowStacks:
     Someone asked where every rank is (SIGQUIT, Ctrl-Backslash): the answer is a
     :class:`WorkerStacks` with ``shown``.
     """
+
+    states: bool = False
+    """Also ask each live worker for its :class:`RankState` (the launch looks stalled)."""
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """Worker: it made progress (a collective completed, or ``torchrunx.progress()``)."""
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Worker: its state when the launch looked stalled (see :mod:`torchrunx.worker.stallprobe`).
+
+    ``entries``: its flight recorder's recent collectives, oldest first, each ``(group, seq,
+    op, sizes, dtypes, done, created_ns, site)``; ``where``: the innermost frame of the user's
+    code in its main thread; ``stacks``: the Python stacks of all its threads.
+    """
+
+    group_formed: bool
+    entries: tuple[tuple[Any, ...], ...] = ()
+    where: str = ""
+    stacks: str = ""
 
 
 @dataclass(frozen=True)
@@ -368,12 +394,21 @@ Message = (
     | DebugOutput
     | DebugInput
     | DebugpyListening
+    | RankProgress
+    | RankState
 )
 """Every message; a frame's header is one of these, and nothing else."""
 _MESSAGE_TYPES: tuple[type[Message], ...] = typing.get_args(Message)
 
 WorkerMessage = (
-    WorkerHello | WorkerResult | WorkerException | DebugOutput | DebugpyListening | DirectOutcome
+    WorkerHello
+    | WorkerResult
+    | WorkerException
+    | DebugOutput
+    | DebugpyListening
+    | DirectOutcome
+    | RankProgress
+    | RankState
 )
 """What a worker may send on its channel (forwarded by its agent inside :class:`FromWorker`)."""
 WORKER_MESSAGE_TYPES: tuple[type[WorkerMessage], ...] = typing.get_args(WorkerMessage)

@@ -47,7 +47,7 @@ from torchrunx.wire.messages import (
     WorkerResult,
     WorkerSpec,
 )
-from torchrunx.worker import debugger
+from torchrunx.worker import debugger, stallprobe
 from torchrunx.worker.capture import capture_logging
 from torchrunx.worker.frameworks import framework_env
 
@@ -206,6 +206,9 @@ def run(  # noqa: PLR0913 (what one rank needs)
     hello = WorkerHello(rank=rank, local_rank=local_rank, pid=os.getpid(), attempt=spec.attempt)
     conn.send(hello)
     debugger.install(conn, rank, spec.hostname, terminal=spec.debugger)
+    if spec.progress_every is not None:  # stall detection: the recorder on, the probe started
+        os.environ.update(stallprobe.recorder_env(os.environ))
+        stallprobe.StallProbe(conn, spec.progress_every).start()
     outcomes = _Outcomes(conn, boot, hello)
     call: list[bytearray] | None = payload
     first = True

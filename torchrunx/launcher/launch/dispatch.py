@@ -16,6 +16,7 @@ from torchrunx import serialization
 from torchrunx.devices import resolve_backend
 from torchrunx.errors import AgentFailedError, SerializationError
 from torchrunx.launcher.launch.replace import Failed
+from torchrunx.launcher.launch.stalls import progress_every
 from torchrunx.launcher.state.records import Phase
 from torchrunx.launcher.view.logrouter import auto_cores_hint
 from torchrunx.wire.messages import WorkerCall, WorkerSpec
@@ -107,6 +108,7 @@ class Dispatch:
                 post_mortem=debugger.post_mortem,
                 debugpy=debugger.debugpy,
                 preemption_grace=plan.preemption_grace,
+                progress_every=progress_every(plan.stall_timeout),
             )
             st.current.assign(agent, spec)
             if agent.index not in self._logged:  # its files and consoles, once

@@ -255,6 +255,9 @@ class Launch:
         """After a failure: stop the workers, find the cause, then restart or raise it."""
         st, plan = self.state, self.plan
         may_restart = st.restarts < plan.max_restarts and self._provisionally_restartable()
+        lost = [f for f in st.faults if f.kind == "lost"]
+        if lost and (view := self.session.diagnose_now()):  # the others, before they stop
+            add_note(lost[0].error, f"what the ranks were doing when the host was lost:\n{view}")
         # Warm agents stay either way: only this run's workers are stopped.
         self.stop_workers(restart=may_restart or plan.warm, dump=not may_restart)
         cause = choose_cause(st.faults)
@@ -360,6 +363,9 @@ class Launch:
         running = [r.rank for r in st.ranks if r.result is None]
         elapsed = time.monotonic() - st.progress.started
         error = launch_timeout_error(self.plan.launch_timeout or 0.0, elapsed, running)
+        diagnosis = self.session.diagnose_now()  # what the ranks wait for, from stall detection
+        if diagnosis:
+            add_note(error, f"what the ranks were doing at the limit:\n{diagnosis.rstrip()}")
         self.session.inbox.fault("launch", error, time.time())
 
     def _report(self, cause: Fault) -> BaseException:

@@ -28,13 +28,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
-import sys
 import time
 from typing import TYPE_CHECKING
 
-from torchrunx.events import AgentState, EventSink, Preempting
+from torchrunx.errors import StallError
+from torchrunx.events import AgentState, EventSink, Preempting, Stalled
 from torchrunx.launcher.launch.inbox import Inbox
+from torchrunx.launcher.launch.outward import DebugpyForwards, LiveView
+from torchrunx.launcher.launch.stalls import ON_DEMAND, StallWatch, stall_note
 from torchrunx.launcher.net.ioloop import IOLoop
 from torchrunx.launcher.net.listener import Listener, NetEvent
 from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
@@ -45,14 +46,13 @@ from torchrunx.launcher.state.health import (
     health_details_from_env,
     health_host_from_env,
 )
-from torchrunx.launcher.state.records import AgentRecord
+from torchrunx.launcher.state.records import AgentRecord, Phase
 from torchrunx.launcher.state.reports import summary
 from torchrunx.launcher.state.state import LaunchState
 from torchrunx.launcher.view.debugger import Debugger
 from torchrunx.launcher.view.health_server import HealthServer
 from torchrunx.launcher.view.logdirs import events_file
 from torchrunx.launcher.view.logrouter import LogRouter
-from torchrunx.launcher.view.view_server import GROUP_ABOVE, LAST_LINE_CHARS, ViewServer, grouped
 from torchrunx.launcher.view.where import StacksLook, print_look
 from torchrunx.wire import handshake
 from torchrunx.wire.messages import (
@@ -67,10 +67,11 @@ if TYPE_CHECKING:
     import socket
     from collections.abc import Callable
 
-    from torchrunx.engines.forward import PortForward
+    from torchrunx.launcher.launch.stalls import LookReason
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import Starter
     from torchrunx.launcher.state.results import LaunchTimings
+    from torchrunx.wire.messages import RankProgress, RankState
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -145,7 +146,7 @@ class LaunchLoop:
             plan, self.state, listener=self.listener, pool=self.pool, logs=self.logs, sink=self.sink
         )
         self.health: HealthServer | None = None
-        self.view: ViewServer | None = None
+        self.view = LiveView(self)
         self._next_tick = 0.0
         self._next_beat = 0.0
         self._interrupt: tuple[object, BaseException] | None = None
@@ -161,6 +162,8 @@ class LaunchLoop:
         self.look: StacksLook | None = None
         """The look at every rank's stacks under way, if any."""
         self.inbox.on_shown = self._on_shown
+        self.stalls = StallWatch(plan.stall_timeout, plan.on_stall, armed=plan.backend is not None)
+        """Stall detection (``stall_timeout``): its clock, and its look at every rank."""
         self.inbox.on_preempt = self.preempt
         self.debugger = Debugger(
             self.loop,
@@ -170,54 +173,9 @@ class LaunchLoop:
         )
         """``breakpoint()`` in the workers: pdb sessions in this terminal."""
         self.inbox.debugger = self.debugger
-        self.inbox.on_debugpy = self._on_debugpy
-        self._forwards: dict[tuple[int, int], PortForward] = {}
+        self.forwards = DebugpyForwards(self)
+        self.inbox.on_debugpy = self.forwards.announce
         """Per rank and host, the port made reachable here (``TORCHRUNX_DEBUGPY``), closed last."""
-
-    def _on_debugpy(self, rank: int, port: int) -> None:
-        """Rank ``rank``'s debugpy listens on its host's ``127.0.0.1:port``: say where to attach.
-
-        Over SSH the port is forwarded to this machine's own ``127.0.0.1:port`` through the
-        agent's SSH connection; an agent on this machine needs nothing; an ``srun`` step's host
-        is named, with the ``ssh -L`` that reaches it. Only the rank and port that
-        ``TORCHRUNX_DEBUGPY`` named are forwarded: a worker cannot open a forward to another port.
-        """
-        if (rank, port) != self.debugger.debugpy:
-            logger.warning(
-                "rank %d asked for an IDE's debugger on port %d, which TORCHRUNX_DEBUGPY did "
-                "not name: nothing forwarded",
-                rank,
-                port,
-            )
-            return
-        record = self.state.ranks[rank]
-        host = self.state.agent_table.hostname(record)
-        process = self.pool.processes.get(record.host_index)
-        forward = getattr(process, "forward", None)
-        key = (rank, record.host_index)
-        if key in self._forwards:  # a restarted or kept worker: the same forward
-            where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
-        elif forward is not None:
-            try:
-                self._forwards[key] = forward(port, port)
-                where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
-            except OSError as exc:
-                where = (
-                    f"127.0.0.1:{port} on {host} (not forwarded: {exc}; choose another port "
-                    f"with TORCHRUNX_DEBUGPY={rank}:PORT, or run ssh -L {port}:127.0.0.1:{port} "
-                    f"{host})"
-                )
-        elif self.plan.methods[record.host_index] == "local":
-            where = f"127.0.0.1:{port} on this machine"
-        else:
-            where = (
-                f"127.0.0.1:{port} on {host} (reach it with ssh -L {port}:127.0.0.1:{port} {host})"
-            )
-        sys.stderr.write(
-            f"torchrunx: rank {rank} on {host} waits for an IDE's debugger (debugpy): attach to "
-            f"{where}\n"
-        )
-        sys.stderr.flush()
 
     def _send_debug(self, rank: int, message: DebugInput) -> None:
         record = self.state.ranks[rank] if rank < len(self.state.ranks) else None
@@ -269,7 +227,8 @@ class LaunchLoop:
         """Ask the agents for their workers' stacks, or print the answers once they are in."""
         if self._want_stacks and self.look is None:
             agents = [a for a in self.state.agents if a.conn is not None and not a.over]
-            for agent in agents:
+            states = self._ask_states(now, "on demand")  # the collective view too, if on
+            for agent in agents if not states else ():
                 self.inbox.peer_of(agent).send(ShowStacks())
             self.look = StacksLook(agents, now)
         self._want_stacks = False
@@ -280,6 +239,65 @@ class LaunchLoop:
     def _on_shown(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
         if self.look is not None:
             self.look.answer(agent, stacks)
+        self.stalls.answer_stacks(agent, stacks)
+
+    def _on_rank(self, rank: int, message: RankProgress | RankState) -> None:
+        now = time.monotonic()
+        self.stalls.note(rank, message, now, self.debugger.paused(now))
+
+    def _ask_states(self, now: float, why: LookReason) -> bool:
+        """Ask every agent for its workers' stacks and states (stall detection's look).
+
+        False where it cannot: stall detection is off (no probe answers), or a look is under way.
+        """
+        stalls, st = self.stalls, self.state
+        if stalls.timeout is None or stalls.look is not None:
+            return False
+        agents = [a for a in st.agents if a.conn is not None and not a.over]
+        for agent in agents:
+            self.inbox.peer_of(agent).send(ShowStacks(states=True))
+        live = {r.rank for r in st.ranks if not r.state.is_final and r.conn is not None}
+        stalls.begin(agents, live, now, self.debugger.paused(now), why)
+        return True
+
+    def diagnose_now(self) -> str | None:
+        """For ``launch_timeout``'s error, a lost host's: the collective view of every rank, now.
+
+        None where stall detection is off; waits for the answers (2 s at most).
+        """
+        if not self._ask_states(time.monotonic(), "launch_timeout"):
+            return None
+        look = self.stalls.look
+        assert look is not None  # noqa: S101 (just begun)
+        while not look.due(time.monotonic()) and self.stalls.look is look:  # not run_until:
+            self.step(look.deadline)  # this runs after a failure too
+        if self.stalls.look is not look:  # the attempt ended meanwhile
+            return None
+        st = self.state
+        hosts = {r.rank: st.agent_table.hostname(r) for r in st.ranks}
+        return "\n".join(self.stalls.finish(st.ranks, hosts).view)
+
+    def _watch_stalls(self, now: float) -> None:
+        """Stall detection's turn: look at every rank when stalled, act on what came."""
+        st, stalls, paused = self.state, self.stalls, self.debugger.paused(now)
+        running = st.phase is Phase.RUNNING and not st.progress.stopping
+        stalls.run_state(st.attempt if running else None, now, paused)
+        if stalls.due(now, paused):
+            self._ask_states(now, "stall")
+        look = stalls.look
+        if look is not None and look.why != "launch_timeout" and look.due(now):
+            hosts = {r.rank: st.agent_table.hostname(r) for r in st.ranks}
+            report = stalls.finish(st.ranks, hosts)
+            if look.why == "on demand":
+                print_look("\n".join([ON_DEMAND, *report.view]) + "\n")
+                return
+            report.write(self.logs.log_dir)
+            self.sink.emit(Stalled(report.seconds, report.text, report.values, stalls.action))
+            error = StallError(report.seconds, report.text, report.values)
+            if stalls.action == "fail":
+                self.interrupt(error, self.run_token)
+            elif stalls.action == "restart":
+                self.inbox.emit(st.current.add_fault("hang", error, time.time()))
 
     def run_until(
         self, done: Callable[[], bool], deadline: float | None, *, interruptible: bool = True
@@ -321,6 +339,7 @@ class LaunchLoop:
         now = time.monotonic()
         if self._want_stacks or self.look is not None:
             self._look(now)
+        self._watch_stalls(now)
         if now >= self._next_tick:
             self._tick(now)
             self._next_tick = now + TICK
@@ -331,6 +350,8 @@ class LaunchLoop:
             self.state.next_due(),
             self.listener.next_deadline,
             None if self.look is None else self.look.deadline,
+            None if self.stalls.look is None else self.stalls.look.deadline,
+            self.stalls.next_due(self.debugger.paused(now)),
         )
         self.loop.run_once(max(0.0, (wake or now) - now))
         self.apply_queue()
@@ -356,7 +377,12 @@ class LaunchLoop:
     def apply_queue(self) -> None:
         """Apply what the listener and the pool queued, in order."""
         while self.queue:
-            self.inbox.apply(self.queue.popleft())
+            event = self.queue.popleft()
+            note = stall_note(event, self.inbox)  # a rank's progress or state on a stall
+            if note is None:
+                self.inbox.apply(event)
+            else:
+                self._on_rank(*note)
 
     # -- health and timings -----------------------------------------------------------------
 
@@ -366,9 +392,7 @@ class LaunchLoop:
         And the view socket for ``torchrunx top`` (this user's only), unless
         ``TORCHRUNX_VIEW=0``.
         """
-        if os.environ.get("TORCHRUNX_VIEW", "1") != "0":
-            self.view = ViewServer(self.view_snapshot, self.view_info())
-            self.view.start()
+        self.view.start()
         port = self.plan.health_port
         if port is not None:  # close() cleans up
             self.health = HealthServer(
@@ -386,49 +410,6 @@ class LaunchLoop:
         faults = list(st.faults)
         cause = summary(choose_cause(faults).error) if faults else None
         return st.health(time.monotonic(), max_restarts=self.plan.max_restarts, cause=cause)
-
-    def view_info(self) -> dict[str, object]:
-        """What ``torchrunx top`` shows of the launch itself."""
-        log_dir = self.logs.log_dir
-        return {
-            "pid": os.getpid(),
-            "started": time.time(),
-            "log_dir": None if log_dir is None else str(log_dir),
-            "hostnames": [a.slots.hostname for a in self.state.agents],
-        }
-
-    def view_snapshot(self) -> dict[str, object]:
-        """Called from the view's threads: the health report and each source's last line.
-
-        Above ``GROUP_ABOVE`` ranks: the report's own fields, the ranks counted per host and
-        state, the agents not running listed (:func:`grouped`), and no last lines.
-        """
-        st = self.state
-        ranks = list(st.ranks)
-        if len(ranks) > GROUP_ABOVE:
-            now = time.monotonic()
-            agents = [
-                (
-                    a.slots.hostname,
-                    a.state.value,
-                    None if a.hello is None else now - a.last_heard,
-                    a.role,
-                )
-                for a in list(st.agents)
-            ]
-            cause = summary(choose_cause(list(st.faults)).error) if st.faults else None
-            bare = st.health(now, max_restarts=self.plan.max_restarts, cause=cause, rows=False)
-            table = st.agent_table
-            report = grouped(
-                bare.to_dict(), ((table.hostname(r), r.state.value) for r in ranks), agents
-            )
-            return {"report": report, "last_lines": {}}
-        last = {
-            f"{host}:{'agent' if local is None else local}": source.tail[-1][:LAST_LINE_CHARS]
-            for (host, local), source in list(self.logs.sources.items())
-            if source.tail
-        }
-        return {"report": self.health_report().to_dict(), "last_lines": last}
 
     def timings(self) -> LaunchTimings:
         """Phase durations of the attempt that succeeded."""
@@ -448,8 +429,7 @@ class LaunchLoop:
     def close(self) -> None:
         """Release everything: agents, connections, the port, the loop, and helper threads."""
         self.debugger.close()
-        for forward in self._forwards.values():
-            forward.close()
+        self.forwards.close()
         self.listener.stop_accepting()
         for agent in self.state.agents:
             if agent.state is AgentState.DONE:  # it reads until this end closes, then exits
@@ -461,8 +441,7 @@ class LaunchLoop:
         self.loop.close()
         if self.health is not None:
             self.health.close()
-        if self.view is not None:
-            self.view.close()
+        self.view.close()
         self.sink.close()
         self.logs.close()
 

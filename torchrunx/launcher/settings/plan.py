@@ -38,6 +38,8 @@ StartMethod = str
 ``"ray"``, ``"kubectl"`` or a plugin's, see :mod:`torchrunx.engines`)."""
 
 Backend = Literal["nccl", "gloo", "mpi", "ucc", "auto"] | None
+StallAction = Literal["report", "fail", "restart"]
+"""``Launcher.on_stall`` (:mod:`torchrunx.launcher.launch.stalls`)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,9 @@ class LaunchPlan:
     """Seconds the ranks get to save and return after a SIGTERM (0: it stops at once)."""
     requeue: bool = False
     """Requeue the SLURM job after a preemption."""
+    stall_timeout: float | None = None
+    """Stall detection's timeout in seconds (None: off; :mod:`torchrunx.launcher.launch.stalls`)."""
+    on_stall: StallAction = "report"
 
     @property
     def quarantines(self) -> bool:

@@ -325,3 +325,26 @@ def is_local_host(hostname: str) -> bool:
         if address in _local_addresses() or _bindable(address):
             return True
     return False
+
+
+def check_workers(workers: object, hostnames: object) -> None:
+    """``workers_per_host``: positive counts (one, or one per host), or a named choice."""
+    if workers in ("auto", "slurm", "gpu", "cpu"):
+        return
+    counts = workers if isinstance(workers, list | tuple) else [workers]
+    for count in counts:
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ValueError(
+                "workers_per_host must be positive integers (one, or one per host), 'auto', "
+                f"'slurm', 'gpu' or 'cpu', got {workers!r}"
+            )
+    if isinstance(workers, list | tuple) and isinstance(hostnames, list | tuple):
+        _check_lengths(len(workers), len(hostnames))
+
+
+def _check_lengths(workers: int, hosts: int) -> None:
+    if workers != hosts:
+        raise ValueError(
+            f"workers_per_host has {workers} entries but hostnames has {hosts}; "
+            "give one count per host or a single int"
+        )

@@ -110,7 +110,8 @@ class Diagnosis:
     """Each collective that some ranks wait in, the most waited-in first."""
     absent: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Where the ranks that are in no collective are (``where`` -> ranks), for the first
-    collective of :attr:`waiting`'s group that they have not entered."""
+    collective of :attr:`waiting`'s group that they have not entered; where every rank is
+    when none waits in a collective."""
     mismatch: bool = False
     """Whether ranks wait in different collectives at the same sequence number of one group."""
     phases: dict[Phase, tuple[int, ...]] = field(default_factory=dict)
@@ -188,11 +189,12 @@ def diagnose(snapshots: list[RankSnapshot], world_size: int) -> Diagnosis:
         seen_at[(group, seq)].add(op)
     mismatch = any(len(ops) > 1 for ops in seen_at.values())
     absent: dict[str, list[int]] = defaultdict(list)
-    if waiting:
-        first = waiting[0].entry
-        for snapshot in sorted(snapshots, key=lambda s: s.rank):
-            if snapshot.pending is None and snapshot.last_seq(first.group) < first.seq:
-                absent[snapshot.where or "(no frame of the user's code)"].append(snapshot.rank)
+    first = waiting[0].entry if waiting else None
+    for snapshot in sorted(snapshots, key=lambda s: s.rank):
+        if first is None or (
+            snapshot.pending is None and snapshot.last_seq(first.group) < first.seq
+        ):
+            absent[snapshot.where or "(no frame of the user's code)"].append(snapshot.rank)
     return Diagnosis(
         waiting=waiting,
         absent={where: tuple(ranks) for where, ranks in absent.items()},
@@ -228,14 +230,20 @@ def render(diagnosis: Diagnosis) -> list[str]:
             f"{ranks_text(w.ranks)} wait in {_collective_text(w.entry)}" for w in diagnosis.waiting
         )
     if diagnosis.absent:
-        first = diagnosis.waiting[0].entry
-        lines.append(f"not entered {first.op} #{first.seq} of {first.group}:")
+        if diagnosis.waiting:
+            first = diagnosis.waiting[0].entry
+            lines.append(f"not entered {first.op} #{first.seq} of {first.group}:")
+        else:
+            lines.append("no rank waits in a collective; where they are:")
         lines.extend(f"  {ranks_text(ranks)}: {where}" for where, ranks in diagnosis.absent.items())
     for phase, ranks in diagnosis.phases.items():
         if phase != "in a collective" or not diagnosis.waiting:
             lines.append(f"{ranks_text(ranks)} {phase}")
     if diagnosis.unanswered:
-        lines.append(f"{ranks_text(diagnosis.unanswered)} did not answer (their host is silent)")
+        lines.append(
+            f"{ranks_text(diagnosis.unanswered)} did not answer in time (their host is silent, "
+            "or the rank holds Python's GIL)"
+        )
     return lines
 
 

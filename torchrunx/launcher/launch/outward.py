@@ -1,0 +1,168 @@
+"""What a launch shows outside its own process: the live view's socket, the debugpy forwards.
+
+Both are parts of the launch's :class:`~torchrunx.launcher.launch.session.LaunchLoop`, which
+owns them: :class:`LiveView` serves ``torchrunx top`` (this user's only; its snapshots are read
+from the view's threads, changing nothing), :class:`DebugpyForwards` says where an IDE attaches
+to a rank that waits for one, and forwards the port over SSH where it can.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from torchrunx.launcher.state.failures import choose_cause
+from torchrunx.launcher.state.reports import summary
+from torchrunx.launcher.view.view_server import GROUP_ABOVE, LAST_LINE_CHARS, ViewServer, grouped
+
+if TYPE_CHECKING:
+    from torchrunx.engines.forward import PortForward
+    from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.starts.agent_pool import AgentPool
+    from torchrunx.launcher.state.health import HealthReport
+    from torchrunx.launcher.state.state import LaunchState
+    from torchrunx.launcher.view.debugger import Debugger
+    from torchrunx.launcher.view.logrouter import LogRouter
+
+logger = logging.getLogger("torchrunx.launcher")
+
+
+class LaunchLoop(Protocol):
+    """What these parts read of their launch (its :class:`LaunchLoop`, which imports them)."""
+
+    state: LaunchState
+    plan: LaunchPlan
+    logs: LogRouter
+    debugger: Debugger
+    pool: AgentPool
+
+    def health_report(self) -> HealthReport:
+        """The launch's ``/health`` report."""
+        ...
+
+
+class LiveView:
+    """The launch's view socket for ``torchrunx top`` (unless ``TORCHRUNX_VIEW=0``)."""
+
+    def __init__(self, session: LaunchLoop) -> None:
+        """Nothing is opened before :meth:`start`."""
+        self.session = session
+        self.server: ViewServer | None = None
+
+    def start(self) -> None:
+        """Listen on the user's private socket (a failure only means no view)."""
+        if os.environ.get("TORCHRUNX_VIEW", "1") != "0":
+            self.server = ViewServer(self.snapshot, self.info())
+            self.server.start()
+
+    def close(self) -> None:
+        """Send the last snapshot, remove the socket."""
+        if self.server is not None:
+            self.server.close()
+
+    def info(self) -> dict[str, object]:
+        """What ``torchrunx top`` shows of the launch itself."""
+        log_dir = self.session.logs.log_dir
+        return {
+            "pid": os.getpid(),
+            "started": time.time(),
+            "log_dir": None if log_dir is None else str(log_dir),
+            "hostnames": [a.slots.hostname for a in self.session.state.agents],
+        }
+
+    def snapshot(self) -> dict[str, object]:
+        """Called from the view's threads: the health report and each source's last line.
+
+        Above ``GROUP_ABOVE`` ranks: the report's own fields, the ranks counted per host and
+        state, the agents not running listed (:func:`grouped`), and no last lines.
+        """
+        session = self.session
+        st = session.state
+        ranks = list(st.ranks)
+        if len(ranks) > GROUP_ABOVE:
+            now = time.monotonic()
+            agents = [
+                (
+                    a.slots.hostname,
+                    a.state.value,
+                    None if a.hello is None else now - a.last_heard,
+                    a.role,
+                )
+                for a in list(st.agents)
+            ]
+            cause = summary(choose_cause(list(st.faults)).error) if st.faults else None
+            bare = st.health(now, max_restarts=session.plan.max_restarts, cause=cause, rows=False)
+            table = st.agent_table
+            report = grouped(
+                bare.to_dict(), ((table.hostname(r), r.state.value) for r in ranks), agents
+            )
+            return {"report": report, "last_lines": {}}
+        last = {
+            f"{host}:{'agent' if local is None else local}": source.tail[-1][:LAST_LINE_CHARS]
+            for (host, local), source in list(session.logs.sources.items())
+            if source.tail
+        }
+        return {"report": session.health_report().to_dict(), "last_lines": last}
+
+
+class DebugpyForwards:
+    """Where an IDE attaches to a rank's debugpy, and the SSH forwards made for it."""
+
+    def __init__(self, session: LaunchLoop) -> None:
+        """No forward yet."""
+        self.session = session
+        self.forwards: dict[tuple[int, int], PortForward] = {}
+
+    def announce(self, rank: int, port: int) -> None:
+        """Rank ``rank``'s debugpy listens on its host's ``127.0.0.1:port``: say where to attach.
+
+        Over SSH the port is forwarded to this machine's own ``127.0.0.1:port`` through the
+        agent's SSH connection; an agent on this machine needs nothing; an ``srun`` step's host
+        is named, with the ``ssh -L`` that reaches it. Only the rank and port that
+        ``TORCHRUNX_DEBUGPY`` named are forwarded: a worker cannot open a forward to another port.
+        """
+        session = self.session
+        if (rank, port) != session.debugger.debugpy:
+            logger.warning(
+                "rank %d asked for an IDE's debugger on port %d, which TORCHRUNX_DEBUGPY did "
+                "not name: nothing forwarded",
+                rank,
+                port,
+            )
+            return
+        record = session.state.ranks[rank]
+        host = session.state.agent_table.hostname(record)
+        process = session.pool.processes.get(record.host_index)
+        forward = getattr(process, "forward", None)
+        key = (rank, record.host_index)
+        if key in self.forwards:  # a restarted or kept worker: the same forward
+            where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
+        elif forward is not None:
+            try:
+                self.forwards[key] = forward(port, port)
+                where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
+            except OSError as exc:
+                where = (
+                    f"127.0.0.1:{port} on {host} (not forwarded: {exc}; choose another port "
+                    f"with TORCHRUNX_DEBUGPY={rank}:PORT, or run ssh -L {port}:127.0.0.1:{port} "
+                    f"{host})"
+                )
+        elif session.plan.methods[record.host_index] == "local":
+            where = f"127.0.0.1:{port} on this machine"
+        else:
+            where = (
+                f"127.0.0.1:{port} on {host} (reach it with ssh -L {port}:127.0.0.1:{port} {host})"
+            )
+        sys.stderr.write(
+            f"torchrunx: rank {rank} on {host} waits for an IDE's debugger (debugpy): attach to "
+            f"{where}\n"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        """Close every forward."""
+        for forward in self.forwards.values():
+            forward.close()

@@ -1,0 +1,189 @@
+"""In each worker: its progress for the launcher's stall detection, and its state on request.
+
+A daemon thread of the worker (started when ``Launcher.stall_timeout`` is on) wakes every
+:data:`POLL` seconds and
+
+- reads its progress: the collectives completed in each process group (the flight recorder's
+  ``pg_status``, about 0.2 ms without its entries) and the calls of
+  :func:`torchrunx.progress`; when either moved, and at most every
+  ``WorkerSpec.progress_every`` seconds, it sends :class:`RankProgress` on the channel;
+- reads the counter its agent raises in the page they share (:data:`torchrunx.timer.ASK_OFFSET`)
+  when the launch looks stalled, and answers with :class:`RankState`: the recorder's recent
+  entries (without their C++ stack traces, whose symbolizing takes seconds), whether the
+  default process group exists, the innermost frame of the user's code in the main thread,
+  and the Python stacks of all threads.
+
+A thread can answer while the main thread waits in a collective, sleeps or blocks on a lock
+(each releases the GIL); one that holds the GIL for good is named by the launcher as not
+answering, and its agent still sends its stacks (faulthandler, :class:`ShowStacks`).
+
+Before the process group is made, :func:`recorder_env` turns the recorder on
+(``TORCH_FR_BUFFER_SIZE``), unless the user set its size.
+"""
+
+from __future__ import annotations
+
+import os  # noqa: TC003 (os.environ at run time)
+import pickle
+import struct
+import sys
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+from torchrunx import stall, timer
+from torchrunx.wire.messages import RankProgress, RankState
+
+if TYPE_CHECKING:
+    from torchrunx.wire.channel import ChannelConnection
+
+POLL = 0.1
+"""Seconds between two looks at the progress and the agent's request."""
+RECORDER_ENTRIES = 2000
+"""``TORCH_FR_BUFFER_SIZE`` set for the workers unless the user set a size."""
+RECENT = 64
+"""The newest recorder entries sent in a :class:`RankState`."""
+_ASK = struct.Struct("=Q")
+_OWN_CODE = ("/torch/", "/torchrunx/", "<frozen ", "/threading.py", "/selectors.py")
+
+
+def recorder_env(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The variables that turn the flight recorder on: none if the user sized it already."""
+    if "TORCH_FR_BUFFER_SIZE" in env or "TORCH_NCCL_TRACE_BUFFER_SIZE" in env:
+        return {}
+    return {"TORCH_FR_BUFFER_SIZE": str(RECORDER_ENTRIES)}
+
+
+def ask(page: Any) -> None:  # noqa: ANN401 (an mmap)
+    """The agent's side: ask the worker behind ``page`` for its :class:`RankState`."""
+    (count,) = _ASK.unpack_from(page, timer.ASK_OFFSET)
+    _ASK.pack_into(page, timer.ASK_OFFSET, count + 1)
+
+
+def user_frame(frame: Any) -> str:  # noqa: ANN401 (a frame)
+    """The innermost frame of the user's code in a stack, ``file:line in function``."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not any(part in filename for part in _OWN_CODE):
+            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
+
+
+def _dist() -> Any:  # noqa: ANN401 (torch.distributed, if imported and usable)
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return None
+    return dist
+
+
+_DUMPS = ("_dump_fr_trace", "_dump_nccl_trace")
+"""The recorders: gloo's (and other CPU backends'), and NCCL's in a CUDA build of torch."""
+
+
+def _recorder(*, entries: bool) -> dict[str, Any]:
+    """The flight recorders' dumps, merged ({} if there is none).
+
+    ``pg_status`` is keyed by recorder and process group; ``entries`` are both recorders'.
+    """
+    if _dist() is None:
+        return {}
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    merged: dict[str, Any] = {"pg_status": {}, "entries": []}
+    for name in _DUMPS:
+        dump_trace = getattr(c10d, name, None)
+        if dump_trace is None:
+            continue
+        try:
+            raw = dump_trace(includeCollectives=entries, includeStackTraces=False)
+            dump = pickle.loads(raw) if isinstance(raw, bytes) else raw  # noqa: S301 (torch's)
+        except Exception:  # noqa: BLE001, S112 (no such recorder here: no progress from it)
+            continue
+        if isinstance(dump, dict):
+            status = dump.get("pg_status") or {}
+            merged["pg_status"].update({f"{name}:{key}": value for key, value in status.items()})
+            merged["entries"].extend(dump.get("entries") or [])
+    return merged
+
+
+def completed() -> int:
+    """The collectives completed so far in every process group (0 without a recorder)."""
+    status = _recorder(entries=False).get("pg_status") or {}
+    return sum(
+        max(0, int(group.get("last_completed_collective") or 0))
+        for group in status.values()
+        if isinstance(group, dict)
+    )
+
+
+def state(main: threading.Thread) -> RankState:
+    """This worker's :class:`RankState` (see the module)."""
+    frames = sys._current_frames()  # noqa: SLF001 (the documented way to see every thread)
+    names = {t.ident: t.name for t in threading.enumerate()}
+    where = user_frame(frames.get(main.ident or -1))
+    stacks = []
+    for ident, frame in frames.items():
+        if ident == threading.get_ident():
+            continue
+        stacks.append(f'Thread "{names.get(ident, ident)}":\n')
+        stacks.extend(traceback.format_stack(frame))
+    entries = []
+    recorded = sorted(
+        _recorder(entries=True)["entries"], key=lambda e: e.get("time_created_ns") or 0
+    )
+    for raw in recorded[-RECENT:]:
+        group = raw.get("process_group") or ("", "")
+        done = bool(raw.get("retired")) or raw.get("state") == "completed"
+        entries.append(
+            (
+                str(group[1] if len(group) > 1 else group[0]),
+                int(raw.get("collective_seq_id") or 0),
+                str(raw.get("profiling_name", "")).split(":", 1)[-1],
+                tuple(tuple(int(n) for n in s) for s in raw.get("input_sizes") or ()),
+                tuple(str(d) for d in raw.get("input_dtypes") or ()),
+                done,
+                int(raw.get("time_created_ns") or 0),
+                "" if done else where,
+            )
+        )
+    dist = _dist()
+    formed = dist is not None and bool(dist.is_initialized())
+    return RankState(formed, tuple(entries), where, "".join(stacks))
+
+
+class StallProbe(threading.Thread):
+    """The worker's thread (see the module)."""
+
+    def __init__(self, conn: ChannelConnection, every: float) -> None:
+        """Report on ``conn``, progress at most every ``every`` seconds."""
+        super().__init__(name="torchrunx-stall-probe", daemon=True)
+        self.conn = conn
+        self.every = every
+        self.main = threading.main_thread()
+
+    def run(self) -> None:
+        """Poll until the process ends (a daemon thread), or the channel fails."""
+        page = timer.current_page()
+        asked = 0 if page is None else _ASK.unpack_from(page, timer.ASK_OFFSET)[0]
+        seen = (stall.calls(), completed())
+        next_send = 0.0
+        moved = False
+        try:
+            while True:
+                time.sleep(POLL)
+                if page is not None:
+                    (count,) = _ASK.unpack_from(page, timer.ASK_OFFSET)
+                    if count != asked:
+                        asked = count
+                        self.conn.send(state(self.main))
+                now_seen = (stall.calls(), completed())
+                moved = moved or now_seen != seen
+                seen = now_seen
+                now = time.monotonic()
+                if moved and now >= next_send:
+                    self.conn.send(RankProgress())
+                    moved = False
+                    next_send = now + self.every
+        except (OSError, ValueError):  # the channel ended: the worker is ending
+            return
