@@ -206,3 +206,64 @@ def test_rule_a_functions_arguments_are_read_as_its_annotations_say():
     assert typed_arguments(len, ["1"], "len") == ("1",)  # no signature to read
     # One annotation that does not resolve leaves that word a string, not every word.
     assert typed_arguments(unresolved, ["2", "d"], "m:unresolved") == (2, "d")
+
+
+Count = int
+"""An alias only this module knows: annotations are read in the function's own globals."""
+
+
+class _Unreadable:
+    """A type tyro fails on (its own annotation names nothing): the word is passed as it is."""
+
+    def __init__(self, a: NotDefinedAnywhere) -> None:  # noqa: F821 (on purpose)
+        self.a = a
+
+
+class _Callable:
+    """A callable object: a signature, but no globals and no annotations of its own."""
+
+    def __call__(self, a, b):
+        return a, b
+
+
+def test_rule_annotations_are_read_in_the_functions_globals_and_unresolved_ones_left_out():
+    def mixed(a, b, c):
+        return None
+
+    mixed.__annotations__ = {"a": "Count", "b": float, "c": "NotDefinedAnywhere"}
+    assert typed_arguments(mixed, ["1", "2", "3"], "m:mixed") == (1, 2.0, "3")
+    assert typed_arguments(_Callable(), ["1", "2"], "m:obj") == ("1", "2")
+
+
+def test_rule_words_past_the_parameters_are_passed_on_as_they_are_for_the_call_to_refuse():
+    def one(steps: int):
+        return None
+
+    assert typed_arguments(one, ["1", "2", "x"], "m:one") == (1, "2", "x")
+    assert typed_arguments(max, ["1", "2"], "max") == ("1", "2")  # a builtin without a signature
+
+
+def test_rule_a_type_tyro_cannot_read_leaves_the_word_and_a_bad_word_prints_nothing(capfd):
+    def custom(config: _Unreadable):
+        return None
+
+    assert typed_arguments(custom, ["x"], "m:custom") == ("x",)
+
+    def steps(n: int):
+        return None
+
+    with pytest.raises(ValueError, match=r"^argument 1 of m:steps \(n: int\) cannot be 'x'"):
+        typed_arguments(steps, ["x"], "m:steps")
+    assert capfd.readouterr() == ("", "")  # the error is ours: tyro's own says nothing
+
+
+def test_rule_a_keyword_of_an_earlier_release_is_refused_by_name_and_others_pass():
+    from torchrunx.launcher.renamed import refuse_renamed
+
+    refuse_renamed("f()", ["timeout", "hostnames"])  # today's keywords: nothing to say
+    with pytest.raises(TypeError) as raised:
+        refuse_renamed("Launcher()", ["timeout", "log_dir", "env_vars"])
+    assert str(raised.value) == (
+        "Launcher() got log_dir=..., which was removed: set the TORCHRUNX_LOG_DIR environment "
+        "variable instead"
+    )

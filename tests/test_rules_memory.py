@@ -29,6 +29,8 @@ def test_rule_only_an_oom_kill_line_with_a_number_counts():
     assert oom_kill_count("oom_kill 5\noom_kill 6\n") == 5  # the first
     assert oom_kill_count("oom_kill\noom_kill \n") is None
     assert oom_kill_count("oom_kill 0\n") == 0
+    assert oom_kill_count("oom_kill  3\n") == 3  # the name is what comes before the first space
+    assert oom_kill_count("x oom_kill 3\n") is None
     assert oom_kill_count("") is None
 
 
@@ -56,6 +58,11 @@ def test_rule_the_first_mount_of_each_kind_is_taken_and_short_lines_are_skipped(
     assert cgroup_mounts("1 2 0:1 / /a rw cgroup2 cgroup2 rw\n") == (None, None)  # no " - "
     assert cgroup_mounts("1 2 0:1 / /m rw - cgroup cgroup\n") == (None, None)  # no options
     assert cgroup_mounts("1 2 0:1 / /m rw - cgroup cgroup memory\n") == (None, "/m")
+    # The filesystem's type is the first word after the first " - " (a source may be "-").
+    assert cgroup_mounts("1 2 0:1 / /m rw - cgroup - rw,memory\n") == (None, "/m")
+    assert cgroup_mounts("1 2 0:1 / /m rw - rw - cgroup2 x y\n") == (None, None)
+    # A short line is skipped, not the end of the table.
+    assert cgroup_mounts("1 2 - cgroup2\n1 2 0:1 / /u rw - cgroup2 cgroup2 rw\n") == ("/u", None)
     v1_only = "9 2 0:9 / /mem rw - cgroup cgroup rw,memory\n"
     assert cgroup_mounts(v1_only) == (None, "/mem")
 

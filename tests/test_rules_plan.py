@@ -133,3 +133,12 @@ def test_rule_a_transport_with_an_argument_keeps_it_and_an_empty_one_is_given_as
     assert start_methods("kubectl:a:b", ["n1", HERE]) == (["kubectl", "kubectl"], "a:b")
     assert start_methods("auto", ["n1"], "kubectl:namespace=ml") == (["kubectl"], "namespace=ml")
     assert start_methods("ssh", ["n1"], "kubectl:namespace=ml") == (["ssh"], None)
+
+
+def test_rule_a_relay_other_than_off_auto_on_is_refused_with_what_auto_means():
+    with pytest.raises(ValueError, match=r"^relay=") as raised:
+        plan.check_relay("always")
+    assert str(raised.value) == (
+        "relay='always': expected one of 'off', 'auto', 'on' (\"auto\" relays only for hosts "
+        "that cannot open a connection to the launcher)"
+    )

@@ -421,9 +421,12 @@ def test_a_preemption_names_its_reason_logs_a_failed_requeue_and_survives_a_seco
 
         state = _preempted_state()
         state.ranks[1].result = [bytearray(b"not a pickle")]  # what rank 1 sent cannot load
-        error = end_preemption(
-            state, _plan(requeue=True), "the agent on b got SIGTERM", stop, print
-        )
+        try:
+            error = end_preemption(
+                state, _plan(requeue=True), "the agent on b got SIGTERM", stop, print
+            )
+        except (KeyboardInterrupt, SystemExit):  # a test failure, not pytest's own interrupt
+            pytest.fail(f"{interrupt.__name__} during the stop escaped end_preemption")
         assert error.reason == "the agent on b got SIGTERM" and error.returned == {0: 42}
         assert error.__notes__[0] == (
             "ranks [1] did not return within preemption_grace=0 s and were stopped"
