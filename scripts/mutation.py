@@ -436,6 +436,13 @@ _UNREACHABLE = (
 _ALNUM = "a character replaced by 'XXXX' is as alphanumeric as one removed"
 
 _DIGEST_NAME = "OpenSSL takes a digest's name in either case"
+_SHORTCUT = (
+    "only more chunks take the general way (split, redraws) instead of the shortcut for plain "
+    "lines: the same lines come out"
+)
+_CUT_SHORTCUT = (
+    "a text that surely fits is measured in bytes instead of returned at once: it fits either way"
+)
 _TYRO = (
     "tyro's output goes to stderr, which is redirected into a buffer that is dropped: "
     "whether tyro prints there is never seen (a test asserts that nothing is printed)"
@@ -567,6 +574,28 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "torchrunx.cli_options.x_typed_arguments__mutmut_36": ("console_outputs=None)", _TYRO),
     "torchrunx.cli_options.x_typed_arguments__mutmut_39": ('args=["--", word], )', _TYRO),
     "torchrunx.cli_options.x_typed_arguments__mutmut_41": ("console_outputs=True)", _TYRO),
+    "torchrunx.launcher.hangs.x_entry_from_recorder__mutmut_6": (
+        'or ("XXXX", "")',
+        "the default pair's second name is the one read (a pair has two): the first never is",
+    ),
+    "torchrunx.wire.lines.x\u01c1LineSplitter\u01c1feed__mutmut_11": (
+        "inner = data.count(_RECORD_START) + data.count(",
+        _SHORTCUT,
+    ),
+    "torchrunx.wire.lines.x\u01c1LineSplitter\u01c1feed__mutmut_15": (
+        'data.count(b"XX\\nXX"',
+        _SHORTCUT,
+    ),
+    "torchrunx.wire.lines.x\u01c1LineSplitter\u01c1feed__mutmut_19": (
+        "inner < data.startswith(_RECORD_START)",
+        _SHORTCUT,
+    ),
+    "torchrunx.wire.lines.x__redraws__mutmut_5": (
+        "if start >= 0:",
+        "a record at the start: nothing before it, and the record alone, as the next branch gives",
+    ),
+    "torchrunx.wire.lines.x_cut_line__mutmut_2": ("len(text) * 5 <= limit", _CUT_SHORTCUT),
+    "torchrunx.wire.lines.x_cut_line__mutmut_3": ("len(text) * 4 < limit", _CUT_SHORTCUT),
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
     "torchrunx.launcher.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),

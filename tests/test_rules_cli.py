@@ -8,6 +8,10 @@ annotations say (``typed_arguments``). No process starts (tests/test_cli.py runs
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import inspect
+import types
 import typing
 from pathlib import Path
 
@@ -267,3 +271,28 @@ def test_rule_a_keyword_of_an_earlier_release_is_refused_by_name_and_others_pass
         "Launcher() got log_dir=..., which was removed: set the TORCHRUNX_LOG_DIR environment "
         "variable instead"
     )
+
+
+def test_rule_a_wrapped_functions_annotations_are_read_where_it_was_written():
+    def steps(n: Count):
+        return n
+
+    bare = types.FunctionType(steps.__code__, {"__builtins__": __builtins__})  # no globals
+    functools.update_wrapper(bare, steps)  # as a decorator's wrapper: __wrapped__ is steps
+    assert typed_arguments(bare, ["3"], "m:bare") == (3,)
+
+
+def test_rule_a_class_refusing_earlier_keywords_names_them_and_is_made_as_before():
+    from torchrunx.launcher.renamed import refuses_renamed_keywords
+
+    @refuses_renamed_keywords
+    @dataclasses.dataclass
+    class Settings:
+        timeout: float = 1.0
+        name: str = "x"
+
+    assert Settings(2.0, name="y") == Settings(timeout=2.0, name="y")
+    assert Settings(2.0, name="y").timeout == 2.0
+    with pytest.raises(TypeError, match=r"^Settings\(\) got worker_timeout=\.\.\., which was "):
+        Settings(worker_timeout=3)
+    assert list(inspect.signature(Settings).parameters) == ["timeout", "name"]

@@ -147,3 +147,33 @@ def test_rule_a_line_is_cut_to_its_bytes_never_inside_a_character():
     assert cut_line("éééé", limit=7) == "ééé [... 2 more bytes cut]"
     assert cut_line("a" * 8, limit=2) == "aa [... 6 more bytes cut]"
     assert cut_line("€\udcff", limit=3) == "€ [... 1 more bytes cut]"  # a lone surrogate: "?"
+
+
+def test_rule_only_a_records_last_newlines_go_not_its_other_trailing_characters():
+    record = logging.LogRecord("n", logging.INFO, __file__, 1, "a X \n\n", (), None)
+    assert MarkedLineFormatter().format(record) == "\x1e20\x1fn\x1fa X "
+    record = logging.LogRecord("n", logging.INFO, __file__, 1, "aX\n", (), None)
+    assert MarkedLineFormatter().format(record) == "\x1e20\x1fn\x1faX"
+
+
+def test_rule_invalid_utf8_is_replaced_on_every_way_out_of_the_splitter():
+    bad = b"\xff"
+    assert LineSplitter().feed(b"a" + bad + b"\rb" + bad + b"\n") == ["a\ufffd", "b\ufffd"]
+    ended = LineSplitter()
+    assert ended.feed(b"c" + bad) == []
+    assert ended.feed(b"") == ["c\ufffd"]
+    long = LineSplitter()
+    assert long.feed(bad * (MAX_LINE_BYTES + 1)) == ["\ufffd" * (MAX_LINE_BYTES + 1)]
+    redrawn = LineSplitter()
+    assert redrawn.feed(b"\r" + bad * (MAX_LINE_BYTES + 1)) == ["\ufffd" * (MAX_LINE_BYTES + 1)]
+    assert redrawn.feed(b"d\n") == ["d"]  # nothing of the long line is left before it
+
+
+def test_rule_lines_ended_before_a_redraw_in_one_chunk_all_come():
+    assert LineSplitter().feed(b"a\nb\rc") == ["a", "b"]
+    assert LineSplitter().feed(b"a b\rc d\n") == ["a b", "c d"]  # spaces are no line end
+
+
+def test_rule_what_follows_a_records_marker_is_one_record_even_with_another_marker():
+    splitter = LineSplitter()
+    assert splitter.feed(b"bar\x1e20\x1fn\x1fx\x1ey\n") == ["bar", "\x1e20\x1fn\x1fx\x1ey"]

@@ -94,7 +94,10 @@ def test_an_ipv6_address_is_four_words_each_in_this_machines_byte_order():
     if sys.byteorder != "little":
         pytest.skip("the words are written for a little-endian machine")
     assert proc_address("::1", 80) == "00000000000000000000000001000000:0050"
-    assert proc_address("2001:db8:1:2:3:4:5:6", 65535) == ("B80D0120020001000400030006000500:FFFF")
+    assert proc_address("2001:db8:1:2:3:4:5:6", 65535) == "B80D0120020001000400030006000500:FFFF"
+    assert proc_address("2001:db8:aaaa:bbbb:cccc:dddd:eeee:ffff", 1) == (
+        "B80D0120BBBBAAAADDDDCCCCFFFFEEEE:0001"
+    )
 
 
 def test_the_first_row_is_read_and_short_rows_are_skipped_not_the_end():
