@@ -596,6 +596,25 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     ),
     "torchrunx.wire.lines.x_cut_line__mutmut_2": ("len(text) * 5 <= limit", _CUT_SHORTCUT),
     "torchrunx.wire.lines.x_cut_line__mutmut_3": ("len(text) * 4 < limit", _CUT_SHORTCUT),
+    "torchrunx.wire.relay.x\u01c1FrameSplitter\u01c1_take__mutmut_5": (
+        "if len(head) < left:",
+        (
+            "a chunk exactly as long as what is left is cut to itself and an empty rest, which "
+            "the next take drops: the same bytes"
+        ),
+    ),
+    "torchrunx.wire.relay.x\u01c1FrameSplitter\u01c1_take__mutmut_12": (
+        "left = None",
+        "None ends the loop as 0 does: it is only tested for truth after",
+    ),
+    "torchrunx.wire.relay.x\u01c1FrameSplitter\u01c1_take__mutmut_16": (
+        "(len(parts) == 1) and False",
+        "one part joined is the same bytes as the part itself",
+    ),
+    "torchrunx.wire.relay.x\u01c1ByteQueue\u01c1write_to__mutmut_17": (
+        "written = None",
+        "None ends the loop as 0 does: it is only tested for truth after",
+    ),
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
     "torchrunx.launcher.failures.x__order__mutmut_5": ("_RANK.get(fault.kind, 3)", _ORDER),
