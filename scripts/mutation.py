@@ -838,9 +838,11 @@ MUTMUT = "import sys; from mutmut.__main__ import cli; sys.argv[0] = 'mutmut'; s
 LIST_MUTANTS = """
 import json, sys
 from mutmut.mutation.file_mutation import mutate_file_contents
-path = sys.argv[1]
-with open(path) as f:
-    print(json.dumps(mutate_file_contents(path, f.read()).mutant_names))
+names = {}
+for path in dict.fromkeys(sys.argv[1:]):
+    with open(path) as f:
+        names[path] = mutate_file_contents(path, f.read()).mutant_names
+print(json.dumps(names))
 """
 READ_RESULTS = """
 import json, sys
@@ -966,18 +968,26 @@ def prepare(workdir: Path, targets: list[Target]) -> None:
     )
 
 
-def list_mutants(workdir: Path, target: Target) -> list[str]:
-    """Every mutant mutmut makes of ``target`` (its patterns applied), without running any."""
+def list_mutants(workdir: Path, targets: list[Target]) -> list[list[str]]:
+    """Every mutant mutmut makes of each of ``targets`` (its patterns applied), running none.
+
+    One process lists them all: a process per module paid mutmut's import (seconds on a
+    loaded machine) 36 times, which took most of CI's time box before mutmut started.
+    """
     listed = subprocess.run(
-        [sys.executable, "-c", LIST_MUTANTS, target.source],
+        [sys.executable, "-c", LIST_MUTANTS, *(target.source for target in targets)],
         cwd=workdir,
         capture_output=True,
         text=True,
         check=True,
     )
-    prefix, wanted = mutant_prefix(target), patterns(target)
-    names = [prefix + name for name in json.loads(listed.stdout)]
-    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in wanted)]
+    by_path: dict[str, list[str]] = json.loads(listed.stdout)
+    out = []
+    for target in targets:
+        prefix, wanted = mutant_prefix(target), patterns(target)
+        names = [prefix + name for name in by_path[target.source]]
+        out.append([n for n in names if any(fnmatch.fnmatchcase(n, p) for p in wanted)])
+    return out
 
 
 def run_mutmut(workdir: Path, selection: list[str], jobs: int, deadline: float) -> str:
@@ -1059,11 +1069,12 @@ def run_group(  # noqa: PLR0913 (the run's settings, one argument each)
     prepare(workdir, targets)
     chosen: dict[str, list[str]] = {}
     selection: list[str] = []
-    for name, target in zip(names, targets, strict=True):
-        mutants = list_mutants(workdir, target)
-        if sample is not None and sample < len(mutants):
+    listed = list_mutants(workdir, targets)
+    for name, target, every in zip(names, targets, listed, strict=True):
+        mutants = every
+        if sample is not None and sample < len(every):
             rng = random.Random(f"{seed}:{name}")  # noqa: S311 (a sample, not a secret)
-            mutants = sorted(rng.sample(mutants, sample))
+            mutants = sorted(rng.sample(every, sample))
             selection += mutants
         else:
             selection += patterns(target)
