@@ -734,53 +734,6 @@ def test_the_migration_page_lists_every_torchrun_option_the_command_knows():
                 assert f"`--{name}" in table, name
 
 
-def test_rule_a_functions_arguments_are_read_as_its_annotations_say():
-    from torchrunx.cli_options import typed_arguments
-
-    def train(  # noqa: PLR0913, PLR0917 (a function of many parameters is the point)
-        steps: int,
-        lr: float,
-        out: Path,
-        mode: typing.Literal["a", "b"],
-        raw,
-        flag: bool,
-        *more: int | None,
-    ):
-        return None
-
-    words = ["50", "0.5", "/tmp/x", "b", "7", "False", "3", "None"]
-    assert typed_arguments(train, words, "jobs:train") == (
-        50,
-        0.5,
-        Path("/tmp/x"),
-        "b",
-        "7",
-        False,
-        3,
-        None,
-    )
-    with pytest.raises(
-        ValueError,
-        match=r"^argument 1 of jobs:train \(steps: int\) cannot be '5o': the function's annotation asks for int$",
-    ):
-        typed_arguments(train, ["5o"], "jobs:train")
-    with pytest.raises(
-        ValueError, match=r"argument 4 of jobs:train \(mode: Literal\['a', 'b'\]\) cannot be 'c'"
-    ):
-        typed_arguments(train, ["1", "1", "x", "c"], "jobs:train")
-
-    def plain(a, b: str, *rest):
-        return None
-
-    def unresolved(steps: int, data: NotDefinedAnywhere):  # noqa: F821 (on purpose)
-        return None
-
-    assert typed_arguments(plain, ["1", "2", "3"], "m:plain") == ("1", "2", "3")  # as before
-    assert typed_arguments(len, ["1"], "len") == ("1",)  # no signature to read
-    # One annotation that does not resolve leaves that word a string, not every word.
-    assert typed_arguments(unresolved, ["2", "d"], "m:unresolved") == (2, "d")
-
-
 def test_command_reads_a_functions_arguments_by_its_annotations(torchrunx_command, tmp_path):
     (tmp_path / "typed.py").write_text(
         textwrap.dedent(

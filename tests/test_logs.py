@@ -6,7 +6,6 @@ import argparse
 import io
 import logging
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -22,10 +21,7 @@ from torchrunx.launcher.view.logrouter import TAIL_BYTES, TAIL_LINES, LogRouter,
 from torchrunx.wire.lines import (
     TAIL_LINE_BYTES,
     Line,
-    LineSplitter,
     cut_line,
-    line_records,
-    parse_line,
 )
 
 if TYPE_CHECKING:
@@ -282,18 +278,6 @@ def test_failure_includes_output_tail_and_log_path(log_dir):
     assert str(launch_dir(log_dir) / "localhost[0].log") in note
 
 
-def test_line_splitter_and_parser():
-    splitter = LineSplitter()
-    assert splitter.feed(b"ab") == []
-    assert splitter.feed(b"c\nde\n\nf") == ["abc", "de", ""]
-    assert splitter.feed(b"") == ["f"]
-    marked = parse_line("\x1e40\x1fpkg.mod\x1fboom\x1dtraceback", is_stderr=True, default_name="x")
-    assert (marked.levelno, marked.name, marked.text) == (40, "pkg.mod", "boom\ntraceback")
-    plain = parse_line("hello", is_stderr=False, default_name="worker.0.stdout")
-    assert (plain.levelno, plain.name) == (logging.INFO, "worker.0.stdout")
-    assert parse_line("oops", is_stderr=True, default_name="e").levelno == logging.WARNING
-
-
 def test_console_shows_agent_lifecycle_only_at_torchrunx_info(log_dir, capsys):
     # By default: rank 0's output and what went wrong; the files keep the lifecycle.
     trx.launch(chatty, hostnames=["localhost"], workers_per_host=1, backend=None)
@@ -520,45 +504,6 @@ def test_a_broken_handler_does_not_stop_the_others(tmp_path, capsys):
     assert capsys.readouterr().err.count("--- Logging error ---") == 4  # 3 writes, 1 flush
     assert (tmp_path / "kept.log").read_text().count("\n") == 4
     kept.close()
-
-
-def test_line_splitter_decodes_whole_lines_as_each_alone():
-    # Many lines are decoded at once: invalid UTF-8 must come out as if each line were decoded
-    # on its own, whatever the chunks.
-    rng = random.Random(16)  # noqa: S311 (test data)
-    alphabet = [b"a", b"\n", b"\xc3\xa9", b"\xe2\x82\xac", b"\xe2\x82", b"\xff", b"\xc3", b" "]
-    for _ in range(200):
-        data = b"".join(rng.choice(alphabet) for _ in range(rng.randrange(200))) + b"\n"
-        splitter = LineSplitter()
-        lines: list[str] = []
-        position = 0
-        while position < len(data):
-            step = rng.randrange(1, 20)
-            lines += splitter.feed(data[position : position + step])
-            position += step
-        lines += splitter.feed(b"")
-        assert lines == [line.decode(errors="replace") for line in data.split(b"\n")[:-1]]
-
-
-def test_line_splitter_carriage_return_ends_a_line():
-    splitter = LineSplitter()
-    assert splitter.feed(b" 10%\r 20%\r") == [" 10%", " 20%"]
-    assert splitter.feed(b"\r\n") == []  # a bar clearing itself, then its end: nothing blank
-    assert splitter.feed(b"done\r\nnext\n") == ["done", "next"]
-    assert splitter.feed(b"bar\r\x1e30\x1fmylib\x1fhello\n") == ["bar", "\x1e30\x1fmylib\x1fhello"]
-
-
-def test_line_records_parse_as_parse_line():
-    lines = ["plain", "\x1e40\x1fpkg.mod\x1fboom\x1dtraceback", "\x1enot a record", ""]
-    for is_stderr in (False, True):
-        records = line_records(
-            lines, is_stderr=is_stderr, default_name="worker.2.x", local_rank=2, created=5.0
-        )
-        expected = []
-        for raw in lines:
-            line = parse_line(raw, is_stderr=is_stderr, default_name="worker.2.x")
-            expected.append((2, line.levelno, line.name, line.text, 5.0))
-        assert records == expected
 
 
 def test_a_handler_changed_during_a_launch_is_followed(tmp_path):

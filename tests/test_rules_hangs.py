@@ -18,6 +18,8 @@ from torchrunx.launcher.launch.stalls import (
 from torchrunx.launcher.state.hangs import (
     CollectiveEntry,
     RankSnapshot,
+    Straggler,
+    StragglerRule,
     diagnose,
     entry_from_recorder,
     find_stragglers,
@@ -429,3 +431,133 @@ def test_rule_the_users_frame_is_the_innermost_outside_torch_and_torchrunx():
     )
     assert user_frame(inner) == "/me/train.py:9 in main"
     assert user_frame(None) == ""
+
+
+# -- the edges: a recorder entry's defaults, the order of the waits, the lines, the thresholds ---
+
+
+def test_rule_a_recorder_entry_without_its_fields_is_empty_not_made_up():
+    assert entry_from_recorder({}) == CollectiveEntry(
+        "", 0, "", (), (), done=False, created_ns=0, site=""
+    )
+    frameless = entry_from_recorder({"frames": [{}]})  # a frame that names nothing
+    assert frameless.site == ":? in ?"
+    assert entry_from_recorder({"process_group": ["only_name"]}).group == "only_name"
+    # The backend's prefix is left out, once: the rest of the name is the op.
+    assert entry_from_recorder({"profiling_name": "nccl:all_reduce:2"}).op == "all_reduce:2"
+    assert entry_from_recorder({"profiling_name": "barrier"}).op == "barrier"
+
+
+def test_rule_a_rank_with_no_collective_of_the_group_has_entered_none():
+    assert _snap(0).last_seq("default_pg") == 0
+    assert _snap(0, _done(3, group="other")).last_seq("default_pg") == 0
+    snaps = [_snap(0, _pending(1)), _snap(1, where="a.py:1 in f"), _snap(2)]
+    diagnosis = diagnose(snaps, 3)
+    assert diagnosis.absent == {"a.py:1 in f": (1,), "(no frame of the user's code)": (2,)}
+
+
+def test_rule_a_rank_that_finished_the_collective_the_others_wait_in_is_not_absent():
+    snaps = [_snap(0, _pending(41)), _snap(1, _done(41), where="x.py:1 in f")]
+    assert diagnose(snaps, 2).absent == {}
+
+
+def test_rule_the_most_waited_in_collective_comes_first_then_by_group_number_and_op():
+    most = [_snap(r, _pending(9, group="z")) for r in (3, 4)]
+    assert [w.ranks for w in diagnose([_snap(0, _pending(2, group="a")), *most], 5).waiting] == [
+        (3, 4),
+        (0,),
+    ]
+    by_group = diagnose(
+        [_snap(0, _pending(1, "y", group="b")), _snap(1, _pending(2, "x", group="a"))], 2
+    )
+    assert [w.entry.group for w in by_group.waiting] == ["a", "b"]
+    by_number = diagnose([_snap(0, _pending(2, "a")), _snap(1, _pending(1, "z"))], 2)
+    assert [w.entry.seq for w in by_number.waiting] == [1, 2]
+
+
+def test_rule_every_line_of_a_diagnosis_with_waits_names_the_other_phases_not_the_waiting():
+    snaps = [_snap(r, _done(40), _pending(41)) for r in (0, 1)]
+    snaps.append(_snap(2, _done(40), where="data.py:12 in __next__"))
+    snaps.append(_snap(3, formed=False, where="t.py:1 in main"))
+    assert render(diagnose(snaps, 5)) == [
+        "ranks 0-1 wait in all_reduce #41 of default_pg ([4] Float) at train.py:57 in step",
+        "not entered all_reduce #41 of default_pg:",
+        "  rank 2: data.py:12 in __next__",
+        "  rank 3: t.py:1 in main",
+        "rank 2 in the user's code",
+        "rank 3 before the process group formed",
+        "rank 4 did not answer in time (their host is silent, or the rank holds Python's GIL)",
+    ]
+
+
+def test_rule_a_collectives_text_names_only_what_is_known():
+    def line(entry: CollectiveEntry) -> str:
+        return render(diagnose([_snap(0, entry)], 1))[0]
+
+    full = CollectiveEntry("g", 3, "all_gather", ((4, 2), (3,)), ("Half", "Float"), site="a.py:1")
+    assert line(full) == "rank 0 wait in all_gather #3 of g ([4, 2], [3] Half) at a.py:1"
+    assert line(CollectiveEntry("g", 3, "op", ((5,),))) == "rank 0 wait in op #3 of g ([5])"
+    assert line(CollectiveEntry("g", 3, "op", (), ("Float",))) == "rank 0 wait in op #3 of g"
+
+
+def test_rule_the_diagnosis_as_json_holds_every_field():
+    snaps = [_snap(0, _pending(2)), _snap(1, _pending(2, "broadcast")), _snap(2, formed=False)]
+    data = diagnose(snaps, 4).to_json()
+    assert {k: v for k, v in data.items() if k != "waiting"} == {
+        "absent": {"(no frame of the user's code)": [2]},
+        "mismatch": True,
+        "phases": {"in a collective": [0, 1], "before the process group formed": [2]},
+        "unanswered": [3],
+    }
+
+
+def _entered(times_s: dict[int, list[float]], group: str = "g", first: int = 1):
+    """Each rank's collectives of ``group``, numbered from ``first``, entered at these times."""
+    return {
+        rank: tuple(
+            CollectiveEntry(group, first + i, "all_reduce", done=True, created_ns=int(t * 1e9))
+            for i, t in enumerate(times)
+        )
+        for rank, times in times_s.items()
+    }
+
+
+def test_rule_a_straggler_is_named_with_its_exact_lateness_window_and_share():
+    # Five shared collectives, the fewest compared: rank 1 enters each one 1 s after rank 0.
+    found = find_stragglers(_entered({0: [10, 20, 30, 40, 50], 1: [11, 21, 31, 41, 51]}))
+    assert found == [Straggler(1, 0.5, 5, 1.0)]  # 0.5 s after the median of the two
+
+
+def test_rule_a_share_and_a_lateness_exactly_at_the_rule_name_the_rank():
+    # Rank 1 is last in 3 of 5 (a share of 0.6), by a median of exactly 0.5 s.
+    times = {0: [10, 20, 30, 41, 51], 1: [11, 21, 31, 40, 50]}
+    rule = StragglerRule(threshold_s=0.5, min_share=0.6)
+    assert find_stragglers(_entered(times), rule) == [Straggler(1, 0.5, 5, 0.6)]
+
+
+def test_rule_the_window_is_the_newest_collectives_by_time_not_by_name():
+    old = _entered({0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5]}, group="b")  # b: long ago, even
+    new = _entered({0: [10, 20, 30, 40, 50], 1: [11, 21, 31, 41, 51]}, group="a")  # a: now
+    both = {rank: old[rank] + new[rank] for rank in (0, 1)}
+    assert [s.rank for s in find_stragglers(both, StragglerRule(window=5))] == [1]
+
+
+def test_rule_collectives_without_a_sequence_number_are_not_compared():
+    late = {0: [10, 20, 30, 40, 50], 1: [11, 21, 31, 41, 51]}
+    unnumbered = {
+        rank: tuple(
+            CollectiveEntry(f"g{i}", 0, "x", done=True, created_ns=int(t * 1e9))
+            for i, t in enumerate(times)
+        )
+        for rank, times in late.items()
+    }
+    assert find_stragglers(unnumbered) == []
+
+
+def test_rule_a_rank_without_a_clock_offset_has_nothing_taken_off():
+    # Rank 0's clock runs 5 s ahead; after its offset both enter together, and on a tie the
+    # higher rank counts as the last one in.
+    times = _entered({0: [15, 25, 35, 45, 55], 1: [10, 20, 30, 40, 50]})
+    rule = StragglerRule(threshold_s=0.0)
+    found = find_stragglers(times, rule, offsets_ns={0: 5 * 10**9})
+    assert [(s.rank, s.lateness_s, s.last_share) for s in found] == [(1, 0.0, 1.0)]

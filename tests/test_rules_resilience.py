@@ -421,9 +421,12 @@ def test_a_preemption_names_its_reason_logs_a_failed_requeue_and_survives_a_seco
 
         state = _preempted_state()
         state.ranks[1].result = [bytearray(b"not a pickle")]  # what rank 1 sent cannot load
-        error = end_preemption(
-            state, _plan(requeue=True), "the agent on b got SIGTERM", stop, print
-        )
+        try:
+            error = end_preemption(
+                state, _plan(requeue=True), "the agent on b got SIGTERM", stop, print
+            )
+        except (KeyboardInterrupt, SystemExit):  # a test failure, not pytest's own interrupt
+            pytest.fail(f"{interrupt.__name__} during the stop escaped end_preemption")
         assert error.reason == "the agent on b got SIGTERM" and error.returned == {0: 42}
         assert error.__notes__[0] == (
             "ranks [1] did not return within preemption_grace=0 s and were stopped"
@@ -432,3 +435,87 @@ def test_a_preemption_names_its_reason_logs_a_failed_requeue_and_survives_a_seco
     assert (
         caplog.messages[-1] == "the SLURM job was not requeued: scontrol requeue 77 failed: denied"
     )
+
+
+# -- the requeue itself (requeue_job: which job, scontrol's call, what a failure says) ----------
+
+
+def _requeue_runner(
+    monkeypatch: pytest.MonkeyPatch, answer: subprocess.CompletedProcess[str] | Exception
+) -> list[tuple[list[str], dict[str, object]]]:
+    """``scontrol`` installed; ``subprocess.run`` recorded and answered (no process)."""
+    from torchrunx.launcher.launch import preempt
+
+    calls: list[tuple[list[str], dict[str, object]]] = []
+
+    def run(command: list[str], **options: object) -> subprocess.CompletedProcess[str]:
+        calls.append((command, options))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(
+        preempt.shutil, "which", lambda name: "/usr/bin/scontrol" if name == "scontrol" else None
+    )
+    monkeypatch.setattr(preempt.subprocess, "run", run)
+    return calls
+
+
+def test_requeue_runs_scontrol_for_this_job_with_a_time_limit_and_its_output_captured(
+    monkeypatch,
+):
+    from torchrunx.launcher.launch.preempt import requeue_job
+
+    calls = _requeue_runner(monkeypatch, subprocess.CompletedProcess([], 0, "", ""))
+    monkeypatch.setenv("SLURM_JOB_ID", "999")  # the environment given wins over this process's
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert requeue_job({"SLURM_JOB_ID": "12", "SLURM_JOBID": "13"}) is None
+        assert requeue_job({"SLURM_JOB_ID": "", "SLURM_JOBID": "14"}) is None  # the older name
+        assert requeue_job() is None  # this process's environment
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    options = {"capture_output": True, "text": True, "timeout": 30, "check": False}
+    assert calls == [
+        (["scontrol", "requeue", "12"], options),
+        (["scontrol", "requeue", "14"], options),
+        (["scontrol", "requeue", "999"], options),
+    ]
+
+
+def test_requeue_says_why_not_without_a_job_without_scontrol_or_when_scontrol_fails(monkeypatch):
+    from torchrunx.launcher.launch import preempt
+    from torchrunx.launcher.launch.preempt import requeue_job
+
+    job = {"SLURM_JOB_ID": "12"}
+    calls = _requeue_runner(monkeypatch, subprocess.CompletedProcess([], 1, " out\n", ""))
+    assert requeue_job({"SLURM_JOB_ID": "", "SLURM_JOBID": ""}) == (
+        "not inside a SLURM job (no SLURM_JOB_ID)"
+    )
+    assert calls == []
+    assert requeue_job(job) == "scontrol requeue 12 failed: out"  # no stderr: stdout says why
+    calls = _requeue_runner(monkeypatch, subprocess.CompletedProcess([], 2, "out", " err \n"))
+    assert requeue_job(job) == "scontrol requeue 12 failed: err"
+    _requeue_runner(monkeypatch, subprocess.TimeoutExpired(["scontrol"], 30))
+    assert requeue_job(job) == (
+        "scontrol requeue 12 failed: Command '['scontrol']' timed out after 30 seconds"
+    )
+    _requeue_runner(monkeypatch, OSError("no such file"))
+    assert requeue_job(job) == "scontrol requeue 12 failed: no such file"
+    monkeypatch.setattr(preempt.shutil, "which", lambda name: None if name == "scontrol" else name)
+    assert requeue_job(job) == "scontrol is not installed here"
+
+
+def test_requeue_from_another_thread_leaves_sigterm_as_it_is(monkeypatch):
+    import threading
+
+    from torchrunx.launcher.launch.preempt import requeue_job
+
+    _requeue_runner(monkeypatch, subprocess.CompletedProcess([], 0, "", ""))
+    before = signal.getsignal(signal.SIGTERM)
+    done: list[str | None] = []
+    thread = threading.Thread(target=lambda: done.append(requeue_job({"SLURM_JOB_ID": "3"})))
+    thread.start()
+    thread.join()
+    assert done == [None]
+    assert signal.getsignal(signal.SIGTERM) is before

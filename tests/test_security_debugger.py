@@ -90,6 +90,30 @@ def test_the_peer_is_the_row_whose_local_end_is_our_remote_end():
     assert find_peer(TABLE, ("127.0.0.1", 5679), ("127.0.0.1", 40000)) is None
 
 
+def test_an_ipv6_address_is_four_words_each_in_this_machines_byte_order():
+    if sys.byteorder != "little":
+        pytest.skip("the words are written for a little-endian machine")
+    assert proc_address("::1", 80) == "00000000000000000000000001000000:0050"
+    assert proc_address("2001:db8:1:2:3:4:5:6", 65535) == "B80D0120020001000400030006000500:FFFF"
+    assert proc_address("2001:db8:aaaa:bbbb:cccc:dddd:eeee:ffff", 1) == (
+        "B80D0120BBBBAAAADDDDCCCCFFFFEEEE:0001"
+    )
+
+
+def test_the_first_row_is_read_and_short_rows_are_skipped_not_the_end():
+    if sys.byteorder != "little":
+        pytest.skip("the made-up table is written for a little-endian machine")
+    header = TABLE.splitlines()[0]
+    row = "   0: 0100007F:9C40 0100007F:162E 01 00000000:00000000 00:00000000 00000000  1001 0 333"
+    assert len(row.split()) == 10  # the fewest fields a row is read with: its inode the last
+    local, peer = ("127.0.0.1", 5678), ("127.0.0.1", 40000)
+    assert find_peer(f"{header}\n{row}\n", local, peer) == PeerSocket(1001, 333)
+    short = "   9: 0100007F:9C40 0100007F:162E 01 00000000:00000000 00:00000000 00000000  7"
+    assert find_peer(f"{header}\n{short}\n{row}\n", local, peer) == PeerSocket(1001, 333)
+    assert find_peer(f"{header}\n{short}\n", local, peer) is None
+    assert find_peer(row, local, peer) is None  # the first line is the header, never a row
+
+
 def test_a_real_connection_of_this_process_is_found_with_its_uid_and_inode():
     with socket.create_server(("127.0.0.1", 0)) as server:
         client = socket.create_connection(server.getsockname())
