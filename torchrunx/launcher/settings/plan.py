@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Literal
 
 from torchrunx import plugins
@@ -23,6 +24,8 @@ from torchrunx.launcher.settings.resolve import (
     is_local_host,
     slurm_allocation,
 )
+from torchrunx.wire.bootstrap import AgentTimings
+from torchrunx.wire.messages import HEARTBEAT_INTERVAL
 from torchrunx.wire.relay import MODES as RELAY_MODES
 
 if TYPE_CHECKING:
@@ -110,6 +113,41 @@ class LaunchPlan:
     def hostnames(self) -> tuple[str, ...]:
         """The hosts' names, in launch order."""
         return tuple(h.hostname for h in self.hosts)
+
+    @cached_property
+    def agent_timings(self) -> AgentTimings:
+        """The host side's timings, from ``agent_timeout`` (:func:`agent_timings`), made once."""
+        return agent_timings(self.agent_timeout)
+
+
+STOP_SLACK = 3.0
+"""Seconds the guardian's grace adds for the agent to stop its workers (their SIGTERM's grace
+period, the agent's ``_DEFAULT_GRACE``) once it has noticed the launcher gone."""
+
+
+def agent_timings(
+    agent_timeout: float, heartbeat_interval: float = HEARTBEAT_INTERVAL
+) -> AgentTimings:
+    """What the agent and its workers wait for, derived from ``agent_timeout`` here only.
+
+    They travel in the bootstrap by name (:class:`~torchrunx.wire.bootstrap.AgentTimings`):
+    the host side reads them and derives none.
+
+    - heartbeats every ``heartbeat_interval`` s (the launcher's own interval, by default);
+    - the launcher is gone after ``agent_timeout`` s of silence; the agent's last messages get
+      as long to reach it;
+    - a connection to the launcher (the agent's, a worker's) gets twice as long, handshake
+      included;
+    - the guardian kills an agent that has not ended ``2 * agent_timeout + 3`` s after its stdin
+      closed: time to notice the silence, deliver its last messages, and stop its workers.
+    """
+    return AgentTimings(
+        heartbeat_interval=heartbeat_interval,
+        launcher_silence=agent_timeout,
+        connect_timeout=2 * agent_timeout,
+        finish_timeout=agent_timeout,
+        guardian_grace=2 * agent_timeout + STOP_SLACK,
+    )
 
 
 def check_agent_start(agent_start: object) -> None:
