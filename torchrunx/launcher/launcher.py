@@ -484,7 +484,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             RuntimeError: ``"slurm"`` outside an allocation, as for :meth:`run`.
         """
         env = (self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
-        return describe_launch(self, self.plan(), unmatched=unmatched_env_vars(*env))
+        return describe_launch(self.plan(), self.hostnames, unmatched=unmatched_env_vars(*env))
 
 
 def launch(
