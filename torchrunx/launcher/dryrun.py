@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from torchrunx import plugins
 from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
 from torchrunx.launcher.settings.reach import default_python
-from torchrunx.launcher.settings.resolve import hostnames_source
 from torchrunx.launcher.starts.agent_starts import count_mode
 
 if TYPE_CHECKING:
@@ -21,23 +20,22 @@ if TYPE_CHECKING:
 
     from torchrunx.hosts import HostSlots
     from torchrunx.launcher.settings.plan import LaunchPlan, StartMethod
+    from torchrunx.launcher.settings.resolve import HostsSource
 
 
-def describe_launch(plan: LaunchPlan, hostnames: object, unmatched: Sequence[str] = ()) -> str:
+def describe_launch(plan: LaunchPlan, unmatched: Sequence[str] = ()) -> str:
     """The dry run of ``plan``: GPUs counted where the hosts are this machine, then the text.
 
-    ``hostnames``: the field as given (where the hosts came from). ``unmatched``: env patterns
-    of the user's that match no launcher variable.
+    ``unmatched``: env patterns of the user's that match no launcher variable.
     """
     counts_gpus = plan.backend == "auto" or plan.workers_per_host in ("gpu", "auto")
     here = count_local_gpus() if counts_gpus and "local" in plan.methods else None
     gpus = [here if method == "local" else None for method in plan.methods]
-    return describe_plan(plan, hostnames, gpus, unmatched=unmatched)
+    return describe_plan(plan, gpus, unmatched=unmatched)
 
 
 def describe_plan(
     plan: LaunchPlan,
-    hostnames: object,
     gpus: Sequence[int | None] | None = None,
     *,
     unmatched: Sequence[str] = (),
@@ -55,7 +53,7 @@ def describe_plan(
     lines = [
         "torchrunx dry run: nothing was started",
         f"hosts: {len(running)}" + (f", and {spares} spare host(s)" if spares else ""),
-        f"hosts from: {_source(hostnames)}",
+        f"hosts from: {_source(plan.hosts_from)}",
         f"agent start: {_transports(methods, transport_argument)}",
         *_relay_lines(plan.relay),
         f"world size: {world if world is not None else 'known once every agent has counted'}",
@@ -130,9 +128,8 @@ def _relay_lines(relay: str) -> list[str]:
     return [f"relay: {relay} (remote hosts' connections travel over their agent's channel, {when})"]
 
 
-def _source(hostnames: object) -> str:
+def _source(source: HostsSource) -> str:
     """Where the hosts come from: a provider (and its argument), a hostfile, or a list."""
-    source = hostnames_source(hostnames)
     if source.provider is not None:
         name, argument = source.provider
         return f"host provider {name}" + (f" ({argument})" if argument else "")

@@ -57,7 +57,13 @@ from torchrunx.launcher.settings.reach import (
     check_ship,
 )
 from torchrunx.launcher.settings.renamed import refuse_renamed, refuses_renamed_keywords
-from torchrunx.launcher.settings.resolve import Hostnames, check_hostnames, resolve_hosts
+from torchrunx.launcher.settings.resolve import (
+    Hostnames,
+    HostsSource,
+    check_hostnames,
+    hostnames_source,
+    resolve_hosts,
+)
 from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.state.health import (
     health_details_from_env,
@@ -348,15 +354,17 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
     def _resolve(self, *, warm: bool, keep_workers: bool) -> LaunchPlan:
         """The plan of fields already checked (:meth:`validate`)."""
         check_launch_env(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
-        world, spares = self._world_and_spares()
+        source = hostnames_source(self.hostnames)  # classified once: the plan keeps it
+        world, spares = self._world_and_spares(source)
         hosts = world + spares
         methods, argument = start_methods(
-            self.agent_start, [h.hostname for h in hosts], paired_transport(self.hostnames)
+            self.agent_start, [h.hostname for h in hosts], paired_transport(source)
         )
         check_python_hosts(self.python, [h.hostname for h in hosts], methods)
         return LaunchPlan(
             hosts=tuple(hosts),
             methods=tuple(methods),
+            hosts_from=source,
             transport_argument=argument,
             spares=len(spares),
             min_hosts=self.min_hosts,
@@ -392,9 +400,9 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             keep_workers=warm and keep_workers,
         )
 
-    def _world_and_spares(self) -> tuple[list[HostSlots], list[HostSlots]]:
-        """The resolved hosts that run the first attempt, and the spare hosts."""
-        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
+    def _world_and_spares(self, source: HostsSource) -> tuple[list[HostSlots], list[HostSlots]]:
+        """The resolved hosts of the first attempt, and the spares (``source``: the hostnames')."""
+        hosts = resolve_hosts(self.hostnames, self.workers_per_host, source=source)
         if isinstance(self.spare_hosts, int):
             return split_spares(hosts, self.spare_hosts, self.min_hosts)
         named = resolve_hosts(list(self.spare_hosts), self.workers_per_host, field="spare_hosts")
@@ -484,7 +492,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             RuntimeError: ``"slurm"`` outside an allocation, as for :meth:`run`.
         """
         env = (self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
-        return describe_launch(self.plan(), self.hostnames, unmatched=unmatched_env_vars(*env))
+        return describe_launch(self.plan(), unmatched=unmatched_env_vars(*env))
 
 
 def launch(

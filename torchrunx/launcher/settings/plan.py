@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 from torchrunx import plugins
 from torchrunx.errors import SlurmError
 from torchrunx.launcher.settings.resolve import (
-    hostnames_source,
+    HostsSource,
     in_slurm_allocation,
     is_local_host,
     slurm_allocation,
@@ -53,6 +53,9 @@ class LaunchPlan:
     env: Mapping[str, str] = field(repr=False)
     """The variables every agent exports (forwarded patterns and given values): never in a
     repr, since values may be secrets."""
+    hosts_from: HostsSource = field(default_factory=HostsSource)
+    """What the ``hostnames`` field named (a list, ``"auto"``, a provider, a hostfile): classified
+    once, by :func:`~torchrunx.launcher.settings.resolve.hostnames_source`."""
     transport_argument: str | None = None
     """The argument of the launch's transport (``"namespace=ml"`` of ``"kubectl:namespace=ml"``)."""
     workers_per_host: object = "auto"
@@ -185,9 +188,8 @@ def check_relay(relay: object) -> None:
         )
 
 
-def paired_transport(hostnames: object) -> str | None:
-    """The transport the host provider of ``hostnames`` names, if it names one (Ray's: ray)."""
-    source = hostnames_source(hostnames)
+def paired_transport(source: HostsSource) -> str | None:
+    """The transport the host provider of ``source`` names, if it names one (Ray's: ray)."""
     if source.provider is None:
         return None
     return plugins.provider_transport(*source.provider)
