@@ -17,6 +17,7 @@ import pytest
 
 from torchrunx.agent.outbox import Outbox
 from torchrunx.agent.workergroup import WorkerGroup
+from torchrunx.launcher.settings.plan import agent_timings
 from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap
 from torchrunx.wire.messages import Heartbeat, LogLines
 from torchrunx.wire.records import Connection, Sealer, SessionKeys
@@ -31,8 +32,7 @@ def test_an_agent_given_a_malformed_bootstrap_names_the_field_and_exits_with_2()
         secret=b"\x01",
         workers=1,
         preload_torch=False,
-        heartbeat_interval=1.0,
-        agent_timeout=5.0,
+        timings=agent_timings(5.0),
         log_level=20,
         sys_path=tuple(sys.path),
     )

@@ -27,6 +27,7 @@ from torchrunx.env import (
     local_agent_env,
     split_extra_env_vars,
 )
+from torchrunx.launcher.settings.plan import agent_timings
 from torchrunx.launcher.settings.resolve import HostSlots, resolve_hosts
 from torchrunx.launcher.view import logdirs
 from torchrunx.wire.bootstrap import AgentBootstrap
@@ -277,8 +278,7 @@ def test_gpu_and_cpu_are_counted_by_each_agent():
         secret=b"s",
         workers=None,
         preload_torch=False,
-        heartbeat_interval=1.0,
-        agent_timeout=5.0,
+        timings=agent_timings(5.0),
         log_level=20,
         sys_path=(),
         count="cpu",

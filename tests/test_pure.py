@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from wire_helpers import server_handshake
@@ -23,9 +25,11 @@ from torchrunx.events import (
     dataclass_to_dict,
     event_to_dict,
 )
+from torchrunx.hosts import HostSlots
 from torchrunx.launcher.settings import resolve as hosts
+from torchrunx.launcher.settings.plan import LaunchPlan, agent_timings
 from torchrunx.wire import handshake, messages, records
-from torchrunx.wire.bootstrap import AgentBootstrap
+from torchrunx.wire.bootstrap import AgentBootstrap, AgentTimings
 
 HOSTILE = [
     "a b",
@@ -335,8 +339,7 @@ def _bootstrap(**changes: object) -> AgentBootstrap:
         "secret": bytes(range(32)),
         "workers": None,
         "preload_torch": True,
-        "heartbeat_interval": 1.0,
-        "agent_timeout": 5.0,
+        "timings": agent_timings(5.0),
         "log_level": 20,
         "sys_path": ("/a", "/b c"),
         "count": "gpu",
@@ -356,6 +359,42 @@ def test_the_agent_bootstrap_is_one_json_line_that_decodes_to_the_same_object():
     assert data["secret"] == bytes(range(32)).hex()  # hex, never pickled
     del data["count"]  # "auto" when absent
     assert AgentBootstrap.from_json_line(json.dumps(data)).count == "auto"
+    assert data["timings"] == {  # sent by name, as the launcher derived them
+        "heartbeat_interval": 1.0,
+        "launcher_silence": 5.0,
+        "connect_timeout": 10.0,
+        "finish_timeout": 5.0,
+        "guardian_grace": 13.0,
+    }
+    data["timings"]["connect_timeout"] = 7  # an integer is a number of seconds too
+    assert AgentBootstrap.from_json_line(json.dumps(data)).timings.connect_timeout == 7.0
+
+
+def test_the_host_sides_timings_are_derived_from_agent_timeout_once_on_the_launchers_side():
+    timings = agent_timings(5.0)
+    assert timings.heartbeat_interval == messages.HEARTBEAT_INTERVAL == 1.0
+    assert timings.launcher_silence == 5.0  # the launcher is gone after agent_timeout of silence
+    assert timings.finish_timeout == 5.0  # the agent's last messages get as long
+    assert timings.connect_timeout == 10.0  # a connection, handshake included: twice as long
+    assert timings.guardian_grace == 13.0  # 2 * agent_timeout + 3 s to stop the workers
+    other = agent_timings(0.5, heartbeat_interval=0.25)
+    assert other == AgentTimings(
+        heartbeat_interval=0.25,
+        launcher_silence=0.5,
+        connect_timeout=1.0,
+        finish_timeout=0.5,
+        guardian_grace=4.0,
+    )
+    plan = LaunchPlan((HostSlots("localhost", 1),), ("local",), {}, agent_timeout=2.5)
+    assert plan.agent_timings == agent_timings(2.5)
+    assert plan.agent_timings is plan.agent_timings  # made once per plan
+    assert dataclasses.replace(plan, agent_timeout=4.0).agent_timings == agent_timings(4.0)
+
+
+def _timings(data: dict[str, Any], **changes: object) -> dict[str, Any]:
+    """``data`` with its ``timings`` changed (a field of None: left out)."""
+    timings = {**data["timings"], **changes}
+    return {**data, "timings": {k: v for k, v in timings.items() if v is not None}}
 
 
 @pytest.mark.parametrize(
@@ -375,9 +414,19 @@ def test_the_agent_bootstrap_is_one_json_line_that_decodes_to_the_same_object():
         (lambda d: {**d, "workers": 0}, "field 'workers' must be a positive integer or null"),
         (lambda d: {**d, "workers": "2"}, "field 'workers' must be a positive integer or null"),
         (lambda d: {**d, "preload_torch": "yes"}, "field 'preload_torch' must be true or false"),
-        (lambda d: {**d, "agent_timeout": "5"}, "field 'agent_timeout' must be a finite number"),
-        (lambda d: {**d, "agent_timeout": float("inf")}, "field 'agent_timeout' must be a finite"),
-        (lambda d: {**d, "heartbeat_interval": 0}, "field 'heartbeat_interval' must be a finite"),
+        (lambda d: {**d, "timings": 5.0}, "field 'timings' must be an object of seconds, got 5.0"),
+        (lambda d: _timings(d, launcher_silence="5"), "field 'timings.launcher_silence' must be a"),
+        (lambda d: _timings(d, connect_timeout=float("inf")), "field 'timings.connect_timeout' m"),
+        (lambda d: _timings(d, heartbeat_interval=0), "field 'timings.heartbeat_interval' must"),
+        (lambda d: _timings(d, finish_timeout=-1.0), "field 'timings.finish_timeout' must be a"),
+        (lambda d: _timings(d, guardian_grace=True), "field 'timings.guardian_grace' must be a"),
+        (lambda d: _timings(d, guardian_grace=None), "field 'timings.guardian_grace' is missing"),
+        (
+            lambda d: _timings(d, agent_timeout=5.0),
+            r"unknown field\(s\) \['timings.agent_timeout'\]",
+        ),
+        (lambda d: {**d, "agent_timeout": 5.0}, r"unknown field\(s\) \['agent_timeout'\]"),
+        (lambda d: {k: v for k, v in d.items() if k != "timings"}, "field 'timings' is missing"),
         (lambda d: {**d, "log_level": "INFO"}, "field 'log_level' must be an integer"),
         (lambda d: {**d, "sys_path": ["/a", 1]}, "field 'sys_path' must be a list of strings"),
         (lambda d: {**d, "count": "gpus"}, "field 'count' must be 'auto' or 'gpu' or 'cpu'"),

@@ -19,6 +19,7 @@ from torchrunx.engines.kubernetes import (
 from torchrunx.engines.ray import RayProvider, RayTransport, node_table, ordered, ray_address
 from torchrunx.engines.ray_actor import agent_environ
 from torchrunx.launcher.settings.plan import check_agent_start, paired_transport, start_methods
+from torchrunx.launcher.settings.resolve import hostnames_source
 
 # -- kubectl ----------------------------------------------------------------------------------
 
@@ -278,9 +279,10 @@ def test_a_paired_transport_starts_every_host_unless_agent_start_names_another()
     assert start_methods("auto", hosts, None) == (["local", "ssh"], None)
     assert start_methods("kubectl:namespace=ml", hosts) == (["kubectl", "kubectl"], "namespace=ml")
     assert start_methods("local", hosts) == (["local", "local"], None)
-    assert paired_transport(["node1"]) is None
-    assert paired_transport("ray:h:1") == "ray:h:1"
-    assert paired_transport("kubernetes:app=x?namespace=ml") == "kubectl:namespace=ml"
+    assert paired_transport(hostnames_source(["node1"])) is None
+    assert paired_transport(hostnames_source("ray:h:1")) == "ray:h:1"
+    source = hostnames_source("kubernetes:app=x?namespace=ml")
+    assert paired_transport(source) == "kubectl:namespace=ml"
 
 
 def test_agent_start_must_name_a_transport_that_takes_its_argument():

@@ -16,6 +16,7 @@ from torchrunx.agent import unpack
 from torchrunx.engines import ship
 from torchrunx.engines.command import MISSING_PYTHON, agent_script, unpack_source
 from torchrunx.launcher.settings import reach
+from torchrunx.launcher.settings.plan import agent_timings
 from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap
 
 PACKAGE = Path(trx.__file__).resolve().parent
@@ -268,8 +269,7 @@ def test_the_boot_code_puts_a_kept_path_before_the_interpreters_own(tmp_path, mo
         secret=b"s" * 32,
         workers=1,
         preload_torch=False,
-        heartbeat_interval=1.0,
-        agent_timeout=5.0,
+        timings=agent_timings(5.0),
         log_level=20,
         sys_path=(".torchrunx-lib", "/abs"),
         keep_path=True,

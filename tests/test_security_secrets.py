@@ -17,6 +17,7 @@ import pytest
 import torchrunx as trx
 from torchrunx.engines import command
 from torchrunx.errors import AgentFailedError
+from torchrunx.launcher.settings.plan import agent_timings
 from torchrunx.launcher.starts.agent_starts import AgentStarts
 from torchrunx.wire import handshake
 from torchrunx.wire.bootstrap import AgentBootstrap
@@ -53,8 +54,7 @@ def test_reprs_hold_no_secret():
         secret=SECRET,
         workers=1,
         preload_torch=False,
-        heartbeat_interval=1.0,
-        agent_timeout=5.0,
+        timings=agent_timings(5.0),
         log_level=20,
         sys_path=(),
     )

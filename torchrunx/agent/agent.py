@@ -45,13 +45,13 @@ own ``logging`` records go on the launcher connection too (:mod:`torchrunx.agent
 "worker N exited" never overtakes that worker's output. The agent is single-threaded when it
 forks and ends when its workers have ended and no restart can follow.
 
-Stopping: on :class:`Stop` (or when the launcher connection or stdin closes, or no message
-arrived for ``agent_timeout`` seconds) the agent optionally asks each live worker for its
-Python stacks (SIGUSR1, written by ``faulthandler`` into the worker's stack pipe) and sends
-them as :class:`WorkerStacks`, then closes the worker group: SIGTERM to every worker's process
-group and to every other process below the agent (what the workers left, daemons included),
-and SIGKILL after the grace period, forwarding output and reporting exits meanwhile. The group
-is closed the same way when its workers all ended by themselves, and the workers' temporary
+Stopping: on :class:`Stop` (or when the launcher connection or stdin closes, or no message arrived
+for ``agent_timeout`` seconds: the bootstrap's ``timings.launcher_silence``) the agent optionally
+asks each live worker for its Python stacks (SIGUSR1, written by ``faulthandler`` into the worker's
+stack pipe) and sends them as :class:`WorkerStacks`, then closes the worker group: SIGTERM to every
+worker's process group and to every other process below the agent (what the workers left, daemons
+included), and SIGKILL after the grace period, forwarding output and reporting exits meanwhile. The
+group is closed the same way when its workers all ended by themselves, and the workers' temporary
 directory is emptied after each attempt.
 """
 
@@ -144,8 +144,7 @@ class Agent:
         self.link = LauncherLink(
             connection,
             self.selector,
-            heartbeat_interval=boot.heartbeat_interval,
-            agent_timeout=boot.agent_timeout,
+            timings=boot.timings,
             on_lost=self._launcher_lost,
             on_backpressure=self._pause_output,
         )
@@ -307,9 +306,9 @@ class Agent:
     def finish(self) -> None:
         """Tell the launcher, deliver what is queued, and end the connection cleanly.
 
-        Bounded by agent_timeout (see :meth:`LauncherLink.finish`).
+        Bounded by the bootstrap's ``timings.finish_timeout`` (see :meth:`LauncherLink.finish`).
         """
-        self.link.finish(self.boot.agent_timeout)
+        self.link.finish(self.boot.timings.finish_timeout)
 
     def close(self) -> None:
         """Kill any worker and anything else still alive below the agent; release every descriptor.
@@ -511,11 +510,13 @@ def main(line: bytes) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # From here on, this process is the agent, below its guardian.
-    tmpdir = fork_agent(grace=2 * boot.agent_timeout + _DEFAULT_GRACE)
+    tmpdir = fork_agent(grace=boot.timings.guardian_grace)
     capture_logging(boot.log_level)
     address = (boot.launcher_address, boot.launcher_port)
     try:
-        conn = handshake.connect(address, boot.secret, "agent", timeout=boot.agent_timeout * 2)
+        conn = handshake.connect(
+            address, boot.secret, "agent", timeout=boot.timings.connect_timeout
+        )
     except (OSError, ProtocolError) as exc:
         sys.stderr.write(
             f"torchrunx agent: cannot reach the launcher at {address}: {exc} (if this host "

@@ -62,10 +62,11 @@ def missing_pidfds() -> str | None:
     return None
 
 
-def fork_agent(grace: float = 30.0) -> str | None:
+def fork_agent(*, grace: float) -> str | None:
     """Fork the agent; only the agent returns, this process becomes its guardian.
 
-    ``grace``: seconds the agent has to end once its stdin is closed (see the module).
+    ``grace``: seconds the agent has to end once its stdin is closed (see the module): the
+    bootstrap's ``timings.guardian_grace``.
 
     Returns the workers' private temporary directory (one for all the agent's workers), or
     ``None`` if none could be made: :func:`torchrunx.agent.leftovers.make_private_dir` has then

@@ -1,12 +1,12 @@
 """The agent's connection to the launcher: its socket and stdin, and nothing they mean.
 
 :class:`LauncherLink` owns the authenticated connection the agent made in
-:func:`torchrunx.agent.agent.main`: it registers the socket and stdin on the agent's selector,
-sends through the :class:`~torchrunx.agent.outbox.Outbox` (never blocking; the socket is
-watched for room while data waits, and the workers' output is paused while too much does),
-keeps the :class:`~torchrunx.agent.watchdog.Heartbeats` both ways, decides when the launcher is
-lost (a cut or bad stream, EOF on stdin, silence past ``agent_timeout``), and ends the stream
-cleanly (:meth:`LauncherLink.finish`). :class:`_ToLauncher` sends the agent's own ``logging``
+:func:`torchrunx.agent.agent.main`: it registers the socket and stdin on the agent's selector, sends
+through the :class:`~torchrunx.agent.outbox.Outbox` (never blocking; the socket is watched for room
+while data waits, and the workers' output is paused while too much does), keeps the
+:class:`~torchrunx.agent.watchdog.Heartbeats` both ways, decides when the launcher is lost (a cut or
+bad stream, EOF on stdin, silence past the bootstrap's ``timings.launcher_silence``), and ends the
+stream cleanly (:meth:`LauncherLink.finish`). :class:`_ToLauncher` sends the agent's own ``logging``
 records on it, so "worker N exited" never overtakes that worker's output.
 
 What a message means is the agent's business: the link hands over what arrives
@@ -36,6 +36,7 @@ from torchrunx.wire.messages import AgentDone, Heartbeat, LogLines
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
+    from torchrunx.wire.bootstrap import AgentTimings
     from torchrunx.wire.messages import Message
     from torchrunx.wire.records import Connection
 
@@ -78,13 +79,12 @@ class _ToLauncher(logging.Handler):
 class LauncherLink:
     """The agent's side of its connection to the launcher (created by the agent)."""
 
-    def __init__(  # noqa: PLR0913 (the connection, its timings, the agent's two call-backs)
+    def __init__(
         self,
         connection: Connection,
         selector: selectors.BaseSelector,
         *,
-        heartbeat_interval: float,
-        agent_timeout: float,
+        timings: AgentTimings,
         on_lost: Callable[[], None],
         on_backpressure: Callable[[bool], None],
     ) -> None:
@@ -92,15 +92,16 @@ class LauncherLink:
 
         ``on_lost``: called each time the launcher is found gone. ``on_backpressure``: called
         with whether the workers' output should pause, after each change of the outbox.
+        ``timings``: the bootstrap's (heartbeats, the launcher's silence).
         """
         self.conn = connection
         self.selector = selector
         self.on_lost = on_lost
         self.on_backpressure = on_backpressure
         # A timeout also makes the socket's descriptor non-blocking, which the outbox needs.
-        self.conn.sock.settimeout(agent_timeout)
+        self.conn.sock.settimeout(timings.launcher_silence)
         self.outbox = Outbox(self.conn.sock, self.conn.sealer)
-        self.heartbeats = Heartbeats(heartbeat_interval, agent_timeout)
+        self.heartbeats = Heartbeats(timings.heartbeat_interval, timings.launcher_silence)
         self.events = selectors.EVENT_READ
         """What the selector watches the socket for (0 once the launcher is lost)."""
         self.selector.register(self.conn.sock, self.events, "launcher")
@@ -213,9 +214,9 @@ class LauncherLink:
     def finish(self, timeout: float) -> None:
         """Send :class:`AgentDone`, deliver what is queued, and end the stream cleanly.
 
-        Bounded by ``timeout`` (agent_timeout). The agent half-closes its side and reads
-        (heartbeats) until the launcher, having read everything, closes its own: a socket
-        closed with unread data is reset, and a reset can drop what was still on its way,
+        Bounded by ``timeout`` (the bootstrap's ``timings.finish_timeout``). The agent half-closes
+        its side and reads (heartbeats) until the launcher, having read everything, closes its own:
+        a socket closed with unread data is reset, and a reset can drop what was still on its way,
         ``AgentDone`` included.
         """
         self.send(AgentDone())

@@ -8,103 +8,60 @@ from __future__ import annotations
 
 import os
 import shlex
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from torchrunx import plugins
 from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
 from torchrunx.launcher.settings.reach import default_python
-from torchrunx.launcher.settings.resolve import hostnames_source
 from torchrunx.launcher.starts.agent_starts import count_mode
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
-    from pathlib import Path
+    from collections.abc import Sequence
 
     from torchrunx.hosts import HostSlots
     from torchrunx.launcher.settings.plan import LaunchPlan, StartMethod
+    from torchrunx.launcher.settings.resolve import HostsSource
 
 
-class Launcher(Protocol):
-    """The fields of :class:`torchrunx.Launcher` the description reads."""
-
-    @property
-    def hostnames(self) -> object: ...  # noqa: D102
-    @property
-    def workers_per_host(self) -> object: ...  # noqa: D102
-    @property
-    def backend(self) -> str | None: ...  # noqa: D102
-    @property
-    def timeout(self) -> float: ...  # noqa: D102
-    @property
-    def env_file(self) -> str | Path | None: ...  # noqa: D102
-    @property
-    def ssh_config_file(self) -> str | Path | None: ...  # noqa: D102
-    @property
-    def start_timeout(self) -> float: ...  # noqa: D102
-    @property
-    def relay(self) -> str: ...  # noqa: D102
-    @property
-    def python(self) -> str | Mapping[str, str] | None: ...  # noqa: D102
-    @property
-    def ship(self) -> tuple[str, ...]: ...  # noqa: D102
-    @property
-    def ship_exclude(self) -> tuple[str, ...]: ...  # noqa: D102
-    @property
-    def container(self) -> str | None: ...  # noqa: D102
-
-
-def describe_launch(launcher: Launcher, plan: LaunchPlan, unmatched: Sequence[str] = ()) -> str:
+def describe_launch(plan: LaunchPlan, unmatched: Sequence[str] = ()) -> str:
     """The dry run of ``plan``: GPUs counted where the hosts are this machine, then the text.
 
     ``unmatched``: env patterns of the user's that match no launcher variable.
     """
-    methods = list(plan.methods)
-    counts_gpus = launcher.backend == "auto" or launcher.workers_per_host in ("gpu", "auto")
-    here = count_local_gpus() if counts_gpus and "local" in methods else None
-    return describe_plan(
-        launcher,
-        list(plan.hosts),
-        methods,
-        sorted(plan.env),
-        [here if method == "local" else None for method in methods],
-        spares=plan.spares,
-        transport_argument=plan.transport_argument,
-        unmatched=unmatched,
-    )
+    counts_gpus = plan.backend == "auto" or plan.workers_per_host in ("gpu", "auto")
+    here = count_local_gpus() if counts_gpus and "local" in plan.methods else None
+    gpus = [here if method == "local" else None for method in plan.methods]
+    return describe_plan(plan, gpus, unmatched=unmatched)
 
 
-def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
-    launcher: Launcher,
-    hosts: list[HostSlots],
-    methods: list[StartMethod],
-    env_names: list[str],
+def describe_plan(
+    plan: LaunchPlan,
     gpus: Sequence[int | None] | None = None,
     *,
-    spares: int = 0,
     unmatched: Sequence[str] = (),
-    transport_argument: str | None = None,
 ) -> str:
     """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more).
 
     ``gpus``: each host's GPU count where known (hosts that are this machine), else None.
-    ``spares``: the last ``spares`` of ``hosts`` are spare hosts (they run no rank at first).
-    ``transport_argument``: the argument of the launch's transport (``"namespace=ml"``).
+    The last ``plan.spares`` hosts are spare hosts (they run no rank at first).
     """
+    hosts, methods, spares = list(plan.hosts), list(plan.methods), plan.spares
+    env_names, transport_argument = sorted(plan.env), plan.transport_argument
     running = hosts[: len(hosts) - spares]
     known = all(h.workers is not None for h in running)
     world = sum(h.workers or 0 for h in running) if known else None
     lines = [
         "torchrunx dry run: nothing was started",
         f"hosts: {len(running)}" + (f", and {spares} spare host(s)" if spares else ""),
-        f"hosts from: {_source(launcher.hostnames)}",
+        f"hosts from: {_source(plan.hosts_from)}",
         f"agent start: {_transports(methods, transport_argument)}",
-        *_relay_lines(launcher.relay),
+        *_relay_lines(plan.relay),
         f"world size: {world if world is not None else 'known once every agent has counted'}",
-        *_backend_lines(launcher, hosts, gpus or [None] * len(hosts)),
+        *_backend_lines(plan, hosts, gpus or [None] * len(hosts)),
         "",
         "host  name                 workers  ranks      agent start",
     ]
-    count = count_mode(launcher.workers_per_host)
+    count = count_mode(plan.workers_per_host)
     lines += _host_rows(hosts, methods, count, len(running))
     if not known:
         counted = {"gpu": "GPUs", "cpu": "CPU cores"}.get(count, "GPUs, else CPU cores")
@@ -125,10 +82,10 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
         )
     if "local" in methods:
         lines.append("  (workers on this machine also see the rest of the launcher's environment)")
-    if launcher.env_file is not None:
-        lines.append(f"sourced on every host first: {launcher.env_file}")
+    if plan.env_file is not None:
+        lines.append(f"sourced on every host first: {plan.env_file}")
     lines += _reach_lines(
-        launcher, [(h.hostname, m) for h, m in zip(hosts, methods, strict=True) if m != "local"]
+        plan, [(h.hostname, m) for h, m in zip(hosts, methods, strict=True) if m != "local"]
     )
     lines += ["", "agent command lines (the script and secret go on stdin, never here):"]
     transports: dict[str, object] = {}
@@ -136,7 +93,7 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
         for host, method in zip(hosts, methods, strict=True):
             lines.append(
                 f"  {host.hostname}: "
-                + _agent_command_line(launcher, transports, method, transport_argument, host)
+                + _agent_command_line(plan, transports, method, transport_argument, host)
             )
     finally:
         for made in transports.values():
@@ -144,23 +101,21 @@ def describe_plan(  # noqa: PLR0913 (what the plan resolved, each apart)
     return "\n".join(lines)
 
 
-def _reach_lines(launcher: Launcher, remote: list[tuple[str, str]]) -> list[str]:
+def _reach_lines(plan: LaunchPlan, remote: list[tuple[str, str]]) -> list[str]:
     """The remote hosts' container, their interpreters (``python=``) and shipped paths."""
     lines = []
-    container = tuple(shlex.split(launcher.container)) if launcher.container else ()
-    if container and remote:
-        lines.append(f"remote agents run in a container, started with: {launcher.container}")
+    if plan.container and remote:
+        started = shlex.join(plan.container)
+        lines.append(f"remote agents run in a container, started with: {started}")
     for hostname, method in remote:
-        python = default_python(launcher.python, hostname, container, method)
+        python = default_python(plan.python, hostname, plan.container, method)
         if python is not None:
             lines.append(f"python on {hostname}: {python}")
-    if launcher.ship and remote:
-        excluded = (
-            f", leaving out {' '.join(launcher.ship_exclude)}" if launcher.ship_exclude else ""
-        )
+    if plan.ship and remote:
+        excluded = f", leaving out {' '.join(plan.ship_exclude)}" if plan.ship_exclude else ""
         lines.append(
             f"shipped to the remote hosts (cached there by content, .gitignore honoured"
-            f"{excluded}): {' '.join(launcher.ship)}"
+            f"{excluded}): {' '.join(plan.ship)}"
         )
     return lines
 
@@ -173,9 +128,8 @@ def _relay_lines(relay: str) -> list[str]:
     return [f"relay: {relay} (remote hosts' connections travel over their agent's channel, {when})"]
 
 
-def _source(hostnames: object) -> str:
+def _source(source: HostsSource) -> str:
     """Where the hosts come from: a provider (and its argument), a hostfile, or a list."""
-    source = hostnames_source(hostnames)
     if source.provider is not None:
         name, argument = source.provider
         return f"host provider {name}" + (f" ({argument})" if argument else "")
@@ -215,12 +169,12 @@ def _host_rows(
 
 
 def _backend_lines(
-    launcher: Launcher, hosts: list[HostSlots], gpus: Sequence[int | None]
+    plan: LaunchPlan, hosts: list[HostSlots], gpus: Sequence[int | None]
 ) -> list[str]:
     """The dry run's backend: ``"auto"`` resolved where the GPU counts allow it."""
-    line = f"(process-group timeout {launcher.timeout:g} s)"
-    if launcher.backend != "auto":
-        return [f"backend: {launcher.backend} {line}"]
+    line = f"(process-group timeout {plan.timeout:g} s)"
+    if plan.backend != "auto":
+        return [f"backend: {plan.backend} {line}"]
     pairs = list(zip(hosts, gpus, strict=True))
     backend = resolve_backend("auto", [(h.workers, g) for h, g in pairs])
     counted = ", ".join(f"{h.hostname} {g}" for h, g in pairs if g is not None)
@@ -235,7 +189,7 @@ def _backend_lines(
 
 
 def _agent_command_line(
-    launcher: Launcher,
+    plan: LaunchPlan,
     transports: dict[str, object],
     method: str,
     argument: str | None,
@@ -248,7 +202,7 @@ def _agent_command_line(
             made = transports[method] = plugins.transport(
                 method,
                 None if method == "local" else argument,
-                ssh_config_file=launcher.ssh_config_file,
+                ssh_config_file=plan.ssh_config_file,
             )
         except (ValueError, RuntimeError, TypeError) as exc:
             return f"{method} (cannot be described: {exc})"

@@ -59,7 +59,13 @@ from torchrunx.launcher.settings.reach import (
     check_ship,
 )
 from torchrunx.launcher.settings.renamed import refuse_renamed, refuses_renamed_keywords
-from torchrunx.launcher.settings.resolve import Hostnames, check_hostnames, resolve_hosts
+from torchrunx.launcher.settings.resolve import (
+    Hostnames,
+    HostsSource,
+    check_hostnames,
+    hostnames_source,
+    resolve_hosts,
+)
 from torchrunx.launcher.settings.resolve import check_workers as _validate_workers
 from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.state.health import (
@@ -359,15 +365,17 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
     def _resolve(self, *, warm: bool, keep_workers: bool) -> LaunchPlan:
         """The plan of fields already checked (:meth:`validate`)."""
         check_launch_env(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
-        world, spares = self._world_and_spares()
+        source = hostnames_source(self.hostnames)  # classified once: the plan keeps it
+        world, spares = _world_and_spares(self, source)
         hosts = world + spares
         methods, argument = start_methods(
-            self.agent_start, [h.hostname for h in hosts], paired_transport(self.hostnames)
+            self.agent_start, [h.hostname for h in hosts], paired_transport(source)
         )
         check_python_hosts(self.python, [h.hostname for h in hosts], methods)
         return LaunchPlan(
             hosts=tuple(hosts),
             methods=tuple(methods),
+            hosts_from=source,
             transport_argument=argument,
             spares=len(spares),
             min_hosts=self.min_hosts,
@@ -404,14 +412,6 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             warm=warm,
             keep_workers=warm and keep_workers,
         )
-
-    def _world_and_spares(self) -> tuple[list[HostSlots], list[HostSlots]]:
-        """The resolved hosts that run the first attempt, and the spare hosts."""
-        hosts = resolve_hosts(self.hostnames, self.workers_per_host)
-        if isinstance(self.spare_hosts, int):
-            return split_spares(hosts, self.spare_hosts, self.min_hosts)
-        named = resolve_hosts(list(self.spare_hosts), self.workers_per_host, field="spare_hosts")
-        return split_spares(hosts, tuple(self.spare_hosts), self.min_hosts, named)
 
     def validate(self) -> None:
         """Check every field; raise a clear error before anything starts.
@@ -492,7 +492,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             RuntimeError: ``"slurm"`` outside an allocation, as for :meth:`run`.
         """
         env = (self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
-        return describe_launch(self, self.plan(), unmatched=unmatched_env_vars(*env))
+        return describe_launch(self.plan(), unmatched=unmatched_env_vars(*env))
 
 
 def launch(
@@ -586,3 +586,15 @@ def _validate_seconds(name: str, value: object, *, zero: bool = False) -> None:
     ):
         least = "0 or more" if zero else "a positive number of"
         raise ValueError(f"{name} must be {least} seconds, got {value!r}")
+
+
+def _world_and_spares(it: Launcher, src: HostsSource) -> tuple[list[HostSlots], list[HostSlots]]:
+    """The resolved hosts of the first attempt, and the spares (``src``: the hostnames')."""
+    hosts, workers = (
+        resolve_hosts(it.hostnames, it.workers_per_host, source=src),
+        it.workers_per_host,
+    )
+    if isinstance(it.spare_hosts, int):
+        return split_spares(hosts, it.spare_hosts, it.min_hosts)
+    named = resolve_hosts(list(it.spare_hosts), workers, field="spare_hosts")
+    return split_spares(hosts, tuple(it.spare_hosts), it.min_hosts, named)

@@ -122,6 +122,45 @@ RELAY_MODES = ("", "auto", "on")
 
 
 @dataclass(frozen=True)
+class AgentTimings:
+    """The host side's timings, in seconds, sent by name in the bootstrap.
+
+    Derived from ``Launcher.agent_timeout`` once, on the launcher's side
+    (:func:`torchrunx.launcher.settings.plan.agent_timings`): the agent and its workers read
+    them, and derive none.
+    """
+
+    heartbeat_interval: float
+    """Between the agent's heartbeats."""
+    launcher_silence: float
+    """Without any message from the launcher, after which the agent takes it for gone and stops
+    (``agent_timeout``); also the timeout of the agent's socket to the launcher."""
+    connect_timeout: float
+    """For a connection to the launcher and its handshake: the agent's, and a worker's for a
+    large outcome (``2 * agent_timeout``)."""
+    finish_timeout: float
+    """For the agent's last messages to reach the launcher and the stream to end
+    (``agent_timeout``)."""
+    guardian_grace: float
+    """From the close of the agent's stdin until its guardian kills it, if it has not ended
+    (``2 * agent_timeout + 3``: a silence noticed, then the workers stopped)."""
+
+    def to_json(self) -> dict[str, float]:
+        """The JSON object of the bootstrap's ``timings`` field."""
+        return {name: getattr(self, name) for name in TIMING_FIELDS}
+
+
+TIMING_FIELDS = (
+    "heartbeat_interval",
+    "launcher_silence",
+    "connect_timeout",
+    "finish_timeout",
+    "guardian_grace",
+)
+"""The fields of :class:`AgentTimings`, in order."""
+
+
+@dataclass(frozen=True)
 class AgentBootstrap:
     """What an agent needs to find and join its launch; sent as one JSON line on its stdin.
 
@@ -143,10 +182,8 @@ class AgentBootstrap:
     """Workers to start, or ``None`` to let the agent count them (see :attr:`count`)."""
     preload_torch: bool
     """Import ``torch.distributed`` once in the agent, before forking (not for ``backend=None``)."""
-    heartbeat_interval: float
-    """Seconds between the agent's heartbeats."""
-    agent_timeout: float
-    """Seconds without a message from the launcher after which the agent stops by itself."""
+    timings: AgentTimings
+    """Heartbeats, silences, timeouts and the guardian's grace (:class:`AgentTimings`)."""
     log_level: int
     """Level of the agent's root logger (``TORCHRUNX_LOG_LEVEL``)."""
     sys_path: tuple[str, ...]
@@ -181,8 +218,7 @@ class AgentBootstrap:
             "workers": self.workers,
             "count": self.count,
             "preload_torch": self.preload_torch,
-            "heartbeat_interval": self.heartbeat_interval,
-            "agent_timeout": self.agent_timeout,
+            "timings": self.timings.to_json(),
             "log_level": self.log_level,
             "sys_path": list(self.sys_path),
             "warm": self.warm,
@@ -220,8 +256,7 @@ class AgentBootstrap:
             secret=fields.secret("secret"),
             workers=fields.workers("workers"),
             preload_torch=fields.boolean("preload_torch"),
-            heartbeat_interval=fields.seconds("heartbeat_interval"),
-            agent_timeout=fields.seconds("agent_timeout"),
+            timings=fields.timings("timings"),
             log_level=fields.integer("log_level", minimum=0),
             sys_path=fields.paths("sys_path"),
             count=fields.choice("count", COUNT_MODES, default="auto"),
@@ -238,20 +273,25 @@ class AgentBootstrap:
 class _BootstrapFields:
     """Reads the fields of a decoded bootstrap object, each checked, naming any bad one."""
 
-    def __init__(self, data: dict[str, Any]) -> None:
+    def __init__(self, data: dict[str, Any], within: str = "") -> None:
+        """``within``: the field that holds ``data`` (``"timings"``), named with its fields."""
         self.data = data
+        self.within = within
         self.read: set[str] = set()
+
+    def _name(self, name: str) -> str:
+        return f"{self.within}.{name}" if self.within else name
 
     def _get(self, name: str) -> object:
         self.read.add(name)
         if name not in self.data:
-            raise ProtocolError(f"malformed agent bootstrap: field {name!r} is missing")
+            raise ProtocolError(f"malformed agent bootstrap: field {self._name(name)!r} is missing")
         return self.data[name]
 
-    @staticmethod
-    def _bad(name: str, expected: str, value: object) -> ProtocolError:
+    def _bad(self, name: str, expected: str, value: object) -> ProtocolError:
         return ProtocolError(
-            f"malformed agent bootstrap: field {name!r} must be {expected}, got {value!r}"
+            f"malformed agent bootstrap: field {self._name(name)!r} must be {expected}, "
+            f"got {value!r}"
         )
 
     def integer(self, name: str, *, minimum: int) -> int:
@@ -282,6 +322,15 @@ class _BootstrapFields:
         ):
             raise self._bad(name, "a finite number of seconds above 0", value)
         return float(value)
+
+    def timings(self, name: str) -> AgentTimings:
+        value = self._get(name)
+        if not isinstance(value, dict):
+            raise self._bad(name, "an object of seconds", value)
+        inner = _BootstrapFields(value, within=self._name(name))
+        timings = AgentTimings(**{key: inner.seconds(key) for key in TIMING_FIELDS})
+        inner.no_others()
+        return timings
 
     def workers(self, name: str) -> int | None:
         value = self._get(name)
@@ -337,6 +386,6 @@ class _BootstrapFields:
         return value[0], value[1]
 
     def no_others(self) -> None:
-        unknown = sorted(set(self.data) - self.read)
+        unknown = sorted(self._name(name) for name in set(self.data) - self.read)
         if unknown:
             raise ProtocolError(f"malformed agent bootstrap: unknown field(s) {unknown}")

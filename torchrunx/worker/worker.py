@@ -246,7 +246,7 @@ class _Outcomes:
         boot = self.boot
         address = (boot.launcher_address, boot.launcher_port)
         try:
-            direct = handshake.connect(address, boot.secret, "worker", boot.agent_timeout * 2)
+            direct = handshake.connect(address, boot.secret, "worker", boot.timings.connect_timeout)
         except (OSError, ProtocolError) as exc:
             sys.stderr.write(
                 f"torchrunx worker: cannot connect to the launcher at {address} ({exc}): its "

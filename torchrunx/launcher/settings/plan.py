@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Literal
 
 from torchrunx import plugins
 from torchrunx.errors import SlurmError
 from torchrunx.launcher.settings.resolve import (
-    hostnames_source,
+    HostsSource,
     in_slurm_allocation,
     is_local_host,
     slurm_allocation,
 )
+from torchrunx.wire.bootstrap import AgentTimings
+from torchrunx.wire.messages import HEARTBEAT_INTERVAL
 from torchrunx.wire.relay import MODES as RELAY_MODES
 
 if TYPE_CHECKING:
@@ -52,6 +55,9 @@ class LaunchPlan:
     env: Mapping[str, str] = field(repr=False)
     """The variables every agent exports (forwarded patterns and given values): never in a
     repr, since values may be secrets."""
+    hosts_from: HostsSource = field(default_factory=HostsSource)
+    """What the ``hostnames`` field named (a list, ``"auto"``, a provider, a hostfile): classified
+    once, by :func:`~torchrunx.launcher.settings.resolve.hostnames_source`."""
     transport_argument: str | None = None
     """The argument of the launch's transport (``"namespace=ml"`` of ``"kubectl:namespace=ml"``)."""
     workers_per_host: object = "auto"
@@ -116,6 +122,41 @@ class LaunchPlan:
         """The hosts' names, in launch order."""
         return tuple(h.hostname for h in self.hosts)
 
+    @cached_property
+    def agent_timings(self) -> AgentTimings:
+        """The host side's timings, from ``agent_timeout`` (:func:`agent_timings`), made once."""
+        return agent_timings(self.agent_timeout)
+
+
+STOP_SLACK = 3.0
+"""Seconds the guardian's grace adds for the agent to stop its workers (their SIGTERM's grace
+period, the agent's ``_DEFAULT_GRACE``) once it has noticed the launcher gone."""
+
+
+def agent_timings(
+    agent_timeout: float, heartbeat_interval: float = HEARTBEAT_INTERVAL
+) -> AgentTimings:
+    """What the agent and its workers wait for, derived from ``agent_timeout`` here only.
+
+    They travel in the bootstrap by name (:class:`~torchrunx.wire.bootstrap.AgentTimings`):
+    the host side reads them and derives none.
+
+    - heartbeats every ``heartbeat_interval`` s (the launcher's own interval, by default);
+    - the launcher is gone after ``agent_timeout`` s of silence; the agent's last messages get
+      as long to reach it;
+    - a connection to the launcher (the agent's, a worker's) gets twice as long, handshake
+      included;
+    - the guardian kills an agent that has not ended ``2 * agent_timeout + 3`` s after its stdin
+      closed: time to notice the silence, deliver its last messages, and stop its workers.
+    """
+    return AgentTimings(
+        heartbeat_interval=heartbeat_interval,
+        launcher_silence=agent_timeout,
+        connect_timeout=2 * agent_timeout,
+        finish_timeout=agent_timeout,
+        guardian_grace=2 * agent_timeout + STOP_SLACK,
+    )
+
 
 def check_agent_start(agent_start: object) -> None:
     """Refuse an ``agent_start`` that names no transport, or an argument its transport refuses.
@@ -152,9 +193,8 @@ def check_relay(relay: object) -> None:
         )
 
 
-def paired_transport(hostnames: object) -> str | None:
-    """The transport the host provider of ``hostnames`` names, if it names one (Ray's: ray)."""
-    source = hostnames_source(hostnames)
+def paired_transport(source: HostsSource) -> str | None:
+    """The transport the host provider of ``source`` names, if it names one (Ray's: ray)."""
     if source.provider is None:
         return None
     return plugins.provider_transport(*source.provider)

@@ -194,6 +194,7 @@ def resolve_hosts(
     environ: Mapping[str, str] | None = None,
     *,
     field: str = "hostnames",
+    source: HostsSource | None = None,
 ) -> list[HostSlots]:
     """Resolve the ``hostnames`` and ``workers_per_host`` fields into hosts and their workers.
 
@@ -207,7 +208,8 @@ def resolve_hosts(
     SLURM's count inside an allocation, else ``None``: GPUs or CPU cores, counted by each agent);
     ``"gpu"`` or ``"cpu"`` (``None``: each agent counts its GPUs, or its CPU cores).
 
-    ``field``: the field's name in the messages (``"spare_hosts"``).
+    ``field``: the field's name in the messages (``"spare_hosts"``). ``source``: what
+    ``hostnames`` names, if already classified (the plan's :func:`hostnames_source`).
 
     Raises:
         SlurmError: ``"slurm"`` outside an allocation, or a host that is not in it.
@@ -216,7 +218,7 @@ def resolve_hosts(
             it came from: the field, a hostfile and its line, SLURM's node list, a provider.
     """
     env = os.environ if environ is None else environ
-    source = hostnames_source(hostnames)
+    source = hostnames_source(hostnames) if source is None else source
     where = field
     if source.hostfile is not None:
         hosts = read_hostfile(source.hostfile)  # checks each line's name, naming its line

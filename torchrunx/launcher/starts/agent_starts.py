@@ -36,7 +36,6 @@ from torchrunx.launcher.settings.reach import (
 )
 from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap
 from torchrunx.wire.lines import parse_line
-from torchrunx.wire.messages import HEARTBEAT_INTERVAL
 
 if TYPE_CHECKING:
     import socket
@@ -337,8 +336,7 @@ class AgentStarts:
             secret=self.secret,
             workers=agent.slots.workers,
             preload_torch=self.plan.backend is not None,
-            heartbeat_interval=HEARTBEAT_INTERVAL,
-            agent_timeout=self.plan.agent_timeout,
+            timings=self.plan.agent_timings,
             log_level=self.log_level,
             sys_path=host_sys_path(self.bundle) if keep_path else tuple(sys.path),
             keep_path=keep_path,
