@@ -41,6 +41,7 @@ def test_rule_only_a_terminal_outside_a_notebook_unless_asked(monkeypatch):
 
 def test_rule_nothing_before_the_delay_then_one_line_redrawn_then_erased(monkeypatch):
     monkeypatch.delenv("TORCHRUNX_PROGRESS", raising=False)
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)  # another test's notebook
     clock = [100.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
     out = _Terminal()
