@@ -60,7 +60,7 @@ ruff check .
 ruff format --check .
 mypy
 python -m pytest "${parallel[@]}" "$@"
-# Mutation testing of the pure core, CI's subset (about 6 minutes; docs/mutation.md): the
+# Mutation testing of the pure core, CI's subset (up to 15 minutes; docs/mutation.md): the
 # modules changed since origin/main, else a fixed sample of every module's mutants.
 python scripts/mutation.py --ci
 # The benchmarks once each, small sizes, no targets asserted: they must keep working. This
