@@ -413,7 +413,7 @@ def test_rule_a_rank_that_did_not_answer_in_time_is_named_as_such():
 
 def test_rule_the_probes_own_thread_is_left_out_of_the_stacks():
     stacks = (
-        'Thread 0x1 (most recent call first):\n  File "/x/torchrunx/agent/stallprobe.py", line 3'
+        'Thread 0x1 (most recent call first):\n  File "/x/torchrunx/worker/stallprobe.py", line 3'
         '\n\nCurrent thread 0x2 (most recent call first):\n  File "t.py", line 1 in f\n'
     )
     assert without_probe(stacks) == (

@@ -264,10 +264,14 @@ class StallWatch:
         return StallReport(look.seconds, text, values, self.count, tuple(view))
 
 
+PROBE_FILE = "stallprobe.py"
+"""The stall probe's module (``torchrunx/worker/stallprobe.py``), whose thread a look leaves out."""
+
+
 def without_probe(stacks: str) -> str:
     """A rank's stacks without the thread of its stall probe (it only answered)."""
     blocks = stacks.split("\n\n")
-    kept = [b for b in blocks if "torchrunx/agent/stallprobe.py" not in b]
+    kept = [b for b in blocks if f"torchrunx/worker/{PROBE_FILE}" not in b]
     return "\n\n".join(kept)
 
 
