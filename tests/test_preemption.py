@@ -262,10 +262,19 @@ def test_on_preemption_calls_back_in_the_worker(tmp_path):
     folder = tmp_path / "ckpt"
     folder.mkdir()
 
+    # A SIGTERM to this process that the launch did not take would end the test's process
+    # (a pytest-xdist worker, with every test it still had): say so instead.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGTERM)
+    sent: list[object] = []
+
     def preempt_when_running() -> None:
-        while not (folder / "running-0").exists():
+        deadline = time.monotonic() + 60
+        while not (folder / "running-0").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
+        handler = signal.getsignal(signal.SIGTERM)
+        sent.append(handler)
+        if handler is not signal.SIG_DFL:  # the launch's own: SIGTERM preempts it
+            os.kill(os.getpid(), signal.SIGTERM)
 
     thread = threading.Thread(target=preempt_when_running)
     thread.start()
@@ -281,6 +290,7 @@ def test_on_preemption_calls_back_in_the_worker(tmp_path):
             log_handlers=None,
         )
     thread.join()
+    assert sent and sent[0] is not signal.SIG_DFL, "the launch did not handle SIGTERM"
     (deadline,) = info.value.returned.values()
     assert told < deadline < time.time() + 20
 
