@@ -36,8 +36,8 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 # g++: DeepSpeed compiles a C++ op the first time an engine starts on a CPU. podman and
 # docker.io: tests/test_containers.py. libslurm-dev, libbsd-dev, squashfs-tools: pyxis and
-# enroot (tests/test_pyxis.py), built below. chromium: tests/test_cli_report.py opens the report in it (headless).
-apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps slurm-wlm munge iptables rsync podman chromium \
+# enroot (tests/test_pyxis.py), built below. chromium: tests/test_cli_report.py opens the report in it (headless); tmux: tests/test_cli_top.py drives the live view in it.
+apt-get install -y -qq openssh-server openssh-client iproute2 util-linux procps slurm-wlm munge iptables rsync podman chromium tmux \
     docker.io g++ make libslurm-dev libbsd-dev squashfs-tools >/dev/null
 # pyxis and enroot from their git repositories where this machine has them (neither is in
 # Debian, and GitHub is not reachable here); without them tests/test_pyxis.py skips, saying so.
