@@ -463,3 +463,30 @@ def when_file_appears(
         gone.set()
         thread.join(timeout=timeout)
     assert appeared.is_set(), f"{path} never appeared: the launch's function did not start"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """At the end of the whole run (not of each pytest-xdist worker): what tests made is gone.
+
+    Tests SIGKILL launchers on purpose; their view sockets (which a launcher removes when it
+    ends) are removed here, as the next launch would. The second user that the security tests
+    made (``tests/attacker.py``) is removed once none of its processes is left.
+    """
+    if hasattr(session.config, "workerinput"):
+        return
+    import pwd
+    import subprocess
+
+    from attacker import NAME
+
+    from torchrunx.launcher.view.view_server import prune_dead, runtime_dir
+
+    folder = runtime_dir()
+    if folder is not None:
+        prune_dead(folder)
+    try:
+        pwd.getpwnam(NAME)
+    except KeyError:
+        return
+    if subprocess.run(["pgrep", "-u", NAME], capture_output=True, check=False).returncode == 1:
+        subprocess.run(["userdel", NAME], capture_output=True, check=False)

@@ -272,3 +272,22 @@ def test_rule_keys_select_a_rank_show_its_tail_and_quit():
         ">   0",
         "    1",
     ]
+
+
+def test_a_killed_launchers_socket_is_removed_by_the_next_launch(tmp_path):
+    import signal
+
+    from conftest import torchrunx_processes
+
+    from torchrunx.launcher.view.view_server import prune_dead
+
+    launch = _start(tmp_path)
+    view = _its_view(launch.pid)
+    launch.send_signal(signal.SIGKILL)  # no chance to remove its socket
+    launch.communicate(timeout=30)
+    assert view.exists()
+    assert view in prune_dead(view.parent)  # what every launch does first
+    assert not view.exists()
+    deadline = time.monotonic() + 30  # its agent sees the launcher gone and ends its workers
+    while torchrunx_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)

@@ -102,6 +102,21 @@ def runtime_dir(environ: dict[str, str] | None = None) -> Path | None:
     return folder
 
 
+def prune_dead(folder: Path) -> list[Path]:
+    """Remove the sockets of launchers that are gone (killed before they could); those removed.
+
+    A socket is named by its launcher's pid (``PID-TOKEN.sock``); one whose pid no longer
+    runs is a leftover. The folder is the user's own (:func:`runtime_dir`).
+    """
+    removed = []
+    for path in folder.glob("*.sock"):
+        pid = path.name.split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 def peer_uid(conn: socket.socket) -> int:
     """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -131,6 +146,7 @@ class ViewServer:
         folder = runtime_dir()
         if folder is None:
             return
+        prune_dead(folder)
         path = folder / f"{os.getpid()}-{secrets.token_hex(4)}.sock"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
