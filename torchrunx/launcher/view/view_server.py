@@ -206,6 +206,8 @@ class ViewServer:
         """Stop serving, remove the socket file, and wait (bounded) for the threads."""
         self._stop.set()
         if self._sock is not None:
+            with contextlib.suppress(OSError):  # wakes the accept at once (a close alone does not)
+                self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
         if self.path is not None:
             self.path.unlink(missing_ok=True)
