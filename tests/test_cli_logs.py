@@ -120,7 +120,7 @@ def test_rule_a_rank_or_agent_that_is_not_there_is_named_with_those_that_are(tmp
     assert select(files, 1, None) == [files[1]]
     assert select(files, None, "a") == [files[3]]
     assert select(files, None, None) == files
-    with pytest.raises(LookupError, match=r"no rank 7 in this launch \(its ranks: 0-1, 3\)"):
+    with pytest.raises(LookupError, match=r"no rank 7 in this launch \(its ranks: 0-1,3\)"):
         select(files, 7, None)
     with pytest.raises(LookupError, match=r"no agent on 'c' in this launch \(its hosts: \['a'\]\)"):
         select(files, None, "c")

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import pytest
 from attacker import as_attacker
 
-from torchrunx.commands.top import GROUP_ABOVE, Ages, find_views, render_text
-from torchrunx.launcher.view.view_server import runtime_dir
+from torchrunx.commands.top import Ages, find_views, render_text
+from torchrunx.launcher.view.view_server import GROUP_ABOVE, runtime_dir
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -68,7 +68,14 @@ def test_rule_a_row_per_rank_with_its_state_age_pid_and_last_line():
 
 
 def test_rule_many_ranks_are_grouped_by_host_and_state():
-    lines = render_text(_snapshot(GROUP_ABOVE + 1), Ages(), now=0.0)
+    from torchrunx.launcher.view.view_server import grouped
+
+    snapshot = _snapshot(GROUP_ABOVE + 1)  # as the launcher sends it at that size: a summary
+    report = snapshot["report"]
+    assert isinstance(report, dict)
+    rows = [(w["hostname"], w["state"]) for w in report["workers"]]
+    snapshot["report"] = grouped({**report, "workers": []}, rows, [])
+    lines = render_text(snapshot, Ages(), now=0.0)
     assert f"a                        HEALTHY        {GROUP_ABOVE + 1}" in lines
     assert not any(line.strip().startswith("0 a ") for line in lines)
 

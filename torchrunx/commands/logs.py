@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from torchrunx.launcher.state.reports import rank_ranges
 from torchrunx.launcher.view.logdirs import events_file, log_file_name
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
 
 DESCRIPTION = """\
 Show a launch's log files: every rank's (one after the other, each under its heading), one
@@ -120,6 +121,11 @@ def _items(value: object) -> list[object]:
     return list(value) if isinstance(value, list) else []
 
 
+def log_root(given: Path | None) -> Path:
+    """The log root: ``given`` (``--log-dir``), else ``TORCHRUNX_LOG_DIR``, else the default."""
+    return given or Path(os.environ.get("TORCHRUNX_LOG_DIR") or "./torchrunx_logs")
+
+
 def launches(root: Path) -> list[Path]:
     """The launch folders in ``root``, oldest first (their names are their start times)."""
     if not root.is_dir():
@@ -184,7 +190,8 @@ def select(files: Sequence[RankFile], rank: int | None, agent: str | None) -> li
         chosen = [f for f in files if f.rank == rank]
         if not chosen:
             known = sorted(f.rank for f in files if f.rank is not None)
-            raise LookupError(f"no rank {rank} in this launch (its ranks: {_ranges(known)})")
+            shown = rank_ranges(known) if known else "none"
+            raise LookupError(f"no rank {rank} in this launch (its ranks: {shown})")
         return chosen
     if agent is not None:
         chosen = [f for f in files if f.rank is None and f.hostname == agent]
@@ -193,16 +200,6 @@ def select(files: Sequence[RankFile], rank: int | None, agent: str | None) -> li
             raise LookupError(f"no agent on {agent!r} in this launch (its hosts: {hosts})")
         return chosen
     return list(files)
-
-
-def _ranges(ranks: Iterable[int]) -> str:
-    out: list[str] = []
-    for r in sorted(ranks):
-        if out and out[-1].split("-")[-1] == str(r - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{r}"
-        else:
-            out.append(str(r))
-    return ", ".join(out) or "none"
 
 
 def _show(files: Sequence[RankFile], out: TextIO) -> dict[Path, int]:
@@ -271,7 +268,7 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     """Run ``torchrunx logs`` with ``argv`` (the words after ``logs``); its exit status."""
     p = parser()
     args = p.parse_args(argv)
-    root = args.log_dir or Path(os.environ.get("TORCHRUNX_LOG_DIR") or "./torchrunx_logs")
+    root = log_root(args.log_dir)
     if args.launches:
         out.writelines(
             launch_summary(folder, read_events(events_file(folder))) + "\n"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from torchrunx.commands.logs import RankFile, find_launch, rank_files, read_events
+from torchrunx.commands.logs import RankFile, find_launch, log_root, rank_files, read_events
 from torchrunx.launcher.view.logdirs import events_file
 
 if TYPE_CHECKING:
@@ -296,7 +296,7 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     p.add_argument("-o", "--output", type=Path, metavar="FILE", help="default: LAUNCH.report.html")
     p.add_argument("--log-dir", type=Path, metavar="DIR", help="the log root (TORCHRUNX_LOG_DIR)")
     args = p.parse_args(argv)
-    root = args.log_dir or Path(os.environ.get("TORCHRUNX_LOG_DIR") or "./torchrunx_logs")
+    root = log_root(args.log_dir)
     try:
         folder = find_launch(root, args.launch)
     except FileNotFoundError as exc:

@@ -6,7 +6,8 @@ one else's view.
 The screen (rich's live display) shows the launch (pid, age, state, attempt, restarts, log
 folder), each host's agent (state, heartbeat age), each rank (state, time in that state, pid,
 last log line) and the failures and world changes so far; it is redrawn at each snapshot (2 a
-second). With more than :data:`GROUP_ABOVE` ranks, the ranks are grouped by host and state.
+second). With more than 64 ranks the launcher sends, and the view shows, counts per host and
+state instead of a row per rank.
 ``--once`` prints one snapshot as plain text and exits (for scripts). :func:`render_text` is
 pure: a snapshot in, the lines out.
 """
@@ -19,11 +20,10 @@ import os
 import socket
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from torchrunx.launcher.view.view_server import GROUP_ABOVE, runtime_dir
+from torchrunx.launcher.view.view_server import runtime_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -116,13 +116,8 @@ def render_text(snapshot: dict[str, Any], ages: Ages, now: float) -> list[str]:
         lines.append(f"(and {report['agents_running']} more hosts whose agents run)")
     workers = report.get("workers", [])
     lines.append("")
-    if "groups" in report or len(workers) > GROUP_ABOVE:
-        groups = report.get("groups") or [
-            [h, s, n]
-            for (h, s), n in sorted(
-                Counter((w.get("hostname"), w.get("state")) for w in workers).items()
-            )
-        ]
+    if "groups" in report:  # the launcher's summary above GROUP_ABOVE ranks
+        groups = report["groups"]
         lines.append(f"{'host':<24} {'state':<10} {'ranks':>6}")
         lines += [f"{h!s:<24} {s!s:<10} {n:>6}" for h, s, n in groups]
     else:
