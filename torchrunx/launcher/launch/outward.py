@@ -14,8 +14,6 @@ import sys
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from torchrunx.launcher.state.failures import choose_cause
-from torchrunx.launcher.state.reports import summary
 from torchrunx.launcher.view.view_server import GROUP_ABOVE, LAST_LINE_CHARS, ViewServer, grouped
 
 if TYPE_CHECKING:
@@ -39,8 +37,8 @@ class LaunchLoop(Protocol):
     debugger: Debugger
     pool: AgentPool
 
-    def health_report(self) -> HealthReport:
-        """The launch's ``/health`` report."""
+    def health_report(self, *, rows: bool = True) -> HealthReport:
+        """The launch's ``/health`` report (``rows``: with every agent and worker)."""
         ...
 
 
@@ -93,8 +91,7 @@ class LiveView:
                 )
                 for a in list(st.agents)
             ]
-            cause = summary(choose_cause(list(st.faults)).error) if st.faults else None
-            bare = st.health(now, max_restarts=session.plan.max_restarts, cause=cause, rows=False)
+            bare = session.health_report(rows=False)
             table = st.agent_table
             report = grouped(
                 bare.to_dict(), ((table.hostname(r), r.state.value) for r in ranks), agents

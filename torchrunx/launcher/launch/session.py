@@ -404,12 +404,16 @@ class LaunchLoop:
             self.health.start()
             logger.info("health endpoint: %s", self.health.url)
 
-    def health_report(self) -> HealthReport:
-        """Called from the health server's threads: reads the state, changes nothing."""
-        st = self.state
-        faults = list(st.faults)
+    def health_report(self, *, rows: bool = True) -> HealthReport:
+        """Called from the health server's and the view's threads: reads, changes nothing.
+
+        Without ``rows``: no agent or worker entry (the live view's summary at scale).
+        """
+        faults = list(self.state.faults)
         cause = summary(choose_cause(faults).error) if faults else None
-        return st.health(time.monotonic(), max_restarts=self.plan.max_restarts, cause=cause)
+        return self.state.health(
+            time.monotonic(), max_restarts=self.plan.max_restarts, cause=cause, rows=rows
+        )
 
     def timings(self) -> LaunchTimings:
         """Phase durations of the attempt that succeeded."""
