@@ -60,7 +60,7 @@ print("RESULTS", result.ranks, flush=True)
 """
 
 FLOOD = r"""
-import socket, sys
+import os, socket, sys
 port, count, ready = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 held, failed = [], 0
 for _ in range(count):
@@ -70,8 +70,9 @@ for _ in range(count):
         held.append(sock)
     except OSError:
         failed += 1
-with open(ready, "w") as f:
+with open(ready + ".tmp", "w") as f:  # whole when the test sees it
     f.write(f"{len(held)} {failed}")
+os.replace(ready + ".tmp", ready)
 sys.stdin.read()  # held until the test says so
 """
 
@@ -156,7 +157,7 @@ def test_another_users_flood_at_a_relaying_host_leaves_a_launch_with_1024_descri
                 assert flood.returncode == 0, said
             launcher.kill()
             launcher.communicate()
-    deadline = time.monotonic() + 30
-    while torchrunx_processes() and time.monotonic() < deadline:  # the agents end, too
-        time.sleep(0.1)
+            deadline = time.monotonic() + 30  # the agents end, too (also when the test failed)
+            while torchrunx_processes() and time.monotonic() < deadline:
+                time.sleep(0.1)
     assert torchrunx_processes() == []
