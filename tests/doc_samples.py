@@ -1,0 +1,382 @@
+"""The samples of output in the docs, each made by the code that prints it.
+
+``tests/test_docs_samples.py`` compares each with the block marked ``<!-- sample: NAME -->`` in
+the docs (and writes it there with ``TORCHRUNX_WRITE_SAMPLES=1``). Where a sample shows hosts,
+pids, times or paths of a real launch, it is made from the real formatting code fed with those
+values fixed (the state, the report, the error a launch would hold), so no host is needed: the
+text is the code's, the values are the page's. Names of the samples that run in this process
+(no subprocess, no launch) are in :data:`QUICK`, and run in the quick tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+Maker = Callable[["Place"], str]
+SAMPLES: dict[str, Maker] = {}
+"""Every sample's name, and what makes its text."""
+QUICK: set[str] = set()
+"""The samples made in this process, quickly (the quick tier)."""
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a sample is made: a fresh folder, and the test's ``monkeypatch``."""
+
+    tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch
+
+    def bare_env(self, **variables: str) -> None:
+        """Only ``PATH`` and ``variables`` in the environment: the forwarded names a page shows."""
+        path = os.environ["PATH"]
+        for name in list(os.environ):
+            self.monkeypatch.delenv(name)
+        self.monkeypatch.setenv("PATH", path)
+        for name, value in variables.items():
+            self.monkeypatch.setenv(name, value)
+
+
+def sample(name: str, *, quick: bool = True) -> Callable[[Maker], Maker]:
+    """Register ``name``'s maker."""
+
+    def register(maker: Maker) -> Maker:
+        assert name not in SAMPLES, name
+        SAMPLES[name] = maker
+        if quick:
+            QUICK.add(name)
+        return maker
+
+    return register
+
+
+def command(argv: list[str]) -> tuple[int, str, str]:
+    """Run the ``torchrunx`` command in this process: its status, stdout and stderr."""
+    from torchrunx.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exc:
+            status = int(exc.code or 0)
+    return status, out.getvalue(), err.getvalue()
+
+
+def warnings_of(logger: str, action: Callable[[], object]) -> list[str]:
+    """The messages ``logger`` warned of while ``action`` ran."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger(logger).addHandler(handler)
+    try:
+        action()
+    finally:
+        logging.getLogger(logger).removeHandler(handler)
+    return said
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+@sample("cli-dry-run")
+def _cli_dry_run(place: Place) -> str:
+    (place.tmp_path / "train.py").write_text("")
+    place.monkeypatch.chdir(place.tmp_path)
+    place.bare_env(PYTHONPATH="/home/me/project", TORCHRUNX_LOG_DIR="logs")
+    argv = ["--hostnames", "localhost", "--workers-per-host", "2", "--dry-run", "--", "train.py"]
+    argv += ["--lr", "0.1"]
+    status, out, err = command(argv)
+    assert status == 0, err
+    return f"$ torchrunx {' '.join(argv)}\n{out}"
+
+
+@sample("index-dry-run")
+def _index_dry_run(place: Place) -> str:
+    import torchrunx as trx
+
+    place.bare_env(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+    call = 'trx.Launcher(hostnames=["localhost"], workers_per_host=2, backend="gloo").dry_run()'
+    text = trx.Launcher(hostnames=["localhost"], workers_per_host=2, backend="gloo").dry_run()
+    return f">>> print({call})\n{text}"
+
+
+@sample("cli-forms")
+def _cli_forms(place: Place) -> str:
+    import textwrap
+
+    place.monkeypatch.setenv("COLUMNS", "100")
+    _, out, _ = command(["--help"])
+    forms = out[out.index("  torchrunx [options] -- script.py") :]
+    return textwrap.dedent(forms[: forms.index("\n\n")])
+
+
+@sample("tyro-help-excerpt")
+def _tyro_help_excerpt(place: Place) -> str:
+    import tyro
+
+    import torchrunx as trx
+
+    place.monkeypatch.setenv("COLUMNS", "100")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        tyro.cli(trx.Launcher, args=["--help"])
+    lines = out.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("--hostnames "))
+    end = next(i for i, line in enumerate(lines) if line.lstrip().startswith("--ssh-config-file"))
+    margin = len(lines[start]) - len(lines[start].lstrip())  # the frame of tyro's panel
+    lines = [line[margin:].rstrip() for line in lines]
+    return "\n".join(lines[start:end])
+
+
+@sample("cli-renamed-option")
+def _cli_renamed_option(place: Place) -> str:
+    argv = ["--worker-timeout", "60", "--", "train.py"]
+    status, _, err = command(argv)
+    assert status == 2
+    return f"$ torchrunx {' '.join(argv)}\n{err}"
+
+
+@sample("cli-torchrun-option")
+def _cli_torchrun_option(place: Place) -> str:
+    argv = ["--nproc-per-node", "8", "--", "train.py"]
+    status, _, err = command(argv)
+    assert status == 2
+    return f"$ torchrunx {' '.join(argv)}\n{err}"
+
+
+@sample("cli-torchrun-table")
+def _cli_torchrun_table(place: Place) -> str:
+    from torchrunx.cli_hints import hint_lines
+
+    return "\n".join(["| torchrun | with torchrunx write |", "| --- | --- |", *hint_lines()])
+
+
+@sample("builtins")
+def _builtins(place: Place) -> str:
+    from torchrunx import plugins
+
+    every = plugins._entry_points
+
+    def own(group: str) -> dict:  # torchrunx's own: a plugin installed by another test is not
+        return {k: e for k, e in every(group).items() if e.dist and e.dist.name == "torchrunx"}
+
+    place.monkeypatch.setattr(plugins, "_entry_points", own)
+    status, out, _ = command(["builtins"])
+    assert status == 0
+    return f"$ torchrunx builtins\n{out}"
+
+
+# -- torchrunx check ---------------------------------------------------------------------------
+
+
+def _checks(problems: dict[str, str], seconds: float) -> str:
+    """``torchrunx check``'s lines for hosts ``node1``... all ready but those in ``problems``.
+
+    A problem is either a probe report's field to change (``"torch=2.12.0"``,
+    ``"route_back=..."``), or the reason its SSH connection failed.
+    """
+    import dataclasses
+
+    from torchrunx.agent.probe import ProbeReport
+    from torchrunx.launcher.preflight import Local, format_checks, judge
+
+    local = Local("3.11.7", "0.5.0", "2.13.0", None, "auto", None)
+    hosts = sorted({"node1", "node2", *problems})
+    checks = []
+    for index, host in enumerate(hosts):
+        report = ProbeReport(
+            host, "/shared/venv/bin/python", "3.11.7", "0.5.0", "2.13.0", 8, 64, "/home/me",
+            "ok", None if len(hosts) == 1 else "ok", None, 0.8,
+        )  # fmt: skip
+        problem = problems.get(host)
+        field, _, value = (problem or "").partition("=")
+        start_failure = None
+        if problem is not None and field in {f.name for f in dataclasses.fields(ProbeReport)}:
+            report = dataclasses.replace(report, **{field: value})
+        elif problem is not None:
+            start_failure = problem
+        lines = [(False, report.to_line())]
+        checks.append(
+            judge(index, host, "ssh", local, start_failure=start_failure, status=0, lines=lines,
+                  seconds=seconds, timeout=60.0)
+        )  # fmt: skip
+    names = " ".join(hosts)
+    return f"$ torchrunx check --hostnames {names}\n{format_checks(checks, seconds)}"
+
+
+@sample("check-torch")
+def _check_torch(place: Place) -> str:
+    return _checks({"node2": "torch=2.12.0"}, 1.4)
+
+
+@sample("check-route-back")
+def _check_route_back(place: Place) -> str:
+    return _checks({"node2": "route_back=cannot connect to 10.0.0.5:41233: timed out"}, 4.2)
+
+
+@sample("check-known-hosts")
+def _check_known_hosts(place: Place) -> str:
+    import paramiko
+
+    from torchrunx.engines.ssh import SshTarget, _ssh_error
+
+    target = SshTarget(
+        alias="node3", hostname="node3", port=22, user="root", identity_files=(),
+        identities_only=False, known_hosts_files=(), strict_host_key_checking="yes",
+        connect_timeout=10.0, proxy_jump=None, proxy_command=None,
+    )  # fmt: skip
+    key = paramiko.RSAKey.generate(1024)
+    client = paramiko.SSHClient()
+    client._transport = types.SimpleNamespace(_log=lambda *_: None)  # no connection: no log
+    try:  # paramiko's own words for a host missing from known_hosts
+        paramiko.RejectPolicy().missing_host_key(client, "node3", key)
+    except paramiko.SSHException as exc:
+        reason = _ssh_error(target, exc).reason
+    return _checks({"node3": reason}, 1.3)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+@sample("error-tree")
+def _error_tree(place: Place) -> str:
+    import textwrap
+
+    import torchrunx.errors
+
+    doc = torchrunx.errors.__doc__ or ""
+    drawing = doc[doc.index("::\n\n") + 4 :]
+    drawing = drawing[: drawing.index("\n\n", drawing.index("SystemExit"))]
+    return textwrap.dedent(drawing).replace("``", "")
+
+
+@sample("nested-launch")
+def _nested_launch(place: Place) -> str:
+    from torchrunx.env import refuse_nested_launch
+
+    try:
+        refuse_nested_launch({"TORCHELASTIC_RUN_ID": "torchrunx", "RANK": "1", "WORLD_SIZE": "2"})
+    except RuntimeError as exc:
+        return f"RuntimeError: {exc}"
+    raise AssertionError("not refused")
+
+
+# -- environment -------------------------------------------------------------------------------
+
+
+@sample("env-unmatched")
+def _env_unmatched(place: Place) -> str:
+    import torchrunx as trx
+
+    place.bare_env(WANDB_PROJECT="demo")
+    launcher = trx.Launcher(hostnames=["localhost"], extra_env_vars=("WANDB_PROJCT",))
+    (said,) = warnings_of("torchrunx.launcher", launcher.dry_run)
+    return said
+
+
+@sample("env-backend-auto")
+def _env_backend_auto(place: Place) -> str:
+    import torchrunx as trx
+    from torchrunx.launcher.dryrun import describe_plan
+
+    place.bare_env()
+    plan = trx.Launcher(hostnames=["localhost"], workers_per_host=8, backend="auto").plan()
+    text = describe_plan(plan, gpus=[8])  # this machine's GPUs, as counted: 8
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("backend:"))
+    return "\n".join(lines[start : start + 2])
+
+
+# -- logging, hints, events --------------------------------------------------------------------
+
+
+@sample("hint-logs")
+def _hint_logs(place: Place) -> str:
+    from torchrunx.launcher.view import logrouter
+
+    said = io.StringIO()
+    place.monkeypatch.chdir(place.tmp_path)
+    place.monkeypatch.setattr(logrouter, "say_once", lambda _, text: said.write(text))
+    logrouter.first_launch_hint(place.tmp_path / "torchrunx_logs" / "2026-11-28T06:13:42")
+    return said.getvalue()
+
+
+@sample("hint-auto-cores")
+def _hint_auto_cores(place: Place) -> str:
+    from torchrunx.launcher.view.logrouter import auto_cores_text
+
+    return auto_cores_text([("login1", 64)]) or ""
+
+
+@sample("progress")
+def _progress(place: Place) -> str:
+    from torchrunx.launcher.view.progress import mib, progress_text
+
+    return progress_text("agents starting", 5, 8, "hosts up", 2.3) + (
+        f"; code shipped: {mib(12 * 2**20)}"
+    )
+
+
+@sample("top")
+def _top(place: Place) -> str:
+    from torchrunx.commands.top import Ages, render_text
+
+    workers = [
+        {"rank": r, "host_index": 0, "hostname": "localhost", "local_rank": r, "pid": 5883 + r}
+        for r in (0, 1)
+    ]
+    agent = {"hostname": "localhost", "state": "RUNNING", "last_heartbeat_age": 0.1}
+    snapshot = {
+        "pid": 5872,
+        "log_dir": "torchrunx_logs/2026-11-28T10:24:20",
+        "report": {
+            "healthy": True,
+            "launch_state": "running",
+            "attempt": 0,
+            "restarts": 0,
+            "max_restarts": 1,
+            "uptime": 4.2,
+            "agents": [{**agent, "role": "host"}],
+            "workers": [{**w, "state": "HEALTHY"} for w in workers],
+            "failures": [],
+            "world_changes": [],
+        },
+        "last_lines": {f"0:{r}": f"step 17 rank {r}" for r in (0, 1)},
+    }
+    ages = Ages()
+    render_text(snapshot, ages, now=0.0)  # first seen in that state 1.5 s before
+    return "\n".join(render_text(snapshot, ages, now=1.5))
+
+
+@sample("event-line")
+def _event_line(place: Place) -> str:
+    from torchrunx.events import EventSink, Restarting
+
+    path = place.tmp_path / "events.jsonl"
+    sink = EventSink([], path)
+    sink.emit(Restarting(1, 2, "RuntimeError: bad luck in attempt 0", time=1795274134.49))
+    sink.close()
+    return path.read_text()
+
+
+@sample("agent-command")
+def _agent_command(place: Place) -> str:
+    from torchrunx.engines.command import AGENT_COMMAND
+
+    return AGENT_COMMAND
