@@ -380,3 +380,138 @@ def _agent_command(place: Place) -> str:
     from torchrunx.engines.command import AGENT_COMMAND
 
     return AGENT_COMMAND
+
+
+# -- failures and their notes ------------------------------------------------------------------
+
+
+def printed(error: BaseException) -> str:
+    """The last lines of the traceback Python prints for ``error``: its type, message, notes."""
+    import traceback
+
+    return "".join(traceback.format_exception_only(error))
+
+
+def raised_in_worker(error: BaseException, where: str) -> BaseException:
+    """``error`` as the launcher rebuilds it from what the worker sent (``where``: the worker)."""
+    from torchrunx import serialization
+    from torchrunx.launcher.state.reports import rebuild_exception
+    from torchrunx.wire.messages import WorkerException
+
+    message = WorkerException(0, type(error).__name__, str(error), "Traceback ...\n")
+    return rebuild_exception(message, [bytearray(p) for p in serialization.dumps(error)], where)
+
+
+@sample("output-tail")
+def _output_tail(place: Place) -> str:
+    from torchrunx.launcher.state.reports import output_tail_note, worker_where
+
+    where = worker_where(3, 1, "node2", 5120)
+    error = raised_in_worker(RuntimeError("loss diverged"), where)
+    tail = [f"epoch {n}: loss {loss}" for n, loss in ((28, 3.2), (29, 41.7), (30, "nan"))]
+    note = output_tail_note(tail, "torchrunx_logs/2025-06-01T14:03:27/node2[1].log")
+    error.add_note(note or "")
+    return printed(error)
+
+
+@sample("output-tail-note")
+def _output_tail_note(place: Place) -> str:
+    from torchrunx.launcher.state.reports import output_tail_note
+
+    tail = ["step 118: loss 0.71", "Traceback (most recent call last):", "  ..."]
+    return output_tail_note(tail, "torchrunx_logs/2026-11-28T10:24:20/node1[1].log") or ""
+
+
+@sample("restarts-notes")
+def _restarts_notes(place: Place) -> str:
+    from torchrunx.launcher.state.reports import finish_report, summary, worker_where
+
+    history = [f"attempt {n}: {summary(ValueError(f'attempt {n} failed'))}" for n in (0, 1)]
+    error = raised_in_worker(ValueError("attempt 2 failed"), worker_where(0, 0, "node1", 4250))
+    return printed(finish_report(error, others=[], history=history, max_restarts=2))
+
+
+@sample("watchdog-error")
+def _watchdog_error(place: Place) -> str:
+    from torchrunx.launcher.state.reports import watchdog_error
+    from torchrunx.wire.messages import WorkerTimedOut
+
+    stack = (
+        "Current thread 0x00007f4e83a7cb80 (most recent call first):\n"
+        '  File "/home/me/train.py", line 9 in train_step\n'
+        '  File "/home/me/train.py", line 15 in train\n'
+    )
+    return printed(watchdog_error("node2", 3, WorkerTimedOut(1, "step", 60.0, stack)))
+
+
+@sample("oom-kill")
+def _oom_kill(place: Place) -> str:
+    from torchrunx.agent.memory import MemoryFacts, sigkill_cause
+    from torchrunx.errors import WorkerFailedError
+
+    before = MemoryFacts(oom_kills=3, cgroup="/slurm/uid_0/job_42", cgroup_oom_kills=0)
+    after = MemoryFacts(3, "/slurm/uid_0/job_42", 1, limit=256 * 2**20, peak=256 * 2**20)
+    return str(WorkerFailedError("node2", 1, 1, 51234, None, 9, sigkill_cause(before, after)))
+
+
+@sample("health-json")
+def _health_json(place: Place) -> str:
+    import json
+
+    from torchrunx.errors import WorkerFailedError
+    from torchrunx.events import AgentState, WorkerState
+    from torchrunx.launcher.state.health import AgentHealth, HealthReport, WorkerHealth
+    from torchrunx.launcher.state.reports import summary
+
+    segfault = WorkerFailedError("node2", 1, 3, 51234, None, 11)
+    states = [WorkerState.HEALTHY] * 2 + [WorkerState.INIT] * 2
+    pids = [48211, 48212, 51377, 51378]
+    report = HealthReport(
+        healthy=False,
+        launch_state="restarting",
+        attempt=1,
+        restarts=1,
+        max_restarts=3,
+        uptime=754.125,
+        agents=tuple(
+            AgentHealth(i, f"node{i + 1}", AgentState.RUNNING, age, "host")
+            for i, age in ((0, 0.412), (1, 0.873))
+        ),
+        workers=tuple(
+            WorkerHealth(rank, rank // 2, f"node{rank // 2 + 1}", rank % 2, pids[rank], state)
+            for rank, state in enumerate(states)
+        ),
+        failures=(f"attempt 0: {summary(segfault)}",),
+    )
+    body = json.loads(report.to_json())  # the body, one line; shown a row per agent and worker
+
+    def row(value: object) -> str:
+        if isinstance(value, list) and value:
+            return "[\n" + ",\n".join(f"    {json.dumps(v)}" for v in value) + "\n  ]"
+        return json.dumps(value)
+
+    return "{\n" + ",\n".join(f'  "{key}": {row(value)}' for key, value in body.items()) + "\n}"
+
+
+# -- debugging ---------------------------------------------------------------------------------
+
+
+@sample("breakpoint-skipped")
+def _breakpoint_skipped(place: Place) -> str:
+    from torchrunx.worker.debugger import skipped_text
+
+    return skipped_text("/home/me/train.py:41", 1)
+
+
+@sample("debugpy-waits")
+def _debugpy_waits(place: Place) -> str:
+    from torchrunx.launcher.launch.outward import debugpy_text
+
+    return debugpy_text(3, 5690, "node2", "forwarded")
+
+
+@sample("worker-no-direct")
+def _worker_no_direct(place: Place) -> str:
+    from torchrunx.worker.worker import no_direct_text
+
+    return no_direct_text(("10.0.0.5", 41233), TimeoutError("timed out"))
