@@ -17,12 +17,9 @@ import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import pytest
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 Maker = Callable[["Place"], str]
 SAMPLES: dict[str, Maker] = {}
@@ -515,3 +512,114 @@ def _worker_no_direct(place: Place) -> str:
     from torchrunx.worker.worker import no_direct_text
 
     return no_direct_text(("10.0.0.5", 41233), TimeoutError("timed out"))
+
+
+# -- engines -----------------------------------------------------------------------------------
+
+
+@sample("srun-command")
+def _srun_command(place: Place) -> str:
+    import shlex
+
+    from torchrunx.engines.builtin import srun_command
+
+    return shlex.join(srun_command("node2", cpus=64))
+
+
+@sample("kubernetes-dry-run", quick=False)
+def _kubernetes_dry_run(place: Place) -> str:
+    """The dry run's hosts and its first command line, pods listed by the kubectl stand-in."""
+    import json
+    import sys
+
+    import torchrunx as trx
+
+    standin = Path(__file__).with_name("kubectl_standin.py")
+    kubectl = place.tmp_path / "bin" / "kubectl"
+    kubectl.parent.mkdir()
+    kubectl.write_text(f'#!/bin/sh\nexec {sys.executable} {standin} "$@"\n')
+    kubectl.chmod(0o755)
+    pods = [
+        {
+            "name": f"train-{i}",
+            "namespace": "ml",
+            "context": "prod",
+            "phase": "Running",
+            "podIP": f"10.0.0.{i + 1}",
+            "labels": {"app": "trainer"},
+            "containers": [{"name": "trainer", "gpus": 2}],
+        }
+        for i in range(2)
+    ]
+    table = {"current-context": "prod", "contexts": {"prod": {"namespace": "default"}}}
+    (place.tmp_path / "pods.json").write_text(json.dumps({**table, "pods": pods}))
+    place.bare_env(
+        KUBECTL_STANDIN_PODS=str(place.tmp_path / "pods.json"),
+        KUBECTL_STANDIN_LOG=str(place.tmp_path / "calls.jsonl"),
+    )
+    place.monkeypatch.setenv("PATH", f"{kubectl.parent}:{os.environ['PATH']}")
+    selector = "kubernetes:app=trainer?namespace=ml&context=prod&container=trainer"
+    lines = trx.Launcher(hostnames=selector).dry_run().splitlines()
+    commands = lines.index("agent command lines (the script and secret go on stdin, never here):")
+    return "\n".join([*lines[1:4], "...", *lines[commands : commands + 2]])
+
+
+# -- logs --------------------------------------------------------------------------------------
+
+
+def _record(name: str, level: int, message: str, **source: object) -> logging.LogRecord:
+    """A record as the launcher makes of a forwarded line, at 14:03:29 on 2025-06-01 (UTC)."""
+    created = 1748786609.118
+    return logging.makeLogRecord(
+        {"name": name, "levelno": level, "levelname": logging.getLevelName(level),
+         "msg": message, "created": created, "msecs": (created % 1) * 1000, **source}
+    )  # fmt: skip
+
+
+def _console(records: list[tuple[str, int, str]]) -> str:
+    """What the default console handler prints of ``(host, local rank, line)`` of workers."""
+    from torchrunx.logs import console_handler
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        handler = console_handler()
+    for host, local_rank, line in records:
+        source = {"hostname": host, "local_rank": local_rank}
+        handler.handle(_record(f"worker.{local_rank}.stdout", logging.INFO, line, **source))
+    handler.flush()
+    return out.getvalue()
+
+
+@sample("console-rank-0")
+def _console_rank_0(place: Place) -> str:
+    return _console([("node1", 0, "epoch 0: loss 0.931"), ("node1", 0, "epoch 1: loss 0.402")])
+
+
+@sample("console-ranks")
+def _console_ranks(place: Place) -> str:
+    return _console([("node1", 0, "epoch 0: loss 0.931"), ("node2", 1, "epoch 0: loss 0.928")])
+
+
+@sample("log-file-lines")
+def _log_file_lines(place: Place) -> str:
+    import time
+
+    from torchrunx.logs import file_handler
+
+    path = place.tmp_path / "node1[0].log"
+    handler = file_handler("node1", 0, path)
+    assert handler.formatter is not None
+    handler.formatter.converter = time.gmtime  # the page's times are UTC, not this machine's
+    source = {"hostname": "node1", "local_rank": 0}
+    warning = '/home/me/train.py:12: UserWarning: no GPU\n  warnings.warn("no GPU")'
+    for name, level, message, later in (
+        ("worker.0.stdout", logging.INFO, "epoch 0: loss 0.931", 0.0),
+        ("mylib", logging.WARNING, "learning rate is high", 0.002),
+        ("py.warnings", logging.WARNING, warning, 0.003),
+    ):
+        record = _record(name, level, message, **source)
+        record.created += later
+        record.msecs = round((record.created % 1) * 1000, 3)
+        handler.handle(record)
+    handler.close()
+    return path.read_text()
