@@ -623,3 +623,127 @@ def _log_file_lines(place: Place) -> str:
         handler.handle(record)
     handler.close()
     return path.read_text()
+
+
+# -- stalls and stacks -------------------------------------------------------------------------
+
+_TORCH = "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def _stack(thread: str, *frames: tuple[str, int, str]) -> str:
+    """A worker's stack as ``faulthandler`` writes it (innermost frame first)."""
+    lines = [f"Current thread 0x{thread} (most recent call first):"]
+    lines += [f'  File "{path}", line {line} in {function}' for path, line, function in frames]
+    return "\n".join(lines) + "\n"
+
+
+_STUCK = _stack("00007f31c2a8b740", ("/home/me/data.py", 12, "__next__"),
+                ("/home/me/train.py", 54, "train_step"), ("/home/me/train.py", 80, "train"))  # fmt: skip
+"""Rank 7's stack: in the data loader, not in the collective."""
+
+
+def _ranks() -> tuple[list, dict[int, str]]:
+    """Ranks 0-15, 8 on each of node1 and node2: their records and hosts."""
+    from torchrunx.launcher.state.records import RankRecord
+
+    ranks = [RankRecord(rank, rank // 8, rank % 8) for rank in range(16)]
+    return ranks, {r.rank: f"node{r.host_index + 1}" for r in ranks}
+
+
+@sample("stall-diagnosis")
+def _stall_diagnosis(place: Place) -> str:
+    from torchrunx.launcher.launch.stalls import StallLook, StallReport, diagnosis_text
+    from torchrunx.wire.messages import RankState
+
+    ranks, hosts = _ranks()
+    step = ("default_pg", 41, "all_reduce", ((1024, 1024),), ("Float",), False, 0,
+            "/home/me/train.py:57 in step")  # fmt: skip
+    done = ("default_pg", 40, "all_reduce", ((1024, 1024),), ("Float",), True, 0, "")
+    waiting = _stack("00007f2b8c9f1740", (_TORCH, 2501, "all_reduce"),
+                     ("/home/me/train.py", 57, "step"))  # fmt: skip
+    states = {
+        rank: RankState(
+            group_formed=True,
+            entries=(done,),
+            where="/home/me/data.py:12 in __next__",
+            stacks=_STUCK,
+        )
+        if rank == 7
+        else RankState(
+            group_formed=True,
+            entries=(done, step),
+            where="/home/me/train.py:57 in step",
+            stacks=waiting,
+        )
+        for rank in hosts
+    }
+    look = StallLook(300.0, set(), set(hosts), deadline=0.0, states=states)
+    text, values, _ = diagnosis_text(look, ranks, hosts)
+    return f"{StallReport(300.0, text, values, 1).headline}\n{text}"
+
+
+@sample("where-every-rank-is")
+def _where_every_rank_is(place: Place) -> str:
+    from torchrunx.launcher.view.where import StacksLook
+
+    ranks, hosts = _ranks()
+    barrier = _stack("00007f2b8c9f1740", (_TORCH, 4135, "barrier"),
+                     ("/home/me/train.py", 57, "train_step"), ("/home/me/train.py", 80, "train"))  # fmt: skip
+    look = StacksLook([], now=0.0)
+    look.stacks = {rank: _STUCK if rank == 7 else barrier for rank in hosts}
+    return look.text(ranks, lambda r: hosts[r.rank])
+
+
+@sample("sigusr1-stacks")
+def _sigusr1_stacks(place: Place) -> str:
+    from torchrunx.agent.attempt import stacks_record
+
+    stack = _stack("00007f29d61b2740", ("/home/me/train.py", 41, "train_step"))
+    _, level, name, text, _ = stacks_record(1, 4251, stack.rstrip(), 0.0)
+    from torchrunx.logs import console_handler
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        handler = console_handler()
+    record = _record(name, level, text, hostname="node2", local_rank=1)
+    handler.handle(record)
+    handler.flush()
+    return out.getvalue()
+
+
+@sample("fewer-than-min-hosts")
+def _fewer_than_min_hosts(place: Place) -> str:
+    """Three hosts, ``min_hosts=2``, no spare: node3 fails (dropped), then node2 (too few)."""
+    from torchrunx.engines.command import agent_exit_error
+    from torchrunx.errors import add_note
+    from torchrunx.events import AgentState
+    from torchrunx.launcher.settings.resolve import HostSlots
+    from torchrunx.launcher.state.records import AgentRecord, Phase
+    from torchrunx.launcher.state.reports import finish_report, summary, world_changes_note
+    from torchrunx.launcher.state.spares import reshape
+    from torchrunx.launcher.state.state import LaunchState
+
+    agents = [AgentRecord(i, HostSlots(f"node{i + 1}", 2), "ssh") for i in range(3)]
+    state = LaunchState(agents, started=100.0, max_restarts=3, agent_timeout=30.0)
+    table = state.agent_table
+    for phase in (Phase.STARTING_WORKERS, Phase.RUNNING):
+        state.progress.move_phase(phase)
+    errors = [  # each host's SSH connection dropped
+        agent_exit_error(f"node{i}", -1, remote=True, connected=True, env_file=None, stderr_tail="")
+        for i in (3, 2)
+    ]
+    for attempt, (error, agent) in enumerate(zip(errors, (agents[2], agents[1]), strict=True)):
+        agent.state = AgentState.FAILED
+        table.quarantine(agent)
+        state.begin_stop(restart=True)
+        state.record_restart(summary(error))
+        world = reshape([a.index for a in table.world], [agent.index], [], 2)
+        if world.short is not None:
+            state.restart_failed(world.short)
+            break
+        table.reshape_world(world)
+        state.next_attempt()
+        assert attempt == 0
+    finish_report(error, others=state.extra_failures, history=state.history, max_restarts=3)
+    add_note(error, world_changes_note(table.world_changes) or "")
+    return printed(error)

@@ -42,9 +42,6 @@ HAND_WRITTEN: dict[tuple[str, str], str] = {
     ("docs/debugging.md", "--- pdb: rank 1 on node2 at /home/me/train.py:42 in train ---"): (
         "an interactive pdb session: what the reader types and pdb answers"
     ),
-    ("docs/debugging.md", "[node2:1] Python stacks of worker 1 (pid 4251), on SIGUSR1:"): (
-        "Python's faulthandler writes the stacks (a real process's), torchrunx only the prefix"
-    ),
     ("docs/health.md", "$ curl -s http://node1:8080/health | python -m json.tool"): (
         "commands the reader types; the one output line is curl's (the status code)"
     ),
