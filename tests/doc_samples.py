@@ -198,9 +198,19 @@ def _checks(problems: dict[str, str], seconds: float) -> str:
     checks = []
     for index, host in enumerate(hosts):
         report = ProbeReport(
-            host, "/shared/venv/bin/python", "3.11.7", "0.5.0", "2.13.0", 8, 64, "/home/me",
-            "ok", None if len(hosts) == 1 else "ok", None, 0.8,
-        )  # fmt: skip
+            host,
+            "/shared/venv/bin/python",
+            "3.11.7",
+            "0.5.0",
+            "2.13.0",
+            8,
+            64,
+            "/home/me",
+            "ok",
+            None if len(hosts) == 1 else "ok",
+            None,
+            0.8,
+        )
         problem = problems.get(host)
         field, _, value = (problem or "").partition("=")
         start_failure = None
@@ -210,9 +220,18 @@ def _checks(problems: dict[str, str], seconds: float) -> str:
             start_failure = problem
         lines = [(False, report.to_line())]
         checks.append(
-            judge(index, host, "ssh", local, start_failure=start_failure, status=0, lines=lines,
-                  seconds=seconds, timeout=60.0)
-        )  # fmt: skip
+            judge(
+                index,
+                host,
+                "ssh",
+                local,
+                start_failure=start_failure,
+                status=0,
+                lines=lines,
+                seconds=seconds,
+                timeout=60.0,
+            )
+        )
     names = " ".join(hosts)
     return f"$ torchrunx check --hostnames {names}\n{format_checks(checks, seconds)}"
 
@@ -234,10 +253,18 @@ def _check_known_hosts(place: Place) -> str:
     from torchrunx.engines.ssh import SshTarget, _ssh_error
 
     target = SshTarget(
-        alias="node3", hostname="node3", port=22, user="root", identity_files=(),
-        identities_only=False, known_hosts_files=(), strict_host_key_checking="yes",
-        connect_timeout=10.0, proxy_jump=None, proxy_command=None,
-    )  # fmt: skip
+        alias="node3",
+        hostname="node3",
+        port=22,
+        user="root",
+        identity_files=(),
+        identities_only=False,
+        known_hosts_files=(),
+        strict_host_key_checking="yes",
+        connect_timeout=10.0,
+        proxy_jump=None,
+        proxy_command=None,
+    )
     key = paramiko.RSAKey.generate(1024)
     client = paramiko.SSHClient()
     client._transport = types.SimpleNamespace(_log=lambda *_: None)  # no connection: no log
@@ -571,9 +598,16 @@ def _record(name: str, level: int, message: str, **source: object) -> logging.Lo
     """A record as the launcher makes of a forwarded line, at 14:03:29 on 2025-06-01 (UTC)."""
     created = 1748786609.118
     return logging.makeLogRecord(
-        {"name": name, "levelno": level, "levelname": logging.getLevelName(level),
-         "msg": message, "created": created, "msecs": (created % 1) * 1000, **source}
-    )  # fmt: skip
+        {
+            "name": name,
+            "levelno": level,
+            "levelname": logging.getLevelName(level),
+            "msg": message,
+            "created": created,
+            "msecs": (created % 1) * 1000,
+            **source,
+        }
+    )
 
 
 def _console(records: list[tuple[str, int, str]]) -> str:
@@ -637,8 +671,12 @@ def _stack(thread: str, *frames: tuple[str, int, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_STUCK = _stack("00007f31c2a8b740", ("/home/me/data.py", 12, "__next__"),
-                ("/home/me/train.py", 54, "train_step"), ("/home/me/train.py", 80, "train"))  # fmt: skip
+_STUCK = _stack(
+    "00007f31c2a8b740",
+    ("/home/me/data.py", 12, "__next__"),
+    ("/home/me/train.py", 54, "train_step"),
+    ("/home/me/train.py", 80, "train"),
+)
 """Rank 7's stack: in the data loader, not in the collective."""
 
 
@@ -656,11 +694,20 @@ def _stall_diagnosis(place: Place) -> str:
     from torchrunx.wire.messages import RankState
 
     ranks, hosts = _ranks()
-    step = ("default_pg", 41, "all_reduce", ((1024, 1024),), ("Float",), False, 0,
-            "/home/me/train.py:57 in step")  # fmt: skip
+    step = (
+        "default_pg",
+        41,
+        "all_reduce",
+        ((1024, 1024),),
+        ("Float",),
+        False,
+        0,
+        "/home/me/train.py:57 in step",
+    )
     done = ("default_pg", 40, "all_reduce", ((1024, 1024),), ("Float",), True, 0, "")
-    waiting = _stack("00007f2b8c9f1740", (_TORCH, 2501, "all_reduce"),
-                     ("/home/me/train.py", 57, "step"))  # fmt: skip
+    waiting = _stack(
+        "00007f2b8c9f1740", (_TORCH, 2501, "all_reduce"), ("/home/me/train.py", 57, "step")
+    )
     states = {
         rank: RankState(
             group_formed=True,
@@ -687,8 +734,12 @@ def _where_every_rank_is(place: Place) -> str:
     from torchrunx.launcher.view.where import StacksLook
 
     ranks, hosts = _ranks()
-    barrier = _stack("00007f2b8c9f1740", (_TORCH, 4135, "barrier"),
-                     ("/home/me/train.py", 57, "train_step"), ("/home/me/train.py", 80, "train"))  # fmt: skip
+    barrier = _stack(
+        "00007f2b8c9f1740",
+        (_TORCH, 4135, "barrier"),
+        ("/home/me/train.py", 57, "train_step"),
+        ("/home/me/train.py", 80, "train"),
+    )
     look = StacksLook([], now=0.0)
     look.stacks = {rank: _STUCK if rank == 7 else barrier for rank in hosts}
     return look.text(ranks, lambda r: hosts[r.rank])
@@ -747,3 +798,89 @@ def _fewer_than_min_hosts(place: Place) -> str:
     finish_report(error, others=state.extra_failures, history=state.history, max_restarts=3)
     add_note(error, world_changes_note(table.world_changes) or "")
     return printed(error)
+
+
+# -- real launches on this machine -------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(argv: list[str], place: Place) -> tuple[int, str, str]:
+    """Run ``argv`` in the sample's folder, this checkout importable, nothing else forwarded."""
+    import subprocess
+
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "TORCHRUNX_HINTS": "0"}
+    done = subprocess.run(
+        argv, cwd=place.tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+@sample("first-launch", quick=False)
+def _first_launch(place: Place) -> str:
+    """``docs/index.md``'s first script, run as the page runs it."""
+    import sys
+
+    page = (ROOT / "docs" / "index.md").read_text()
+    start = page.index('```python title="first.py"\n')
+    code = page[page.index("\n", start) + 1 : page.index("\n```", start)]
+    (place.tmp_path / "first.py").write_text(code + "\n")
+    status, out, err = _run([sys.executable, "first.py"], place)
+    assert status == 0, err
+    return f"$ python first.py\n{out}"
+
+
+@sample("cli-failure", quick=False)
+def _cli_failure(place: Place) -> str:
+    """A function that raises on rank 0, run by the command; its pid, the launch's folder and
+    the paths and line numbers inside torchrunx are shown fixed (they change with every run
+    and every release)."""
+    import re
+    import sys
+
+    (place.tmp_path / "train.py").write_text(
+        'import os\n\n\ndef check() -> None:\n    if os.environ["RANK"] == "0":\n'
+        '        raise ValueError("bad batch on rank 0")\n'
+    )
+    argv = ["--hostnames", "localhost", "--workers-per-host", "2", "--backend", "None"]
+    status, _, err = _run([sys.executable, "-m", "torchrunx", *argv, "--", "train:check"], place)
+    assert status == 1, err
+    err = err.replace(str(ROOT / "torchrunx"), ".../torchrunx")
+    err = err.replace(str(place.tmp_path), "/home/me/project")
+    err = re.sub(r'(File "\.\.\./torchrunx/[^"]+", line )\d+', r"\1N", err)
+    err = re.sub(r"pid \d+", "pid 18315", err)
+    return re.sub(r"torchrunx_logs/[^/]+/", "torchrunx_logs/2026-11-26T13:32:59/", err)
+
+
+@sample("slurm-example", quick=False)
+def _slurm_example(place: Place) -> str:
+    """What ``examples/slurm/launch.py`` prints, for the ranks' reports of a 2-node job."""
+    import importlib.util
+    import sys
+
+    import torchrunx as trx
+    from torchrunx.launcher.state.results import LaunchResult
+
+    spec = importlib.util.spec_from_file_location("slurm_launch", ROOT / "examples/slurm/launch.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    reports = [
+        {
+            "rank": rank,
+            "world_size": 2,
+            "local_rank": 0,
+            "hostname": f"node{rank + 1}",
+            "backend": "gloo",
+            "slurm_step": "0" if rank else None,
+            "rank_sum": 1,
+        }
+        for rank in (0, 1)
+    ]
+    result = LaunchResult(("node1", "node2"), ((reports[0],), (reports[1],)))
+    place.monkeypatch.setattr(trx.Launcher, "run", lambda *_: result)  # the ranks' reports
+    place.monkeypatch.setattr(sys, "argv", ["launch.py"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        example.main()
+    return out.getvalue()

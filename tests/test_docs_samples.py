@@ -35,10 +35,6 @@ CODE_LANGUAGES = {"python", "bash", "toml", "yaml"}
 
 HAND_WRITTEN: dict[tuple[str, str], str] = {
     # (page, the start of the block's first line): why no code makes it
-    ("docs/cli.md", "torchrunx [options] -- script.py [args...]                 run a scr"): (
-        "the command's forms, written for the reader (the usage line argparse prints is "
-        "the sample `cli-renamed-option` shows)"
-    ),
     ("docs/debugging.md", "--- pdb: rank 1 on node2 at /home/me/train.py:42 in train ---"): (
         "an interactive pdb session: what the reader types and pdb answers"
     ),
@@ -74,6 +70,13 @@ HAND_WRITTEN: dict[tuple[str, str], str] = {
         "a drawing of the handshake"
     ),
     ("docs/slurm.md", "# hostfile: one host per line"): "a file the reader writes",
+    ("docs/logging.md", "torchrunx_logs/"): (
+        "a drawing of a launch's folder, annotated (tests/test_logs.py checks the names)"
+    ),
+    ("docs/logging.md", "[node1] agent of host 0 started on node1"): (
+        "the agent's lines of a real launch, whose two workers end in either order "
+        "(tests/test_logs.py checks each line)"
+    ),
 }
 
 
@@ -202,3 +205,67 @@ def test_every_block_of_output_is_made_by_the_code_or_listed_as_hand_written():
 @pytest.mark.quick
 def test_every_sample_the_code_makes_is_shown_somewhere():
     assert set(doc_samples.SAMPLES) == {block.name for block in SAMPLES}
+
+
+# -- the points of issue #47 item 9 ------------------------------------------------------------
+
+
+@pytest.mark.quick
+def test_the_command_pages_option_list_names_every_option():
+    import argparse
+
+    from torchrunx.cli import add_launcher_arguments
+
+    parser = argparse.ArgumentParser()
+    add_launcher_arguments(parser)
+    options = {s for a in parser._actions for s in a.option_strings if s.startswith("--")}
+    options -= {"--help"}
+    text = (ROOT / "docs" / "cli.md").read_text()
+    paragraph = text[text.index("The options are the `Launcher` fields") :]
+    paragraph = paragraph[: paragraph.index("\n\n")]
+    named = set(re.findall(r"`(--[a-z-]+)`", paragraph))
+    assert options - named == set()
+
+
+@pytest.mark.quick
+def test_the_environment_pages_two_forms_of_extra_env_vars_forward_what_it_says(monkeypatch):
+    import torchrunx as trx
+
+    page = (ROOT / "docs" / "environment.md").read_text()
+    assert "copies HF_* from the launcher" in page
+    assert "Only sets WANDB_PROJECT=demo (the dict form holds values, no patterns)" in page
+    monkeypatch.setenv("HF_HOME", "/data/hf")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+
+    def forwarded(extra: object) -> dict[str, str]:
+        env = trx.Launcher(hostnames=["localhost"], extra_env_vars=extra).plan().env
+        return {k: v for k, v in env.items() if k.startswith(("HF_", "WANDB_"))}
+
+    both = forwarded(("HF_*", "WANDB_PROJECT=demo"))
+    assert both == {"HF_HOME": "/data/hf", "WANDB_PROJECT": "demo"}
+    assert forwarded({"WANDB_PROJECT": "demo"}) == {"WANDB_PROJECT": "demo"}
+
+
+@pytest.mark.quick
+def test_the_dry_run_samples_name_where_the_hosts_come_from_and_how_agents_start():
+    for block in SAMPLES:
+        if block.name in {"cli-dry-run", "index-dry-run"}:
+            assert "hosts from: the list given" in block.lines
+            assert "agent start: local (1 host)" in block.lines
+    assert {"cli-dry-run", "index-dry-run"} <= {block.name for block in SAMPLES}
+
+
+@pytest.mark.quick
+def test_the_command_page_shows_torchruns_options():
+    assert "cli-torchrun-table" in {b.name for b in SAMPLES if b.page == "docs/cli.md"}
+
+
+@pytest.mark.quick
+def test_no_sample_message_sends_the_reader_to_a_file_of_the_repository():
+    # What a user's terminal shows points at the docs site's pages, not at docs/*.md or tests/
+    # of a checkout they may not have (the breakpoint message did).
+    from torchrunx.worker.debugger import skipped_text
+
+    assert not re.search(r"\b(docs|tests|scripts)/", skipped_text("/home/me/train.py:41", 1))
+    for block in SAMPLES:
+        assert not re.search(r"\b(docs|tests|scripts)/\w+\.(md|py)", "\n".join(block.lines))
