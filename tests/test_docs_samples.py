@@ -4,7 +4,8 @@ A block of output in ``README.md`` or ``docs/*.md`` (a dry run, an error message
 a hint, a table, the JSON of an event or of ``/health``, ``torchrunx check``'s lines) follows a
 line ``<!-- sample: NAME -->``; ``tests/doc_samples.py`` makes ``NAME``'s text with the real code
 (fixed values where the sample shows hosts, pids or times), and the block must be exactly that
-text (trailing spaces aside). A marked Markdown table (rows starting with ``|``) counts as a block too.
+text (trailing spaces aside). A marked Markdown table (rows starting with ``|``) is a block
+too. The samples made in this process are in the quick tier (``doc_samples.QUICK``).
 
 To bring the docs up to date after a change of the code, write the samples into the pages::
 
@@ -75,7 +76,7 @@ HAND_WRITTEN: dict[tuple[str, str], str] = {
     ),
     ("docs/logging.md", "[node1] agent of host 0 started on node1"): (
         "the agent's lines of a real launch, whose two workers end in either order "
-        "(tests/test_logs.py checks each line)"
+        "(tests/test_logs.py checks these lines)"
     ),
 }
 
