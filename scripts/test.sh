@@ -68,3 +68,4 @@ python scripts/mutation.py --ci
 python benchmarks/run.py --smoke
 python benchmarks/log_overhead.py --lines 2000 --runs 1
 python benchmarks/timer_overhead.py --uses 20000 --runs 1
+python benchmarks/stall_overhead.py --steps 100 --rounds 1
