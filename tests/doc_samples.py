@@ -357,6 +357,13 @@ def _progress(place: Place) -> str:
     )
 
 
+@sample("progress-results")
+def _progress_results(place: Place) -> str:
+    from torchrunx.launcher.view.progress import progress_text
+
+    return progress_text("results", 96 * 2**20, None, "bytes", 1.4)
+
+
 @sample("top")
 def _top(place: Place) -> str:
     from torchrunx.commands.top import Ages, render_text

@@ -10,7 +10,12 @@ import sys
 import pytest
 
 from torchrunx.launcher.view import progress
-from torchrunx.launcher.view.progress import ProgressLine, progress_enabled, progress_text
+from torchrunx.launcher.view.progress import (
+    BytesProgress,
+    ProgressLine,
+    progress_enabled,
+    progress_text,
+)
 
 
 class _Terminal(io.StringIO):
@@ -90,3 +95,64 @@ def test_a_launch_draws_its_agents_start_only_when_asked_off_a_terminal(setting)
     assert drawn, stderr
     assert drawn[0].startswith("torchrunx: agents starting: 0/2 hosts up [0.0 s]")
     assert "\r" + " " * len(drawn[-1].rstrip()) + "\r" in stderr  # erased at the end
+
+
+def test_rule_a_bytes_line_appears_once_bytes_come_and_is_timed_from_then(monkeypatch):
+    monkeypatch.setenv("TORCHRUNX_PROGRESS", "1")  # no delay
+    clock = [50.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    counted = [7 * 2**20]  # what came before (an earlier run's): not this line's
+    out = _Terminal()
+    results = BytesProgress("results", lambda: counted[0], out)
+    clock[0] += 30  # the function runs: nothing came yet, nothing is drawn
+    results.update()
+    assert out.getvalue() == ""
+    counted[0] += 3 * 2**20
+    results.update()
+    assert out.getvalue() == "\rtorchrunx: results: 3.0 MiB [0.0 s]"
+    clock[0] += 1.5
+    counted[0] += 2**20
+    results.update()
+    assert out.getvalue().endswith("\rtorchrunx: results: 4.0 MiB [1.5 s]")
+    results.close()
+    assert out.getvalue().endswith("\r" + " " * len("torchrunx: results: 4.0 MiB [1.5 s]") + "\r")
+    untouched = BytesProgress("results", lambda: 0, _Terminal())
+    untouched.close()  # never drawn: nothing to erase
+    assert untouched.line is None
+
+
+BIG_RESULTS = """
+import torchrunx as trx
+
+def big():
+    import torch
+    return torch.ones(16 * 2**20 // 4)  # 16 MiB: a large outcome, on a connection of its own
+
+launcher = trx.Launcher(hostnames=["localhost"], workers_per_host=2, backend=None)
+print("cold", [t.numel() for t in launcher.run(big).ranks], flush=True)
+with launcher.warm() as warm:
+    for run in range(2):
+        print("warm", [t.numel() for t in warm.run(big).ranks], flush=True)
+"""
+
+
+def test_large_results_draw_their_bytes_in_cold_and_warm_runs():
+    env = {**os.environ, "TORCHRUNX_PROGRESS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", BIG_RESULTS], capture_output=True, env=env, timeout=120, check=True
+    )
+    out, stderr = done.stdout.decode().splitlines(), done.stderr.decode()
+    assert out == [f"{kind} [{4 * 2**20}, {4 * 2**20}]" for kind in ("cold", "warm", "warm")]
+    drawn = [part for part in stderr.split("\r") if part.startswith("torchrunx: results: ")]
+    # Each run's line counts its own bytes: at most the two results' 32 MiB (and the frames
+    # around them), never a sum over runs (48 MiB and more by the second); three runs, three
+    # lines (the last redraw may come before the last bytes: at most every 0.1 s).
+    finals = [
+        float(a.split()[2])
+        for a, b in zip(drawn, [*drawn[1:], ""], strict=True)
+        if not b or float(b.split()[2]) < float(a.split()[2])
+    ]
+    assert len(finals) == 3, drawn
+    assert all(0 < mib < 33.0 for mib in finals), finals
+    starts = [p for p in stderr.split("\r") if p.startswith("torchrunx: agents starting: 0/1")]
+    assert len(starts) >= 2, stderr  # the cold launch's agents, then the warm block's

@@ -410,6 +410,8 @@ class FrameReader:
         self._parser = FrameParser()
         self.closed_by_peer = False
         """The peer's close record came: its stream is whole, and over."""
+        self.received = 0
+        """Bytes :meth:`read` took from the socket so far (progress of a large frame)."""
         self.error: Exception | None = None
         """Why the stream ended badly, once :meth:`read` returned its end (``None``: it did
         not, or the end was the peer's clean close)."""
@@ -446,6 +448,7 @@ class FrameReader:
                     self._check_end()
                     return frames, True
                 received += count
+                self.received += count
                 self._have += count
                 self._open_all(frames)
                 if count < room and not drain:  # it had no more: the loop says when more comes

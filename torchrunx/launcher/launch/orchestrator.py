@@ -51,7 +51,7 @@ from torchrunx.launcher.state.reports import (
     summary,
     world_changes_note,
 )
-from torchrunx.launcher.view.progress import ProgressLine, mib
+from torchrunx.launcher.view.progress import BytesProgress, ProgressLine, mib
 from torchrunx.wire.messages import Stop
 
 if TYPE_CHECKING:
@@ -216,7 +216,16 @@ class Launch:
                 kept = False
             else:
                 self.dispatch.send_specs(self.call)
-            self.session.run_until(lambda: st.finished, deadline)
+            results = BytesProgress("results", lambda: self.session.listener.outcome_bytes)
+
+            def finished(results: BytesProgress = results) -> bool:
+                results.update()  # large results' bytes, as they come
+                return st.finished
+
+            try:
+                self.session.run_until(finished, deadline)
+            finally:
+                results.close()
             if self.session.preemption is not None:
                 raise self._preempted()
             if not st.finished and not st.failed and not st.current.alarm:

@@ -212,11 +212,14 @@ class Peer:
         cut short, anything the parsing raises) ends this connection only, after the frames
         that came before it.
         """
+        before = self._reader.received
         try:
             frames, eof = self._reader.read(self.sock)
             error = self._reader.error
         except Exception as exc:  # noqa: BLE001 (one peer's bytes never stop the launch)
             frames, eof, error = [], True, exc
+        if self.role == "worker":
+            self._listener.outcome_bytes += self._reader.received - before
         now = time.time()
         for message, payload in frames:
             self._listener.emit(FrameReceived(self, message, payload, now))
@@ -329,6 +332,8 @@ class Listener:
         """At most this many handshakes at once (and :data:`MAX_PENDING`)."""
         self.rejected = 0
         """Connections closed without authenticating (wrong secret, too slow, over the cap)."""
+        self.outcome_bytes = 0
+        """Bytes read so far from workers' own connections (their large outcomes)."""
         self._resume()
 
     def _resume(self) -> None:

@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 MIN_INTERVAL_S = 0.1
 """The line is redrawn at most this often (tqdm's ``mininterval``)."""
@@ -90,3 +93,31 @@ class ProgressLine:
             self.stream.write("\r" + " " * self._width + "\r")
             self.stream.flush()
             self._width = 0
+
+
+class BytesProgress:
+    """A line for bytes that may come: drawn from the first byte, timed from then.
+
+    ``count()`` gives the bytes so far (e.g. of the workers' large results, as the launcher's
+    listener counts them); :meth:`update` draws ``torchrunx: WHAT: 12.0 MiB [1.5 s]`` once
+    there are any, with :class:`ProgressLine`'s rules (a terminal, the delay, the interval).
+    """
+
+    def __init__(self, what: str, count: Callable[[], int], stream: TextIO | None = None) -> None:
+        """Note where ``count()`` stands now: only what comes after counts."""
+        self.what, self.count, self.stream = what, count, stream
+        self.start = count()
+        self.line: ProgressLine | None = None
+
+    def update(self) -> None:
+        """Redraw (if it is time to), once bytes have come."""
+        done = self.count() - self.start
+        if done and self.line is None:
+            self.line = ProgressLine(self.what, None, "bytes", self.stream)
+        if self.line is not None:
+            self.line.update(done)
+
+    def close(self) -> None:
+        """Erase the line, if one was drawn."""
+        if self.line is not None:
+            self.line.close()
