@@ -373,7 +373,9 @@ class Inbox:
         elif isinstance(message, PreemptionNotice):
             if self.on_preempt is not None and self.plan.preemption_grace > 0:
                 self.on_preempt(message.reason)
-        elif not isinstance(message, Heartbeat):  # a worker's message on an agent's connection
+        elif isinstance(message, Heartbeat):
+            st.agent_table.usage_reported(agent, message.usage)
+        else:  # a worker's message on an agent's connection
             self.drop(agent.conn)
 
     def _on_worker_report(

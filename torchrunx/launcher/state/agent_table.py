@@ -26,7 +26,7 @@ from torchrunx.launcher.state.records import AGENT_MOVES, OUTCOME_WAIT, AgentRec
 if TYPE_CHECKING:
     from torchrunx.launcher.state.records import Progress, RankRecord
     from torchrunx.launcher.state.spares import Reshape
-    from torchrunx.wire.messages import AgentHello, WorkersEnded
+    from torchrunx.wire.messages import AgentHello, WorkersEnded, WorkerUsage
 
 
 class AgentTable:
@@ -107,6 +107,10 @@ class AgentTable:
     def heard_from(self, agent: AgentRecord, now: float) -> None:
         """A message came from ``agent`` (any message counts as a heartbeat)."""
         agent.last_heard = now
+
+    def usage_reported(self, agent: AgentRecord, usage: tuple[WorkerUsage, ...]) -> None:
+        """``agent``'s heartbeat said what its running workers use (by pid: the view matches)."""
+        agent.usage = {sample[1]: sample for sample in usage}
 
     def workers_ended(self, agent: AgentRecord, message: WorkersEnded) -> bool:
         """The agent's workers of an attempt ended and it waits; ``False`` for a late reply.
