@@ -100,11 +100,29 @@ def test_the_progress_sample_is_the_progress_line():
 
 
 def test_the_live_views_sample_is_what_top_prints():
-    from torchrunx.commands.top import Ages, render_text
+    from torchrunx.commands.top import Ages, Screen
 
+    figures = [  # pid, cpu, rss, gpu, collectives, loss
+        (5883, 98.4, 2.7, 94, 1532, "2.31"),
+        (5884, 97.0, 2.7, 95, 1532, "2.29"),
+        (7710, 99.0, 2.7, 93, 1530, "2.30"),
+        (7711, 96.2, 2.7, 94, 1532, "2.33"),
+    ]
     workers = [
-        {"rank": r, "host_index": 0, "hostname": "localhost", "local_rank": r, "pid": 5883 + r}
-        for r in (0, 1)
+        {
+            "rank": r,
+            "host_index": r // 2,
+            "hostname": f"node{r // 2 + 1}",
+            "local_rank": r % 2,
+            "pid": pid,
+            "state": "HEALTHY",
+            "cpu_percent": cpu,
+            "rss_bytes": int(rss * (1 << 30)),
+            "gpu_percent": gpu,
+            "gpu_memory_bytes": 39 << 30,
+            "collectives": count,
+        }
+        for r, (pid, cpu, rss, gpu, count, _) in enumerate(figures)
     ]
     snapshot = {
         "pid": 5872,
@@ -115,25 +133,23 @@ def test_the_live_views_sample_is_what_top_prints():
             "attempt": 0,
             "restarts": 0,
             "max_restarts": 1,
-            "uptime": 4.2,
+            "uptime": 41.2,
             "agents": [
-                {
-                    "hostname": "localhost",
-                    "state": "RUNNING",
-                    "last_heartbeat_age": 0.1,
-                    "role": "host",
-                }
+                {"hostname": h, "state": "RUNNING", "last_heartbeat_age": age, "role": "host"}
+                for h, age in (("node1", 0.4), ("node2", 0.1))
             ],
-            "workers": [{**w, "state": "HEALTHY"} for w in workers],
+            "workers": workers,
             "failures": [],
             "world_changes": [],
         },
-        "last_lines": {f"0:{r}": f"step 17 rank {r}" for r in (0, 1)},
+        "last_lines": {
+            f"{r // 2}:{r % 2}": f"step 170 loss {loss}" for r, (*_, loss) in enumerate(figures)
+        },
     }
     ages = Ages()
-    render_text(snapshot, ages, now=0.0)  # first seen in that state 1.5 s before
-    lines = render_text(snapshot, ages, now=1.5)
-    assert lines == _top_sample()
+    screen = Screen()
+    screen.lines(snapshot, ages, now=0.0)  # first seen in that state 38.5 s before
+    assert screen.lines(snapshot, ages, now=38.5) == _top_sample()
 
 
 def _top_sample() -> list[str]:

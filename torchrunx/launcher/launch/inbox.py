@@ -358,7 +358,7 @@ class Inbox:
 
     def _on_agent_message(self, agent: AgentRecord, message: Message) -> None:
         st = self.state
-        st.agent_table.heard_from(agent, time.monotonic())
+        st.agent_table.heard_from(agent, time.monotonic(), message)  # a heartbeat: its usage too
         if isinstance(message, LogLines):
             offset = 0 if agent.spec is None else agent.spec.rank_offset  # agent records: none
             self.logs.emit_batch(agent.index, offset, message.records)
@@ -373,9 +373,7 @@ class Inbox:
         elif isinstance(message, PreemptionNotice):
             if self.on_preempt is not None and self.plan.preemption_grace > 0:
                 self.on_preempt(message.reason)
-        elif isinstance(message, Heartbeat):
-            st.agent_table.usage_reported(agent, message.usage)
-        else:  # a worker's message on an agent's connection
+        elif not isinstance(message, Heartbeat):  # a worker's message on an agent's connection
             self.drop(agent.conn)
 
     def _on_worker_report(
