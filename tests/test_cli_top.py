@@ -213,6 +213,40 @@ def test_top_shows_a_running_launch_and_its_socket_goes_with_it(tmp_path):
     assert _top("--pid", str(launch.pid), "--once").returncode == 1
 
 
+def test_a_viewer_asks_for_the_stacks_and_the_diagnosis_on_its_connection(tmp_path):
+    import json
+    import socket
+
+    from torchrunx.launcher.launch.session import VIEW_HEADLINE
+
+    launch = _start(tmp_path)
+    try:
+        view = _its_view(launch.pid)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(30)
+            sock.connect(str(view))
+            reader = sock.makefile("rb")
+            deadline = time.monotonic() + 60
+            while len(json.loads(reader.readline())["last_lines"]) < 2:  # both ranks wait
+                assert time.monotonic() < deadline
+            sock.sendall(b"stacks\ndiagnosis\n")
+            asked = time.monotonic()
+            looks: dict[str, str] = {}
+            while len(looks) < 2:
+                assert time.monotonic() - asked < 10, looks
+                for kind, look in json.loads(reader.readline()).get("looks", {}).items():
+                    if "text" in look:
+                        looks[kind] = look["text"]
+        assert "where every rank is" in looks["stacks"], looks
+        assert "in wait_for" in looks["stacks"], looks  # both ranks sleep in it
+        assert looks["diagnosis"].startswith(VIEW_HEADLINE), looks
+        # backend=None: no process group, and no probe answers (as for Ctrl-\): said so.
+        assert "ranks 0-1 did not answer in time" in looks["diagnosis"], looks
+    finally:
+        _end(tmp_path)
+        launch.communicate(timeout=120)
+
+
 def test_another_user_cannot_reach_a_launchs_view(tmp_path):
     launch = _start(tmp_path)
     try:

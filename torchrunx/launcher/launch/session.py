@@ -237,14 +237,14 @@ class LaunchLoop:
             states = self._ask_states(now, "on demand" if self._want_stacks else "view")
             for agent in agents if not states else ():
                 self.inbox.peer_of(agent).send(ShowStacks())
-            self.look = StacksLook(agents, now, to_view=for_view and not self._want_stacks)
+            self.look = StacksLook(agents, now, to_terminal=self._want_stacks, to_view=for_view)
         self._want_stacks = False
         if self.look is not None and self.look.due(now):
             look, self.look = self.look, None
             text = look.text(self.state.ranks, self.state.agent_table.hostname)
             if look.to_view:
                 self.view.show("stacks", text)
-            else:
+            if look.to_terminal:
                 print_look(text)
 
     def _view_requests(self, now: float) -> None:
