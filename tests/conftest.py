@@ -199,6 +199,10 @@ os.environ.update([SESSION_MARKER.split("=", 1)])
 # The once-per-user hint of a first launch on a terminal would show in whichever terminal test
 # runs first: off for the suite (tests/test_logs.py turns it on where it is the subject).
 os.environ["TORCHRUNX_HINTS"] = "0"
+# A worker loads its function from the test module, which imports pytest (0.2 s of CPU in each
+# worker): the agents import it once before they fork (docs/environment.md), a seventh of the
+# launch tests' CPU. tests/test_preload.py sets or clears it where it is the subject.
+os.environ.setdefault("TORCHRUNX_PRELOAD", "pytest")
 
 
 def torchrunx_processes() -> list[str]:

@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from conftest import touch_then_sleep, when_file_appears
 
 import torchrunx as trx
 from torchrunx.errors import StallError
@@ -22,6 +23,9 @@ from torchrunx.events import Stalled
 from torchrunx.launcher.launch.stalls import ON_DEMAND
 
 STALL = 2.0
+STALL_SSH = 5.0
+"""On the SSH test hosts: their ranks may take over 2 s to form the group on a loaded machine,
+and the clock runs from the attempt's start (the ranks' checks do not depend on it)."""
 
 
 def _launch(func, workers=3, backend="gloo", on_stall="report", **fields):
@@ -358,7 +362,7 @@ def test_launch_timeout_names_the_collective_the_ranks_wait_in():
     assert "  rank 1: " in view and "in sleep_long_before_all_reduce" in view
 
 
-def test_a_lost_host_s_error_says_what_the_other_ranks_were_doing():
+def test_a_lost_host_s_error_says_what_the_other_ranks_were_doing(tmp_path):
     from torchrunx.events import AgentStarted
 
     agents: list[int] = []
@@ -369,14 +373,9 @@ def test_a_lost_host_s_error_says_what_the_other_ranks_were_doing():
             agents.append(event.pid)
 
     def freeze() -> None:  # the second host's agent stops answering: lost after agent_timeout
-        deadline = time.monotonic() + 60
-        while not agents and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(6)  # its workers are up, ranks 0-2 in the all_reduce
         os.kill(agents[0], signal.SIGSTOP)
         frozen.append(agents[0])
 
-    threading.Thread(target=freeze, daemon=True).start()
     launcher = trx.Launcher(
         hostnames=["localhost", "localhost"],
         workers_per_host=2,
@@ -384,9 +383,13 @@ def test_a_lost_host_s_error_says_what_the_other_ranks_were_doing():
         agent_timeout=2,
         event_handlers=(record,),
     )
+    # Once rank 3 is past the first all_reduce (so every rank is), ranks 0-2 go on into the next.
     try:
-        with pytest.raises(trx.AgentFailedError) as caught:
-            launcher.run(sleep_long_before_all_reduce_on_rank, 3)
+        with (
+            when_file_appears(tmp_path / "past-first", freeze),
+            pytest.raises(trx.AgentFailedError) as caught,
+        ):
+            launcher.run(sleep_long_before_all_reduce_on_rank, 3, str(tmp_path))
     finally:
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
@@ -397,14 +400,14 @@ def test_a_lost_host_s_error_says_what_the_other_ranks_were_doing():
     assert "ranks 2-3 did not answer in time" in view
 
 
-def sleep_long_before_all_reduce_on_rank(sleeper: int) -> int:
+def sleep_long_before_all_reduce_on_rank(sleeper: int, folder: str) -> int:
     import torch
     import torch.distributed as dist
 
     t = torch.ones(4)
     dist.all_reduce(t)
     if dist.get_rank() == sleeper:
-        time.sleep(120)
+        touch_then_sleep(f"{folder}/past-first", 120)
     dist.all_reduce(t)
     return 0
 
@@ -452,7 +455,7 @@ def test_each_hang_is_named_on_the_ssh_test_hosts(cluster, func, args, backend, 
             workers_per_host=2,
             backend=backend,
             ssh_config_file=cluster.ssh_config,
-            stall_timeout=STALL,
+            stall_timeout=STALL_SSH,
             on_stall="fail",
         )
     assert caught.value.diagnosis["unanswered"] == []

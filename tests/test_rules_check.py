@@ -203,7 +203,7 @@ def test_a_probe_that_did_not_answer_says_why():
     assert start.problems == ("SSH authentication failed",) and start.report is None
 
 
-def test_the_lines_printed():
+def test_the_lines_printed_with_no_trailing_spaces():
     ready, failed = judged(index=0), judged(torch=None)
     text = format_checks([ready, failed], 1.25)
     assert text.splitlines() == [
@@ -211,7 +211,7 @@ def test_the_lines_printed():
             "node2  ok    ssh    python 3.11.9 (/venv/bin/python), torchrunx 0.5.0, torch 2.13.0, "
             "4 GPUs, 32 CPUs"
         ),
-        "node2  FAIL  ssh  ",
+        "node2  FAIL  ssh",  # no trailing spaces: the docs' samples are this text
         (
             "    - torch is not installed here, 2.13.0 in the launcher: install the same torch on "
             "every host"

@@ -13,7 +13,7 @@
     │   ├── LaunchTimeoutError          (also a TimeoutError) launch_timeout was hit
     │   ├── StallError                  (also a TimeoutError) no rank made progress for
     │   │                               stall_timeout (on_stall="fail" or "restart"): the
-    │   │                               diagnosis in its message and ``diagnosis``
+    │   │                               diagnosis in its message and in .diagnosis
     │   ├── SerializationError          (also a TypeError) the function, an argument or a
     │   │                               return value cannot be pickled
     │   ├── ProtocolError               a peer broke the wire protocol or failed to authenticate

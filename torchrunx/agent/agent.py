@@ -205,7 +205,11 @@ class Agent:
         """
         # The import thread writes to a pipe when done, so one selector waits for it, the
         # launcher and stdin alike. Once done, later attempts wait for the spec alone.
-        preload = None if self.preloaded else TorchPreload(enabled=self.boot.preload_torch)
+        preload = (
+            None
+            if self.preloaded
+            else TorchPreload(enabled=self.boot.preload_torch, modules=self.boot.preload)
+        )
         if preload is not None:
             self.selector.register(preload.fileno(), selectors.EVENT_READ, preload)
         self.waiting = True
@@ -219,6 +223,11 @@ class Agent:
                 with contextlib.suppress(KeyError):
                     self.selector.unregister(preload.fileno())
                 preload.join()  # and the thread has left the kernel: now the agent may fork
+                for failure in preload.failed:
+                    logger.warning(
+                        "TORCHRUNX_PRELOAD: cannot import %s; each worker imports it itself",
+                        failure,
+                    )
             self.preloaded = True
         return None if self.stopping else self.received
 

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from torchrunx.agent.workergroup import Output, Ready, Worker
+    from torchrunx.wire.lines import Record
     from torchrunx.wire.messages import Message
     from torchrunx.wire.records import Frame
 
@@ -275,15 +276,7 @@ class Attempt:
         if not text:
             return
         logger.info("worker %d (pid %d) wrote its Python stacks", worker.local_rank, worker.pid)
-        message = f"Python stacks of worker {worker.local_rank} (pid {worker.pid}), on SIGUSR1:"
-        record = (
-            worker.local_rank,
-            logging.WARNING,
-            STACKS_LOGGER,
-            f"{message}\n{text}",
-            time.time(),
-        )
-        self.send(LogLines((record,)))
+        self.send(LogLines((stacks_record(worker.local_rank, worker.pid, text, time.time()),)))
 
     def _dump_over(self) -> bool:
         # _on_stacks brings the deadline forward once every live worker has begun its dump.
@@ -313,3 +306,9 @@ class Attempt:
             if not worker.ended and worker.stacks:
                 stacks[worker.local_rank] = worker.stacks.decode(errors="replace")
         self.send(WorkerStacks(stacks))
+
+
+def stacks_record(local_rank: int, pid: int, stacks: str, now: float) -> Record:
+    """The record of a worker's own output that carries the stacks it wrote on SIGUSR1."""
+    message = f"Python stacks of worker {local_rank} (pid {pid}), on SIGUSR1:"
+    return (local_rank, logging.WARNING, STACKS_LOGGER, f"{message}\n{stacks}", now)

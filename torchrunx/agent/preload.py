@@ -4,6 +4,11 @@ The thread also imports :mod:`torchrunx.worker.worker` (with cloudpickle and the
 worker
 runs), with or without torch, so that no worker imports it after its fork.
 
+Then it imports the modules of ``TORCHRUNX_PRELOAD`` (:attr:`AgentBootstrap.preload
+<torchrunx.wire.bootstrap.AgentBootstrap.preload>`), so that each worker inherits them too
+instead of importing them itself: for heavy imports that are safe to fork (they must not start
+CUDA or read ``RANK`` when imported).
+
 The import (``torch.distributed``, which never initialises CUDA) starts right after the
 agent's hello and overlaps the wait for the other hosts. The agent's loop waits for it like
 for any other source: the thread writes to a pipe when done (:meth:`TorchPreload.fileno`).
@@ -15,6 +20,7 @@ when it forks.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 import time
@@ -24,13 +30,20 @@ import warnings
 class TorchPreload:
     """One import of ``torch.distributed`` in a background thread (or none, if not enabled)."""
 
-    def __init__(self, *, enabled: bool) -> None:
-        """Start the thread; it imports torch only if ``enabled``, and says when it is done."""
+    def __init__(self, *, enabled: bool, modules: tuple[str, ...] = ()) -> None:
+        """Start the thread; it imports torch only if ``enabled``, and says when it is done.
+
+        ``modules`` (``TORCHRUNX_PRELOAD``) are imported after torch; one that fails to import
+        is left to the workers (which import it themselves, and fail there if it cannot be),
+        and the agent logs why (:attr:`failed`).
+        """
         self._done_read, self._done_write = os.pipe()
         self._tid: list[int] = []
+        self.failed: list[str] = []
+        """``"module: error"`` for each of ``modules`` that could not be imported."""
         self._thread = threading.Thread(
             target=_preload_torch,
-            args=(enabled, self._done_write, self._tid),
+            args=(enabled, modules, self.failed, self._done_write, self._tid),
             name="torchrunx-preload",
         )
         self._thread.start()
@@ -47,7 +60,9 @@ class TorchPreload:
         os.close(self._done_write)
 
 
-def _preload_torch(enabled: bool, done_fd: int, tid: list[int]) -> None:
+def _preload_torch(
+    enabled: bool, modules: tuple[str, ...], failed: list[str], done_fd: int, tid: list[int]
+) -> None:
     # Importing torch.distributed does not initialise CUDA; forked workers inherit the modules.
     tid.append(threading.get_native_id())
     try:
@@ -61,8 +76,18 @@ def _preload_torch(enabled: bool, done_fd: int, tid: list[int]) -> None:
                 # and the agent's import is ours, not the user's.
                 warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
                 import torch.distributed  # noqa: F401, PLC0415
+        failed.extend(filter(None, map(_import, modules)))
     finally:
         os.write(done_fd, b"1")
+
+
+def _import(name: str) -> str | None:
+    """Import module ``name``; None, or why it could not be: ``"name: Error: message"``."""
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:  # noqa: BLE001 (any error of the user's module: reported)
+        return f"{name}: {type(exc).__name__}: {exc}"
+    return None
 
 
 def wait_for_thread_exit(tid: list[int], limit: float = 2.0) -> None:

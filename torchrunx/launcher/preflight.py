@@ -590,7 +590,7 @@ def format_checks(checks: Sequence[HostCheck], seconds: float) -> str:
         if c.ok:
             lines.append(f"{head}  {', '.join(c.facts)}")
         else:
-            lines.append(head)
+            lines.append(head.rstrip())
             lines.extend(f"    - {problem}" for problem in c.problems)
     failed = sum(not c.ok for c in checks)
     hosts = f"{len(checks)} host{'s' * (len(checks) != 1)}"

@@ -203,6 +203,8 @@ class AgentBootstrap:
     """The ``sys.path`` entry that holds the launcher's torchrunx, as the host sees it (a shipped
     tree's entries are relative): the only way the working folder stays on the agent's
     ``sys.path`` (read by the boot code)."""
+    preload: tuple[str, ...] = ()
+    """Modules to import once before forking the workers, after torch (``TORCHRUNX_PRELOAD``)."""
     relay: str = ""
     """``Launcher(relay=...)`` for a host that relays (``"auto"`` or ``"on"``): the line goes
     first to the host's relay (:mod:`torchrunx.agent.relay`), which reads the mode and hands
@@ -226,6 +228,8 @@ class AgentBootstrap:
             "keep_path": self.keep_path,
             "package_root": self.package_root,
         }
+        if self.preload:
+            data["preload"] = list(self.preload)
         if self.relay:
             data["relay"] = self.relay
         return json.dumps(data).encode() + b"\n"
@@ -264,6 +268,7 @@ class AgentBootstrap:
             local_only=fields.boolean("local_only"),
             keep_path=fields.boolean("keep_path"),
             package_root=fields.path("package_root"),
+            preload=fields.modules("preload"),
             relay=fields.choice("relay", RELAY_MODES, default=""),
         )
         fields.no_others()
@@ -360,6 +365,18 @@ class _BootstrapFields:
         value = self._get(name)
         if not isinstance(value, list) or not all(isinstance(entry, str) for entry in value):
             raise self._bad(name, "a list of strings", value)
+        return tuple(value)
+
+    def modules(self, name: str) -> tuple[str, ...]:
+        if name not in self.data:
+            self.read.add(name)
+            return ()
+        value = self._get(name)
+        if not isinstance(value, list) or not all(
+            isinstance(entry, str) and all(part.isidentifier() for part in entry.split("."))
+            for entry in value
+        ):
+            raise self._bad(name, "a list of module names", value)
         return tuple(value)
 
     def choice(self, name: str, choices: tuple[str, ...], *, default: str) -> str:

@@ -245,16 +245,21 @@ def _stop_at(frame: FrameType, header: str | None = None) -> None:
     debugger.set_trace(frame)
 
 
+def skipped_text(where: str, rank: int) -> str:
+    """What the launcher's stderr says of a breakpoint skipped at ``where`` (``file:line``)."""
+    return (
+        f"torchrunx: breakpoint() at {where} in rank {rank} skipped: the launcher has no "
+        "terminal (its stdin is not a TTY), so there is nowhere to debug it; run the launcher "
+        "in a terminal to debug there, or set PYTHONBREAKPOINT=0 to skip breakpoints without a "
+        "word\n"
+    )
+
+
 def _skip(frame: FrameType) -> None:
     """Report a breakpoint skipped for want of a terminal, on the launcher's stderr."""
     session = _ours().session
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-    warning = (
-        f"torchrunx: breakpoint() at {where} in rank {session.rank} skipped: the launcher has "
-        "no terminal (its stdin is not a TTY), so there is nowhere to debug it; run the "
-        "launcher in a terminal to debug there, or set PYTHONBREAKPOINT=0 to skip breakpoints "
-        "without a word\n"
-    )
+    warning = skipped_text(where, session.rank)
     skipped = DebugOutput(session.rank, warning, waiting=False, where=where, resumed=True)
     try:  # the launcher prints it on its stderr, whichever rank this is
         session.conn.send(skipped)

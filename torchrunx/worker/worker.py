@@ -248,10 +248,7 @@ class _Outcomes:
         try:
             direct = handshake.connect(address, boot.secret, "worker", boot.timings.connect_timeout)
         except (OSError, ProtocolError) as exc:
-            sys.stderr.write(
-                f"torchrunx worker: cannot connect to the launcher at {address} ({exc}): its "
-                "outcome goes through the agent\n"
-            )
+            sys.stderr.write(no_direct_text(address, exc))
             return False
         try:
             self.conn.send(DirectOutcome(self.hello.rank))  # the launcher waits for it
@@ -379,3 +376,11 @@ def _next_call(conn: ChannelConnection) -> list[bytearray] | None:
             return None
         if isinstance(message, WorkerCall):
             return payload
+
+
+def no_direct_text(address: tuple[str, int], error: BaseException) -> str:
+    """The line a worker writes when its large outcome cannot go straight to the launcher."""
+    return (
+        f"torchrunx worker: cannot connect to the launcher at {address} ({error}): its outcome "
+        "goes through the agent\n"
+    )

@@ -49,6 +49,7 @@ from torchrunx.launcher.state.reports import (
     stacks_note,
     start_timeout_error,
     summary,
+    world_changes_note,
 )
 from torchrunx.launcher.view.progress import ProgressLine, mib
 from torchrunx.wire.messages import Stop
@@ -385,11 +386,9 @@ class Launch:
             history=st.history,
             max_restarts=self.plan.max_restarts,
         )
-        if st.agent_table.world_changes:
-            add_note(
-                error,
-                "hosts changed during the launch:\n  " + "\n  ".join(st.agent_table.world_changes),
-            )
+        changes = world_changes_note(st.agent_table.world_changes)
+        if changes is not None:
+            add_note(error, changes)
         if st.current.stacks:
             where = {r.rank: (r.local_rank, st.agent_table.hostname(r)) for r in st.ranks}
             note = stacks_note(st.current.stacks, where)

@@ -182,31 +182,43 @@ class DebugpyForwards:
         process = session.pool.processes.get(record.host_index)
         forward = getattr(process, "forward", None)
         key = (rank, record.host_index)
+        failure: OSError | None = None
         if key in self.forwards:  # a restarted or kept worker: the same forward
-            where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
+            how = "forwarded"
         elif forward is not None:
             try:
                 self.forwards[key] = forward(port, port)
-                where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
+                how = "forwarded"
             except OSError as exc:
-                where = (
-                    f"127.0.0.1:{port} on {host} (not forwarded: {exc}; choose another port "
-                    f"with TORCHRUNX_DEBUGPY={rank}:PORT, or run ssh -L {port}:127.0.0.1:{port} "
-                    f"{host})"
-                )
-        elif session.plan.methods[record.host_index] == "local":
-            where = f"127.0.0.1:{port} on this machine"
+                how, failure = "remote", exc
         else:
-            where = (
-                f"127.0.0.1:{port} on {host} (reach it with ssh -L {port}:127.0.0.1:{port} {host})"
-            )
-        sys.stderr.write(
-            f"torchrunx: rank {rank} on {host} waits for an IDE's debugger (debugpy): attach to "
-            f"{where}\n"
-        )
+            how = "local" if session.plan.methods[record.host_index] == "local" else "remote"
+        sys.stderr.write(debugpy_text(rank, port, host, how, failure))
         sys.stderr.flush()
 
     def close(self) -> None:
         """Close every forward."""
         for forward in self.forwards.values():
             forward.close()
+
+
+def debugpy_text(rank: int, port: int, host: str, how: str, failure: OSError | None = None) -> str:
+    """The launcher's line for a rank that waits for an IDE's debugger on its host's ``port``.
+
+    ``how`` the port is reached from here: ``"forwarded"`` (over the agent's SSH connection),
+    ``"local"`` (the rank runs on this machine) or ``"remote"`` (with ``ssh -L``; ``failure``:
+    why the forward could not be made).
+    """
+    if how == "forwarded":
+        where = f"127.0.0.1:{port} on this machine (forwarded to {host} over SSH)"
+    elif how == "local":
+        where = f"127.0.0.1:{port} on this machine"
+    elif failure is not None:
+        where = (
+            f"127.0.0.1:{port} on {host} (not forwarded: {failure}; choose another port "
+            f"with TORCHRUNX_DEBUGPY={rank}:PORT, or run ssh -L {port}:127.0.0.1:{port} {host})"
+        )
+    else:
+        where = f"127.0.0.1:{port} on {host} (reach it with ssh -L {port}:127.0.0.1:{port} {host})"
+    head = f"torchrunx: rank {rank} on {host} waits for an IDE's debugger (debugpy)"
+    return f"{head}: attach to {where}\n"

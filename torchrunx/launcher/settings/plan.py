@@ -11,6 +11,7 @@ this plan, never the :class:`~torchrunx.Launcher` itself::
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -43,6 +44,34 @@ StartMethod = str
 Backend = Literal["nccl", "gloo", "mpi", "ucc", "auto"] | None
 StallAction = Literal["report", "fail", "restart"]
 """``Launcher.on_stall`` (:mod:`torchrunx.launcher.launch.stalls`)."""
+
+
+PRELOAD_ENV_VAR = "TORCHRUNX_PRELOAD"
+
+
+def preload_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """``TORCHRUNX_PRELOAD``: the modules every agent imports once, before it forks its workers.
+
+    A comma-separated list of module names (``"transformers,numpy"``); empty or unset: none.
+    Each worker inherits the imported modules instead of importing them itself (see
+    docs/environment.md).
+
+    Raises:
+        ValueError: An entry is not a dotted module name (a path, a space, an empty entry).
+    """
+    raw = (os.environ if environ is None else environ).get(PRELOAD_ENV_VAR, "").strip()
+    if not raw:
+        return ()
+    names = tuple(name.strip() for name in raw.split(","))
+    bad = [name for name in names if not all(part.isidentifier() for part in name.split("."))]
+    if bad:
+        msg = (
+            f"{PRELOAD_ENV_VAR}={raw!r}: {', '.join(repr(b) for b in bad)} is not a module name; "
+            "give importable module names separated by commas, e.g. "
+            f"{PRELOAD_ENV_VAR}=transformers,numpy"
+        )
+        raise ValueError(msg)
+    return names
 
 
 @dataclass(frozen=True)
@@ -106,6 +135,8 @@ class LaunchPlan:
     stall_timeout: float | None = None
     """Stall detection's timeout in seconds (None: off; :mod:`torchrunx.launcher.launch.stalls`)."""
     on_stall: StallAction = "report"
+    preload: tuple[str, ...] = field(default_factory=preload_from_env)
+    """Modules each agent imports before it forks its workers (``TORCHRUNX_PRELOAD``)."""
 
     @property
     def quarantines(self) -> bool:

@@ -336,6 +336,7 @@ class AgentStarts:
             secret=self.secret,
             workers=agent.slots.workers,
             preload_torch=self.plan.backend is not None,
+            preload=self.plan.preload,
             timings=self.plan.agent_timings,
             log_level=self.log_level,
             sys_path=host_sys_path(self.bundle) if keep_path else tuple(sys.path),

@@ -196,6 +196,11 @@ def finish_report(
     return error
 
 
+def world_changes_note(changes: Sequence[str]) -> str | None:
+    """The note that lists the hosts quarantined, replaced or dropped during the launch."""
+    return "hosts changed during the launch:\n  " + "\n  ".join(changes) if changes else None
+
+
 def start_timeout_error(  # noqa: PLR0913 (what is known of the start)
     hostname: str,
     start_timeout: float,
