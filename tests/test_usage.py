@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from torchrunx.agent.usage import (
+    GPU_EVERY,
     GPU_FAILURES,
     MIB,
     GpuQueries,
@@ -125,14 +126,16 @@ def test_a_failing_nvidia_smi_gives_no_figures_and_is_given_up(tmp_path):
     fake.chmod(0o755)
     queries = GpuQueries(str(fake))
     deadline = time.monotonic() + 30
+    clock = 0.0  # the agent's: the next query is due GPU_EVERY after the last one started
     while not queries.given_up:
         assert time.monotonic() < deadline, queries.failures
-        queries.poll(time.monotonic())
+        queries.poll(clock)
+        clock += 0.0 if queries.running else GPU_EVERY
         time.sleep(0.02)
     assert queries.failures == GPU_FAILURES and queries.figures == {} and not queries.running
     missing = GpuQueries(str(tmp_path / "absent"))  # not even there: no exception either
-    for _ in range(GPU_FAILURES):
-        missing.poll(time.monotonic())
+    for i in range(GPU_FAILURES):
+        missing.poll(i * GPU_EVERY)
     assert missing.given_up
 
 

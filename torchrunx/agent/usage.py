@@ -6,13 +6,14 @@ in it (:class:`~torchrunx.wire.messages.Heartbeat`'s ``usage``), for ``torchrunx
 ``statm``: resident pages). CPU is the worker process's own (not its children's), as a share
 of one core over the time since the last sample.
 
-GPUs (only on a host where the agent counted some): ``nvidia-smi`` runs in the background,
-never waited on in the agent's loop, with two queries, per GPU (``uuid,utilization.gpu``) and
-per process using one (``pid,gpu_uuid,used_memory``); its answer is read at the next sample,
-so the figures are a second old. A worker's GPU figures are the memory its process holds on
-every GPU, and the busiest of those GPUs' utilisation (NVIDIA reports utilisation per GPU, not
-per process). Nothing here can fail a launch: a figure that cannot be read is None, and
-``nvidia-smi`` is given up after :data:`GPU_FAILURES` failed or slow queries in a row.
+GPUs (only on a host where the agent counted some): ``nvidia-smi`` runs in the background every
+:data:`GPU_EVERY` seconds, never waited on in the agent's loop, with two queries, per GPU
+(``uuid,utilization.gpu``) and per process using one (``pid,gpu_uuid,used_memory``); its answer
+is read at the next sample, so the figures are one to three seconds old. A worker's GPU
+figures are the memory its process holds on every GPU, and the busiest of those GPUs'
+utilisation (NVIDIA reports utilisation per GPU, not per process). Nothing here can fail a
+launch: a figure that cannot be read is None, and ``nvidia-smi`` is given up after
+:data:`GPU_FAILURES` failed or slow queries in a row.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ logger = logging.getLogger("torchrunx.agent")
 GPU_QUERY = "--query-gpu=uuid,utilization.gpu"
 APPS_QUERY = "--query-compute-apps=pid,gpu_uuid,used_memory"
 FORMAT = "--format=csv,noheader,nounits"
+GPU_EVERY = 2.0
+"""Seconds between two starts of the queries (each ``nvidia-smi`` costs the host some CPU)."""
 QUERY_LIMIT = 5.0
 """Seconds a query may take; one slower is killed, and counts as failed."""
 GPU_FAILURES = 3
@@ -121,7 +124,7 @@ class GpuQueries:
         """Ask ``nvidia_smi`` (its path)."""
         self.nvidia_smi = nvidia_smi
         self.running: list[subprocess.Popen[str]] = []
-        self.started = 0.0
+        self.started = -GPU_EVERY
         self.failures = 0
         self.figures: dict[int, tuple[int | None, int | None]] = {}
         """The last answer: per pid, its GPU utilisation (%) and memory (bytes)."""
@@ -145,7 +148,7 @@ class GpuQueries:
         elif self.running and now - self.started > QUERY_LIMIT:
             self.close()
             self._failed(f"it took more than {QUERY_LIMIT:g} s")
-        if not self.running and not self.given_up:
+        if not self.running and not self.given_up and now - self.started >= GPU_EVERY:
             self.started = now
             try:
                 self.running = [
