@@ -9,7 +9,9 @@ the health report of ``--hosts`` x ``--workers`` ranks, built each time from age
 records as the launcher builds it; ``torchrunx top``'s reader attaches to it. Prints the time
 from connecting to the first snapshot (attach), the interval between snapshots (refresh; median
 and slowest), a snapshot's size, and the serving process's CPU over ``--seconds`` with one
-viewer attached, against the same process with none (its floor), as a share of one core.
+viewer attached, against the same process with none (its floor), as a share of one core;
+and what one agent's sample of its ``--workers`` workers' CPU and memory costs (``/proc``,
+once a second per agent; GPU figures come from ``nvidia-smi`` in the background).
 
 ``--real``: a real launch of 8 hosts (each ``localhost``, an agent each) x 8 workers with
 ``backend=None``, whose function sleeps; the same figures from its view, and the launcher's
@@ -41,6 +43,22 @@ def _cpu_seconds(pid: int) -> float:
     """User and system CPU time of a process (``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+FIGURES = (97.5, 3 << 30, 88, 40 << 30, 1532)
+"""A rank's use and collective count, as its agent's heartbeat and its progress bring them."""
+
+
+def _sample_cost(workers: int, rounds: int = 200) -> float:
+    """Seconds one agent's sample of ``workers`` processes takes (``/proc``; no GPU)."""
+    from torchrunx.agent.usage import UsageSampler  # noqa: PLC0415
+
+    sampler = UsageSampler(gpus=0)
+    pids = [(i, os.getpid()) for i in range(workers)]
+    started = time.perf_counter()
+    for i in range(rounds):
+        sampler.sample(pids, float(i))
+    return (time.perf_counter() - started) / rounds
 
 
 def _serve(hosts: int, workers: int) -> None:
@@ -86,7 +104,7 @@ def _serve(hosts: int, workers: int) -> None:
             if rows
             else (),
             workers=tuple(
-                WorkerHealth(i, i // workers, r.hostname, i % workers, 10_000, r.state)
+                WorkerHealth(i, i // workers, r.hostname, i % workers, 10_000, r.state, *FIGURES)
                 for i, r in enumerate(ranks)
             )
             if rows
@@ -94,13 +112,13 @@ def _serve(hosts: int, workers: int) -> None:
             failures=(),
         )
         if rows:
-            return {"report": report.to_dict(), "last_lines": {}}
+            return {"report": report.to_dict(), "last_lines": {}, "looks": {}}
         summary = grouped(
             report.to_dict(),
             ((r.hostname, r.state.value) for r in list(ranks)),
             [(a.hostname, a.state.value, now - a.last_heard, a.role) for a in list(agents)],
         )
-        return {"report": summary, "last_lines": {}}
+        return {"report": summary, "last_lines": {}, "looks": {}}
 
     server = ViewServer(snapshot, {"pid": os.getpid(), "log_dir": None, "hostnames": []})
     server.start()
@@ -156,6 +174,7 @@ def simulated(hosts: int, workers: int, seconds: float) -> None:
     figures["launcher_cpu_share_watched"] = watched / seconds
     figures["launcher_cpu_share_floor"] = idle / seconds
     figures["view_cost_share_of_a_core"] = (watched - idle) / seconds
+    figures["agent_sample_ms"] = _sample_cost(workers) * 1000
     print(json.dumps({"simulated": f"{hosts} x {workers}", **_rounded(figures)}, indent=1))
 
 

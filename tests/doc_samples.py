@@ -366,13 +366,30 @@ def _progress_results(place: Place) -> str:
 
 @sample("top")
 def _top(place: Place) -> str:
-    from torchrunx.commands.top import Ages, render_text
+    from torchrunx.commands.top import Ages, Screen
 
-    workers = [
-        {"rank": r, "host_index": 0, "hostname": "localhost", "local_rank": r, "pid": 5883 + r}
-        for r in (0, 1)
+    figures = [  # pid, cpu, rss, gpu, collectives, loss
+        (5883, 98.4, 2.7, 94, 1532, "2.31"),
+        (5884, 97.0, 2.7, 95, 1532, "2.29"),
+        (7710, 99.0, 2.7, 93, 1530, "2.30"),
+        (7711, 96.2, 2.7, 94, 1532, "2.33"),
     ]
-    agent = {"hostname": "localhost", "state": "RUNNING", "last_heartbeat_age": 0.1}
+    workers = [
+        {
+            "rank": r,
+            "host_index": r // 2,
+            "hostname": f"node{r // 2 + 1}",
+            "local_rank": r % 2,
+            "pid": pid,
+            "state": "HEALTHY",
+            "cpu_percent": cpu,
+            "rss_bytes": int(rss * (1 << 30)),
+            "gpu_percent": gpu,
+            "gpu_memory_bytes": 39 << 30,
+            "collectives": count,
+        }
+        for r, (pid, cpu, rss, gpu, count, _) in enumerate(figures)
+    ]
     snapshot = {
         "pid": 5872,
         "log_dir": "torchrunx_logs/2026-11-28T10:24:20",
@@ -382,17 +399,23 @@ def _top(place: Place) -> str:
             "attempt": 0,
             "restarts": 0,
             "max_restarts": 1,
-            "uptime": 4.2,
-            "agents": [{**agent, "role": "host"}],
-            "workers": [{**w, "state": "HEALTHY"} for w in workers],
+            "uptime": 41.2,
+            "agents": [
+                {"hostname": h, "state": "RUNNING", "last_heartbeat_age": age, "role": "host"}
+                for h, age in (("node1", 0.4), ("node2", 0.1))
+            ],
+            "workers": workers,
             "failures": [],
             "world_changes": [],
         },
-        "last_lines": {f"0:{r}": f"step 17 rank {r}" for r in (0, 1)},
+        "last_lines": {
+            f"{r // 2}:{r % 2}": f"step 170 loss {loss}" for r, (*_, loss) in enumerate(figures)
+        },
     }
     ages = Ages()
-    render_text(snapshot, ages, now=0.0)  # first seen in that state 1.5 s before
-    return "\n".join(render_text(snapshot, ages, now=1.5))
+    screen = Screen()  # the live screen: the first rank selected, the keys under the table
+    screen.lines(snapshot, ages, now=0.0)  # first seen in that state 38.5 s before
+    return "\n".join(screen.lines(snapshot, ages, now=38.5))
 
 
 @sample("event-line")
@@ -497,6 +520,8 @@ def _health_json(place: Place) -> str:
     segfault = WorkerFailedError("node2", 1, 3, 51234, None, 11)
     states = [WorkerState.HEALTHY] * 2 + [WorkerState.INIT] * 2
     pids = [48211, 48212, 51377, 51378]
+    running = (2871001088, 94, 41875931136, 1532)  # rss, gpu %, gpu memory, collectives
+    uses = [(97.5, *running), (98.1, *running), *[(None, 402653184, None, None, None)] * 2]
     report = HealthReport(
         healthy=False,
         launch_state="restarting",
@@ -509,8 +534,8 @@ def _health_json(place: Place) -> str:
             for i, age in ((0, 0.412), (1, 0.873))
         ),
         workers=tuple(
-            WorkerHealth(rank, rank // 2, f"node{rank // 2 + 1}", rank % 2, pids[rank], state)
-            for rank, state in enumerate(states)
+            WorkerHealth(rank, rank // 2, f"node{rank // 2 + 1}", rank % 2, pids[rank], state, *use)
+            for rank, state, use in zip(range(4), states, uses, strict=True)
         ),
         failures=(f"attempt 0: {summary(segfault)}",),
     )

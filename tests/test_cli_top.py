@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from torchrunx.commands.top import Ages, find_views, render_text
 from torchrunx.launcher.view.view_server import GROUP_ABOVE, runtime_dir
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
 
@@ -41,6 +43,11 @@ def _snapshot(workers: int, state: str = "HEALTHY") -> dict[str, object]:
                     "local_rank": r,
                     "pid": 100 + r,
                     "state": state,
+                    "cpu_percent": 12.4 if r else None,
+                    "rss_bytes": 300 << 20,
+                    "gpu_percent": None,
+                    "gpu_memory_bytes": None,
+                    "collectives": 42 if r else None,
                 }
                 for r in range(workers)
             ],
@@ -56,8 +63,14 @@ def test_rule_a_row_per_rank_with_its_state_age_pid_and_last_line():
     lines = render_text(_snapshot(2), ages, now=10.0)
     assert lines[0] == "launch pid 42  running  attempt 0  restarts 0/1  up 3 s  healthy"
     assert "a                        RUNNING        0.2 s  host" in lines
+    assert (
+        " rank host             state       in state      pid   cpu%    rss    coll  last line"
+        in (lines)
+    )
     (row,) = [line for line in lines if line.strip().startswith("1 a ")]
-    assert row.split() == ["1", "a", "HEALTHY", "0.0", "s", "101", "step", "7"]
+    assert row.split() == ["1", "a", "HEALTHY", "0.0", "s", "101", "12", "300M", "42", "step", "7"]
+    (first,) = [line for line in lines if line.strip().startswith("0 a ")]
+    assert first.split()[6:] == ["-", "300M", "-"]  # no CPU rate yet, no collective count
     later = render_text(_snapshot(2), ages, now=12.5)
     assert next(line for line in later if line.strip().startswith("1 a ")).split()[3] == "2.5"
     changed = render_text(_snapshot(2, "FAILED"), ages, now=13.0)  # a new state starts at 0
@@ -65,6 +78,37 @@ def test_rule_a_row_per_rank_with_its_state_age_pid_and_last_line():
         "FAILED",
         "0.0",
     ]
+
+
+def test_rule_gpu_columns_only_where_there_are_gpu_figures_and_sizes_are_short():
+    from torchrunx.commands.top import size
+
+    snapshot = _snapshot(2)
+    workers = snapshot["report"]["workers"]  # type: ignore[index]
+    workers[1].update(gpu_percent=88, gpu_memory_bytes=(3 << 30) + (400 << 20))
+    lines = render_text(snapshot, Ages(), now=0.0)
+    assert any("cpu%    rss gpu% gpu mem    coll" in line for line in lines), lines
+    (row,) = [line for line in lines if line.strip().startswith("1 a ")]
+    assert row.split()[6:11] == ["12", "300M", "88", "3.4G", "42"]
+    (row,) = [line for line in lines if line.strip().startswith("0 a ")]
+    assert row.split()[6:11] == ["-", "300M", "-", "-", "-"]
+    assert [size(n) for n in (None, 512, 5 << 20, 150 << 20, 3 << 40)] == [
+        "-",
+        "0K",
+        "5.0M",
+        "150M",
+        "3.0T",
+    ]
+
+
+def test_rule_the_mark_column_shows_a_straggler_where_the_launcher_names_one():
+    snapshot = _snapshot(2)
+    assert not any("mark" in line for line in render_text(snapshot, Ages(), now=0.0))
+    workers = snapshot["report"]["workers"]  # type: ignore[index]
+    workers[0]["straggler"], workers[1]["straggler"] = False, True
+    lines = render_text(snapshot, Ages(), now=0.0)
+    (row,) = [line for line in lines if line.strip().startswith("1 a ")]
+    assert row.split()[8:10] == ["42", "slow"]
 
 
 def test_rule_many_ranks_are_grouped_by_host_and_state():
@@ -167,6 +211,40 @@ def test_top_shows_a_running_launch_and_its_socket_goes_with_it(tmp_path):
     assert "restarts 0" in out
     assert not view.exists()  # nothing left behind
     assert _top("--pid", str(launch.pid), "--once").returncode == 1
+
+
+def test_a_viewer_asks_for_the_stacks_and_the_diagnosis_on_its_connection(tmp_path):
+    import json
+    import socket
+
+    from torchrunx.launcher.launch.session import VIEW_HEADLINE
+
+    launch = _start(tmp_path)
+    try:
+        view = _its_view(launch.pid)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(30)
+            sock.connect(str(view))
+            reader = sock.makefile("rb")
+            deadline = time.monotonic() + 60
+            while len(json.loads(reader.readline())["last_lines"]) < 2:  # both ranks wait
+                assert time.monotonic() < deadline
+            sock.sendall(b"stacks\ndiagnosis\n")
+            asked = time.monotonic()
+            looks: dict[str, str] = {}
+            while len(looks) < 2:
+                assert time.monotonic() - asked < 10, looks
+                for kind, look in json.loads(reader.readline()).get("looks", {}).items():
+                    if "text" in look:
+                        looks[kind] = look["text"]
+        assert "where every rank is" in looks["stacks"], looks
+        assert "in wait_for" in looks["stacks"], looks  # both ranks sleep in it
+        assert looks["diagnosis"].startswith(VIEW_HEADLINE), looks
+        # backend=None: no process group, and no probe answers (as for Ctrl-\): said so.
+        assert "ranks 0-1 did not answer in time" in looks["diagnosis"], looks
+    finally:
+        _end(tmp_path)
+        launch.communicate(timeout=120)
 
 
 def test_another_user_cannot_reach_a_launchs_view(tmp_path):
@@ -274,11 +352,47 @@ def test_rule_keys_select_a_rank_show_its_tail_and_quit():
     assert screen.key("l", 3) and screen.tail
     assert screen.key("l", 3) and not screen.tail
     assert not screen.key("q", 3)
+    assert screen.requests == []  # l needs nothing from the launcher
     lines = screen.lines(_snapshot(2), Ages(), now=0.0)
     assert [line[:5] for line in lines if "a  " in line and line[1:6].strip().isdigit()] == [
         ">   0",
         "    1",
     ]
+
+
+def test_rule_s_and_d_ask_the_launcher_and_show_its_next_answer():
+    from torchrunx.commands.top import ASKING, Screen
+
+    screen = Screen()
+    old = {**_snapshot(2), "looks": {"stacks": {"number": 1, "text": "old stacks"}}}
+    screen.lines(old, Ages(), now=0.0)  # the answer of an earlier request: not this one's
+    assert screen.key("s", 2) and screen.requests == ["stacks"]
+    assert screen.lines(old, Ages(), now=0.0)[-1] == ASKING["stacks"]
+    again = {**_snapshot(2), "looks": {"stacks": {"number": 1}}}  # its text came once
+    assert screen.lines(again, Ages(), now=0.0)[-1] == ASKING["stacks"]
+    text = "\n".join(f"line {i}" for i in range(100))
+    new = {**_snapshot(2), "looks": {"stacks": {"number": 2, "text": text}}}
+    lines = screen.lines(new, Ages(), now=0.0)
+    assert lines[-2:] == ["line 39", "(60 more lines)"]
+    assert screen.lines(again, Ages(), now=0.0)[-1] == "(60 more lines)"  # kept
+    assert screen.key("s", 2) and screen.panel is None  # again: hidden, nothing asked
+    assert screen.requests == ["stacks"]
+    assert screen.key("d", 2) and screen.panel == "diagnosis"
+    assert screen.requests == ["stacks", "diagnosis"]
+    assert screen.lines(new, Ages(), now=0.0)[-1] == ASKING["diagnosis"]
+
+
+def test_rule_an_answers_text_is_sent_once_on_each_connection():
+    from torchrunx.launcher.view.view_server import unsent
+
+    sent: dict[str, int] = {}
+    snapshot = {"report": {}, "looks": {"stacks": {"number": 3, "text": "T"}}}
+    assert unsent(snapshot, sent)["looks"] == {"stacks": {"number": 3, "text": "T"}}
+    assert unsent(snapshot, sent)["looks"] == {"stacks": {"number": 3}}
+    assert snapshot["looks"]["stacks"]["text"] == "T"  # the launcher's own copy: unchanged
+    newer = {"looks": {"stacks": {"number": 4, "text": "U"}}}
+    assert unsent(newer, sent)["looks"]["stacks"]["text"] == "U"
+    assert unsent(newer, {})["looks"]["stacks"]["text"] == "U"  # another connection: sent
 
 
 def test_a_killed_launchers_socket_is_removed_by_the_next_launch(tmp_path):
@@ -298,3 +412,123 @@ def test_a_killed_launchers_socket_is_removed_by_the_next_launch(tmp_path):
     deadline = time.monotonic() + 30  # its agent sees the launcher gone and ends its workers
     while torchrunx_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+CLUSTER_STEPS = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+import torchrunx as trx
+
+def work(folder):
+    # Every rank: an all_reduce each 0.2 s, and one more that says whether to end (so all
+    # end at the same step). Rank 3 (on the second host) fails once, when the test says so.
+    failed = os.path.join(folder, "failed")
+    step = 0
+    while True:
+        end = torch.tensor([float(os.path.exists(os.path.join(folder, "end")))])
+        dist.all_reduce(end)
+        if end.item() > 0:
+            return step
+        step += 1
+        print("step", step, "rank", os.environ["RANK"], flush=True)
+        if os.environ["RANK"] == "3" and os.path.exists(os.path.join(folder, "go")):
+            if not os.path.exists(failed):
+                with open(failed + ".tmp", "w") as f:
+                    f.write(repr(time.time()))
+                os.rename(failed + ".tmp", failed)
+                raise ValueError("told to fail")
+        time.sleep(0.2)
+
+folder, config, *hosts = sys.argv[1:]
+result = trx.launch(
+    work, (folder,), hostnames=hosts, workers_per_host=2, backend="gloo", max_restarts=1,
+    ssh_config_file=config, stall_timeout=10,  # progress (and its count) every 2 s
+)
+print("restarts", result.restarts)
+"""
+ROW = re.compile(
+    r"^[> ]\s*(\d+) (\S+)\s+(\S+)\s+[\d.]+ s\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)"
+)  # rank, host, state, pid, cpu%, rss, collectives
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed (scripts/test.sh installs it)"
+)
+def test_the_live_view_of_two_ssh_hosts_shows_use_keys_and_a_failure_within_a_second(
+    cluster, tmp_path
+):
+    node1, node2 = cluster.names()
+    (tmp_path / "steps.py").write_text(CLUSTER_STEPS)
+    launch = subprocess.Popen(
+        [sys.executable, "steps.py", str(tmp_path), str(cluster.ssh_config), node1, node2],
+        cwd=tmp_path,
+        env={**os.environ, "TORCHRUNX_LOG_DIR": str(tmp_path / "logs")},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    session = f"trx-top-cluster-{os.getpid()}"
+
+    def pane() -> str:
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", "-t", session],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+
+    def wait_for(seen: Callable[[str], bool], what: str, limit: float = 60) -> str:
+        deadline = time.monotonic() + limit
+        while not seen(shown := pane()):
+            assert time.monotonic() < deadline, f"{what} not shown:\n{shown}"
+            time.sleep(0.05)
+        return shown
+
+    def rows(shown: str) -> dict[int, tuple[str, ...]]:
+        return {int(m[1]): m.groups()[1:] for m in map(ROW.match, shown.splitlines()) if m}
+
+    def measured(shown: str) -> bool:  # every rank on its host, with CPU, memory, collectives
+        found = rows(shown)
+        return sorted(found) == [0, 1, 2, 3] and all(
+            host == (node1 if rank < 2 else node2)
+            and state == "HEALTHY"
+            and cpu.isdigit()
+            and rss.endswith("M")
+            and collectives.isdigit()
+            for rank, (host, state, _, cpu, rss, collectives) in found.items()
+        )
+
+    try:
+        _its_view(launch.pid)
+        command = f"{sys.executable} -m torchrunx top --pid {launch.pid}"
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50", command],
+            check=True,
+            timeout=30,
+        )
+        shown = wait_for(measured, "each rank's CPU, memory and collectives")
+        for host in (node1, node2):  # each host's agent and its heartbeat's age
+            assert re.search(rf"^{host}\s+RUNNING\s+\d\.\d s  host\s*$", shown, re.MULTILINE), shown
+        subprocess.run(["tmux", "send-keys", "-t", session, "s"], check=True, timeout=30)
+        wait_for(lambda p: "where every rank is" in p and "--- rank" in p, "the stacks")
+        subprocess.run(["tmux", "send-keys", "-t", session, "d"], check=True, timeout=30)
+        wait_for(lambda p: "the collectives every rank is in now" in p, "the diagnosis")
+        (tmp_path / "go").touch()
+        shown = wait_for(lambda p: "attempt 0: ValueError: told to fail" in p, "the failure")
+        seen = time.time()
+        raised = float((tmp_path / "failed").read_text())
+        assert seen - raised < 1.0, (seen - raised, shown)
+        print(f"a rank's failure to the view on the SSH test hosts: {seen - raised:.2f} s")
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True, timeout=30)
+        deadline = time.monotonic() + 30
+        while subprocess.run(["tmux", "has-session", "-t", session], check=False).returncode == 0:
+            assert time.monotonic() < deadline, "q did not end the view"
+            time.sleep(0.05)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False, timeout=30)
+        (tmp_path / "failed").touch()
+        (tmp_path / "end").touch()
+        out, _ = launch.communicate(timeout=120)
+    assert "restarts 1" in out, out

@@ -184,6 +184,11 @@ def test_report_to_json_is_stable_and_plain():
         "local_rank",
         "pid",
         "state",
+        "cpu_percent",
+        "rss_bytes",
+        "gpu_percent",
+        "gpu_memory_bytes",
+        "collectives",
     ]
     assert data["workers"][1] == {
         "rank": None,
@@ -192,6 +197,11 @@ def test_report_to_json_is_stable_and_plain():
         "local_rank": 0,
         "pid": None,
         "state": "INIT",
+        "cpu_percent": None,
+        "rss_bytes": None,
+        "gpu_percent": None,
+        "gpu_memory_bytes": None,
+        "collectives": None,
     }
     assert data["failures"] == []
     assert HEALTHY.to_json() == HEALTHY.to_json()  # same bytes each time

@@ -24,6 +24,7 @@ from torchrunx.launcher.state.records import (
 from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire.messages import (
     AgentHello,
+    Heartbeat,
     WorkerExited,
     WorkerHello,
     WorkerResult,
@@ -276,6 +277,27 @@ def test_health_is_read_from_the_state():
     bare = state.health(110.0, max_restarts=2, cause="AgentFailedError: silent", rows=False)
     assert (bare.agents, bare.workers) == ((), ())
     assert bare == dataclasses.replace(report, agents=(), workers=())
+
+
+def test_health_has_each_ranks_use_from_its_agents_heartbeat_and_its_collective_count():
+    state = running_launch(1, 2)
+    rank0 = state.ranks[0]
+    usage = ((0, rank0.pid, 97.5, 3 << 30, 88, 40 << 30), (1, 4242, 5.0, 1 << 20, None, None))
+    state.agent_table.heard_from(state.agents[0], 109.0, Heartbeat(usage))
+    state.current.collectives_done(1, 17)
+    state.current.collectives_done(0, -1)  # no recorder: nothing known
+    first, second = state.health(110.0, max_restarts=0, cause=None).workers
+    assert (first.cpu_percent, first.rss_bytes, first.gpu_percent, first.gpu_memory_bytes) == (
+        97.5,
+        3 << 30,
+        88,
+        40 << 30,
+    )
+    assert first.collectives is None and second.collectives == 17
+    # Rank 1's figures are of another pid (a worker of an earlier attempt): not its own.
+    assert (second.cpu_percent, second.rss_bytes) == (None, None)
+    state.agent_table.heard_from(state.agents[0], 109.5, Heartbeat())  # its workers ended
+    assert state.health(110.0, max_restarts=0, cause=None).workers[0].rss_bytes is None
 
 
 def test_a_new_attempt_forgets_ranks_and_faults_but_keeps_the_history():

@@ -29,7 +29,8 @@ The agent's parts, one module each:
 - :mod:`torchrunx.agent.workergroup`: one attempt's workers: fork, read, reap, signal, close;
 - :mod:`torchrunx.agent.workerprocess`: what a forked child does to become a worker;
 - :mod:`torchrunx.agent.watchdog`: heartbeats, the launcher's silence, workers that overrun a timer;
-- :mod:`torchrunx.agent.outbox`: messages to the launcher, never blocking, with backpressure.
+- :mod:`torchrunx.agent.outbox`: messages to the launcher, never blocking, with backpressure;
+- :mod:`torchrunx.agent.usage`: what each worker uses (CPU, memory, GPUs), sent in heartbeats.
 
 Sequence: decode the bootstrap line (:class:`AgentBootstrap`); fork off the agent from its
 guardian (:func:`torchrunx.agent.guardian.fork_agent`), with the workers' private ``TMPDIR``;
@@ -74,6 +75,7 @@ from torchrunx.agent.guardian import fork_agent, missing_pidfds
 from torchrunx.agent.link import LauncherLink
 from torchrunx.agent.preload import TorchPreload
 from torchrunx.agent.store import StoreSocket, listen_address
+from torchrunx.agent.usage import UsageSampler
 from torchrunx.agent.workergroup import Ready
 from torchrunx.agent.workerprocess import become_worker
 from torchrunx.devices import count_local_cpus, count_local_gpus
@@ -100,6 +102,7 @@ if TYPE_CHECKING:
 
     from torchrunx.agent.workergroup import Fork
     from torchrunx.wire import messages
+    from torchrunx.wire.messages import WorkerUsage
     from torchrunx.wire.records import Connection
 
 logger = logging.getLogger("torchrunx.agent")
@@ -141,6 +144,7 @@ class Agent:
         self.selector = selectors.DefaultSelector()
         # One attempt: its workers, and what the agent reports about them.
         self.current: Attempt | None = None
+        self.sampler = UsageSampler(gpus)
         self.link = LauncherLink(
             connection,
             self.selector,
@@ -148,6 +152,7 @@ class Agent:
             on_lost=self._launcher_lost,
             on_backpressure=self._pause_output,
         )
+        self.link.usage = self._usage
         # Between attempts: what the launcher sent.
         self.waiting = False
         self.received: tuple[WorkerSpec, list[bytearray]] | None = None
@@ -326,6 +331,7 @@ class Agent:
         agent's exit, but not if the agent closes because its guardian was killed.
         """
         self.link.closed = True  # records logged from now on go to stderr
+        self.sampler.close()
         if self.current is not None:
             self.current.group.close(0.0)
         leftovers.kill_descendants(self.pid)
@@ -364,6 +370,14 @@ class Agent:
     def _group_done(self) -> bool:
         """Every worker was reaped and its output read, or the drain after that is over."""
         return self.current is None or self.current.done()
+
+    def _usage(self, now: float) -> tuple[WorkerUsage, ...]:
+        """What the running workers use (sent in each heartbeat); none while stopping."""
+        if self.current is None or self.stopping:
+            self.sampler.close()  # no query of nvidia-smi left for the group's end to find
+            return ()
+        live = [(w.local_rank, w.pid) for w in self.current.group.live()]
+        return self.sampler.sample(live, now)
 
     def _on_timers(self, now: float) -> None:
         self.link.on_timers(now)

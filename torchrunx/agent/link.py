@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
     from torchrunx.wire.bootstrap import AgentTimings
-    from torchrunx.wire.messages import Message
+    from torchrunx.wire.messages import Message, WorkerUsage
     from torchrunx.wire.records import Connection
 
 logger = logging.getLogger("torchrunx.agent")
@@ -95,6 +95,9 @@ class LauncherLink:
         ``timings``: the bootstrap's (heartbeats, the launcher's silence).
         """
         self.conn = connection
+        self.usage: Callable[[float], tuple[WorkerUsage, ...]] = lambda _: ()
+        """What the workers use now, sent in each heartbeat (the agent's
+        :mod:`~torchrunx.agent.usage`)."""
         self.selector = selector
         self.on_lost = on_lost
         self.on_backpressure = on_backpressure
@@ -200,7 +203,7 @@ class LauncherLink:
     def on_timers(self, now: float) -> None:
         """Send a heartbeat when one is due; take a silent launcher for lost."""
         if self.heartbeats.due(now):
-            self.send(Heartbeat())
+            self.send(Heartbeat(self.usage(now)))
         if self.alive:
             silent = self.heartbeats.silent_for(now, self.conn.sock)
             if silent is not None:

@@ -5,9 +5,11 @@ private runtime folder (:mod:`torchrunx.launcher.view.view_server`); no port to 
 one else's view.
 The screen (rich's live display) shows the launch (pid, age, state, attempt, restarts, log
 folder), each host's agent (state, heartbeat age), each rank (state, time in that state, pid,
-last log line) and the failures and world changes so far; it is redrawn at each snapshot (2 a
-second). With more than 64 ranks the launcher sends, and the view shows, counts per host and
-state instead of a row per rank.
+CPU, resident memory, GPU use and memory where there are figures, collectives completed, last
+log line) and the failures and world changes so far; it is redrawn at each snapshot (2 a
+second). Keys ask the launcher for every rank's grouped stacks (``s``) or the hang diagnosis
+(``d``), shown under the table when its answer comes. With more than 64 ranks the launcher
+sends, and the view shows, counts per host and state instead of a row per rank.
 ``--once`` prints one snapshot as plain text and exits (for scripts). :func:`render_text` is
 pure: a snapshot in, the lines out.
 """
@@ -91,10 +93,64 @@ class Ages:
         return now - seen[1]
 
 
+def size(count: int | None) -> str:
+    """Bytes as a short size (``512K``, ``3.4G``); ``-`` if unknown."""
+    if count is None:
+        return "-"
+    value, unit = float(count) / 1024, "K"
+    for bigger in ("M", "G", "T"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.0f}{unit}" if value >= 100 or unit == "K" else f"{value:.1f}{unit}"
+
+
+def _figure(value: object, spec: str = "") -> str:
+    """A figure of a row, ``-`` when unknown."""
+    return "-" if value is None else format(value, spec)
+
+
+def rank_rows(
+    workers: list[dict[str, Any]], last: dict[str, str], ages: Ages, now: float
+) -> list[str]:
+    """The table of ranks: a heading, then a row per rank.
+
+    GPU columns only where there are figures; the ``mark`` column only where the launcher
+    sends a ``straggler`` field (``slow`` for a straggler).
+    """
+    gpus = any(w.get("gpu_percent") is not None or w.get("gpu_memory_bytes") for w in workers)
+    marks = any("straggler" in w for w in workers)
+    head = (
+        f"{'rank':>5} {'host':<16} {'state':<10} {'in state':>9} {'pid':>8} {'cpu%':>6} "
+        f"{'rss':>6} "
+        + (f"{'gpu%':>4} {'gpu mem':>7} " if gpus else "")
+        + f"{'coll':>7} "
+        + (f"{'mark':<4} " if marks else "")
+        + " last line"
+    )
+    rows = [head]
+    for w in workers:
+        state = str(w.get("state"))
+        key = (w.get("host_index"), w.get("local_rank"))
+        line = last.get(f"{w.get('host_index')}:{w.get('local_rank')}", "")
+        gpu = (
+            f"{_figure(w.get('gpu_percent')):>4} {size(w.get('gpu_memory_bytes')):>7} "
+            if gpus
+            else ""
+        )
+        mark = f"{'slow' if w.get('straggler') else '':<4} " if marks else ""
+        rows.append(
+            f"{_figure(w.get('rank')):>5} {w.get('hostname', '?'):<16} {state:<10} "
+            f"{ages.age(key, state, now):>7.1f} s {w.get('pid') or '-':>8} "
+            f"{_figure(w.get('cpu_percent'), '.0f'):>6} {size(w.get('rss_bytes')):>6} {gpu}"
+            f"{_figure(w.get('collectives')):>7} {mark} {line}"
+        )
+    return rows
+
+
 def render_text(snapshot: dict[str, Any], ages: Ages, now: float) -> list[str]:
     """The view of one snapshot as lines of text (what ``--once`` prints, and the screen shows)."""
     report = snapshot.get("report", {})
-    last = snapshot.get("last_lines", {})
     lines = [
         (
             f"launch pid {snapshot.get('pid')}  {report.get('launch_state')}  "
@@ -114,25 +170,13 @@ def render_text(snapshot: dict[str, Any], ages: Ages, now: float) -> list[str]:
         )
     if report.get("agents_running"):
         lines.append(f"(and {report['agents_running']} more hosts whose agents run)")
-    workers = report.get("workers", [])
     lines.append("")
     if "groups" in report:  # the launcher's summary above GROUP_ABOVE ranks
         groups = report["groups"]
         lines.append(f"{'host':<24} {'state':<10} {'ranks':>6}")
         lines += [f"{h!s:<24} {s!s:<10} {n:>6}" for h, s, n in groups]
     else:
-        lines.append(
-            f"{'rank':>5} {'host':<24} {'state':<10} {'in state':>9} {'pid':>8}  last line"
-        )
-        for w in workers:
-            state = str(w.get("state"))
-            key = (w.get("host_index"), w.get("local_rank"))
-            line = last.get(f"{w.get('host_index')}:{w.get('local_rank')}", "")
-            lines.append(
-                f"{'-' if w.get('rank') is None else w.get('rank'):>5} "
-                f"{w.get('hostname', '?'):<24} {state:<10} "
-                f"{ages.age(key, state, now):>7.1f} s {w.get('pid') or '-':>8}  {line}"
-            )
+        lines += rank_rows(report.get("workers", []), snapshot.get("last_lines", {}), ages, now)
     for title, items in (("failures", "failures"), ("world changes", "world_changes")):
         if report.get(items):
             lines += ["", f"{title}:", *(f"  {item}" for item in report[items])]
@@ -172,19 +216,44 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
         return 0
 
 
-KEYS = "keys: j/k or arrows select a rank, l its log's last lines (again: hide), q quits"
+KEYS = (
+    "keys: j/k or arrows select a rank, l its log's last lines, s every rank's stacks, "
+    "d the hang diagnosis (again: hide), q quits"
+)
 """The key help under the live screen."""
 TAIL_LINES = 12
 """Lines of a rank's log shown by ``l``."""
+PANEL_LINES = 40
+"""Lines of the stacks or the diagnosis shown (the first; the rest is in the launcher's logs)."""
+ASKING = {
+    "stacks": "asking every rank for its Python stacks...",
+    "diagnosis": "asking every rank which collectives it is in...",
+}
 
 
 class Screen:
-    """What the live screen shows besides the snapshot: the selected rank and its log's tail."""
+    """What the live screen shows besides the snapshot: the selected rank, and one panel.
+
+    The panel (under the table) is the selected rank's log tail (``l``), every rank's
+    grouped stacks (``s``) or the diagnosis (``d``); the last two are asked of the launcher
+    (:attr:`requests`, written on the connection) and shown when its answer comes.
+    """
 
     def __init__(self) -> None:
-        """No rank selected, no tail shown."""
+        """No rank selected, no panel shown."""
         self.selected = 0
-        self.tail = False
+        self.panel: str | None = None
+        self.requests: list[str] = []
+        """What to ask the launcher for (words to write on the connection)."""
+        self.looks: dict[str, tuple[int, str]] = {}
+        """The launcher's latest answer of each kind: its number and text."""
+        self.asked: dict[str, int] = {}
+        """The number of each kind's answer when it was last asked for (a newer one answers)."""
+
+    @property
+    def tail(self) -> bool:
+        """Whether the selected rank's log tail is shown."""
+        return self.panel == "tail"
 
     def key(self, key: str, ranks: int) -> bool:
         """Apply one key press; False for quit."""
@@ -194,24 +263,45 @@ class Screen:
             self.selected = min(self.selected + 1, max(ranks - 1, 0))
         elif key in ("k", "\x1b[A"):
             self.selected = max(self.selected - 1, 0)
-        elif key == "l":
-            self.tail = not self.tail
+        elif key in ("l", "s", "d"):
+            panel = {"l": "tail", "s": "stacks", "d": "diagnosis"}[key]
+            self.panel = None if self.panel == panel else panel
+            if self.panel in ASKING:
+                self.asked[panel] = self.looks.get(panel, (0, ""))[0]
+                self.requests.append(panel)
         return True
 
+    def take(self, snapshot: dict[str, Any]) -> None:
+        """Keep the answers a snapshot brings (their text comes once per connection)."""
+        for kind, look in (snapshot.get("looks") or {}).items():
+            if "text" in look:
+                self.looks[kind] = (int(look["number"]), str(look["text"]))
+
     def lines(self, snapshot: dict[str, Any], ages: Ages, now: float) -> list[str]:
-        """The snapshot's lines, the selected rank marked, then its log's tail if asked."""
+        """The snapshot's lines, the selected rank marked, then the key help and the panel."""
+        self.take(snapshot)
         lines = render_text(snapshot, ages, now)
         workers = snapshot.get("report", {}).get("workers", [])
         rows = [
             i for i, line in enumerate(lines) if line.startswith(" ") and line[:6].strip().isdigit()
         ]
+        panel: list[str] = []
         if rows and workers and "groups" not in snapshot.get("report", {}):
             self.selected = min(self.selected, len(rows) - 1)
             row = rows[self.selected]
             lines[row] = ">" + lines[row][1:]
             if self.tail:
-                lines += ["", *_tail(snapshot, workers[self.selected])]
-        return [*lines, "", KEYS]
+                panel = _tail(snapshot, workers[self.selected])
+        if self.panel in ASKING:
+            number, text = self.looks.get(self.panel, (0, ""))
+            if number <= self.asked.get(self.panel, 0):
+                panel = [ASKING[self.panel]]
+            else:
+                shown = text.splitlines()
+                panel = shown[:PANEL_LINES]
+                if len(shown) > PANEL_LINES:
+                    panel.append(f"({len(shown) - PANEL_LINES} more lines)")
+        return [*lines, "", KEYS, *([""] if panel else []), *panel]
 
 
 def split_keys(pressed: str) -> list[str]:
@@ -241,6 +331,18 @@ def _tail(snapshot: dict[str, Any], worker: dict[str, Any]) -> list[str]:
         f.seek(max(0, chosen.path.stat().st_size - 8192))
         text = f.read().decode(errors="replace").splitlines()[-TAIL_LINES:]
     return [f"--- {chosen.path.name}: {chosen.label}, last lines ---", *text]
+
+
+def _on_keys(screen: Screen, keys: int, sock: socket.socket, snapshot: dict[str, Any]) -> bool:
+    """Read the keys pressed and apply them; send what they ask of the launcher. False: quit."""
+    count = len(snapshot.get("report", {}).get("workers", []))
+    pressed = os.read(keys, 64).decode(errors="replace")
+    if not all(screen.key(key, count) for key in split_keys(pressed)):
+        return False
+    if screen.requests:  # the stacks, the diagnosis: asked of the launcher
+        sock.sendall("".join(f"{r}\n" for r in screen.requests).encode())
+        screen.requests.clear()
+    return True
 
 
 def _live(view: Path, ages: Ages, out: TextIO) -> int:
@@ -274,11 +376,8 @@ def _live(view: Path, ages: Ages, out: TextIO) -> int:
                 )
                 if not ready:
                     break  # no snapshot for 5 s: the launcher is gone
-                if keys in ready:
-                    count = len(snapshot.get("report", {}).get("workers", []))
-                    pressed = os.read(keys, 64).decode(errors="replace")
-                    if not all(screen.key(key, count) for key in split_keys(pressed)):
-                        return 0
+                if keys in ready and not _on_keys(screen, keys, sock, snapshot):
+                    return 0
                 if sock in ready:
                     data = sock.recv(1 << 20)
                     ended = not data

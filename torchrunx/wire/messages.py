@@ -14,7 +14,7 @@ import io
 import pickle
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from torchrunx.errors import ProtocolError, exception_text
 
@@ -206,6 +206,10 @@ class ShowStacks:
 class RankProgress:
     """Worker: it made progress (a collective completed, or ``torchrunx.progress()``)."""
 
+    collectives: int = -1
+    """Collectives completed so far in all its process groups, as its flight recorder counts
+    them (-1: no recorder)."""
+
 
 @dataclass(frozen=True)
 class RankState:
@@ -222,9 +226,17 @@ class RankState:
     stacks: str = ""
 
 
+WorkerUsage: TypeAlias = tuple[int, int, float | None, int, int | None, int | None]
+"""One worker's use of its host: ``(local_rank, pid, cpu_percent, rss_bytes, gpu_percent,
+gpu_memory_bytes)``; None where not known (see :mod:`torchrunx.agent.usage`)."""
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     """Either direction: I am alive."""
+
+    usage: tuple[WorkerUsage, ...] = ()
+    """An agent's: what each of its running workers uses now (the launcher's: none)."""
 
 
 @dataclass(frozen=True)

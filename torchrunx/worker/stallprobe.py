@@ -6,7 +6,8 @@ A daemon thread of the worker (started when ``Launcher.stall_timeout`` is on) wa
 - reads its progress: the collectives completed in each process group (the flight recorder's
   ``pg_status``, about 0.2 ms without its entries) and the calls of
   :func:`torchrunx.progress`; when either moved, and at most every
-  ``WorkerSpec.progress_every`` seconds, it sends :class:`RankProgress` on the channel;
+  ``WorkerSpec.progress_every`` seconds, it sends :class:`RankProgress` on the channel, with
+  the count of collectives completed (which ``torchrunx top`` shows);
 - reads the counter its agent raises in the page they share (:data:`torchrunx.timer.ASK_OFFSET`)
   when the launch looks stalled, and answers with :class:`RankState`: the recorder's recent
   entries (without their C++ stack traces, whose symbolizing takes seconds), whether the
@@ -182,7 +183,7 @@ class StallProbe(threading.Thread):
                 seen = now_seen
                 now = time.monotonic()
                 if moved and now >= next_send:
-                    self.conn.send(RankProgress())
+                    self.conn.send(RankProgress(collectives=seen[1]))
                     moved = False
                     next_send = now + self.every
         except (OSError, ValueError):  # the channel ended: the worker is ending

@@ -358,7 +358,7 @@ class Inbox:
 
     def _on_agent_message(self, agent: AgentRecord, message: Message) -> None:
         st = self.state
-        st.agent_table.heard_from(agent, time.monotonic())
+        st.agent_table.heard_from(agent, time.monotonic(), message)  # a heartbeat: its usage too
         if isinstance(message, LogLines):
             offset = 0 if agent.spec is None else agent.spec.rank_offset  # agent records: none
             self.logs.emit_batch(agent.index, offset, message.records)

@@ -2,7 +2,8 @@
 
 Both are parts of the launch's :class:`~torchrunx.launcher.launch.session.LaunchLoop`, which
 owns them: :class:`LiveView` serves ``torchrunx top`` (this user's only; its snapshots are read
-from the view's threads, changing nothing), :class:`DebugpyForwards` says where an IDE attaches
+from the view's threads, changing nothing; a viewer's request for stacks or the diagnosis is
+served by the launch's loop), :class:`DebugpyForwards` says where an IDE attaches
 to a rank that waits for one, and forwards the port over SSH where it can.
 """
 
@@ -11,13 +12,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Protocol
 
 from torchrunx.launcher.view.view_server import GROUP_ABOVE, LAST_LINE_CHARS, ViewServer, grouped
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torchrunx.engines.forward import PortForward
+    from torchrunx.launcher.net.ioloop import IOLoop
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import AgentPool
     from torchrunx.launcher.state.health import HealthReport
@@ -36,30 +41,71 @@ class LaunchLoop(Protocol):
     logs: LogRouter
     debugger: Debugger
     pool: AgentPool
+    loop: IOLoop
 
     def health_report(self, *, rows: bool = True) -> HealthReport:
         """The launch's ``/health`` report (``rows``: with every agent and worker)."""
         ...
 
 
+REQUESTS = ("stacks", "diagnosis")
+"""What a viewer may ask for (a word on its connection): every rank's grouped Python stacks
+(``s``), the collective view and the latest stall's diagnosis (``d``)."""
+
+
 class LiveView:
-    """The launch's view socket for ``torchrunx top`` (unless ``TORCHRUNX_VIEW=0``)."""
+    """The launch's view socket for ``torchrunx top`` (unless ``TORCHRUNX_VIEW=0``).
+
+    A viewer's request (:data:`REQUESTS`) is taken here from the view's thread and served by
+    the launch's loop (:meth:`take_request`), which hands the answer back with :meth:`show`;
+    the snapshots carry the latest answer of each kind, numbered.
+    """
 
     def __init__(self, session: LaunchLoop) -> None:
         """Nothing is opened before :meth:`start`."""
         self.session = session
         self.server: ViewServer | None = None
+        self.looks: dict[str, tuple[int, str]] = {}
+        """The latest answer of each kind: its number (1 for the first) and its text."""
+        self.stall: str | None = None
+        """The latest stall's diagnosis (headline and text), shown under the collective view."""
+        self._asked: set[str] = set()
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         """Listen on the user's private socket (a failure only means no view)."""
         if os.environ.get("TORCHRUNX_VIEW", "1") != "0":
-            self.server = ViewServer(self.snapshot, self.info())
+            self.server = ViewServer(self.snapshot, self.info(), self.request)
             self.server.start()
 
     def close(self) -> None:
         """Send the last snapshot, remove the socket."""
         if self.server is not None:
             self.server.close()
+
+    def request(self, what: str) -> None:
+        """From a view's thread: a viewer asked for ``what`` (one of :data:`REQUESTS`)."""
+        if what in REQUESTS:
+            with self._lock:
+                self._asked.add(what)
+            self.session.loop.wake()
+
+    def take_request(self, can: Callable[[str], bool]) -> str | None:
+        """From the launch's loop: a request it ``can`` serve now (the others wait), if any."""
+        with self._lock:
+            what = next((w for w in REQUESTS if w in self._asked and can(w)), None)
+            self._asked.discard(what or "")
+        return what
+
+    def show(self, what: str, text: str) -> None:
+        """The answer to a request of ``what``: sent in the next snapshots."""
+        number = self.looks.get(what, (0, ""))[0] + 1
+        self.looks = {**self.looks, what: (number, text)}
+
+    def show_diagnosis(self, view: str) -> None:
+        """The collective view now (or why there is none), the latest stall's diagnosis under it."""
+        stall = "" if self.stall is None else f"\n\nthe latest stall's diagnosis:\n{self.stall}"
+        self.show("diagnosis", view + stall)
 
     def info(self) -> dict[str, object]:
         """What ``torchrunx top`` shows of the launch itself."""
@@ -72,11 +118,12 @@ class LiveView:
         }
 
     def snapshot(self) -> dict[str, object]:
-        """Called from the view's threads: the health report and each source's last line.
+        """Called from the view's threads: the health report, each source's last line, answers.
 
         Above ``GROUP_ABOVE`` ranks: the report's own fields, the ranks counted per host and
         state, the agents not running listed (:func:`grouped`), and no last lines.
         """
+        looks = {k: {"number": n, "text": t} for k, (n, t) in self.looks.items()}
         session = self.session
         st = session.state
         ranks = list(st.ranks)
@@ -96,13 +143,13 @@ class LiveView:
             report = grouped(
                 bare.to_dict(), ((table.hostname(r), r.state.value) for r in ranks), agents
             )
-            return {"report": report, "last_lines": {}}
+            return {"report": report, "last_lines": {}, "looks": looks}
         last = {
             f"{host}:{'agent' if local is None else local}": source.tail[-1][:LAST_LINE_CHARS]
             for (host, local), source in list(session.logs.sources.items())
             if source.tail
         }
-        return {"report": session.health_report().to_dict(), "last_lines": last}
+        return {"report": session.health_report().to_dict(), "last_lines": last, "looks": looks}
 
 
 class DebugpyForwards:

@@ -60,6 +60,7 @@ from torchrunx.wire.messages import (
     DebugInput,
     Heartbeat,
     Preempt,
+    RankProgress,
     ShowStacks,
 )
 
@@ -71,12 +72,17 @@ if TYPE_CHECKING:
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import Starter
     from torchrunx.launcher.state.results import LaunchTimings
-    from torchrunx.wire.messages import RankProgress, RankState
+    from torchrunx.wire.messages import RankState
 
 logger = logging.getLogger("torchrunx.launcher")
 
 TICK = HEARTBEAT_INTERVAL / 2
 """Seconds between two rounds of silence checks, agent polls and judgements due."""
+VIEW_HEADLINE = "the collectives every rank is in now (the launch goes on):"
+NO_VIEW = (
+    "no collective view: stall detection is off (Launcher.stall_timeout=None), and with it "
+    "the ranks' flight-recorder probe; press s for the Python stacks"
+)
 BEAT_EVERY = HEARTBEAT_INTERVAL
 """Seconds between two heartbeats to each agent: as often as agents send theirs (every tick
 would double the launcher's sends, a thousand a round at a thousand hosts, for nothing: an
@@ -223,18 +229,36 @@ class LaunchLoop:
         self._want_stacks = True
         self.loop.wake()
 
-    def _look(self, now: float) -> None:
-        """Ask the agents for their workers' stacks, or print the answers once they are in."""
-        if self._want_stacks and self.look is None:
+    def _look(self, now: float, *, for_view: bool = False) -> None:
+        """Ask the agents for their workers' stacks, or print (show) the answers once in."""
+        if (self._want_stacks or for_view) and self.look is None:
             agents = [a for a in self.state.agents if a.conn is not None and not a.over]
-            states = self._ask_states(now, "on demand")  # the collective view too, if on
+            # The collective view too, if stall detection is on.
+            states = self._ask_states(now, "on demand" if self._want_stacks else "view")
             for agent in agents if not states else ():
                 self.inbox.peer_of(agent).send(ShowStacks())
-            self.look = StacksLook(agents, now)
+            self.look = StacksLook(agents, now, to_terminal=self._want_stacks, to_view=for_view)
         self._want_stacks = False
         if self.look is not None and self.look.due(now):
             look, self.look = self.look, None
-            print_look(look.text(self.state.ranks, self.state.agent_table.hostname))
+            text = look.text(self.state.ranks, self.state.agent_table.hostname)
+            if look.to_view:
+                self.view.show("stacks", text)
+            if look.to_terminal:
+                print_look(text)
+
+    def _view_requests(self, now: float) -> None:
+        """Serve what ``torchrunx top`` asked for: the stacks, the collective view."""
+        stalls = self.stalls
+
+        def can(what: str) -> bool:
+            return self.look is None if what == "stacks" else stalls.look is None
+
+        while (what := self.view.take_request(can)) is not None:
+            if what == "stacks":
+                self._look(now, for_view=True)
+            elif not self._ask_states(now, "view"):
+                self.view.show_diagnosis(NO_VIEW)
 
     def _on_shown(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
         if self.look is not None:
@@ -243,6 +267,8 @@ class LaunchLoop:
 
     def _on_rank(self, rank: int, message: RankProgress | RankState) -> None:
         now = time.monotonic()
+        if isinstance(message, RankProgress):
+            self.state.current.collectives_done(rank, message.collectives)
         self.stalls.note(rank, message, now, self.debugger.paused(now))
 
     def _ask_states(self, now: float, why: LookReason) -> bool:
@@ -288,10 +314,14 @@ class LaunchLoop:
         if look is not None and look.why != "launch_timeout" and look.due(now):
             hosts = {r.rank: st.agent_table.hostname(r) for r in st.ranks}
             report = stalls.finish(st.ranks, hosts)
+            if look.why == "view":
+                self.view.show_diagnosis("\n".join([VIEW_HEADLINE, *report.view]))
+                return
             if look.why == "on demand":
                 print_look("\n".join([ON_DEMAND, *report.view]) + "\n")
                 return
             report.write(self.logs.log_dir)
+            self.view.stall = f"{report.headline}\n{report.text}"
             self.sink.emit(Stalled(report.seconds, report.text, report.values, stalls.action))
             error = StallError(report.seconds, report.text, report.values)
             if stalls.action == "fail":
@@ -337,6 +367,7 @@ class LaunchLoop:
         next deadline, or ``deadline``, whichever comes first.
         """
         now = time.monotonic()
+        self._view_requests(now)
         if self._want_stacks or self.look is not None:
             self._look(now)
         self._watch_stalls(now)

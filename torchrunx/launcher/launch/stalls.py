@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("torchrunx.launcher")
 
 STALL_ACTIONS: tuple[StallAction, ...] = ("report", "fail", "restart")
-LookReason = Literal["stall", "on demand", "launch_timeout"]
+LookReason = Literal["stall", "on demand", "view", "launch_timeout"]
 DEFAULT_STALL_TIMEOUT = 300.0
 ANSWER_WAIT = 2.0
 """Seconds the launcher waits for the agents' and ranks' answers before it diagnoses."""
@@ -111,8 +111,8 @@ class StallLook:
     """The live ranks whose states are awaited."""
     deadline: float
     why: LookReason = "stall"
-    """What asked: stall detection, Ctrl-\\ (the collective view beside the stacks), or
-    ``launch_timeout`` (its error's note)."""
+    """What asked: stall detection, Ctrl-\\ (the collective view beside the stacks), a
+    ``torchrunx top`` viewer, or ``launch_timeout`` (its error's note)."""
     states: dict[int, RankState] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
 

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 
 from torchrunx.events import AgentStarted, AgentState, Event
 from torchrunx.launcher.state.records import AGENT_MOVES, OUTCOME_WAIT, AgentRecord, Phase
+from torchrunx.wire.messages import Heartbeat
 
 if TYPE_CHECKING:
     from torchrunx.launcher.state.records import Progress, RankRecord
     from torchrunx.launcher.state.spares import Reshape
-    from torchrunx.wire.messages import AgentHello, WorkersEnded
+    from torchrunx.wire.messages import AgentHello, Message, WorkersEnded
 
 
 class AgentTable:
@@ -104,9 +105,14 @@ class AgentTable:
             )
         ]
 
-    def heard_from(self, agent: AgentRecord, now: float) -> None:
-        """A message came from ``agent`` (any message counts as a heartbeat)."""
+    def heard_from(self, agent: AgentRecord, now: float, message: Message | None = None) -> None:
+        """A message came from ``agent`` (any message counts as a heartbeat).
+
+        A heartbeat says what its running workers use: kept by pid (``torchrunx top`` matches).
+        """
         agent.last_heard = now
+        if isinstance(message, Heartbeat):
+            agent.usage = {sample[1]: sample for sample in message.usage}
 
     def workers_ended(self, agent: AgentRecord, message: WorkersEnded) -> bool:
         """The agent's workers of an attempt ended and it waits; ``False`` for a late reply.

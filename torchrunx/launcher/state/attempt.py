@@ -251,6 +251,11 @@ class AttemptState:
             for local_rank, text in stacks.items():
                 self.stacks[agent.spec.rank_offset + local_rank] = text
 
+    def collectives_done(self, rank: int, count: int) -> None:
+        """Rank ``rank`` said it completed ``count`` collectives (-1: it has no recorder)."""
+        if 0 <= rank < len(self.ranks) and count >= 0:
+            self.ranks[rank].collectives = count
+
     def take_result(self, rank: RankRecord) -> list[bytearray]:
         """``rank``'s pickled return value, handed over once (the state keeps no copy)."""
         payload = rank.result

@@ -74,6 +74,17 @@ class WorkerHealth:
     """Process id on its host; None before the agent forked it."""
     state: WorkerState
     """Where the worker is in its life."""
+    cpu_percent: float | None = None
+    """CPU it used (its own process) over the last second, in % of one core; None: unknown."""
+    rss_bytes: int | None = None
+    """Its resident memory, in bytes."""
+    gpu_percent: int | None = None
+    """The utilisation (%) of the busiest GPU it uses; None without GPU figures."""
+    gpu_memory_bytes: int | None = None
+    """The GPU memory its process holds, on all its GPUs, in bytes."""
+    collectives: int | None = None
+    """Collectives it completed (its flight recorder's count, sent with its progress while
+    ``stall_timeout`` is on: up to 5 s old); None before the first."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ agent and worker moves are drawn in :mod:`torchrunx.events`).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from torchrunx.events import (
@@ -19,7 +19,13 @@ from torchrunx.events import (
 if TYPE_CHECKING:
     from torchrunx.launcher.settings.plan import StartMethod
     from torchrunx.launcher.settings.resolve import HostSlots
-    from torchrunx.wire.messages import AgentHello, WorkerExited, WorkerResult, WorkerSpec
+    from torchrunx.wire.messages import (
+        AgentHello,
+        WorkerExited,
+        WorkerResult,
+        WorkerSpec,
+        WorkerUsage,
+    )
 
 
 OUTCOME_WAIT = 2.0
@@ -176,6 +182,8 @@ class AgentRecord:
     """``"host"``: one of the world's (it runs ranks); ``"spare"``: waits to replace one;
     ``"quarantined"``: it failed, and takes no further part
     (:mod:`torchrunx.launcher.state.spares`)."""
+    usage: dict[int, WorkerUsage] = field(default_factory=dict)
+    """What its running workers use, by pid, from its last heartbeat (``torchrunx top``)."""
 
     @property
     def remote(self) -> bool:
@@ -213,6 +221,8 @@ class RankRecord:
     conn_closed: bool = False
     settle_by: float | None = None
     settled: bool = False
+    collectives: int | None = None
+    """Collectives it completed, from its last :class:`RankProgress` (None: none came)."""
 
     @property
     def has_outcome(self) -> bool:

@@ -293,21 +293,7 @@ class LaunchState:
                 for a in list(self.agents)
             )
         )
-        workers = (
-            ()
-            if not rows
-            else tuple(
-                WorkerHealth(
-                    r.rank,
-                    r.host_index,
-                    self.agent_table.hostname(r),
-                    r.local_rank,
-                    r.pid or None,
-                    r.state,
-                )
-                for r in list(self.ranks)
-            )
-        )
+        workers = () if not rows else tuple(self._worker_health(r) for r in list(self.ranks))
         failures = [*self.history]
         # While a restart stops the workers, its cause goes into the history (not twice).
         if cause is not None and not (self.phase is Phase.RESTARTING and self.progress.stopping):
@@ -328,6 +314,24 @@ class LaunchState:
             workers=workers,
             failures=tuple(failures),
             world_changes=tuple(self.agent_table.world_changes),
+        )
+
+    def _worker_health(self, r: RankRecord) -> WorkerHealth:
+        """One rank's row of the report, with its agent's last figures of its process."""
+        usage = self.agents[r.host_index].usage.get(r.pid) if r.pid else None
+        _, _, cpu, rss, gpu, gpu_memory = usage or (0, 0, None, None, None, None)
+        return WorkerHealth(
+            r.rank,
+            r.host_index,
+            self.agent_table.hostname(r),
+            r.local_rank,
+            r.pid or None,
+            r.state,
+            cpu,
+            rss,
+            gpu,
+            gpu_memory,
+            r.collectives,
         )
 
     def timings(self, connect: tuple[float, ...]) -> LaunchTimings:

@@ -6,8 +6,11 @@ runtime folder (:func:`runtime_dir`: ``$XDG_RUNTIME_DIR/torchrunx``, else
 network port. A connection is served only if the peer's uid (``SO_PEERCRED``) is the launcher's
 own; anything else is closed unread. A served connection gets one JSON line per
 :data:`INTERVAL_S`: the launch's health snapshot (:meth:`HealthReport.to_dict`), what it is
-(its pid, start time, log folder, hosts) and each source's last log line. Reading never changes
-the launch; the socket file is removed when the launch ends.
+(its pid, start time, log folder, hosts), each source's last log line, and the latest answer
+to each kind of request (``looks``: its number, and its text the first time it is sent on that
+connection). A viewer may write a word on its connection to ask for something (the stacks, the
+diagnosis: handed to the ``request`` callback); nothing else it writes is read as a command.
+Reading never changes the launch; the socket file is removed when the launch ends.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import stat
 import struct
@@ -76,6 +80,22 @@ def grouped(
     }
 
 
+def unsent(snapshot: dict[str, Any], sent: dict[str, int]) -> dict[str, Any]:
+    """The snapshot for one connection: the text of an answer (``looks``) sent once only.
+
+    ``sent``: the number of each kind's answer this connection got (updated here).
+    """
+    looks = snapshot.get("looks")
+    if not looks:
+        return snapshot
+    trimmed = {}
+    for kind, look in looks.items():
+        number = look["number"]
+        trimmed[kind] = look if sent.get(kind) != number else {"number": number}
+        sent[kind] = number
+    return {**snapshot, "looks": trimmed}
+
+
 def runtime_dir(environ: dict[str, str] | None = None) -> Path | None:
     """The user's private folder for view sockets, made if missing; None if none is safe.
 
@@ -129,15 +149,23 @@ class ViewServer:
     Args:
         snapshot: Called from the server's threads: the launch's state as plain data.
         info: What the launch is (pid, start, log folder, hosts): sent with every snapshot.
+        request: Called from the server's threads with each word a viewer writes.
     """
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], info: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]],
+        info: dict[str, Any],
+        request: Callable[[str], None] | None = None,
+    ) -> None:
         """Keep what to serve; nothing is opened before :meth:`start`."""
         self._snapshot = snapshot
         self._info = info
+        self._request = request
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.path: Path | None = None
 
@@ -189,22 +217,51 @@ class ViewServer:
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(5.0)  # a viewer that does not read is dropped, never waited on
+        sent: dict[str, int] = {}
+        with self._lock:
+            self._conns.add(conn)
         with conn:
             while True:  # the last snapshot is sent after close(): how the launch ended
                 started = time.monotonic()
                 try:
-                    line = json.dumps({**self._info, **self._snapshot()}, default=str) + "\n"
+                    snapshot = unsent(self._snapshot(), sent)
+                    line = json.dumps({**self._info, **snapshot}, default=str) + "\n"
                     conn.sendall(line.encode())
                 except (OSError, ValueError, RuntimeError):
-                    return
+                    break
                 if self._stop.is_set():
-                    return
+                    break
                 took = time.monotonic() - started
-                self._stop.wait(max(INTERVAL_S - took, took / COST_SHARE - took))
+                if not self._wait(conn, max(INTERVAL_S - took, took / COST_SHARE - took)):
+                    break
+        with self._lock:
+            self._conns.discard(conn)
+
+    def _wait(self, conn: socket.socket, seconds: float) -> bool:
+        """Wait for the next snapshot, taking the viewer's requests; False: the viewer left."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            if not select.select([conn], [], [], left)[0]:
+                break
+            try:
+                data = conn.recv(256)
+            except OSError:
+                return False
+            if not data:  # the viewer left, or close() woke this wait
+                return self._stop.is_set()
+            for word in data.decode(errors="replace").split():
+                if self._request is not None:
+                    self._request(word)
+        return True
 
     def close(self) -> None:
         """Stop serving, remove the socket file, and wait (bounded) for the threads."""
         self._stop.set()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:  # wakes their waits; the last snapshot still goes out
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)
         if self._sock is not None:
             with contextlib.suppress(OSError):  # wakes the accept at once (a close alone does not)
                 self._sock.shutdown(socket.SHUT_RDWR)

@@ -32,8 +32,17 @@ HEADLINE = "torchrunx: where every rank is (the launch goes on; Ctrl-\\ to look 
 class StacksLook:
     """One request for every rank's stacks: the agents asked, what they answered, by when."""
 
-    def __init__(self, agents: list[AgentRecord], now: float) -> None:
-        """Asked of ``agents`` at ``now`` (monotonic)."""
+    def __init__(
+        self,
+        agents: list[AgentRecord],
+        now: float,
+        *,
+        to_terminal: bool = True,
+        to_view: bool = False,
+    ) -> None:
+        """Asked of ``agents`` at ``now`` (monotonic): for the terminal, ``torchrunx top``, both."""
+        self.to_terminal = to_terminal
+        self.to_view = to_view
         self.pending = {agent.index for agent in agents}
         self.deadline = now + ANSWER_WAIT
         self.stacks: dict[int, str] = {}
