@@ -278,7 +278,10 @@ def test_the_live_view_in_a_terminal_shows_a_failure_within_a_second(tmp_path):
     session = f"trx-top-{os.getpid()}"
     try:
         _its_view(launch.pid)
-        command = f"{sys.executable} -m torchrunx top --pid {launch.pid}"
+        # The pane's own size: a COLUMNS or LINES that the suite's environment may carry
+        # (the tmux server passes on its first client's; under pytest COLUMNS=80 was seen) would
+        # make rich draw 80 columns in a 160-column pane.
+        command = f"env -u COLUMNS -u LINES {sys.executable} -m torchrunx top --pid {launch.pid}"
         subprocess.run(
             ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", command],
             check=True,
@@ -502,7 +505,10 @@ def test_the_live_view_of_two_ssh_hosts_shows_use_keys_and_a_failure_within_a_se
 
     try:
         _its_view(launch.pid)
-        command = f"{sys.executable} -m torchrunx top --pid {launch.pid}"
+        # The pane's own size: a COLUMNS or LINES that the suite's environment may carry
+        # (the tmux server passes on its first client's; under pytest COLUMNS=80 was seen) would
+        # make rich draw 80 columns in a 160-column pane.
+        command = f"env -u COLUMNS -u LINES {sys.executable} -m torchrunx top --pid {launch.pid}"
         subprocess.run(
             ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50", command],
             check=True,
