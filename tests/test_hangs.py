@@ -20,6 +20,7 @@ import torchrunx as trx
 from torchrunx.errors import StallError
 from torchrunx.events import Stalled
 from torchrunx.launcher.launch.stalls import ON_DEMAND
+from torchrunx.worker.stallprobe import RECORDER_ENTRIES
 
 STALL = 2.0
 
@@ -258,7 +259,7 @@ def test_the_users_recorder_size_is_kept_and_the_recorder_is_on_otherwise(monkey
         return os.environ.get("TORCH_FR_BUFFER_SIZE")
 
     launcher, _ = _launch(size, workers=1, backend=None)
-    assert launcher.run(size).ranks == ["2000"]
+    assert launcher.run(size).ranks == [str(RECORDER_ENTRIES)]
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "10")
     launcher, _ = _launch(size, workers=1, backend=None)
     assert launcher.run(size).ranks == [None]

@@ -106,6 +106,9 @@ class LaunchPlan:
     stall_timeout: float | None = None
     """Stall detection's timeout in seconds (None: off; :mod:`torchrunx.launcher.launch.stalls`)."""
     on_stall: StallAction = "report"
+    straggler_threshold: float | None = None
+    """Straggler detection's lateness in seconds (None: off;
+    :mod:`torchrunx.launcher.launch.stragglers`)."""
 
     @property
     def quarantines(self) -> bool:
