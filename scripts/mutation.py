@@ -168,6 +168,12 @@ TARGETS: dict[str, Target] = {
         ("tests/test_rules_hangs.py",),
         note="a stalled launch's diagnosis from the ranks' snapshots, and the stragglers",
     ),
+    "stragglers": Target(
+        "torchrunx/launcher/launch/stragglers.py",
+        ("tests/test_rules_stragglers.py",),
+        functions=("check_straggler_threshold", "entries_of", "TimingsRound.*", "StragglerWatch.*"),
+        note="the watch: when it asks, what it compares, whom it names (not the launch's part)",
+    ),
     "memory": Target(
         "torchrunx/agent/memory.py",
         ("tests/test_oom.py", "tests/test_rules_memory.py"),
