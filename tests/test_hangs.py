@@ -334,6 +334,7 @@ def test_ctrl_backslash_adds_the_collective_view_and_the_launch_goes_on(tmp_path
     view = err[err.index(ON_DEMAND) :]
     assert "ranks 0, 2 wait in all_reduce #5 of default_pg ([4] Float)" in view
     assert "  rank 1: " in view and "in sleep_before_all_reduce" in view
+    assert "no straggler: no rank of ranks 0-2 entered most recent collectives last" in view
     assert events == []  # no stall was reported
 
 

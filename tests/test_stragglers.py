@@ -10,6 +10,9 @@ the others.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -42,12 +45,19 @@ def steps(count: int, step: float, slow: int | None, jitter: float) -> list[floa
 
 def _launch(slow: int | None, count: int, jitter: float = 0.0, step: float = STEP, **fields):
     events: list[object] = []
+    on_found = fields.pop("on_found", None)
+
+    def record(event: object) -> None:
+        events.append(event)
+        if on_found is not None and isinstance(event, StragglerFound):
+            on_found.set()
+
     result = trx.launch(
         steps,
         func_args=(count, step, slow, jitter),
         backend="gloo",
         straggler_threshold=fields.pop("straggler_threshold", THRESHOLD),
-        event_handlers=(events.append,),
+        event_handlers=(record,),
         **{"hostnames": ["localhost"], "workers_per_host": 4, **fields},
     )
     found = [e for e in events if isinstance(e, StragglerFound)]
@@ -60,9 +70,16 @@ def _steps_before(result: trx.LaunchResult, when: float) -> int:
     return sum(1 for ended in result.ranks[0] if ended <= when)
 
 
-def test_a_rank_twice_as_slow_is_named_within_20_steps_once_with_a_warning(caplog):
+def test_a_rank_twice_as_slow_is_named_within_20_steps_once_with_a_warning(caplog, capfd):
     caplog.set_level(logging.WARNING, logger="torchrunx.launcher")
-    result, found, finished = _launch(slow=2, count=30)
+    named = threading.Event()
+
+    def look_once_named() -> None:  # Ctrl-\ once it is named: the collective view names it
+        if named.wait(60):
+            os.kill(os.getpid(), signal.SIGQUIT)
+
+    threading.Thread(target=look_once_named, daemon=True).start()
+    result, found, finished = _launch(slow=2, count=30, on_found=named)
     assert [(e.rank, e.hostname) for e in found] == [(2, "localhost")]  # once, while it ran
     event = found[0]
     assert event.text.startswith("rank 2 enters collectives 0.")
@@ -75,6 +92,9 @@ def test_a_rank_twice_as_slow_is_named_within_20_steps_once_with_a_warning(caplo
     assert "on localhost (straggler_threshold=0.05 s)" in warnings[0]
     assert len(result.stragglers) == 1 and result.stragglers[0].startswith("rank 2 enters")
     assert finished.stragglers == result.stragglers
+    err = capfd.readouterr().err
+    view = err[err.index("torchrunx: the collectives every rank is in") :]
+    assert "straggler: rank 2 enters collectives 0." in view
 
 
 def test_a_jittery_healthy_loop_names_nobody():
