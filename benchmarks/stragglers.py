@@ -13,8 +13,8 @@ Each rank sleeps a step's work, then joins an all_reduce of 4 floats (gloo, CPU)
   ``bnode2``, SSH; set up and stopped here, as by the other benchmarks);
 - **jittery loop**: every rank's work is 0.4 s +-50% (uniform), ``--jitter-steps`` steps on
   1 host x 4 (120 steps: about a minute): the ``StragglerFound`` events (target: none). The
-  last rank into each all_reduce is then 0.1 s or more after the median rank about half the
-  time (past the threshold): only being last again and again names a rank.
+  last rank into each all_reduce is then 0.12 s after the median rank on average (past the
+  threshold): only being last again and again names a rank.
 
 It also prints the cost of a rank's answer: reading its recorder (256 entries, the default)
 into the timings it sends, and the size of that answer.

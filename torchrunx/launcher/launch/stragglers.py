@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("torchrunx.launcher")
 
 STRAGGLER_EVERY = 2.0
-"""Seconds between two requests for every rank's timings (each costs a worker about 5 ms)."""
+"""Seconds between two requests for every rank's timings (each costs a worker about 6 ms)."""
 ANSWER_WAIT = 1.0
 """Seconds a request waits for the ranks' answers before it compares what came."""
 OFFSET_SAMPLES = 8
