@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/stragglers.py [--runs 3] [--step 0.15] [--jitter-steps 120]
+    python benchmarks/stragglers.py --smoke   # 1 run, 1 host only, 10 jittery steps (CI)
 
 Each rank sleeps a step's work, then joins an all_reduce of 4 floats (gloo, CPU); the default
 ``straggler_threshold`` (0.1 s) throughout.
@@ -39,6 +40,8 @@ import torchrunx as trx  # noqa: E402
 from torchrunx.events import StragglerFound  # noqa: E402
 
 JITTER_STEP = 0.4
+STEPS = 40
+"""Steps of a slow-rank run (the target is 20)."""
 
 
 def steps(count: int, step: float, slow: int | None, jitter: float) -> dict[str, object]:
@@ -85,7 +88,7 @@ def steps_to_name(runs: int, step: float, slow: int, **fields: object) -> list[f
     """Steps rank 0 had finished when the slow rank was named, each run (inf: never)."""
     counts = []
     for _ in range(runs):
-        found, values = run(40, step, slow, 0.0, **fields)
+        found, values = run(STEPS, step, slow, 0.0, **fields)
         named = [e for e in found if e.rank == slow]
         others = [e.rank for e in found if e.rank != slow]
         if others:
@@ -101,14 +104,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--step", type=float, default=0.15)
     parser.add_argument("--jitter-steps", type=int, default=120)
+    parser.add_argument("--smoke", action="store_true", help="1 run, 1 host, 10 jittery steps")
     args = parser.parse_args()
+    if args.smoke:
+        args.runs, args.jitter_steps = 1, 10
     local = {"hostnames": ["localhost"], "workers_per_host": 4}
     print(
         f"slow rank: work {args.step:g} s a step, {2 * args.step:g} s on the slow rank",
         file=sys.stderr,
     )
     rows = [("1 host x 4", steps_to_name(args.runs, args.step, 2, **local))]
-    reason = cluster_unavailable_reason()
+    reason = "--smoke" if args.smoke else cluster_unavailable_reason()
     if reason:
         print(f"no bench test hosts: {reason}", file=sys.stderr)
     else:
