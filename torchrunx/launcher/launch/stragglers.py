@@ -1,7 +1,7 @@
 r"""Straggler detection: a rank that enters collectives last again and again, named while it runs.
 
-While an attempt's ranks run, :class:`StragglerWatch` asks every live agent, every
-:data:`STRAGGLER_EVERY` seconds, for its workers' collective timings
+While an attempt's ranks run, :class:`Stragglers` (the launch's part) asks every live agent,
+every :data:`STRAGGLER_EVERY` seconds, for its workers' collective timings
 (:class:`~torchrunx.wire.messages.AskTimings`; each worker's probe answers with
 :class:`~torchrunx.wire.messages.RankTimings`, the group, sequence number and creation time of
 its newest collectives, see :mod:`torchrunx.worker.stallprobe`). Once every live rank answered,
@@ -12,6 +12,9 @@ Each rank also sends its timings before its outcome, so that the run's end compa
 collectives too; the ranks named in the run are in ``LaunchFinished.stragglers`` and
 ``LaunchResult.stragglers``. Ctrl-\ (the collective view) adds the stragglers of the entries
 it gathered.
+
+:class:`StragglerWatch` holds what that needs, with no I/O: when to ask, the ranks' latest
+timings, their clocks' offsets, whom it named.
 
 Hosts' clocks differ: each answer carries the worker's clock when it was sent, and the
 launcher's clock when it arrived less that is the offset plus the message's delay; the
