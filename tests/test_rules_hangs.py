@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -555,7 +556,10 @@ def test_rule_collectives_without_a_sequence_number_are_not_compared():
         )
         for rank, times in late.items()
     }
-    assert find_stragglers(unnumbered) == []
+    everything = StragglerRule(max_chance=1.0)  # numbered, they would name rank 1
+    assert find_stragglers(unnumbered, everything) == []
+    numbered = {r: tuple(replace(e, seq=1) for e in es) for r, es in unnumbered.items()}
+    assert [s.rank for s in find_stragglers(numbered, everything)] == [1]
 
 
 def test_rule_a_rank_without_a_clock_offset_has_nothing_taken_off():

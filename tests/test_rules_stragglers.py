@@ -168,3 +168,46 @@ def test_rule_the_collective_view_names_stragglers_or_says_none_is():
         "straggler: rank 2 enters collectives 0.05 s after the median, over the last 10"
     ]
     assert StragglerRule().threshold_s == DEFAULT_STRAGGLER_THRESHOLD
+
+
+def test_rule_a_fresh_watch_has_named_nobody():
+    watch = StragglerWatch(0.1)
+    assert watch.current == () and watch.last_run == () and watch.named == {}
+
+
+def test_rule_the_next_request_is_due_every_few_seconds_after_the_last():
+    watch = StragglerWatch(0.1)
+    watch.run_state(0, 0.0)
+    watch.begin({0}, 2.0)
+    watch.compare([0])
+    assert not watch.due(2.0 + STRAGGLER_EVERY - 0.01)
+    assert watch.due(2.0 + STRAGGLER_EVERY)
+
+
+def test_rule_the_watch_compares_with_its_own_threshold():
+    watch = StragglerWatch(0.5)
+    watch.run_state(0, 0.0)
+    _answer_all(watch, [0, 0, 0, 0.3])
+    assert watch.compare([0, 1, 2, 3]) == []  # 0.3 s late: below 0.5 s (past the default)
+    _answer_all(watch, [0, 0, 0, 0.6])
+    assert [s.rank for s in watch.compare([0, 1, 2, 3])] == [3]
+
+
+def test_rule_the_collective_view_takes_the_clocks_offsets_off_and_says_so_of_two_ranks():
+    def state(late: float) -> RankState:
+        entries = tuple(
+            ("default_pg", i + 1, "all_reduce", (), (), True, int((i + 1 + late) * S), "")
+            for i in range(12)
+        )
+        return RankState(group_formed=True, entries=entries)
+
+    watch = StragglerWatch(0.1)
+    watch.run_state(0, 0.0)
+    watch.answer(3, _timings(0.0, sent=5 * S), received_ns=0)  # rank 3's clock: 5 s ahead
+    states = {0: state(0), 1: state(0), 2: state(0), 3: state(5.0)}
+    assert watch.view_lines(states) == [
+        "no straggler: no rank of ranks 0-3 entered most recent collectives last by 0.1 s"
+    ]
+    assert watch.view_lines({0: state(0), 1: state(0.01)}) == [
+        "no straggler: no rank of ranks 0-1 entered most recent collectives last by 0.1 s"
+    ]
