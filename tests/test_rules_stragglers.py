@@ -105,9 +105,9 @@ def test_rule_a_late_rank_is_named_once_per_run_and_the_run_end_lists_it():
     assert watch.compare([0, 1, 2, 3]) == []  # named already: no second warning
     assert watch.current[0].lateness_s == pytest.approx(0.7)  # but the newest figures
     named = ("rank 3 enters collectives 0.7 s after the median, over the last 10",)
-    assert watch.end_run() == named
+    assert watch.end_run(0) == named
     assert watch.last_run == named and watch.named == {}
-    assert watch.end_run() == ()  # the next run starts afresh
+    assert watch.end_run(0) == ()  # the next run starts afresh
 
 
 def test_rule_nothing_is_compared_until_every_rank_sent_timings():
@@ -211,3 +211,20 @@ def test_rule_the_collective_view_takes_the_clocks_offsets_off_and_says_so_of_tw
     assert watch.view_lines({0: state(0), 1: state(0.01)}) == [
         "no straggler: no rank of ranks 0-1 entered most recent collectives last by 0.1 s"
     ]
+
+
+def test_rule_a_warm_run_compares_only_the_collectives_after_the_last_run_ended():
+    watch = StragglerWatch(0.1)
+    watch.run_state(0, 0.0)
+    _answer_all(watch, [0, 0, 0, 0.5])  # collectives at 1-10 s, rank 3 late
+    assert [s.rank for s in watch.compare([0, 1, 2, 3])] == [3]
+    watch.end_run(10 * S + S // 2)  # the run ended at 10.5 s; the workers stay, same attempt
+    assert watch.latest == {} and watch.since_ns == 10 * S + S // 2
+    _answer_all(watch, [0, 0, 0, 0.5])  # their recorders still hold those collectives
+    assert watch.compare([0, 1, 2, 3]) == []
+    late = [_timings(0.0, steps=20), _timings(0.0, steps=20), _timings(0.0, steps=20)]
+    for rank, timings in enumerate([*late, _timings(0.5, steps=20)]):
+        watch.answer(rank, timings, received_ns=0)  # 10 more, at 11-20 s (10.5 s for rank 3)
+    [found] = watch.compare([0, 1, 2, 3])
+    assert (found.rank, found.window) == (3, 10)  # of the new run's 10 only
+    assert watch.offsets() == {0: 0, 1: 0, 2: 0, 3: 0}

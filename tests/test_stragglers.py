@@ -142,3 +142,17 @@ def test_a_jittery_healthy_loop_on_the_ssh_test_hosts_names_nobody(cluster):
         ssh_config_file=cluster.ssh_config,
     )
     assert found == [] and result.stragglers == ()
+
+
+def test_each_warm_run_names_its_own_stragglers():
+    launcher = trx.Launcher(
+        hostnames=["localhost"],
+        workers_per_host=4,
+        backend="gloo",
+        straggler_threshold=THRESHOLD,
+    )
+    with launcher.warm(keep_workers=True) as warm:
+        slow = warm.run(steps, 12, STEP, 3, 0.0)
+        even = warm.run(steps, 12, STEP, None, 0.0)
+    assert len(slow.stragglers) == 1 and slow.stragglers[0].startswith("rank 3 enters")
+    assert even.stragglers == ()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -116,6 +117,9 @@ class StragglerWatch:
         """The stragglers of the newest comparison (replaced whole: other threads read it)."""
         self.last_run: tuple[str, ...] = ()
         """The ranks named in the run that ended last, as sentences (:meth:`end_run`)."""
+        self.since_ns = 0
+        """When the last run ended (the launcher's wall clock): a warm run's workers that stay
+        keep the last run's collectives in their recorder, which this run does not compare."""
 
     def run_state(self, attempt: int | None, now: float) -> None:
         """The attempt running now (None: none runs); a new one's ranks start afresh."""
@@ -165,17 +169,25 @@ class StragglerWatch:
         wanted = sorted(ranks)
         if self.rule is None or not wanted or any(r not in self.latest for r in wanted):
             return []
-        entries = {rank: self.latest[rank] for rank in wanted}
-        found = find_stragglers(entries, self.rule, self.offsets())
+        offsets = self.offsets()
+        entries = {
+            rank: tuple(
+                e for e in self.latest[rank] if e.created_ns - offsets.get(rank, 0) > self.since_ns
+            )
+            for rank in wanted
+        }
+        found = find_stragglers(entries, self.rule, offsets)
         self.current = tuple(found)
         new = [s for s in found if s.rank not in self.named]
         self.named.update({s.rank: s for s in found})
         return new
 
-    def end_run(self) -> tuple[str, ...]:
-        """The run is over: the ranks named in it, as sentences; the next run starts afresh."""
+    def end_run(self, now_ns: int) -> tuple[str, ...]:
+        """The run is over (at ``now_ns``): the ranks named in it; the next run starts afresh."""
         self.last_run = tuple(str(s) for _, s in sorted(self.named.items()))
         self.named.clear()
+        self.latest.clear()
+        self.since_ns = now_ns
         return self.last_run
 
     def view_lines(self, states: dict[int, RankState]) -> list[str]:
@@ -247,4 +259,4 @@ class Stragglers:
         """The run's end: compare the ranks' last timings; the ranks named in the run."""
         if self.watch.rule is not None:
             self.name(self.watch.compare(r.rank for r in self.state.ranks))
-        return self.watch.end_run()
+        return self.watch.end_run(time.time_ns())
