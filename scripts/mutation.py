@@ -601,6 +601,10 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "for k in range(times, of + 2))",
         "math.comb(of, of + 1) is 0: the extra term adds nothing",
     ),
+    "torchrunx.launcher.launch.stragglers.x\u01c1StragglerWatch\u01c1__init____mutmut_18": (
+        "self.since_ns = 1",
+        "no collective was entered in the first nanosecond of 1970: 0 and 1 exclude the same",
+    ),
     "torchrunx.launcher.launch.stragglers.x\u01c1StragglerWatch\u01c1__init____mutmut_6": (
         'self.attempt: int | None = ""',
         "no attempt runs before the first run_state, which sets it (any value but a number)",

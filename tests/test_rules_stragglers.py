@@ -228,3 +228,32 @@ def test_rule_a_warm_run_compares_only_the_collectives_after_the_last_run_ended(
     [found] = watch.compare([0, 1, 2, 3])
     assert (found.rank, found.window) == (3, 10)  # of the new run's 10 only
     assert watch.offsets() == {0: 0, 1: 0, 2: 0, 3: 0}
+
+
+def test_rule_the_last_runs_end_is_compared_on_each_ranks_own_clock():
+    watch = StragglerWatch(0.1)
+    watch.run_state(0, 0.0)
+    watch.end_run(10 * S + S // 2)
+    # Rank 3's clock is 5 s behind: its collectives at 11-20 s read 6-15 s there.
+    for rank in range(3):
+        watch.answer(rank, _timings(0.0, steps=20), received_ns=0)
+    behind = RankTimings(
+        tuple(
+            (group, seq, created - 5 * S + S // 2)
+            for group, seq, created in _timings(0.0, steps=20).entries
+        ),
+        -5 * S,
+    )
+    watch.answer(3, behind, received_ns=0)
+    [found] = watch.compare([0, 1, 2, 3])
+    assert (found.rank, found.window) == (3, 10)
+    assert found.lateness_s == pytest.approx(0.5)
+
+
+def test_rule_a_collective_entered_as_the_last_run_ended_belongs_to_it():
+    watch = StragglerWatch(0.1)
+    watch.run_state(0, 0.0)
+    watch.end_run(10 * S)  # ranks 0-2 entered collective 10 at exactly 10 s, rank 3 at 10.5 s
+    _answer_all(watch, [0, 0, 0, 0.5], steps=20)
+    [found] = watch.compare([0, 1, 2, 3])
+    assert (found.rank, found.window) == (3, 10)  # 11-20; 10 was the last run's

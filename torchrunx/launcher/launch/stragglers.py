@@ -172,9 +172,9 @@ class StragglerWatch:
         offsets = self.offsets()
         entries = {
             rank: tuple(
-                e for e in self.latest[rank] if e.created_ns - offsets.get(rank, 0) > self.since_ns
+                e for e in self.latest[rank] if e.created_ns - offsets[rank] > self.since_ns
             )
-            for rank in wanted
+            for rank in wanted  # a rank's timings came with its offset (answer)
         }
         found = find_stragglers(entries, self.rule, offsets)
         self.current = tuple(found)
