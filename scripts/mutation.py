@@ -168,6 +168,12 @@ TARGETS: dict[str, Target] = {
         ("tests/test_rules_hangs.py",),
         note="a stalled launch's diagnosis from the ranks' snapshots, and the stragglers",
     ),
+    "stragglers": Target(
+        "torchrunx/launcher/launch/stragglers.py",
+        ("tests/test_rules_stragglers.py",),
+        functions=("check_straggler_threshold", "entries_of", "TimingsRound.*", "StragglerWatch.*"),
+        note="the watch: when it asks, what it compares, whom it names (not the launch's part)",
+    ),
     "memory": Target(
         "torchrunx/agent/memory.py",
         ("tests/test_oom.py", "tests/test_rules_memory.py"),
@@ -591,6 +597,34 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "torchrunx.cli_options.x_typed_arguments__mutmut_36": ("console_outputs=None)", _TYRO),
     "torchrunx.cli_options.x_typed_arguments__mutmut_39": ('args=["--", word], )', _TYRO),
     "torchrunx.cli_options.x_typed_arguments__mutmut_41": ("console_outputs=True)", _TYRO),
+    "torchrunx.launcher.state.hangs.x_chance_of_being_last__mutmut_21": (
+        "for k in range(times, of + 2))",
+        "math.comb(of, of + 1) is 0: the extra term adds nothing",
+    ),
+    "torchrunx.launcher.launch.stragglers.x\u01c1StragglerWatch\u01c1__init____mutmut_18": (
+        "self.since_ns = 1",
+        "no collective was entered in the first nanosecond of 1970: 0 and 1 exclude the same",
+    ),
+    "torchrunx.launcher.launch.stragglers.x\u01c1StragglerWatch\u01c1__init____mutmut_6": (
+        'self.attempt: int | None = ""',
+        "no attempt runs before the first run_state, which sets it (any value but a number)",
+    ),
+    "torchrunx.launcher.launch.stragglers.x\u01c1StragglerWatch\u01c1__init____mutmut_7": (
+        "self.running = None",
+        "read only as a truth value: None is false too",
+    ),
+    "torchrunx.launcher.launch.stragglers.x\u01c1StragglerWatch\u01c1__init____mutmut_9": (
+        "self.next_ask = None",
+        "read only while an attempt runs, and the first run_state sets it",
+    ),
+    "torchrunx.launcher.launch.stragglers.x\u01c1StragglerWatch\u01c1__init____mutmut_10": (
+        "self.next_ask = 1.0",
+        "read only while an attempt runs, and the first run_state sets it",
+    ),
+    "torchrunx.launcher.launch.stragglers.x\u01c1StragglerWatch\u01c1__init____mutmut_11": (
+        'self.round: TimingsRound | None = ""',
+        "the first run_state (a new attempt) sets it to None before anything reads it",
+    ),
     "torchrunx.launcher.state.hangs.x_entry_from_recorder__mutmut_6": (
         'or ("XXXX", "")',
         "the default pair's second name is the one read (a pair has two): the first never is",

@@ -100,3 +100,20 @@ def test_many_hosts_benchmark_smoke_run_with_its_floor():
     assert figures["floor seconds"] > 0, result.stdout
     assert figures["floor cpu_ms_per_host"] > 0, result.stdout
     assert re.search(r"launcher CPU per host over the floor's: [\d.]+x", result.stdout)
+
+
+def test_stragglers_benchmark_smoke_run():
+    """``benchmarks/stragglers.py --smoke``: one slow-rank run and a short jittery loop, 1 host."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "stragglers.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| slow rank")]
+    assert len(rows) == 1 and "1 host x 4 | 1 |" in rows[0], result.stdout
+    assert re.search(r"\| (\d+|inf) \| (\d+|inf) \| <= 20: (met|missed) \|$", rows[0]), rows[0]
+    assert re.search(r"jittery loop .* \| 10 \| \d+ s \| \d+ \|", result.stdout), result.stdout
+    assert re.search(r"a rank's answer: [\d.]+ ms to read 256", result.stdout), result.stdout

@@ -186,6 +186,8 @@ PARSE_FORMS = [
     (["--stall-timeout", "60"], {"stall_timeout": 60.0}),
     (["--stall-timeout", "None"], {"stall_timeout": None}),
     (["--on-stall", "fail"], {"on_stall": "fail"}),
+    (["--straggler-threshold", "0.5"], {"straggler_threshold": 0.5}),
+    (["--straggler-threshold", "None"], {"straggler_threshold": None}),
     (["--start-timeout", "9"], {"start_timeout": 9.0}),
     (["--launcher-address", "10.1.2.3"], {"launcher_address": "10.1.2.3"}),
 ]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import torchrunx as trx
-from torchrunx.commands.logs import launches, rank_files
+from torchrunx.commands.logs import launch_summary, launches, rank_files
 from torchrunx.commands.report import COLORS, render
 
 T0 = 1_000.0
@@ -106,6 +106,24 @@ def test_rule_a_rank_still_running_when_the_events_end_is_drawn_to_the_end(tmp_p
     page = render(tmp_path / "L", events, [], tmp_path)
     assert "attempt 0: running</title>" in page
     assert "no end recorded (running, or killed)" in page
+
+
+def test_rule_a_straggler_is_a_mark_and_the_run_ends_naming_it(tmp_path):
+    events = _events()
+    named = "rank 1 enters collectives 0.3 s after the median, over the last 50 <i>"
+    events.insert(-1, {"event": "StragglerFound", "rank": 1, "text": named, "time": T0 + 1.5})
+    events[-1] = {**events[-1], "stragglers": [named]}
+    page = render(tmp_path / "L", events, [], tmp_path)
+    assert page.count('class="mark"') == 3 and ">straggler</text>" in page
+    assert (
+        '<p class="straggler">straggler: rank 1 enters collectives 0.3 s after the median, over '
+        "the last 50 &lt;i&gt;</p>" in page
+    )
+    events[-1] = {**events[-1], "stragglers": "not a list"}  # a damaged file: nothing named
+    assert 'class="straggler"' not in render(tmp_path / "L", events, [], tmp_path)
+    assert launch_summary(tmp_path / "L", [{**events[-1], "stragglers": [named]}]).endswith(
+        f"failed: ValueError: x; stragglers: {named}"
+    )
 
 
 def _png_pixels(path: Path) -> tuple[int, int, list[bytes]]:

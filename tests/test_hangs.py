@@ -21,6 +21,7 @@ import torchrunx as trx
 from torchrunx.errors import StallError
 from torchrunx.events import Stalled
 from torchrunx.launcher.launch.stalls import ON_DEMAND
+from torchrunx.worker.stallprobe import RECORDER_ENTRIES
 
 STALL = 2.0
 STALL_SSH = 5.0
@@ -262,7 +263,7 @@ def test_the_users_recorder_size_is_kept_and_the_recorder_is_on_otherwise(monkey
         return os.environ.get("TORCH_FR_BUFFER_SIZE")
 
     launcher, _ = _launch(size, workers=1, backend=None)
-    assert launcher.run(size).ranks == ["2000"]
+    assert launcher.run(size).ranks == [str(RECORDER_ENTRIES)]
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "10")
     launcher, _ = _launch(size, workers=1, backend=None)
     assert launcher.run(size).ranks == [None]
@@ -337,6 +338,7 @@ def test_ctrl_backslash_adds_the_collective_view_and_the_launch_goes_on(tmp_path
     view = err[err.index(ON_DEMAND) :]
     assert "ranks 0, 2 wait in all_reduce #5 of default_pg ([4] Float)" in view
     assert "  rank 1: " in view and "in sleep_before_all_reduce" in view
+    assert "no straggler: no rank of ranks 0-2 entered most recent collectives last" in view
     assert events == []  # no stall was reported
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ from torchrunx.launcher.state.hangs import (
     RankSnapshot,
     Straggler,
     StragglerRule,
+    chance_of_being_last,
     diagnose,
     entry_from_recorder,
     find_stragglers,
@@ -524,14 +526,17 @@ def _entered(times_s: dict[int, list[float]], group: str = "g", first: int = 1):
 
 def test_rule_a_straggler_is_named_with_its_exact_lateness_window_and_share():
     # Five shared collectives, the fewest compared: rank 1 enters each one 1 s after rank 0.
-    found = find_stragglers(_entered({0: [10, 20, 30, 40, 50], 1: [11, 21, 31, 41, 51]}))
+    # (Of two ranks, one is last five times in five by a chance of 1/32: not named by default.)
+    times = _entered({0: [10, 20, 30, 40, 50], 1: [11, 21, 31, 41, 51]})
+    assert find_stragglers(times) == []
+    found = find_stragglers(times, StragglerRule(max_chance=1 / 32))
     assert found == [Straggler(1, 0.5, 5, 1.0)]  # 0.5 s after the median of the two
 
 
 def test_rule_a_share_and_a_lateness_exactly_at_the_rule_name_the_rank():
     # Rank 1 is last in 3 of 5 (a share of 0.6), by a median of exactly 0.5 s.
     times = {0: [10, 20, 30, 41, 51], 1: [11, 21, 31, 40, 50]}
-    rule = StragglerRule(threshold_s=0.5, min_share=0.6)
+    rule = StragglerRule(threshold_s=0.5, min_share=0.6, max_chance=1.0)
     assert find_stragglers(_entered(times), rule) == [Straggler(1, 0.5, 5, 0.6)]
 
 
@@ -539,7 +544,7 @@ def test_rule_the_window_is_the_newest_collectives_by_time_not_by_name():
     old = _entered({0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5]}, group="b")  # b: long ago, even
     new = _entered({0: [10, 20, 30, 40, 50], 1: [11, 21, 31, 41, 51]}, group="a")  # a: now
     both = {rank: old[rank] + new[rank] for rank in (0, 1)}
-    assert [s.rank for s in find_stragglers(both, StragglerRule(window=5))] == [1]
+    assert [s.rank for s in find_stragglers(both, StragglerRule(window=5, max_chance=1))] == [1]
 
 
 def test_rule_collectives_without_a_sequence_number_are_not_compared():
@@ -551,13 +556,44 @@ def test_rule_collectives_without_a_sequence_number_are_not_compared():
         )
         for rank, times in late.items()
     }
-    assert find_stragglers(unnumbered) == []
+    everything = StragglerRule(max_chance=1.0)  # numbered, they would name rank 1
+    assert find_stragglers(unnumbered, everything) == []
+    numbered = {r: tuple(replace(e, seq=1) for e in es) for r, es in unnumbered.items()}
+    assert [s.rank for s in find_stragglers(numbered, everything)] == [1]
 
 
 def test_rule_a_rank_without_a_clock_offset_has_nothing_taken_off():
     # Rank 0's clock runs 5 s ahead; after its offset both enter together, and on a tie the
     # higher rank counts as the last one in.
     times = _entered({0: [15, 25, 35, 45, 55], 1: [10, 20, 30, 40, 50]})
-    rule = StragglerRule(threshold_s=0.0)
+    rule = StragglerRule(threshold_s=0.0, max_chance=1.0)
     found = find_stragglers(times, rule, offsets_ns={0: 5 * 10**9})
     assert [(s.rank, s.lateness_s, s.last_share) for s in found] == [(1, 0.0, 1.0)]
+
+
+def test_rule_the_chance_of_being_last_is_a_binomial_tail():
+    assert chance_of_being_last(5, 5, 2) == 1 / 32
+    assert chance_of_being_last(0, 7, 4) == pytest.approx(1.0)
+    assert chance_of_being_last(1, 1, 4) == 0.25
+    assert chance_of_being_last(2, 3, 2) == 0.5  # 3 ways of two, 1 of three, in 8
+    assert chance_of_being_last(8, 10, 4) == pytest.approx(
+        45 * 0.25**8 * 0.75**2 + 10 * 0.25**9 * 0.75 + 0.25**10
+    )
+
+
+def test_rule_a_rank_jitter_made_last_three_times_in_five_is_not_named():
+    # 4 ranks; rank 3 is last in 3 of 5 by 0.5 s: a share of 0.6, but by luck 1 time in 10.
+    times = {0: [10, 20, 30, 40, 50], 1: [10, 20, 30, 40, 50], 2: [10, 20, 30, 41, 51]}
+    times[3] = [11, 21, 31, 40, 50]
+    assert find_stragglers(_entered(times), StragglerRule(threshold_s=0.0)) == []
+    assert chance_of_being_last(3, 5, 4) > StragglerRule().max_chance
+    # The same rank last in all 5: by luck 1 time in 1,024 (below 1/1,000): named.
+    times[3] = [11, 21, 31, 41, 51]
+    found = find_stragglers(_entered(times), StragglerRule(threshold_s=0.0))
+    assert [(s.rank, s.window, s.last_share) for s in found] == [(3, 5, 1.0)]
+
+
+def test_rule_the_chance_at_the_rule_names_the_rank_and_above_it_does_not():
+    times = _entered({0: [10, 20, 30, 40, 50], 1: [11, 21, 31, 41, 51]})
+    assert [s.rank for s in find_stragglers(times, StragglerRule(max_chance=1 / 32))] == [1]
+    assert find_stragglers(times, StragglerRule(max_chance=1 / 33)) == []

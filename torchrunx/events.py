@@ -186,6 +186,26 @@ class Stalled:
 
 
 @dataclass(frozen=True)
+class StragglerFound:
+    """A rank entered most of the recent collectives last, by ``Launcher.straggler_threshold``.
+
+    Once per rank and run, when first named (see docs/debugging.md).
+    """
+
+    rank: int
+    hostname: str
+    lateness: float
+    """Its median lateness after the median rank, in seconds."""
+    window: int
+    """How many collectives every rank recorded were compared (50 at most)."""
+    last_share: float
+    """The share of them it entered last."""
+    text: str
+    """``rank 5 enters collectives 0.9 s after the median, over the last 50``."""
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class HostQuarantined:
     """A host's agent failed or was lost: it takes no further part (spare hosts, ``min_hosts``).
 
@@ -223,6 +243,8 @@ class LaunchFinished:
     duration: float
     """Seconds from the launch's start (a warm run: the run's start), as ``LaunchTimings.total``."""
     error: str | None
+    stragglers: tuple[str, ...] = ()
+    """The ranks named stragglers in this run, one sentence each (``StragglerFound.text``)."""
     time: float = field(default_factory=_now)
 
 
@@ -235,6 +257,7 @@ Event = (
     | Restarting
     | Preempting
     | Stalled
+    | StragglerFound
     | HostQuarantined
     | HostsChanged
     | LaunchFinished

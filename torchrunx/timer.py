@@ -29,10 +29,12 @@ PAGE_SIZE = 512
 _DEADLINE = struct.Struct("=d")  # offset 0: monotonic deadline, 0.0 when no block runs
 _DETAILS = struct.Struct("=dH")  # offset 8: the limit in seconds, then the scope's length
 _SCOPE_OFFSET = _DEADLINE.size + _DETAILS.size
-_SCOPE_MAX = PAGE_SIZE - _SCOPE_OFFSET - 9
+_SCOPE_MAX = PAGE_SIZE - _SCOPE_OFFSET - 17
 ASK_OFFSET = PAGE_SIZE - 9
 """Offset of a ``=Q`` counter the agent raises to ask for the worker's state on a stall
 (:mod:`torchrunx.worker.stallprobe`)."""
+TIMINGS_OFFSET = PAGE_SIZE - 17
+"""Offset of a ``=Q`` counter the agent raises to ask for the worker's collective timings."""
 _USED_OFFSET = PAGE_SIZE - 1  # 1 once the worker used a timer: the agent starts polling
 
 _page: mmap.mmap | None = None

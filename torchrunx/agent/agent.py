@@ -68,7 +68,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, NoReturn
 
-from torchrunx import preemption
+from torchrunx import preemption, timer
 from torchrunx.agent import leftovers
 from torchrunx.agent.attempt import Attempt
 from torchrunx.agent.guardian import fork_agent, missing_pidfds
@@ -84,6 +84,7 @@ from torchrunx.wire import handshake
 from torchrunx.wire.bootstrap import AgentBootstrap
 from torchrunx.wire.messages import (
     AgentHello,
+    AskTimings,
     Preempt,
     PreemptionNotice,
     ShowStacks,
@@ -459,14 +460,22 @@ class Agent:
                 self.current.to_worker(message, payload)
         elif isinstance(message, Preempt):
             self._tell_workers(message.deadline, message.reason)
-        elif isinstance(message, ShowStacks):
-            current = self.current
-            if current is None or self.stopping or not current.group.live():
-                self.link.send(WorkerStacks({}, shown=True))  # no worker runs here now
-            else:
-                current.show_stacks()
-                for worker in current.group.live() if message.states else ():
-                    stallprobe.ask(worker.page)  # and its RankState, on its channel
+        elif isinstance(message, ShowStacks | AskTimings):
+            self._ask_workers(message)
+
+    def _ask_workers(self, message: ShowStacks | AskTimings) -> None:
+        """The launcher asks for the live workers' stacks (and states), or their timings."""
+        current = self.current
+        live = [] if current is None or self.stopping else current.group.live()
+        if isinstance(message, AskTimings):
+            for worker in live:
+                stallprobe.ask(worker.page, timer.TIMINGS_OFFSET)  # RankTimings, on its channel
+        elif current is None or not live:
+            self.link.send(WorkerStacks({}, shown=True))  # no worker runs here now
+        else:
+            current.show_stacks()
+            for worker in live if message.states else ():
+                stallprobe.ask(worker.page)  # and its RankState, on its channel
 
     def _on_stop(self, message: Stop) -> None:
         if message.restart and self.waiting:

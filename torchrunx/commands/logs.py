@@ -175,6 +175,9 @@ def launch_summary(folder: Path, events: Sequence[Mapping[str, object]]) -> str:
         state = f"succeeded in {finished.get('duration', 0):.1f} s"
     else:
         state = f"failed: {finished.get('error')}"
+    stragglers = _items(finished.get("stragglers") if finished else None)
+    if stragglers:
+        state += "; stragglers: " + "; ".join(str(s) for s in stragglers)
     shown = ", ".join(str(h) for h in _items(hosts)) or "hosts unknown"
     return f"{folder.name}  [{shown}]  {state}"
 

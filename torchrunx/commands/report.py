@@ -40,6 +40,7 @@ MARKS = {
     "HostQuarantined": ("#9467bd", "quarantined"),
     "Preempting": ("#8c564b", "preempted"),
     "Stalled": ("#bcbd22", "stalled"),
+    "StragglerFound": ("#e377c2", "straggler"),
 }
 """Events drawn as a line across the timeline: their color and label."""
 WIDTH, LABEL, ROW = 960, 190, 18
@@ -150,6 +151,12 @@ def _timeline(events: Sequence[Mapping[str, object]], t0: float, end: float) -> 
     return "".join(parts)
 
 
+def _listed(event: Mapping[str, object] | None, key: str) -> list[object]:
+    """An event's list-valued field (empty if the event or the list is missing)."""
+    value = None if event is None else event.get(key)
+    return value if isinstance(value, list) else []
+
+
 def _timings(events: Sequence[Mapping[str, object]], t0: float) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     for event in events:
@@ -224,6 +231,10 @@ def render(
         f"<style>{STYLE}</style></head><body>",
         f"<h1>Launch {html.escape(folder.name)}</h1>",
         f'<p id="outcome">{outcome}; hosts: {html.escape(hosts)}; attempts: {attempts}</p>',
+        *(
+            f'<p class="straggler">straggler: {html.escape(str(text))}</p>'
+            for text in _listed(finished, "stragglers")
+        ),
         "<h2>Timeline</h2>",
         '<p class="legend">'
         + "".join(

@@ -20,16 +20,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path  # noqa: TC003 (tyro reads the field types)
 from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 
 import tyro
 
 from torchrunx import plugins, serialization
-from torchrunx.engines.ssh import read_ssh_config
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
     check_env_fields,
@@ -43,6 +41,10 @@ from torchrunx.launcher.dryrun import describe_launch
 from torchrunx.launcher.launch.orchestrator import Launch
 from torchrunx.launcher.launch.preempt import default_grace, sigterm_preempts
 from torchrunx.launcher.launch.stalls import DEFAULT_STALL_TIMEOUT, check_stall_fields
+from torchrunx.launcher.launch.stragglers import (
+    DEFAULT_STRAGGLER_THRESHOLD,
+    check_straggler_threshold,
+)
 from torchrunx.launcher.settings.plan import (
     Backend,
     LaunchPlan,
@@ -54,6 +56,7 @@ from torchrunx.launcher.settings.plan import (
 )
 from torchrunx.launcher.settings.reach import (
     check_container,
+    check_files,
     check_python,
     check_python_hosts,
     check_ship,
@@ -118,10 +121,9 @@ the GPUs of each host with "gpu" (an error for a host without any), its CPU core
 or the default "auto" (a hostfile's or scheduler's slots, else GPUs, else CPU cores)."""
 
     agent_start: str = "auto"
-    """How agents start, a transport: "ssh"; "srun", a job step per node of the allocation;
-the engines' "ray" and "kubectl:namespace=NS"; or "auto", the host provider's own, else srun in
-an allocation whose nodes are the hosts, else ssh. With ssh and srun, this machine's agent is
-a plain subprocess."""
+    """How agents start, a transport: "ssh"; "srun", a job step per node of the allocation; the
+engines' "ray" and "kubectl:namespace=NS"; or "auto": the host provider's own, else srun in an
+allocation whose nodes are the hosts, else ssh (this machine's agent: a plain subprocess)."""
 
     ssh_config_file: str | Path | None = None
     """SSH config for reaching hosts; None: ~/.ssh/config if it exists."""
@@ -132,8 +134,7 @@ else gloo (one choice for the whole launch, from the GPUs each agent counts); No
 group. With nccl each worker's current CUDA device is LOCAL_RANK's GPU, bound to the group."""
 
     timeout: float = 600
-    """Process-group timeout in seconds (for collectives and process-group set-up); a
-fraction such as 1.5 is fine."""
+    """Process-group timeout in seconds, for collectives and the group's set-up (1.5 is fine)."""
 
     isolate_gpus: bool = False
     """False: every worker sees every GPU of its host and LOCAL_RANK picks one, as under
@@ -156,9 +157,8 @@ dict of names and values, as in torchrunx 0.4)."""
     """A bash file sourced on every host before the agent starts (after copied variables)."""
 
     launcher_address: str | None = None
-    """Address remote agents connect back to; None: $TORCHRUNX_LAUNCHER_ADDR if set, else the
-local address of each SSH connection (srun agents: this machine's address on the route to
-their node)."""
+    """Address remote agents connect back to; None: $TORCHRUNX_LAUNCHER_ADDR if set, else each SSH
+connection's local address (srun agents: this machine's address on the route to their node)."""
 
     relay: Literal["off", "auto", "on"] = "off"
     """Carry remote agents' and workers' connections to the launcher over each agent's own
@@ -201,6 +201,10 @@ rank's flight recorder and stacks are read and a diagnosis shown (docs/debugging
     on_stall: StallAction = "report"
     """After a stall's diagnosis: "report" (keep waiting), "fail" (raise StallError), or the
 workers "restart" as after a failure (it needs max_restarts, and "timeouts" in restart_on)."""
+
+    straggler_threshold: float | None = DEFAULT_STRAGGLER_THRESHOLD
+    """Name a rank that enters most collectives last, this many seconds after the median rank or
+more: a warning, a StragglerFound event, LaunchResult.stragglers (docs/debugging.md); None: off."""
 
     max_restarts: int = 0
     """Restart the whole worker group, on the same agents, up to this many times after a
@@ -313,6 +317,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             launch.state.restarts,
             launch.session.timings(),
             world_changes=tuple(launch.state.agent_table.world_changes),
+            stragglers=launch.session.stragglers.watch.last_run,
         )
 
     def warm(self, *, keep_workers: bool = False) -> WarmLauncher:
@@ -385,6 +390,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             requeue=self.requeue_on_preemption,
             stall_timeout=self.stall_timeout,
             on_stall=self.on_stall,
+            straggler_threshold=self.straggler_threshold,
             env=self.exported_env(),
             workers_per_host=self.workers_per_host,
             backend=self.backend,
@@ -438,13 +444,14 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         check_log_fields(self.log_handlers, self.console_ranks)
         _validate_restarts(self.max_restarts, self.restart_on)
         check_stall_fields(self.stall_timeout, self.on_stall, self.max_restarts)
+        check_straggler_threshold(self.straggler_threshold)
         _validate_resilience(self)
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
         health_details_from_env()  # raises ValueError for a bad TORCHRUNX_HEALTH_CHECK_DETAILS
         log_level_from_env()  # raises ValueError for a bad TORCHRUNX_LOG_LEVEL
         check_debug_env()  # and for a bad TORCHRUNX_POST_MORTEM or TORCHRUNX_DEBUGPY
-        _validate_files(self.env_file, self.ssh_config_file)
+        check_files(self.env_file, self.ssh_config_file)
 
     def set_logging_handlers(self, handler_factory: LogHandlers) -> Launcher:
         """Set :attr:`log_handlers` as torchrunx 0.4 did; returns this launcher.
@@ -511,16 +518,6 @@ def launch(
     refuse_renamed("launch()", launcher_fields)
     launcher = Launcher(**launcher_fields)
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
-
-
-def _validate_files(env_file: str | Path | None, ssh_config_file: str | Path | None) -> None:
-    if env_file is not None and not Path(env_file).expanduser().is_file():
-        raise ValueError(f"env_file {str(env_file)!r} does not exist or is not a file")
-    if ssh_config_file is not None:
-        path = Path(ssh_config_file).expanduser()
-        if not path.is_file() or not os.access(path, os.R_OK):
-            raise ValueError(f"ssh_config_file {str(path)!r} does not exist or is not readable")
-        read_ssh_config(path)  # a syntax error is reported now, before any host is touched
 
 
 def _validate_resilience(self: Launcher) -> None:

@@ -146,6 +146,7 @@ class _Agents:
             self._timings,
             fresh_workers=self.launch.state.fresh_workers,
             world_changes=tuple(self.launch.state.agent_table.world_changes),
+            stragglers=self.launch.session.stragglers.watch.last_run,
         )
 
     # -- between two runs ---------------------------------------------------------------------

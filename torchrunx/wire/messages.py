@@ -83,6 +83,9 @@ class WorkerSpec:
     progress_every: float | None = None
     """``Launcher.stall_timeout`` is on: each worker says :class:`RankProgress` at most this
     often, and answers a stalled launch's request with its :class:`RankState`."""
+    stragglers: bool = False
+    """``Launcher.straggler_threshold`` is on: each worker sends its :class:`RankTimings`
+    before its outcome (the probe runs then, ``progress_every`` set)."""
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,24 @@ class RankState:
 WorkerUsage: TypeAlias = tuple[int, int, float | None, int, int | None, int | None]
 """One worker's use of its host: ``(local_rank, pid, cpu_percent, rss_bytes, gpu_percent,
 gpu_memory_bytes)``; None where not known (see :mod:`torchrunx.agent.usage`)."""
+
+
+@dataclass(frozen=True)
+class AskTimings:
+    """Launcher: have each live worker send its :class:`RankTimings` (straggler detection)."""
+
+
+@dataclass(frozen=True)
+class RankTimings:
+    """Worker: when it entered its recent collectives (see :mod:`torchrunx.worker.stallprobe`).
+
+    ``entries``: the newest of its flight recorder, oldest first, each ``(group, seq,
+    created_ns)`` (its wall clock); ``sent_ns``: its wall clock when it sent them, from which
+    the launcher estimates the offset of the worker's clock from its own.
+    """
+
+    entries: tuple[tuple[str, int, int], ...]
+    sent_ns: int
 
 
 @dataclass(frozen=True)
@@ -408,6 +429,8 @@ Message = (
     | DebugpyListening
     | RankProgress
     | RankState
+    | AskTimings
+    | RankTimings
 )
 """Every message; a frame's header is one of these, and nothing else."""
 _MESSAGE_TYPES: tuple[type[Message], ...] = typing.get_args(Message)
@@ -421,6 +444,7 @@ WorkerMessage = (
     | DirectOutcome
     | RankProgress
     | RankState
+    | RankTimings
 )
 """What a worker may send on its channel (forwarded by its agent inside :class:`FromWorker`)."""
 WORKER_MESSAGE_TYPES: tuple[type[WorkerMessage], ...] = typing.get_args(WorkerMessage)

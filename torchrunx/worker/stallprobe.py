@@ -12,7 +12,11 @@ A daemon thread of the worker (started when ``Launcher.stall_timeout`` is on) wa
   when the launch looks stalled, and answers with :class:`RankState`: the recorder's recent
   entries (without their C++ stack traces, whose symbolizing takes seconds), whether the
   default process group exists, the innermost frame of the user's code in the main thread,
-  and the Python stacks of all threads.
+  and the Python stacks of all threads;
+- reads a second counter, raised when the launcher looks for stragglers (every
+  ``STRAGGLER_EVERY`` seconds, :mod:`torchrunx.launcher.launch.stragglers`), and answers with
+  :class:`RankTimings`: the group, sequence number and creation time of its newest
+  :data:`TIMINGS` collectives, nothing else (:func:`timings`; also sent before each outcome).
 
 A thread can answer while the main thread waits in a collective, sleeps or blocks on a lock
 (each releases the GIL); one that holds the GIL for good is named by the launcher as not
@@ -34,17 +38,21 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from torchrunx import stall, timer
-from torchrunx.wire.messages import RankProgress, RankState
+from torchrunx.wire.messages import RankProgress, RankState, RankTimings
 
 if TYPE_CHECKING:
     from torchrunx.wire.channel import ChannelConnection
 
 POLL = 0.1
 """Seconds between two looks at the progress and the agent's request."""
-RECORDER_ENTRIES = 2000
-"""``TORCH_FR_BUFFER_SIZE`` set for the workers unless the user set a size."""
+RECORDER_ENTRIES = 256
+"""``TORCH_FR_BUFFER_SIZE`` set for the workers unless the user set a size: reading the
+recorder costs about 18 us per entry it holds (36 ms at 2,000), and a look uses the newest."""
 RECENT = 64
 """The newest recorder entries sent in a :class:`RankState`."""
+TIMINGS = 100
+"""The newest recorder entries sent in a :class:`RankTimings` (the launcher compares 50 that
+every rank has: the rest covers ranks asked a poll apart in a fast loop)."""
 _ASK = struct.Struct("=Q")
 _OWN_CODE = ("/torch/", "/torchrunx/", "<frozen ", "/threading.py", "/selectors.py")
 
@@ -56,10 +64,13 @@ def recorder_env(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
     return {"TORCH_FR_BUFFER_SIZE": str(RECORDER_ENTRIES)}
 
 
-def ask(page: Any) -> None:  # noqa: ANN401 (an mmap)
-    """The agent's side: ask the worker behind ``page`` for its :class:`RankState`."""
-    (count,) = _ASK.unpack_from(page, timer.ASK_OFFSET)
-    _ASK.pack_into(page, timer.ASK_OFFSET, count + 1)
+def ask(page: Any, offset: int = timer.ASK_OFFSET) -> None:  # noqa: ANN401 (an mmap)
+    """The agent's side: ask the worker behind ``page`` for its :class:`RankState`.
+
+    ``offset``: :data:`torchrunx.timer.TIMINGS_OFFSET` asks for its :class:`RankTimings`.
+    """
+    (count,) = _ASK.unpack_from(page, offset)
+    _ASK.pack_into(page, offset, count + 1)
 
 
 def user_frame(frame: Any) -> str:  # noqa: ANN401 (a frame)
@@ -153,6 +164,20 @@ def state(main: threading.Thread) -> RankState:
     return RankState(formed, tuple(entries), where, "".join(stacks))
 
 
+def timings() -> RankTimings:
+    """This worker's :class:`RankTimings`: its newest numbered collectives' creation times."""
+    numbered = [
+        e for e in _recorder(entries=True).get("entries") or () if e.get("collective_seq_id")
+    ]
+    numbered.sort(key=lambda e: e.get("time_created_ns") or 0)
+    entries = []
+    for raw in numbered[-TIMINGS:]:
+        group = raw.get("process_group") or ("", "")
+        name = str(group[1] if len(group) > 1 else group[0])
+        entries.append((name, int(raw["collective_seq_id"]), int(raw.get("time_created_ns") or 0)))
+    return RankTimings(tuple(entries), time.time_ns())
+
+
 class StallProbe(threading.Thread):
     """The worker's thread (see the module)."""
 
@@ -167,6 +192,7 @@ class StallProbe(threading.Thread):
         """Poll until the process ends (a daemon thread), or the channel fails."""
         page = timer.current_page()
         asked = 0 if page is None else _ASK.unpack_from(page, timer.ASK_OFFSET)[0]
+        timed = 0 if page is None else _ASK.unpack_from(page, timer.TIMINGS_OFFSET)[0]
         seen = (stall.calls(), completed())
         next_send = 0.0
         moved = False
@@ -178,6 +204,10 @@ class StallProbe(threading.Thread):
                     if count != asked:
                         asked = count
                         self.conn.send(state(self.main))
+                    (count,) = _ASK.unpack_from(page, timer.TIMINGS_OFFSET)
+                    if count != timed:
+                        timed = count
+                        self.conn.send(timings())
                 now_seen = (stall.calls(), completed())
                 moved = moved or now_seen != seen
                 seen = now_seen

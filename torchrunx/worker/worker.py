@@ -354,12 +354,19 @@ def _call(  # noqa: PLR0913 (what one call needs)
         pickle_seconds=pickled - function_ended,
         sent_at=time.time(),
     )
+    _timings_first(outcomes, spec)
     outcomes.send(timings, parts)
     if spec.keep:
         return None
     outcomes.conn.close()
     _destroy_process_group()
     return 0
+
+
+def _timings_first(outcomes: _Outcomes, spec: WorkerSpec) -> None:
+    """Before a result: the rank's collective timings, for the straggler summary, if it is on."""
+    if spec.stragglers and spec.progress_every is not None:  # the probe runs: the recorder too
+        outcomes.conn.send(stallprobe.timings())
 
 
 def _next_call(conn: ChannelConnection) -> list[bytearray] | None:

@@ -84,6 +84,7 @@ class Dispatch:
             )
         master_addr, master_port = self.master_address()
         debugger = session.debugger
+        stragglers = plan.straggler_threshold is not None
         offset = 0
         for position, agent in enumerate(st.world):
             assert agent.hello is not None  # noqa: S101 (all hellos are in)
@@ -108,7 +109,8 @@ class Dispatch:
                 post_mortem=debugger.post_mortem,
                 debugpy=debugger.debugpy,
                 preemption_grace=plan.preemption_grace,
-                progress_every=progress_every(plan.stall_timeout),
+                progress_every=progress_every(plan.stall_timeout, stragglers=stragglers),
+                stragglers=stragglers,
             )
             st.current.assign(agent, spec)
             if agent.index not in self._logged:  # its files and consoles, once

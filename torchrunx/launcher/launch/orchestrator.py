@@ -429,6 +429,7 @@ class Launch:
                 attempts=st.restarts + 1,
                 duration=time.monotonic() - st.run_started,
                 error=None if error is None else summary(error),
+                stragglers=self.session.stragglers.end_run(),
             )
         )
 

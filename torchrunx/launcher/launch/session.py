@@ -36,6 +36,7 @@ from torchrunx.events import AgentState, EventSink, Preempting, Stalled
 from torchrunx.launcher.launch.inbox import Inbox
 from torchrunx.launcher.launch.outward import DebugpyForwards, LiveView
 from torchrunx.launcher.launch.stalls import ON_DEMAND, StallWatch, stall_note
+from torchrunx.launcher.launch.stragglers import Stragglers
 from torchrunx.launcher.net.ioloop import IOLoop
 from torchrunx.launcher.net.listener import Listener, NetEvent
 from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
@@ -61,6 +62,7 @@ from torchrunx.wire.messages import (
     Heartbeat,
     Preempt,
     RankProgress,
+    RankTimings,
     ShowStacks,
 )
 
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.launch.stalls import LookReason
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import Starter
+    from torchrunx.launcher.state.hangs import Straggler
     from torchrunx.launcher.state.results import LaunchTimings
     from torchrunx.wire.messages import RankState
 
@@ -153,8 +156,7 @@ class LaunchLoop:
         )
         self.health: HealthServer | None = None
         self.view = LiveView(self)
-        self._next_tick = 0.0
-        self._next_beat = 0.0
+        self._next_tick = self._next_beat = 0.0
         self._interrupt: tuple[object, BaseException] | None = None
         """A run's token and the error raised in it at its next wake-up (:meth:`interrupt`)."""
         self.run_token: object = None
@@ -170,6 +172,8 @@ class LaunchLoop:
         self.inbox.on_shown = self._on_shown
         self.stalls = StallWatch(plan.stall_timeout, plan.on_stall, armed=plan.backend is not None)
         """Stall detection (``stall_timeout``): its clock, and its look at every rank."""
+        self.stragglers = Stragglers(plan, self.state, self.inbox, self.sink)
+        """Straggler detection (``straggler_threshold``): its requests, whom it named."""
         self.inbox.on_preempt = self.preempt
         self.debugger = Debugger(
             self.loop,
@@ -265,8 +269,11 @@ class LaunchLoop:
             self.look.answer(agent, stacks)
         self.stalls.answer_stacks(agent, stacks)
 
-    def _on_rank(self, rank: int, message: RankProgress | RankState) -> None:
+    def _on_rank(self, rank: int, message: RankProgress | RankState | RankTimings) -> None:
         now = time.monotonic()
+        if isinstance(message, RankTimings):
+            self.stragglers.watch.answer(rank, message, time.time_ns())
+            return
         if isinstance(message, RankProgress):
             self.state.current.collectives_done(rank, message.collectives)
         self.stalls.note(rank, message, now, self.debugger.paused(now))
@@ -318,7 +325,8 @@ class LaunchLoop:
                 self.view.show_diagnosis("\n".join([VIEW_HEADLINE, *report.view]))
                 return
             if look.why == "on demand":
-                print_look("\n".join([ON_DEMAND, *report.view]) + "\n")
+                found = self.stragglers.watch.view_lines(look.states)
+                print_look("\n".join([ON_DEMAND, *report.view, *found]) + "\n")
                 return
             report.write(self.logs.log_dir)
             self.view.stall = f"{report.headline}\n{report.text}"
@@ -328,6 +336,10 @@ class LaunchLoop:
                 self.interrupt(error, self.run_token)
             elif stalls.action == "restart":
                 self.inbox.emit(st.current.add_fault("hang", error, time.time()))
+
+    def current_stragglers(self) -> tuple[Straggler, ...]:
+        """The stragglers of the newest comparison (any thread may call it; it reads only)."""
+        return self.stragglers.watch.current
 
     def run_until(
         self, done: Callable[[], bool], deadline: float | None, *, interruptible: bool = True
@@ -371,6 +383,7 @@ class LaunchLoop:
         if self._want_stacks or self.look is not None:
             self._look(now)
         self._watch_stalls(now)
+        self.stragglers.turn(now)
         if now >= self._next_tick:
             self._tick(now)
             self._next_tick = now + TICK
@@ -383,6 +396,7 @@ class LaunchLoop:
             None if self.look is None else self.look.deadline,
             None if self.stalls.look is None else self.stalls.look.deadline,
             self.stalls.next_due(self.debugger.paused(now)),
+            self.stragglers.watch.next_due(),
         )
         self.loop.run_once(max(0.0, (wake or now) - now))
         self.apply_queue()

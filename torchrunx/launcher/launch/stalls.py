@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 from torchrunx.launcher.net.listener import FrameReceived
 from torchrunx.launcher.state.hangs import CollectiveEntry, RankSnapshot, diagnose, render
 from torchrunx.launcher.state.reports import stacks_note
-from torchrunx.wire.messages import FromWorker, RankProgress, RankState
+from torchrunx.wire.messages import FromWorker, RankProgress, RankState, RankTimings
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -49,8 +49,10 @@ ON_DEMAND = "torchrunx: the collectives every rank is in (Ctrl-\\; the launch go
 HEADLINE = "torchrunx: no rank made progress for {seconds:.3g} s (stall_timeout): the diagnosis"
 
 
-def stall_note(event: object, inbox: Inbox) -> tuple[int, RankProgress | RankState] | None:
-    """A rank's progress or state in an event of the launch's queue: its rank and message.
+def stall_note(
+    event: object, inbox: Inbox
+) -> tuple[int, RankProgress | RankState | RankTimings] | None:
+    """A rank's progress, state or timings in an event of the launch's queue: rank, message.
 
     Read here, before the inbox (which takes any other message of a worker's), from a worker
     whose channel is open; None for every other event (the inbox applies those).
@@ -58,7 +60,7 @@ def stall_note(event: object, inbox: Inbox) -> tuple[int, RankProgress | RankSta
     if not isinstance(event, FrameReceived) or not isinstance(event.message, FromWorker):
         return None
     inner = event.message.message
-    if not isinstance(inner, RankProgress | RankState):
+    if not isinstance(inner, RankProgress | RankState | RankTimings):
         return None
     channel = inbox.channels.get((event.peer.ident, event.message.local_rank))
     owner = None if channel is None else inbox.owners.get(channel.ident)
@@ -70,9 +72,15 @@ def stall_note(event: object, inbox: Inbox) -> tuple[int, RankProgress | RankSta
     return owner[1], inner
 
 
-def progress_every(stall_timeout: float | None) -> float | None:
-    """How often a worker may say it progressed: a fifth of the timeout, 5 s at most."""
-    return None if stall_timeout is None else min(5.0, stall_timeout / 5)
+def progress_every(stall_timeout: float | None, *, stragglers: bool = False) -> float | None:
+    """How often a worker may say it progressed: a fifth of the timeout, 5 s at most.
+
+    None (no probe in the workers) when stall detection is off, unless ``stragglers`` are
+    looked for (the probe answers for both; its progress is then not read).
+    """
+    if stall_timeout is None:
+        return 5.0 if stragglers else None
+    return min(5.0, stall_timeout / 5)
 
 
 def check_stall_fields(stall_timeout: object, on_stall: object, restarts: object) -> None:

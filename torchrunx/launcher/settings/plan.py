@@ -137,6 +137,9 @@ class LaunchPlan:
     on_stall: StallAction = "report"
     preload: tuple[str, ...] = field(default_factory=preload_from_env)
     """Modules each agent imports before it forks its workers (``TORCHRUNX_PRELOAD``)."""
+    straggler_threshold: float | None = None
+    """Straggler detection's lateness in seconds (None: off;
+    :mod:`torchrunx.launcher.launch.stragglers`)."""
 
     @property
     def quarantines(self) -> bool:

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchrunx.engines.ssh import read_ssh_config
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -193,6 +195,21 @@ def package_root(bundle: Bundle | None) -> str:
     from torchrunx.engines.ship import lib_entry  # noqa: PLC0415 (pathspec: only when shipping)
 
     return lib_entry(bundle) or bundle.place(root) or root
+
+
+def check_files(env_file: str | Path | None, ssh_config_file: str | Path | None) -> None:
+    """``env_file`` and ``ssh_config_file`` exist, can be read, and the SSH config parses.
+
+    Raises:
+        ValueError: Either is missing or unreadable.
+    """
+    if env_file is not None and not Path(env_file).expanduser().is_file():
+        raise ValueError(f"env_file {str(env_file)!r} does not exist or is not a file")
+    if ssh_config_file is not None:
+        path = Path(ssh_config_file).expanduser()
+        if not path.is_file() or not os.access(path, os.R_OK):
+            raise ValueError(f"ssh_config_file {str(path)!r} does not exist or is not readable")
+        read_ssh_config(path)  # a syntax error is reported now, before any host is touched
 
 
 def check_container(container: object) -> None:

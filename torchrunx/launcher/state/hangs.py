@@ -23,6 +23,7 @@ recorder entry into a :class:`CollectiveEntry`), the launcher gathers them and p
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -277,8 +278,21 @@ class StragglerRule:
     """Its median lateness after the median rank must be at least this."""
     min_share: float = 0.6
     """It must have entered at least this share of them last."""
+    max_chance: float = 1e-3
+    """And so often that a rank of a healthy loop, where each rank is as likely to be last, is
+    last that often or more with a chance below this (:func:`chance_of_being_last`): in a
+    short window, a share alone names a rank that jitter made last three times in five."""
     min_window: int = 5
     """Fewer shared collectives than this name nobody."""
+
+
+def chance_of_being_last(times: int, of: int, ranks: int) -> float:
+    """The chance that a rank is last in ``times`` or more of ``of`` collectives, by luck.
+
+    Each of ``ranks`` ranks is as likely to be last: a binomial tail.
+    """
+    p = 1 / ranks
+    return sum(math.comb(of, k) * p**k * (1 - p) ** (of - k) for k in range(times, of + 1))
 
 
 def find_stragglers(
@@ -286,7 +300,7 @@ def find_stragglers(
     rule: StragglerRule | None = None,
     offsets_ns: dict[int, int] | None = None,
 ) -> list[Straggler]:
-    """The ranks that entered most of the newest shared collectives last (see ``rule``).
+    """The ranks that entered most of the newest shared collectives last, late (see ``rule``).
 
     A collective counts when every rank of ``entries`` recorded it (same group and sequence
     number). ``offsets_ns``: each rank's clock minus the launcher's, taken off its times
@@ -320,6 +334,7 @@ def find_stragglers(
     for rank in sorted(entries):
         share = last_count[rank] / len(recent)
         lateness = statistics.median(late[rank])
-        if share >= rule.min_share and lateness >= rule.threshold_s:
+        chance = chance_of_being_last(last_count[rank], len(recent), len(entries))
+        if share >= rule.min_share and chance <= rule.max_chance and lateness >= rule.threshold_s:
             found.append(Straggler(rank, lateness, len(recent), share))
     return found
