@@ -65,6 +65,22 @@ def _launch(slow: int | None, count: int, jitter: float = 0.0, step: float = STE
     return result, found, finished
 
 
+def _view_marks() -> dict[int, bool]:
+    """Each rank's ``straggler`` field in a snapshot of this process's launch view."""
+    import json
+    import socket
+
+    from torchrunx.commands.top import find_views
+    from torchrunx.launcher.view.view_server import runtime_dir
+
+    [view] = [v for v in find_views(runtime_dir()) if v.name.startswith(f"{os.getpid()}-")]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(view))
+        snapshot = json.loads(sock.makefile("rb").readline())
+    return {w["rank"]: w["straggler"] for w in snapshot["report"]["workers"]}
+
+
 def _steps_before(result: trx.LaunchResult, when: float) -> int:
     """How many steps rank 0 had finished at ``when``."""
     return sum(1 for ended in result.ranks[0] if ended <= when)
@@ -74,9 +90,12 @@ def test_a_rank_twice_as_slow_is_named_within_20_steps_once_with_a_warning(caplo
     caplog.set_level(logging.WARNING, logger="torchrunx.launcher")
     named = threading.Event()
 
+    marks: list[dict[int, bool]] = []
+
     def look_once_named() -> None:  # Ctrl-\ once it is named: the collective view names it
         if named.wait(60):
             os.kill(os.getpid(), signal.SIGQUIT)
+            marks.append(_view_marks())  # and torchrunx top's mark column
 
     threading.Thread(target=look_once_named, daemon=True).start()
     result, found, finished = _launch(slow=2, count=30, on_found=named)
@@ -92,6 +111,7 @@ def test_a_rank_twice_as_slow_is_named_within_20_steps_once_with_a_warning(caplo
     assert "on localhost (straggler_threshold=0.05 s)" in warnings[0]
     assert len(result.stragglers) == 1 and result.stragglers[0].startswith("rank 2 enters")
     assert finished.stragglers == result.stragglers
+    assert marks == [{0: False, 1: False, 2: True, 3: False}]
     err = capfd.readouterr().err
     view = err[err.index("torchrunx: the collectives every rank is in") :]
     assert "straggler: rank 2 enters collectives 0." in view

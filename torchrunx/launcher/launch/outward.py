@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.net.ioloop import IOLoop
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import AgentPool
+    from torchrunx.launcher.state.hangs import Straggler
     from torchrunx.launcher.state.health import HealthReport
     from torchrunx.launcher.state.state import LaunchState
     from torchrunx.launcher.view.debugger import Debugger
@@ -45,6 +46,10 @@ class LaunchLoop(Protocol):
 
     def health_report(self, *, rows: bool = True) -> HealthReport:
         """The launch's ``/health`` report (``rows``: with every agent and worker)."""
+        ...
+
+    def current_stragglers(self) -> tuple[Straggler, ...]:
+        """The stragglers of the newest comparison (any thread may call it)."""
         ...
 
 
@@ -149,7 +154,12 @@ class LiveView:
             for (host, local), source in list(session.logs.sources.items())
             if source.tail
         }
-        return {"report": session.health_report().to_dict(), "last_lines": last, "looks": looks}
+        report = session.health_report().to_dict()
+        if session.plan.straggler_threshold is not None:  # the view's mark column: "slow"
+            slow = {s.rank for s in session.current_stragglers()}
+            for worker in report.get("workers", []):
+                worker["straggler"] = worker.get("rank") in slow
+        return {"report": report, "last_lines": last, "looks": looks}
 
 
 class DebugpyForwards:
