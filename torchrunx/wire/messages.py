@@ -13,16 +13,16 @@ from __future__ import annotations
 import io
 import pickle
 import typing
-from dataclasses import dataclass
 from typing import Any
 
 from torchrunx.errors import ProtocolError, exception_text
+from torchrunx.wire.frozen import frozen
 
 HEARTBEAT_INTERVAL = 1.0
 """Seconds between an agent's heartbeats (the launcher sends its own twice as often)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class AgentHello:
     """First message of an agent: who it is and what its host offers."""
 
@@ -37,7 +37,7 @@ class AgentHello:
     """GPUs the agent counted on its host (``devices.count_local_gpus``), for ``backend="auto"``."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerSpec:
     """Blueprint of the worker group an agent starts; its payload is the cloudpickled call."""
 
@@ -85,14 +85,14 @@ class WorkerSpec:
     often, and answers a stalled launch's request with its :class:`RankState`."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkersStarted:
     """Agent: the workers were forked; their pids in local-rank order."""
 
     pids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerExited:
     """Agent: a worker process ended (seen at once through its pidfd)."""
 
@@ -110,7 +110,7 @@ class WorkerExited:
     killer, from the kernel's counts; see :mod:`torchrunx.agent.memory`), "" if nothing."""
 
 
-@dataclass(frozen=True)
+@frozen
 class LogLines:
     """Agent: whole lines its workers wrote, in order per worker and stream, and its own records.
 
@@ -122,12 +122,12 @@ class LogLines:
     records: tuple[tuple[int | None, int, str, str, float], ...]
 
 
-@dataclass(frozen=True)
+@frozen
 class AgentDone:
     """Agent: every worker ended and was reaped; the agent exits after this."""
 
 
-@dataclass(frozen=True)
+@frozen
 class Stop:
     """Launcher: stop the workers (SIGTERM, then SIGKILL after the grace period) and exit."""
 
@@ -141,7 +141,7 @@ class Stop:
     """The launcher's attempt being stopped (echoed in :class:`WorkersEnded`)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkersEnded:
     """Agent: every worker of ``attempt`` ended, and the agent waits for the launcher.
 
@@ -156,7 +156,7 @@ class WorkersEnded:
     """The attempt whose workers ended (-1: none had started)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerTimedOut:
     """Agent: a worker stayed in a watchdog scope (``torchrunx.timer``) past its limit."""
 
@@ -166,7 +166,7 @@ class WorkerTimedOut:
     stack: str
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerStacks:
     """Agent: the Python stacks of its workers that were still running, by local rank."""
 
@@ -175,7 +175,7 @@ class WorkerStacks:
     """An answer to :class:`ShowStacks` (the workers go on), not a dump before a stop."""
 
 
-@dataclass(frozen=True)
+@frozen
 class Preempt:
     """Launcher: the launch stops at ``deadline`` (``time.time()``); tell your workers now."""
 
@@ -183,14 +183,14 @@ class Preempt:
     reason: str
 
 
-@dataclass(frozen=True)
+@frozen
 class PreemptionNotice:
     """Agent: this host was told to stop (its agent received SIGTERM): preempt the launch."""
 
     reason: str
 
 
-@dataclass(frozen=True)
+@frozen
 class ShowStacks:
     """Launcher: send the stacks of your live workers, and let them go on.
 
@@ -202,12 +202,12 @@ class ShowStacks:
     """Also ask each live worker for its :class:`RankState` (the launch looks stalled)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class RankProgress:
     """Worker: it made progress (a collective completed, or ``torchrunx.progress()``)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class RankState:
     """Worker: its state when the launch looked stalled (see :mod:`torchrunx.worker.stallprobe`).
 
@@ -222,12 +222,12 @@ class RankState:
     stacks: str = ""
 
 
-@dataclass(frozen=True)
+@frozen
 class Heartbeat:
     """Either direction: I am alive."""
 
 
-@dataclass(frozen=True)
+@frozen
 class FromWorker:
     """Agent: a message its worker ``local_rank`` sent on its channel; the payload is its.
 
@@ -239,7 +239,7 @@ class FromWorker:
     message: WorkerMessage
 
 
-@dataclass(frozen=True)
+@frozen
 class ToWorker:
     """Launcher: a message for the agent's worker ``pid`` (``None``: end its channel).
 
@@ -251,7 +251,7 @@ class ToWorker:
     message: WorkerCall | DebugInput | None
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerChannelClosed:
     """Agent: the channel of its worker ``local_rank`` ended; nothing more comes from it."""
 
@@ -260,7 +260,7 @@ class WorkerChannelClosed:
     """The worker ended its stream itself (its close record came): nothing was cut."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerHello:
     """Worker: first message on its channel."""
 
@@ -270,7 +270,7 @@ class WorkerHello:
     attempt: int = 0
 
 
-@dataclass(frozen=True)
+@frozen
 class DirectOutcome:
     """Worker, on its channel: its outcome is large, and comes on a connection of its own.
 
@@ -287,7 +287,7 @@ DIRECT_OUTCOME_BYTES = 1 << 20
 """Payload bytes of an outcome above which a worker sends it on a connection of its own."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerCall:
     """Launcher, to a worker that stays: run this call next; the payload is the pickled call.
 
@@ -299,7 +299,7 @@ class WorkerCall:
     """The warm run this call belongs to (1 for the first run)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerResult:
     """Worker: the function returned; the payload is the cloudpickled return value."""
 
@@ -314,7 +314,7 @@ class WorkerResult:
     """Wall-clock time the worker began sending the value."""
 
 
-@dataclass(frozen=True)
+@frozen
 class DebugOutput:
     """Worker: what its debugger wrote, and whether it now waits for a line.
 
@@ -332,7 +332,7 @@ class DebugOutput:
     """The rank left the debugger (``c``, or quit): it runs on."""
 
 
-@dataclass(frozen=True)
+@frozen
 class DebugpyListening:
     """Worker: debugpy listens on this host's ``127.0.0.1:port``; the rank waits for an IDE."""
 
@@ -340,14 +340,14 @@ class DebugpyListening:
     port: int
 
 
-@dataclass(frozen=True)
+@frozen
 class DebugInput:
     """Launcher: the line typed at a worker's pdb prompt (``None``: no terminal, go on)."""
 
     line: str | None
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerException:
     """Worker: the function raised.
 
