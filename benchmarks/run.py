@@ -1,7 +1,8 @@
 """Benchmarks: torchrunx against the original torchrunx 0.4 (PyPI) and torchrun.
 
     python benchmarks/run.py [--runs N] [--smoke] [--only CASE ...] [--tools TOOL ...]
-                             [--backend gloo|nccl] [--results-file benchmarks/RESULTS.md]
+                             [--backend gloo|nccl] [--scale-hosts N ...]
+                             [--results-file benchmarks/RESULTS.md]
 
 Sets up what it needs (the bench-profile namespace test hosts, a virtual environment with
 torchrunx 0.4.0 in ``benchmarks/.venv-upstream``), runs every measured launch in a fresh process,
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,6 +112,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="backend of the cases that start a process group (nccl: one GPU per worker)",
     )
     parser.add_argument(
+        "--scale-hosts",
+        nargs="+",
+        type=int,
+        metavar="N",
+        help="host counts of the scale case (default 1 4 8 16; its ratio row is last / first)",
+    )
+    parser.add_argument(
         "--results-file", type=Path, help=f"also write the table between {BEGIN} and {END} here"
     )
     args = parser.parse_args(argv)
@@ -121,7 +129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    every_case = with_backend(build_cases(SMOKE if args.smoke else FULL), args.backend)
+    sizes = SMOKE if args.smoke else FULL
+    if args.scale_hosts:
+        sizes = replace(sizes, scale_hosts=tuple(args.scale_hosts))
+    every_case = with_backend(build_cases(sizes), args.backend)
     cases = [case for case in every_case if not args.only or case.name in args.only]
     tools: list[Tool] = [tool for tool in TOOLS if tool in args.tools]
     began = time.monotonic()

@@ -364,6 +364,14 @@ def _progress_results(place: Place) -> str:
     return progress_text("results", 96 * 2**20, None, "bytes", 1.4)
 
 
+@sample("straggler-warning")
+def _straggler_warning(place: Place) -> str:
+    from torchrunx.launcher.launch.stragglers import straggler_warning
+    from torchrunx.launcher.state.hangs import Straggler
+
+    return straggler_warning(Straggler(5, 0.9, 50, 0.8), "node2", 0.1)
+
+
 @sample("top")
 def _top(place: Place) -> str:
     from torchrunx.commands.top import Ages, Screen

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import subprocess
+import sys
 import threading
 import typing
 
@@ -24,12 +26,89 @@ def test_exports_are_sorted_and_complete():
 
 
 def test_agent_side_does_not_import_the_launcher():
-    import subprocess
-    import sys
-
     code = "import sys, torchrunx.agent.agent, torchrunx.worker.worker; print(sorted(m for m in sys.modules if m in ('torchrunx.launcher', 'paramiko', 'torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+AGENT_NEVER_IMPORTS = (
+    "torchrunx.launcher",
+    "torchrunx.engines",
+    "torchrunx.hosts",
+    "torchrunx.cli",
+    "torchrunx.worker.worker",  # with cloudpickle and pdb: the preload thread's, after the hello
+    "paramiko",
+    "cloudpickle",
+    "torch",
+    "numpy",
+    "tyro",
+    "rich",
+    "pdb",
+    "uuid",
+    "subprocess",  # only to run nvidia-smi (torchrunx.devices)
+    "platform",  # only for an error message (torchrunx.agent.guardian)
+    "datetime",  # only for the store's timeout, in a worker that imported torch
+    "importlib.abc",  # it imports importlib.resources (torchrunx.worker.hooks)
+)
+"""Modules that ``import torchrunx.agent.agent`` must not load: every agent pays for its imports
+before its hello, 8 or 1,000 of them at once (issue #48). ``uuid`` and ``pdb`` come with the
+worker's module, which the agent imports after its hello (``torchrunx.agent.preload``)."""
+
+MUTABLE_AGENT_DATACLASSES = {"Output", "Channel", "Worker", "_Hang"}
+"""The agent's own state (``torchrunx.agent.workergroup``, ``torchrunx.agent.watchdog``): the only
+dataclasses of the agent's import whose methods ``dataclasses`` compiles; every other one is
+``@frozen`` (``torchrunx.wire.frozen``), which compiles none."""
+
+
+def test_the_agents_import_stays_lean():
+    """A fresh interpreter that imports the agent loads none of the heavy or launcher-side
+    modules, and ``dataclasses`` compiled methods only for the agent's mutable state."""
+    code = (
+        "import sys, dataclasses, torchrunx.agent.agent\n"
+        f"print(sorted(m for m in {AGENT_NEVER_IMPORTS!r} if m in sys.modules))\n"
+        "compiled = set()\n"
+        "for name, module in list(sys.modules.items()):\n"
+        "    if name.startswith('torchrunx'):\n"
+        "        for value in vars(module).values():\n"
+        "            init = getattr(value, '__init__', None)\n"
+        "            code = getattr(init, '__code__', None)\n"
+        "            if dataclasses.is_dataclass(value) and code and code.co_filename == '<string>':\n"
+        "                compiled.add(value.__name__)\n"
+        "print(sorted(compiled))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    loaded, compiled = done.stdout.splitlines()
+    assert loaded == "[]", f"the agent's import loads {loaded}"
+    assert compiled == repr(sorted(MUTABLE_AGENT_DATACLASSES)), compiled
+
+
+def test_the_lean_guard_sees_a_heavy_import():
+    """The check above fails when one of those modules is loaded (here by hand)."""
+    code = (
+        "import sys, subprocess, torchrunx.agent.agent\n"
+        f"print(sorted(m for m in {AGENT_NEVER_IMPORTS!r} if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "['subprocess']"
+
+
+def test_import_torchrunx_loads_no_launcher_until_a_name_is_used():
+    """``import torchrunx`` is cheap (the agent runs it first); a public name loads its module."""
+    code = (
+        "import sys, torchrunx as trx\n"
+        "print('torchrunx.launcher.launcher' in sys.modules, 'paramiko' in sys.modules)\n"
+        "trx.Launcher, trx.launch, trx.WarmLauncher\n"
+        "print('torchrunx.launcher.launcher' in sys.modules)\n"
+        "print(all(hasattr(trx, name) for name in trx.__all__), len(trx.__all__))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.split("\n")[:3] == ["False False", "True", f"True {len(trx.__all__)}"]
 
 
 def test_launcher_fields_and_defaults():

@@ -1,4 +1,5 @@
-"""The benchmarks still run: a smoke run of two cheap cases, ours only (no upstream venv needed).
+"""The benchmarks still run: a smoke run of two cheap cases, ours only (no upstream venv needed),
+and of the smaller benchmarks.
 
 The whole smoke (every case, every tool) is ``python benchmarks/run.py --smoke``.
 """
@@ -117,3 +118,32 @@ def test_stragglers_benchmark_smoke_run():
     assert re.search(r"\| (\d+|inf) \| (\d+|inf) \| <= 20: (met|missed) \|$", rows[0]), rows[0]
     assert re.search(r"jittery loop .* \| 10 \| \d+ s \| \d+ \|", result.stdout), result.stdout
     assert re.search(r"a rank's answer: [\d.]+ ms to read 256", result.stdout), result.stdout
+
+
+def test_agent_import_benchmark_smoke_run():
+    """``benchmarks/agent_import.py``: the agent's import against a bare Python, every figure
+    printed as min and median, and the import slower than no import at all."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "agent_import.py"), "--runs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    figures = {}
+    for line in result.stdout.splitlines():
+        match = re.fullmatch(r"(\w+(?: \w+)?) +([\d.]+) +([\d.]+)", line)
+        if match:
+            figures[match[1]] = (float(match[2]), float(match[3]))
+    assert set(figures) == {
+        "bare wall",
+        "bare cpu",
+        "agent wall",
+        "agent cpu",
+        "importtime",
+        "imports wall",
+        "imports cpu",
+    }, result.stdout
+    assert figures["agent cpu"][0] > figures["bare cpu"][0] > 0, result.stdout
+    assert figures["importtime"][0] > 0, result.stdout

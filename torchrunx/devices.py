@@ -12,10 +12,8 @@ launch, and each worker derives its device from that count and its ``LOCAL_RANK`
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +98,8 @@ def process_group_options(
     With NCCL and a GPU, ``device_id`` binds the group to the worker's own device, so that
     barriers and collectives do not all land on ``cuda:0``.
     """
+    import datetime as dt  # noqa: PLC0415 (a worker's, after torch imported it; not the agent's)
+
     options: dict[str, Any] = {
         "backend": backend,
         "init_method": "env://",
@@ -154,6 +154,8 @@ def _nvidia_smi_gpus() -> int:
     nvidia_smi = shutil.which("nvidia-smi")
     if nvidia_smi is None:
         return 0
+    import subprocess  # noqa: PLC0415 (3 ms of the agent's start, where no nvidia-smi is run)
+
     try:
         listed = subprocess.run(
             [nvidia_smi, "-L"],

@@ -12,7 +12,6 @@ An inode also tells whether a socket is held by a given process (its ``/proc/PID
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import socket
 import sys
@@ -32,6 +31,8 @@ class PeerSocket:
 
 def proc_address(host: str, port: int) -> str:
     """``host:port`` as ``/proc/net/tcp{,6}`` writes it (words in this machine's byte order)."""
+    import ipaddress  # noqa: PLC0415 (every worker imports this module; few read a table)
+
     raw = ipaddress.ip_address(host).packed
     words = "".join(
         f"{int.from_bytes(raw[i : i + 4], sys.byteorder):08X}" for i in range(0, len(raw), 4)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import resource
 import select
 import signal
@@ -46,6 +45,8 @@ def missing_pidfds() -> str | None:
     pidfds, so that no signal ever reaches a process that reused a pid. Checked before anything
     is forked, so the launcher's ``AgentFailedError`` says this instead of a traceback.
     """
+    import platform  # noqa: PLC0415 (only for the message: 2 ms of every agent's start)
+
     opener = getattr(os, "pidfd_open", None)
     if opener is None:
         return (

@@ -41,9 +41,10 @@ import stat
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from torchrunx.wire.frozen import frozen
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterator, Mapping
@@ -77,7 +78,7 @@ def set_parent_death_signal(signum: int) -> bool:
 # -- finding the descendants --------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@frozen
 class Proc:
     """One process as ``/proc/PID/stat`` describes it."""
 

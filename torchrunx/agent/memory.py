@@ -12,13 +12,14 @@ The parsers are pure (made-up file texts in the tests); :func:`read_facts` reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+
+from torchrunx.wire.frozen import frozen
 
 _PROC = Path("/proc")
 
 
-@dataclass(frozen=True)
+@frozen
 class MemoryFacts:
     """What the kernel says of OOM kills and of the agent's memory cgroup, at one moment."""
 

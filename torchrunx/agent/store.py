@@ -27,7 +27,6 @@ process group costs nothing.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import logging
 import socket
 from typing import Any
@@ -102,6 +101,8 @@ def serve_when_torch_imported(fd: int, port: int, timeout: float) -> None:
 def _serve(fd: int, port: int, timeout: float) -> None:
     """A ``TCPStore`` server on the listening socket ``fd`` (which it owns from now on)."""
     try:
+        import datetime as dt  # noqa: PLC0415 (torch imported it already; the agent needs none)
+
         import torch.distributed as dist  # noqa: PLC0415 (imported by now; never loads torch)
 
         if not dist.is_available():  # a build without distributed: nothing to serve

@@ -22,10 +22,10 @@ import contextlib
 import logging
 import os
 import shutil
-import subprocess
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import subprocess
     from collections.abc import Iterable
 
     from torchrunx.wire.messages import WorkerUsage
@@ -150,6 +150,8 @@ class GpuQueries:
             self._failed(f"it took more than {QUERY_LIMIT:g} s")
         if not self.running and not self.given_up and now - self.started >= GPU_EVERY:
             self.started = now
+            import subprocess  # noqa: PLC0415 (GPU hosts only: the agent's import stays lean)
+
             try:
                 self.running = [
                     subprocess.Popen(
@@ -168,6 +170,8 @@ class GpuQueries:
     @staticmethod
     def _output(proc: subprocess.Popen[str]) -> str | None:
         """An ended query's output (None if it failed)."""
+        import subprocess  # noqa: PLC0415 (imported by then: a query ran)
+
         try:
             out, _ = proc.communicate(timeout=0.1)
         except (OSError, subprocess.TimeoutExpired):
@@ -182,6 +186,8 @@ class GpuQueries:
 
     def close(self) -> None:
         """Kill and reap the queries still running."""
+        import subprocess  # noqa: PLC0415 (as in _output)
+
         for proc in self.running:
             with contextlib.suppress(OSError):
                 proc.kill()

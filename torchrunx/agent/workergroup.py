@@ -32,6 +32,7 @@ from torchrunx import preemption, timer
 from torchrunx.agent import leftovers
 from torchrunx.agent.outbox import Outbox
 from torchrunx.wire.channel import ChannelReader
+from torchrunx.wire.frozen import frozen
 from torchrunx.wire.lines import LineSplitter
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ class Worker:
     """The agent sent it SIGTERM or SIGKILL: its end is not a failure of its own."""
 
 
-@dataclass(frozen=True)
+@frozen
 class Ready:
     """The ``data`` of a group descriptor on the selector: what became ready, and whose."""
 
@@ -114,7 +115,7 @@ class Ready:
     output: Output | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class Fork:
     """What the group hands a forked child: the descriptors it keeps, and those it must close.
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any
 
 from torchrunx.errors import ProtocolError
+from torchrunx.wire.frozen import frozen
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -121,7 +122,7 @@ RELAY_MODES = ("", "auto", "on")
 """:attr:`AgentBootstrap.relay`: none (the agent's own line), or the relay's mode."""
 
 
-@dataclass(frozen=True)
+@frozen
 class AgentTimings:
     """The host side's timings, in seconds, sent by name in the bootstrap.
 
@@ -160,7 +161,7 @@ TIMING_FIELDS = (
 """The fields of :class:`AgentTimings`, in order."""
 
 
-@dataclass(frozen=True)
+@frozen
 class AgentBootstrap:
     """What an agent needs to find and join its launch; sent as one JSON line on its stdin.
 

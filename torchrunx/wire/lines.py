@@ -18,8 +18,9 @@ keep their own level.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from torchrunx.wire.frozen import frozen
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -49,7 +50,7 @@ class MarkedLineFormatter(logging.Formatter):
         return f"{RECORD_START}{record.levelno}{FIELD_SEP}{record.name}{FIELD_SEP}{text}"
 
 
-@dataclass(frozen=True)
+@frozen
 class Line:
     """One line of output, parsed: level, logger name and text."""
 

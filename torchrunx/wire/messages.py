@@ -13,16 +13,16 @@ from __future__ import annotations
 import io
 import pickle
 import typing
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from torchrunx.errors import ProtocolError, exception_text
+from torchrunx.wire.frozen import frozen
 
 HEARTBEAT_INTERVAL = 1.0
 """Seconds between an agent's heartbeats (the launcher sends its own twice as often)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class AgentHello:
     """First message of an agent: who it is and what its host offers."""
 
@@ -37,7 +37,7 @@ class AgentHello:
     """GPUs the agent counted on its host (``devices.count_local_gpus``), for ``backend="auto"``."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerSpec:
     """Blueprint of the worker group an agent starts; its payload is the cloudpickled call."""
 
@@ -88,14 +88,14 @@ class WorkerSpec:
     before its outcome (the probe runs then, ``progress_every`` set)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkersStarted:
     """Agent: the workers were forked; their pids in local-rank order."""
 
     pids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerExited:
     """Agent: a worker process ended (seen at once through its pidfd)."""
 
@@ -113,7 +113,7 @@ class WorkerExited:
     killer, from the kernel's counts; see :mod:`torchrunx.agent.memory`), "" if nothing."""
 
 
-@dataclass(frozen=True)
+@frozen
 class LogLines:
     """Agent: whole lines its workers wrote, in order per worker and stream, and its own records.
 
@@ -125,12 +125,12 @@ class LogLines:
     records: tuple[tuple[int | None, int, str, str, float], ...]
 
 
-@dataclass(frozen=True)
+@frozen
 class AgentDone:
     """Agent: every worker ended and was reaped; the agent exits after this."""
 
 
-@dataclass(frozen=True)
+@frozen
 class Stop:
     """Launcher: stop the workers (SIGTERM, then SIGKILL after the grace period) and exit."""
 
@@ -144,7 +144,7 @@ class Stop:
     """The launcher's attempt being stopped (echoed in :class:`WorkersEnded`)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkersEnded:
     """Agent: every worker of ``attempt`` ended, and the agent waits for the launcher.
 
@@ -159,7 +159,7 @@ class WorkersEnded:
     """The attempt whose workers ended (-1: none had started)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerTimedOut:
     """Agent: a worker stayed in a watchdog scope (``torchrunx.timer``) past its limit."""
 
@@ -169,7 +169,7 @@ class WorkerTimedOut:
     stack: str
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerStacks:
     """Agent: the Python stacks of its workers that were still running, by local rank."""
 
@@ -178,7 +178,7 @@ class WorkerStacks:
     """An answer to :class:`ShowStacks` (the workers go on), not a dump before a stop."""
 
 
-@dataclass(frozen=True)
+@frozen
 class Preempt:
     """Launcher: the launch stops at ``deadline`` (``time.time()``); tell your workers now."""
 
@@ -186,14 +186,14 @@ class Preempt:
     reason: str
 
 
-@dataclass(frozen=True)
+@frozen
 class PreemptionNotice:
     """Agent: this host was told to stop (its agent received SIGTERM): preempt the launch."""
 
     reason: str
 
 
-@dataclass(frozen=True)
+@frozen
 class ShowStacks:
     """Launcher: send the stacks of your live workers, and let them go on.
 
@@ -205,7 +205,7 @@ class ShowStacks:
     """Also ask each live worker for its :class:`RankState` (the launch looks stalled)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class RankProgress:
     """Worker: it made progress (a collective completed, or ``torchrunx.progress()``)."""
 
@@ -214,7 +214,7 @@ class RankProgress:
     them (-1: no recorder)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class RankState:
     """Worker: its state when the launch looked stalled (see :mod:`torchrunx.worker.stallprobe`).
 
@@ -234,12 +234,12 @@ WorkerUsage: TypeAlias = tuple[int, int, float | None, int, int | None, int | No
 gpu_memory_bytes)``; None where not known (see :mod:`torchrunx.agent.usage`)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class AskTimings:
     """Launcher: have each live worker send its :class:`RankTimings` (straggler detection)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class RankTimings:
     """Worker: when it entered its recent collectives (see :mod:`torchrunx.worker.stallprobe`).
 
@@ -252,7 +252,7 @@ class RankTimings:
     sent_ns: int
 
 
-@dataclass(frozen=True)
+@frozen
 class Heartbeat:
     """Either direction: I am alive."""
 
@@ -260,7 +260,7 @@ class Heartbeat:
     """An agent's: what each of its running workers uses now (the launcher's: none)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class FromWorker:
     """Agent: a message its worker ``local_rank`` sent on its channel; the payload is its.
 
@@ -272,7 +272,7 @@ class FromWorker:
     message: WorkerMessage
 
 
-@dataclass(frozen=True)
+@frozen
 class ToWorker:
     """Launcher: a message for the agent's worker ``pid`` (``None``: end its channel).
 
@@ -284,7 +284,7 @@ class ToWorker:
     message: WorkerCall | DebugInput | None
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerChannelClosed:
     """Agent: the channel of its worker ``local_rank`` ended; nothing more comes from it."""
 
@@ -293,7 +293,7 @@ class WorkerChannelClosed:
     """The worker ended its stream itself (its close record came): nothing was cut."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerHello:
     """Worker: first message on its channel."""
 
@@ -303,7 +303,7 @@ class WorkerHello:
     attempt: int = 0
 
 
-@dataclass(frozen=True)
+@frozen
 class DirectOutcome:
     """Worker, on its channel: its outcome is large, and comes on a connection of its own.
 
@@ -320,7 +320,7 @@ DIRECT_OUTCOME_BYTES = 1 << 20
 """Payload bytes of an outcome above which a worker sends it on a connection of its own."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerCall:
     """Launcher, to a worker that stays: run this call next; the payload is the pickled call.
 
@@ -332,7 +332,7 @@ class WorkerCall:
     """The warm run this call belongs to (1 for the first run)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerResult:
     """Worker: the function returned; the payload is the cloudpickled return value."""
 
@@ -347,7 +347,7 @@ class WorkerResult:
     """Wall-clock time the worker began sending the value."""
 
 
-@dataclass(frozen=True)
+@frozen
 class DebugOutput:
     """Worker: what its debugger wrote, and whether it now waits for a line.
 
@@ -365,7 +365,7 @@ class DebugOutput:
     """The rank left the debugger (``c``, or quit): it runs on."""
 
 
-@dataclass(frozen=True)
+@frozen
 class DebugpyListening:
     """Worker: debugpy listens on this host's ``127.0.0.1:port``; the rank waits for an IDE."""
 
@@ -373,14 +373,14 @@ class DebugpyListening:
     port: int
 
 
-@dataclass(frozen=True)
+@frozen
 class DebugInput:
     """Launcher: the line typed at a worker's pdb prompt (``None``: no terminal, go on)."""
 
     line: str | None
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerException:
     """Worker: the function raised.
 

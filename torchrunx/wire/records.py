@@ -25,13 +25,14 @@ import pickle
 import socket
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from torchrunx.errors import ProtocolError, exception_text
+from torchrunx.wire.frozen import frozen
 from torchrunx.wire.messages import _load_message
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def frame_pieces(
             yield part[offset : offset + RECORD_BYTES]
 
 
-@dataclass(frozen=True)
+@frozen
 class SessionKeys:
     """One connection's keys, as one end holds them (see ``handshake.session_keys``)."""
 

@@ -238,12 +238,7 @@ class Stragglers:
         for straggler in found:
             rank = straggler.rank
             host = st.agent_table.hostname(st.ranks[rank]) if rank < len(st.ranks) else "?"
-            logger.warning(
-                "torchrunx: %s: a straggler, on %s (straggler_threshold=%g s)",
-                straggler,
-                host,
-                self.threshold,
-            )
+            logger.warning("%s", straggler_warning(straggler, host, self.threshold))
             self.sink.emit(
                 StragglerFound(
                     rank,
@@ -260,3 +255,8 @@ class Stragglers:
         if self.watch.rule is not None:
             self.name(self.watch.compare(r.rank for r in self.state.ranks))
         return self.watch.end_run(time.time_ns())
+
+
+def straggler_warning(straggler: Straggler, host: str, threshold: float | None) -> str:
+    """The warning of a rank named a straggler for the first time in a run."""
+    return f"torchrunx: {straggler}: a straggler, on {host} (straggler_threshold={threshold:g} s)"
