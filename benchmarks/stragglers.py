@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/stragglers.py [--runs 3] [--step 0.15] [--jitter-steps 120]
     python benchmarks/stragglers.py --smoke   # 1 run, 1 host only, 10 jittery steps (CI)
+    python benchmarks/stragglers.py --jitter-only --jitter-steps 1500   # ten minutes
 
 Each rank sleeps a step's work, then joins an all_reduce of 4 floats (gloo, CPU); the default
 ``straggler_threshold`` (0.1 s) throughout.
@@ -13,7 +14,8 @@ Each rank sleeps a step's work, then joins an all_reduce of 4 floats (gloo, CPU)
   1 host x 4 workers (``localhost``) and, as root, on 2 bench test hosts x 2 (``bnode1``,
   ``bnode2``, SSH; set up and stopped here, as by the other benchmarks);
 - **jittery loop**: every rank's work is 0.4 s +-50% (uniform), ``--jitter-steps`` steps on
-  1 host x 4 (120 steps: about a minute): the ``StragglerFound`` events (target: none). The
+  1 host x 4 (120 steps: about a minute; 1,500: ten minutes), with ``stall_timeout=2``:
+  the ``StragglerFound`` and ``Stalled`` events (target: none of either). The
   last rank into each all_reduce is then 0.12 s after the median rank on average (past the
   threshold): only being last again and again names a rank.
 
@@ -37,9 +39,11 @@ sys.path.insert(0, str(REPO / "tests"))
 from cluster import cluster_unavailable_reason, start_cluster  # noqa: E402
 
 import torchrunx as trx  # noqa: E402
-from torchrunx.events import StragglerFound  # noqa: E402
+from torchrunx.events import Stalled, StragglerFound  # noqa: E402
 
 JITTER_STEP = 0.4
+JITTER_STALL_TIMEOUT = 2.0
+"""The jittery loop's ``stall_timeout``: five mean steps (its slowest step is 0.6 s)."""
 STEPS = 40
 """Steps of a slow-rank run (the target is 20)."""
 
@@ -71,15 +75,22 @@ def steps(count: int, step: float, slow: int | None, jitter: float) -> dict[str,
     return {"ended": ended, "cost": cost, "bytes": len(pickle.dumps(answer))}
 
 
+STALLED: list[Stalled] = []
+"""Every launch's ``Stalled`` events (the jittery loop's are the ones counted)."""
+
+
 def run(count: int, step: float, slow: int | None, jitter: float, **fields: object) -> tuple:
     """One launch: its StragglerFound events and rank 0's values."""
     found: list[StragglerFound] = []
+
+    def record(event: object) -> None:
+        if isinstance(event, StragglerFound):
+            found.append(event)
+        elif isinstance(event, Stalled):
+            STALLED.append(event)
+
     result = trx.launch(
-        steps,
-        (count, step, slow, jitter),
-        backend="gloo",
-        event_handlers=(lambda e: found.append(e) if isinstance(e, StragglerFound) else None,),
-        **fields,
+        steps, (count, step, slow, jitter), backend="gloo", event_handlers=(record,), **fields
     )
     return found, result.ranks[0]
 
@@ -105,6 +116,7 @@ def main() -> None:
     parser.add_argument("--step", type=float, default=0.15)
     parser.add_argument("--jitter-steps", type=int, default=120)
     parser.add_argument("--smoke", action="store_true", help="1 run, 1 host, 10 jittery steps")
+    parser.add_argument("--jitter-only", action="store_true", help="only the jittery loop")
     args = parser.parse_args()
     if args.smoke:
         args.runs, args.jitter_steps = 1, 10
@@ -113,11 +125,15 @@ def main() -> None:
         f"slow rank: work {args.step:g} s a step, {2 * args.step:g} s on the slow rank",
         file=sys.stderr,
     )
-    rows = [("1 host x 4", steps_to_name(args.runs, args.step, 2, **local))]
+    rows = (
+        []
+        if args.jitter_only
+        else [("1 host x 4", steps_to_name(args.runs, args.step, 2, **local))]
+    )
     reason = "--smoke" if args.smoke else cluster_unavailable_reason()
-    if reason:
+    if reason and not args.jitter_only:
         print(f"no bench test hosts: {reason}", file=sys.stderr)
-    else:
+    elif not args.jitter_only:
         with tempfile.TemporaryDirectory() as work_dir:
             cluster = start_cluster(2, Path(work_dir), profile="bench")
             try:
@@ -130,7 +146,10 @@ def main() -> None:
             finally:
                 cluster.stop()
     started = time.monotonic()
-    found, values = run(args.jitter_steps, JITTER_STEP, None, 0.5, **local)
+    STALLED.clear()
+    found, values = run(
+        args.jitter_steps, JITTER_STEP, None, 0.5, stall_timeout=JITTER_STALL_TIMEOUT, **local
+    )
     seconds = time.monotonic() - started
     print("| case | runs | steps to name: median | slowest | target |")
     print("| --- | --- | --- | --- | --- |")
@@ -142,12 +161,16 @@ def main() -> None:
             f"| {statistics.median(counts):g} | {slowest:g} | <= 20: {met} |"
         )
     print()
-    print("| case | steps | launch | StragglerFound events | target |")
-    print("| --- | --- | --- | --- | --- |")
-    verdict = "met" if not found else "missed: " + "; ".join(e.text for e in found)
+    print(
+        "| case | steps | launch | StragglerFound events | Stalled events "
+        f"(stall_timeout {JITTER_STALL_TIMEOUT:g} s) | target |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    wrong = [e.text for e in found] + [e.text.splitlines()[0] for e in STALLED]
+    verdict = "met" if not wrong else "missed: " + "; ".join(wrong)
     print(
         f"| jittery loop ({JITTER_STEP:g} s +-50% a step), 1 host x 4 | {args.jitter_steps} "
-        f"| {seconds:.0f} s | {len(found)} | none: {verdict} |"
+        f"| {seconds:.0f} s | {len(found)} | {len(STALLED)} | none: {verdict} |"
     )
     print()
     print(

@@ -112,9 +112,7 @@ class LaunchLoop:
             )
             undo.callback(self.logs.close)
             log_dir = self.logs.log_dir
-            self.sink = EventSink(
-                plan.event_handlers, None if log_dir is None else events_file(log_dir)
-            )
+            self.sink = EventSink(plan.event_handlers, log_dir and events_file(log_dir))
             undo.callback(self.sink.close)
             self.secret = handshake.new_secret()  # through the module: tests replace it
             self.queue: collections.deque[NetEvent | PoolEvent] = collections.deque()
