@@ -106,7 +106,7 @@ def _dockerd(cluster: TestCluster) -> Iterator[Runner]:
 
 
 @pytest.fixture(scope="module", params=["podman", "docker"])
-def runner(request: pytest.FixtureRequest, isolated: TestCluster) -> Iterator[Runner]:
+def runner(request: pytest.FixtureRequest, isolated_module: TestCluster) -> Iterator[Runner]:
     """Each runner in turn, ready on hnode1."""
     if request.param == "podman":
         if shutil.which("podman") is None:
@@ -116,13 +116,13 @@ def runner(request: pytest.FixtureRequest, isolated: TestCluster) -> Iterator[Ru
             "podman", ("podman",), (*options, "--ulimit", "nproc=4096:4096"), "/run/.containerenv"
         )
         return
-    with _dockerd(isolated) as docker:
+    with _dockerd(isolated_module) as docker:
         yield docker
 
 
 @pytest.fixture(scope="module")
 def image(
-    runner: Runner, isolated: TestCluster, tmp_path_factory: pytest.TempPathFactory
+    runner: Runner, isolated_module: TestCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """A base image made here: an empty root with a merged-/usr layout."""
     root = tmp_path_factory.mktemp("image-root")
@@ -133,18 +133,18 @@ def image(
     archive = root.parent / f"image-{runner.name}.tar"
     with tarfile.open(archive, "w") as tar:
         tar.add(root, arcname=".")
-    _run(runner.on_host(isolated, "import", str(archive), IMAGE))
+    _run(runner.on_host(isolated_module, "import", str(archive), IMAGE))
     yield IMAGE
-    _run(runner.on_host(isolated, "rmi", "-f", IMAGE), check=False)
+    _run(runner.on_host(isolated_module, "rmi", "-f", IMAGE), check=False)
 
 
 @pytest.fixture
-def container(runner: Runner, isolated: TestCluster, image: str) -> Iterator[str]:
+def container(runner: Runner, isolated_module: TestCluster, image: str) -> Iterator[str]:
     """A running container on hnode1, on its network, with its interpreter at /opt/venv."""
-    name = f"torchrunx-test-{runner.name}-{isolated.names()[0]}"
+    name = f"torchrunx-test-{runner.name}-{isolated_module.names()[0]}"
     python_home = Path(os.path.realpath(sys.executable)).parent.parent  # the base interpreter
     run = runner.on_host(
-        isolated,
+        isolated_module,
         "run", "-d", "--name", name, "--network", "host", *runner.run_options,
         "-v", "/usr:/usr:ro", "-v", "/etc:/etc:ro",
         "-v", f"{python_home}:{python_home}:ro", "-v", "/mnt/venv:/opt/venv:ro",
@@ -154,7 +154,7 @@ def container(runner: Runner, isolated: TestCluster, image: str) -> Iterator[str
     try:
         yield name
     finally:
-        _run(runner.on_host(isolated, "rm", "-f", name), check=False)
+        _run(runner.on_host(isolated_module, "rm", "-f", name), check=False)
 
 
 INSIDE = """
@@ -182,9 +182,9 @@ def inside(marker):
 
 
 def test_agent_and_workers_run_in_the_container_with_its_interpreter(
-    isolated, runner, container, tmp_path, monkeypatch
+    isolated_module, runner, container, tmp_path, monkeypatch
 ):
-    project = isolated.launcher_only / f"{tmp_path.name}-{runner.name}"
+    project = isolated_module.launcher_only / f"{tmp_path.name}-{runner.name}"
     project.mkdir(parents=True)
     (project / f"seen_{runner.name}.py").write_text(INSIDE)
     monkeypatch.chdir(project)
@@ -194,10 +194,10 @@ def test_agent_and_workers_run_in_the_container_with_its_interpreter(
     result = trx.launch(
         project_module.inside,
         func_args=(runner.marker,),
-        hostnames=isolated.names()[:1],
+        hostnames=isolated_module.names()[:1],
         workers_per_host=2,
         backend="gloo",
-        ssh_config_file=isolated.ssh_config,
+        ssh_config_file=isolated_module.ssh_config,
         container=" ".join([*runner.client, "exec", "-i", container]),
         python="/opt/venv/bin/python",
         ship=(".",),
@@ -211,23 +211,25 @@ def test_agent_and_workers_run_in_the_container_with_its_interpreter(
         assert str(seen["torchrunx"]).startswith(str(seen["cwd"]))
     # The copy is in the container's own home, not the host's.
     tree = Path(str(result.ranks[0]["cwd"])).name
-    assert not list(isolated.cache_dir(isolated.hosts[0]).glob(f"torchrunx/code/trees/{tree}"))
+    assert not list(
+        isolated_module.cache_dir(isolated_module.hosts[0]).glob(f"torchrunx/code/trees/{tree}")
+    )
     # Nothing of the launch stays in the container.
-    left = _run(runner.on_host(isolated, "exec", container, "/usr/bin/ps", "-eo", "args"))
+    left = _run(runner.on_host(isolated_module, "exec", container, "/usr/bin/ps", "-eo", "args"))
     lines = left.stdout.splitlines()
     assert [line for line in lines[1:] if "ps -eo" not in line] == ["/usr/bin/sleep infinity"]
 
 
-def test_a_container_that_is_not_running_fails_the_host_at_once(isolated, runner, image):
+def test_a_container_that_is_not_running_fails_the_host_at_once(isolated_module, runner, image):
     del image
     started = time.monotonic()
     with pytest.raises(trx.AgentFailedError) as info:
         trx.launch(
             print,
-            hostnames=isolated.names()[:1],
+            hostnames=isolated_module.names()[:1],
             workers_per_host=1,
             backend=None,
-            ssh_config_file=isolated.ssh_config,
+            ssh_config_file=isolated_module.ssh_config,
             container=" ".join([*runner.client, "exec", "-i", "torchrunx-no-such-container"]),
             start_timeout=60,
         )
@@ -240,15 +242,17 @@ def test_container_is_refused_for_this_machines_agents():
         trx.launch(print, hostnames=["localhost"], container="podman exec -i x")
 
 
-def test_check_runs_its_probe_in_the_container(isolated, runner, container, tmp_path, monkeypatch):
+def test_check_runs_its_probe_in_the_container(
+    isolated_module, runner, container, tmp_path, monkeypatch
+):
     from torchrunx.launcher.preflight import check_hosts, format_checks
 
-    project = isolated.launcher_only / f"{tmp_path.name}-{runner.name}"
+    project = isolated_module.launcher_only / f"{tmp_path.name}-{runner.name}"
     project.mkdir(parents=True)
     monkeypatch.chdir(project)
     launcher = trx.Launcher(
-        hostnames=isolated.names()[:1],
-        ssh_config_file=isolated.ssh_config,
+        hostnames=isolated_module.names()[:1],
+        ssh_config_file=isolated_module.ssh_config,
         container=" ".join([*runner.client, "exec", "-i", container]),
         python="/opt/venv/bin/python",
         ship=(".",),
