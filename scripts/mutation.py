@@ -422,6 +422,9 @@ IMPURE = (
     "tests/test_gpu.py::test_isolate_gpus_is_an_opt_in",
     "tests/test_gpu.py::test_command_gives_a_function_every_gpu_too",
     "tests/test_api.py::test_agent_side_does_not_import_the_launcher",
+    "tests/test_api.py::test_the_agents_import_stays_lean",
+    "tests/test_api.py::test_the_lean_guard_sees_a_heavy_import",
+    "tests/test_api.py::test_import_torchrunx_loads_no_launcher_until_a_name_is_used",
     "tests/test_oom.py::test_a_worker_killed_by_someone_lists_the_usual_causes",
     "tests/test_oom.py::test_a_worker_the_oom_killer_ends_is_said_to_be_oom_killed",
     "tests/test_security_debugger.py::test_another_users_connection_is_seen_as_theirs",
@@ -880,7 +883,7 @@ def _mutation_no_processes(monkeypatch):
 
 def pytest_collection_modifyitems(config, items):
     """Tests that need the namespace or SLURM test hosts never run here."""
-    hosts = {"cluster", "slurm", "isolated"}
+    hosts = {"cluster", "slurm", "isolated", "isolated_module"}
     keep = [i for i in items if not hosts & set(getattr(i, "fixturenames", ()))]
     dropped = [i for i in items if i not in keep]
     if dropped:
