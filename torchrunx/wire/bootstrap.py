@@ -276,6 +276,11 @@ class AgentBootstrap:
         return bootstrap
 
 
+def is_module_name(name: str) -> bool:
+    """Whether ``name`` is a dotted module name (``transformers.models``): no path, no space."""
+    return all(part.isidentifier() for part in name.split("."))
+
+
 class _BootstrapFields:
     """Reads the fields of a decoded bootstrap object, each checked, naming any bad one."""
 
@@ -374,8 +379,7 @@ class _BootstrapFields:
             return ()
         value = self._get(name)
         if not isinstance(value, list) or not all(
-            isinstance(entry, str) and all(part.isidentifier() for part in entry.split("."))
-            for entry in value
+            isinstance(entry, str) and is_module_name(entry) for entry in value
         ):
             raise self._bad(name, "a list of module names", value)
         return tuple(value)

@@ -25,7 +25,7 @@ from torchrunx.launcher.settings.resolve import (
     is_local_host,
     slurm_allocation,
 )
-from torchrunx.wire.bootstrap import AgentTimings
+from torchrunx.wire.bootstrap import AgentTimings, is_module_name
 from torchrunx.wire.messages import HEARTBEAT_INTERVAL
 from torchrunx.wire.relay import MODES as RELAY_MODES
 
@@ -63,7 +63,7 @@ def preload_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...
     if not raw:
         return ()
     names = tuple(name.strip() for name in raw.split(","))
-    bad = [name for name in names if not all(part.isidentifier() for part in name.split("."))]
+    bad = [name for name in names if not is_module_name(name)]
     if bad:
         msg = (
             f"{PRELOAD_ENV_VAR}={raw!r}: {', '.join(repr(b) for b in bad)} is not a module name; "
