@@ -46,8 +46,13 @@ if TYPE_CHECKING:
 # The agent's records all carry this name (the launcher routes and filters them by it).
 logger = logging.getLogger("torchrunx.agent")
 
-STACK_DUMP_WAIT = 0.5
-"""Seconds a worker gets to write its stacks after SIGUSR1 (:meth:`WorkerGroup.dump_stacks`)."""
+STACK_DUMP_WAIT = 2.0
+"""Seconds a worker gets to write its stacks after SIGUSR1 (:meth:`WorkerGroup.dump_stacks`).
+
+A live worker answers at once (``faulthandler`` writes from its signal handler); the wait only
+runs out for one that cannot (stopped, or not scheduled on a host under heavy load: 0.5 s was
+too short there). Once every live worker has begun its dump, :data:`STACK_SETTLE` ends it.
+"""
 STACK_SETTLE = 0.05
 """Once a dump has begun, it is complete this soon after (faulthandler writes it in one go)."""
 _STACK_BYTES = 16 * 1024  # the tail of a worker's stacks that is kept
