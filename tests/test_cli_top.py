@@ -150,9 +150,12 @@ print("restarts", result.restarts)
 """
 
 
-def _start(tmp_path: Path) -> subprocess.Popen[str]:
+def _start(tmp_path: Path, runtime: Path | None = None) -> subprocess.Popen[str]:
+    """The steps launch; ``runtime``: its own XDG_RUNTIME_DIR (its view socket's folder)."""
     (tmp_path / "steps.py").write_text(STEPS)
     env = {**os.environ, "TORCHRUNX_LOG_DIR": str(tmp_path / "logs")}
+    if runtime is not None:
+        env["XDG_RUNTIME_DIR"] = str(runtime)
     return subprocess.Popen(
         [sys.executable, "steps.py", str(tmp_path)],
         cwd=tmp_path,
@@ -167,10 +170,10 @@ def _end(folder: Path) -> None:
         (folder / name).touch()
 
 
-def _its_view(pid: int) -> Path:
+def _its_view(pid: int, folder: Path | None = None) -> Path:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for view in find_views(runtime_dir()):
+        for view in find_views(folder or runtime_dir()):
             if view.name.startswith(f"{pid}-"):
                 return view
         time.sleep(0.05)
@@ -405,8 +408,12 @@ def test_a_killed_launchers_socket_is_removed_by_the_next_launch(tmp_path):
 
     from torchrunx.launcher.view.view_server import prune_dead
 
-    launch = _start(tmp_path)
-    view = _its_view(launch.pid)
+    # Its own socket folder: another test's launch (the suite runs in parallel) would prune
+    # the dead launcher's socket first.
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    launch = _start(tmp_path, runtime)
+    view = _its_view(launch.pid, runtime / "torchrunx")
     launch.send_signal(signal.SIGKILL)  # no chance to remove its socket
     launch.communicate(timeout=30)
     assert view.exists()
