@@ -11,12 +11,16 @@
 # ended by their own pids when the script ends, however it ends.
 #
 # Each run is parallel as in scripts/test.sh: TORCHRUNX_TEST_WORKERS pytest-xdist workers (default
-# 3; 0: one process), --dist loadgroup.
+# 4; 0: one process), --dist loadgroup.
 #
 # Each run has its own pytest base folder (under $REPEAT_BASETEMP, default a new folder in /tmp),
 # not /tmp/pytest-of-$USER: another pytest session started meanwhile rotates that folder's
 # numbered entries and may delete a running suite's (its test hosts' keys and sshd config).
 # Run your own tests meanwhile with TMPDIR and --basetemp elsewhere too (CONTRIBUTING).
+#
+# REPEAT_LOCK=/tmp/trx-cluster.lock: each run holds that lock (flock) while it runs, so that
+# other work that takes it (a test file with test hosts) waits for the run to end, and the
+# run waits for it, rather than the two breaking each other's test hosts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,10 +35,14 @@ python=.venv/bin/python
 log=${REPEAT_LOG:-repeat-$(date +%Y%m%d-%H%M%S).log}
 base=${REPEAT_BASETEMP:-$(mktemp -d /tmp/torchrunx-repeat.XXXXXX)}
 mkdir -p "$base"
-workers=${TORCHRUNX_TEST_WORKERS:-3}
+workers=${TORCHRUNX_TEST_WORKERS:-4}
 parallel=()
 if ((workers > 0)); then
     parallel=(-n "$workers" --dist loadgroup)
+fi
+runner=()
+if [[ -n "${REPEAT_LOCK:-}" ]]; then
+    runner=(flock "$REPEAT_LOCK")
 fi
 hogs=()
 stop_hogs() {
@@ -57,7 +65,7 @@ for ((i = 1; i <= runs; i++)); do
     fi
     started=$(date +%s)
     out=$(mktemp)
-    "$python" -m pytest -q -p no:cacheprovider -rfE "${parallel[@]}" --basetemp "$base/run$i" "$@" >"$out" 2>&1
+    "${runner[@]}" "$python" -m pytest -q -p no:cacheprovider -rfE "${parallel[@]}" --basetemp "$base/run$i" "$@" >"$out" 2>&1
     code=$?
     stop_hogs
     summary=$(grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed)' "$out")

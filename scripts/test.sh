@@ -9,7 +9,7 @@
 # site-packages), rebuilt on every run: a dependency missing from pyproject.toml fails here on
 # every machine, not only on a new one.
 #
-# The tests run in parallel: TORCHRUNX_TEST_WORKERS pytest-xdist workers (default 3; 0: one
+# The tests run in parallel: TORCHRUNX_TEST_WORKERS pytest-xdist workers (default 4; 0: one
 # process, as `python -m pytest` runs them), `--dist loadgroup`: each worker has test hosts of
 # its own, and the SLURM, Ray, framework, container and plugin tests run in groups of their own
 # (tests/conftest.py; CONTRIBUTING.md, "The whole suite").
@@ -27,7 +27,7 @@ if [[ "${1:-}" == "--quick" ]]; then
     fi
     exec .venv/bin/python -m pytest -q -p no:cacheprovider -m quick "$@"
 fi
-workers=${TORCHRUNX_TEST_WORKERS:-3}
+workers=${TORCHRUNX_TEST_WORKERS:-4}
 parallel=()
 if ((workers > 0)); then
     parallel=(-n "$workers" --dist loadgroup)

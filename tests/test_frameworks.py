@@ -11,6 +11,7 @@ stopped. The frameworks are optional extras: outside CI a missing one skips its 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import os
 import re
@@ -50,8 +51,18 @@ def need(module: str, request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("deepspeed_ops")
 
 
-EXTENSIONS = Path.home() / ".cache" / "torchrunx-tests" / "torch_extensions"
-"""Where the tests have torch build DeepSpeed's op: a folder only :func:`deepspeed_ops` builds in."""
+EXTENSIONS = (
+    Path.home()
+    / ".cache"
+    / "torchrunx-tests"
+    / "torch_extensions"
+    / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+)
+"""Where the tests have torch build DeepSpeed's op: a folder only :func:`deepspeed_ops` builds in.
+
+One per Python environment: the build's command names the environment's paths, so two
+checkouts (CI's clone and a working copy) sharing one folder rebuilt it in turn, each time
+the other had run (2.5 minutes on two cores, inside the suite's time)."""
 
 
 def build_deepspeed_ops() -> None:
