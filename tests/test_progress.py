@@ -128,7 +128,7 @@ def big():
     import torch
     return torch.ones(16 * 2**20 // 4)  # 16 MiB: a large outcome, on a connection of its own
 
-launcher = trx.Launcher(hostnames=["localhost"], workers_per_host=2, backend=None)
+launcher = trx.Launcher(**HOSTS, backend=None)
 print("cold", [t.numel() for t in launcher.run(big).ranks], flush=True)
 with launcher.warm() as warm:
     for run in range(2):
@@ -136,10 +136,23 @@ with launcher.warm() as warm:
 """
 
 
-def test_large_results_draw_their_bytes_in_cold_and_warm_runs():
+@pytest.mark.parametrize("where", ["localhost", pytest.param("cluster", marks=pytest.mark.cluster)])
+def test_large_results_draw_their_bytes_in_cold_and_warm_runs(where, request):
+    """Two ranks' 16 MiB results, on one host (2 workers) or two SSH test hosts (1 each)."""
+    names: list[str] = ["localhost"]
+    hosts: dict[str, object] = {"hostnames": names, "workers_per_host": 2}
+    if where == "cluster":
+        cluster = request.getfixturevalue("cluster")
+        names = cluster.names()[:2]
+        hosts = {
+            "hostnames": names,
+            "workers_per_host": 1,
+            "ssh_config_file": str(cluster.ssh_config),
+        }
     env = {**os.environ, "TORCHRUNX_PROGRESS": "1"}
+    script = f"HOSTS = {hosts!r}\n{BIG_RESULTS}"
     done = subprocess.run(
-        [sys.executable, "-c", BIG_RESULTS], capture_output=True, env=env, timeout=120, check=True
+        [sys.executable, "-c", script], capture_output=True, env=env, timeout=120, check=True
     )
     out, stderr = done.stdout.decode().splitlines(), done.stderr.decode()
     assert out == [f"{kind} [{4 * 2**20}, {4 * 2**20}]" for kind in ("cold", "warm", "warm")]
@@ -154,5 +167,6 @@ def test_large_results_draw_their_bytes_in_cold_and_warm_runs():
     ]
     assert len(finals) == 3, drawn
     assert all(0 < mib < 33.0 for mib in finals), finals
-    starts = [p for p in stderr.split("\r") if p.startswith("torchrunx: agents starting: 0/1")]
+    first = f"torchrunx: agents starting: 0/{len(names)}"
+    starts = [p for p in stderr.split("\r") if p.startswith(first)]
     assert len(starts) >= 2, stderr  # the cold launch's agents, then the warm block's
