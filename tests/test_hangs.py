@@ -320,23 +320,40 @@ def test_a_sleeping_rank_on_a_remote_host_is_named_within_seconds(cluster, tmp_p
 def test_ctrl_backslash_adds_the_collective_view_and_the_launch_goes_on(tmp_path, capfd):
     launcher, events = _launch(sleep_before_all_reduce, stall_timeout=300)
 
+    waiting = "ranks 0, 2 wait in all_reduce #5 of default_pg ([4] Float)"
+    seen: list[str] = []  # stderr so far, read by the thread below
+
     def look_then_release() -> None:
+        # Ctrl-\ until a view shows ranks 0 and 2 inside the all_reduce (on a loaded machine
+        # they may not have entered it when rank 1 wrote its file), then release rank 1.
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(
             (tmp_path / f"stall-began-{r}").exists() for r in range(3)
         ):
             time.sleep(0.05)
-        time.sleep(0.5)  # ranks 0 and 2 are in the all_reduce by now
-        os.kill(os.getpid(), signal.SIGQUIT)
-        time.sleep(3)
+        while time.monotonic() < deadline:
+            os.kill(os.getpid(), signal.SIGQUIT)
+            shown = len("".join(seen).split(ON_DEMAND))
+            answered = time.monotonic() + 10
+            while time.monotonic() < min(deadline, answered):
+                seen.append(capfd.readouterr().err)
+                views = "".join(seen).split(ON_DEMAND)
+                if len(views) > shown and "straggler" in views[-1]:  # its last line is in
+                    break
+                time.sleep(0.05)
+            if waiting in "".join(seen).split(ON_DEMAND)[-1]:
+                break
+            time.sleep(0.2)
         (tmp_path / "go").touch()
 
-    threading.Thread(target=look_then_release, daemon=True).start()
+    looker = threading.Thread(target=look_then_release, daemon=True)
+    looker.start()
     assert launcher.run(sleep_before_all_reduce, str(tmp_path)).ranks == [0, 1, 2]
-    err = capfd.readouterr().err
+    looker.join(timeout=5)
+    err = "".join(seen) + capfd.readouterr().err
     assert "torchrunx: where every rank is" in err  # the stacks, as before
-    view = err[err.index(ON_DEMAND) :]
-    assert "ranks 0, 2 wait in all_reduce #5 of default_pg ([4] Float)" in view
+    view = err[err.rindex(ON_DEMAND) :]
+    assert waiting in view
     assert "  rank 1: " in view and "in sleep_before_all_reduce" in view
     assert "no straggler: no rank of ranks 0-2 entered most recent collectives last" in view
     assert events == []  # no stall was reported
