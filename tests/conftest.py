@@ -210,6 +210,10 @@ def _alive(holder: list[TestCluster], factory: pytest.TempPathFactory, where: st
     if dead:
         with ISOLATED_DEATHS.open("a") as notes:
             notes.write(f"{time.ctime()} before {where}: sshd exit {dead}\n")
+            for name in dead:  # what sshd said last (-e: its log), to find the cause
+                log = made.workdir / name / "sshd.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+                notes.write(f"--- {log}:\n{tail}\n")
         made.stop()
         made = start_cluster(2, factory.mktemp("isolated"), "reach", isolated=True)
         holder[0] = made
