@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -410,10 +411,24 @@ def machine_cpu_seconds() -> float:
 
 
 def free_port() -> int:
-    """A TCP port free on this machine right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A TCP port free on this machine right now, below the kernel's ephemeral range.
+
+    A floor's rank 0 binds it a moment later. A port the kernel handed out (``bind`` to port 0)
+    may meanwhile go to any outgoing connection of another process (a test suite beside the
+    benchmark makes thousands): a floor's rank then failed to bind it. Ports below the range
+    are only taken by an explicit ``bind``.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(10000, max(10001, low - 1))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found in 10000-{low - 1}")
 
 
 def tail(text: str, lines: int = 5) -> str:
