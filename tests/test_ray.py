@@ -8,6 +8,7 @@ Ray connection left open by torchrunx, and (conftest) no agent or worker process
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -118,8 +119,10 @@ def where() -> dict[str, object]:
 @on_ray
 def test_ray_nodes_run_the_function_and_every_rank_returns(ray_cluster, ray_hosts):
     breakpoint_before = os.environ.get("PYTHONBREAKPOINT")
+    sigterm_before = signal.getsignal(signal.SIGTERM)
     result = trx.launch(where, hostnames=ray_hosts, workers_per_host=2, backend="gloo")
     assert os.environ.get("PYTHONBREAKPOINT") == breakpoint_before  # ray.init's is undone
+    assert signal.getsignal(signal.SIGTERM) is sigterm_before  # so is its SIGTERM handler
     addresses = [h.address for h in ray_cluster.hosts.hosts]
     assert list(result.results) == addresses  # the nodes, by address, in address order
     assert [r["host"] for r in result.ranks] == ["rnode1", "rnode1", "rnode2", "rnode2"]
@@ -139,6 +142,7 @@ def test_ray_uses_and_keeps_the_callers_own_connection(ray_cluster, ray_hosts, m
 
     # ray.init points this process's breakpoint() at Ray's debugger: not past this test
     monkeypatch.setenv("PYTHONBREAKPOINT", os.environ.get("PYTHONBREAKPOINT", "0"))
+    sigterm = signal.getsignal(signal.SIGTERM)  # and sets its own SIGTERM handler: not past it
     ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
     try:
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -147,6 +151,7 @@ def test_ray_uses_and_keeps_the_callers_own_connection(ray_cluster, ray_hosts, m
         assert ray.is_initialized()  # the caller's connection stays theirs
     finally:
         ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 @on_ray

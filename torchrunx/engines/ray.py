@@ -27,6 +27,7 @@ import functools
 import ipaddress
 import logging
 import os
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,9 @@ def connect(address: str) -> Any:  # noqa: ANN401 (Ray's module, untyped)
             # ray.init points this process's breakpoint() at Ray's debugger (PYTHONBREAKPOINT);
             # a connection torchrunx makes leaves the caller's environment as it was.
             breakpoint_hook = os.environ.get("PYTHONBREAKPOINT")
+            # ... and sets a SIGTERM handler of its own (sys.exit) in the main thread, over the
+            # launch's (a preemption notice) and past the launch: put the one before it back.
+            sigterm = _current_sigterm()
             try:
                 ray.init(
                     address=address,
@@ -97,8 +101,17 @@ def connect(address: str) -> Any:  # noqa: ANN401 (Ray's module, untyped)
                     os.environ.pop("PYTHONBREAKPOINT", None)
                 else:
                     os.environ["PYTHONBREAKPOINT"] = breakpoint_hook
+                if sigterm is not None:
+                    signal.signal(signal.SIGTERM, sigterm)
             _STATE["owned"] = True
     return ray
+
+
+def _current_sigterm() -> Any:  # noqa: ANN401 (a handler, SIG_DFL or SIG_IGN)
+    """This process's SIGTERM handler, or None off the main thread (where none can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.getsignal(signal.SIGTERM)
 
 
 def disconnect(user: object) -> None:
