@@ -118,6 +118,8 @@ def once(case: str, stall_timeout: float, sleeper: int, **fields: object) -> tup
     if not events:
         return float("inf"), "no Stalled event"
     start = max(b["time"] for b in began)
+    if len({b["seq"] for b in began}) != 1:  # the ranks disagree on the collective's number
+        return events[0].time - start, f"the ranks' next sequence numbers differ: {began}"
     return events[0].time - start, check(case, events[0], began[0], sleeper, world)
 
 
