@@ -29,17 +29,12 @@ import argparse
 import pickle
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+from testhosts import ssh_hosts, unavailable_reason
 
-from cluster import cluster_unavailable_reason, start_cluster  # noqa: E402
-
-import torchrunx as trx  # noqa: E402
-from torchrunx.events import Stalled, StragglerFound  # noqa: E402
+import torchrunx as trx
+from torchrunx.events import Stalled, StragglerFound
 
 JITTER_STEP = 0.4
 JITTER_STALL_TIMEOUT = 2.0
@@ -130,21 +125,13 @@ def main() -> None:
         if args.jitter_only
         else [("1 host x 4", steps_to_name(args.runs, args.step, 2, **local))]
     )
-    reason = "--smoke" if args.smoke else cluster_unavailable_reason()
+    reason = "--smoke" if args.smoke else unavailable_reason()
     if reason and not args.jitter_only:
         print(f"no bench test hosts: {reason}", file=sys.stderr)
     elif not args.jitter_only:
-        with tempfile.TemporaryDirectory() as work_dir:
-            cluster = start_cluster(2, Path(work_dir), profile="bench")
-            try:
-                ssh = {
-                    "hostnames": cluster.names(),
-                    "workers_per_host": 2,
-                    "ssh_config_file": cluster.ssh_config,
-                }
-                rows.append(("2 SSH hosts x 2", steps_to_name(args.runs, args.step, 3, **ssh)))
-            finally:
-                cluster.stop()
+        with ssh_hosts(2) as ssh:
+            counts = steps_to_name(args.runs, args.step, 3, workers_per_host=2, **ssh)
+            rows.append(("2 SSH hosts x 2", counts))
     started = time.monotonic()
     STALLED.clear()
     found, values = run(

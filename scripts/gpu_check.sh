@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU path, on a machine with NVIDIA GPUs (CI has none): real NCCL DDP launches on this
-# host and the launch benchmarks on NCCL. Needs 2 or more GPUs for the full check; with 1 GPU
-# it runs the example on 1 worker, checks that "auto" falls back to gloo for 2 workers, and
-# skips the benchmarks (their cases run 2 workers, each needs a GPU of its own).
+# host, stall and straggler detection on NCCL, the GPU figures of /health and torchrunx top,
+# and the launch benchmarks on NCCL. Needs 2 or more GPUs for the full check; with 1 GPU it
+# runs the example on 1 worker, checks that "auto" falls back to gloo for 2 workers, and skips
+# the NCCL stall and straggler checks and the benchmarks (each rank needs a GPU of its own).
 #
 #   bash scripts/gpu_check.sh            # prints the benchmark table at the end
 #
@@ -150,6 +151,181 @@ until(r"devices \[[\d, ]+\]")
 assert p.wait(timeout=60) == 0, seen[-3000:]
 print(seen[-1500:])
 print("gpu_check: pdb in an NCCL rank opened in the launcher's terminal; c finished the launch")
+EOF
+
+# Stall detection on NCCL (docs/debugging.md, "A launch that hangs"): rank 1 sleeps before an
+# all-reduce that rank 0 waits in on its GPU. With stall_timeout=5 the Stalled event must name
+# rank 1, the line it sleeps on, and the all-reduce's sequence number, read from NCCL's flight
+# recorder (rank 0 read the number from its own recorder just before). Needs a GPU per rank.
+# The second argument of each of these three scripts is the device: "cpu" (with gloo) only
+# tries a script's own logic on a machine without GPUs.
+if [ "$gpus" -ge 2 ]; then
+    "$py" - nccl cuda <<'EOF'
+import json, sys, tempfile, time
+from pathlib import Path
+
+import torchrunx as trx
+from torchrunx.errors import StallError
+from torchrunx.events import Stalled
+
+backend, kind = sys.argv[1], sys.argv[2]
+
+
+def hang(folder, kind):
+    import torch, torch.distributed as dist
+    from torchrunx.worker import stallprobe
+
+    rank = dist.get_rank()
+    t = torch.ones(4, device=f"cuda:{torch.cuda.current_device()}" if kind == "cuda" else "cpu")
+    for _ in range(3):
+        dist.all_reduce(t)
+    t.sum().item()  # the three are done on the device
+    seq = 1 + max(s for _, s, _ in stallprobe.timings().entries)
+    began = {"time": time.time(), "seq": seq, "line": sys._getframe().f_lineno + 2}
+    Path(folder, f"began-{rank}").write_text(json.dumps(began))
+    if rank == 1: time.sleep(120)  # the sleeping rank (on_stall="fail" ends it)
+    dist.all_reduce(t)
+    return t.sum().item()  # rank 0 waits here for the all-reduce on its GPU
+
+
+events = []
+with tempfile.TemporaryDirectory() as folder:
+    try:
+        trx.launch(
+            hang, (folder, kind), hostnames=["localhost"], workers_per_host=2, backend=backend,
+            stall_timeout=5, on_stall="fail",
+            event_handlers=(lambda e: events.append(e) if isinstance(e, Stalled) else None,),
+        )
+        sys.exit("gpu_check: the launch ended: the NCCL stall was not found")
+    except StallError:
+        pass
+    began = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("began-*"))]
+assert len(events) == 1 and len(began) == 2, (events, began)
+event, seq, line = events[0], began[0]["seq"], began[1]["line"]
+print(event.text)
+found = [(w["op"], w["seq"], w["ranks"]) for w in event.diagnosis["waiting"]]
+assert found == [("all_reduce", seq, [0])], f"expected rank 0 in all_reduce #{seq}: {found}"
+[(where, ranks)] = event.diagnosis["absent"].items()
+assert ranks == [1] and where.endswith(f":{line} in hang"), event.diagnosis["absent"]
+assert f"all_reduce #{seq} of " in event.text and "rank 1: " in event.text, event.text
+took = event.time - max(b["time"] for b in began)
+assert took <= 5 + 2, f"the diagnosis came {took:.2f} s after the stall began (target: 7 s)"
+print(f"gpu_check: a stall on {backend}: rank 1 named at line {line}, all_reduce #{seq}, "
+      f"{took:.2f} s after it began (stall_timeout 5 s)")
+EOF
+
+# Stragglers on NCCL (docs/debugging.md, "A rank that is slow"): rank 1's work takes twice
+# rank 0's (0.5 s against 0.25 s a step, then an all-reduce on the GPU: with 2 ranks the
+# median is their mean, so rank 1 enters 0.125 s after it, past the 0.1 s threshold); the
+# StragglerFound event must name rank 1, and only rank 1, within the 40 steps (target: 20).
+    "$py" - nccl cuda <<'EOF'
+import sys, time
+
+import torchrunx as trx
+from torchrunx.events import StragglerFound
+
+backend, kind = sys.argv[1], sys.argv[2]
+
+
+def steps(count, step, kind):
+    import torch, torch.distributed as dist
+
+    rank = dist.get_rank()
+    t = torch.ones(4, device=f"cuda:{torch.cuda.current_device()}" if kind == "cuda" else "cpu")
+    ended = []
+    for _ in range(count):
+        time.sleep(2 * step if rank == 1 else step)
+        dist.all_reduce(t)
+        t.sum().item()
+        ended.append(time.time())
+    return ended
+
+
+found = []
+result = trx.launch(
+    steps, (40, 0.25, kind), hostnames=["localhost"], workers_per_host=2, backend=backend,
+    event_handlers=(lambda e: found.append(e) if isinstance(e, StragglerFound) else None,),
+)
+assert [e.rank for e in found] == [1], f"expected rank 1 named, once: {[e.text for e in found]}"
+after = sum(1 for ended in result.rank(0) if ended <= found[0].time)
+assert any("rank 1 " in text for text in result.stragglers), result.stragglers
+print(f"gpu_check: stragglers on {backend}: {found[0].text}; named after {after} of 40 steps "
+      "(target: 20)")
+EOF
+else
+    echo "gpu_check: $gpus GPU: the NCCL stall and straggler checks need 2 (a GPU per rank); skipped"
+fi
+
+# torchrunx top's GPU figures (docs/logging.md, "torchrunx top"; docs/health.md): while the
+# ranks multiply matrices on their GPUs (one each, backend=None), /health must give every rank a GPU utilisation and
+# the GPU memory its process holds (from nvidia-smi, sampled by its agent), and `torchrunx
+# top --once` must show the GPU columns. "cpu" checks CPU figures instead.
+"$py" - "$workers" cuda <<'EOF'
+import json, os, subprocess, sys, tempfile, threading, time, urllib.error, urllib.request
+
+import torchrunx as trx
+from torchrunx.events import LaunchStarted
+
+workers, kind = int(sys.argv[1]), sys.argv[2]
+
+
+def busy(folder, kind):
+    import torch
+
+    gpu = int(os.environ["LOCAL_RANK"]) % max(1, torch.cuda.device_count())
+    x = torch.rand(2048, 2048, device=f"cuda:{gpu}" if kind == "cuda" else "cpu")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(f"{folder}/stop") and time.monotonic() < deadline:
+        for _ in range(20):
+            x = torch.tanh(x @ x)
+        x.sum().item()
+    return kind
+
+
+urls, outcome = [], []
+folder = tempfile.mkdtemp()
+launcher = trx.Launcher(
+    hostnames=["localhost"], workers_per_host=workers, backend=None, health_check_port=0,
+    event_handlers=(lambda e: urls.append(e.health_url) if isinstance(e, LaunchStarted) else None,),
+)
+thread = threading.Thread(target=lambda: outcome.append(launcher.run(busy, folder, kind)))
+thread.start()
+keys = ("gpu_percent", "gpu_memory_bytes") if kind == "cuda" else ("cpu_percent", "rss_bytes")
+report, deadline = {}, time.monotonic() + 90
+try:
+    while True:
+        assert thread.is_alive() and time.monotonic() < deadline, (
+            f"gpu_check: no {keys} for every rank in /health within 90 s "
+            f"(is nvidia-smi on PATH?): {report}")
+        if urls:
+            try:
+                with urllib.request.urlopen(urls[0], timeout=5) as answer:
+                    report = json.load(answer)
+            except urllib.error.HTTPError as error:
+                report = json.load(error)
+            ranks = report.get("workers") or []
+            if len(ranks) == workers and all(
+                w["state"] == "HEALTHY" and w[keys[0]] is not None and w[keys[1]]
+                for w in ranks
+            ):
+                break
+        time.sleep(0.5)
+    for w in report["workers"]:
+        print(f"rank {w['rank']}: {keys[0]} {w[keys[0]]}, {keys[1]} {w[keys[1]]}")
+    top = subprocess.run(
+        [sys.executable, "-m", "torchrunx", "top", "--once", "--pid", str(os.getpid())],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    print(top.stdout)
+    assert top.returncode == 0, top.stderr
+    heading = next((line for line in top.stdout.splitlines() if line.lstrip().startswith("rank ")), "")
+    want = ("gpu%", "gpu mem") if kind == "cuda" else ("cpu%", "rss")
+    assert all(column in heading for column in want), f"no {want} columns in: {heading!r}"
+finally:
+    open(f"{folder}/stop", "w").close()
+    thread.join(timeout=120)
+assert outcome and outcome[0].ranks == [kind] * workers, outcome
+print(f"gpu_check: /health and torchrunx top show every rank's {' and '.join(keys)}")
 EOF
 
 if [ "$gpus" -ge 2 ]; then

@@ -69,3 +69,4 @@ python benchmarks/run.py --smoke
 python benchmarks/log_overhead.py --lines 2000 --runs 1
 python benchmarks/timer_overhead.py --uses 20000 --runs 1
 python benchmarks/stall_overhead.py --steps 100 --rounds 1
+python benchmarks/hangs.py --smoke        # a sleeping rank and a mismatch, named (12-17 s)

@@ -21,7 +21,7 @@ import torchrunx as trx
 from torchrunx.errors import StallError
 from torchrunx.events import Stalled
 from torchrunx.launcher.launch.stalls import ON_DEMAND
-from torchrunx.worker.stallprobe import RECORDER_ENTRIES
+from torchrunx.worker.stallprobe import RECORDER_ENTRIES, loaded_c10d, recorder_env
 
 STALL = 2.0
 STALL_SSH = 5.0
@@ -284,6 +284,14 @@ def sleep_on_the_last_rank(folder: str) -> int:
         time.sleep(120)  # the sleeping rank, on the second host
     dist.all_reduce(t)
     return 0
+
+
+def test_the_installed_torch_reads_the_backend_neutral_recorder_size():
+    import torch.distributed  # noqa: F401 (loads torch._C._distributed_c10d)
+
+    c10d = loaded_c10d()
+    assert c10d is not None and hasattr(c10d, "_dump_fr_trace")
+    assert recorder_env({}, c10d) == {"TORCH_FR_BUFFER_SIZE": str(RECORDER_ENTRIES)}
 
 
 @pytest.mark.cluster

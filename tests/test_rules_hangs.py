@@ -321,6 +321,16 @@ def test_rule_the_recorder_is_on_unless_the_user_sized_it():
     assert recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}) == {}
 
 
+def test_rule_a_torch_whose_only_recorder_is_nccl_s_gets_its_own_variable():
+    old_torch = SimpleNamespace(_dump_nccl_trace=None)  # torch before gloo's recorder
+    new_torch = SimpleNamespace(_dump_nccl_trace=None, _dump_fr_trace=None)
+    entries = str(RECORDER_ENTRIES)
+    assert recorder_env({}, old_torch) == {"TORCH_NCCL_TRACE_BUFFER_SIZE": entries}
+    assert recorder_env({}, new_torch) == {"TORCH_FR_BUFFER_SIZE": entries}
+    assert recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "9"}, old_torch) == {}
+    assert recorder_env({"TORCH_FR_BUFFER_SIZE": "9"}, old_torch) == {}
+
+
 def test_rule_the_stall_clock_runs_while_an_attempt_runs_and_progress_sets_it_back():
     watch = StallWatch(10, "report", armed=True)
     watch.run_state(None, 0, 0)

@@ -23,7 +23,8 @@ A thread can answer while the main thread waits in a collective, sleeps or block
 answering, and its agent still sends its stacks (faulthandler, :class:`ShowStacks`).
 
 Before the process group is made, :func:`recorder_env` turns the recorder on
-(``TORCH_FR_BUFFER_SIZE``), unless the user set its size.
+(``TORCH_FR_BUFFER_SIZE``; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` for a torch whose only recorder is
+NCCL's), unless the user set its size.
 """
 
 from __future__ import annotations
@@ -57,11 +58,27 @@ _ASK = struct.Struct("=Q")
 _OWN_CODE = ("/torch/", "/torchrunx/", "<frozen ", "/threading.py", "/selectors.py")
 
 
-def recorder_env(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
-    """The variables that turn the flight recorder on: none if the user sized it already."""
+def recorder_env(
+    env: dict[str, str] | os._Environ[str],
+    c10d: Any = None,  # noqa: ANN401 (a module of torch's, or None)
+) -> dict[str, str]:
+    """The variables that turn the flight recorder on: none if the user sized it already.
+
+    ``c10d``: ``torch._C._distributed_c10d`` where torch is loaded (:func:`loaded_c10d`). One
+    without ``_dump_fr_trace`` is a torch from before the recorder served every backend: its
+    only recorder is NCCL's, which reads ``TORCH_NCCL_TRACE_BUFFER_SIZE`` alone (and is off
+    unless it is set). Newer ones read ``TORCH_FR_BUFFER_SIZE`` for NCCL's and gloo's both.
+    """
     if "TORCH_FR_BUFFER_SIZE" in env or "TORCH_NCCL_TRACE_BUFFER_SIZE" in env:
         return {}
+    if c10d is not None and not hasattr(c10d, "_dump_fr_trace"):
+        return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(RECORDER_ENTRIES)}
     return {"TORCH_FR_BUFFER_SIZE": str(RECORDER_ENTRIES)}
+
+
+def loaded_c10d() -> Any:  # noqa: ANN401 (a module of torch's)
+    """``torch._C._distributed_c10d`` if torch is loaded (a worker inherits it), else None."""
+    return getattr(sys.modules.get("torch._C"), "_distributed_c10d", None)
 
 
 def ask(page: Any, offset: int = timer.ASK_OFFSET) -> None:  # noqa: ANN401 (an mmap)

@@ -207,7 +207,7 @@ def run(  # noqa: PLR0913 (what one rank needs)
     conn.send(hello)
     debugger.install(conn, rank, spec.hostname, terminal=spec.debugger)
     if spec.progress_every is not None:  # stall detection: the recorder on, the probe started
-        os.environ.update(stallprobe.recorder_env(os.environ))
+        os.environ.update(stallprobe.recorder_env(os.environ, stallprobe.loaded_c10d()))
         stallprobe.StallProbe(conn, spec.progress_every).start()
     outcomes = _Outcomes(conn, boot, hello)
     call: list[bytearray] | None = payload
