@@ -507,9 +507,9 @@ def test_rule_a_collectives_text_names_only_what_is_known():
         return render(diagnose([_snap(0, entry)], 1))[0]
 
     full = CollectiveEntry("g", 3, "all_gather", ((4, 2), (3,)), ("Half", "Float"), site="a.py:1")
-    assert line(full) == "rank 0 wait in all_gather #3 of g ([4, 2], [3] Half) at a.py:1"
-    assert line(CollectiveEntry("g", 3, "op", ((5,),))) == "rank 0 wait in op #3 of g ([5])"
-    assert line(CollectiveEntry("g", 3, "op", (), ("Float",))) == "rank 0 wait in op #3 of g"
+    assert line(full) == "rank 0 waits in all_gather #3 of g ([4, 2], [3] Half) at a.py:1"
+    assert line(CollectiveEntry("g", 3, "op", ((5,),))) == "rank 0 waits in op #3 of g ([5])"
+    assert line(CollectiveEntry("g", 3, "op", (), ("Float",))) == "rank 0 waits in op #3 of g"
 
 
 def test_rule_the_diagnosis_as_json_holds_every_field():

@@ -228,7 +228,9 @@ def render(diagnosis: Diagnosis) -> list[str]:
         lines.append("mismatched collectives: " + "; ".join(parts))
     else:
         lines.extend(
-            f"{ranks_text(w.ranks)} wait in {_collective_text(w.entry)}" for w in diagnosis.waiting
+            f"{ranks_text(w.ranks)} {'wait' if len(w.ranks) > 1 else 'waits'} in "
+            f"{_collective_text(w.entry)}"
+            for w in diagnosis.waiting
         )
     if diagnosis.absent:
         if diagnosis.waiting:
