@@ -154,6 +154,50 @@ def test_launch_like_0_4_log_folder_events_beside_it_and_local_environment(log_d
         assert report["leaks"] == []
 
 
+def test_a_0_4_call_with_only_workers_and_backend_given(log_dir, monkeypatch):
+    # 0.4's own CI launches `Launcher(workers_per_host=N, backend="gloo").run(f)`, f defined
+    # inside the test, TORCHRUNX_LOG_DIR set after the import, outside any allocation: the
+    # default hosts are then this machine alone, named "localhost" in results and file names.
+    for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID"):
+        monkeypatch.delenv(name, raising=False)
+
+    def same_sum_on_every_rank():  # rank 0's weights, each rank's own input, summed
+        import torch
+        import torch.distributed as dist
+
+        rank = int(os.environ["RANK"])
+        weights = torch.rand(8, 8) if rank == 0 else torch.zeros(8, 8)
+        dist.broadcast(weights, 0)
+        product = torch.rand(4, 8) @ weights
+        dist.all_reduce(product)
+        print(f"worker rank: {rank}")
+        return product
+
+    before = dt.datetime.now()  # noqa: DTZ005 (naive local time, as the folder names)
+    result = trx.Launcher(workers_per_host=2, backend="gloo").run(same_sum_on_every_rank)
+    after = dt.datetime.now()  # noqa: DTZ005
+    assert list(result.results) == ["localhost"]
+    assert bool((result.rank(0) == result.rank(1)).all())
+    assert float(result.rank(0).abs().sum()) > 0  # rank 0's weights reached rank 1
+    # One launch, one folder among the sub-folders os.walk finds, named by its start time.
+    (name,) = next(os.walk(log_dir))[1]
+    assert before.replace(microsecond=0) <= dt.datetime.fromisoformat(name) <= after
+    assert sorted(next(os.walk(log_dir / name))[2]) == [
+        "localhost.log",
+        "localhost[0].log",
+        "localhost[1].log",
+    ]
+    for rank in (0, 1):
+        assert f"worker rank: {rank}\n" in (log_dir / name / f"localhost[{rank}].log").read_text()
+
+    def fails() -> None:
+        raise ValueError("in the worker's own words")
+
+    with pytest.raises(ValueError, match="in the worker's own words"):
+        trx.Launcher(workers_per_host=1, backend="gloo").run(fails)
+    assert len(next(os.walk(log_dir))[1]) == 2  # the failed launch has a folder of its own
+
+
 @pytest.mark.cluster
 def test_values_reach_every_host_and_only_this_machine_sees_the_whole_environment(
     cluster, monkeypatch
