@@ -53,6 +53,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 import torchrunx as trx
 from torchrunx import serialization
 from torchrunx.launcher.launch.orchestrator import Launch
+from torchrunx.launcher.settings.environ import read_environ
 from torchrunx.launcher.settings.plan import LaunchPlan
 from torchrunx.launcher.settings.resolve import HostSlots
 from torchrunx.wire import handshake, messages, records
@@ -320,6 +321,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         log_handlers=[],
         start_timeout=300.0,
         agent_timeout=120.0,
+        from_env=read_environ(),
     )
     call = serialization.dumps((print, (), {}))
     peak_threads = threading.active_count()

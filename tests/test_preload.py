@@ -14,7 +14,7 @@ import pytest
 
 import torchrunx as trx
 from torchrunx.errors import ProtocolError
-from torchrunx.launcher.settings.plan import preload_from_env
+from torchrunx.launcher.settings.environ import preload_from_env
 from torchrunx.wire.bootstrap import AgentBootstrap
 
 HEAVY = """\

@@ -27,6 +27,7 @@ from torchrunx.events import (
 )
 from torchrunx.hosts import HostSlots
 from torchrunx.launcher.settings import resolve as hosts
+from torchrunx.launcher.settings.environ import read_environ
 from torchrunx.launcher.settings.plan import LaunchPlan, agent_timings
 from torchrunx.wire import handshake, messages, records
 from torchrunx.wire.bootstrap import AgentBootstrap, AgentTimings
@@ -385,7 +386,9 @@ def test_the_host_sides_timings_are_derived_from_agent_timeout_once_on_the_launc
         finish_timeout=0.5,
         guardian_grace=4.0,
     )
-    plan = LaunchPlan((HostSlots("localhost", 1),), ("local",), {}, agent_timeout=2.5)
+    plan = LaunchPlan(
+        (HostSlots("localhost", 1),), ("local",), {}, agent_timeout=2.5, from_env=read_environ({})
+    )
     assert plan.agent_timings == agent_timings(2.5)
     assert plan.agent_timings is plan.agent_timings  # made once per plan
     assert dataclasses.replace(plan, agent_timeout=4.0).agent_timings == agent_timings(4.0)

@@ -2213,7 +2213,7 @@ def test_rule_default_env_vars_are_checked_also_without_copy_env_vars():
 
 @pytest.mark.parametrize("workers", ["auto", "slurm", "gpu", "cpu", 1, [1, 2]])
 def test_rule_workers_per_host_words_and_counts_are_accepted(workers):
-    launcher_module._validate_workers(workers, ["a", "b"])
+    hosts.check_workers(workers, ["a", "b"])
 
 
 def test_rule_one_count_per_host_or_one_for_all():
@@ -2222,7 +2222,7 @@ def test_rule_one_count_per_host_or_one_for_all():
         "int"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        launcher_module._validate_workers([1, 1, 1], ["a", "b"])
+        hosts.check_workers([1, 1, 1], ["a", "b"])
 
 
 # -- the handshake, sealed records and frames (torchrunx/wire/: handshake, records, messages) ----

@@ -110,13 +110,19 @@ def test_relay_takes_off_auto_or_on(value):
 
 def test_a_relaying_hosts_bootstrap_line_carries_the_mode_as_a_typed_field():
     from torchrunx.hosts import HostSlots
+    from torchrunx.launcher.settings.environ import read_environ
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_starts import AgentStarts
     from torchrunx.launcher.state.records import AgentRecord
     from torchrunx.wire.bootstrap import AgentBootstrap
 
     plan = LaunchPlan(
-        hosts=(HostSlots("node1", 1),), methods=("ssh",), env={}, relay="auto", agent_timeout=5.0
+        hosts=(HostSlots("node1", 1),),
+        methods=("ssh",),
+        env={},
+        relay="auto",
+        agent_timeout=5.0,
+        from_env=read_environ(),
     )
     agent = AgentRecord(0, plan.hosts[0], "ssh", role="host")
     starts = AgentStarts(plan, [agent], 1234, b"s" * 32, 20, lambda *_: None)

@@ -20,6 +20,7 @@ from torchrunx.errors import AgentFailedError, Preempted
 from torchrunx.events import AgentState
 from torchrunx.hosts import HostSlots
 from torchrunx.launcher.launch.preempt import default_grace, end_preemption, slurm_kill_wait
+from torchrunx.launcher.settings.environ import read_environ
 from torchrunx.launcher.settings.plan import LaunchPlan
 from torchrunx.launcher.state.records import AgentRecord, Phase
 from torchrunx.launcher.state.spares import Reshape, check_resilience, reshape, split_spares
@@ -330,7 +331,13 @@ def _end(plan: LaunchPlan) -> tuple[Preempted, list[str]]:
 
 def _plan(**fields: object) -> LaunchPlan:
     fields.setdefault("agent_timeout", 5.0)
-    return LaunchPlan(tuple(_hosts("a", "b")), ("ssh", "ssh"), {}, **fields)  # type: ignore[arg-type]
+    return LaunchPlan(
+        tuple(_hosts("a", "b")),
+        ("ssh", "ssh"),
+        {},
+        from_env=read_environ(),
+        **fields,  # type: ignore[arg-type]
+    )
 
 
 def _scontrol(

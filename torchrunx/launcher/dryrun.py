@@ -29,7 +29,8 @@ def describe_launch(plan: LaunchPlan, unmatched: Sequence[str] = ()) -> str:
     ``unmatched``: env patterns of the user's that match no launcher variable.
     """
     counts_gpus = plan.backend == "auto" or plan.workers_per_host in ("gpu", "auto")
-    here = count_local_gpus() if counts_gpus and "local" in plan.methods else None
+    local = counts_gpus and "local" in plan.methods
+    here = count_local_gpus(plan.from_env.environ) if local else None
     gpus = [here if method == "local" else None for method in plan.methods]
     return describe_plan(plan, gpus, unmatched=unmatched)
 

@@ -80,7 +80,8 @@ class Dispatch:
                     (a.slots.hostname, a.hello.slots)
                     for a in st.world
                     if a.slots.workers is None and a.hello is not None and a.hello.gpus == 0
-                ]
+                ],
+                plan.from_env.hints,
             )
         master_addr, master_port = self.master_address()
         debugger = session.debugger

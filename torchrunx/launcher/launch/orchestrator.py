@@ -135,7 +135,8 @@ class Launch:
             for agent in st.agents:
                 self.session.pool.start(agent.index)
             start_by = st.progress.started + self.plan.start_timeout
-            line = ProgressLine("agents starting", len(st.agents), "hosts up")
+            forced = self.plan.from_env.progress
+            line = ProgressLine("agents starting", len(st.agents), "hosts up", forced=forced)
             bundle = self.session.starts.bundle
 
             def started() -> bool:
@@ -216,7 +217,11 @@ class Launch:
                 kept = False
             else:
                 self.dispatch.send_specs(self.call)
-            results = BytesProgress("results", lambda: self.session.listener.outcome_bytes)
+            results = BytesProgress(
+                "results",
+                lambda: self.session.listener.outcome_bytes,
+                forced=self.plan.from_env.progress,
+            )
 
             def finished(results: BytesProgress = results) -> bool:
                 results.update()  # large results' bytes, as they come

@@ -79,8 +79,11 @@ class LiveView:
 
     def start(self) -> None:
         """Listen on the user's private socket (a failure only means no view)."""
-        if os.environ.get("TORCHRUNX_VIEW", "1") != "0":
-            self.server = ViewServer(self.snapshot, self.info(), self.request)
+        environ = self.session.plan.from_env
+        if environ.view:
+            self.server = ViewServer(
+                self.snapshot, self.info(), self.request, runtime=environ.environ
+            )
             self.server.start()
 
     def close(self) -> None:

@@ -56,9 +56,10 @@ def default_grace(
 
     SLURM sends SIGKILL ``KillWait`` seconds after the SIGTERM of a preemption, a cancel or
     the time limit; outside SLURM nothing says how long there is, and a SIGTERM stops the
-    launch at once, as it always did.
+    launch at once, as it always did. ``environ``: the plan's (None: this process's, for a
+    call outside a launch).
     """
-    env = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ  # outside a launch only
     if not in_slurm_allocation(env) or (read_config is None and shutil.which("scontrol") is None):
         return 0.0
     try:
@@ -83,8 +84,9 @@ def requeue_job(environ: Mapping[str, str] | None = None) -> str | None:
     """``scontrol requeue`` the SLURM job this runs in; None if done, else why not.
 
     Once it is requeued, this process ignores SIGTERM (SLURM sends it to end the job).
+    ``environ``: the plan's (None: this process's, for a call outside a launch).
     """
-    env = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ  # outside a launch only
     job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     if not job:
         return "not inside a SLURM job (no SLURM_JOB_ID)"
@@ -134,7 +136,7 @@ def end_preemption(
     state.begin_failure()
     with contextlib.suppress(KeyboardInterrupt, SystemExit):  # a second signal: stop now
         stop()
-    why_not = requeue_job() if plan.requeue else None
+    why_not = requeue_job(plan.from_env.environ) if plan.requeue else None
     if why_not is not None:
         logger.warning("the SLURM job was not requeued: %s", why_not)
         notes.append(f"the SLURM job was not requeued: {why_not}")

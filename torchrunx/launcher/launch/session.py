@@ -42,11 +42,6 @@ from torchrunx.launcher.net.listener import Listener, NetEvent
 from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
 from torchrunx.launcher.starts.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.state.failures import choose_cause
-from torchrunx.launcher.state.health import (
-    HealthReport,
-    health_details_from_env,
-    health_host_from_env,
-)
 from torchrunx.launcher.state.records import AgentRecord, Phase
 from torchrunx.launcher.state.reports import summary
 from torchrunx.launcher.state.state import LaunchState
@@ -74,6 +69,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import Starter
     from torchrunx.launcher.state.hangs import Straggler
+    from torchrunx.launcher.state.health import HealthReport
     from torchrunx.launcher.state.results import LaunchTimings
     from torchrunx.wire.messages import RankState
 
@@ -99,8 +95,7 @@ class LaunchLoop:
         """Open the logs, the events file, the listening socket and the loop; start nothing.
 
         ``starter`` replaces how agents start (the many-hosts benchmark simulates them). What
-        was opened is closed again if a later part fails (an unwritable log folder, a bad
-        ``TORCHRUNX_LOG_LEVEL``, no descriptor left).
+        was opened is closed again if a later part fails (an unwritable log folder, no fd left).
         """
         self.plan = plan
         with contextlib.ExitStack() as undo:
@@ -109,6 +104,7 @@ class LaunchLoop:
                 list(plan.hostnames),
                 console_ranks=plan.console_ranks,
                 workers_per_host=[host.workers for host in plan.hosts],
+                settings=plan.from_env,
             )
             undo.callback(self.logs.close)
             log_dir = self.logs.log_dir
@@ -178,6 +174,7 @@ class LaunchLoop:
             self._send_debug,
             lambda rank: self.state.agent_table.hostname(self.state.ranks[rank]),
             stdin_fd=0,  # the process's standard input, whatever sys.stdin is now
+            settings=plan.from_env,
         )
         """``breakpoint()`` in the workers: pdb sessions in this terminal."""
         self.inbox.debugger = self.debugger
@@ -432,8 +429,7 @@ class LaunchLoop:
     def open_health(self) -> None:
         """Serve ``GET /health`` if the plan asks for it (an OSError ends the launch).
 
-        And the view socket for ``torchrunx top`` (this user's only), unless
-        ``TORCHRUNX_VIEW=0``.
+        And the view socket for ``torchrunx top`` (this user's only), unless ``TORCHRUNX_VIEW=0``.
         """
         self.view.start()
         port = self.plan.health_port
@@ -441,8 +437,9 @@ class LaunchLoop:
             self.health = HealthServer(
                 port,
                 self.health_report,
-                host=health_host_from_env(),
-                details=health_details_from_env(),
+                host=self.plan.from_env.health_host,
+                details=self.plan.from_env.health_details,
+                token=self.plan.from_env.health_token,
             )
             self.health.start()
             logger.info("health endpoint: %s", self.health.url)

@@ -11,7 +11,6 @@ this plan, never the :class:`~torchrunx.Launcher` itself::
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,7 +24,7 @@ from torchrunx.launcher.settings.resolve import (
     is_local_host,
     slurm_allocation,
 )
-from torchrunx.wire.bootstrap import AgentTimings, is_module_name
+from torchrunx.wire.bootstrap import AgentTimings
 from torchrunx.wire.messages import HEARTBEAT_INTERVAL
 from torchrunx.wire.relay import MODES as RELAY_MODES
 
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
 
     from torchrunx.events import EventHandler
     from torchrunx.hosts import HostSlots
+    from torchrunx.launcher.settings.environ import LauncherEnviron
     from torchrunx.logs import ConsoleRanks, LogHandlers
 
 StartMethod = str
@@ -44,34 +44,6 @@ StartMethod = str
 Backend = Literal["nccl", "gloo", "mpi", "ucc", "auto"] | None
 StallAction = Literal["report", "fail", "restart"]
 """``Launcher.on_stall`` (:mod:`torchrunx.launcher.launch.stalls`)."""
-
-
-PRELOAD_ENV_VAR = "TORCHRUNX_PRELOAD"
-
-
-def preload_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """``TORCHRUNX_PRELOAD``: the modules every agent imports once, before it forks its workers.
-
-    A comma-separated list of module names (``"transformers,numpy"``); empty or unset: none.
-    Each worker inherits the imported modules instead of importing them itself (see
-    docs/environment.md).
-
-    Raises:
-        ValueError: An entry is not a dotted module name (a path, a space, an empty entry).
-    """
-    raw = (os.environ if environ is None else environ).get(PRELOAD_ENV_VAR, "").strip()
-    if not raw:
-        return ()
-    names = tuple(name.strip() for name in raw.split(","))
-    bad = [name for name in names if not is_module_name(name)]
-    if bad:
-        msg = (
-            f"{PRELOAD_ENV_VAR}={raw!r}: {', '.join(repr(b) for b in bad)} is not a module name; "
-            "give importable module names separated by commas, e.g. "
-            f"{PRELOAD_ENV_VAR}=transformers,numpy"
-        )
-        raise ValueError(msg)
-    return names
 
 
 @dataclass(frozen=True)
@@ -97,7 +69,7 @@ class LaunchPlan:
     env_file: str | Path | None = None
     """The file sourced on every host first, as given (resolved when the agents start)."""
     launcher_address: str | None = None
-    """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR`` is read where it is used)."""
+    """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR``: in :attr:`from_env`)."""
     relay: str = "off"
     """Whether remote agents relay their connections (:mod:`torchrunx.engines.relay`)."""
     python: str | Mapping[str, str] | None = None
@@ -110,6 +82,9 @@ class LaunchPlan:
     ssh_config_file: str | Path | None = None
     agent_timeout: float = field(kw_only=True)
     """Given always (``Launcher.agent_timeout`` holds its one default)."""
+    from_env: LauncherEnviron = field(kw_only=True)
+    """What the launcher's environment variables say, read once (:func:`read_environ`): the
+    launch's parts take them from here, never from ``os.environ``."""
     start_timeout: float = 60.0
     launch_timeout: float | None = None
     max_restarts: int = 0
@@ -135,8 +110,6 @@ class LaunchPlan:
     stall_timeout: float | None = None
     """Stall detection's timeout in seconds (None: off; :mod:`torchrunx.launcher.launch.stalls`)."""
     on_stall: StallAction = "report"
-    preload: tuple[str, ...] = field(default_factory=preload_from_env)
-    """Modules each agent imports before it forks its workers (``TORCHRUNX_PRELOAD``)."""
     straggler_threshold: float | None = None
     """Straggler detection's lateness in seconds (None: off;
     :mod:`torchrunx.launcher.launch.stragglers`)."""
@@ -235,7 +208,10 @@ def paired_transport(source: HostsSource) -> str | None:
 
 
 def start_methods(
-    agent_start: str, hostnames: list[str], paired: str | None = None
+    agent_start: str,
+    hostnames: list[str],
+    paired: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[list[StartMethod], str | None]:
     """How each host's agent starts (a transport per host), and the transport's argument.
 
@@ -244,7 +220,8 @@ def start_methods(
     names (Ray's nodes start through Ray), if any; else srun when this process runs in a SLURM
     allocation, ``srun`` is installed and every remote host is a node of the allocation;
     otherwise ssh. With ssh and srun, a host that is this machine gets a plain subprocess
-    (``"local"``); any other transport starts every host's agent.
+    (``"local"``); any other transport starts every host's agent. ``environ``: where SLURM's
+    variables are read (the plan's; None: this process's, for a call outside a launch).
 
     Raises:
         SlurmError: ``"srun"`` outside an allocation, without ``srun``, or for a host that is
@@ -258,7 +235,7 @@ def start_methods(
     remote = [host for host, here in zip(hostnames, local, strict=True) if not here]
     method: StartMethod = "ssh"
     if name == "srun":
-        allocation = slurm_allocation(what="agent_start='srun'")
+        allocation = slurm_allocation(environ, what="agent_start='srun'")
         if shutil.which("srun") is None:
             raise SlurmError("agent_start='srun' but srun is not installed on this machine")
         outside = [host for host in remote if host not in allocation.nodes]
@@ -268,8 +245,8 @@ def start_methods(
                 f"{allocation.job_id} ({list(allocation.nodes)}); use agent_start='ssh'"
             )
         method = "srun"
-    elif name == "auto" and remote and in_slurm_allocation() and shutil.which("srun"):
-        nodes = set(slurm_allocation().nodes)
+    elif name == "auto" and remote and in_slurm_allocation(environ) and shutil.which("srun"):
+        nodes = set(slurm_allocation(environ).nodes)
         if all(host in nodes for host in remote):
             method = "srun"
     return ["local" if here else method for here in local], None

@@ -217,6 +217,7 @@ def resolve_hosts(
             resolved name that is not a host name (see :func:`check_hostname`), naming where
             it came from: the field, a hostfile and its line, SLURM's node list, a provider.
     """
+    # os.environ only for a call outside a launch: the plan passes the environment it read.
     env = os.environ if environ is None else environ
     source = hostnames_source(hostnames) if source is None else source
     where = field

@@ -11,9 +11,9 @@ when that is known before they start.
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
-import os
 import shlex
 import sys
 import threading
@@ -28,6 +28,7 @@ from torchrunx.engines.command import agent_script
 from torchrunx.env import local_agent_env
 from torchrunx.errors import AgentFailedError, add_note
 from torchrunx.launcher.net import listener as listener_module
+from torchrunx.launcher.settings.environ import ADDRESS_ENV_VAR, LISTEN_ENV_VAR, PORT_ENV_VAR
 from torchrunx.launcher.settings.reach import (
     default_python,
     host_sys_path,
@@ -51,34 +52,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("torchrunx.agent_starts")
 
-LISTEN_ENV_VAR = "TORCHRUNX_LISTEN_ADDR"
-"""Where the launcher listens for agents and workers, when set (``*``: every interface)."""
-PORT_ENV_VAR = "TORCHRUNX_LAUNCHER_PORT"
-"""The port the launcher listens on (``29400``), or a range to take the first free one of
-(``29400-29409``), so that a firewall rule can name it; unset: an ephemeral port."""
-
-
-def launcher_ports(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """The ports :data:`PORT_ENV_VAR` allows, in the order they are tried (``(0,)``: any).
-
-    Raises:
-        ValueError: The value is neither a port (1 to 65535) nor a range ``FIRST-LAST`` of them.
-    """
-    env = os.environ if environ is None else environ
-    value = env.get(PORT_ENV_VAR, "").strip()
-    if not value:
-        return (0,)
-    first, dash, last = value.partition("-")
-    bounds = (first.strip(), (last if dash else first).strip())
-    if all(b.isdigit() and 0 < int(b) < 65536 for b in bounds):
-        low, high = int(bounds[0]), int(bounds[1])
-        if low <= high:
-            return tuple(range(low, high + 1))
-    raise ValueError(
-        f"{PORT_ENV_VAR}={value!r}: expected a port from 1 to 65535 (29400) or a range of them "
-        "(29400-29409), the lower first"
-    )
-
 
 @dataclass
 class AgentStarts:
@@ -94,8 +67,6 @@ class AgentStarts:
     """Where an agent's own stdout and stderr lines go: ``(host index, log record)``."""
     script: bytes = field(default=b"", repr=False)
     """The agents' script (forwarded variables' values): never in a repr."""
-    local_env: dict[str, str] = field(default_factory=local_agent_env, repr=False)
-    """This machine's agents start with the launcher's environment."""
     transports: dict[str, Transport] = field(default_factory=dict, repr=False)
     """The launch's transports by name, made on first use (:meth:`transport`)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -313,9 +284,14 @@ class AgentStarts:
             except Exception:  # noqa: PERF203 (each transport closes, whatever the others do)
                 logger.warning("closing the %s transport failed", transport.name, exc_info=True)
 
+    @functools.cached_property
+    def local_env(self) -> dict[str, str]:
+        """This machine's agents start with the launcher's environment (the plan's)."""
+        return local_agent_env(self.plan.from_env.environ)
+
     def configured_address(self) -> str | None:
         """The launcher address the user set (field, else environment), if any."""
-        return configured_address(self.plan.launcher_address)
+        return configured_address(self.plan.launcher_address, self.plan.from_env.environ)
 
     def bootstrap(self, agent: AgentRecord, local_address: str, *, relays: bool = False) -> bytes:
         """The agent's bootstrap line; ``local_address``: this machine's, as the host sees it.
@@ -336,7 +312,7 @@ class AgentStarts:
             secret=self.secret,
             workers=agent.slots.workers,
             preload_torch=self.plan.backend is not None,
-            preload=self.plan.preload,
+            preload=self.plan.from_env.preload,
             timings=self.plan.agent_timings,
             log_level=self.log_level,
             sys_path=host_sys_path(self.bundle) if keep_path else tuple(sys.path),
@@ -349,18 +325,18 @@ class AgentStarts:
         ).to_json_line()
 
 
-def configured_address(
-    launcher_address: str | None, environ: Mapping[str, str] | None = None
-) -> str | None:
-    """The launcher address the user set: ``launcher_address``, else ``TORCHRUNX_LAUNCHER_ADDR``."""
-    env = os.environ if environ is None else environ
-    return launcher_address or env.get("TORCHRUNX_LAUNCHER_ADDR") or None
+def configured_address(launcher_address: str | None, environ: Mapping[str, str]) -> str | None:
+    """The launcher address the user set: ``launcher_address``, else ``TORCHRUNX_LAUNCHER_ADDR``.
+
+    ``environ``: the launcher's environment, the plan's.
+    """
+    return launcher_address or environ.get(ADDRESS_ENV_VAR) or None
 
 
 def listen_hosts(
     launcher_address: str | None,
     methods: Sequence[StartMethod],
-    environ: Mapping[str, str] | None = None,
+    environ: Mapping[str, str],
     relay: str = "off",
 ) -> list[str | None]:
     """Where the launcher may listen for agents and workers, best first (``None``: everywhere).
@@ -375,13 +351,12 @@ def listen_hosts(
       from, an ``srun`` agent to the one on the route to its node, which are known only once
       they start, and a name may resolve to other addresses on the hosts than here.
     """
-    env = os.environ if environ is None else environ
-    override = env.get(LISTEN_ENV_VAR, "").strip()
+    override = environ.get(LISTEN_ENV_VAR, "").strip()
     if override:
         return [None if override == "*" else override]
     if relay == "on" or all(method == "local" for method in methods):
         return ["127.0.0.1"]
-    address = configured_address(launcher_address, env)
+    address = configured_address(launcher_address, environ)
     if address is not None and "local" not in methods and _is_ip(address):
         return [address, None]
     return [None]
@@ -393,29 +368,34 @@ def listen_socket(plan: LaunchPlan) -> socket.socket:
     Raises:
         OSError: It cannot be bound (``TORCHRUNX_LISTEN_ADDR`` is not this machine's, say).
     """
-    first, *fallback = listen_hosts(plan.launcher_address, plan.methods, relay=plan.relay)
-    ports = launcher_ports()
+    environ = plan.from_env.environ
+    first, *fallback = listen_hosts(plan.launcher_address, plan.methods, environ, plan.relay)
+    ports = plan.from_env.launcher_ports
     try:
-        return _bind(first, fallback, ports)
+        return _bind(first, fallback, ports, environ.get(LISTEN_ENV_VAR, "").strip())
     except OSError as exc:
         if ports != (0,) and exc.errno == errno.EADDRINUSE:
             add_note(
                 exc,
-                f"{PORT_ENV_VAR}={os.environ[PORT_ENV_VAR]!r}: every port of it is in use "
+                f"{PORT_ENV_VAR}={plan.from_env.port_text!r}: every port of it is in use "
                 "(another launch on this machine?); give a wider range",
             )
         raise
 
 
-def _bind(first: str | None, fallback: list[str | None], ports: tuple[int, ...]) -> socket.socket:
-    """Listen on ``first``, else (not for want of a free port) on the fallback."""
+def _bind(
+    first: str | None, fallback: list[str | None], ports: tuple[int, ...], where: str
+) -> socket.socket:
+    """Listen on ``first``, else (not for want of a free port) on the fallback.
+
+    ``where``: ``TORCHRUNX_LISTEN_ADDR``'s value, for a note (empty: unset).
+    """
     try:
         return listener_module.listen_socket(first, ports)
     except OSError as exc:
         if fallback and exc.errno != errno.EADDRINUSE:
             logger.debug("cannot listen on %s only (%s); listening on every interface", first, exc)
             return listener_module.listen_socket(fallback[0], ports)
-        where = os.environ.get(LISTEN_ENV_VAR, "").strip()
         if where:
             add_note(exc, f"{LISTEN_ENV_VAR}={where!r}: where to listen")
         raise
