@@ -450,9 +450,9 @@ def test_health_details_from_env_rejects_other_values():
 
 def test_the_plan_reads_the_health_port_from_os_environ(monkeypatch):
     monkeypatch.setenv("TORCHRUNX_HEALTH_CHECK_PORT", "8123")
-    assert trx.Launcher(hostnames=["localhost"]).plan().health_port == 8123
+    assert trx.Launcher(hostnames=["localhost"]).plan().observability.health_port == 8123
     monkeypatch.delenv("TORCHRUNX_HEALTH_CHECK_PORT")
-    assert trx.Launcher(hostnames=["localhost"]).plan().health_port is None
+    assert trx.Launcher(hostnames=["localhost"]).plan().observability.health_port is None
 
 
 # --------------------------------------------------------------------------------------------

@@ -235,10 +235,10 @@ def test_hostnames_source_is_the_one_answer(tmp_path, monkeypatch):
 def test_the_plan_keeps_what_hostnames_named_classified_once(tmp_path, monkeypatch):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    assert trx.Launcher(hostnames=["localhost"]).plan().hosts_from == hosts.HostsSource(
+    assert trx.Launcher(hostnames=["localhost"]).plan().hosts.source == hosts.HostsSource(
         names=("localhost",)
     )
-    assert trx.Launcher(hostnames=hostfile).plan().hosts_from == hosts.HostsSource(
+    assert trx.Launcher(hostnames=hostfile).plan().hosts.source == hosts.HostsSource(
         hostfile=hostfile
     )
     calls: list[object] = []
@@ -251,11 +251,14 @@ def test_the_plan_keeps_what_hostnames_named_classified_once(tmp_path, monkeypat
     monkeypatch.setattr(launcher_module, "hostnames_source", counted)
     monkeypatch.setattr(hosts, "hostnames_source", lambda _: pytest.fail("classified again"))
     launcher = trx.Launcher(hostnames=["localhost"])
-    plan = launcher._resolve(warm=False, keep_workers=False)
+    plan = launcher_module._plan_of(launcher, None, warm=False, keep_workers=False)
     assert calls == [["localhost"]]  # once: resolving the hosts and their transport reuse it
     # The dry run says where the hosts came from by the plan's classification.
     described = describe_plan(
-        dataclasses.replace(plan, hosts_from=hosts.HostsSource(provider=("pbs", None)))
+        dataclasses.replace(
+            plan,
+            hosts=dataclasses.replace(plan.hosts, source=hosts.HostsSource(provider=("pbs", None))),
+        )
     )
     assert "hosts from: host provider pbs" in described
     assert "hosts from: the list given" in describe_plan(plan)

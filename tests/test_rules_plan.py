@@ -8,8 +8,11 @@ this machine (``is_local_host``). No process starts and no name is resolved.
 
 from __future__ import annotations
 
+import argparse
 import ast
+import dataclasses
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -222,10 +225,15 @@ def test_rule_the_plan_reads_the_environment_it_is_given(tmp_path: Path):
     launcher = trx.Launcher(hostnames="hostfile", extra_env_vars=("WANDB_*",))
     made = launcher.plan(environ=environ)
     got = made.from_env
-    assert [(h.hostname, h.workers) for h in made.hosts] == [("localhost", 2)]  # the provider's
-    assert (made.env["PATH"], made.env["WANDB_KEY"]) == ("/bin", "w")  # from the given mapping
-    assert "SLURM_JOB_ID" not in made.env  # matching no pattern (TORCH* forwards TORCHRUNX_*)
-    assert made.health_port == 8123
+    assert [(h.hostname, h.workers) for h in made.hosts.slots] == [
+        ("localhost", 2)
+    ]  # the provider's
+    assert (made.reach.env["PATH"], made.reach.env["WANDB_KEY"]) == (
+        "/bin",
+        "w",
+    )  # from the given mapping
+    assert "SLURM_JOB_ID" not in made.reach.env  # matching no pattern (TORCH* forwards TORCHRUNX_*)
+    assert made.observability.health_port == 8123
     assert (got.log_level, got.log_dir) == (logging.WARNING, tmp_path / "logs")
     assert got.hints == tmp_path / "cache" / "hints"
     assert (got.progress, got.view, got.preload) == (False, False, ("numpy", "json"))
@@ -233,8 +241,8 @@ def test_rule_the_plan_reads_the_environment_it_is_given(tmp_path: Path):
     assert (got.health_host, got.health_token, got.health_details) == ("", "t0k", True)
     assert (got.post_mortem, got.debugpy) == (True, (1, 5678))
     assert got.environ == environ  # a copy: what a local agent starts with, SLURM's job
-    assert configured_address(made.launcher_address, got.environ) == "10.1.2.3"
-    assert listen_hosts(made.launcher_address, made.methods, got.environ) == [None]
+    assert configured_address(made.reach.launcher_address, got.environ) == "10.1.2.3"
+    assert listen_hosts(made.reach.launcher_address, made.hosts.methods, got.environ) == [None]
     assert "t0k" not in repr(made)  # a token or a value is never in a repr
 
 
@@ -248,7 +256,11 @@ def test_rule_the_defaults_of_an_empty_environment():
     off = trx.Launcher(hostnames=["localhost"]).plan(
         environ={"TORCHRUNX_LOG_DIR": "", "TORCHRUNX_HINTS": "0"}
     )
-    assert (off.from_env.log_dir, off.from_env.hints, off.health_port) == (None, None, None)
+    assert (off.from_env.log_dir, off.from_env.hints, off.observability.health_port) == (
+        None,
+        None,
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -273,3 +285,28 @@ def test_rule_a_bad_variable_fails_the_plan_naming_it(name, value, monkeypatch):
     launcher.plan(environ={})  # and the given mapping is all that is read
     with pytest.raises(ValueError, match=f"{name}="):
         launcher.validate()  # validate() checks this process's environment
+
+
+# -- Launcher's fields by group: its docstring, --help, the plan --------------------------------
+
+
+def test_rule_every_launcher_field_is_in_one_group_and_the_docs_say_which():
+    from torchrunx.launcher.settings.plan import LAUNCHER_GROUPS
+
+    named = [name for fields in LAUNCHER_GROUPS.values() for name in fields]
+    assert sorted(named) == sorted(f.name for f in dataclasses.fields(trx.Launcher))
+    assert len(named) == len(set(named))  # one group each
+    doc = " ".join((trx.Launcher.__doc__ or "").split())
+    for group, fields in LAUNCHER_GROUPS.items():
+        assert f"{group} ({', '.join(fields)})" in doc, group
+    plan_groups = {f.name for f in dataclasses.fields(plan.LaunchPlan)}
+    assert set(LAUNCHER_GROUPS) - {"workers"} <= plan_groups  # the plan's groups, by name
+
+
+def test_rule_the_options_help_lists_them_by_group():
+    parser = argparse.ArgumentParser()
+    trx.add_launcher_arguments(parser)
+    text = re.sub(r"-\s+", "-", " ".join(parser.format_help().split()))  # argparse wraps at -
+    assert "by group: hosts: hostnames, workers-per-host, agent-start, spare-hosts" in text
+    assert "observability: stall-timeout, on-stall, straggler-threshold" in text
+    assert "log-handlers" not in text  # no option, so not listed

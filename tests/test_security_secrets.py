@@ -70,7 +70,7 @@ def test_reprs_hold_no_secret():
         emit=lambda _index, _record: None,
         script=b"export TOKEN=" + SECRET.hex().encode(),
     )
-    assert starts.local_env["TOKEN"] == plan.env["TOKEN"] == SECRET.hex()  # made, and held
+    assert starts.local_env["TOKEN"] == plan.reach.env["TOKEN"] == SECRET.hex()  # made, and held
     assert plan.from_env.health_token == SECRET.hex()
     assert_no_secret(repr(starts))
     assert_no_secret(repr(plan))

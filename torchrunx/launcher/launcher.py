@@ -49,7 +49,12 @@ from torchrunx.launcher.settings.environ import health_port_from_env, read_envir
 from torchrunx.launcher.settings.plan import (
     Backend,
     LaunchPlan,
+    Observability,
+    PlanHosts,
+    Reach,
+    Resilience,
     StallAction,
+    Timeouts,
     check_agent_start,
     check_relay,
     paired_transport,
@@ -73,7 +78,7 @@ from torchrunx.launcher.settings.resolve import (
 )
 from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.state.results import LaunchResult
-from torchrunx.launcher.state.spares import check_resilience, split_spares
+from torchrunx.launcher.state.spares import check_resilience, check_spare_names, split_spares
 from torchrunx.launcher.view.where import sigquit_shows_stacks
 from torchrunx.launcher.warm import WarmLauncher
 from torchrunx.logs import ConsoleRanks, LogHandlers, check_log_fields
@@ -100,6 +105,14 @@ class Launcher:
 
     Every field has a default, so `Launcher().run(func)` runs one worker per GPU (or CPU
     core) on this machine, or on every node of the SLURM allocation it runs in.
+
+    The fields by group (its plan's): hosts (hostnames, workers_per_host, agent_start,
+    spare_hosts); workers (backend, isolate_gpus); reach (ssh_config_file, default_env_vars,
+    copy_env_vars, extra_env_vars, env_file, launcher_address, relay, python, ship, ship_exclude,
+    container); timeouts (timeout, agent_timeout, start_timeout, launch_timeout); resilience
+    (max_restarts, restart_on, min_hosts, preemption_grace, requeue_on_preemption);
+    observability (stall_timeout, on_stall, straggler_threshold, health_check_port,
+    console_ranks, event_handlers, log_handlers).
     """
 
     hostnames: Hostnames = "auto"
@@ -290,7 +303,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         launch = Launch(plan, call)
         try:
             with (
-                sigterm_preempts(launch.session.preempt, plan.preemption_grace),
+                sigterm_preempts(launch.session.preempt, plan.resilience.preemption_grace),
                 sigquit_shows_stacks(launch.session.ask_stacks),
             ):
                 per_host = launch.execute()
@@ -391,7 +404,10 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         _validate_restarts(self.max_restarts, self.restart_on)
         check_stall_fields(self.stall_timeout, self.on_stall, self.max_restarts)
         check_straggler_threshold(self.straggler_threshold)
-        _validate_resilience(self)
+        check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
+        check_spare_names(self.spare_hosts, self.workers_per_host, self.requeue_on_preemption)
+        if self.preemption_grace is not None:
+            _validate_seconds("preemption_grace", self.preemption_grace, zero=True)
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port, {})  # raises ValueError for a bad port
         check_files(self.env_file, self.ssh_config_file)
@@ -465,25 +481,6 @@ def launch(
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
 
 
-def _validate_resilience(self: Launcher) -> None:
-    """``spare_hosts``, ``min_hosts``, ``preemption_grace``, ``requeue_on_preemption``."""
-    check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
-    if isinstance(self.spare_hosts, list | tuple):
-        check_hostnames(list(self.spare_hosts), "spare_hosts")
-        if isinstance(self.workers_per_host, list | tuple):
-            raise ValueError(  # noqa: TRY004 (a value that does not fit another)
-                "spare_hosts names hosts, but workers_per_host is a list (one count per "
-                "host of hostnames): give one count for every host, or make the spares "
-                "the last hosts of hostnames and set spare_hosts to their number"
-            )
-    if self.preemption_grace is not None:
-        _validate_seconds("preemption_grace", self.preemption_grace, zero=True)
-    if not isinstance(self.requeue_on_preemption, bool):
-        raise TypeError(
-            f"requeue_on_preemption must be True or False, got {self.requeue_on_preemption!r}"
-        )
-
-
 def _validate_restarts(max_restarts: object, restart_on: object) -> None:
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
@@ -545,46 +542,48 @@ def _plan_of(
     )
     check_python_hosts(it.python, [h.hostname for h in hosts], methods)
     return LaunchPlan(
-        hosts=tuple(hosts),
-        methods=tuple(methods),
-        hosts_from=source,
-        transport_argument=argument,
-        spares=len(spares),
-        min_hosts=it.min_hosts,
-        preemption_grace=(
-            default_grace(env) if it.preemption_grace is None else float(it.preemption_grace)
+        hosts=PlanHosts(
+            tuple(hosts), tuple(methods), source, argument, it.workers_per_host, len(spares)
         ),
-        requeue=it.requeue_on_preemption,
-        stall_timeout=it.stall_timeout,
-        on_stall=it.on_stall,
-        straggler_threshold=it.straggler_threshold,
-        env=it.exported_env(env),
-        workers_per_host=it.workers_per_host,
+        reach=Reach(
+            env=it.exported_env(env),
+            env_file=it.env_file,
+            launcher_address=it.launcher_address,
+            relay=it.relay,
+            python=it.python,
+            ship=tuple(str(p) for p in it.ship),
+            ship_exclude=tuple(it.ship_exclude),
+            container=tuple(shlex.split(it.container)) if it.container else (),
+            ssh_config_file=it.ssh_config_file,
+        ),
+        timeouts=Timeouts(
+            float(it.timeout), float(it.agent_timeout), float(it.start_timeout), it.launch_timeout
+        ),
+        resilience=Resilience(
+            max_restarts=it.max_restarts,
+            restart_on=tuple(it.restart_on),
+            min_hosts=it.min_hosts,
+            preemption_grace=(
+                default_grace(env) if it.preemption_grace is None else float(it.preemption_grace)
+            ),
+            requeue=it.requeue_on_preemption,
+        ),
+        observability=Observability(
+            stall_timeout=it.stall_timeout,
+            on_stall=it.on_stall,
+            straggler_threshold=it.straggler_threshold,
+            health_port=from_env.health_port
+            if it.health_check_port is None
+            else it.health_check_port,
+            event_handlers=tuple(it.event_handlers),
+            log_handlers=it.log_handlers,
+            console_ranks="all" if it.console_ranks == "all" else tuple(map(int, it.console_ranks)),
+        ),
+        from_env=from_env,
         backend=it.backend,
-        timeout=it.timeout,
         isolate_gpus=it.isolate_gpus,
-        env_file=it.env_file,
-        launcher_address=it.launcher_address,
-        relay=it.relay,
-        python=it.python,
-        ship=tuple(str(p) for p in it.ship),
-        ship_exclude=tuple(it.ship_exclude),
-        container=tuple(shlex.split(it.container)) if it.container else (),
-        ssh_config_file=it.ssh_config_file,
-        agent_timeout=float(it.agent_timeout),
-        start_timeout=float(it.start_timeout),
-        launch_timeout=it.launch_timeout,
-        max_restarts=it.max_restarts,
-        restart_on=tuple(it.restart_on),
-        health_port=from_env.health_port if it.health_check_port is None else it.health_check_port,
-        event_handlers=tuple(it.event_handlers),
-        log_handlers=it.log_handlers,
-        console_ranks=(
-            "all" if it.console_ranks == "all" else tuple(int(r) for r in it.console_ranks)
-        ),
         warm=warm,
         keep_workers=warm and keep_workers,
-        from_env=from_env,
     )
 
 

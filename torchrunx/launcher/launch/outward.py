@@ -158,7 +158,9 @@ class LiveView:
             if source.tail
         }
         report = session.health_report().to_dict()
-        if session.plan.straggler_threshold is not None:  # the view's mark column: "slow"
+        if (
+            session.plan.observability.straggler_threshold is not None
+        ):  # the view's mark column: "slow"
             slow = {s.rank for s in session.current_stragglers()}
             for worker in report.get("workers", []):
                 worker["straggler"] = worker.get("rank") in slow
@@ -205,7 +207,7 @@ class DebugpyForwards:
             except OSError as exc:
                 how, failure = "remote", exc
         else:
-            how = "local" if session.plan.methods[record.host_index] == "local" else "remote"
+            how = "local" if session.plan.hosts.methods[record.host_index] == "local" else "remote"
         sys.stderr.write(debugpy_text(rank, port, host, how, failure))
         sys.stderr.flush()
 

@@ -136,17 +136,17 @@ def end_preemption(
     state.begin_failure()
     with contextlib.suppress(KeyboardInterrupt, SystemExit):  # a second signal: stop now
         stop()
-    why_not = requeue_job(plan.from_env.environ) if plan.requeue else None
+    why_not = requeue_job(plan.from_env.environ) if plan.resilience.requeue else None
     if why_not is not None:
         logger.warning("the SLURM job was not requeued: %s", why_not)
         notes.append(f"the SLURM job was not requeued: {why_not}")
-    error = Preempted(reason, returned, world, requeued=plan.requeue and why_not is None)
+    error = Preempted(reason, returned, world, requeued=plan.resilience.requeue and why_not is None)
     missing = [r.rank for r in state.ranks if r.rank not in returned]
     if missing:
         notes.insert(
             0,
             f"ranks {missing} did not return within preemption_grace="
-            f"{plan.preemption_grace:g} s and were stopped",
+            f"{plan.resilience.preemption_grace:g} s and were stopped",
         )
     for note in notes:
         add_note(error, note)

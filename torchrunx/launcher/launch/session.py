@@ -97,18 +97,18 @@ class LaunchLoop:
         ``starter`` replaces how agents start (the many-hosts benchmark simulates them). What
         was opened is closed again if a later part fails (an unwritable log folder, no fd left).
         """
-        self.plan = plan
+        self.plan, watch = plan, plan.observability
         with contextlib.ExitStack() as undo:
             self.logs = LogRouter(
-                plan.log_handlers,
-                list(plan.hostnames),
-                console_ranks=plan.console_ranks,
-                workers_per_host=[host.workers for host in plan.hosts],
+                watch.log_handlers,
+                list(plan.hosts.hostnames),
+                console_ranks=watch.console_ranks,
+                workers_per_host=[host.workers for host in plan.hosts.slots],
                 settings=plan.from_env,
             )
             undo.callback(self.logs.close)
             log_dir = self.logs.log_dir
-            self.sink = EventSink(plan.event_handlers, log_dir and events_file(log_dir))
+            self.sink = EventSink(watch.event_handlers, log_dir and events_file(log_dir))
             undo.callback(self.sink.close)
             self.secret = handshake.new_secret()  # through the module: tests replace it
             self.queue: collections.deque[NetEvent | PoolEvent] = collections.deque()
@@ -121,16 +121,16 @@ class LaunchLoop:
             undo.pop_all()  # all open: close() releases them
         self.port = self.listener.port
         agents = [
-            AgentRecord(i, h, m, role="host" if i < plan.world_hosts else "spare")
-            for i, (h, m) in enumerate(zip(plan.hosts, plan.methods, strict=True))
+            AgentRecord(i, h, m, role="host" if i < plan.hosts.world_hosts else "spare")
+            for i, (h, m) in enumerate(zip(plan.hosts.slots, plan.hosts.methods, strict=True))
         ]
         self.state = LaunchState(
             agents,
-            world=agents[: plan.world_hosts],
+            world=agents[: plan.hosts.world_hosts],
             started=time.monotonic(),
-            max_restarts=plan.max_restarts,
-            agent_timeout=plan.agent_timeout,
-            start_timeout=plan.start_timeout,
+            max_restarts=plan.resilience.max_restarts,
+            agent_timeout=plan.timeouts.agent,
+            start_timeout=plan.timeouts.start,
             keep_workers=plan.keep_workers,
         )
         self.starts = AgentStarts(
@@ -143,7 +143,7 @@ class LaunchLoop:
             adopt=self._adopt,
         )
         self.pool = AgentPool(
-            self.loop, self.queue.append, starter or self.starts, list(plan.hostnames)
+            self.loop, self.queue.append, starter or self.starts, list(plan.hosts.hostnames)
         )
         self.inbox = Inbox(
             plan, self.state, listener=self.listener, pool=self.pool, logs=self.logs, sink=self.sink
@@ -164,7 +164,9 @@ class LaunchLoop:
         self.look: StacksLook | None = None
         """The look at every rank's stacks under way, if any."""
         self.inbox.on_shown = self._on_shown
-        self.stalls = StallWatch(plan.stall_timeout, plan.on_stall, armed=plan.backend is not None)
+        self.stalls = StallWatch(
+            watch.stall_timeout, watch.on_stall, armed=plan.backend is not None
+        )
         """Stall detection (``stall_timeout``): its clock, and its look at every rank."""
         self.stragglers = Stragglers(plan, self.state, self.inbox, self.sink)
         """Straggler detection (``straggler_threshold``): its requests, whom it named."""
@@ -214,7 +216,7 @@ class LaunchLoop:
         self.loop.wake()
 
     def _begin_preemption(self, reason: str) -> None:
-        grace = self.plan.preemption_grace
+        grace = self.plan.resilience.preemption_grace
         self.preemption = (reason, time.monotonic() + grace)
         message = Preempt(time.time() + grace, reason)
         for agent in self.state.world:
@@ -432,8 +434,7 @@ class LaunchLoop:
         And the view socket for ``torchrunx top`` (this user's only), unless ``TORCHRUNX_VIEW=0``.
         """
         self.view.start()
-        port = self.plan.health_port
-        if port is not None:  # close() cleans up
+        if (port := self.plan.observability.health_port) is not None:  # close() cleans up
             self.health = HealthServer(
                 port,
                 self.health_report,
@@ -451,9 +452,8 @@ class LaunchLoop:
         """
         faults = list(self.state.faults)
         cause = summary(choose_cause(faults).error) if faults else None
-        return self.state.health(
-            time.monotonic(), max_restarts=self.plan.max_restarts, cause=cause, rows=rows
-        )
+        restarts = self.plan.resilience.max_restarts
+        return self.state.health(time.monotonic(), max_restarts=restarts, cause=cause, rows=rows)
 
     def timings(self) -> LaunchTimings:
         """Phase durations of the attempt that succeeded."""

@@ -89,14 +89,14 @@ class AgentStarts:
         Raises:
             ValueError, RuntimeError: A transport cannot be made (see :func:`open_transport`).
         """
-        for method in dict.fromkeys(self.plan.methods):
+        for method in dict.fromkeys(self.plan.hosts.methods):
             self.transport(method)
         self._refuse_unable_transports()
-        if self.plan.ship and any(agent.remote for agent in self.agents):
+        if self.plan.reach.ship and any(agent.remote for agent in self.agents):
             from torchrunx.engines.ship import make_bundle  # noqa: PLC0415 (only when shipping)
 
             self.bundle = make_bundle(
-                self.plan.ship, self.plan.ship_exclude, timeout=self.plan.start_timeout
+                self.plan.reach.ship, self.plan.reach.ship_exclude, timeout=self.plan.timeouts.start
             )
             logger.info(
                 "shipping %d files (%.1f MB) to the remote hosts, as tree %s",
@@ -105,14 +105,14 @@ class AgentStarts:
                 self.bundle.digest,
             )
         self.script = self._script(sys.executable, remote=False, code=self.boot_code)
-        if self.plan.relay != "off" and self.adopt is not None:
+        if self.plan.reach.relay != "off" and self.adopt is not None:
             self.relay_script = self._script(sys.executable, remote=False, code=RELAY_BOOT_CODE)
 
     def _refuse_unable_transports(self) -> None:
         """Refuse ``relay="on"`` or ``ship`` where a remote host's transport cannot do it."""
         for method, transport in self.transports.items():
             if not transport.remote:
-                if self.plan.container:
+                if self.plan.reach.container:
                     msg = (
                         "container runs remote hosts' agents in a container; this machine's "
                         "run here: leave it out of hostnames, or reach it over ssh by a name "
@@ -120,29 +120,31 @@ class AgentStarts:
                     )
                     raise ValueError(msg)
                 continue
-            if self.plan.relay == "on" and not transport.relays:
+            if self.plan.reach.relay == "on" and not transport.relays:
                 msg = (
                     f"relay='on': agents started with {method!r} cannot relay connections "
                     "(ssh, srun and kubectl can); use relay='auto', which connects them "
                     "back directly, or another agent_start"
                 )
                 raise ValueError(msg)
-            if self.plan.container and not transport.containers:
+            if self.plan.reach.container and not transport.containers:
                 msg = (
                     f"container: agents started with {method!r} cannot run in a container "
                     "(ssh and srun can; kubectl's are in their pod's container already)"
                 )
                 raise ValueError(msg)
-            options = bool(self.plan.container) and self.plan.container[0].startswith("-")
+            options = bool(self.plan.reach.container) and self.plan.reach.container[0].startswith(
+                "-"
+            )
             if options and not transport.container_options:
                 msg = (
-                    f"container {shlex.join(self.plan.container)!r} is options of srun "
+                    f"container {shlex.join(self.plan.reach.container)!r} is options of srun "
                     f"(pyxis's --container-image), but agents started with {method!r} "
                     "need a command that runs one in a container, such as "
                     "'podman exec -i NAME'"
                 )
                 raise ValueError(msg)
-            if self.plan.ship and not transport.ships:
+            if self.plan.reach.ship and not transport.ships:
                 msg = (
                     f"ship: agents started with {method!r} cannot fetch shipped code (ssh, "
                     "srun and kubectl can); give the hosts the code another way (Ray: its "
@@ -153,13 +155,13 @@ class AgentStarts:
     def _script(self, python: str, *, remote: bool, code: str) -> bytes:
         """The script of an agent run by ``python``; ``remote``: on another host (it may ship)."""
         bundle = self.bundle if remote else None
-        env_file = self.plan.env_file
+        env_file = self.plan.reach.env_file
         if env_file is not None:
             env_file = str(Path(env_file).expanduser().resolve())
             if bundle is not None:  # inside a shipped path: the copy's, else as it is
                 env_file = bundle.place(env_file) or env_file
         return agent_script(
-            env=dict(self.plan.env),
+            env=dict(self.plan.reach.env),
             cwd=str(Path.cwd()),
             python=python,
             env_file=env_file,
@@ -171,7 +173,9 @@ class AgentStarts:
         """The script of ``agent``'s host: its interpreter, shipped code, relay or not."""
         hostname = agent.slots.hostname
         python = (
-            default_python(self.plan.python, hostname, self.plan.container, agent.method)
+            default_python(
+                self.plan.reach.python, hostname, self.plan.reach.container, agent.method
+            )
             if agent.remote
             else None
         )
@@ -190,7 +194,7 @@ class AgentStarts:
         if not agent.remote:
             return sys.executable
         chosen = default_python(
-            self.plan.python, agent.slots.hostname, self.plan.container, agent.method
+            self.plan.reach.python, agent.slots.hostname, self.plan.reach.container, agent.method
         )
         return chosen or sys.executable
 
@@ -199,7 +203,9 @@ class AgentStarts:
         hostname = agent.slots.hostname
         return agent.remote and (
             self.bundle is not None
-            or default_python(self.plan.python, hostname, self.plan.container, agent.method)
+            or default_python(
+                self.plan.reach.python, hostname, self.plan.reach.container, agent.method
+            )
             is not None
         )
 
@@ -220,7 +226,7 @@ class AgentStarts:
         try:
             started = self._start(transport, agent, on_line, relays=relays)
         except AgentFailedError as exc:
-            named = python_for(self.plan.python, agent.slots.hostname, agent.method)
+            named = python_for(self.plan.reach.python, agent.slots.hostname, agent.method)
             if named is None or "(exit status 127)" not in exc.reason or not agent.remote:
                 raise
             reason = (  # the interpreter python= names is the likely missing command
@@ -256,13 +262,13 @@ class AgentStarts:
                 bootstrap=lambda address: self.bootstrap(agent, address, relays=relays),
                 on_line=on_line,
                 launcher_address=self.configured_address(),
-                connect_timeout=min(self.plan.start_timeout, 30.0),
-                ssh_config_file=self.plan.ssh_config_file,
+                connect_timeout=min(self.plan.timeouts.start, 30.0),
+                ssh_config_file=self.plan.reach.ssh_config_file,
                 environ=self.local_env,
                 hostnames=tuple(a.slots.hostname for a in self.agents if a.method == agent.method),
                 relay=self.adopt if relays else None,
                 ship=self.bundle if agent.remote else None,
-                container=self.plan.container if agent.remote else (),
+                container=self.plan.reach.container if agent.remote else (),
             )
         )
 
@@ -291,7 +297,7 @@ class AgentStarts:
 
     def configured_address(self) -> str | None:
         """The launcher address the user set (field, else environment), if any."""
-        return configured_address(self.plan.launcher_address, self.plan.from_env.environ)
+        return configured_address(self.plan.reach.launcher_address, self.plan.from_env.environ)
 
     def bootstrap(self, agent: AgentRecord, local_address: str, *, relays: bool = False) -> bytes:
         """The agent's bootstrap line; ``local_address``: this machine's, as the host sees it.
@@ -299,7 +305,7 @@ class AgentStarts:
         ``relays``: for the host's relay, which reads the launch's relay mode in it
         (:attr:`AgentBootstrap.relay`) and hands the agent the line without it.
         """
-        return self._bootstrap(agent, local_address, self.plan.relay if relays else "")
+        return self._bootstrap(agent, local_address, self.plan.reach.relay if relays else "")
 
     def _bootstrap(self, agent: AgentRecord, local_address: str, relay: str) -> bytes:
         address = (self.configured_address() or local_address) if agent.remote else local_address
@@ -313,11 +319,11 @@ class AgentStarts:
             workers=agent.slots.workers,
             preload_torch=self.plan.backend is not None,
             preload=self.plan.from_env.preload,
-            timings=self.plan.agent_timings,
+            timings=self.plan.timeouts.agent_timings,
             log_level=self.log_level,
             sys_path=host_sys_path(self.bundle) if keep_path else tuple(sys.path),
             keep_path=keep_path,
-            count=count_mode(self.plan.workers_per_host),
+            count=count_mode(self.plan.hosts.workers_per_host),
             warm=self.plan.warm,
             local_only=all(not a.remote for a in self.agents),
             package_root=package_root(self.bundle if agent.remote else None),
@@ -369,7 +375,9 @@ def listen_socket(plan: LaunchPlan) -> socket.socket:
         OSError: It cannot be bound (``TORCHRUNX_LISTEN_ADDR`` is not this machine's, say).
     """
     environ = plan.from_env.environ
-    first, *fallback = listen_hosts(plan.launcher_address, plan.methods, environ, plan.relay)
+    first, *fallback = listen_hosts(
+        plan.reach.launcher_address, plan.hosts.methods, environ, plan.reach.relay
+    )
     ports = plan.from_env.launcher_ports
     try:
         return _bind(first, fallback, ports, environ.get(LISTEN_ENV_VAR, "").strip())
@@ -416,8 +424,10 @@ def open_transport(plan: LaunchPlan, method: str) -> Transport:
         ValueError: No transport has that name, or it refuses the plan's argument.
         RuntimeError: The transport's package failed to import.
     """
-    argument = None if method == "local" else plan.transport_argument
-    made: Transport = plugins.transport(method, argument, ssh_config_file=plan.ssh_config_file)
+    argument = None if method == "local" else plan.hosts.transport_argument
+    made: Transport = plugins.transport(
+        method, argument, ssh_config_file=plan.reach.ssh_config_file
+    )
     return made
 
 
