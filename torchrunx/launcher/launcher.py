@@ -73,7 +73,6 @@ from torchrunx.launcher.settings.resolve import (
     HostsSource,
     check_hostnames,
     check_workers,
-    hostnames_source,
     resolve_hosts,
 )
 from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
@@ -295,10 +294,10 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             Exception: The exception a worker raised, with its own type, the remote traceback
                 as ``__cause__`` and the host and rank in its notes.
         """
-        self._check_fields()
+        source = self._check_fields()
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
-        plan = _plan_of(self, None, warm=False, keep_workers=False)
+        plan = _plan_of(self, None, source, warm=False, keep=False)
         call = serialization.dumps_call(func, args, kwargs)
         launch = Launch(plan, call)
         try:
@@ -370,8 +369,8 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             TypeError: A field has the wrong type.
             RuntimeError: ``"slurm"`` or ``agent_start="srun"`` outside an allocation.
         """
-        self._check_fields()
-        return _plan_of(self, environ, warm=warm, keep_workers=keep_workers)
+        source = self._check_fields()
+        return _plan_of(self, environ, source, warm=warm, keep=keep_workers)
 
     def validate(self) -> None:
         """Check every field, and the launcher's variables; raise before anything starts.
@@ -383,9 +382,9 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         self._check_fields()
         read_environ()  # raises ValueError for a bad TORCHRUNX_* variable
 
-    def _check_fields(self) -> None:
-        """Check every field (the environment is :meth:`plan`'s to read)."""
-        check_hostnames(self.hostnames)
+    def _check_fields(self) -> HostsSource:
+        """Check every field (the environment is :meth:`plan`'s to read); what hostnames names."""
+        source = check_hostnames(self.hostnames)  # classified here, once: the plan keeps it
         check_workers(self.workers_per_host, self.hostnames)
         check_agent_start(self.agent_start)
         check_relay(self.relay)
@@ -411,6 +410,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port, {})  # raises ValueError for a bad port
         check_files(self.env_file, self.ssh_config_file)
+        return source
 
     def set_logging_handlers(self, handler_factory: LogHandlers) -> Launcher:
         """Set :attr:`log_handlers` as torchrunx 0.4 did; returns this launcher.
@@ -528,13 +528,12 @@ def _validate_seconds(name: str, value: object, *, zero: bool = False) -> None:
 
 
 def _plan_of(
-    it: Launcher, environ: Mapping[str, str] | None, *, warm: bool, keep_workers: bool
+    it: Launcher, environ: Mapping[str, str] | None, source: HostsSource, *, warm: bool, keep: bool
 ) -> LaunchPlan:
     """The plan of ``it``, whose fields are checked; ``environ`` (None: os.environ) read once."""
     from_env = read_environ(environ)
     env = from_env.environ
     check_launch_env(it.default_env_vars, it.copy_env_vars, it.extra_env_vars, env)
-    source = hostnames_source(it.hostnames)  # classified once: the plan keeps it
     world, spares = _world_and_spares(it, source, env)
     hosts = world + spares
     methods, argument = start_methods(
@@ -583,7 +582,7 @@ def _plan_of(
         backend=it.backend,
         isolate_gpus=it.isolate_gpus,
         warm=warm,
-        keep_workers=warm and keep_workers,
+        keep_workers=warm and keep,
     )
 
 
