@@ -1,11 +1,13 @@
 """The plan of one launch: the settings resolved once, frozen, before anything starts.
 
 :meth:`torchrunx.Launcher.plan` checks the fields, resolves the hosts and how each agent
-starts, and reads what the environment adds (forwarded variables, the health endpoint); the
-launch (:mod:`~torchrunx.launcher.launch.orchestrator`), its inbox and its agent starts read only
-this plan, never the :class:`~torchrunx.Launcher` itself::
+starts, and reads the environment once (:mod:`~torchrunx.launcher.settings.environ`: forwarded
+variables, ``TORCHRUNX_*``); the launch (:mod:`~torchrunx.launcher.launch.orchestrator`), its
+inbox and its agent starts read only this plan, never the :class:`~torchrunx.Launcher` itself
+nor ``os.environ``::
 
-    Launcher (fields, as given) ──validate──▶ hosts, start methods, env ──▶ LaunchPlan (frozen)
+    Launcher (fields, as given) ──validate──▶ hosts, start methods, environment ──▶ LaunchPlan
+        (frozen: hosts, reach, timeouts, resilience, observability, from_env)
         ──▶ Launch(plan, call) ──▶ AgentStarts(plan), Inbox(plan), LaunchState(plan's limits)
 """
 
