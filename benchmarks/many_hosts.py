@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -53,7 +54,6 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 import torchrunx as trx
 from torchrunx import serialization
 from torchrunx.launcher.launch.orchestrator import Launch
-from torchrunx.launcher.settings.plan import LaunchPlan
 from torchrunx.launcher.settings.resolve import HostSlots
 from torchrunx.wire import handshake, messages, records
 
@@ -64,6 +64,8 @@ from wire_helpers import RecordReader  # noqa: E402  (the tests' whole-record re
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
+
+    from torchrunx.launcher.settings.plan import LaunchPlan
 
 NOOP_RESULT = [bytes(part) for part in serialization.dumps(None)]
 
@@ -299,6 +301,13 @@ def _cpu_per_host(
     }
 
 
+def _simulated_plan(launcher: trx.Launcher, slots: list[HostSlots]) -> LaunchPlan:
+    """The plan ``launcher.plan()`` would make, without resolving the fake names: ssh to each."""
+    local = dataclasses.replace(launcher, hostnames=["localhost"]).plan()
+    simulated = dataclasses.replace(local.hosts, slots=tuple(slots), methods=("ssh",) * len(slots))
+    return dataclasses.replace(local, hosts=simulated)
+
+
 def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
     """One launch of ``hosts`` x ``workers`` simulated ranks; the launcher's figures."""
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -311,16 +320,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         start_timeout=300,
         agent_timeout=120,
     )
-    slots = [HostSlots(f"sim{i}", workers) for i in range(hosts)]
-    plan = LaunchPlan(  # as launcher.plan() would make it, without resolving the fake names
-        hosts=tuple(slots),
-        methods=("ssh",) * hosts,
-        env=launcher.exported_env(),
-        backend=None,
-        log_handlers=[],
-        start_timeout=300.0,
-        agent_timeout=120.0,
-    )
+    plan = _simulated_plan(launcher, [HostSlots(f"sim{i}", workers) for i in range(hosts)])
     call = serialization.dumps((print, (), {}))
     peak_threads = threading.active_count()
     baseline = _rss_kib()

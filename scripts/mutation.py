@@ -364,7 +364,7 @@ TARGETS: dict[str, Target] = {
     "debugger": Target(
         "torchrunx/launcher/view/debugger.py",
         ("tests/test_rules_debugger.py",),
-        functions=("Debugger.*", "debugpy_from_env"),
+        functions=("Debugger.*",),
         note="pdb in a rank, the launcher's side: who has the terminal, what is sent, pauses",
     ),
     "probe": Target(

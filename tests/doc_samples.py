@@ -336,8 +336,9 @@ def _hint_logs(place: Place) -> str:
 
     said = io.StringIO()
     place.monkeypatch.chdir(place.tmp_path)
-    place.monkeypatch.setattr(logrouter, "say_once", lambda _, text: said.write(text))
-    logrouter.first_launch_hint(place.tmp_path / "torchrunx_logs" / "2026-11-28T06:13:42")
+    place.monkeypatch.setattr(logrouter, "say_once", lambda _, text, __: said.write(text))
+    hints = place.tmp_path / "hints"
+    logrouter.first_launch_hint(place.tmp_path / "torchrunx_logs" / "2026-11-28T06:13:42", hints)
     return said.getvalue()
 
 

@@ -239,7 +239,7 @@ def test_the_environment_pages_two_forms_of_extra_env_vars_forward_what_it_says(
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
 
     def forwarded(extra: object) -> dict[str, str]:
-        env = trx.Launcher(hostnames=["localhost"], extra_env_vars=extra).plan().env
+        env = trx.Launcher(hostnames=["localhost"], extra_env_vars=extra).plan().reach.env
         return {k: v for k, v in env.items() if k.startswith(("HF_", "WANDB_"))}
 
     both = forwarded(("HF_*", "WANDB_PROJECT=demo"))

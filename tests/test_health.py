@@ -21,14 +21,12 @@ from conftest import listening_addresses
 import torchrunx as trx
 from torchrunx import events as ev
 from torchrunx.events import AgentState, WorkerState
-from torchrunx.launcher.state.health import (
-    AgentHealth,
-    HealthReport,
-    WorkerHealth,
+from torchrunx.launcher.settings.environ import (
     health_details_from_env,
     health_host_from_env,
     health_port_from_env,
 )
+from torchrunx.launcher.state.health import AgentHealth, HealthReport, WorkerHealth
 from torchrunx.launcher.view.health_server import HealthServer
 
 LOCAL = "127.0.0.1"
@@ -450,11 +448,11 @@ def test_health_details_from_env_rejects_other_values():
         health_details_from_env({"TORCHRUNX_HEALTH_CHECK_DETAILS": "maybe"})
 
 
-def test_health_port_from_env_reads_os_environ(monkeypatch):
+def test_the_plan_reads_the_health_port_from_os_environ(monkeypatch):
     monkeypatch.setenv("TORCHRUNX_HEALTH_CHECK_PORT", "8123")
-    assert health_port_from_env(None) == 8123
+    assert trx.Launcher(hostnames=["localhost"]).plan().observability.health_port == 8123
     monkeypatch.delenv("TORCHRUNX_HEALTH_CHECK_PORT")
-    assert health_port_from_env(None) is None
+    assert trx.Launcher(hostnames=["localhost"]).plan().observability.health_port is None
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import torchrunx as trx
 from torchrunx import devices
 from torchrunx.devices import device_env
 from torchrunx.hosts import hostlists
-from torchrunx.launcher import launcher as launcher_module
 from torchrunx.launcher.dryrun import describe_plan
 from torchrunx.launcher.settings import resolve as hosts
 from torchrunx.launcher.settings.resolve import HostSlots
@@ -235,27 +234,33 @@ def test_hostnames_source_is_the_one_answer(tmp_path, monkeypatch):
 def test_the_plan_keeps_what_hostnames_named_classified_once(tmp_path, monkeypatch):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    assert trx.Launcher(hostnames=["localhost"]).plan().hosts_from == hosts.HostsSource(
+    assert trx.Launcher(hostnames=["localhost"]).plan().hosts.source == hosts.HostsSource(
         names=("localhost",)
     )
-    assert trx.Launcher(hostnames=hostfile).plan().hosts_from == hosts.HostsSource(
+    assert trx.Launcher(hostnames=hostfile).plan().hosts.source == hosts.HostsSource(
         hostfile=hostfile
     )
     calls: list[object] = []
-    real = launcher_module.hostnames_source
+    real = hosts.hostnames_source
 
     def counted(hostnames: object) -> hosts.HostsSource:
         calls.append(hostnames)
         return real(hostnames)
 
-    monkeypatch.setattr(launcher_module, "hostnames_source", counted)
-    monkeypatch.setattr(hosts, "hostnames_source", lambda _: pytest.fail("classified again"))
-    launcher = trx.Launcher(hostnames=["localhost"])
-    plan = launcher._resolve(warm=False, keep_workers=False)
-    assert calls == [["localhost"]]  # once: resolving the hosts and their transport reuse it
+    monkeypatch.setattr(hosts, "hostnames_source", counted)
+    plan = trx.Launcher(hostnames=["localhost"]).plan()
+    # Once: checking the field, resolving the hosts and choosing their transport share it.
+    assert calls == [["localhost"]]
+    calls.clear()
+    launcher = trx.Launcher(hostnames=["localhost"], workers_per_host=1, backend=None)
+    launcher.run(print)  # and in a launch (run checks the fields, then plans)
+    assert calls == [["localhost"]]
     # The dry run says where the hosts came from by the plan's classification.
     described = describe_plan(
-        dataclasses.replace(plan, hosts_from=hosts.HostsSource(provider=("pbs", None)))
+        dataclasses.replace(
+            plan,
+            hosts=dataclasses.replace(plan.hosts, source=hosts.HostsSource(provider=("pbs", None))),
+        )
     )
     assert "hosts from: host provider pbs" in described
     assert "hosts from: the list given" in describe_plan(plan)

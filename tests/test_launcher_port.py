@@ -10,7 +10,7 @@ from conftest import listening_addresses, torchrunx_processes
 
 import torchrunx as trx
 from torchrunx import events as ev
-from torchrunx.launcher.starts.agent_starts import PORT_ENV_VAR, launcher_ports
+from torchrunx.launcher.settings.environ import PORT_ENV_VAR, launcher_ports
 
 LOCAL = {"hostnames": ["localhost"], "workers_per_host": 1, "backend": None}
 

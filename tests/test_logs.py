@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Literal
 import pytest
 
 import torchrunx as trx
-from torchrunx.launcher.view.logrouter import TAIL_BYTES, TAIL_LINES, LogRouter, log_level_from_env
+from torchrunx.launcher.settings.environ import log_level_from_env
+from torchrunx.launcher.view.logrouter import TAIL_BYTES, TAIL_LINES, LogRouter
 from torchrunx.wire.lines import (
     TAIL_LINE_BYTES,
     Line,

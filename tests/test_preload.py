@@ -14,7 +14,7 @@ import pytest
 
 import torchrunx as trx
 from torchrunx.errors import ProtocolError
-from torchrunx.launcher.settings.plan import preload_from_env
+from torchrunx.launcher.settings.environ import preload_from_env
 from torchrunx.wire.bootstrap import AgentBootstrap
 
 HEAVY = """\
@@ -46,7 +46,7 @@ def _boot(**changes: object) -> AgentBootstrap:
         "secret": bytes(32),
         "workers": 2,
         "preload_torch": False,
-        "timings": trx.Launcher().plan().agent_timings,
+        "timings": trx.Launcher().plan().timeouts.agent_timings,
         "log_level": 20,
         "sys_path": ("/a",),
     }

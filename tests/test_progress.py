@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from torchrunx.launcher.settings.environ import read_environ
 from torchrunx.launcher.view import progress
 from torchrunx.launcher.view.progress import (
     BytesProgress,
@@ -35,13 +36,18 @@ def test_rule_the_text_counts_hosts_or_mib():
     )
 
 
+def _forced(environ: dict[str, str]) -> bool | None:
+    """``TORCHRUNX_PROGRESS`` of ``environ`` as the plan reads it."""
+    return read_environ(environ).progress
+
+
 def test_rule_only_a_terminal_outside_a_notebook_unless_asked(monkeypatch):
-    assert progress_enabled(_Terminal(), {}) is ("ipykernel" not in sys.modules)
-    assert progress_enabled(io.StringIO(), {}) is False  # a pipe, a file, a log
-    assert progress_enabled(io.StringIO(), {"TORCHRUNX_PROGRESS": "1"}) is True
-    assert progress_enabled(_Terminal(), {"TORCHRUNX_PROGRESS": "0"}) is False
+    assert progress_enabled(_Terminal(), _forced({})) is ("ipykernel" not in sys.modules)
+    assert progress_enabled(io.StringIO(), _forced({})) is False  # a pipe, a file, a log
+    assert progress_enabled(io.StringIO(), _forced({"TORCHRUNX_PROGRESS": "1"})) is True
+    assert progress_enabled(_Terminal(), _forced({"TORCHRUNX_PROGRESS": "0"})) is False
     monkeypatch.setitem(sys.modules, "ipykernel", sys)  # in a notebook's kernel
-    assert progress_enabled(_Terminal(), {}) is False
+    assert progress_enabled(_Terminal(), _forced({})) is False
 
 
 def test_rule_nothing_before_the_delay_then_one_line_redrawn_then_erased(monkeypatch):
@@ -98,12 +104,12 @@ def test_a_launch_draws_its_agents_start_only_when_asked_off_a_terminal(setting)
 
 
 def test_rule_a_bytes_line_appears_once_bytes_come_and_is_timed_from_then(monkeypatch):
-    monkeypatch.setenv("TORCHRUNX_PROGRESS", "1")  # no delay
+    forced = _forced({"TORCHRUNX_PROGRESS": "1"})  # no delay
     clock = [50.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
     counted = [7 * 2**20]  # what came before (an earlier run's): not this line's
     out = _Terminal()
-    results = BytesProgress("results", lambda: counted[0], out)
+    results = BytesProgress("results", lambda: counted[0], out, forced)
     clock[0] += 30  # the function runs: nothing came yet, nothing is drawn
     results.update()
     assert out.getvalue() == ""

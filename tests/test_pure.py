@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from wire_helpers import server_handshake
 
+import torchrunx as trx
 from torchrunx.engines.command import AGENT_COMMAND, agent_script
 from torchrunx.env import forwarded_env
 from torchrunx.errors import ProtocolError, WorkerFailedError, is_collective_error
@@ -25,9 +26,8 @@ from torchrunx.events import (
     dataclass_to_dict,
     event_to_dict,
 )
-from torchrunx.hosts import HostSlots
 from torchrunx.launcher.settings import resolve as hosts
-from torchrunx.launcher.settings.plan import LaunchPlan, agent_timings
+from torchrunx.launcher.settings.plan import agent_timings
 from torchrunx.wire import handshake, messages, records
 from torchrunx.wire.bootstrap import AgentBootstrap, AgentTimings
 
@@ -385,10 +385,11 @@ def test_the_host_sides_timings_are_derived_from_agent_timeout_once_on_the_launc
         finish_timeout=0.5,
         guardian_grace=4.0,
     )
-    plan = LaunchPlan((HostSlots("localhost", 1),), ("local",), {}, agent_timeout=2.5)
-    assert plan.agent_timings == agent_timings(2.5)
-    assert plan.agent_timings is plan.agent_timings  # made once per plan
-    assert dataclasses.replace(plan, agent_timeout=4.0).agent_timings == agent_timings(4.0)
+    plan = trx.Launcher(hostnames=["localhost"], workers_per_host=1, agent_timeout=2.5).plan()
+    assert plan.timeouts.agent_timings == agent_timings(2.5)
+    assert plan.timeouts.agent_timings is plan.timeouts.agent_timings  # made once per plan
+    changed = dataclasses.replace(plan.timeouts, agent=4.0)
+    assert changed.agent_timings == agent_timings(4.0)
 
 
 def _timings(data: dict[str, Any], **changes: object) -> dict[str, Any]:

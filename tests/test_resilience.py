@@ -296,8 +296,8 @@ def test_the_dry_run_and_the_plan_keep_spares_apart():
         restart_on=("hosts",),
     )
     plan = launcher.plan()
-    assert (plan.world_hosts, plan.spares) == (2, 1)
-    assert plan.hostnames == ("localhost", "127.0.0.1", "127.0.0.2")
+    assert (plan.hosts.world_hosts, plan.hosts.spares) == (2, 1)
+    assert plan.hosts.hostnames == ("localhost", "127.0.0.1", "127.0.0.2")
     text = launcher.dry_run()
     assert "hosts: 2, and 1 spare host(s)" in text
     assert "world size: 2" in text

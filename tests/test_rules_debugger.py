@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from torchrunx.launcher.settings import environ as environ_module
 from torchrunx.launcher.view import debugger as debugger_module
 from torchrunx.launcher.view.debugger import Debugger
 from torchrunx.wire.messages import DebugInput, DebugOutput
@@ -205,19 +206,23 @@ def _drop(rank: int, message: DebugInput) -> None:
     del rank, message
 
 
-def test_rule_only_a_tty_is_a_terminal_and_post_mortem_needs_one(monkeypatch):
-    monkeypatch.setenv("TORCHRUNX_POST_MORTEM", "1")
-    monkeypatch.setenv("TORCHRUNX_DEBUGPY", "2:6000")
+def _debugger(environ: dict[str, str], stdin_fd: int) -> Debugger:
+    """A debugger with the plan's settings of ``environ`` (as a launch makes it)."""
+    settings = environ_module.read_environ(environ)
+    return Debugger(_Loop(), _drop, str, stdin_fd=stdin_fd, settings=settings)  # type: ignore[arg-type]
+
+
+def test_rule_only_a_tty_is_a_terminal_and_post_mortem_needs_one():
+    environ = {"TORCHRUNX_POST_MORTEM": "1", "TORCHRUNX_DEBUGPY": "2:6000"}
     main, other = os.openpty()
     read_fd, write_fd = os.pipe()
     try:
-        with_tty = Debugger(_Loop(), _drop, str, stdin_fd=other)  # type: ignore[arg-type]
-        with_pipe = Debugger(_Loop(), _drop, str, stdin_fd=read_fd)  # type: ignore[arg-type]
+        with_tty = _debugger(environ, other)
+        with_pipe = _debugger(environ, read_fd)
         assert (with_tty.terminal, with_tty.post_mortem) == (True, True)
         assert (with_pipe.terminal, with_pipe.post_mortem) == (False, False)
         assert with_tty.debugpy == with_pipe.debugpy == (2, 6000)  # with or without a terminal
-        monkeypatch.setenv("TORCHRUNX_POST_MORTEM", "0")
-        again = Debugger(_Loop(), _drop, str, stdin_fd=other)  # type: ignore[arg-type]
+        again = _debugger({**environ, "TORCHRUNX_POST_MORTEM": "0"}, other)
         assert (again.terminal, again.post_mortem) == (True, False)
         assert again.current is None
         assert again.stops == {}
@@ -384,16 +389,16 @@ def test_rule_the_prompt_shown_again_is_the_last_line_alone(term):
     ],
 )
 def test_rule_debugpy_names_a_rank_and_maybe_a_port(value, chosen, monkeypatch):
-    assert debugger_module.debugpy_from_env({"TORCHRUNX_DEBUGPY": value}) == chosen
-    assert debugger_module.debugpy_from_env({}) is None
+    assert environ_module.debugpy_from_env({"TORCHRUNX_DEBUGPY": value}) == chosen
+    assert environ_module.debugpy_from_env({}) is None
     monkeypatch.setenv("TORCHRUNX_DEBUGPY", value)
-    assert debugger_module.debugpy_from_env() == chosen
+    assert environ_module.read_environ().debugpy == chosen  # the plan reads os.environ
 
 
 @pytest.mark.parametrize("value", ["one", "-1", "1:0", "1:65536", "1:x", ":5678", "1.5", "1:2:3"])
 def test_rule_any_other_debugpy_value_is_an_error(value):
     with pytest.raises(ValueError, match=r"^TORCHRUNX_DEBUGPY=") as raised:
-        debugger_module.debugpy_from_env({"TORCHRUNX_DEBUGPY": value})
+        environ_module.debugpy_from_env({"TORCHRUNX_DEBUGPY": value})
     assert str(raised.value) == (
         f"TORCHRUNX_DEBUGPY={value.strip()!r} is not RANK or RANK:PORT (a rank from 0, a port "
         "from 1 to 65535), for example 0 or 1:5678"

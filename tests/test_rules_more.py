@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 from cryptography.hazmat.primitives.hashes import SHA256
@@ -205,6 +206,23 @@ class Parts:
     quarantines = LaunchPlan.quarantines
     """The plan's own decision (spares or min_hosts: a failed host of the world is quarantined)."""
     preemption_grace: float = 0.0
+
+    # the plan's groups, as the inbox reads them (LaunchPlan.hosts, .timeouts, ...)
+    @property
+    def hosts(self) -> SimpleNamespace:
+        return SimpleNamespace(spares=self.spares)
+
+    @property
+    def reach(self) -> SimpleNamespace:
+        return SimpleNamespace(env_file=self.env_file, python=self.python)
+
+    @property
+    def timeouts(self) -> SimpleNamespace:
+        return SimpleNamespace(agent=self.agent_timeout, start=self.start_timeout)
+
+    @property
+    def resilience(self) -> SimpleNamespace:
+        return SimpleNamespace(min_hosts=self.min_hosts, preemption_grace=self.preemption_grace)
 
     # the listener, the pool, the log router and the event sink in one
     def drop(self, peer: StubPeer) -> None:
@@ -2213,7 +2231,7 @@ def test_rule_default_env_vars_are_checked_also_without_copy_env_vars():
 
 @pytest.mark.parametrize("workers", ["auto", "slurm", "gpu", "cpu", 1, [1, 2]])
 def test_rule_workers_per_host_words_and_counts_are_accepted(workers):
-    launcher_module._validate_workers(workers, ["a", "b"])
+    hosts.check_workers(workers, ["a", "b"])
 
 
 def test_rule_one_count_per_host_or_one_for_all():
@@ -2222,7 +2240,7 @@ def test_rule_one_count_per_host_or_one_for_all():
         "int"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        launcher_module._validate_workers([1, 1, 1], ["a", "b"])
+        hosts.check_workers([1, 1, 1], ["a", "b"])
 
 
 # -- the handshake, sealed records and frames (torchrunx/wire/: handshake, records, messages) ----
@@ -2815,7 +2833,7 @@ def test_rule_with_spares_a_failed_host_is_quarantined_at_once():
 
 def test_rule_min_hosts_without_spares_quarantines_the_failed_host():
     inbox, parts, _ = connected(min_hosts=1)
-    assert inbox.plan.spares == 0
+    assert inbox.plan.hosts.spares == 0
     inbox.agent_silent(inbox.state.agents[1], 8.0)
     assert inbox.state.agents[1].role == "quarantined"
     (event,) = [e for e in parts.events if isinstance(e, HostQuarantined)]

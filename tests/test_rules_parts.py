@@ -19,7 +19,14 @@ from torchrunx.events import AgentState
 from torchrunx.launcher.launch.dispatch import Dispatch
 from torchrunx.launcher.launch.orchestrator import Launch
 from torchrunx.launcher.launcher import Launcher
-from torchrunx.launcher.settings.plan import LaunchPlan
+from torchrunx.launcher.settings.plan import (
+    LaunchPlan,
+    Observability,
+    PlanHosts,
+    Reach,
+    Resilience,
+    Timeouts,
+)
 from torchrunx.launcher.settings.resolve import HostSlots
 from torchrunx.launcher.state.agent_table import AgentTable
 from torchrunx.launcher.state.attempt import AttemptState
@@ -216,8 +223,18 @@ def test_rule_the_launch_and_its_state_hold_their_parts_and_inherit_none():
 
 def test_rule_agent_timeout_has_one_default_the_launchers():
     assert Launcher().agent_timeout == 5.0
-    plan_field = {f.name: f for f in dataclasses.fields(LaunchPlan)}["agent_timeout"]
+    plan_field = {f.name: f for f in dataclasses.fields(Timeouts)}["agent"]
     assert plan_field.default is dataclasses.MISSING
     parameter = inspect.signature(LaunchState).parameters["agent_timeout"]
     assert parameter.default is inspect.Parameter.empty
-    assert Launcher(hostnames=["localhost"], workers_per_host=1).plan().agent_timeout == 5.0
+    assert Launcher(hostnames=["localhost"], workers_per_host=1).plan().timeouts.agent == 5.0
+
+
+def test_rule_every_setting_has_one_default_the_launchers_the_plan_none():
+    groups = (LaunchPlan, PlanHosts, Reach, Timeouts, Resilience, Observability)
+    for group in groups:
+        for field in dataclasses.fields(group):
+            assert field.default is dataclasses.MISSING, (group.__name__, field.name)
+            assert field.default_factory is dataclasses.MISSING, (group.__name__, field.name)
+    grouped = {f.name for f in dataclasses.fields(LaunchPlan)}
+    assert grouped >= {"hosts", "reach", "timeouts", "resilience", "observability", "from_env"}

@@ -1,4 +1,5 @@
-"""Rules of how each host's agent starts (``start_methods``), on made-up machine facts (pure).
+"""Rules of how each host's agent starts (``start_methods``), on made-up machine facts (pure),
+and of the environment the plan reads once (``Launcher.plan(environ=...)``).
 
 The facts that ``start_methods`` reads from the machine are given here: the SLURM variables
 (through the environment), whether ``srun`` is installed (``shutil.which``) and which names are
@@ -7,11 +8,20 @@ this machine (``is_local_host``). No process starts and no name is resolved.
 
 from __future__ import annotations
 
+import argparse
+import ast
+import dataclasses
+import logging
+import re
+from pathlib import Path
+
 import pytest
 
+import torchrunx as trx
 from torchrunx.errors import SlurmError
 from torchrunx.launcher.settings import plan
 from torchrunx.launcher.settings.plan import start_methods
+from torchrunx.launcher.starts.agent_starts import configured_address, listen_hosts
 
 HERE = "localhost"
 
@@ -142,3 +152,161 @@ def test_rule_a_relay_other_than_off_auto_on_is_refused_with_what_auto_means():
         "relay='always': expected one of 'off', 'auto', 'on' (\"auto\" relays only for hosts "
         "that cannot open a connection to the launcher)"
     )
+
+
+# -- the environment, read once by plan() ----------------------------------------------------
+
+LAUNCHER_SIDE = Path(plan.__file__).parents[1]
+"""``torchrunx/launcher``: its modules take the environment's values from the plan."""
+
+READS_OS_ENVIRON = {
+    ("settings/environ.py", "read_environ"),  # the plan's one read
+    ("settings/resolve.py", "resolve_hosts"),  # a call outside a launch; the plan passes its own
+    ("launch/preempt.py", "default_grace"),  # the same
+    ("launch/preempt.py", "requeue_job"),  # the same
+    ("view/view_server.py", "runtime_dir"),  # torchrunx top, outside a launch
+}
+"""Where a module under ``torchrunx/launcher`` may read ``os.environ``, and why."""
+
+
+def _environ_reads() -> set[tuple[str, str]]:
+    """``(module, function)`` of every ``os.environ`` / ``os.getenv`` under torchrunx/launcher."""
+    found: set[tuple[str, str]] = set()
+    for path in sorted(LAUNCHER_SIDE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in ("environ", "getenv", "environb")
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "os"
+                ):
+                    found.add((path.relative_to(LAUNCHER_SIDE).as_posix(), function.name))
+        for node in ast.walk(tree):  # a module-level read, or ``from os import environ``
+            if isinstance(node, ast.ImportFrom) and node.module == "os":
+                names = {alias.name for alias in node.names}
+                assert not names & {"environ", "getenv", "environb"}, path
+    return found
+
+
+def test_rule_nothing_under_the_launcher_reads_os_environ_but_the_plan():
+    reads = _environ_reads()
+    assert ("settings/environ.py", "read_environ") in reads  # the scan sees a read
+    assert reads <= READS_OS_ENVIRON, sorted(reads - READS_OS_ENVIRON)
+
+
+def test_rule_the_plan_reads_the_environment_it_is_given(tmp_path: Path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    environ = {
+        "PATH": "/bin",
+        "WANDB_KEY": "w",
+        "TORCHRUNX_HOSTFILE": str(hostfile),
+        "TORCHRUNX_LOG_LEVEL": "WARNING",
+        "TORCHRUNX_LOG_DIR": str(tmp_path / "logs"),
+        "TORCHRUNX_CACHE_DIR": str(tmp_path / "cache"),
+        "TORCHRUNX_PROGRESS": "0",
+        "TORCHRUNX_VIEW": "0",
+        "TORCHRUNX_PRELOAD": "numpy, json",
+        "TORCHRUNX_LAUNCHER_ADDR": "10.1.2.3",
+        "TORCHRUNX_LISTEN_ADDR": "*",
+        "TORCHRUNX_LAUNCHER_PORT": "29400-29401",
+        "TORCHRUNX_HEALTH_CHECK_PORT": "8123",
+        "TORCHRUNX_HEALTH_CHECK_HOST": "*",
+        "TORCHRUNX_HEALTH_CHECK_TOKEN": "t0k",
+        "TORCHRUNX_HEALTH_CHECK_DETAILS": "yes",
+        "TORCHRUNX_POST_MORTEM": "on",
+        "TORCHRUNX_DEBUGPY": "1",
+        "SLURM_JOB_ID": "77",
+    }
+    launcher = trx.Launcher(hostnames="hostfile", extra_env_vars=("WANDB_*",))
+    made = launcher.plan(environ=environ)
+    got = made.from_env
+    assert [(h.hostname, h.workers) for h in made.hosts.slots] == [
+        ("localhost", 2)
+    ]  # the provider's
+    assert (made.reach.env["PATH"], made.reach.env["WANDB_KEY"]) == (
+        "/bin",
+        "w",
+    )  # from the given mapping
+    assert "SLURM_JOB_ID" not in made.reach.env  # matching no pattern (TORCH* forwards TORCHRUNX_*)
+    assert made.observability.health_port == 8123
+    assert (got.log_level, got.log_dir) == (logging.WARNING, tmp_path / "logs")
+    assert got.hints == tmp_path / "cache" / "hints"
+    assert (got.progress, got.view, got.preload) == (False, False, ("numpy", "json"))
+    assert got.launcher_ports == (29400, 29401)
+    assert (got.health_host, got.health_token, got.health_details) == ("", "t0k", True)
+    assert (got.post_mortem, got.debugpy) == (True, (1, 5678))
+    assert got.environ == environ  # a copy: what a local agent starts with, SLURM's job
+    assert configured_address(made.reach.launcher_address, got.environ) == "10.1.2.3"
+    assert listen_hosts(made.reach.launcher_address, made.hosts.methods, got.environ) == [None]
+    assert "t0k" not in repr(made)  # a token or a value is never in a repr
+
+
+def test_rule_the_defaults_of_an_empty_environment():
+    got = trx.Launcher(hostnames=["localhost"]).plan(environ={}).from_env
+    assert (got.log_level, got.log_dir) == (logging.INFO, Path("./torchrunx_logs"))
+    assert got.hints is not None and got.hints.parts[-2:] == ("torchrunx", "hints")
+    assert (got.progress, got.view, got.preload, got.launcher_ports) == (None, True, (), (0,))
+    assert (got.health_host, got.health_token, got.health_details) == ("127.0.0.1", None, False)
+    assert (got.post_mortem, got.debugpy) == (False, None)
+    off = trx.Launcher(hostnames=["localhost"]).plan(
+        environ={"TORCHRUNX_LOG_DIR": "", "TORCHRUNX_HINTS": "0"}
+    )
+    assert (off.from_env.log_dir, off.from_env.hints, off.observability.health_port) == (
+        None,
+        None,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TORCHRUNX_LOG_LEVEL", "LOUD"),
+        ("TORCHRUNX_PRELOAD", "a b"),
+        ("TORCHRUNX_LAUNCHER_PORT", "0"),
+        ("TORCHRUNX_HEALTH_CHECK_PORT", "http"),
+        ("TORCHRUNX_HEALTH_CHECK_DETAILS", "maybe"),
+        ("TORCHRUNX_POST_MORTEM", "maybe"),
+        ("TORCHRUNX_DEBUGPY", "one"),
+    ],
+)
+def test_rule_a_bad_variable_fails_the_plan_naming_it(name, value, monkeypatch):
+    monkeypatch.delenv(name, raising=False)
+    launcher = trx.Launcher(hostnames=["localhost"])
+    with pytest.raises(ValueError, match=f"{name}="):
+        launcher.plan(environ={name: value})
+    launcher.plan()  # os.environ is not the given mapping: it has no such value
+    monkeypatch.setenv(name, value)
+    launcher.plan(environ={})  # and the given mapping is all that is read
+    with pytest.raises(ValueError, match=f"{name}="):
+        launcher.validate()  # validate() checks this process's environment
+
+
+# -- Launcher's fields by group: its docstring, --help, the plan --------------------------------
+
+
+def test_rule_every_launcher_field_is_in_one_group_and_the_docs_say_which():
+    from torchrunx.launcher.settings.plan import LAUNCHER_GROUPS
+
+    named = [name for fields in LAUNCHER_GROUPS.values() for name in fields]
+    assert sorted(named) == sorted(f.name for f in dataclasses.fields(trx.Launcher))
+    assert len(named) == len(set(named))  # one group each
+    doc = " ".join((trx.Launcher.__doc__ or "").split())
+    for group, fields in LAUNCHER_GROUPS.items():
+        assert f"{group} ({', '.join(fields)})" in doc, group
+    plan_groups = {f.name for f in dataclasses.fields(plan.LaunchPlan)}
+    assert set(LAUNCHER_GROUPS) - {"workers"} <= plan_groups  # the plan's groups, by name
+
+
+def test_rule_the_options_help_lists_them_by_group():
+    parser = argparse.ArgumentParser()
+    trx.add_launcher_arguments(parser)
+    text = re.sub(r"-\s+", "-", " ".join(parser.format_help().split()))  # argparse wraps at -
+    assert "by group: hosts: hostnames, workers-per-host, agent-start, spare-hosts" in text
+    assert "observability: stall-timeout, on-stall, straggler-threshold" in text
+    assert "log-handlers" not in text  # no option, so not listed

@@ -204,7 +204,7 @@ def test_python_for_each_host():
     with pytest.raises(ValueError, match=r"not in the launch: \['@local'\]"):
         reach.check_python_hosts({"@local": "/p"}, ["localhost"], ["local"])
     plan = trx.Launcher(hostnames=["a", "b"], python={"@ssh": "/venv/bin/python"}).plan()
-    assert plan.python == {"@ssh": "/venv/bin/python"}
+    assert plan.reach.python == {"@ssh": "/venv/bin/python"}
     text = trx.Launcher(hostnames=["a", "b"], python={"@ssh": "/v/python", "b": "/b"}).dry_run()
     assert "python on a: /v/python" in text
     assert "python on b: /b" in text
@@ -372,7 +372,9 @@ def test_container_is_a_command_line_put_before_the_agent_command():
     assert reach.default_python(None, "h", prefix) == "python3"
     assert reach.default_python("/opt/py", "h", prefix) == "/opt/py"
     assert reach.default_python(None, "h", ()) is None
-    assert trx.Launcher(hostnames=["a"], container="apptainer exec img.sif").plan().container == (
+    assert trx.Launcher(
+        hostnames=["a"], container="apptainer exec img.sif"
+    ).plan().reach.container == (
         "apptainer",
         "exec",
         "img.sif",

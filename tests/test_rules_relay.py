@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+import torchrunx as trx
 from torchrunx.engines.builtin import openssh_command, srun_command
 from torchrunx.engines.command import AGENT_COMMAND
 from torchrunx.errors import ProtocolError
@@ -110,15 +111,14 @@ def test_relay_takes_off_auto_or_on(value):
 
 def test_a_relaying_hosts_bootstrap_line_carries_the_mode_as_a_typed_field():
     from torchrunx.hosts import HostSlots
-    from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_starts import AgentStarts
     from torchrunx.launcher.state.records import AgentRecord
     from torchrunx.wire.bootstrap import AgentBootstrap
 
-    plan = LaunchPlan(
-        hosts=(HostSlots("node1", 1),), methods=("ssh",), env={}, relay="auto", agent_timeout=5.0
-    )
-    agent = AgentRecord(0, plan.hosts[0], "ssh", role="host")
+    base = trx.Launcher(hostnames=["localhost"], workers_per_host=1, relay="auto").plan()
+    hosts = dataclasses.replace(base.hosts, slots=(HostSlots("node1", 1),), methods=("ssh",))
+    plan = dataclasses.replace(base, hosts=hosts)
+    agent = AgentRecord(0, plan.hosts.slots[0], "ssh", role="host")
     starts = AgentStarts(plan, [agent], 1234, b"s" * 32, 20, lambda *_: None)
     line = starts.bootstrap(agent, "10.0.0.1", relays=True)
     relayed = AgentBootstrap.from_json_line(line)

@@ -10,21 +10,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
+from typing import TYPE_CHECKING
 
 import pytest
 
+import torchrunx as trx
 from torchrunx import serialization
 from torchrunx.errors import AgentFailedError, Preempted
 from torchrunx.events import AgentState
 from torchrunx.hosts import HostSlots
 from torchrunx.launcher.launch.preempt import default_grace, end_preemption, slurm_kill_wait
-from torchrunx.launcher.settings.plan import LaunchPlan
 from torchrunx.launcher.state.records import AgentRecord, Phase
 from torchrunx.launcher.state.spares import Reshape, check_resilience, reshape, split_spares
 from torchrunx.launcher.state.state import LaunchState
 from torchrunx.wire.messages import AgentHello, WorkerResult, WorkersEnded, WorkerSpec
+
+if TYPE_CHECKING:
+    from torchrunx.launcher.settings.plan import LaunchPlan
 
 
 def test_a_spare_takes_the_failed_hosts_position():
@@ -328,9 +333,12 @@ def _end(plan: LaunchPlan) -> tuple[Preempted, list[str]]:
     return error, calls
 
 
-def _plan(**fields: object) -> LaunchPlan:
-    fields.setdefault("agent_timeout", 5.0)
-    return LaunchPlan(tuple(_hosts("a", "b")), ("ssh", "ssh"), {}, **fields)  # type: ignore[arg-type]
+def _plan(**resilience: object) -> LaunchPlan:
+    """A plan of hosts a and b (ssh), read from this process's environment, as a launch's."""
+    base = trx.Launcher(hostnames=["localhost"], workers_per_host=1, preemption_grace=0).plan()
+    hosts = dataclasses.replace(base.hosts, slots=tuple(_hosts("a", "b")), methods=("ssh", "ssh"))
+    changed = dataclasses.replace(base.resilience, **resilience)  # type: ignore[arg-type]
+    return dataclasses.replace(base, hosts=hosts, resilience=changed)
 
 
 def _scontrol(

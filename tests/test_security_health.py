@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+import torchrunx as trx
 from torchrunx.launcher.state.health import HealthReport
 from torchrunx.launcher.view import health_server as health_module
 from torchrunx.launcher.view.health_server import MAX_CONNECTIONS, HealthServer
@@ -150,7 +151,8 @@ def test_a_flood_of_idle_connections_starts_no_more_threads_than_the_cap(monkeyp
 
 def test_a_token_from_the_environment_is_required_when_set(monkeypatch):
     monkeypatch.setenv("TORCHRUNX_HEALTH_CHECK_TOKEN", "s3cret")
-    with HealthServer(0, snapshot) as health:
+    token = trx.Launcher(hostnames=["localhost"]).plan().from_env.health_token  # as a launch
+    with HealthServer(0, snapshot, token=token) as health:
         for authorization, expected in [
             (None, 401),
             ("Bearer wrong", 401),
@@ -169,5 +171,5 @@ def test_a_token_from_the_environment_is_required_when_set(monkeypatch):
             if expected == 401:
                 assert b"launch_state" not in body
                 assert response.getheader("WWW-Authenticate") == 'Bearer realm="torchrunx-health"'
-    with HealthServer(0, snapshot, token="") as health:  # none, whatever the environment says
+    with HealthServer(0, snapshot, token="") as health:  # none: the plan's token only counts
         assert ask(health.port, "localhost")[0] == 200

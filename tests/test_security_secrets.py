@@ -59,17 +59,21 @@ def test_reprs_hold_no_secret():
         sys_path=(),
     )
     assert_no_secret(repr(boot))
+    environ = {"PATH": "/bin", "TOKEN": SECRET.hex(), "TORCHRUNX_HEALTH_CHECK_TOKEN": SECRET.hex()}
+    plan = trx.Launcher(hostnames=["localhost"], extra_env_vars=("TOKEN",)).plan(environ=environ)
     starts = AgentStarts(
-        plan=trx.Launcher(hostnames=["localhost"]).plan(),
+        plan=plan,
         agents=[],
         port=1,
         secret=SECRET,
         log_level=20,
         emit=lambda _index, _record: None,
         script=b"export TOKEN=" + SECRET.hex().encode(),
-        local_env={"TOKEN": SECRET.hex()},
     )
+    assert starts.local_env["TOKEN"] == plan.reach.env["TOKEN"] == SECRET.hex()  # made, and held
+    assert plan.from_env.health_token == SECRET.hex()
     assert_no_secret(repr(starts))
+    assert_no_secret(repr(plan))
 
 
 def format_with_locals(exc: BaseException) -> str:

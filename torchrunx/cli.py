@@ -37,6 +37,7 @@ from torchrunx.cli_hints import add_renamed_options, add_torchrun_options
 from torchrunx.cli_options import (
     add_dataclass_arguments,
     dataclass_from_namespace,
+    options_by_group,
     typed_arguments,
 )
 from torchrunx.commands import logs as cli_logs
@@ -103,11 +104,12 @@ def add_launcher_arguments(
         argparse.ArgumentError: An option of the same name is already defined in ``parser``.
     """
     from torchrunx.launcher.launcher import Launcher  # noqa: PLC0415 (workers import this module too)
+    from torchrunx.launcher.settings.plan import LAUNCHER_GROUPS  # noqa: PLC0415 (as above)
 
-    group = parser.add_argument_group(
-        group_title, "Where and how the function runs (the fields of torchrunx.Launcher)."
-    )
-    add_dataclass_arguments(group, Launcher)
+    group = parser.add_argument_group(group_title)
+    offered = add_dataclass_arguments(group, Launcher)
+    about = "Where and how the function runs (the fields of torchrunx.Launcher), by group:"
+    group.description = options_by_group(about, LAUNCHER_GROUPS, offered)
     return group
 
 

@@ -24,13 +24,20 @@ import typing
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
-__all__ = ["add_dataclass_arguments", "dataclass_from_namespace", "typed_arguments"]
+__all__ = [
+    "add_dataclass_arguments",
+    "dataclass_from_namespace",
+    "options_by_group",
+    "typed_arguments",
+]
 
 
-def add_dataclass_arguments(group: argparse._ArgumentGroup, cls: type[Any]) -> None:
+def add_dataclass_arguments(group: argparse._ArgumentGroup, cls: type[Any]) -> list[str]:
     """Add to ``group`` the options tyro makes for the fields of the dataclass ``cls``.
+
+    Returns the names of the fields that got an option, in order.
 
     tyro's constructor registry gives each field's ``nargs`` and metavar, and its docstring
     the help; the option is added with :class:`_FieldAction`, which stores the value as tyro
@@ -53,6 +60,7 @@ def add_dataclass_arguments(group: argparse._ArgumentGroup, cls: type[Any]) -> N
     hints = typing.get_type_hints(cls, include_extras=True)
     bases = typing.get_type_hints(cls)  # without Annotated's markers
     docs = _field_docstrings(cls)
+    added: list[str] = []
     for field in dataclasses.fields(cls):
         markers = getattr(hints[field.name], "__metadata__", ())
         if not field.init or tyro.conf.Suppress in markers:
@@ -95,6 +103,24 @@ def add_dataclass_arguments(group: argparse._ArgumentGroup, cls: type[Any]) -> N
             field_type=hints[field.name],
             doc=docs.get(field.name, "").replace("%", "%%"),
         )
+        added.append(field.name)
+    return added
+
+
+def options_by_group(
+    about: str, groups: Mapping[str, Sequence[str]], offered: Sequence[str]
+) -> str:
+    """``about``, then a line per group naming its fields that have an option (``offered``).
+
+    Names without ``--``: a wrapped line never starts like an option's own line.
+    """
+    lines = [about]
+    for name, fields in groups.items():
+        options = ", ".join(f.replace("_", "-") for f in fields if f in offered)
+        first, indent = f"  {name}: ", "      "
+        wrap = textwrap.TextWrapper(88, first, indent, break_on_hyphens=False)
+        lines.append(wrap.fill(options))
+    return "\n".join(lines)
 
 
 def dataclass_from_namespace(cls: type[Any], namespace: argparse.Namespace) -> Any:  # noqa: ANN401 (an instance of cls)

@@ -101,27 +101,39 @@ def unmatched_patterns(
 
 
 def unmatched_env_vars(
-    default: Iterable[str], copy: Iterable[str] | None, extra: object
+    default: Iterable[str],
+    copy: Iterable[str] | None,
+    extra: object,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[str, ...]:
     """The patterns a user gave that match no variable of the launcher: they forward nothing.
 
     Those of ``extra_env_vars``, and those of ``default_env_vars`` / ``copy_env_vars`` that are
     not torchrunx's own defaults (``NCCL*`` on a machine without NCCL is no mistake). A launch
     (and so the dry run and ``torchrunx check``) warns of each one; the dry run lists them.
+    ``environ``: the launcher's (the plan's; None: this process's).
     """
     patterns, _ = split_extra_env_vars(extra)
     chosen = default if copy is None else copy
-    return unmatched_patterns((*(p for p in chosen if p not in DEFAULT_ENV_VARS), *patterns))
+    given = (*(p for p in chosen if p not in DEFAULT_ENV_VARS), *patterns)
+    return unmatched_patterns(given, environ)
 
 
-def check_launch_env(default: Iterable[str], copy: Iterable[str] | None, extra: object) -> None:
+def check_launch_env(
+    default: Iterable[str],
+    copy: Iterable[str] | None,
+    extra: object,
+    environ: Mapping[str, str] | None = None,
+) -> None:
     """Before a launch: refuse one inside a worker; warn of patterns that forward nothing.
+
+    ``environ``: the launcher's (the plan's; None: this process's).
 
     Raises:
         RuntimeError: This process is a torchrunx worker (:func:`refuse_nested_launch`).
     """
-    refuse_nested_launch()
-    for pattern in unmatched_env_vars(default, copy, extra):
+    refuse_nested_launch(environ)
+    for pattern in unmatched_env_vars(default, copy, extra, environ):
         logger.warning(
             "no variable of the launcher matches %r, so no worker gets it: a typo, or a "
             "variable set on the hosts but not here? (extra_env_vars, default_env_vars)",

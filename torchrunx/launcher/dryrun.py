@@ -28,9 +28,10 @@ def describe_launch(plan: LaunchPlan, unmatched: Sequence[str] = ()) -> str:
 
     ``unmatched``: env patterns of the user's that match no launcher variable.
     """
-    counts_gpus = plan.backend == "auto" or plan.workers_per_host in ("gpu", "auto")
-    here = count_local_gpus() if counts_gpus and "local" in plan.methods else None
-    gpus = [here if method == "local" else None for method in plan.methods]
+    counts_gpus = plan.backend == "auto" or plan.hosts.workers_per_host in ("gpu", "auto")
+    local = counts_gpus and "local" in plan.hosts.methods
+    here = count_local_gpus(plan.from_env.environ) if local else None
+    gpus = [here if method == "local" else None for method in plan.hosts.methods]
     return describe_plan(plan, gpus, unmatched=unmatched)
 
 
@@ -43,25 +44,25 @@ def describe_plan(
     """The text of :meth:`Launcher.dry_run` (pure: it reads the SSH config, nothing more).
 
     ``gpus``: each host's GPU count where known (hosts that are this machine), else None.
-    The last ``plan.spares`` hosts are spare hosts (they run no rank at first).
+    The last ``plan.hosts.spares`` hosts are spare hosts (they run no rank at first).
     """
-    hosts, methods, spares = list(plan.hosts), list(plan.methods), plan.spares
-    env_names, transport_argument = sorted(plan.env), plan.transport_argument
+    hosts, methods, spares = list(plan.hosts.slots), list(plan.hosts.methods), plan.hosts.spares
+    env_names, transport_argument = sorted(plan.reach.env), plan.hosts.transport_argument
     running = hosts[: len(hosts) - spares]
     known = all(h.workers is not None for h in running)
     world = sum(h.workers or 0 for h in running) if known else None
     lines = [
         "torchrunx dry run: nothing was started",
         f"hosts: {len(running)}" + (f", and {spares} spare host(s)" if spares else ""),
-        f"hosts from: {_source(plan.hosts_from)}",
+        f"hosts from: {_source(plan.hosts.source)}",
         f"agent start: {_transports(methods, transport_argument)}",
-        *_relay_lines(plan.relay),
+        *_relay_lines(plan.reach.relay),
         f"world size: {world if world is not None else 'known once every agent has counted'}",
         *_backend_lines(plan, hosts, gpus or [None] * len(hosts)),
         "",
         "host  name                 workers  ranks      agent start",
     ]
-    count = count_mode(plan.workers_per_host)
+    count = count_mode(plan.hosts.workers_per_host)
     lines += _host_rows(hosts, methods, count, len(running))
     if not known:
         counted = {"gpu": "GPUs", "cpu": "CPU cores"}.get(count, "GPUs, else CPU cores")
@@ -82,8 +83,8 @@ def describe_plan(
         )
     if "local" in methods:
         lines.append("  (workers on this machine also see the rest of the launcher's environment)")
-    if plan.env_file is not None:
-        lines.append(f"sourced on every host first: {plan.env_file}")
+    if plan.reach.env_file is not None:
+        lines.append(f"sourced on every host first: {plan.reach.env_file}")
     lines += _reach_lines(
         plan, [(h.hostname, m) for h, m in zip(hosts, methods, strict=True) if m != "local"]
     )
@@ -104,18 +105,20 @@ def describe_plan(
 def _reach_lines(plan: LaunchPlan, remote: list[tuple[str, str]]) -> list[str]:
     """The remote hosts' container, their interpreters (``python=``) and shipped paths."""
     lines = []
-    if plan.container and remote:
-        started = shlex.join(plan.container)
+    if plan.reach.container and remote:
+        started = shlex.join(plan.reach.container)
         lines.append(f"remote agents run in a container, started with: {started}")
     for hostname, method in remote:
-        python = default_python(plan.python, hostname, plan.container, method)
+        python = default_python(plan.reach.python, hostname, plan.reach.container, method)
         if python is not None:
             lines.append(f"python on {hostname}: {python}")
-    if plan.ship and remote:
-        excluded = f", leaving out {' '.join(plan.ship_exclude)}" if plan.ship_exclude else ""
+    if plan.reach.ship and remote:
+        excluded = (
+            f", leaving out {' '.join(plan.reach.ship_exclude)}" if plan.reach.ship_exclude else ""
+        )
         lines.append(
             f"shipped to the remote hosts (cached there by content, .gitignore honoured"
-            f"{excluded}): {' '.join(plan.ship)}"
+            f"{excluded}): {' '.join(plan.reach.ship)}"
         )
     return lines
 
@@ -172,7 +175,7 @@ def _backend_lines(
     plan: LaunchPlan, hosts: list[HostSlots], gpus: Sequence[int | None]
 ) -> list[str]:
     """The dry run's backend: ``"auto"`` resolved where the GPU counts allow it."""
-    line = f"(process-group timeout {plan.timeout:g} s)"
+    line = f"(process-group timeout {plan.timeouts.process_group:g} s)"
     if plan.backend != "auto":
         return [f"backend: {plan.backend} {line}"]
     pairs = list(zip(hosts, gpus, strict=True))
@@ -202,7 +205,7 @@ def _agent_command_line(
             made = transports[method] = plugins.transport(
                 method,
                 None if method == "local" else argument,
-                ssh_config_file=plan.ssh_config_file,
+                ssh_config_file=plan.reach.ssh_config_file,
             )
         except (ValueError, RuntimeError, TypeError) as exc:
             return f"{method} (cannot be described: {exc})"

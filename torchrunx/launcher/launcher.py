@@ -45,10 +45,16 @@ from torchrunx.launcher.launch.stragglers import (
     DEFAULT_STRAGGLER_THRESHOLD,
     check_straggler_threshold,
 )
+from torchrunx.launcher.settings.environ import health_port_from_env, read_environ
 from torchrunx.launcher.settings.plan import (
     Backend,
     LaunchPlan,
+    Observability,
+    PlanHosts,
+    Reach,
+    Resilience,
     StallAction,
+    Timeouts,
     check_agent_start,
     check_relay,
     paired_transport,
@@ -66,29 +72,18 @@ from torchrunx.launcher.settings.resolve import (
     Hostnames,
     HostsSource,
     check_hostnames,
-    hostnames_source,
+    check_workers,
     resolve_hosts,
 )
-from torchrunx.launcher.settings.resolve import check_workers as _validate_workers
 from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
-from torchrunx.launcher.state.health import (
-    health_details_from_env,
-    health_port_from_env,
-)
 from torchrunx.launcher.state.results import LaunchResult
-from torchrunx.launcher.state.spares import check_resilience, split_spares
-from torchrunx.launcher.view.debugger import check_debug_env
-from torchrunx.launcher.view.logrouter import log_level_from_env
+from torchrunx.launcher.state.spares import check_resilience, check_spare_names, split_spares
 from torchrunx.launcher.view.where import sigquit_shows_stacks
 from torchrunx.launcher.warm import WarmLauncher
-from torchrunx.logs import (
-    ConsoleRanks,
-    LogHandlers,
-    check_log_fields,
-)
+from torchrunx.logs import ConsoleRanks, LogHandlers, check_log_fields
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     from torchrunx.hosts import HostSlots
 
@@ -98,6 +93,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
+_TUPLE_FIELDS = ("default_env_vars", "copy_env_vars", "extra_env_vars", "restart_on", "spare_hosts")
+"""Fields a preset may give as a list (TOML, JSON), made tuples."""
 
 
 @refuses_renamed_keywords
@@ -107,6 +104,14 @@ class Launcher:
 
     Every field has a default, so `Launcher().run(func)` runs one worker per GPU (or CPU
     core) on this machine, or on every node of the SLURM allocation it runs in.
+
+    The fields by group (its plan's): hosts (hostnames, workers_per_host, agent_start,
+    spare_hosts); workers (backend, isolate_gpus); reach (ssh_config_file, default_env_vars,
+    copy_env_vars, extra_env_vars, env_file, launcher_address, relay, python, ship, ship_exclude,
+    container); timeouts (timeout, agent_timeout, start_timeout, launch_timeout); resilience
+    (max_restarts, restart_on, min_hosts, preemption_grace, requeue_on_preemption);
+    observability (stall_timeout, on_stall, straggler_threshold, health_check_port,
+    console_ranks, event_handlers, log_handlers).
     """
 
     hostnames: Hostnames = "auto"
@@ -274,16 +279,8 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"preset {name!r} or its overrides set unknown fields {unknown}")
-        for key, value in values.items():
-            if isinstance(value, list) and key in (
-                "default_env_vars",
-                "copy_env_vars",
-                "extra_env_vars",
-                "restart_on",
-                "spare_hosts",
-            ):
-                values[key] = tuple(value)
-        return cls(**values)
+        listed = [key for key in _TUPLE_FIELDS if isinstance(values.get(key), list)]
+        return cls(**{**values, **{key: tuple(values[key]) for key in listed}})
 
     def run(self, func: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> LaunchResult[R]:
         """Run ``func(*args, **kwargs)`` in every worker and return every rank's value.
@@ -297,15 +294,15 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             Exception: The exception a worker raised, with its own type, the remote traceback
                 as ``__cause__`` and the host and rank in its notes.
         """
-        self.validate()
+        source = self._check_fields()
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
-        plan = self._resolve(warm=False, keep_workers=False)
+        plan = _plan_of(self, None, source, warm=False, keep=False)
         call = serialization.dumps_call(func, args, kwargs)
         launch = Launch(plan, call)
         try:
             with (
-                sigterm_preempts(launch.session.preempt, plan.preemption_grace),
+                sigterm_preempts(launch.session.preempt, plan.resilience.preemption_grace),
                 sigquit_shows_stacks(launch.session.ask_stacks),
             ):
                 per_host = launch.execute()
@@ -349,85 +346,46 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             raise
         return WarmLauncher(plan, launch)
 
-    def plan(self, *, warm: bool = False, keep_workers: bool = False) -> LaunchPlan:
+    def plan(
+        self,
+        *,
+        warm: bool = False,
+        keep_workers: bool = False,
+        environ: Mapping[str, str] | None = None,
+    ) -> LaunchPlan:
         """Check every field and resolve what a launch needs, once: the frozen plan it runs.
 
         The hosts and their workers (the SLURM allocation, a hostfile, a provider), how each
-        agent starts, the forwarded variables and the health port; nothing is started.
+        agent starts, the forwarded variables, the health port, and every environment variable
+        the launcher reads (:mod:`~torchrunx.launcher.settings.environ`); nothing is started.
 
         Args:
             warm: For :meth:`warm` (agents that stay from run to run).
             keep_workers: For ``warm(keep_workers=True)``.
+            environ: The launcher's environment to read (None: this process's).
 
         Raises:
             ValueError: A field is invalid.
             TypeError: A field has the wrong type.
             RuntimeError: ``"slurm"`` or ``agent_start="srun"`` outside an allocation.
         """
-        self.validate()
-        return self._resolve(warm=warm, keep_workers=keep_workers)
-
-    def _resolve(self, *, warm: bool, keep_workers: bool) -> LaunchPlan:
-        """The plan of fields already checked (:meth:`validate`)."""
-        check_launch_env(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
-        source = hostnames_source(self.hostnames)  # classified once: the plan keeps it
-        world, spares = _world_and_spares(self, source)
-        hosts = world + spares
-        methods, argument = start_methods(
-            self.agent_start, [h.hostname for h in hosts], paired_transport(source)
-        )
-        check_python_hosts(self.python, [h.hostname for h in hosts], methods)
-        return LaunchPlan(
-            hosts=tuple(hosts),
-            methods=tuple(methods),
-            hosts_from=source,
-            transport_argument=argument,
-            spares=len(spares),
-            min_hosts=self.min_hosts,
-            preemption_grace=(
-                default_grace() if self.preemption_grace is None else float(self.preemption_grace)
-            ),
-            requeue=self.requeue_on_preemption,
-            stall_timeout=self.stall_timeout,
-            on_stall=self.on_stall,
-            straggler_threshold=self.straggler_threshold,
-            env=self.exported_env(),
-            workers_per_host=self.workers_per_host,
-            backend=self.backend,
-            timeout=self.timeout,
-            isolate_gpus=self.isolate_gpus,
-            env_file=self.env_file,
-            launcher_address=self.launcher_address,
-            relay=self.relay,
-            python=self.python,
-            ship=tuple(str(p) for p in self.ship),
-            ship_exclude=tuple(self.ship_exclude),
-            container=tuple(shlex.split(self.container)) if self.container else (),
-            ssh_config_file=self.ssh_config_file,
-            agent_timeout=float(self.agent_timeout),
-            start_timeout=float(self.start_timeout),
-            launch_timeout=self.launch_timeout,
-            max_restarts=self.max_restarts,
-            restart_on=tuple(self.restart_on),
-            health_port=health_port_from_env(self.health_check_port),
-            event_handlers=tuple(self.event_handlers),
-            log_handlers=self.log_handlers,
-            console_ranks=(
-                "all" if self.console_ranks == "all" else tuple(int(r) for r in self.console_ranks)
-            ),
-            warm=warm,
-            keep_workers=warm and keep_workers,
-        )
+        source = self._check_fields()
+        return _plan_of(self, environ, source, warm=warm, keep=keep_workers)
 
     def validate(self) -> None:
-        """Check every field; raise a clear error before anything starts.
+        """Check every field, and the launcher's variables; raise before anything starts.
 
         Raises:
-            ValueError: A field has an invalid value.
+            ValueError: A field, or a variable of the environment, has an invalid value.
             TypeError: A field has the wrong type.
         """
-        check_hostnames(self.hostnames)
-        _validate_workers(self.workers_per_host, self.hostnames)
+        self._check_fields()
+        read_environ()  # raises ValueError for a bad TORCHRUNX_* variable
+
+    def _check_fields(self) -> HostsSource:
+        """Check every field (the environment is :meth:`plan`'s to read); what hostnames names."""
+        source = check_hostnames(self.hostnames)  # classified here, once: the plan keeps it
+        check_workers(self.workers_per_host, self.hostnames)
         check_agent_start(self.agent_start)
         check_relay(self.relay)
         check_python(self.python)
@@ -445,13 +403,14 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         _validate_restarts(self.max_restarts, self.restart_on)
         check_stall_fields(self.stall_timeout, self.on_stall, self.max_restarts)
         check_straggler_threshold(self.straggler_threshold)
-        _validate_resilience(self)
+        check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
+        check_spare_names(self.spare_hosts, self.workers_per_host, self.requeue_on_preemption)
+        if self.preemption_grace is not None:
+            _validate_seconds("preemption_grace", self.preemption_grace, zero=True)
         _validate_event_handlers(self.event_handlers)
-        health_port_from_env(self.health_check_port)  # raises ValueError for a bad port
-        health_details_from_env()  # raises ValueError for a bad TORCHRUNX_HEALTH_CHECK_DETAILS
-        log_level_from_env()  # raises ValueError for a bad TORCHRUNX_LOG_LEVEL
-        check_debug_env()  # and for a bad TORCHRUNX_POST_MORTEM or TORCHRUNX_DEBUGPY
+        health_port_from_env(self.health_check_port, {})  # raises ValueError for a bad port
         check_files(self.env_file, self.ssh_config_file)
+        return source
 
     def set_logging_handlers(self, handler_factory: LogHandlers) -> Launcher:
         """Set :attr:`log_handlers` as torchrunx 0.4 did; returns this launcher.
@@ -473,11 +432,12 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         object.__setattr__(self, "log_handlers", handler_factory)
         return self
 
-    def exported_env(self) -> dict[str, str]:
+    def exported_env(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
         """The variables every agent exports, on every host (values as the launcher has them).
 
-        The launcher's variables matching ``default_env_vars`` (or ``copy_env_vars``) and the
-        patterns of ``extra_env_vars``, then the values given in ``extra_env_vars``.
+        The launcher's variables (of ``environ``; None: this process's) matching
+        ``default_env_vars`` (or ``copy_env_vars``) and the patterns of ``extra_env_vars``,
+        then the values given in ``extra_env_vars``.
 
         Raises:
             TypeError: ``extra_env_vars`` has the wrong type.
@@ -485,7 +445,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         """
         patterns, values = split_extra_env_vars(self.extra_env_vars)
         defaults = self.default_env_vars if self.copy_env_vars is None else self.copy_env_vars
-        return exported_env((*defaults, *patterns), values)
+        return exported_env((*defaults, *patterns), values, environ)
 
     def dry_run(self) -> str:
         """Describe what :meth:`run` would start, without starting or contacting anything.
@@ -498,8 +458,9 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             ValueError: A field is invalid, as for :meth:`run`.
             RuntimeError: ``"slurm"`` outside an allocation, as for :meth:`run`.
         """
+        plan = self.plan()
         env = (self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
-        return describe_launch(self.plan(), unmatched=unmatched_env_vars(*env))
+        return describe_launch(plan, unmatched=unmatched_env_vars(*env, plan.from_env.environ))
 
 
 def launch(
@@ -518,25 +479,6 @@ def launch(
     refuse_renamed("launch()", launcher_fields)
     launcher = Launcher(**launcher_fields)
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
-
-
-def _validate_resilience(self: Launcher) -> None:
-    """``spare_hosts``, ``min_hosts``, ``preemption_grace``, ``requeue_on_preemption``."""
-    check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
-    if isinstance(self.spare_hosts, list | tuple):
-        check_hostnames(list(self.spare_hosts), "spare_hosts")
-        if isinstance(self.workers_per_host, list | tuple):
-            raise ValueError(  # noqa: TRY004 (a value that does not fit another)
-                "spare_hosts names hosts, but workers_per_host is a list (one count per "
-                "host of hostnames): give one count for every host, or make the spares "
-                "the last hosts of hostnames and set spare_hosts to their number"
-            )
-    if self.preemption_grace is not None:
-        _validate_seconds("preemption_grace", self.preemption_grace, zero=True)
-    if not isinstance(self.requeue_on_preemption, bool):
-        raise TypeError(
-            f"requeue_on_preemption must be True or False, got {self.requeue_on_preemption!r}"
-        )
 
 
 def _validate_restarts(max_restarts: object, restart_on: object) -> None:
@@ -585,13 +527,71 @@ def _validate_seconds(name: str, value: object, *, zero: bool = False) -> None:
         raise ValueError(f"{name} must be {least} seconds, got {value!r}")
 
 
-def _world_and_spares(it: Launcher, src: HostsSource) -> tuple[list[HostSlots], list[HostSlots]]:
-    """The resolved hosts of the first attempt, and the spares (``src``: the hostnames')."""
-    hosts, workers = (
-        resolve_hosts(it.hostnames, it.workers_per_host, source=src),
-        it.workers_per_host,
+def _plan_of(
+    it: Launcher, environ: Mapping[str, str] | None, source: HostsSource, *, warm: bool, keep: bool
+) -> LaunchPlan:
+    """The plan of ``it``, whose fields are checked; ``environ`` (None: os.environ) read once."""
+    from_env = read_environ(environ)
+    env = from_env.environ
+    check_launch_env(it.default_env_vars, it.copy_env_vars, it.extra_env_vars, env)
+    world, spares = _world_and_spares(it, source, env)
+    hosts = world + spares
+    methods, argument = start_methods(
+        it.agent_start, [h.hostname for h in hosts], paired_transport(source), env
     )
+    check_python_hosts(it.python, [h.hostname for h in hosts], methods)
+    return LaunchPlan(
+        hosts=PlanHosts(
+            tuple(hosts), tuple(methods), source, argument, it.workers_per_host, len(spares)
+        ),
+        reach=Reach(
+            env=it.exported_env(env),
+            env_file=it.env_file,
+            launcher_address=it.launcher_address,
+            relay=it.relay,
+            python=it.python,
+            ship=tuple(str(p) for p in it.ship),
+            ship_exclude=tuple(it.ship_exclude),
+            container=tuple(shlex.split(it.container)) if it.container else (),
+            ssh_config_file=it.ssh_config_file,
+        ),
+        timeouts=Timeouts(
+            float(it.timeout), float(it.agent_timeout), float(it.start_timeout), it.launch_timeout
+        ),
+        resilience=Resilience(
+            max_restarts=it.max_restarts,
+            restart_on=tuple(it.restart_on),
+            min_hosts=it.min_hosts,
+            preemption_grace=(
+                default_grace(env) if it.preemption_grace is None else float(it.preemption_grace)
+            ),
+            requeue=it.requeue_on_preemption,
+        ),
+        observability=Observability(
+            stall_timeout=it.stall_timeout,
+            on_stall=it.on_stall,
+            straggler_threshold=it.straggler_threshold,
+            health_port=from_env.health_port
+            if it.health_check_port is None
+            else it.health_check_port,
+            event_handlers=tuple(it.event_handlers),
+            log_handlers=it.log_handlers,
+            console_ranks="all" if it.console_ranks == "all" else tuple(map(int, it.console_ranks)),
+        ),
+        from_env=from_env,
+        backend=it.backend,
+        isolate_gpus=it.isolate_gpus,
+        warm=warm,
+        keep_workers=warm and keep,
+    )
+
+
+def _world_and_spares(
+    it: Launcher, src: HostsSource, environ: Mapping[str, str]
+) -> tuple[list[HostSlots], list[HostSlots]]:
+    """The resolved hosts of the first attempt, and the spares (``src``: the hostnames')."""
+    hosts = resolve_hosts(it.hostnames, it.workers_per_host, environ, source=src)
     if isinstance(it.spare_hosts, int):
         return split_spares(hosts, it.spare_hosts, it.min_hosts)
-    named = resolve_hosts(list(it.spare_hosts), workers, field="spare_hosts")
+    named = resolve_hosts(list(it.spare_hosts), it.workers_per_host, environ, field="spare_hosts")
     return split_spares(hosts, tuple(it.spare_hosts), it.min_hosts, named)

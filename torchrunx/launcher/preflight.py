@@ -101,8 +101,8 @@ class Local:
             torchrunx=str(sys.modules["torchrunx"].__version__),
             torch=torch_version,
             backend=plan.backend,
-            workers_per_host=plan.workers_per_host,
-            env_file=None if plan.env_file is None else str(plan.env_file),
+            workers_per_host=plan.hosts.workers_per_host,
+            env_file=None if plan.reach.env_file is None else str(plan.reach.env_file),
         )
 
 
@@ -183,7 +183,7 @@ class _Check:
     def __init__(self, plan: LaunchPlan) -> None:
         self.plan = plan
         self.local = Local.here(plan)
-        self.timeout = float(plan.start_timeout)
+        self.timeout = float(plan.timeouts.start)
         self.token = secrets.token_hex(16)
         self.started = time.monotonic()
         self.deadline = self.started + self.timeout
@@ -196,12 +196,13 @@ class _Check:
         self.host0_conn: socket.socket | None = None
         self.others_done = False
         """The other hosts' checks are over: host 0 need not wait for them."""
-        self.lines: dict[int, list[tuple[bool, str]]] = {i: [] for i in range(len(plan.hosts))}
+        hosts = plan.hosts
+        self.lines: dict[int, list[tuple[bool, str]]] = {i: [] for i in range(len(hosts.slots))}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.agents = [
             AgentRecord(index, slots, method)
-            for index, (slots, method) in enumerate(zip(plan.hosts, plan.methods, strict=True))
+            for index, (slots, method) in enumerate(zip(hosts.slots, hosts.methods, strict=True))
         ]
         self.starts = _ProbeStarts(
             plan=plan,

@@ -184,7 +184,7 @@ class _Agents:
         if not gone:
             return False
         names = [a.slots.hostname for a in gone]
-        if "hosts" not in launch.plan.restart_on:
+        if "hosts" not in launch.plan.resilience.restart_on:
             why = "; ".join(
                 dict.fromkeys(summary(f.error) for f in since_last if f.kind in ("agent", "lost"))
             )
@@ -482,7 +482,7 @@ class WarmLauncher:
                 raise RuntimeError(_CLOSED)
             launch = self._agents.launch
             with (
-                sigterm_preempts(launch.session.preempt, launch.plan.preemption_grace),
+                sigterm_preempts(launch.session.preempt, launch.plan.resilience.preemption_grace),
                 sigquit_shows_stacks(launch.session.ask_stacks),
             ):
                 result: LaunchResult[R] = self._agents.run(call)

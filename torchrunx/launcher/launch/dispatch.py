@@ -74,17 +74,18 @@ class Dispatch:
         backend = resolve_backend(
             plan.backend, [(h.slots, h.gpus) for h in hellos if h is not None]
         )
-        if plan.workers_per_host == "auto":  # one worker per core, where no GPU was found
+        if plan.hosts.workers_per_host == "auto":  # one worker per core, where no GPU was found
             auto_cores_hint(
                 [
                     (a.slots.hostname, a.hello.slots)
                     for a in st.world
                     if a.slots.workers is None and a.hello is not None and a.hello.gpus == 0
-                ]
+                ],
+                plan.from_env.hints,
             )
         master_addr, master_port = self.master_address()
         debugger = session.debugger
-        stragglers = plan.straggler_threshold is not None
+        stragglers = plan.observability.straggler_threshold is not None
         offset = 0
         for position, agent in enumerate(st.world):
             assert agent.hello is not None  # noqa: S101 (all hellos are in)
@@ -97,19 +98,21 @@ class Dispatch:
                 master_addr=master_addr,
                 master_port=master_port,
                 backend=backend,
-                timeout=plan.timeout,
+                timeout=plan.timeouts.process_group,
                 isolate_gpus=plan.isolate_gpus,
                 log_level=session.logs.level,
                 attempt=st.attempt,
-                max_restarts=plan.max_restarts,
+                max_restarts=plan.resilience.max_restarts,
                 restarts=st.restarts,
                 num_hosts=len(st.world),
                 keep=plan.keep_workers,
                 debugger=debugger.terminal,
                 post_mortem=debugger.post_mortem,
                 debugpy=debugger.debugpy,
-                preemption_grace=plan.preemption_grace,
-                progress_every=progress_every(plan.stall_timeout, stragglers=stragglers),
+                preemption_grace=plan.resilience.preemption_grace,
+                progress_every=progress_every(
+                    plan.observability.stall_timeout, stragglers=stragglers
+                ),
                 stragglers=stragglers,
             )
             st.current.assign(agent, spec)

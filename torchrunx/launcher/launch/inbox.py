@@ -212,8 +212,8 @@ class Inbox:
         """No heartbeat from an agent for too long: it is lost."""
         error = AgentFailedError(
             agent.slots.hostname,
-            f"no heartbeat for {silent:.1f} s (agent_timeout={self.plan.agent_timeout:g}, "
-            f"start_timeout={self.plan.start_timeout:g} until workers start); the host is "
+            f"no heartbeat for {silent:.1f} s (agent_timeout={self.plan.timeouts.agent:g}, "
+            f"start_timeout={self.plan.timeouts.start:g} until workers start); the host is "
             "unreachable, its link is cut, or the agent is frozen",
         )
         self.agent_failed(agent, error, lost=True)
@@ -226,7 +226,7 @@ class Inbox:
         if self.state.progress.stopping:
             self.agent_failed(agent, None)
             return
-        env_file = self.plan.env_file
+        env_file = self.plan.reach.env_file
         error = agent_exit_error(
             agent.slots.hostname,
             agent.exit_status,
@@ -234,7 +234,7 @@ class Inbox:
             connected=agent.hello is not None,
             env_file=None if env_file is None else str(env_file),
             stderr_tail=self.stderr_tail(agent.index),
-            python=python_for(self.plan.python, agent.slots.hostname, agent.method),
+            python=python_for(self.plan.reach.python, agent.slots.hostname, agent.method),
         )
         self.agent_failed(agent, error)
 
@@ -371,7 +371,7 @@ class Inbox:
         elif isinstance(message, AgentDone):
             st.agent_table.agent_done(agent)
         elif isinstance(message, PreemptionNotice):
-            if self.on_preempt is not None and self.plan.preemption_grace > 0:
+            if self.on_preempt is not None and self.plan.resilience.preemption_grace > 0:
                 self.on_preempt(message.reason)
         elif not isinstance(message, Heartbeat):  # a worker's message on an agent's connection
             self.drop(agent.conn)

@@ -125,7 +125,7 @@ class Launch:
             LaunchStarted(
                 tuple(a.slots.hostname for a in st.world),
                 tuple(a.slots.workers for a in st.world),
-                self.plan.max_restarts,
+                self.plan.resilience.max_restarts,
                 None if self.session.health is None else self.session.health.url,
                 spare_hosts=tuple(a.slots.hostname for a in st.agents if a.role == "spare"),
             )
@@ -134,8 +134,9 @@ class Launch:
             self.session.starts.prepare()
             for agent in st.agents:
                 self.session.pool.start(agent.index)
-            start_by = st.progress.started + self.plan.start_timeout
-            line = ProgressLine("agents starting", len(st.agents), "hosts up")
+            start_by = st.progress.started + self.plan.timeouts.start
+            forced = self.plan.from_env.progress
+            line = ProgressLine("agents starting", len(st.agents), "hosts up", forced=forced)
             bundle = self.session.starts.bundle
 
             def started() -> bool:
@@ -216,7 +217,11 @@ class Launch:
                 kept = False
             else:
                 self.dispatch.send_specs(self.call)
-            results = BytesProgress("results", lambda: self.session.listener.outcome_bytes)
+            results = BytesProgress(
+                "results",
+                lambda: self.session.listener.outcome_bytes,
+                forced=self.plan.from_env.progress,
+            )
 
             def finished(results: BytesProgress = results) -> bool:
                 results.update()  # large results' bytes, as they come
@@ -235,7 +240,7 @@ class Launch:
             self._restart_or_raise(deadline)
 
     def _deadline(self, start: float) -> float | None:
-        limit = self.plan.launch_timeout
+        limit = self.plan.timeouts.launch
         return None if limit is None else start + limit
 
     def _end_with_failure(self, exc: BaseException, *, final: bool) -> BaseException:
@@ -264,7 +269,9 @@ class Launch:
     def _restart_or_raise(self, deadline: float | None) -> None:
         """After a failure: stop the workers, find the cause, then restart or raise it."""
         st, plan = self.state, self.plan
-        may_restart = st.restarts < plan.max_restarts and self._provisionally_restartable()
+        may_restart = (
+            st.restarts < plan.resilience.max_restarts and self._provisionally_restartable()
+        )
         lost = [f for f in st.faults if f.kind == "lost"]
         if lost and (view := self.session.diagnose_now()):  # the others, before they stop
             add_note(lost[0].error, f"what the ranks were doing when the host was lost:\n{view}")
@@ -272,7 +279,10 @@ class Launch:
         self.stop_workers(restart=may_restart or plan.warm, dump=not may_restart)
         cause = choose_cause(st.faults)
         if not may_restart or not restartable(
-            cause, plan.restart_on, attempt=st.restarts, max_restarts=plan.max_restarts
+            cause,
+            plan.resilience.restart_on,
+            attempt=st.restarts,
+            max_restarts=plan.resilience.max_restarts,
         ):
             raise Failed
         self._restart(cause, deadline)
@@ -282,10 +292,10 @@ class Launch:
     def _provisionally_restartable(self) -> bool:
         st = self.state
         if not st.faults:  # only an abnormal exit so far: a death, if nothing else shows up
-            return "deaths" in self.plan.restart_on
+            return "deaths" in self.plan.resilience.restart_on
         cause = choose_cause(st.faults)
         return restarts_for(
-            cause.error, set(self.plan.restart_on), from_worker=cause.rank is not None
+            cause.error, set(self.plan.resilience.restart_on), from_worker=cause.rank is not None
         )
 
     def all_over(self) -> bool:
@@ -337,16 +347,18 @@ class Launch:
         st = self.state
         reason = summary(cause.error)
         st.record_restart(reason)
-        self.session.sink.emit(Restarting(st.restarts + 1, self.plan.max_restarts, reason))
+        self.session.sink.emit(
+            Restarting(st.restarts + 1, self.plan.resilience.max_restarts, reason)
+        )
         logger.warning(
             "restarting the workers (restart %d of %d) after: %s",
             st.restarts + 1,
-            self.plan.max_restarts,
+            self.plan.resilience.max_restarts,
             reason,
         )
         for rank in st.ranks:
             self.session.inbox.forget_rank(rank)  # an old worker's channel: nothing more is read
-        if "hosts" in self.plan.restart_on:
+        if "hosts" in self.plan.resilience.restart_on:
             self.host_changes.replace_agents(deadline)
         unready = [a.slots.hostname for a in st.agent_table.unready_agents()]
         if unready:
@@ -360,7 +372,7 @@ class Launch:
         missing = next(a for a in self.state.world if a.hello is None)
         error = start_timeout_error(
             missing.slots.hostname,
-            self.plan.start_timeout,
+            self.plan.timeouts.start,
             self.session.port,
             self.session.starts.configured_address(),
             self.session.inbox.stderr_tail(missing.index),
@@ -372,7 +384,7 @@ class Launch:
         st = self.state
         running = [r.rank for r in st.ranks if r.result is None]
         elapsed = time.monotonic() - st.progress.started
-        error = launch_timeout_error(self.plan.launch_timeout or 0.0, elapsed, running)
+        error = launch_timeout_error(self.plan.timeouts.launch or 0.0, elapsed, running)
         diagnosis = self.session.diagnose_now()  # what the ranks wait for, from stall detection
         if diagnosis:
             add_note(error, f"what the ranks were doing at the limit:\n{diagnosis.rstrip()}")
@@ -393,7 +405,7 @@ class Launch:
             error,
             others=[*others(st.faults, cause), *st.extra_failures],
             history=st.history,
-            max_restarts=self.plan.max_restarts,
+            max_restarts=self.plan.resilience.max_restarts,
         )
         changes = world_changes_note(st.agent_table.world_changes)
         if changes is not None:

@@ -79,8 +79,11 @@ class LiveView:
 
     def start(self) -> None:
         """Listen on the user's private socket (a failure only means no view)."""
-        if os.environ.get("TORCHRUNX_VIEW", "1") != "0":
-            self.server = ViewServer(self.snapshot, self.info(), self.request)
+        environ = self.session.plan.from_env
+        if environ.view:
+            self.server = ViewServer(
+                self.snapshot, self.info(), self.request, runtime=environ.environ
+            )
             self.server.start()
 
     def close(self) -> None:
@@ -155,7 +158,9 @@ class LiveView:
             if source.tail
         }
         report = session.health_report().to_dict()
-        if session.plan.straggler_threshold is not None:  # the view's mark column: "slow"
+        if (
+            session.plan.observability.straggler_threshold is not None
+        ):  # the view's mark column: "slow"
             slow = {s.rank for s in session.current_stragglers()}
             for worker in report.get("workers", []):
                 worker["straggler"] = worker.get("rank") in slow
@@ -202,7 +207,7 @@ class DebugpyForwards:
             except OSError as exc:
                 how, failure = "remote", exc
         else:
-            how = "local" if session.plan.methods[record.host_index] == "local" else "remote"
+            how = "local" if session.plan.hosts.methods[record.host_index] == "local" else "remote"
         sys.stderr.write(debugpy_text(rank, port, host, how, failure))
         sys.stderr.flush()
 

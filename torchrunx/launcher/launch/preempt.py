@@ -56,9 +56,10 @@ def default_grace(
 
     SLURM sends SIGKILL ``KillWait`` seconds after the SIGTERM of a preemption, a cancel or
     the time limit; outside SLURM nothing says how long there is, and a SIGTERM stops the
-    launch at once, as it always did.
+    launch at once, as it always did. ``environ``: the plan's (None: this process's, for a
+    call outside a launch).
     """
-    env = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ  # outside a launch only
     if not in_slurm_allocation(env) or (read_config is None and shutil.which("scontrol") is None):
         return 0.0
     try:
@@ -83,8 +84,9 @@ def requeue_job(environ: Mapping[str, str] | None = None) -> str | None:
     """``scontrol requeue`` the SLURM job this runs in; None if done, else why not.
 
     Once it is requeued, this process ignores SIGTERM (SLURM sends it to end the job).
+    ``environ``: the plan's (None: this process's, for a call outside a launch).
     """
-    env = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ  # outside a launch only
     job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     if not job:
         return "not inside a SLURM job (no SLURM_JOB_ID)"
@@ -134,17 +136,17 @@ def end_preemption(
     state.begin_failure()
     with contextlib.suppress(KeyboardInterrupt, SystemExit):  # a second signal: stop now
         stop()
-    why_not = requeue_job() if plan.requeue else None
+    why_not = requeue_job(plan.from_env.environ) if plan.resilience.requeue else None
     if why_not is not None:
         logger.warning("the SLURM job was not requeued: %s", why_not)
         notes.append(f"the SLURM job was not requeued: {why_not}")
-    error = Preempted(reason, returned, world, requeued=plan.requeue and why_not is None)
+    error = Preempted(reason, returned, world, requeued=plan.resilience.requeue and why_not is None)
     missing = [r.rank for r in state.ranks if r.rank not in returned]
     if missing:
         notes.insert(
             0,
             f"ranks {missing} did not return within preemption_grace="
-            f"{plan.preemption_grace:g} s and were stopped",
+            f"{plan.resilience.preemption_grace:g} s and were stopped",
         )
     for note in notes:
         add_note(error, note)

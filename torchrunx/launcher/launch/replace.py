@@ -64,7 +64,7 @@ class HostChanges:
         with st.stopping_meanwhile():  # their failures now are the restart's
             self.session.run_until(
                 lambda: all(st.agents[i].hello is not None or st.agents[i].over for i in replaced),
-                earliest(time.monotonic() + self.session.plan.start_timeout, deadline),
+                earliest(time.monotonic() + self.session.plan.timeouts.start, deadline),
             )
         st.agent_table.replacements_started(replaced)
 
@@ -92,7 +92,7 @@ class HostChanges:
                 [a.index for a in st.world],
                 [a.index for a in failed],
                 [a.index for a in spares],
-                self.session.plan.min_hosts,
+                self.session.plan.resilience.min_hosts,
             )
             if decision.short is not None:
                 st.restart_failed(decision.short)
@@ -111,7 +111,7 @@ class HostChanges:
             with st.stopping_meanwhile():  # a spare's failure now is this restart's
                 self.session.run_until(
                     functools.partial(_all_ready, waiting),
-                    earliest(time.monotonic() + self.session.plan.start_timeout, deadline),
+                    earliest(time.monotonic() + self.session.plan.timeouts.start, deadline),
                 )
 
 

@@ -42,11 +42,6 @@ from torchrunx.launcher.net.listener import Listener, NetEvent
 from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
 from torchrunx.launcher.starts.agent_starts import AgentStarts, listen_socket
 from torchrunx.launcher.state.failures import choose_cause
-from torchrunx.launcher.state.health import (
-    HealthReport,
-    health_details_from_env,
-    health_host_from_env,
-)
 from torchrunx.launcher.state.records import AgentRecord, Phase
 from torchrunx.launcher.state.reports import summary
 from torchrunx.launcher.state.state import LaunchState
@@ -74,6 +69,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import Starter
     from torchrunx.launcher.state.hangs import Straggler
+    from torchrunx.launcher.state.health import HealthReport
     from torchrunx.launcher.state.results import LaunchTimings
     from torchrunx.wire.messages import RankState
 
@@ -99,20 +95,20 @@ class LaunchLoop:
         """Open the logs, the events file, the listening socket and the loop; start nothing.
 
         ``starter`` replaces how agents start (the many-hosts benchmark simulates them). What
-        was opened is closed again if a later part fails (an unwritable log folder, a bad
-        ``TORCHRUNX_LOG_LEVEL``, no descriptor left).
+        was opened is closed again if a later part fails (an unwritable log folder, no fd left).
         """
-        self.plan = plan
+        self.plan, watch = plan, plan.observability
         with contextlib.ExitStack() as undo:
             self.logs = LogRouter(
-                plan.log_handlers,
-                list(plan.hostnames),
-                console_ranks=plan.console_ranks,
-                workers_per_host=[host.workers for host in plan.hosts],
+                watch.log_handlers,
+                list(plan.hosts.hostnames),
+                console_ranks=watch.console_ranks,
+                workers_per_host=[host.workers for host in plan.hosts.slots],
+                settings=plan.from_env,
             )
             undo.callback(self.logs.close)
             log_dir = self.logs.log_dir
-            self.sink = EventSink(plan.event_handlers, log_dir and events_file(log_dir))
+            self.sink = EventSink(watch.event_handlers, log_dir and events_file(log_dir))
             undo.callback(self.sink.close)
             self.secret = handshake.new_secret()  # through the module: tests replace it
             self.queue: collections.deque[NetEvent | PoolEvent] = collections.deque()
@@ -125,16 +121,16 @@ class LaunchLoop:
             undo.pop_all()  # all open: close() releases them
         self.port = self.listener.port
         agents = [
-            AgentRecord(i, h, m, role="host" if i < plan.world_hosts else "spare")
-            for i, (h, m) in enumerate(zip(plan.hosts, plan.methods, strict=True))
+            AgentRecord(i, h, m, role="host" if i < plan.hosts.world_hosts else "spare")
+            for i, (h, m) in enumerate(zip(plan.hosts.slots, plan.hosts.methods, strict=True))
         ]
         self.state = LaunchState(
             agents,
-            world=agents[: plan.world_hosts],
+            world=agents[: plan.hosts.world_hosts],
             started=time.monotonic(),
-            max_restarts=plan.max_restarts,
-            agent_timeout=plan.agent_timeout,
-            start_timeout=plan.start_timeout,
+            max_restarts=plan.resilience.max_restarts,
+            agent_timeout=plan.timeouts.agent,
+            start_timeout=plan.timeouts.start,
             keep_workers=plan.keep_workers,
         )
         self.starts = AgentStarts(
@@ -147,7 +143,7 @@ class LaunchLoop:
             adopt=self._adopt,
         )
         self.pool = AgentPool(
-            self.loop, self.queue.append, starter or self.starts, list(plan.hostnames)
+            self.loop, self.queue.append, starter or self.starts, list(plan.hosts.hostnames)
         )
         self.inbox = Inbox(
             plan, self.state, listener=self.listener, pool=self.pool, logs=self.logs, sink=self.sink
@@ -168,7 +164,9 @@ class LaunchLoop:
         self.look: StacksLook | None = None
         """The look at every rank's stacks under way, if any."""
         self.inbox.on_shown = self._on_shown
-        self.stalls = StallWatch(plan.stall_timeout, plan.on_stall, armed=plan.backend is not None)
+        self.stalls = StallWatch(
+            watch.stall_timeout, watch.on_stall, armed=plan.backend is not None
+        )
         """Stall detection (``stall_timeout``): its clock, and its look at every rank."""
         self.stragglers = Stragglers(plan, self.state, self.inbox, self.sink)
         """Straggler detection (``straggler_threshold``): its requests, whom it named."""
@@ -178,6 +176,7 @@ class LaunchLoop:
             self._send_debug,
             lambda rank: self.state.agent_table.hostname(self.state.ranks[rank]),
             stdin_fd=0,  # the process's standard input, whatever sys.stdin is now
+            settings=plan.from_env,
         )
         """``breakpoint()`` in the workers: pdb sessions in this terminal."""
         self.inbox.debugger = self.debugger
@@ -217,7 +216,7 @@ class LaunchLoop:
         self.loop.wake()
 
     def _begin_preemption(self, reason: str) -> None:
-        grace = self.plan.preemption_grace
+        grace = self.plan.resilience.preemption_grace
         self.preemption = (reason, time.monotonic() + grace)
         message = Preempt(time.time() + grace, reason)
         for agent in self.state.world:
@@ -432,17 +431,16 @@ class LaunchLoop:
     def open_health(self) -> None:
         """Serve ``GET /health`` if the plan asks for it (an OSError ends the launch).
 
-        And the view socket for ``torchrunx top`` (this user's only), unless
-        ``TORCHRUNX_VIEW=0``.
+        And the view socket for ``torchrunx top`` (this user's only), unless ``TORCHRUNX_VIEW=0``.
         """
         self.view.start()
-        port = self.plan.health_port
-        if port is not None:  # close() cleans up
+        if (port := self.plan.observability.health_port) is not None:  # close() cleans up
             self.health = HealthServer(
                 port,
                 self.health_report,
-                host=health_host_from_env(),
-                details=health_details_from_env(),
+                host=self.plan.from_env.health_host,
+                details=self.plan.from_env.health_details,
+                token=self.plan.from_env.health_token,
             )
             self.health.start()
             logger.info("health endpoint: %s", self.health.url)
@@ -454,9 +452,8 @@ class LaunchLoop:
         """
         faults = list(self.state.faults)
         cause = summary(choose_cause(faults).error) if faults else None
-        return self.state.health(
-            time.monotonic(), max_restarts=self.plan.max_restarts, cause=cause, rows=rows
-        )
+        restarts = self.plan.resilience.max_restarts
+        return self.state.health(time.monotonic(), max_restarts=restarts, cause=cause, rows=rows)
 
     def timings(self) -> LaunchTimings:
         """Phase durations of the attempt that succeeded."""

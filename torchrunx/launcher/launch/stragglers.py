@@ -214,7 +214,7 @@ class Stragglers:
 
     def __init__(self, plan: LaunchPlan, state: LaunchState, inbox: Inbox, sink: EventSink) -> None:
         """The parts of the launch it reads and sends through."""
-        self.threshold = plan.straggler_threshold
+        self.threshold = plan.observability.straggler_threshold
         self.watch = StragglerWatch(self.threshold)
         self.state, self.inbox, self.sink = state, inbox, sink
 

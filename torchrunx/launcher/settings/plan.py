@@ -1,17 +1,18 @@
 """The plan of one launch: the settings resolved once, frozen, before anything starts.
 
 :meth:`torchrunx.Launcher.plan` checks the fields, resolves the hosts and how each agent
-starts, and reads what the environment adds (forwarded variables, the health endpoint); the
-launch (:mod:`~torchrunx.launcher.launch.orchestrator`), its inbox and its agent starts read only
-this plan, never the :class:`~torchrunx.Launcher` itself::
+starts, and reads the environment once (:mod:`~torchrunx.launcher.settings.environ`: forwarded
+variables, ``TORCHRUNX_*``); the launch (:mod:`~torchrunx.launcher.launch.orchestrator`), its
+inbox and its agent starts read only this plan, never the :class:`~torchrunx.Launcher` itself
+nor ``os.environ``::
 
-    Launcher (fields, as given) ──validate──▶ hosts, start methods, env ──▶ LaunchPlan (frozen)
+    Launcher (fields, as given) ──validate──▶ hosts, start methods, environment ──▶ LaunchPlan
+        (frozen: hosts, reach, timeouts, resilience, observability, from_env)
         ──▶ Launch(plan, call) ──▶ AgentStarts(plan), Inbox(plan), LaunchState(plan's limits)
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,7 +26,7 @@ from torchrunx.launcher.settings.resolve import (
     is_local_host,
     slurm_allocation,
 )
-from torchrunx.wire.bootstrap import AgentTimings, is_module_name
+from torchrunx.wire.bootstrap import AgentTimings
 from torchrunx.wire.messages import HEARTBEAT_INTERVAL
 from torchrunx.wire.relay import MODES as RELAY_MODES
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
     from torchrunx.events import EventHandler
     from torchrunx.hosts import HostSlots
+    from torchrunx.launcher.settings.environ import LauncherEnviron
     from torchrunx.logs import ConsoleRanks, LogHandlers
 
 StartMethod = str
@@ -46,120 +48,158 @@ StallAction = Literal["report", "fail", "restart"]
 """``Launcher.on_stall`` (:mod:`torchrunx.launcher.launch.stalls`)."""
 
 
-PRELOAD_ENV_VAR = "TORCHRUNX_PRELOAD"
-
-
-def preload_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """``TORCHRUNX_PRELOAD``: the modules every agent imports once, before it forks its workers.
-
-    A comma-separated list of module names (``"transformers,numpy"``); empty or unset: none.
-    Each worker inherits the imported modules instead of importing them itself (see
-    docs/environment.md).
-
-    Raises:
-        ValueError: An entry is not a dotted module name (a path, a space, an empty entry).
-    """
-    raw = (os.environ if environ is None else environ).get(PRELOAD_ENV_VAR, "").strip()
-    if not raw:
-        return ()
-    names = tuple(name.strip() for name in raw.split(","))
-    bad = [name for name in names if not is_module_name(name)]
-    if bad:
-        msg = (
-            f"{PRELOAD_ENV_VAR}={raw!r}: {', '.join(repr(b) for b in bad)} is not a module name; "
-            "give importable module names separated by commas, e.g. "
-            f"{PRELOAD_ENV_VAR}=transformers,numpy"
-        )
-        raise ValueError(msg)
-    return names
+LAUNCHER_GROUPS: dict[str, tuple[str, ...]] = {
+    "hosts": ("hostnames", "workers_per_host", "agent_start", "spare_hosts"),
+    "workers": ("backend", "isolate_gpus"),
+    "reach": (
+        *("ssh_config_file", "default_env_vars", "copy_env_vars", "extra_env_vars", "env_file"),
+        *("launcher_address", "relay", "python", "ship", "ship_exclude", "container"),
+    ),
+    "timeouts": ("timeout", "agent_timeout", "start_timeout", "launch_timeout"),
+    "resilience": (
+        *("max_restarts", "restart_on", "min_hosts", "preemption_grace"),
+        "requeue_on_preemption",
+    ),
+    "observability": (
+        *("stall_timeout", "on_stall", "straggler_threshold", "health_check_port"),
+        *("console_ranks", "event_handlers", "log_handlers"),
+    ),
+}
+"""``Launcher``'s fields by group: the plan's groups (``workers``: the plan's own fields). Its
+docstring, the ``torchrunx`` command's ``--help`` and the API page show them."""
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
-    """What a launch (or a set of warm agents) runs with; made by ``Launcher.plan()``."""
+class PlanHosts:
+    """Where a launch runs: its hosts, how each agent starts, the spares."""
 
-    hosts: tuple[HostSlots, ...]
+    slots: tuple[HostSlots, ...]
+    """The hosts and their workers, in launch order (the spares last)."""
     methods: tuple[StartMethod, ...]
     """How each host's agent starts (:func:`start_methods`)."""
-    env: Mapping[str, str] = field(repr=False)
-    """The variables every agent exports (forwarded patterns and given values): never in a
-    repr, since values may be secrets."""
-    hosts_from: HostsSource = field(default_factory=HostsSource)
+    source: HostsSource
     """What the ``hostnames`` field named (a list, ``"auto"``, a provider, a hostfile): classified
     once, by :func:`~torchrunx.launcher.settings.resolve.hostnames_source`."""
-    transport_argument: str | None = None
+    transport_argument: str | None
     """The argument of the launch's transport (``"namespace=ml"`` of ``"kubectl:namespace=ml"``)."""
-    workers_per_host: object = "auto"
+    workers_per_host: object
     """As given: how an agent counts its workers where the plan does not say."""
-    backend: Backend = "auto"
-    timeout: float = 600.0
-    isolate_gpus: bool = False
-    env_file: str | Path | None = None
-    """The file sourced on every host first, as given (resolved when the agents start)."""
-    launcher_address: str | None = None
-    """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR`` is read where it is used)."""
-    relay: str = "off"
-    """Whether remote agents relay their connections (:mod:`torchrunx.engines.relay`)."""
-    python: str | Mapping[str, str] | None = None
-    """The remote hosts' interpreter, or each one's (:mod:`torchrunx.launcher.settings.reach`)."""
-    ship: tuple[str, ...] = ()
-    """Paths shipped to the remote hosts (:mod:`torchrunx.engines.ship`)."""
-    ship_exclude: tuple[str, ...] = ()
-    container: tuple[str, ...] = ()
-    """The command (an argument vector) that runs remote agents in a container."""
-    ssh_config_file: str | Path | None = None
-    agent_timeout: float = field(kw_only=True)
-    """Given always (``Launcher.agent_timeout`` holds its one default)."""
-    start_timeout: float = 60.0
-    launch_timeout: float | None = None
-    max_restarts: int = 0
-    restart_on: tuple[str, ...] = ()
-    health_port: int | None = None
-    """The health endpoint's port (field, else ``TORCHRUNX_HEALTH_CHECK_PORT``); None: none."""
-    event_handlers: tuple[EventHandler, ...] = ()
-    log_handlers: LogHandlers = "auto"
-    console_ranks: ConsoleRanks = (0,)
-    """The workers the default console shows: global ranks, or ``"all"``."""
-    warm: bool = False
-    """Warm agents: they stay after each run for the next (see :mod:`torchrunx.launcher.warm`)."""
-    keep_workers: bool = False
-    """Warm agents whose workers stay from run to run too."""
-    spares: int = 0
-    """The last ``spares`` of ``hosts`` are spare hosts (:mod:`torchrunx.launcher.state.spares`)."""
-    min_hosts: int | None = None
-    """The fewest hosts a restart may go on with (None: never fewer)."""
-    preemption_grace: float = 0.0
-    """Seconds the ranks get to save and return after a SIGTERM (0: it stops at once)."""
-    requeue: bool = False
-    """Requeue the SLURM job after a preemption."""
-    stall_timeout: float | None = None
-    """Stall detection's timeout in seconds (None: off; :mod:`torchrunx.launcher.launch.stalls`)."""
-    on_stall: StallAction = "report"
-    preload: tuple[str, ...] = field(default_factory=preload_from_env)
-    """Modules each agent imports before it forks its workers (``TORCHRUNX_PRELOAD``)."""
-    straggler_threshold: float | None = None
-    """Straggler detection's lateness in seconds (None: off;
-    :mod:`torchrunx.launcher.launch.stragglers`)."""
-
-    @property
-    def quarantines(self) -> bool:
-        """Whether a failed host is quarantined (replaced by a spare, or dropped), not restarted."""
-        return self.spares > 0 or self.min_hosts is not None
+    spares: int
+    """The last ``spares`` of ``slots`` are spare hosts (:mod:`torchrunx.launcher.state.spares`)."""
 
     @property
     def world_hosts(self) -> int:
-        """How many of ``hosts`` run the first attempt (the others are spares)."""
-        return len(self.hosts) - self.spares
+        """How many of ``slots`` run the first attempt (the others are spares)."""
+        return len(self.slots) - self.spares
 
     @property
     def hostnames(self) -> tuple[str, ...]:
         """The hosts' names, in launch order."""
-        return tuple(h.hostname for h in self.hosts)
+        return tuple(h.hostname for h in self.slots)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How the agents are reached and what they start with: variables, files, interpreters."""
+
+    env: Mapping[str, str] = field(repr=False)
+    """The variables every agent exports (forwarded patterns and given values): never in a
+    repr, since values may be secrets."""
+    env_file: str | Path | None
+    """The file sourced on every host first, as given (resolved when the agents start)."""
+    launcher_address: str | None
+    """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR``: in the plan's ``from_env``)."""
+    relay: str
+    """Whether remote agents relay their connections (:mod:`torchrunx.engines.relay`)."""
+    python: str | Mapping[str, str] | None
+    """The remote hosts' interpreter, or each one's (:mod:`torchrunx.launcher.settings.reach`)."""
+    ship: tuple[str, ...]
+    """Paths shipped to the remote hosts (:mod:`torchrunx.engines.ship`)."""
+    ship_exclude: tuple[str, ...]
+    container: tuple[str, ...]
+    """The command (an argument vector) that runs remote agents in a container."""
+    ssh_config_file: str | Path | None
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The launch's timeouts, in seconds (``Launcher`` holds their one default)."""
+
+    process_group: float
+    """``timeout``: the process group's, for collectives and its set-up."""
+    agent: float
+    """``agent_timeout``: the silence after which a host counts as lost."""
+    start: float
+    """``start_timeout``: for every agent to start and connect back."""
+    launch: float | None
+    """``launch_timeout``: the whole launch's (None: no limit)."""
 
     @cached_property
     def agent_timings(self) -> AgentTimings:
-        """The host side's timings, from ``agent_timeout`` (:func:`agent_timings`), made once."""
-        return agent_timings(self.agent_timeout)
+        """The host side's timings, from ``agent`` (:func:`agent_timings`), made once."""
+        return agent_timings(self.agent)
+
+
+@dataclass(frozen=True)
+class Resilience:
+    """What a failure or a preemption leads to: restarts, quarantines, a grace."""
+
+    max_restarts: int
+    restart_on: tuple[str, ...]
+    min_hosts: int | None
+    """The fewest hosts a restart may go on with (None: never fewer)."""
+    preemption_grace: float
+    """Seconds the ranks get to save and return after a SIGTERM (0: it stops at once)."""
+    requeue: bool
+    """Requeue the SLURM job after a preemption."""
+
+
+@dataclass(frozen=True)
+class Observability:
+    """What the launch shows and serves: logs, events, the health endpoint, hang detection."""
+
+    stall_timeout: float | None
+    """Stall detection's timeout in seconds (None: off; :mod:`torchrunx.launcher.launch.stalls`)."""
+    on_stall: StallAction
+    straggler_threshold: float | None
+    """Straggler detection's lateness in seconds (None: off;
+    :mod:`torchrunx.launcher.launch.stragglers`)."""
+    health_port: int | None
+    """The health endpoint's port (field, else ``TORCHRUNX_HEALTH_CHECK_PORT``); None: none."""
+    event_handlers: tuple[EventHandler, ...]
+    log_handlers: LogHandlers
+    console_ranks: ConsoleRanks
+    """The workers the default console shows: global ranks, or ``"all"``."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch (or a set of warm agents) runs with; made by ``Launcher.plan()``.
+
+    Grouped as the docs group ``Launcher``'s fields; every value is given (the ``Launcher``
+    holds each setting's one default), and ``from_env`` holds what the environment says.
+    """
+
+    hosts: PlanHosts
+    reach: Reach
+    timeouts: Timeouts
+    resilience: Resilience
+    observability: Observability
+    from_env: LauncherEnviron
+    """What the launcher's environment variables say, read once
+    (:func:`~torchrunx.launcher.settings.environ.read_environ`): the launch's parts take them
+    from here, never from ``os.environ``."""
+    backend: Backend
+    isolate_gpus: bool
+    warm: bool
+    """Warm agents: they stay after each run for the next (see :mod:`torchrunx.launcher.warm`)."""
+    keep_workers: bool
+    """Warm agents whose workers stay from run to run too."""
+
+    @property
+    def quarantines(self) -> bool:
+        """Whether a failed host is quarantined (replaced by a spare, or dropped), not restarted."""
+        return self.hosts.spares > 0 or self.resilience.min_hosts is not None
 
 
 STOP_SLACK = 3.0
@@ -235,7 +275,10 @@ def paired_transport(source: HostsSource) -> str | None:
 
 
 def start_methods(
-    agent_start: str, hostnames: list[str], paired: str | None = None
+    agent_start: str,
+    hostnames: list[str],
+    paired: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[list[StartMethod], str | None]:
     """How each host's agent starts (a transport per host), and the transport's argument.
 
@@ -244,7 +287,8 @@ def start_methods(
     names (Ray's nodes start through Ray), if any; else srun when this process runs in a SLURM
     allocation, ``srun`` is installed and every remote host is a node of the allocation;
     otherwise ssh. With ssh and srun, a host that is this machine gets a plain subprocess
-    (``"local"``); any other transport starts every host's agent.
+    (``"local"``); any other transport starts every host's agent. ``environ``: where SLURM's
+    variables are read (the plan's; None: this process's, for a call outside a launch).
 
     Raises:
         SlurmError: ``"srun"`` outside an allocation, without ``srun``, or for a host that is
@@ -258,7 +302,7 @@ def start_methods(
     remote = [host for host, here in zip(hostnames, local, strict=True) if not here]
     method: StartMethod = "ssh"
     if name == "srun":
-        allocation = slurm_allocation(what="agent_start='srun'")
+        allocation = slurm_allocation(environ, what="agent_start='srun'")
         if shutil.which("srun") is None:
             raise SlurmError("agent_start='srun' but srun is not installed on this machine")
         outside = [host for host in remote if host not in allocation.nodes]
@@ -268,8 +312,8 @@ def start_methods(
                 f"{allocation.job_id} ({list(allocation.nodes)}); use agent_start='ssh'"
             )
         method = "srun"
-    elif name == "auto" and remote and in_slurm_allocation() and shutil.which("srun"):
-        nodes = set(slurm_allocation().nodes)
+    elif name == "auto" and remote and in_slurm_allocation(environ) and shutil.which("srun"):
+        nodes = set(slurm_allocation(environ).nodes)
         if all(host in nodes for host in remote):
             method = "srun"
     return ["local" if here else method for here in local], None

@@ -148,30 +148,31 @@ def check_hostname(name: object, where: str = "hostnames") -> None:
     check_host_name(name, where)
 
 
-def check_hostnames(hostnames: object, field: str = "hostnames") -> None:
+def check_hostnames(hostnames: object, field: str = "hostnames") -> HostsSource:
     """Refuse a ``hostnames`` field that names no hosts, before anything is started.
 
     A hostfile must exist (its content is read by :func:`resolve_hosts`); a provider is
     accepted by name (it is asked for its hosts by :func:`resolve_hosts`); every name of a list
     must pass :func:`check_hostname`. ``field``: the field's name in the messages
-    (``"spare_hosts"``).
+    (``"spare_hosts"``). Returns what ``hostnames`` names (:func:`hostnames_source`): the plan
+    keeps it, so that the field is classified once per launch.
 
     Raises:
         ValueError: An empty list, a missing hostfile, a string that is neither ``"auto"``, a
             provider nor a file, or an invalid host name; the message says what to give.
     """
     if hostnames == "auto":
-        return
+        return HostsSource()
     try:
         source = hostnames_source(hostnames)
     except TypeError:
         source = HostsSource()
     if source.provider is not None:
-        return
+        return source
     hostfile = source.hostfile
     if hostfile is not None:
         if hostfile.expanduser().is_file():
-            return
+            return source
         if isinstance(hostnames, os.PathLike) or "/" in str(hostfile):
             hint = ""
             if isinstance(hostnames, list | tuple):  # ["a/b"]: a path, as from the CLI
@@ -186,6 +187,7 @@ def check_hostnames(hostnames: object, field: str = "hostnames") -> None:
         raise ValueError(f"hostnames must be a non-empty list of host names, got {hostnames!r}")
     for name in source.names:
         check_hostname(name, field)
+    return source
 
 
 def resolve_hosts(
@@ -217,6 +219,7 @@ def resolve_hosts(
             resolved name that is not a host name (see :func:`check_hostname`), naming where
             it came from: the field, a hostfile and its line, SLURM's node list, a provider.
     """
+    # os.environ only for a call outside a launch: the plan passes the environment it read.
     env = os.environ if environ is None else environ
     source = hostnames_source(hostnames) if source is None else source
     where = field

@@ -11,9 +11,9 @@ when that is known before they start.
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
-import os
 import shlex
 import sys
 import threading
@@ -28,6 +28,7 @@ from torchrunx.engines.command import agent_script
 from torchrunx.env import local_agent_env
 from torchrunx.errors import AgentFailedError, add_note
 from torchrunx.launcher.net import listener as listener_module
+from torchrunx.launcher.settings.environ import ADDRESS_ENV_VAR, LISTEN_ENV_VAR, PORT_ENV_VAR
 from torchrunx.launcher.settings.reach import (
     default_python,
     host_sys_path,
@@ -51,34 +52,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("torchrunx.agent_starts")
 
-LISTEN_ENV_VAR = "TORCHRUNX_LISTEN_ADDR"
-"""Where the launcher listens for agents and workers, when set (``*``: every interface)."""
-PORT_ENV_VAR = "TORCHRUNX_LAUNCHER_PORT"
-"""The port the launcher listens on (``29400``), or a range to take the first free one of
-(``29400-29409``), so that a firewall rule can name it; unset: an ephemeral port."""
-
-
-def launcher_ports(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """The ports :data:`PORT_ENV_VAR` allows, in the order they are tried (``(0,)``: any).
-
-    Raises:
-        ValueError: The value is neither a port (1 to 65535) nor a range ``FIRST-LAST`` of them.
-    """
-    env = os.environ if environ is None else environ
-    value = env.get(PORT_ENV_VAR, "").strip()
-    if not value:
-        return (0,)
-    first, dash, last = value.partition("-")
-    bounds = (first.strip(), (last if dash else first).strip())
-    if all(b.isdigit() and 0 < int(b) < 65536 for b in bounds):
-        low, high = int(bounds[0]), int(bounds[1])
-        if low <= high:
-            return tuple(range(low, high + 1))
-    raise ValueError(
-        f"{PORT_ENV_VAR}={value!r}: expected a port from 1 to 65535 (29400) or a range of them "
-        "(29400-29409), the lower first"
-    )
-
 
 @dataclass
 class AgentStarts:
@@ -94,8 +67,6 @@ class AgentStarts:
     """Where an agent's own stdout and stderr lines go: ``(host index, log record)``."""
     script: bytes = field(default=b"", repr=False)
     """The agents' script (forwarded variables' values): never in a repr."""
-    local_env: dict[str, str] = field(default_factory=local_agent_env, repr=False)
-    """This machine's agents start with the launcher's environment."""
     transports: dict[str, Transport] = field(default_factory=dict, repr=False)
     """The launch's transports by name, made on first use (:meth:`transport`)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -118,14 +89,14 @@ class AgentStarts:
         Raises:
             ValueError, RuntimeError: A transport cannot be made (see :func:`open_transport`).
         """
-        for method in dict.fromkeys(self.plan.methods):
+        for method in dict.fromkeys(self.plan.hosts.methods):
             self.transport(method)
         self._refuse_unable_transports()
-        if self.plan.ship and any(agent.remote for agent in self.agents):
+        if self.plan.reach.ship and any(agent.remote for agent in self.agents):
             from torchrunx.engines.ship import make_bundle  # noqa: PLC0415 (only when shipping)
 
             self.bundle = make_bundle(
-                self.plan.ship, self.plan.ship_exclude, timeout=self.plan.start_timeout
+                self.plan.reach.ship, self.plan.reach.ship_exclude, timeout=self.plan.timeouts.start
             )
             logger.info(
                 "shipping %d files (%.1f MB) to the remote hosts, as tree %s",
@@ -134,14 +105,14 @@ class AgentStarts:
                 self.bundle.digest,
             )
         self.script = self._script(sys.executable, remote=False, code=self.boot_code)
-        if self.plan.relay != "off" and self.adopt is not None:
+        if self.plan.reach.relay != "off" and self.adopt is not None:
             self.relay_script = self._script(sys.executable, remote=False, code=RELAY_BOOT_CODE)
 
     def _refuse_unable_transports(self) -> None:
         """Refuse ``relay="on"`` or ``ship`` where a remote host's transport cannot do it."""
         for method, transport in self.transports.items():
             if not transport.remote:
-                if self.plan.container:
+                if self.plan.reach.container:
                     msg = (
                         "container runs remote hosts' agents in a container; this machine's "
                         "run here: leave it out of hostnames, or reach it over ssh by a name "
@@ -149,29 +120,31 @@ class AgentStarts:
                     )
                     raise ValueError(msg)
                 continue
-            if self.plan.relay == "on" and not transport.relays:
+            if self.plan.reach.relay == "on" and not transport.relays:
                 msg = (
                     f"relay='on': agents started with {method!r} cannot relay connections "
                     "(ssh, srun and kubectl can); use relay='auto', which connects them "
                     "back directly, or another agent_start"
                 )
                 raise ValueError(msg)
-            if self.plan.container and not transport.containers:
+            if self.plan.reach.container and not transport.containers:
                 msg = (
                     f"container: agents started with {method!r} cannot run in a container "
                     "(ssh and srun can; kubectl's are in their pod's container already)"
                 )
                 raise ValueError(msg)
-            options = bool(self.plan.container) and self.plan.container[0].startswith("-")
+            options = bool(self.plan.reach.container) and self.plan.reach.container[0].startswith(
+                "-"
+            )
             if options and not transport.container_options:
                 msg = (
-                    f"container {shlex.join(self.plan.container)!r} is options of srun "
+                    f"container {shlex.join(self.plan.reach.container)!r} is options of srun "
                     f"(pyxis's --container-image), but agents started with {method!r} "
                     "need a command that runs one in a container, such as "
                     "'podman exec -i NAME'"
                 )
                 raise ValueError(msg)
-            if self.plan.ship and not transport.ships:
+            if self.plan.reach.ship and not transport.ships:
                 msg = (
                     f"ship: agents started with {method!r} cannot fetch shipped code (ssh, "
                     "srun and kubectl can); give the hosts the code another way (Ray: its "
@@ -182,13 +155,13 @@ class AgentStarts:
     def _script(self, python: str, *, remote: bool, code: str) -> bytes:
         """The script of an agent run by ``python``; ``remote``: on another host (it may ship)."""
         bundle = self.bundle if remote else None
-        env_file = self.plan.env_file
+        env_file = self.plan.reach.env_file
         if env_file is not None:
             env_file = str(Path(env_file).expanduser().resolve())
             if bundle is not None:  # inside a shipped path: the copy's, else as it is
                 env_file = bundle.place(env_file) or env_file
         return agent_script(
-            env=dict(self.plan.env),
+            env=dict(self.plan.reach.env),
             cwd=str(Path.cwd()),
             python=python,
             env_file=env_file,
@@ -200,7 +173,9 @@ class AgentStarts:
         """The script of ``agent``'s host: its interpreter, shipped code, relay or not."""
         hostname = agent.slots.hostname
         python = (
-            default_python(self.plan.python, hostname, self.plan.container, agent.method)
+            default_python(
+                self.plan.reach.python, hostname, self.plan.reach.container, agent.method
+            )
             if agent.remote
             else None
         )
@@ -219,7 +194,7 @@ class AgentStarts:
         if not agent.remote:
             return sys.executable
         chosen = default_python(
-            self.plan.python, agent.slots.hostname, self.plan.container, agent.method
+            self.plan.reach.python, agent.slots.hostname, self.plan.reach.container, agent.method
         )
         return chosen or sys.executable
 
@@ -228,7 +203,9 @@ class AgentStarts:
         hostname = agent.slots.hostname
         return agent.remote and (
             self.bundle is not None
-            or default_python(self.plan.python, hostname, self.plan.container, agent.method)
+            or default_python(
+                self.plan.reach.python, hostname, self.plan.reach.container, agent.method
+            )
             is not None
         )
 
@@ -249,7 +226,7 @@ class AgentStarts:
         try:
             started = self._start(transport, agent, on_line, relays=relays)
         except AgentFailedError as exc:
-            named = python_for(self.plan.python, agent.slots.hostname, agent.method)
+            named = python_for(self.plan.reach.python, agent.slots.hostname, agent.method)
             if named is None or "(exit status 127)" not in exc.reason or not agent.remote:
                 raise
             reason = (  # the interpreter python= names is the likely missing command
@@ -285,13 +262,13 @@ class AgentStarts:
                 bootstrap=lambda address: self.bootstrap(agent, address, relays=relays),
                 on_line=on_line,
                 launcher_address=self.configured_address(),
-                connect_timeout=min(self.plan.start_timeout, 30.0),
-                ssh_config_file=self.plan.ssh_config_file,
+                connect_timeout=min(self.plan.timeouts.start, 30.0),
+                ssh_config_file=self.plan.reach.ssh_config_file,
                 environ=self.local_env,
                 hostnames=tuple(a.slots.hostname for a in self.agents if a.method == agent.method),
                 relay=self.adopt if relays else None,
                 ship=self.bundle if agent.remote else None,
-                container=self.plan.container if agent.remote else (),
+                container=self.plan.reach.container if agent.remote else (),
             )
         )
 
@@ -313,9 +290,14 @@ class AgentStarts:
             except Exception:  # noqa: PERF203 (each transport closes, whatever the others do)
                 logger.warning("closing the %s transport failed", transport.name, exc_info=True)
 
+    @functools.cached_property
+    def local_env(self) -> dict[str, str]:
+        """This machine's agents start with the launcher's environment (the plan's)."""
+        return local_agent_env(self.plan.from_env.environ)
+
     def configured_address(self) -> str | None:
         """The launcher address the user set (field, else environment), if any."""
-        return configured_address(self.plan.launcher_address)
+        return configured_address(self.plan.reach.launcher_address, self.plan.from_env.environ)
 
     def bootstrap(self, agent: AgentRecord, local_address: str, *, relays: bool = False) -> bytes:
         """The agent's bootstrap line; ``local_address``: this machine's, as the host sees it.
@@ -323,7 +305,7 @@ class AgentStarts:
         ``relays``: for the host's relay, which reads the launch's relay mode in it
         (:attr:`AgentBootstrap.relay`) and hands the agent the line without it.
         """
-        return self._bootstrap(agent, local_address, self.plan.relay if relays else "")
+        return self._bootstrap(agent, local_address, self.plan.reach.relay if relays else "")
 
     def _bootstrap(self, agent: AgentRecord, local_address: str, relay: str) -> bytes:
         address = (self.configured_address() or local_address) if agent.remote else local_address
@@ -336,12 +318,12 @@ class AgentStarts:
             secret=self.secret,
             workers=agent.slots.workers,
             preload_torch=self.plan.backend is not None,
-            preload=self.plan.preload,
-            timings=self.plan.agent_timings,
+            preload=self.plan.from_env.preload,
+            timings=self.plan.timeouts.agent_timings,
             log_level=self.log_level,
             sys_path=host_sys_path(self.bundle) if keep_path else tuple(sys.path),
             keep_path=keep_path,
-            count=count_mode(self.plan.workers_per_host),
+            count=count_mode(self.plan.hosts.workers_per_host),
             warm=self.plan.warm,
             local_only=all(not a.remote for a in self.agents),
             package_root=package_root(self.bundle if agent.remote else None),
@@ -349,18 +331,18 @@ class AgentStarts:
         ).to_json_line()
 
 
-def configured_address(
-    launcher_address: str | None, environ: Mapping[str, str] | None = None
-) -> str | None:
-    """The launcher address the user set: ``launcher_address``, else ``TORCHRUNX_LAUNCHER_ADDR``."""
-    env = os.environ if environ is None else environ
-    return launcher_address or env.get("TORCHRUNX_LAUNCHER_ADDR") or None
+def configured_address(launcher_address: str | None, environ: Mapping[str, str]) -> str | None:
+    """The launcher address the user set: ``launcher_address``, else ``TORCHRUNX_LAUNCHER_ADDR``.
+
+    ``environ``: the launcher's environment, the plan's.
+    """
+    return launcher_address or environ.get(ADDRESS_ENV_VAR) or None
 
 
 def listen_hosts(
     launcher_address: str | None,
     methods: Sequence[StartMethod],
-    environ: Mapping[str, str] | None = None,
+    environ: Mapping[str, str],
     relay: str = "off",
 ) -> list[str | None]:
     """Where the launcher may listen for agents and workers, best first (``None``: everywhere).
@@ -375,13 +357,12 @@ def listen_hosts(
       from, an ``srun`` agent to the one on the route to its node, which are known only once
       they start, and a name may resolve to other addresses on the hosts than here.
     """
-    env = os.environ if environ is None else environ
-    override = env.get(LISTEN_ENV_VAR, "").strip()
+    override = environ.get(LISTEN_ENV_VAR, "").strip()
     if override:
         return [None if override == "*" else override]
     if relay == "on" or all(method == "local" for method in methods):
         return ["127.0.0.1"]
-    address = configured_address(launcher_address, env)
+    address = configured_address(launcher_address, environ)
     if address is not None and "local" not in methods and _is_ip(address):
         return [address, None]
     return [None]
@@ -393,29 +374,36 @@ def listen_socket(plan: LaunchPlan) -> socket.socket:
     Raises:
         OSError: It cannot be bound (``TORCHRUNX_LISTEN_ADDR`` is not this machine's, say).
     """
-    first, *fallback = listen_hosts(plan.launcher_address, plan.methods, relay=plan.relay)
-    ports = launcher_ports()
+    environ = plan.from_env.environ
+    first, *fallback = listen_hosts(
+        plan.reach.launcher_address, plan.hosts.methods, environ, plan.reach.relay
+    )
+    ports = plan.from_env.launcher_ports
     try:
-        return _bind(first, fallback, ports)
+        return _bind(first, fallback, ports, environ.get(LISTEN_ENV_VAR, "").strip())
     except OSError as exc:
         if ports != (0,) and exc.errno == errno.EADDRINUSE:
             add_note(
                 exc,
-                f"{PORT_ENV_VAR}={os.environ[PORT_ENV_VAR]!r}: every port of it is in use "
+                f"{PORT_ENV_VAR}={plan.from_env.port_text!r}: every port of it is in use "
                 "(another launch on this machine?); give a wider range",
             )
         raise
 
 
-def _bind(first: str | None, fallback: list[str | None], ports: tuple[int, ...]) -> socket.socket:
-    """Listen on ``first``, else (not for want of a free port) on the fallback."""
+def _bind(
+    first: str | None, fallback: list[str | None], ports: tuple[int, ...], where: str
+) -> socket.socket:
+    """Listen on ``first``, else (not for want of a free port) on the fallback.
+
+    ``where``: ``TORCHRUNX_LISTEN_ADDR``'s value, for a note (empty: unset).
+    """
     try:
         return listener_module.listen_socket(first, ports)
     except OSError as exc:
         if fallback and exc.errno != errno.EADDRINUSE:
             logger.debug("cannot listen on %s only (%s); listening on every interface", first, exc)
             return listener_module.listen_socket(fallback[0], ports)
-        where = os.environ.get(LISTEN_ENV_VAR, "").strip()
         if where:
             add_note(exc, f"{LISTEN_ENV_VAR}={where!r}: where to listen")
         raise
@@ -436,8 +424,10 @@ def open_transport(plan: LaunchPlan, method: str) -> Transport:
         ValueError: No transport has that name, or it refuses the plan's argument.
         RuntimeError: The transport's package failed to import.
     """
-    argument = None if method == "local" else plan.transport_argument
-    made: Transport = plugins.transport(method, argument, ssh_config_file=plan.ssh_config_file)
+    argument = None if method == "local" else plan.hosts.transport_argument
+    made: Transport = plugins.transport(
+        method, argument, ssh_config_file=plan.reach.ssh_config_file
+    )
     return made
 
 

@@ -1,40 +1,18 @@
-"""The health report of a running launch, and the endpoint's settings from the environment.
+"""The health report of a running launch.
 
 :class:`HealthReport` is the snapshot that ``GET /health`` serves (the launch state makes it);
-:func:`health_port_from_env`, :func:`health_host_from_env`, :func:`health_details_from_env` and
-:func:`health_token_from_env` read where and how the launcher serves it. The server itself is
+where and how the launcher serves it comes from the plan
+(:mod:`torchrunx.launcher.settings.environ` reads the variables). The server itself is
 :mod:`torchrunx.launcher.view.health_server`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from torchrunx.env import flag_from_env
 from torchrunx.events import AgentState, WorkerState, dataclass_to_dict
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-ENV_VAR = "TORCHRUNX_HEALTH_CHECK_PORT"
-"""The environment variable that turns the endpoint on when ``health_check_port`` is not set."""
-
-HOST_ENV_VAR = "TORCHRUNX_HEALTH_CHECK_HOST"
-"""The address the launcher serves the endpoint on (unset: ``127.0.0.1``; ``*``: every one)."""
-
-DETAILS_ENV_VAR = "TORCHRUNX_HEALTH_CHECK_DETAILS"
-"""``1`` serves the first line of each failure's message, not only its exception type."""
-
-TOKEN_ENV_VAR = "TORCHRUNX_HEALTH_CHECK_TOKEN"  # noqa: S105 (a variable's name)
-"""A token: when set, a request is answered only with ``Authorization: Bearer <token>``."""
-
-DEFAULT_HOST = "127.0.0.1"
-"""Where the launcher serves the endpoint unless :data:`HOST_ENV_VAR` says otherwise."""
-
 
 # --------------------------------------------------------------------------------------------
 # The report
@@ -132,74 +110,3 @@ class HealthReport:
         the type says what kind of failure it was, and the log and the error raised say more.
         """
         return replace(self, failures=tuple(": ".join(f.split(": ", 2)[:2]) for f in self.failures))
-
-
-# --------------------------------------------------------------------------------------------
-# The port
-# --------------------------------------------------------------------------------------------
-
-
-def health_port_from_env(
-    field_value: int | None, environ: Mapping[str, str] | None = None
-) -> int | None:
-    """The port to serve the health endpoint on, or None for no endpoint.
-
-    Args:
-        field_value: ``Launcher.health_check_port``; when not None it wins.
-        environ: Where to read ``TORCHRUNX_HEALTH_CHECK_PORT`` (default: ``os.environ``). An
-            unset or empty variable means no endpoint.
-
-    Returns:
-        A port number from 0 to 65535 (0: any free port), or None.
-
-    Raises:
-        ValueError: The field or the variable is not a port number from 0 to 65535.
-    """
-    if field_value is not None:
-        if isinstance(field_value, bool) or not isinstance(field_value, int):
-            raise TypeError(f"health_check_port must be an int or None, not {field_value!r}")
-        if not 0 <= field_value <= 65535:
-            raise ValueError(
-                f"health_check_port={field_value} is not a port number (an integer from 0 to "
-                "65535; 0: any free port)"
-            )
-        return field_value
-    raw = (os.environ if environ is None else environ).get(ENV_VAR)
-    if raw is None or not raw.strip():
-        return None
-    text = raw.strip()
-    if re.fullmatch(r"[0-9]{1,5}", text) is None or int(text) > 65535:
-        raise ValueError(
-            f"{ENV_VAR}={raw!r} is not a port number (an integer from 0 to 65535; 0: any free "
-            "port; empty or unset: no health endpoint)"
-        )
-    return int(text)
-
-
-def health_host_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """The address the launcher serves the endpoint on, from ``TORCHRUNX_HEALTH_CHECK_HOST``.
-
-    Unset or empty: ``127.0.0.1`` (this machine only); ``*``: ``""``, every interface (IPv6
-    and IPv4 where the machine has both); else the value, an address or a name of this machine
-    (``0.0.0.0``: every IPv4 interface).
-    """
-    value = (os.environ if environ is None else environ).get(HOST_ENV_VAR, "").strip()
-    if not value:
-        return DEFAULT_HOST
-    return "" if value == "*" else value
-
-
-def health_token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """The token requests must carry, from ``TORCHRUNX_HEALTH_CHECK_TOKEN`` (unset, empty: none)."""
-    value = (os.environ if environ is None else environ).get(TOKEN_ENV_VAR, "").strip()
-    return value or None
-
-
-def health_details_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether failures are served with their messages (``TORCHRUNX_HEALTH_CHECK_DETAILS``).
-
-    Raises:
-        ValueError: The variable is neither ``1``, ``true``, ``yes``, ``on`` nor ``0``,
-            ``false``, ``no``, ``off`` or empty (any case).
-    """
-    return flag_from_env(DETAILS_ENV_VAR, environ)

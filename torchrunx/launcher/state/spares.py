@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from torchrunx.launcher.settings.resolve import check_hostnames
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -59,6 +61,26 @@ def check_resilience(
             f"{given} is used only when a failed host is restarted: add 'hosts' to restart_on "
             f"(it is {tuple(restart_on)!r}) and set max_restarts >= 1 (it is {max_restarts})"
         )
+
+
+def check_spare_names(spare_hosts: object, workers_per_host: object, requeue: object) -> None:
+    """Check the names of ``spare_hosts`` (if names), and ``requeue_on_preemption``.
+
+    Raises:
+        ValueError: A name is not a host name, or ``workers_per_host`` is a list (it counts
+            the workers of ``hostnames``' hosts only).
+        TypeError: ``requeue_on_preemption`` is not True or False.
+    """
+    if isinstance(spare_hosts, list | tuple):
+        check_hostnames(list(spare_hosts), "spare_hosts")
+        if isinstance(workers_per_host, list | tuple):
+            raise ValueError(  # noqa: TRY004 (a value that does not fit another)
+                "spare_hosts names hosts, but workers_per_host is a list (one count per "
+                "host of hostnames): give one count for every host, or make the spares "
+                "the last hosts of hostnames and set spare_hosts to their number"
+            )
+    if not isinstance(requeue, bool):
+        raise TypeError(f"requeue_on_preemption must be True or False, got {requeue!r}")
 
 
 def split_spares(

@@ -21,21 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
-from torchrunx.env import flag_from_env
 from torchrunx.wire.messages import DebugInput, DebugOutput
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable
 
     from torchrunx.launcher.net.ioloop import IOLoop
-
-POST_MORTEM_ENV_VAR = "TORCHRUNX_POST_MORTEM"
-"""Set (``1``): a rank that raises opens pdb at the raising frame in the launcher's terminal."""
-
-DEBUGPY_ENV_VAR = "TORCHRUNX_DEBUGPY"
-"""``RANK`` or ``RANK:PORT``: that rank waits for an IDE's debugger (debugpy) before it runs."""
-DEBUGPY_PORT = 5678
-"""debugpy's own default port."""
+    from torchrunx.launcher.settings.environ import LauncherEnviron
 
 logger = logging.getLogger("torchrunx.launcher")
 
@@ -62,7 +54,7 @@ class _Stop:
 class Debugger:
     """The ranks in the debugger and the terminal they share; owned by the launch's thread."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the plan's settings: a keyword)
         self,
         loop: IOLoop,
         send: Callable[[int, DebugInput], None],
@@ -70,8 +62,13 @@ class Debugger:
         *,
         stdin_fd: int,
         out: TextIO | None = None,
+        settings: LauncherEnviron | None = None,
     ) -> None:
-        """Sessions on ``loop``, typed on ``stdin_fd``; ``send(rank, message)`` reaches a rank."""
+        """Sessions on ``loop``, typed on ``stdin_fd``; ``send(rank, message)`` reaches a rank.
+
+        ``settings``: the plan's environment variables, ``TORCHRUNX_POST_MORTEM`` and
+        ``TORCHRUNX_DEBUGPY`` (:mod:`torchrunx.launcher.settings.environ`); None: neither.
+        """
         self._loop = loop
         self._send = send
         self._hostname = hostname
@@ -79,9 +76,9 @@ class Debugger:
         self._out = out
         self.terminal = _is_tty(stdin_fd)
         """Whether the launcher has a terminal to debug in (its stdin is a TTY)."""
-        self.post_mortem = flag_from_env(POST_MORTEM_ENV_VAR) and self.terminal
+        self.post_mortem = settings is not None and settings.post_mortem and self.terminal
         """A rank that raises opens pdb at the raising frame first (``TORCHRUNX_POST_MORTEM``)."""
-        self.debugpy = debugpy_from_env()
+        self.debugpy = None if settings is None else settings.debugpy
         """``(rank, port)``: that rank waits for an IDE's debugger (``TORCHRUNX_DEBUGPY``)."""
         self.stops: dict[int, _Stop] = {}
         self.current: int | None = None
@@ -270,28 +267,3 @@ def _is_tty(fd: int) -> bool:
         return os.isatty(fd)
     except OSError:
         return False
-
-
-def check_debug_env() -> None:
-    """Raise ``ValueError`` now for a bad ``TORCHRUNX_POST_MORTEM`` or ``TORCHRUNX_DEBUGPY``."""
-    flag_from_env(POST_MORTEM_ENV_VAR)
-    debugpy_from_env()
-
-
-def debugpy_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
-    """``TORCHRUNX_DEBUGPY``: ``RANK`` or ``RANK:PORT`` (port 5678 if not given); unset: None.
-
-    Raises:
-        ValueError: Not a rank (an integer from 0), or a port outside 1 to 65535.
-    """
-    raw = (os.environ if environ is None else environ).get(DEBUGPY_ENV_VAR, "").strip()
-    if not raw:
-        return None
-    rank_text, _, port_text = raw.partition(":")
-    port_text = port_text or str(DEBUGPY_PORT)
-    if not (rank_text.isdigit() and port_text.isdigit() and 1 <= int(port_text) <= 65535):
-        raise ValueError(
-            f"{DEBUGPY_ENV_VAR}={raw!r} is not RANK or RANK:PORT (a rank from 0, a port from 1 "
-            "to 65535), for example 0 or 1:5678"
-        )
-    return int(rank_text), int(port_text)

@@ -26,17 +26,19 @@ name resolving to ``127.0.0.1``) sends its own name, so a browser on this machin
 made to read the report.
 
 The launcher serves it on ``127.0.0.1`` unless ``TORCHRUNX_HEALTH_CHECK_HOST`` names another
-address (``*``: every interface; :func:`~torchrunx.launcher.state.health.health_host_from_env`), for
-probes from other machines (a kubelet probes the pod's address, a monitoring server the
-node's). The report holds host names, ranks, pids, states and, per failure, its attempt and
-exception type: never the launch's secret, nor any environment value, nor what the function
-returned, nor an exception's message, which may hold anything, unless
-``TORCHRUNX_HEALTH_CHECK_DETAILS=1`` asks for the first line of each
-(:func:`~torchrunx.launcher.state.health.health_details_from_env`,
+address (``*``: every interface;
+:func:`~torchrunx.launcher.settings.environ.health_host_from_env`), for probes from other
+machines (a kubelet probes the pod's address, a monitoring server the node's). The report
+holds host names, ranks, pids, states and, per failure, its attempt and exception type:
+never the launch's secret, nor any environment value, nor what the function returned, nor an
+exception's message, which may hold anything, unless ``TORCHRUNX_HEALTH_CHECK_DETAILS=1``
+asks for the first line of each
+(:func:`~torchrunx.launcher.settings.environ.health_details_from_env`,
 :meth:`~torchrunx.launcher.state.health.HealthReport.redacted`).
 
 The port comes from ``Launcher.health_check_port`` or, when that is not set,
-``TORCHRUNX_HEALTH_CHECK_PORT`` (:func:`~torchrunx.launcher.state.health.health_port_from_env`).
+``TORCHRUNX_HEALTH_CHECK_PORT``
+(:func:`~torchrunx.launcher.settings.environ.health_port_from_env`).
 """
 
 from __future__ import annotations
@@ -54,13 +56,12 @@ import time
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from torchrunx.launcher.state.health import (
-    DEFAULT_HOST,
-    ENV_VAR,
-    HOST_ENV_VAR,
-    TOKEN_ENV_VAR,
-    health_token_from_env,
+from torchrunx.launcher.settings.environ import (
+    DEFAULT_HEALTH_HOST,
+    HEALTH_HOST_ENV_VAR,
+    HEALTH_PORT_ENV_VAR,
 )
+from torchrunx.launcher.settings.environ import HEALTH_TOKEN_ENV_VAR as TOKEN_VAR
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -129,7 +130,7 @@ class HealthServer:
         port: int,
         snapshot: Callable[[], HealthReport],
         *,
-        host: str = DEFAULT_HOST,
+        host: str = DEFAULT_HEALTH_HOST,
         details: bool = False,
         token: str | None = None,
     ) -> None:
@@ -143,7 +144,7 @@ class HealthServer:
                 (every local user included: see the security notes of
                 :mod:`torchrunx.launcher.view.health_server`),
                 as the launcher's default
-                (:func:`~torchrunx.launcher.state.health.health_host_from_env`). ``""``: every
+                (:func:`~torchrunx.launcher.settings.environ.health_host_from_env`). ``""``: every
                 interface (IPv6 and IPv4 where the machine has both), for probes from other
                 machines; the report holds no secret and no environment value.
             details: Serve each failure's message (the first line of its exception), and, when
@@ -152,9 +153,8 @@ class HealthServer:
                 (:meth:`~torchrunx.launcher.state.health.HealthReport.redacted`): a message may hold
                 anything the failing code put in it.
             token: Answer only requests with ``Authorization: Bearer <token>`` (others get
-                ``401``). ``None``: :data:`~torchrunx.launcher.state.health.TOKEN_ENV_VAR`'s value
-                (unset or empty: no token, as the launcher does); ``""``: no token whatever the
-                environment says.
+                ``401``). ``None`` or ``""``: no token (the launch gives the plan's, from
+                :data:`~torchrunx.launcher.settings.environ.HEALTH_TOKEN_ENV_VAR`).
 
         Raises:
             ValueError: ``port`` is not from 0 to 65535.
@@ -165,7 +165,7 @@ class HealthServer:
         self._snapshot = snapshot
         self._host = host
         self._details = details
-        self._token = health_token_from_env() if token is None else (token or None)
+        self._token = token or None
         self._lock = threading.Lock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -210,8 +210,8 @@ class HealthServer:
                 raise OSError(
                     f"cannot serve the health check on port {self._requested_port} of "
                     f"{self._host or 'all interfaces'}: {reason}. Choose another port with "
-                    f"Launcher(health_check_port=...) or {ENV_VAR} (0: any free port), or "
-                    f"another address with {HOST_ENV_VAR}"
+                    f"Launcher(health_check_port=...) or {HEALTH_PORT_ENV_VAR} (0: any free "
+                    f"port), or another address with {HEALTH_HOST_ENV_VAR}"
                 ) from error
             thread = threading.Thread(
                 target=server.serve_forever,
@@ -398,7 +398,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._discard_body()
             self._send_json(
                 401,
-                {"error": f"send the token of {TOKEN_ENV_VAR}: Authorization: Bearer <token>"},
+                {"error": f"send the token of {TOKEN_VAR}: Authorization: Bearer <token>"},
                 www_authenticate='Bearer realm="torchrunx-health"',
             )
             return False

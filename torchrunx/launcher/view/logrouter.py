@@ -17,7 +17,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import itemgetter
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchrunx.launcher.view.logdirs import log_file_name, new_log_dir
@@ -38,7 +37,9 @@ from torchrunx.wire.lines import STACKS_LOGGER, cut_line
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from pathlib import Path
 
+    from torchrunx.launcher.settings.environ import LauncherEnviron
     from torchrunx.logs import ConsoleRanks, LogHandlers
     from torchrunx.wire.lines import Line, Record
 
@@ -47,24 +48,6 @@ logger = logging.getLogger("torchrunx.launcher")
 TAIL_LINES = 20
 TAIL_BYTES = 32 * 1024
 """At most this many bytes of lines in one failure note: older lines are left out."""
-
-
-def log_level_from_env(environ: dict[str, str] | None = None) -> int:
-    """``TORCHRUNX_LOG_LEVEL`` as a number: a level name (``DEBUG``) or number; default INFO.
-
-    Raises:
-        ValueError: The value is neither a known level name nor a number.
-    """
-    value = (os.environ if environ is None else environ).get("TORCHRUNX_LOG_LEVEL", "INFO")
-    value = value.strip()
-    if value.isdigit():
-        return int(value)
-    level = logging.getLevelName(value.upper())
-    if not isinstance(level, int):
-        raise ValueError(  # noqa: TRY004 (a bad value of a string setting)
-            f"TORCHRUNX_LOG_LEVEL={value!r} is not a logging level (DEBUG, INFO, WARNING, ...)"
-        )
-    return level
 
 
 @dataclass
@@ -114,6 +97,7 @@ class LogRouter:
         *,
         console_ranks: ConsoleRanks = (0,),
         workers_per_host: Sequence[int | None] | None = None,
+        settings: LauncherEnviron | None = None,
     ) -> None:
         """Resolve the ``log_handlers`` field; ``"auto"`` builds the default handlers.
 
@@ -124,14 +108,19 @@ class LogRouter:
             console_ranks: The workers the default console shows (global ranks, or ``"all"``).
             workers_per_host: Each host's number of workers, ``None`` where its agent counts
                 them (for :class:`~torchrunx.logs.LogSetup`).
+            settings: The plan's environment variables: the level of the default handlers
+                (``TORCHRUNX_LOG_LEVEL``), the folder ``"auto"`` makes this launch's folder of
+                files in (``TORCHRUNX_LOG_DIR``), the hints' folder. None: INFO, no files, no
+                hint.
 
         Raises:
-            ValueError: ``TORCHRUNX_LOG_LEVEL`` is not a level.
             TypeError: A ``log_handlers`` function returned something other than handlers.
         """
         self.hostnames = list(hostnames)
-        self.level = log_level_from_env()
+        self.level = logging.INFO if settings is None else settings.log_level
         self.console_ranks = console_ranks
+        self.root = None if settings is None else settings.log_dir
+        self.hints = None if settings is None else settings.hints
         self.log_dir: Path | None = None
         self.handlers: list[logging.Handler] = []
         self.owned: list[logging.Handler] = []
@@ -171,11 +160,10 @@ class LogRouter:
         return log_file_name(self.hostnames, host_index, local_rank)
 
     def _add_defaults_for_agents(self) -> None:
-        root = os.environ.get("TORCHRUNX_LOG_DIR", "./torchrunx_logs")
-        if root:
-            self.log_dir = new_log_dir(Path(root))
+        if self.root is not None:
+            self.log_dir = new_log_dir(self.root)
             if self.console_ranks != "all":
-                first_launch_hint(self.log_dir)
+                first_launch_hint(self.log_dir, self.hints)
         self._add_agent_console(0)
         for index, hostname in enumerate(self.hostnames):
             self._add_file(index, hostname, None)
@@ -460,26 +448,19 @@ def _handle(handler: logging.Handler, records: list[logging.LogRecord]) -> None:
                 handler.handleError(record)
 
 
-def hint_marker(name: str = "logs") -> Path:
-    """The file whose existence says the hint ``name`` was shown to this user."""
-    cache = os.environ.get("TORCHRUNX_CACHE_DIR") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchrunx"
-    )
-    return Path(cache) / "hints" / name
-
-
-def say_once(name: str, text: str) -> bool:
+def say_once(name: str, text: str, hints: Path | None) -> bool:
     """Write the hint ``text`` to stderr once per user, on a terminal; whether it was written.
 
-    ``TORCHRUNX_HINTS=0`` turns every hint off. A hint is remembered by a marker file
-    (:func:`hint_marker`); with no cache folder to keep one in, nothing is said, rather than the
-    same hint at every launch.
+    ``hints``: the folder that remembers the hints said (the plan's, from
+    :func:`~torchrunx.launcher.settings.environ.hints_folder`); None (``TORCHRUNX_HINTS=0``)
+    turns every hint off. A hint is remembered by a marker file ``hints/NAME``; with no cache
+    folder to keep one in, nothing is said, rather than the same hint at every launch.
     """
-    if os.environ.get("TORCHRUNX_HINTS", "1") == "0":
+    if hints is None:
         return False
     if not (sys.stderr.isatty() and sys.stdout.isatty()):
         return False
-    marker = hint_marker(name)
+    marker = hints / name
     if marker.exists():
         return False
     try:
@@ -491,7 +472,7 @@ def say_once(name: str, text: str) -> bool:
     return True
 
 
-def first_launch_hint(log_dir: Path) -> None:
+def first_launch_hint(log_dir: Path, hints: Path | None) -> None:
     """Once per user, on a terminal: where every rank's output is, and how to show it here."""
     shown = os.path.relpath(log_dir) if not os.path.relpath(log_dir).startswith("..") else log_dir
     say_once(
@@ -499,6 +480,7 @@ def first_launch_hint(log_dir: Path) -> None:
         f"torchrunx: the console shows rank 0; every rank's output is in {shown}/ (a file per "
         "worker, HOST[LOCAL_RANK].log); console_ranks='all' (--console-ranks all) shows every "
         "rank here. (Said once.)\n",
+        hints,
     )
 
 
@@ -522,8 +504,8 @@ def auto_cores_text(counted: list[tuple[str, int]]) -> str | None:
     )
 
 
-def auto_cores_hint(counted: list[tuple[str, int]]) -> None:
+def auto_cores_hint(counted: list[tuple[str, int]], hints: Path | None) -> None:
     """Once per user, on a terminal: :func:`auto_cores_text`, when there is such a host."""
     text = auto_cores_text(counted)
     if text is not None:
-        say_once("auto-cores", text)
+        say_once("auto-cores", text, hints)

@@ -10,7 +10,6 @@ unless ``TORCHRUNX_PROGRESS=1`` asks for it (then from a step's start, without t
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, TextIO
@@ -24,12 +23,13 @@ DELAY_S = 0.5
 """A step shows no line before it has taken this long (tqdm's ``delay``)."""
 
 
-def progress_enabled(stream: TextIO, environ: dict[str, str] | None = None) -> bool:
-    """Whether to draw: ``TORCHRUNX_PROGRESS`` (1 or 0), else a terminal outside a notebook."""
-    env = os.environ if environ is None else environ
-    forced = env.get("TORCHRUNX_PROGRESS")
-    if forced in ("0", "1"):
-        return forced == "1"
+def progress_enabled(stream: TextIO, forced: bool | None = None) -> bool:
+    """Whether to draw: ``forced`` (the plan's ``TORCHRUNX_PROGRESS``), else on a terminal.
+
+    Not in a notebook, unless forced.
+    """
+    if forced is not None:
+        return forced
     if "ipykernel" in sys.modules:
         return False
     try:
@@ -60,16 +60,23 @@ class ProgressLine:
         total: How many there are to do, if known.
         unit: What is counted (``"bytes"``: shown in MiB).
         stream: Where to draw (stderr).
+        forced: The plan's ``TORCHRUNX_PROGRESS``: True draws at once, even off a terminal;
+            False never draws; None: on a terminal, after :data:`DELAY_S`.
     """
 
     def __init__(
-        self, what: str, total: int | None, unit: str, stream: TextIO | None = None
+        self,
+        what: str,
+        total: int | None,
+        unit: str,
+        stream: TextIO | None = None,
+        forced: bool | None = None,
     ) -> None:
         """Start timing the step; nothing is drawn yet."""
         self.what, self.total, self.unit = what, total, unit
         self.stream = sys.stderr if stream is None else stream
-        self.enabled = progress_enabled(self.stream)
-        self.delay = 0.0 if os.environ.get("TORCHRUNX_PROGRESS") == "1" else DELAY_S
+        self.enabled = progress_enabled(self.stream, forced)
+        self.delay = 0.0 if forced else DELAY_S
         self.started = time.monotonic()
         self._drawn_at = 0.0
         self._width = 0
@@ -103,9 +110,18 @@ class BytesProgress:
     there are any, with :class:`ProgressLine`'s rules (a terminal, the delay, the interval).
     """
 
-    def __init__(self, what: str, count: Callable[[], int], stream: TextIO | None = None) -> None:
-        """Note where ``count()`` stands now: only what comes after counts."""
-        self.what, self.count, self.stream = what, count, stream
+    def __init__(
+        self,
+        what: str,
+        count: Callable[[], int],
+        stream: TextIO | None = None,
+        forced: bool | None = None,
+    ) -> None:
+        """Note where ``count()`` stands now: only what comes after counts.
+
+        ``forced``: as for :class:`ProgressLine`.
+        """
+        self.what, self.count, self.stream, self.forced = what, count, stream, forced
         self.start = count()
         self.line: ProgressLine | None = None
 
@@ -113,7 +129,7 @@ class BytesProgress:
         """Redraw (if it is time to), once bytes have come."""
         done = self.count() - self.start
         if done and self.line is None:
-            self.line = ProgressLine(self.what, None, "bytes", self.stream)
+            self.line = ProgressLine(self.what, None, "bytes", self.stream, self.forced)
         if self.line is not None:
             self.line.update(done)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +96,15 @@ def unsent(snapshot: dict[str, Any], sent: dict[str, int]) -> dict[str, Any]:
     return {**snapshot, "looks": trimmed}
 
 
-def runtime_dir(environ: dict[str, str] | None = None) -> Path | None:
+def runtime_dir(environ: Mapping[str, str] | None = None) -> Path | None:
     """The user's private folder for view sockets, made if missing; None if none is safe.
 
     ``$XDG_RUNTIME_DIR/torchrunx`` when that variable names a folder of the user's, else
     ``/tmp/torchrunx-<uid>``. The folder must be the user's, mode 0700, and not a link: a folder
     of that name made by someone else is refused (no view), never used.
     """
+    # os.environ only outside a launch (torchrunx top, a view made alone): a launch's view
+    # server gives its plan's environment.
     env = os.environ if environ is None else environ
     base = env.get("XDG_RUNTIME_DIR")
     me = os.geteuid()
@@ -157,8 +159,15 @@ class ViewServer:
         snapshot: Callable[[], dict[str, Any]],
         info: dict[str, Any],
         request: Callable[[str], None] | None = None,
+        *,
+        runtime: Mapping[str, str] | None = None,
     ) -> None:
-        """Keep what to serve; nothing is opened before :meth:`start`."""
+        """Keep what to serve; nothing is opened before :meth:`start`.
+
+        ``runtime``: the environment that names the user's runtime folder (a launch gives its
+        plan's, :func:`runtime_dir`); None: this process's.
+        """
+        self._runtime = runtime
         self._snapshot = snapshot
         self._info = info
         self._request = request
@@ -171,7 +180,7 @@ class ViewServer:
 
     def start(self) -> None:
         """Listen, if the user has a private runtime folder; a failure only means no view."""
-        folder = runtime_dir()
+        folder = runtime_dir(self._runtime)
         if folder is None:
             return
         prune_dead(folder)
