@@ -434,6 +434,12 @@ IMPURE = (
     ),
 )
 
+SOURCE_READERS = (
+    # Tests of the guarding files that read torchrunx's source text: mutmut's copy of a module
+    # holds its trampolines and mutants (each with the original's calls), not that text.
+    "tests/test_rules_plan.py::test_rule_nothing_under_the_launcher_reads_os_environ_but_the_plan",
+)
+
 _ORDER = "only ordering matters: 'collective', the one kind not in _RANK, sorts last either way"
 _RSPLIT = "the part after the last separator is the same whatever the number of splits"
 _FALSY = "None is as false as False, and the value is only ever tested for truth"
@@ -1007,7 +1013,7 @@ def prepare(workdir: Path, targets: list[Target]) -> None:
     if missing:
         raise FileNotFoundError(f"guarding tests not found: {missing}")
     selection = [*tests]
-    for test in IMPURE:
+    for test in (*IMPURE, *SOURCE_READERS):
         if test.split("::")[0] in tests:
             selection += ["--deselect", test]
     pyproject = (ROOT / "pyproject.toml").read_text()
