@@ -410,6 +410,8 @@ IMPURE = (
     "tests/test_hosts.py::test_a_host_name_with_shell_syntax_never_reaches_a_shell",
     "tests/test_compat.py::test_launch_like_0_4_log_folder_events_beside_it_and_local_environment",
     "tests/test_compat.py::test_gpu_and_cpu_launches",
+    "tests/test_compat.py::test_a_0_4_call_with_only_workers_and_backend_given",
+    "tests/test_hosts.py::test_the_plan_keeps_what_hostnames_named_classified_once",
     "tests/test_plugins.py::test_imports_go_one_way",
     "tests/test_plugins.py::test_plugin_package_registers_each_group",
     "tests/test_plugins.py::test_run_needs_the_arguments_after_the_separator",
