@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ from torchrunx.commands.top import Ages, find_views, render_text
 from torchrunx.launcher.view.view_server import GROUP_ABOVE, runtime_dir
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
     from pathlib import Path
 
 
@@ -180,6 +181,31 @@ def _its_view(pid: int, folder: Path | None = None) -> Path:
     raise AssertionError(f"launch {pid} has no view socket")
 
 
+@contextlib.contextmanager
+def _tmux_server(name: str) -> Iterator[str]:
+    """A tmux server of this test's own (``-L``), killed and its socket removed at the end.
+
+    The default server is one per user: tests on other xdist workers would put their sessions
+    in it, and the server, a daemon with this suite's marker, would outlive the test that
+    started it while another's session runs (seen on CI as an escaped process).
+    """
+    server = f"trx-test-{os.getpid()}-{name}"
+    try:
+        yield server
+    finally:
+        _tmux(server, "kill-server", check=False)
+        folder = os.environ.get("TMUX_TMPDIR") or "/tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, f"tmux-{os.getuid()}", server))
+
+
+def _tmux(server: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run tmux against the server ``server`` (see :func:`_tmux_server`)."""
+    return subprocess.run(
+        ["tmux", "-L", server, *args], capture_output=True, text=True, check=check, timeout=30
+    )
+
+
 def _top(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "torchrunx", "top", *args],
@@ -278,53 +304,47 @@ def test_another_user_cannot_reach_a_launchs_view(tmp_path):
 )
 def test_the_live_view_in_a_terminal_shows_a_failure_within_a_second(tmp_path):
     launch = _start(tmp_path)
-    session = f"trx-top-{os.getpid()}"
+    session = "trx-top"
     try:
-        _its_view(launch.pid)
-        # The pane's own size: a COLUMNS or LINES that the suite's environment may carry
-        # (the tmux server passes on its first client's; under pytest COLUMNS=80 was seen) would
-        # make rich draw 80 columns in a 160-column pane.
-        command = f"env -u COLUMNS -u LINES {sys.executable} -m torchrunx top --pid {launch.pid}"
-        subprocess.run(
-            ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", command],
-            check=True,
-        )
+        with _tmux_server("top") as server:
+            _its_view(launch.pid)
+            # The pane's own size: a COLUMNS or LINES that the suite's environment may carry
+            # (the tmux server passes on its first client's; under pytest COLUMNS=80 was seen) would
+            # make rich draw 80 columns in a 160-column pane.
+            command = (
+                f"env -u COLUMNS -u LINES {sys.executable} -m torchrunx top --pid {launch.pid}"
+            )
+            _tmux(server, "new-session", "-d", "-s", session, "-x", "160", "-y", "40", command)
 
-        def pane() -> str:
-            return subprocess.run(
-                ["tmux", "capture-pane", "-p", "-t", session],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
+            def pane() -> str:
+                return _tmux(server, "capture-pane", "-p", "-t", session).stdout
 
-        deadline = time.monotonic() + 60
-        while "waiting rank 1" not in pane():
-            assert time.monotonic() < deadline, pane()
-            time.sleep(0.05)
-        (tmp_path / "go").touch()
-        told = time.monotonic()
-        while "attempt 0: ValueError: told to fail" not in pane():
-            assert time.monotonic() - told < 30, pane()
-            time.sleep(0.05)
-        seen = time.monotonic() - told
-        # Within a second of the failure reaching the launcher (the rank's own start of
-        # failing counted in: it polls its file every 0.1 s).
-        assert seen < 2.0, (seen, pane())
-        # Keys: select rank 1, show its log's last lines, quit.
-        subprocess.run(["tmux", "send-keys", "-t", session, "j", "l"], check=True)
-        deadline = time.monotonic() + 30
-        while "--- localhost[1].log: rank 1 (localhost[1]), last lines ---" not in pane():
-            assert time.monotonic() < deadline, pane()
-            time.sleep(0.05)
-        assert "> " in next(line for line in pane().splitlines() if " 1 localhost" in line)[:3]
-        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
-        deadline = time.monotonic() + 30
-        while subprocess.run(["tmux", "has-session", "-t", session], check=False).returncode == 0:
-            assert time.monotonic() < deadline, "q did not end the view"
-            time.sleep(0.05)
+            deadline = time.monotonic() + 60
+            while "waiting rank 1" not in pane():
+                assert time.monotonic() < deadline, pane()
+                time.sleep(0.05)
+            (tmp_path / "go").touch()
+            told = time.monotonic()
+            while "attempt 0: ValueError: told to fail" not in pane():
+                assert time.monotonic() - told < 30, pane()
+                time.sleep(0.05)
+            seen = time.monotonic() - told
+            # Within a second of the failure reaching the launcher (the rank's own start of
+            # failing counted in: it polls its file every 0.1 s).
+            assert seen < 2.0, (seen, pane())
+            # Keys: select rank 1, show its log's last lines, quit.
+            _tmux(server, "send-keys", "-t", session, "j", "l")
+            deadline = time.monotonic() + 30
+            while "--- localhost[1].log: rank 1 (localhost[1]), last lines ---" not in pane():
+                assert time.monotonic() < deadline, pane()
+                time.sleep(0.05)
+            assert "> " in next(line for line in pane().splitlines() if " 1 localhost" in line)[:3]
+            _tmux(server, "send-keys", "-t", session, "q")
+            deadline = time.monotonic() + 30
+            while _tmux(server, "has-session", "-t", session, check=False).returncode == 0:
+                assert time.monotonic() < deadline, "q did not end the view"
+                time.sleep(0.05)
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
         _end(tmp_path)
         launch.communicate(timeout=120)
 
@@ -478,70 +498,64 @@ def test_the_live_view_of_two_ssh_hosts_shows_use_keys_and_a_failure_within_a_se
         stdout=subprocess.PIPE,
         text=True,
     )
-    session = f"trx-top-cluster-{os.getpid()}"
+    session = "trx-top-cluster"
+    with _tmux_server("top-cluster") as server:
 
-    def pane() -> str:
-        return subprocess.run(
-            ["tmux", "capture-pane", "-p", "-t", session],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout
+        def pane() -> str:
+            return _tmux(server, "capture-pane", "-p", "-t", session).stdout
 
-    def wait_for(seen: Callable[[str], bool], what: str, limit: float = 60) -> str:
-        deadline = time.monotonic() + limit
-        while not seen(shown := pane()):
-            assert time.monotonic() < deadline, f"{what} not shown:\n{shown}"
-            time.sleep(0.05)
-        return shown
+        def wait_for(seen: Callable[[str], bool], what: str, limit: float = 60) -> str:
+            deadline = time.monotonic() + limit
+            while not seen(shown := pane()):
+                assert time.monotonic() < deadline, f"{what} not shown:\n{shown}"
+                time.sleep(0.05)
+            return shown
 
-    def rows(shown: str) -> dict[int, tuple[str, ...]]:
-        return {int(m[1]): m.groups()[1:] for m in map(ROW.match, shown.splitlines()) if m}
+        def rows(shown: str) -> dict[int, tuple[str, ...]]:
+            return {int(m[1]): m.groups()[1:] for m in map(ROW.match, shown.splitlines()) if m}
 
-    def measured(shown: str) -> bool:  # every rank on its host, with CPU, memory, collectives
-        found = rows(shown)
-        return sorted(found) == [0, 1, 2, 3] and all(
-            host == (node1 if rank < 2 else node2)
-            and state == "HEALTHY"
-            and cpu.isdigit()
-            and rss.endswith("M")
-            and collectives.isdigit()
-            for rank, (host, state, _, cpu, rss, collectives) in found.items()
-        )
+        def measured(shown: str) -> bool:  # every rank on its host, with CPU, memory, collectives
+            found = rows(shown)
+            return sorted(found) == [0, 1, 2, 3] and all(
+                host == (node1 if rank < 2 else node2)
+                and state == "HEALTHY"
+                and cpu.isdigit()
+                and rss.endswith("M")
+                and collectives.isdigit()
+                for rank, (host, state, _, cpu, rss, collectives) in found.items()
+            )
 
-    try:
-        _its_view(launch.pid)
-        # The pane's own size: a COLUMNS or LINES that the suite's environment may carry
-        # (the tmux server passes on its first client's; under pytest COLUMNS=80 was seen) would
-        # make rich draw 80 columns in a 160-column pane.
-        command = f"env -u COLUMNS -u LINES {sys.executable} -m torchrunx top --pid {launch.pid}"
-        subprocess.run(
-            ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50", command],
-            check=True,
-            timeout=30,
-        )
-        shown = wait_for(measured, "each rank's CPU, memory and collectives")
-        for host in (node1, node2):  # each host's agent and its heartbeat's age
-            assert re.search(rf"^{host}\s+RUNNING\s+\d\.\d s  host\s*$", shown, re.MULTILINE), shown
-        subprocess.run(["tmux", "send-keys", "-t", session, "s"], check=True, timeout=30)
-        wait_for(lambda p: "where every rank is" in p and "--- rank" in p, "the stacks")
-        subprocess.run(["tmux", "send-keys", "-t", session, "d"], check=True, timeout=30)
-        wait_for(lambda p: "the collectives every rank is in now" in p, "the diagnosis")
-        (tmp_path / "go").touch()
-        shown = wait_for(lambda p: "attempt 0: ValueError: told to fail" in p, "the failure")
-        seen = time.time()
-        raised = float((tmp_path / "failed").read_text())
-        assert seen - raised < 1.0, (seen - raised, shown)
-        print(f"a rank's failure to the view on the SSH test hosts: {seen - raised:.2f} s")
-        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True, timeout=30)
-        deadline = time.monotonic() + 30
-        while subprocess.run(["tmux", "has-session", "-t", session], check=False).returncode == 0:
-            assert time.monotonic() < deadline, "q did not end the view"
-            time.sleep(0.05)
-    finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], check=False, timeout=30)
-        (tmp_path / "failed").touch()
-        (tmp_path / "end").touch()
-        out, _ = launch.communicate(timeout=120)
-    assert "restarts 1" in out, out
+        try:
+            _its_view(launch.pid)
+            # The pane's own size: a COLUMNS or LINES that the suite's environment may carry
+            # (the tmux server passes on its first client's; under pytest COLUMNS=80 was seen) would
+            # make rich draw 80 columns in a 160-column pane.
+            command = (
+                f"env -u COLUMNS -u LINES {sys.executable} -m torchrunx top --pid {launch.pid}"
+            )
+            _tmux(server, "new-session", "-d", "-s", session, "-x", "160", "-y", "50", command)
+            shown = wait_for(measured, "each rank's CPU, memory and collectives")
+            for host in (node1, node2):  # each host's agent and its heartbeat's age
+                assert re.search(rf"^{host}\s+RUNNING\s+\d\.\d s  host\s*$", shown, re.MULTILINE), (
+                    shown
+                )
+            _tmux(server, "send-keys", "-t", session, "s")
+            wait_for(lambda p: "where every rank is" in p and "--- rank" in p, "the stacks")
+            _tmux(server, "send-keys", "-t", session, "d")
+            wait_for(lambda p: "the collectives every rank is in now" in p, "the diagnosis")
+            (tmp_path / "go").touch()
+            shown = wait_for(lambda p: "attempt 0: ValueError: told to fail" in p, "the failure")
+            seen = time.time()
+            raised = float((tmp_path / "failed").read_text())
+            assert seen - raised < 1.0, (seen - raised, shown)
+            print(f"a rank's failure to the view on the SSH test hosts: {seen - raised:.2f} s")
+            _tmux(server, "send-keys", "-t", session, "q")
+            deadline = time.monotonic() + 30
+            while _tmux(server, "has-session", "-t", session, check=False).returncode == 0:
+                assert time.monotonic() < deadline, "q did not end the view"
+                time.sleep(0.05)
+        finally:
+            (tmp_path / "failed").touch()
+            (tmp_path / "end").touch()
+            out, _ = launch.communicate(timeout=120)
+        assert "restarts 1" in out, out
