@@ -255,6 +255,14 @@ def test_the_plan_keeps_what_hostnames_named_classified_once(tmp_path, monkeypat
     launcher = trx.Launcher(hostnames=["localhost"], workers_per_host=1, backend=None)
     launcher.run(print)  # and in a launch (run checks the fields, then plans)
     assert calls == [["localhost"]]
+    # Named spares too: checked and resolved with one classification.
+    calls.clear()
+    spared = trx.Launcher(
+        hostnames=["localhost"], spare_hosts=["127.0.0.1"], restart_on=("hosts",), max_restarts=1
+    ).plan()
+    assert calls == [["localhost"], ["127.0.0.1"]]
+    assert [h.hostname for h in spared.hosts.slots] == ["localhost", "127.0.0.1"]
+    assert spared.hosts.spares == 1
     # The dry run says where the hosts came from by the plan's classification.
     described = describe_plan(
         dataclasses.replace(

@@ -73,11 +73,10 @@ from torchrunx.launcher.settings.resolve import (
     HostsSource,
     check_hostnames,
     check_workers,
-    resolve_hosts,
 )
 from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
 from torchrunx.launcher.state.results import LaunchResult
-from torchrunx.launcher.state.spares import check_resilience, check_spare_names, split_spares
+from torchrunx.launcher.state.spares import check_resilience, check_spare_names, world_and_spares
 from torchrunx.launcher.view.where import sigquit_shows_stacks
 from torchrunx.launcher.warm import WarmLauncher
 from torchrunx.logs import ConsoleRanks, LogHandlers, check_log_fields
@@ -85,14 +84,13 @@ from torchrunx.logs import ConsoleRanks, LogHandlers, check_log_fields
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from torchrunx.hosts import HostSlots
-
 logger = logging.getLogger("torchrunx.launcher")
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 _BACKENDS = ("nccl", "gloo", "mpi", "ucc", "auto", None)
+_Sources = tuple[HostsSource, HostsSource | None]  # what hostnames, spare_hosts name (or None)
 _TUPLE_FIELDS = ("default_env_vars", "copy_env_vars", "extra_env_vars", "restart_on", "spare_hosts")
 """Fields a preset may give as a list (TOML, JSON), made tuples."""
 
@@ -294,10 +292,10 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             Exception: The exception a worker raised, with its own type, the remote traceback
                 as ``__cause__`` and the host and rank in its notes.
         """
-        source = self._check_fields()
+        sources = self._check_fields()
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}: {func!r}")
-        plan = _plan_of(self, None, source, warm=False, keep=False)
+        plan = _plan_of(self, None, sources, warm=False, keep=False)
         call = serialization.dumps_call(func, args, kwargs)
         launch = Launch(plan, call)
         try:
@@ -369,8 +367,8 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
             TypeError: A field has the wrong type.
             RuntimeError: ``"slurm"`` or ``agent_start="srun"`` outside an allocation.
         """
-        source = self._check_fields()
-        return _plan_of(self, environ, source, warm=warm, keep=keep_workers)
+        sources = self._check_fields()
+        return _plan_of(self, environ, sources, warm=warm, keep=keep_workers)
 
     def validate(self) -> None:
         """Check every field, and the launcher's variables; raise before anything starts.
@@ -382,8 +380,8 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         self._check_fields()
         read_environ()  # raises ValueError for a bad TORCHRUNX_* variable
 
-    def _check_fields(self) -> HostsSource:
-        """Check every field (the environment is :meth:`plan`'s to read); what hostnames names."""
+    def _check_fields(self) -> _Sources:
+        """Check every field (not the environment); what hostnames and spare_hosts name."""
         source = check_hostnames(self.hostnames)  # classified here, once: the plan keeps it
         check_workers(self.workers_per_host, self.hostnames)
         check_agent_start(self.agent_start)
@@ -404,13 +402,15 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         check_stall_fields(self.stall_timeout, self.on_stall, self.max_restarts)
         check_straggler_threshold(self.straggler_threshold)
         check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
-        check_spare_names(self.spare_hosts, self.workers_per_host, self.requeue_on_preemption)
+        spares = check_spare_names(
+            self.spare_hosts, self.workers_per_host, self.requeue_on_preemption
+        )
         if self.preemption_grace is not None:
             _validate_seconds("preemption_grace", self.preemption_grace, zero=True)
         _validate_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port, {})  # raises ValueError for a bad port
         check_files(self.env_file, self.ssh_config_file)
-        return source
+        return source, spares
 
     def set_logging_handlers(self, handler_factory: LogHandlers) -> Launcher:
         """Set :attr:`log_handlers` as torchrunx 0.4 did; returns this launcher.
@@ -528,21 +528,27 @@ def _validate_seconds(name: str, value: object, *, zero: bool = False) -> None:
 
 
 def _plan_of(
-    it: Launcher, environ: Mapping[str, str] | None, source: HostsSource, *, warm: bool, keep: bool
+    it: Launcher, environ: Mapping[str, str] | None, sources: _Sources, *, warm: bool, keep: bool
 ) -> LaunchPlan:
     """The plan of ``it``, whose fields are checked; ``environ`` (None: os.environ) read once."""
     from_env = read_environ(environ)
     env = from_env.environ
     check_launch_env(it.default_env_vars, it.copy_env_vars, it.extra_env_vars, env)
-    world, spares = _world_and_spares(it, source, env)
-    hosts = world + spares
-    methods, argument = start_methods(
-        it.agent_start, [h.hostname for h in hosts], paired_transport(source), env
+    world, spares = world_and_spares(
+        it.hostnames,
+        it.workers_per_host,
+        spare_hosts=it.spare_hosts,
+        min_hosts=it.min_hosts,
+        sources=sources,
+        environ=env,
     )
-    check_python_hosts(it.python, [h.hostname for h in hosts], methods)
+    hosts = world + spares
+    names = [h.hostname for h in hosts]
+    methods, argument = start_methods(it.agent_start, names, paired_transport(sources[0]), env)
+    check_python_hosts(it.python, names, methods)
     return LaunchPlan(
         hosts=PlanHosts(
-            tuple(hosts), tuple(methods), source, argument, it.workers_per_host, len(spares)
+            tuple(hosts), tuple(methods), sources[0], argument, it.workers_per_host, len(spares)
         ),
         reach=Reach(
             env=it.exported_env(env),
@@ -584,14 +590,3 @@ def _plan_of(
         warm=warm,
         keep_workers=warm and keep,
     )
-
-
-def _world_and_spares(
-    it: Launcher, src: HostsSource, environ: Mapping[str, str]
-) -> tuple[list[HostSlots], list[HostSlots]]:
-    """The resolved hosts of the first attempt, and the spares (``src``: the hostnames')."""
-    hosts = resolve_hosts(it.hostnames, it.workers_per_host, environ, source=src)
-    if isinstance(it.spare_hosts, int):
-        return split_spares(hosts, it.spare_hosts, it.min_hosts)
-    named = resolve_hosts(list(it.spare_hosts), it.workers_per_host, environ, field="spare_hosts")
-    return split_spares(hosts, tuple(it.spare_hosts), it.min_hosts, named)

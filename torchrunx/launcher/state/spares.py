@@ -24,12 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchrunx.launcher.settings.resolve import check_hostnames
+from torchrunx.launcher.settings.resolve import check_hostnames, resolve_hosts
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from torchrunx.hosts import HostSlots
+    from torchrunx.launcher.settings.resolve import HostnamesSpec, HostsSource, WorkersSpec
 
 
 def check_resilience(
@@ -63,16 +64,22 @@ def check_resilience(
         )
 
 
-def check_spare_names(spare_hosts: object, workers_per_host: object, requeue: object) -> None:
+def check_spare_names(
+    spare_hosts: object, workers_per_host: object, requeue: object
+) -> HostsSource | None:
     """Check the names of ``spare_hosts`` (if names), and ``requeue_on_preemption``.
+
+    Returns what the names name (classified here, once: the plan resolves them with it), or
+    None for a count.
 
     Raises:
         ValueError: A name is not a host name, or ``workers_per_host`` is a list (it counts
             the workers of ``hostnames``' hosts only).
         TypeError: ``requeue_on_preemption`` is not True or False.
     """
+    source = None
     if isinstance(spare_hosts, list | tuple):
-        check_hostnames(list(spare_hosts), "spare_hosts")
+        source = check_hostnames(list(spare_hosts), "spare_hosts")
         if isinstance(workers_per_host, list | tuple):
             raise ValueError(  # noqa: TRY004 (a value that does not fit another)
                 "spare_hosts names hosts, but workers_per_host is a list (one count per "
@@ -81,6 +88,7 @@ def check_spare_names(spare_hosts: object, workers_per_host: object, requeue: ob
             )
     if not isinstance(requeue, bool):
         raise TypeError(f"requeue_on_preemption must be True or False, got {requeue!r}")
+    return source
 
 
 def split_spares(
@@ -176,3 +184,25 @@ def reshape(
             else "would be fewer than the launch's hosts (set min_hosts to go on with fewer)"
         )
     return Reshape(tuple(new), tuple(replaced), tuple(dropped), short)
+
+
+def world_and_spares(  # noqa: PLR0913 (one argument per field it reads, and what they name)
+    hostnames: HostnamesSpec,
+    workers_per_host: WorkersSpec,
+    *,
+    spare_hosts: int | Sequence[str],
+    min_hosts: int | None,
+    sources: tuple[HostsSource, HostsSource | None],
+    environ: Mapping[str, str],
+) -> tuple[list[HostSlots], list[HostSlots]]:
+    """The resolved hosts of the first attempt, and the spares (:func:`split_spares`).
+
+    ``sources``: what ``hostnames`` and ``spare_hosts`` (None: a count) name, as the fields'
+    checks classified them (each once per launch).
+    """
+    hosts = resolve_hosts(hostnames, workers_per_host, environ, source=sources[0])
+    if isinstance(spare_hosts, int):
+        return split_spares(hosts, spare_hosts, min_hosts)
+    names = tuple(spare_hosts)
+    spares = resolve_hosts(names, workers_per_host, environ, field="spare_hosts", source=sources[1])
+    return split_spares(hosts, names, min_hosts, spares)
