@@ -158,6 +158,9 @@ def test_rule_a_relay_other_than_off_auto_on_is_refused_with_what_auto_means():
 
 LAUNCHER_SIDE = Path(plan.__file__).parents[1]
 """``torchrunx/launcher``: its modules take the environment's values from the plan."""
+ENGINES = LAUNCHER_SIDE.parent / "engines"
+"""``torchrunx/engines``: the transports a launch starts agents with (given the plan's values
+in :class:`~torchrunx.engines.protocol.AgentStart`)."""
 
 READS_OS_ENVIRON = {
     ("settings/environ.py", "read_environ"),  # the plan's one read
@@ -165,14 +168,18 @@ READS_OS_ENVIRON = {
     ("launch/preempt.py", "default_grace"),  # the same
     ("launch/preempt.py", "requeue_job"),  # the same
     ("view/view_server.py", "runtime_dir"),  # torchrunx top, outside a launch
+    ("engines/builtin.py", "__init__"),  # SrunAgent: srun runs with the start's env, if given
+    ("engines/ray.py", "connect"),  # ray.init's PYTHONBREAKPOINT, put back (no setting read)
+    ("engines/ray_actor.py", "start"),  # inside the Ray actor: the host's environment
 }
 """Where a module under ``torchrunx/launcher`` may read ``os.environ``, and why."""
 
 
 def _environ_reads() -> set[tuple[str, str]]:
-    """``(module, function)`` of every ``os.environ`` / ``os.getenv`` under torchrunx/launcher."""
+    """``(module, function)`` of every ``os.environ`` / ``os.getenv`` under torchrunx/launcher
+    and torchrunx/engines (``engines/`` named so)."""
     found: set[tuple[str, str]] = set()
-    for path in sorted(LAUNCHER_SIDE.rglob("*.py")):
+    for path in sorted([*LAUNCHER_SIDE.rglob("*.py"), *ENGINES.rglob("*.py")]):
         tree = ast.parse(path.read_text(), str(path))
         for function in ast.walk(tree):
             if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -184,12 +191,19 @@ def _environ_reads() -> set[tuple[str, str]]:
                     and isinstance(node.value, ast.Name)
                     and node.value.id == "os"
                 ):
-                    found.add((path.relative_to(LAUNCHER_SIDE).as_posix(), function.name))
+                    found.add((_where(path), function.name))
         for node in ast.walk(tree):  # a module-level read, or ``from os import environ``
             if isinstance(node, ast.ImportFrom) and node.module == "os":
                 names = {alias.name for alias in node.names}
                 assert not names & {"environ", "getenv", "environb"}, path
     return found
+
+
+def _where(path: Path) -> str:
+    """``path`` relative to torchrunx/launcher, or ``engines/...``."""
+    if path.is_relative_to(ENGINES):
+        return f"engines/{path.relative_to(ENGINES).as_posix()}"
+    return path.relative_to(LAUNCHER_SIDE).as_posix()
 
 
 def test_rule_nothing_under_the_launcher_reads_os_environ_but_the_plan():

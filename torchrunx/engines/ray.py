@@ -224,7 +224,7 @@ class RayTransport(Transport):
         """
         with self._lock:
             try:
-                ray = connect(ray_address(self.argument, os.environ))
+                ray = connect(ray_address(self.argument, start.environ))  # the plan's
             except RuntimeError as exc:
                 raise AgentFailedError(start.hostname, str(exc)) from exc
             with _CONNECT_LOCK:
@@ -326,7 +326,7 @@ class RayTransport(Transport):
 
     def describe(self, hostname: str) -> str:
         """What starts the agent (no Ray call: a dry run contacts nothing)."""
-        address = self.argument or os.environ.get("RAY_ADDRESS") or "auto"
+        address = self.argument or "RAY_ADDRESS, else auto"  # a launch reads the plan's
         return (
             f"a Ray actor on node {hostname} (cluster {address}; 1 CPU and the node's GPUs, "
             "placement group STRICT_SPREAD) runs bash --noprofile --norc -c ... (the agent)"
