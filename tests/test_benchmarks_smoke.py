@@ -6,6 +6,7 @@ The whole smoke (every case, every tool) is ``python benchmarks/run.py --smoke``
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -147,3 +148,39 @@ def test_agent_import_benchmark_smoke_run():
     }, result.stdout
     assert figures["agent cpu"][0] > figures["bare cpu"][0] > 0, result.stdout
     assert figures["importtime"][0] > 0, result.stdout
+
+
+def test_before_after_reads_every_benchmarks_figures_and_judges_noise():
+    spec = importlib.util.spec_from_file_location(
+        "before_after", REPO / "benchmarks/before_after.py"
+    )
+    assert spec is not None and spec.loader is not None
+    before_after = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before_after)
+    run_table = (
+        "| case | ours | floor | ours/0.4 |\n|---|---|---|---|\n"
+        "| launch overhead, 1 host: wall | 2.09 s | 2.15 s | 0.36 |\n"
+        "| logs: lines/s | 364,525 lines/s | n/a | - |\n"
+    )
+    many = (
+        f"{'':24}{'small':>12}{'large':>12}\n{'seconds':24}{0.8:12.3f}{2.9:12.3f}\n"
+        f"launcher threads: 8 at 30 hosts, 27 at 300 hosts\n"
+        f"floor {'seconds':18}{0.5:12.3f}\n"
+    )
+    resilience = "cut link -> function on the spare   median   2.40 s   slowest   2.61 s   (3 runs)"
+    found = before_after.figures(run_table + "\n" + many + resilience)
+    assert found == {
+        "launch overhead, 1 host: wall | ours": 2.09,
+        "launch overhead, 1 host: wall | floor": 2.15,
+        "launch overhead, 1 host: wall | ours/0.4": 0.36,
+        "logs: lines/s | ours": 364525.0,
+        "seconds | small": 0.8,
+        "seconds | large": 2.9,
+        "floor | seconds": 0.5,
+        "cut link -> function on the spare | median": 2.40,
+        "cut link -> function on the spare | slowest": 2.61,
+    }
+    assert before_after.verdict([1.0, 1.2], [1.1, 1.3]) == "same"  # ranges overlap
+    assert before_after.verdict([1.0, 1.01], [1.05, 1.06]) == "same"  # within 10%
+    assert before_after.verdict([1.0, 1.01], [1.2, 1.3]) == "CHANGED"
+    assert before_after.verdict([0.0], [0.0]) == "same"
