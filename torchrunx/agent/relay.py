@@ -30,17 +30,26 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, NoReturn
 
 from torchrunx.errors import ProtocolError
-from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap, agent_environ
+from torchrunx.wire.bootstrap import (
+    AGENT_COMMAND,
+    BOOT_CODE,
+    AgentBootstrap,
+    TreeChild,
+    agent_environ,
+)
 from torchrunx.wire.relay import (
     DATA,
     EOF,
@@ -48,6 +57,7 @@ from torchrunx.wire.relay import (
     OPEN,
     OUT,
     PIPE_SIZE,
+    TREE,
     ByteQueue,
     FrameSplitter,
     frame,
@@ -69,6 +79,9 @@ MAX_CHANNELS = 256
 (an agent and its workers need a few; the launcher sheds connections that do not authenticate)."""
 ACCEPT_PAUSE = 0.1
 """Seconds the relay stops accepting after ``accept`` failed for want of descriptors."""
+TREE_CONNECT_TIMEOUT = 30
+"""``ConnectTimeout`` of the ``ssh`` clients that start a tree start's children."""
+_LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 
 class _Channel:
@@ -113,15 +126,25 @@ class HostRelay:
     """The relay's loop: the listening socket, the channels, stdin, stdout and the agent."""
 
     def __init__(
-        self, listener: socket.socket | None, child: subprocess.Popen[bytes], opened: bytes = b""
+        self,
+        listener: socket.socket | None,
+        child: subprocess.Popen[bytes],
+        opened: bytes = b"",
+        tree: TreeStarts | None = None,
     ) -> None:
         """Relay for ``child`` (the agent), whose stdout is a pipe; ``listener``: None if direct.
 
         ``opened``: what each OPEN frame carries (this host's address, and the launcher's).
+        ``tree``: the hosts this relay starts (tree start): their events go as TREE frames,
+        and the relay ends once they have ended too.
         """
         self.listener = listener
         self.opened = opened
         self.child = child
+        self.tree = tree
+        self.tree_out: int | None = None if tree is None else tree.read_fd
+        self._tree_line = bytearray()
+        self.max_channels = MAX_CHANNELS * (1 + (0 if tree is None else len(tree.children)))
         self.channels: dict[int, _Channel] = {}
         self.next_channel = 1
         self.out = ByteQueue()
@@ -153,7 +176,7 @@ class HostRelay:
         return self.exit_code if self.exit_code is not None else 1
 
     def _done(self) -> bool:
-        if self.exit_code is None or self.child_out is not None:
+        if self.exit_code is None or self.child_out is not None or self.tree_out is not None:
             return False
         flushed = not self.out and (not self.channels or not self.stdin_open)
         return flushed or time.monotonic() - (self.ended_at or 0.0) > _END_GRACE
@@ -178,11 +201,13 @@ class HostRelay:
             watch(0, select.POLLIN, lambda _e: self._read_stdin())
         if self.out:
             watch(1, select.POLLOUT, lambda _e: self._write_stdout())
-        accepting = room and len(self.channels) < MAX_CHANNELS
+        accepting = room and len(self.channels) < self.max_channels
         if self.listener is not None and accepting and time.monotonic() >= self.accept_after:
             watch(self.listener.fileno(), select.POLLIN, lambda _e: self._accept())
         if self.child_out is not None and room:
             watch(self.child_out, select.POLLIN, lambda _e: self._read_child())
+        if self.tree_out is not None and room:
+            watch(self.tree_out, select.POLLIN, lambda _e: self._read_tree())
         if self.exit_code is None:
             watch(self.pidfd, select.POLLIN, lambda _e: self._reap())
         self._watch_channels(watch, room=room)
@@ -244,6 +269,8 @@ class HostRelay:
             return
         self.stdin_open = False
         self.stopping_since = time.monotonic()
+        if self.tree is not None:
+            self.tree.stop()
         if self.child.stdin is not None:
             with contextlib.suppress(OSError):
                 self.child.stdin.close()
@@ -257,7 +284,7 @@ class HostRelay:
         if self.listener is None:  # closed earlier in this batch (the launcher is gone)
             return
         try:
-            sock, _ = self.listener.accept()
+            sock, peer = self.listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         except OSError:  # out of descriptors: rest; the connection waits in the backlog
@@ -267,7 +294,10 @@ class HostRelay:
         number = self.next_channel
         self.next_channel += 1
         self.channels[number] = _Channel(sock)
-        self._send(OPEN, number, self.opened)
+        opened = self.opened
+        if not str(peer[0]).startswith(_LOOPBACK):  # a child's (tree start): its own address
+            opened = str(peer[0]).removeprefix("::ffff:").encode() + opened[opened.find(b"\n") :]
+        self._send(OPEN, number, opened)
 
     def _on_channel(self, number: int, events: int) -> None:
         channel = self.channels.get(number)
@@ -334,16 +364,181 @@ class HostRelay:
         os.close(self.child_out)
         self.child_out = None
 
+    def _read_tree(self) -> None:
+        """Events of the hosts this relay started: each whole line goes as a TREE frame."""
+        if self.tree_out is None:
+            return
+        try:
+            chunk = os.read(self.tree_out, MAX_DATA)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            os.close(self.tree_out)
+            self.tree_out = None
+            return
+        self._tree_line += chunk
+        *lines, rest = bytes(self._tree_line).split(b"\n")
+        self._tree_line = bytearray(rest)
+        for line in lines:
+            if self.stdin_open:
+                self._send(TREE, 0, line[:MAX_DATA])
+
     def _reap(self) -> None:
         code = self.child.wait()
         self.exit_code = code if code >= 0 else 128 - code
         self.ended_at = time.monotonic()
+        if self.exit_code != 0 and self.tree is not None:
+            self.tree.stop()  # this host's agent failed: its children stop, and say so
 
     def _check_deadlines(self) -> None:
         since = self.stopping_since
         if since is not None and self.exit_code is None and time.monotonic() - since > _STOP_GRACE:
             with contextlib.suppress(ProcessLookupError):
                 self.child.kill()
+        if self.tree is not None:
+            self.tree.check_deadline()
+
+
+class TreeStarts:
+    """The hosts a relay starts in a tree start, each with OpenSSH's ``ssh`` client.
+
+    One thread per child starts its client, writes the child's script and bootstrap line to
+    its stdin (kept open: the child's agent stops when it closes), and reads its output. Its
+    lines and its end are written as JSON lines to a pipe (:attr:`read_fd`) that the relay
+    sends on as TREE frames; the pipe ends once every child has ended.
+    """
+
+    def __init__(self, boot: AgentBootstrap, port: int) -> None:
+        """Start the children of ``boot`` (its ``tree``), to connect to this host at ``port``."""
+        self.children: tuple[TreeChild, ...] = boot.tree
+        self._script = boot.tree_script.encode(errors="surrogateescape") + b"\0"
+        self._config = boot.tree_ssh_config
+        self._base = dataclasses.replace(
+            boot, relay="", tree=(), tree_script="", tree_ssh_config="", launcher_port=port
+        )
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        self._lock = threading.Lock()
+        self._left = len(self.children)
+        self._clients: dict[int, subprocess.Popen[bytes]] = {}
+        self.stopping_since: float | None = None
+        if not self.children:
+            os.close(self._write_fd)
+        for child in self.children:
+            threading.Thread(
+                target=self._run, args=(child,), name=f"tree-{child.host_index}", daemon=True
+            ).start()
+
+    def _argv(self, hostname: str, *, resolve: bool = False) -> list[str]:
+        config = ["-F", self._config] if self._config else []
+        options = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={TREE_CONNECT_TIMEOUT}"]
+        ssh = shutil.which("ssh") or "ssh"
+        if resolve:
+            return [ssh, "-G", *config, "--", hostname]
+        return [ssh, "-T", *config, *options, "--", hostname, AGENT_COMMAND]
+
+    def _address_for(self, hostname: str) -> str:
+        """This host's address on its route to ``hostname`` (its ``HostName`` in the config)."""
+        target = hostname
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            shown = subprocess.run(
+                self._argv(hostname, resolve=True), capture_output=True, timeout=10, check=False
+            ).stdout.decode(errors="replace")
+            for line in shown.splitlines():
+                key, _, value = line.partition(" ")
+                if key == "hostname" and value:
+                    target = value
+        return own_address((target, 22))
+
+    def _emit(self, event: dict[str, object]) -> None:
+        data = json.dumps(event).encode() + b"\n"
+        with self._lock, contextlib.suppress(OSError):
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._write_fd, view) :]
+
+    def _run(self, child: TreeChild) -> None:
+        index = child.host_index
+        status = 255
+        try:
+            status = self._start_and_read(child)
+        except Exception as exc:  # noqa: BLE001 (any failure is this child's, and said)
+            self._emit({"host": index, "err": True, "line": f"torchrunx tree: {exc!r}"})
+        finally:
+            self._emit({"host": index, "exit": status})
+            with self._lock:
+                self._left -= 1
+                if self._left == 0:
+                    os.close(self._write_fd)
+
+    def _start_and_read(self, child: TreeChild) -> int:
+        line = dataclasses.replace(
+            self._base,
+            host_index=child.host_index,
+            hostname=child.hostname,
+            workers=child.workers,
+            launcher_address=self._address_for(child.hostname),
+        ).to_json_line()
+        with self._lock:
+            if self.stopping_since is not None:
+                return 143  # stopped before it started
+            client = subprocess.Popen(
+                self._argv(child.hostname),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            self._clients[child.host_index] = client
+        assert client.stdin is not None  # noqa: S101 (started with pipes)
+        with contextlib.suppress(OSError):
+            client.stdin.write(self._script + line)
+            client.stdin.flush()
+        del line
+        self._read(child.host_index, client)
+        code = client.wait()
+        return code if code >= 0 else 128 - code
+
+    def _read(self, index: int, client: subprocess.Popen[bytes]) -> None:
+        """Pass on the client's stdout and stderr, line by line, until both end."""
+        assert client.stdout is not None  # noqa: S101 (started with pipes)
+        assert client.stderr is not None  # noqa: S101
+        streams = {client.stdout.fileno(): False, client.stderr.fileno(): True}
+        partial = dict.fromkeys(streams, b"")
+        while streams:
+            for fd in select.select(list(streams), [], [])[0]:
+                chunk = os.read(fd, 65536)
+                *lines, partial[fd] = (partial[fd] + chunk).split(b"\n")
+                lines += [partial[fd]] if not chunk and partial[fd] else []
+                for text in lines:
+                    line = text.decode(errors="replace")
+                    self._emit({"host": index, "err": streams[fd], "line": line})
+                if not chunk:
+                    del streams[fd]
+
+    def stop(self) -> None:
+        """Close every child's stdin: their agents stop, as at the end of an SSH session."""
+        with self._lock:
+            if self.stopping_since is None:
+                self.stopping_since = time.monotonic()
+            clients = list(self._clients.values())
+        for client in clients:
+            if client.stdin is not None:
+                with contextlib.suppress(OSError):
+                    client.stdin.close()
+
+    def check_deadline(self) -> None:
+        """SIGKILL the ``ssh`` clients still running :data:`_STOP_GRACE` after :meth:`stop`."""
+        since = self.stopping_since
+        if since is None or time.monotonic() - since <= _STOP_GRACE:
+            return
+        with self._lock:
+            clients = list(self._clients.values())
+        for client in clients:
+            with contextlib.suppress(ProcessLookupError):
+                client.kill()
 
 
 def _malformed(reason: str) -> NoReturn:
@@ -363,9 +558,16 @@ def main(line: bytes) -> None:
     if not boot.relay:
         _malformed("malformed agent bootstrap: field 'relay' is missing")
     host, port = address = (boot.launcher_address, boot.launcher_port)
-    mode, boot = boot.relay, dataclasses.replace(boot, relay="")  # the agent's line
+    full, tree = boot, bool(boot.tree)
+    mode = boot.relay
+    boot = dataclasses.replace(boot, relay="", tree=(), tree_script="", tree_ssh_config="")
     listener = None
-    if mode != "auto" or not reaches(address):
+    if tree:  # its children connect to it too: on every interface
+        listener = socket.create_server(("0.0.0.0", 0), backlog=4096)  # noqa: S104
+        boot = dataclasses.replace(
+            boot, launcher_address="127.0.0.1", launcher_port=listener.getsockname()[1]
+        )
+    elif mode != "auto" or not reaches(address):
         if mode == "auto":
             sys.stderr.write(
                 f"torchrunx relay: this host cannot connect to the launcher at {host}:{port}: "
@@ -388,6 +590,10 @@ def main(line: bytes) -> None:
         child.stdin.write(boot.to_json_line())
         child.stdin.flush()
     del boot  # the secret: no frame keeps it
+    starts = None
+    if tree and listener is not None:
+        starts = TreeStarts(full, listener.getsockname()[1])
+    del full
     opened = f"{own_address(address)}\n{address[0]}".encode()
-    code = HostRelay(listener, child, opened).run()
+    code = HostRelay(listener, child, opened, starts).run()
     os._exit(code)
