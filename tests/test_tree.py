@@ -97,7 +97,7 @@ def test_a_tree_of_six_hosts_runs_every_rank_with_no_route_back(cluster, capfd):
     assert [r["relay_ssh"] for r in ranks] == [2, 2, 0, 0, 0, 0], ranks
     out = capfd.readouterr().out
     for rank, host in enumerate([node1, node2] * 3):
-        assert f"[{host}:{rank}] tree rank {rank} says hello" in out, out
+        assert f"[{host}:0] tree rank {rank} says hello" in out, out  # [host:local rank]
     _wait_nothing_left()
 
 
@@ -126,7 +126,12 @@ def test_a_lost_interior_host_fails_its_subtree_naming_it(cluster):
     text = str(info.value) + "\n" + "\n".join(getattr(info.value, "__notes__", []))
     print(f"TREE-LOST-ERROR hostname={info.value.hostname!r}\n{text}\nEND")
     assert info.value.hostname in (node1, node2), text
-    assert "was lost" in text or "host index 0" in text or node1 in text, text
+    for child, host in ((2, node1), (3, node2)):  # host 0's subtree, each named
+        assert (
+            f"host {host} (host index {child}) was started by interior host {node1} "
+            "(host index 0), which was lost"
+        ) in text, text
+    assert "host index 4" not in text, text  # host 1's subtree was not lost
     assert took < 60, took
     _wait_nothing_left()
 
@@ -194,6 +199,7 @@ def test_a_child_ends_named_when_its_interior_host_is_lost():
     assert child.wait(0) is None
     handle(None)
     assert child.wait(5) == 255
+    assert child.lost.startswith("host c (host index 2) was started by interior host a")
     assert tree.child(3).wait(0) == 255
     assert tree.child(4).wait(0) is None
     ((_fd, read),) = child.readers()

@@ -223,6 +223,10 @@ class Inbox:
         if agent.over:
             self.state.agent_table.agent_judged(agent)
             return
+        lost = getattr(self.pool.processes.get(agent.index), "lost", "")
+        if lost:  # a tree start's child whose interior host was lost (launcher/starts/tree.py)
+            self.agent_failed(agent, AgentFailedError(agent.slots.hostname, lost))
+            return
         if self.state.progress.stopping:
             self.agent_failed(agent, None)
             return

@@ -57,6 +57,8 @@ class TreeChildProcess:
         self._lines: collections.deque[tuple[bool, str]] = collections.deque()
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._status: int | None = None
+        self.lost = ""
+        """Why it ended, when its interior host was lost first (the launch names it so)."""
         self._exit_read, self._exit_write = os.pipe()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -73,13 +75,18 @@ class TreeChildProcess:
                 self._tail.append(text)
             self._poke(self._wake_write)
 
-    def end(self, status: int, note: str = "") -> None:
-        """The child ended with ``status`` (from any thread); ``note``: why, if it is known."""
+    def end(self, status: int, note: str = "", *, lost: bool = False) -> None:
+        """The child ended with ``status`` (from any thread); ``note``: why, if it is known.
+
+        ``lost``: its interior host was lost first; ``note`` is then its error's reason.
+        """
         with self._lock:
             if self._status is not None:
                 return
             if note:
                 self._tail.append(note)
+            if lost:
+                self.lost = note
             self._status = status
             self._poke(self._exit_write)
             self._poke(self._wake_write)
@@ -187,7 +194,7 @@ class Tree:
         mine = self.children(parent)
         if data is None:  # the interior host's stream ended: what is still running is lost
             for index in mine:
-                self.child(index).end(LOST_STATUS, self._lost_note(index, parent))
+                self.child(index).end(LOST_STATUS, self._lost_note(index, parent), lost=True)
             return
         try:
             event = json.loads(data)
