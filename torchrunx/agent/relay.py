@@ -30,26 +30,18 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
-import json
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, NoReturn
 
+from torchrunx.agent.tree.starts import LOOPBACK, TreeStarts, child_listeners, child_routes
 from torchrunx.errors import ProtocolError
-from torchrunx.wire.bootstrap import (
-    AGENT_COMMAND,
-    BOOT_CODE,
-    AgentBootstrap,
-    TreeChild,
-    agent_environ,
-)
+from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap, agent_environ
 from torchrunx.wire.relay import (
     DATA,
     EOF,
@@ -64,7 +56,7 @@ from torchrunx.wire.relay import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
 BUFFER_LIMIT = 16 << 20
 """Bytes waiting for stdout (or for the connections) above which the relay stops reading more."""
@@ -79,8 +71,6 @@ MAX_CHANNELS = 256
 (an agent and its workers need a few; the launcher sheds connections that do not authenticate)."""
 ACCEPT_PAUSE = 0.1
 """Seconds the relay stops accepting after ``accept`` failed for want of descriptors."""
-TREE_CONNECT_TIMEOUT = 30
-"""``ConnectTimeout`` of the ``ssh`` clients that start a tree start's children."""
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 
@@ -131,14 +121,16 @@ class HostRelay:
         child: subprocess.Popen[bytes],
         opened: bytes = b"",
         tree: TreeStarts | None = None,
+        more: Sequence[socket.socket] = (),
     ) -> None:
         """Relay for ``child`` (the agent), whose stdout is a pipe; ``listener``: None if direct.
 
         ``opened``: what each OPEN frame carries (this host's address, and the launcher's).
         ``tree``: the hosts this relay starts (tree start): their events go as TREE frames,
-        and the relay ends once they have ended too.
+        and the relay ends once they have ended too; ``more``: where they connect (listening
+        sockets beside ``listener``, each accepted from as it is).
         """
-        self.listener = listener
+        self.listeners = [*([] if listener is None else [listener]), *more]
         self.opened = opened
         self.child = child
         self.tree = tree
@@ -162,8 +154,8 @@ class HostRelay:
             os.set_blocking(fd, False)
             with contextlib.suppress(OSError):  # fewer, larger writes (not a pipe: no matter)
                 fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-        if listener is not None:
-            listener.setblocking(False)  # noqa: FBT003 (the socket API)
+        for each in self.listeners:
+            each.setblocking(False)  # noqa: FBT003 (the socket API)
         self.pidfd = os.pidfd_open(child.pid)
 
     def run(self) -> int:
@@ -202,8 +194,9 @@ class HostRelay:
         if self.out:
             watch(1, select.POLLOUT, lambda _e: self._write_stdout())
         accepting = room and len(self.channels) < self.max_channels
-        if self.listener is not None and accepting and time.monotonic() >= self.accept_after:
-            watch(self.listener.fileno(), select.POLLIN, lambda _e: self._accept())
+        if accepting and time.monotonic() >= self.accept_after:
+            for each in self.listeners:
+                watch(each.fileno(), select.POLLIN, functools.partial(self._accept, each))
         if self.child_out is not None and room:
             watch(self.child_out, select.POLLIN, lambda _e: self._read_child())
         if self.tree_out is not None and room:
@@ -276,15 +269,15 @@ class HostRelay:
                 self.child.stdin.close()
         for number in list(self.channels):
             self._close_channel(number)
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
+        for each in self.listeners:
+            each.close()
+        self.listeners = []
 
-    def _accept(self) -> None:
-        if self.listener is None:  # closed earlier in this batch (the launcher is gone)
+    def _accept(self, listener: socket.socket, _events: int) -> None:
+        if listener not in self.listeners:  # closed earlier in this batch (the launcher is gone)
             return
         try:
-            sock, peer = self.listener.accept()
+            sock, peer = listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         except OSError:  # out of descriptors: rest; the connection waits in the backlog
@@ -401,146 +394,6 @@ class HostRelay:
             self.tree.check_deadline()
 
 
-class TreeStarts:
-    """The hosts a relay starts in a tree start, each with OpenSSH's ``ssh`` client.
-
-    One thread per child starts its client, writes the child's script and bootstrap line to
-    its stdin (kept open: the child's agent stops when it closes), and reads its output. Its
-    lines and its end are written as JSON lines to a pipe (:attr:`read_fd`) that the relay
-    sends on as TREE frames; the pipe ends once every child has ended.
-    """
-
-    def __init__(self, boot: AgentBootstrap, port: int) -> None:
-        """Start the children of ``boot`` (its ``tree``), to connect to this host at ``port``."""
-        self.children: tuple[TreeChild, ...] = boot.tree
-        self._script = boot.tree_script.encode(errors="surrogateescape") + b"\0"
-        self._config = boot.tree_ssh_config
-        self._base = dataclasses.replace(
-            boot, relay="", tree=(), tree_script="", tree_ssh_config="", launcher_port=port
-        )
-        self.read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        self._lock = threading.Lock()
-        self._left = len(self.children)
-        self._clients: dict[int, subprocess.Popen[bytes]] = {}
-        self.stopping_since: float | None = None
-        if not self.children:
-            os.close(self._write_fd)
-        for child in self.children:
-            threading.Thread(
-                target=self._run, args=(child,), name=f"tree-{child.host_index}", daemon=True
-            ).start()
-
-    def _argv(self, hostname: str, *, resolve: bool = False) -> list[str]:
-        config = ["-F", self._config] if self._config else []
-        options = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={TREE_CONNECT_TIMEOUT}"]
-        ssh = shutil.which("ssh") or "ssh"
-        if resolve:
-            return [ssh, "-G", *config, "--", hostname]
-        return [ssh, "-T", *config, *options, "--", hostname, AGENT_COMMAND]
-
-    def _address_for(self, hostname: str) -> str:
-        """This host's address on its route to ``hostname`` (its ``HostName`` in the config)."""
-        target = hostname
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            shown = subprocess.run(
-                self._argv(hostname, resolve=True), capture_output=True, timeout=10, check=False
-            ).stdout.decode(errors="replace")
-            for line in shown.splitlines():
-                key, _, value = line.partition(" ")
-                if key == "hostname" and value:
-                    target = value
-        return own_address((target, 22))
-
-    def _emit(self, event: dict[str, object]) -> None:
-        data = json.dumps(event).encode() + b"\n"
-        with self._lock, contextlib.suppress(OSError):
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._write_fd, view) :]
-
-    def _run(self, child: TreeChild) -> None:
-        index = child.host_index
-        status = 255
-        try:
-            status = self._start_and_read(child)
-        except Exception as exc:  # noqa: BLE001 (any failure is this child's, and said)
-            self._emit({"host": index, "err": True, "line": f"torchrunx tree: {exc!r}"})
-        finally:
-            self._emit({"host": index, "exit": status})
-            with self._lock:
-                self._left -= 1
-                if self._left == 0:
-                    os.close(self._write_fd)
-
-    def _start_and_read(self, child: TreeChild) -> int:
-        line = dataclasses.replace(
-            self._base,
-            host_index=child.host_index,
-            hostname=child.hostname,
-            workers=child.workers,
-            launcher_address=self._address_for(child.hostname),
-        ).to_json_line()
-        with self._lock:
-            if self.stopping_since is not None:
-                return 143  # stopped before it started
-            client = subprocess.Popen(
-                self._argv(child.hostname),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-            self._clients[child.host_index] = client
-        assert client.stdin is not None  # noqa: S101 (started with pipes)
-        with contextlib.suppress(OSError):
-            client.stdin.write(self._script + line)
-            client.stdin.flush()
-        del line
-        self._read(child.host_index, client)
-        code = client.wait()
-        return code if code >= 0 else 128 - code
-
-    def _read(self, index: int, client: subprocess.Popen[bytes]) -> None:
-        """Pass on the client's stdout and stderr, line by line, until both end."""
-        assert client.stdout is not None  # noqa: S101 (started with pipes)
-        assert client.stderr is not None  # noqa: S101
-        streams = {client.stdout.fileno(): False, client.stderr.fileno(): True}
-        partial = dict.fromkeys(streams, b"")
-        while streams:
-            for fd in select.select(list(streams), [], [])[0]:
-                chunk = os.read(fd, 65536)
-                *lines, partial[fd] = (partial[fd] + chunk).split(b"\n")
-                lines += [partial[fd]] if not chunk and partial[fd] else []
-                for text in lines:
-                    line = text.decode(errors="replace")
-                    self._emit({"host": index, "err": streams[fd], "line": line})
-                if not chunk:
-                    del streams[fd]
-
-    def stop(self) -> None:
-        """Close every child's stdin: their agents stop, as at the end of an SSH session."""
-        with self._lock:
-            if self.stopping_since is None:
-                self.stopping_since = time.monotonic()
-            clients = list(self._clients.values())
-        for client in clients:
-            if client.stdin is not None:
-                with contextlib.suppress(OSError):
-                    client.stdin.close()
-
-    def check_deadline(self) -> None:
-        """SIGKILL the ``ssh`` clients still running :data:`_STOP_GRACE` after :meth:`stop`."""
-        since = self.stopping_since
-        if since is None or time.monotonic() - since <= _STOP_GRACE:
-            return
-        with self._lock:
-            clients = list(self._clients.values())
-        for client in clients:
-            with contextlib.suppress(ProcessLookupError):
-                client.kill()
-
-
 def _malformed(reason: str) -> NoReturn:
     sys.stderr.write(f"torchrunx relay: malformed bootstrap line ({reason})\n")
     sys.exit(2)
@@ -561,11 +414,13 @@ def main(line: bytes) -> None:
     full, tree = boot, bool(boot.tree)
     mode = boot.relay
     boot = dataclasses.replace(boot, relay="", tree=(), tree_script="", tree_ssh_config="")
-    listener = None
-    if tree:  # its children connect to it too: on every interface
-        listener = socket.create_server(("0.0.0.0", 0), backlog=4096)  # noqa: S104
+    listener: socket.socket | None = None
+    more: list[socket.socket] = []
+    routes: dict[int, tuple[str, int]] = {}
+    if tree:  # its children connect to it too, each on its route's address (tree/starts.py)
+        listener, more, routes = _listen_for_tree(full)
         boot = dataclasses.replace(
-            boot, launcher_address="127.0.0.1", launcher_port=listener.getsockname()[1]
+            boot, launcher_address=LOOPBACK, launcher_port=listener.getsockname()[1]
         )
     elif mode != "auto" or not reaches(address):
         if mode == "auto":
@@ -590,10 +445,28 @@ def main(line: bytes) -> None:
         child.stdin.write(boot.to_json_line())
         child.stdin.flush()
     del boot  # the secret: no frame keeps it
-    starts = None
-    if tree and listener is not None:
-        starts = TreeStarts(full, listener.getsockname()[1])
+    starts = TreeStarts(full, routes, _STOP_GRACE) if tree else None
     del full
     opened = f"{own_address(address)}\n{address[0]}".encode()
-    code = HostRelay(listener, child, opened, starts).run()
+    code = HostRelay(listener, child, opened, starts, more).run()
     os._exit(code)
+
+
+def _listen_for_tree(
+    boot: AgentBootstrap,
+) -> tuple[socket.socket, list[socket.socket], dict[int, tuple[str, int]]]:
+    """An interior host's listening sockets, and the address and port each child is told.
+
+    Its agent's socket (on ``127.0.0.1``), then its children's: one per address on its routes
+    to them, bound to that address only (:func:`~torchrunx.agent.tree.starts.child_listeners`).
+    """
+    addresses = child_routes(boot.tree, boot.tree_ssh_config, own_address)
+    try:
+        listeners = child_listeners(addresses.values())
+    except OSError as exc:
+        where = ", ".join(sorted(set(addresses.values())))
+        sys.stderr.write(f"torchrunx relay: cannot listen for its children on {where}: {exc}\n")
+        sys.exit(1)
+    ports = {address: each.getsockname()[1] for address, each in listeners.items()}
+    own = listeners.pop(LOOPBACK)
+    return own, list(listeners.values()), {i: (a, ports[a]) for i, a in addresses.items()}

@@ -208,8 +208,8 @@ class Tree:
             status = event["exit"]
             status = status if isinstance(status, int) and not isinstance(status, bool) else 255
             note = (
-                f"(host {child.hostname} was started by interior host {self.hostnames[parent]}, "
-                f"host index {parent})"
+                f"(host {child.hostname}, host index {index}, was started by interior host "
+                f"{self.hostnames[parent]}, host index {parent})"
             )
             child.end(status, note if status else "")
         else:
