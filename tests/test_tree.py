@@ -9,10 +9,16 @@ starts hosts 0 and 1, host 0 starts hosts 2 and 3, host 1 starts hosts 4 and 5.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import escaped_processes, torchrunx_processes
@@ -21,6 +27,7 @@ from test_relay import connections_back_dropped
 import torchrunx as trx
 from torchrunx.launcher.settings.plan import check_tree, check_tree_radix
 from torchrunx.launcher.starts.tree import Tree, tree_children, tree_parent
+from torchrunx.launcher.view.logdirs import log_file_name
 from torchrunx.wire.bootstrap import AgentBootstrap, AgentTimings, TreeChild
 
 
@@ -66,6 +73,7 @@ def _hello(launcher_pid: int) -> dict[str, object]:
 
 
 def _wait_nothing_left(seconds: float = 30) -> None:
+    """No agent, relay, worker or ssh client left on any host, nor here (bounded wait)."""
     deadline = time.monotonic() + seconds
     while (torchrunx_processes() or escaped_processes()) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -73,8 +81,44 @@ def _wait_nothing_left(seconds: float = 30) -> None:
     assert escaped_processes() == []
 
 
+def _started(folder: str) -> int:
+    """Say that this rank runs (a file named after it: the hosts share this filesystem);
+    how many ranks have said so."""
+    Path(folder, os.environ["RANK"]).touch()
+    return len(list(Path(folder).iterdir()))
+
+
+def _wait_all_started(folder: str, ranks: int = 6, seconds: float = 120) -> None:
+    """Wait (bounded) until ``ranks`` ranks have said that they run (:func:`_started`)."""
+    deadline = time.monotonic() + seconds
+    while len(list(Path(folder).iterdir())) < ranks:
+        assert time.monotonic() < deadline, f"only {sorted(os.listdir(folder))} started"
+        time.sleep(0.05)
+
+
+def _listening(pid: int) -> set[str]:
+    """The addresses process ``pid`` listens on (TCP), read in its own network namespace."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        for row in rows:
+            if row[3] != "0A" or row[9] not in inodes:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(row[1].partition(":")[0])  # 32-bit words in host order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(socket.inet_ntop(family, raw))
+    return found
+
+
 @pytest.mark.cluster
-def test_a_tree_of_six_hosts_runs_every_rank_with_no_route_back(cluster, capfd):
+def test_a_tree_of_six_hosts_runs_every_rank_with_no_route_back(cluster, capfd, log_dir):
     node1, node2 = cluster.names()
     with connections_back_dropped(cluster):
         result = trx.launch(
@@ -97,23 +141,66 @@ def test_a_tree_of_six_hosts_runs_every_rank_with_no_route_back(cluster, capfd):
     out = capfd.readouterr().out
     for rank, host in enumerate([node1, node2] * 3):
         assert f"[{host}:0] tree rank {rank} says hello" in out, out  # [host:local rank]
+    # Every rank's log file and every agent's, in the launch's folder, as without a tree.
+    (folder,) = (p for p in log_dir.iterdir() if p.is_dir() and not p.is_symlink())
+    hostnames = [node1, node2] * 3
+    for index in range(6):
+        worker = (folder / log_file_name(hostnames, index, 0)).read_text()
+        assert f"tree rank {index} says hello" in worker, (index, worker)
+        agent = (folder / log_file_name(hostnames, index, None)).read_text()
+        assert f"agent of host {index} started on {hostnames[index]}" in agent, (index, agent)
     _wait_nothing_left()
 
 
-def _kill_interior_host_0() -> None:
+def _relay_listens(folder: str) -> list[str]:
+    """On an interior host (ranks 0 and 1): where its relay listens, once every rank runs
+    (its children connected through it)."""
+    _started(folder)
+    if int(os.environ["RANK"]) >= 2:
+        return []
+    _wait_all_started(folder)
+    return sorted(_listening(_relay_above(os.getpid())))
+
+
+@pytest.mark.cluster
+def test_an_interior_relay_listens_on_loopback_and_its_childrens_route_only(cluster, tmp_path):
+    node1, node2 = cluster.names()
+    with connections_back_dropped(cluster):
+        result = trx.launch(
+            _relay_listens,
+            func_args=(str(tmp_path),),
+            hostnames=[node1, node2] * 3,
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+            tree_radix=2,
+        )
+    # Host 0 (node1) starts hosts 2 (node1) and 3 (node2); host 1 (node2) hosts 4 and 5. Each
+    # interior relay: its agent's socket on loopback, its children's on its own address on
+    # the route to them (the test subnet's), never every interface.
+    first, second = cluster.hosts[0].address, cluster.hosts[1].address
+    assert result.ranks[0] == sorted({"127.0.0.1", first}), result.ranks
+    assert result.ranks[1] == sorted({"127.0.0.1", second}), result.ranks
+    assert result.ranks[2:] == [[]] * 4
+    _wait_nothing_left()
+
+
+def _kill_interior_host_0(folder: str) -> None:
+    _started(folder)
     if os.environ["RANK"] == "0":  # host 0: interior, it started hosts 2 and 3
-        time.sleep(3)  # every host has started
+        _wait_all_started(folder)  # every host runs
         os.kill(_relay_above(os.getpid()), signal.SIGKILL)  # its relay: the host is lost
     time.sleep(120)
 
 
 @pytest.mark.cluster
-def test_a_lost_interior_host_fails_its_subtree_naming_it(cluster):
+def test_a_lost_interior_host_fails_its_subtree_naming_it(cluster, tmp_path):
     node1, node2 = cluster.names()
     started = time.monotonic()
     with connections_back_dropped(cluster), pytest.raises(trx.AgentFailedError) as info:
         trx.launch(
             _kill_interior_host_0,
+            func_args=(str(tmp_path),),
             hostnames=[node1, node2] * 3,
             workers_per_host=1,
             backend=None,
@@ -133,6 +220,95 @@ def test_a_lost_interior_host_fails_its_subtree_naming_it(cluster):
     assert "host index 4" not in text, text  # host 1's subtree was not lost
     assert took < 60, took
     _wait_nothing_left()
+
+
+def _fail_leaf_5(folder: str, how: str) -> None:
+    _started(folder)
+    if os.environ["RANK"] == "5":  # host 5 (node2): a leaf, started by host 1
+        _wait_all_started(folder)
+        os.kill(os.getpid() if how == "worker" else os.getppid(), signal.SIGKILL)  # or its agent
+    time.sleep(120)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", ["worker", "agent"])
+def test_a_failing_leaf_host_is_named_and_nothing_is_left(cluster, tmp_path, how):
+    node1, node2 = cluster.names()
+    expected = trx.WorkerFailedError if how == "worker" else trx.AgentFailedError
+    started = time.monotonic()
+    with connections_back_dropped(cluster), pytest.raises(expected) as info:
+        trx.launch(
+            _fail_leaf_5,
+            func_args=(str(tmp_path), how),
+            hostnames=[node1, node2] * 3,
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+            tree_radix=2,
+            agent_timeout=5,
+        )
+    took = time.monotonic() - started
+    text = str(info.value) + "\n" + "\n".join(getattr(info.value, "__notes__", []))
+    assert info.value.hostname == node2, text
+    if how == "worker":
+        assert info.value.rank == 5, text
+        assert "SIGKILL" in text, text
+    else:  # the interior host's report of its child's end names both
+        assert f"host {node2}, host index 5, was started by interior host {node2}" in text, text
+    assert "which was lost" not in text, text  # no interior host was lost
+    assert took < 60, took
+    _wait_nothing_left()
+
+
+def _run_until_stopped(folder: str) -> None:
+    _started(folder)
+    time.sleep(300)
+
+
+LAUNCHER = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import torchrunx as trx
+    from test_tree import _run_until_stopped
+
+    trx.launch(_run_until_stopped, (sys.argv[2],), hostnames=json.loads(sys.argv[3]),
+               workers_per_host=1, backend=None, ssh_config_file=sys.argv[4], tree_radix=2,
+               agent_timeout=5)
+    """
+)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_a_killed_or_interrupted_tree_launcher_leaves_nothing_on_any_host(
+    cluster, tmp_path, signum
+):
+    node1, node2 = cluster.names()
+    folder = tmp_path / "started"
+    folder.mkdir()
+    hosts = json.dumps([node1, node2] * 3)
+    argv = [sys.executable, "-c", LAUNCHER, str(Path(__file__).parent), str(folder), hosts]
+    argv.append(str(cluster.ssh_config))
+    with connections_back_dropped(cluster):
+        launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while len(list(folder.iterdir())) < 6:  # every rank of the six hosts runs
+                assert launcher.poll() is None, launcher.communicate()
+                assert time.monotonic() < deadline, sorted(os.listdir(folder))
+                time.sleep(0.1)
+            launcher.send_signal(signum)  # SIGINT: as Ctrl-C in its terminal
+            _, err = launcher.communicate(timeout=90)
+        finally:
+            launcher.kill()
+            launcher.communicate()
+        if signum == signal.SIGINT:
+            assert "KeyboardInterrupt" in err, err
+        # Each interior relay sees its stdin end (the launcher's ssh client ended, or was
+        # closed), stops its agent and its children's ssh sessions, then ends; so does every
+        # ssh client the launcher had started.
+        _wait_nothing_left(90)
 
 
 def test_tree_layout_is_a_heap_under_the_launcher():
