@@ -338,6 +338,37 @@ def test_tree_radix_values_are_checked():
         check_tree(2, ["ssh"] * 3, 0, ship=(".",))
     with pytest.raises(ValueError, match="depth 3 or more"):
         trx.Launcher(hostnames=["a"] * 4, agent_start="ssh", tree_radix=1).plan()
+    with pytest.raises(ValueError, match=r"^tree_radix=0: expected None"):
+        trx.Launcher(hostnames=["a"], tree_radix=0).validate()  # before anything resolves
+    with pytest.raises(ValueError, match="container is not supported yet"):
+        trx.Launcher(hostnames=["a"], agent_start="ssh", tree_radix=1, container="x").plan()
+
+
+def test_the_radix_is_the_plans_reach_and_sets_the_relay():
+    assert trx.Launcher.tree_radix is None  # the one default, the Launcher's
+    plan = trx.Launcher(hostnames=["a", "b", "c"], agent_start="ssh", tree_radix=2).plan()
+    assert (plan.reach.tree_radix, plan.reach.relay) == (2, "on")
+    plan = trx.Launcher(hostnames=["a", "b"], agent_start="ssh", relay="auto").plan()
+    assert (plan.reach.tree_radix, plan.reach.relay) == (None, "auto")
+
+
+def test_a_dry_run_says_who_starts_whom():
+    def line(hosts: int, radix: int | None) -> list[str]:
+        launcher = trx.Launcher(
+            hostnames=[f"h{i}" for i in range(hosts)],
+            agent_start="ssh",
+            workers_per_host=1,
+            tree_radix=radix,
+        )
+        return [t for t in launcher.dry_run().splitlines() if t.startswith("tree start")]
+
+    expected = (
+        "tree start: radix 2; the launcher starts hosts 0-1; host 0 starts 2-3; host 1 starts 4, "
+        "over SSH from their own hosts"
+    )
+    assert line(5, 2) == [expected]
+    assert line(2, 4) == ["tree start: radix 4; the launcher starts hosts 0-1; no more"]
+    assert line(3, None) == []
 
 
 def test_an_interior_bootstrap_carries_its_children():
