@@ -19,6 +19,11 @@ say another user's idle one, costs this host nothing more). At most :data:`MAX_C
 are open at once (more wait in the listening socket's backlog), and out of descriptors the relay
 rests :data:`ACCEPT_PAUSE` before it accepts again.
 
+An interior host of a tree start (``Launcher(tree_radix=...)``) also starts its children and
+carries their connections (:mod:`torchrunx.agent.tree.starts`): it listens on ``127.0.0.1`` for
+its agent and, for its children, on each of its addresses on its routes to them, bound to that
+address only.
+
 It ends with its agent (with its exit status). At EOF on stdin (the launcher is gone) it closes
 the agent's stdin, which stops the agent as it would without a relay; it forwards SIGTERM to the
 agent (a preemption notice) and ignores SIGINT, as the agent does.
