@@ -71,9 +71,11 @@ from torchrunx.launcher import launcher as launcher_module
 from torchrunx.launcher.launch.inbox import Inbox
 from torchrunx.launcher.net.channels import WorkerChannel
 from torchrunx.launcher.net.listener import FrameReceived, PeerClosed
+from torchrunx.launcher.settings import plan as plan_module
 from torchrunx.launcher.settings import resolve as hosts
 from torchrunx.launcher.settings.plan import LaunchPlan
 from torchrunx.launcher.starts.agent_pool import AgentExited, AgentStarted, AgentStartFailed
+from torchrunx.launcher.state import failures as failures_module
 from torchrunx.launcher.state.failures import choose_cause, restarts_for
 from torchrunx.launcher.state.health import AgentHealth, HealthReport, WorkerHealth
 from torchrunx.launcher.state.records import OUTCOME_WAIT, AgentRecord, Fault, Phase
@@ -2105,7 +2107,7 @@ def test_rule_anything_else_is_no_log_handlers(handlers):
 def test_rule_max_restarts_is_an_integer_from_0(value):
     message = f"max_restarts must be an integer >= 0, got {value!r}"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        launcher_module._validate_restarts(value, ())
+        failures_module.check_restarts(value, ())
 
 
 @pytest.mark.parametrize("restart_on", ["exceptions", {"deaths"}, None])
@@ -2115,7 +2117,7 @@ def test_rule_restart_on_is_a_tuple_or_list(restart_on):
         f"and/or exception type names, got {restart_on!r}"
     )
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
-        launcher_module._validate_restarts(0, restart_on)
+        failures_module.check_restarts(0, restart_on)
 
 
 @pytest.mark.parametrize("entry", ["", "a b", "a-b", "x.y-z", 3, "a.b.c!"])
@@ -2125,7 +2127,7 @@ def test_rule_a_restart_on_entry_is_a_category_or_a_type_name(entry):
         "'hosts'] nor an exception type name"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        launcher_module._validate_restarts(0, [entry])
+        failures_module.check_restarts(0, [entry])
 
 
 @pytest.mark.parametrize(
@@ -2133,8 +2135,8 @@ def test_rule_a_restart_on_entry_is_a_category_or_a_type_name(entry):
     [(), ["deaths", "hosts"], ("ValueError", "my_pkg.errors.Retry_Me", "a.b_c.D2")],
 )
 def test_rule_categories_and_qualified_type_names_are_accepted(restart_on):
-    launcher_module._validate_restarts(0, restart_on)
-    launcher_module._validate_restarts(3, restart_on)
+    failures_module.check_restarts(0, restart_on)
+    failures_module.check_restarts(3, restart_on)
 
 
 class Recorder:
@@ -2144,7 +2146,7 @@ class Recorder:
 
 @pytest.mark.parametrize("handlers", [(), [print], (Recorder(),), [Recorder(), print]])
 def test_rule_event_handlers_are_functions_or_recorders(handlers):
-    launcher_module._validate_event_handlers(handlers)
+    plan_module.check_event_handlers(handlers)
 
 
 @pytest.mark.parametrize("handlers", [print, [1], (Recorder(), "x"), "handlers", None])
@@ -2154,7 +2156,7 @@ def test_rule_anything_else_is_no_event_handlers(handlers):
         f"got {handlers!r}"
     )
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
-        launcher_module._validate_event_handlers(handlers)
+        plan_module.check_event_handlers(handlers)
 
 
 @pytest.mark.parametrize(

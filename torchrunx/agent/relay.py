@@ -19,6 +19,11 @@ say another user's idle one, costs this host nothing more). At most :data:`MAX_C
 are open at once (more wait in the listening socket's backlog), and out of descriptors the relay
 rests :data:`ACCEPT_PAUSE` before it accepts again.
 
+An interior host of a tree start (``Launcher(tree_radix=...)``) also starts its children and
+carries their connections (:mod:`torchrunx.agent.tree.starts`): it listens on ``127.0.0.1`` for
+its agent and, for its children, on each of its addresses on its routes to them, bound to that
+address only.
+
 It ends with its agent (with its exit status). At EOF on stdin (the launcher is gone) it closes
 the agent's stdin, which stops the agent as it would without a relay; it forwards SIGTERM to the
 agent (a preemption notice) and ignores SIGINT, as the agent does.
@@ -39,6 +44,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, NoReturn
 
+from torchrunx.agent.tree.starts import LOOPBACK, TreeStarts, child_listeners, child_routes
 from torchrunx.errors import ProtocolError
 from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap, agent_environ
 from torchrunx.wire.relay import (
@@ -48,13 +54,14 @@ from torchrunx.wire.relay import (
     OPEN,
     OUT,
     PIPE_SIZE,
+    TREE,
     ByteQueue,
     FrameSplitter,
     frame,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
 BUFFER_LIMIT = 16 << 20
 """Bytes waiting for stdout (or for the connections) above which the relay stops reading more."""
@@ -69,6 +76,7 @@ MAX_CHANNELS = 256
 (an agent and its workers need a few; the launcher sheds connections that do not authenticate)."""
 ACCEPT_PAUSE = 0.1
 """Seconds the relay stops accepting after ``accept`` failed for want of descriptors."""
+_LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 
 class _Channel:
@@ -113,15 +121,27 @@ class HostRelay:
     """The relay's loop: the listening socket, the channels, stdin, stdout and the agent."""
 
     def __init__(
-        self, listener: socket.socket | None, child: subprocess.Popen[bytes], opened: bytes = b""
+        self,
+        listener: socket.socket | None,
+        child: subprocess.Popen[bytes],
+        opened: bytes = b"",
+        tree: TreeStarts | None = None,
+        more: Sequence[socket.socket] = (),
     ) -> None:
         """Relay for ``child`` (the agent), whose stdout is a pipe; ``listener``: None if direct.
 
         ``opened``: what each OPEN frame carries (this host's address, and the launcher's).
+        ``tree``: the hosts this relay starts (tree start): their events go as TREE frames,
+        and the relay ends once they have ended too; ``more``: where they connect (listening
+        sockets beside ``listener``, each accepted from as it is).
         """
-        self.listener = listener
+        self.listeners = [*([] if listener is None else [listener]), *more]
         self.opened = opened
         self.child = child
+        self.tree = tree
+        self.tree_out: int | None = None if tree is None else tree.read_fd
+        self._tree_line = bytearray()
+        self.max_channels = MAX_CHANNELS * (1 + (0 if tree is None else len(tree.children)))
         self.channels: dict[int, _Channel] = {}
         self.next_channel = 1
         self.out = ByteQueue()
@@ -139,8 +159,8 @@ class HostRelay:
             os.set_blocking(fd, False)
             with contextlib.suppress(OSError):  # fewer, larger writes (not a pipe: no matter)
                 fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-        if listener is not None:
-            listener.setblocking(False)  # noqa: FBT003 (the socket API)
+        for each in self.listeners:
+            each.setblocking(False)  # noqa: FBT003 (the socket API)
         self.pidfd = os.pidfd_open(child.pid)
 
     def run(self) -> int:
@@ -153,7 +173,7 @@ class HostRelay:
         return self.exit_code if self.exit_code is not None else 1
 
     def _done(self) -> bool:
-        if self.exit_code is None or self.child_out is not None:
+        if self.exit_code is None or self.child_out is not None or self.tree_out is not None:
             return False
         flushed = not self.out and (not self.channels or not self.stdin_open)
         return flushed or time.monotonic() - (self.ended_at or 0.0) > _END_GRACE
@@ -178,11 +198,14 @@ class HostRelay:
             watch(0, select.POLLIN, lambda _e: self._read_stdin())
         if self.out:
             watch(1, select.POLLOUT, lambda _e: self._write_stdout())
-        accepting = room and len(self.channels) < MAX_CHANNELS
-        if self.listener is not None and accepting and time.monotonic() >= self.accept_after:
-            watch(self.listener.fileno(), select.POLLIN, lambda _e: self._accept())
+        accepting = room and len(self.channels) < self.max_channels
+        if accepting and time.monotonic() >= self.accept_after:
+            for each in self.listeners:
+                watch(each.fileno(), select.POLLIN, functools.partial(self._accept, each))
         if self.child_out is not None and room:
             watch(self.child_out, select.POLLIN, lambda _e: self._read_child())
+        if self.tree_out is not None and room:
+            watch(self.tree_out, select.POLLIN, lambda _e: self._read_tree())
         if self.exit_code is None:
             watch(self.pidfd, select.POLLIN, lambda _e: self._reap())
         self._watch_channels(watch, room=room)
@@ -244,20 +267,22 @@ class HostRelay:
             return
         self.stdin_open = False
         self.stopping_since = time.monotonic()
+        if self.tree is not None:
+            self.tree.stop()
         if self.child.stdin is not None:
             with contextlib.suppress(OSError):
                 self.child.stdin.close()
         for number in list(self.channels):
             self._close_channel(number)
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
+        for each in self.listeners:
+            each.close()
+        self.listeners = []
 
-    def _accept(self) -> None:
-        if self.listener is None:  # closed earlier in this batch (the launcher is gone)
+    def _accept(self, listener: socket.socket, _events: int) -> None:
+        if listener not in self.listeners:  # closed earlier in this batch (the launcher is gone)
             return
         try:
-            sock, _ = self.listener.accept()
+            sock, peer = listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         except OSError:  # out of descriptors: rest; the connection waits in the backlog
@@ -267,7 +292,10 @@ class HostRelay:
         number = self.next_channel
         self.next_channel += 1
         self.channels[number] = _Channel(sock)
-        self._send(OPEN, number, self.opened)
+        opened = self.opened
+        if not str(peer[0]).startswith(_LOOPBACK):  # a child's (tree start): its own address
+            opened = str(peer[0]).removeprefix("::ffff:").encode() + opened[opened.find(b"\n") :]
+        self._send(OPEN, number, opened)
 
     def _on_channel(self, number: int, events: int) -> None:
         channel = self.channels.get(number)
@@ -334,16 +362,41 @@ class HostRelay:
         os.close(self.child_out)
         self.child_out = None
 
+    def _read_tree(self) -> None:
+        """Events of the hosts this relay started: each whole line goes as a TREE frame."""
+        if self.tree_out is None:
+            return
+        try:
+            chunk = os.read(self.tree_out, MAX_DATA)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            os.close(self.tree_out)
+            self.tree_out = None
+            return
+        self._tree_line += chunk
+        *lines, rest = bytes(self._tree_line).split(b"\n")
+        self._tree_line = bytearray(rest)
+        for line in lines:
+            if self.stdin_open:
+                self._send(TREE, 0, line[:MAX_DATA])
+
     def _reap(self) -> None:
         code = self.child.wait()
         self.exit_code = code if code >= 0 else 128 - code
         self.ended_at = time.monotonic()
+        if self.exit_code != 0 and self.tree is not None:
+            self.tree.stop()  # this host's agent failed: its children stop, and say so
 
     def _check_deadlines(self) -> None:
         since = self.stopping_since
         if since is not None and self.exit_code is None and time.monotonic() - since > _STOP_GRACE:
             with contextlib.suppress(ProcessLookupError):
                 self.child.kill()
+        if self.tree is not None:
+            self.tree.check_deadline()
 
 
 def _malformed(reason: str) -> NoReturn:
@@ -363,9 +416,18 @@ def main(line: bytes) -> None:
     if not boot.relay:
         _malformed("malformed agent bootstrap: field 'relay' is missing")
     host, port = address = (boot.launcher_address, boot.launcher_port)
-    mode, boot = boot.relay, dataclasses.replace(boot, relay="")  # the agent's line
-    listener = None
-    if mode != "auto" or not reaches(address):
+    full, tree = boot, bool(boot.tree)
+    mode = boot.relay
+    boot = dataclasses.replace(boot, relay="", tree=(), tree_script="", tree_ssh_config="")
+    listener: socket.socket | None = None
+    more: list[socket.socket] = []
+    routes: dict[int, tuple[str, int]] = {}
+    if tree:  # its children connect to it too, each on its route's address (tree/starts.py)
+        listener, more, routes = _listen_for_tree(full)
+        boot = dataclasses.replace(
+            boot, launcher_address=LOOPBACK, launcher_port=listener.getsockname()[1]
+        )
+    elif mode != "auto" or not reaches(address):
         if mode == "auto":
             sys.stderr.write(
                 f"torchrunx relay: this host cannot connect to the launcher at {host}:{port}: "
@@ -388,6 +450,28 @@ def main(line: bytes) -> None:
         child.stdin.write(boot.to_json_line())
         child.stdin.flush()
     del boot  # the secret: no frame keeps it
+    starts = TreeStarts(full, routes, _STOP_GRACE) if tree else None
+    del full
     opened = f"{own_address(address)}\n{address[0]}".encode()
-    code = HostRelay(listener, child, opened).run()
+    code = HostRelay(listener, child, opened, starts, more).run()
     os._exit(code)
+
+
+def _listen_for_tree(
+    boot: AgentBootstrap,
+) -> tuple[socket.socket, list[socket.socket], dict[int, tuple[str, int]]]:
+    """An interior host's listening sockets, and the address and port each child is told.
+
+    Its agent's socket (on ``127.0.0.1``), then its children's: one per address on its routes
+    to them, bound to that address only (:func:`~torchrunx.agent.tree.starts.child_listeners`).
+    """
+    addresses = child_routes(boot.tree, boot.tree_ssh_config, own_address)
+    try:
+        listeners = child_listeners(addresses.values())
+    except OSError as exc:
+        where = ", ".join(sorted(set(addresses.values())))
+        sys.stderr.write(f"torchrunx relay: cannot listen for its children on {where}: {exc}\n")
+        sys.exit(1)
+    ports = {address: each.getsockname()[1] for address, each in listeners.items()}
+    own = listeners.pop(LOOPBACK)
+    return own, list(listeners.values()), {i: (a, ports[a]) for i, a in addresses.items()}

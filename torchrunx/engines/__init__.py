@@ -37,8 +37,9 @@ the launcher.
 
 from __future__ import annotations
 
-from torchrunx.engines.command import AGENT_ARGV, AGENT_COMMAND, CommandAgent, route_address
+from torchrunx.engines.command import AGENT_ARGV, CommandAgent, route_address
 from torchrunx.engines.protocol import AgentProcess, AgentStart, OnLine, Transport
+from torchrunx.wire.bootstrap import AGENT_COMMAND
 
 __all__ = [
     "AGENT_ARGV",

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 from torchrunx.engines.command import (
     AGENT_ARGV,
-    AGENT_COMMAND,
     CommandAgent,
     LocalAgent,
     remote_command,
@@ -27,6 +26,7 @@ from torchrunx.engines.protocol import Transport
 from torchrunx.engines.ssh import SshAgent, resolve_ssh_target
 from torchrunx.errors import AgentFailedError
 from torchrunx.hosts.hostlists import slurm_allocation
+from torchrunx.wire.bootstrap import AGENT_COMMAND
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -106,6 +106,12 @@ class SshTransport(Transport):
         ssh = shutil.which("ssh") if start.relay is not None else None
         if ssh is not None:
             return self._openssh(start, ssh)
+        if start.on_tree is not None:
+            raise AgentFailedError(
+                start.hostname,
+                "tree_radix needs OpenSSH's ssh client on this machine (not found on PATH); "
+                "install it, or launch without tree_radix",
+            )
         return SshAgent(
             start.hostname,
             start.script,
@@ -147,6 +153,7 @@ class SshTransport(Transport):
             start.on_line,
             relay=start.relay,
             ship=start.ship,
+            on_tree=start.on_tree,
         )
 
     def describe(self, hostname: str) -> str:

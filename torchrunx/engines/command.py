@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torchrunx.engines.relay import Adopt, LauncherRelay
+from torchrunx.engines.relay import Adopt, LauncherRelay, OnTree
 from torchrunx.engines.ship import read_fd, write_within
 from torchrunx.errors import AgentFailedError, ShipError, describe_exit
-from torchrunx.wire.bootstrap import BOOT_CODE, PYTHONPATH_WITHOUT_CWD, SAFE_START
+from torchrunx.wire.bootstrap import AGENT_COMMAND, BOOT_CODE, PYTHONPATH_WITHOUT_CWD, SAFE_START
 from torchrunx.wire.lines import LineSplitter, cut_line, parse_line
 from torchrunx.wire.relay import MAX_DATA, PIPE_SIZE
 
@@ -51,9 +51,6 @@ if TYPE_CHECKING:
     from torchrunx.engines.ship import Bundle
 
 logger = logging.getLogger("torchrunx.transport")
-
-AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'"""
-"""The only command line an agent is started with (constant, holds no values)."""
 
 
 def remote_command(container: Sequence[str] = ()) -> str:
@@ -300,6 +297,7 @@ class CommandAgent(PipeReaders):
         on_line: OnLine,
         relay: Adopt | None = None,
         ship: Bundle | None = None,
+        on_tree: OnTree | None = None,
     ) -> None:
         """Start ``argv``; write ``script`` and then what ``bootstrap()`` makes to its stdin.
 
@@ -307,6 +305,7 @@ class CommandAgent(PipeReaders):
         it is written, and never held in a variable: no frame of a traceback shows it.
         ``relay``: the host relays (:mod:`torchrunx.engines.relay`); its channels go to it.
         ``ship``: the code shipped to the host, exchanged between the script and the bootstrap.
+        ``on_tree``: an interior host of a tree start: its relay's TREE frames go to it.
 
         Raises:
             AgentFailedError: The command cannot be started, or the code not shipped.
@@ -368,6 +367,7 @@ class CommandAgent(PipeReaders):
                 close_in=self._process.stdin.close,
                 adopt=relay,
                 initial=leftover,
+                on_tree=on_tree,
             )
             self._streams = {False: self._relay.out_read, True: self._streams[True]}
         elif leftover:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
     from pathlib import Path
 
-    from torchrunx.engines.relay import Adopt
+    from torchrunx.engines.relay import Adopt, OnTree
     from torchrunx.engines.ship import Bundle
 
 __all__ = [
@@ -67,6 +67,8 @@ class AgentStart:
         container: The command that runs the agent in a container on the host, as an argument
             vector to put before the agent command (``("podman", "exec", "-i", "trx")``); empty:
             none. Given only to a transport that declares ``containers = True``.
+        on_tree: Set for an interior host of a tree start (``Launcher(tree_radix=...)``, SSH
+            only): its relay's TREE frames go to it (:class:`CommandAgent`'s ``on_tree``).
     """
 
     index: int
@@ -82,6 +84,7 @@ class AgentStart:
     relay: Adopt | None = field(default=None, repr=False)
     ship: Bundle | None = field(default=None, repr=False)
     container: tuple[str, ...] = ()
+    on_tree: OnTree | None = field(default=None, repr=False)
 
     @property
     def payload(self) -> Callable[[str], bytes]:

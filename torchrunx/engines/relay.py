@@ -34,9 +34,13 @@ import threading
 from collections.abc import Callable
 
 from torchrunx.errors import ProtocolError
-from torchrunx.wire.relay import DATA, EOF, MAX_DATA, OPEN, OUT, FrameSplitter, frame
+from torchrunx.wire.relay import DATA, EOF, MAX_DATA, OPEN, OUT, TREE, FrameSplitter, frame
 
 logger = logging.getLogger("torchrunx.relay")
+
+OnTree = Callable[[bytes | None], None]
+"""Receives a tree start's events from an interior host (a TREE frame's JSON), then ``None``
+once that host's stream has ended (called from the relay's reading thread)."""
 
 Adopt = Callable[[socket.socket, tuple[str, str]], None]
 """Hands a new connection to the launcher's listener (callable from any thread), with the
@@ -68,6 +72,7 @@ class LauncherRelay:
         close_in: Callable[[], None],
         adopt: Adopt,
         initial: bytes = b"",
+        on_tree: OnTree | None = None,
     ) -> None:
         """Start relaying.
 
@@ -78,6 +83,7 @@ class LauncherRelay:
             close_in: Closes the agent's stdin (the host's relay then stops its agent).
             adopt: Hands a new connection to the listener (from this object's thread).
             initial: The start of the agent's stdout, read already (after shipped code).
+            on_tree: Gets the TREE frames of an interior host of a tree start, then ``None``.
         """
         self.hostname = hostname
         self._read_out = read_out
@@ -85,6 +91,7 @@ class LauncherRelay:
         self._close_in = close_in
         self._adopt = adopt
         self._initial = initial
+        self._on_tree = on_tree
         self._pairs: dict[int, _Pair] = {}
         self._refused: list[int] = []
         """Channels the launcher could not open: the writing thread tells the host (EOF)."""
@@ -131,6 +138,8 @@ class LauncherRelay:
         finally:
             with contextlib.suppress(OSError):
                 os.close(self._out_write)
+            if self._on_tree is not None:
+                self._on_tree(None)
             with self._lock:  # the host is gone: every channel ends on the launcher's side
                 for pair in self._pairs.values():
                     pair.eof_from_host = True
@@ -161,6 +170,10 @@ class LauncherRelay:
             return
         if kind == OPEN:
             self._open(number, data)
+            return
+        if kind == TREE:
+            if self._on_tree is not None:
+                self._on_tree(data)
             return
         with self._lock:
             pair = self._pairs.get(number)

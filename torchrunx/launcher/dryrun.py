@@ -14,6 +14,7 @@ from torchrunx import plugins
 from torchrunx.devices import AUTO_BACKEND_RULE, count_local_gpus, resolve_backend
 from torchrunx.launcher.settings.reach import default_python
 from torchrunx.launcher.starts.agent_starts import count_mode
+from torchrunx.launcher.starts.tree import tree_children
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -57,6 +58,7 @@ def describe_plan(
         f"hosts from: {_source(plan.hosts.source)}",
         f"agent start: {_transports(methods, transport_argument)}",
         *_relay_lines(plan.reach.relay),
+        *_tree_lines(plan.reach.tree_radix, len(hosts)),
         f"world size: {world if world is not None else 'known once every agent has counted'}",
         *_backend_lines(plan, hosts, gpus or [None] * len(hosts)),
         "",
@@ -129,6 +131,27 @@ def _relay_lines(relay: str) -> list[str]:
         return []
     when = "always" if relay == "on" else "for hosts whose test connection to the launcher fails"
     return [f"relay: {relay} (remote hosts' connections travel over their agent's channel, {when})"]
+
+
+def _tree_lines(radix: int | None, count: int) -> list[str]:
+    """Who starts whom in a tree start (``tree_radix``), unless there is none."""
+    if radix is None:
+        return []
+    interior = min(radix, count)
+    starts = [(i, tree_children(i, radix, count)) for i in range(interior)]
+    parents = [f"host {i} starts {_span(children)}" for i, children in starts if children]
+    return [
+        f"tree start: radix {radix}; the launcher starts hosts {_span(range(interior))}; "
+        + ("; ".join(parents) + ", over SSH from their own hosts" if parents else "no more")
+    ]
+
+
+def _span(indexes: Sequence[int]) -> str:
+    """``0-3`` for consecutive host indexes, ``none`` for none."""
+    if not indexes:
+        return "none"
+    first, last = indexes[0], indexes[-1]
+    return str(first) if first == last else f"{first}-{last}"
 
 
 def _source(source: HostsSource) -> str:

@@ -56,7 +56,10 @@ from torchrunx.launcher.settings.plan import (
     StallAction,
     Timeouts,
     check_agent_start,
+    check_event_handlers,
     check_relay,
+    check_tree,
+    check_tree_radix,
     paired_transport,
     start_methods,
 )
@@ -74,7 +77,7 @@ from torchrunx.launcher.settings.resolve import (
     check_hostnames,
     check_workers,
 )
-from torchrunx.launcher.state.failures import ALL_RESTART_CATEGORIES, RESTART_CATEGORIES
+from torchrunx.launcher.state.failures import RESTART_CATEGORIES, check_restarts
 from torchrunx.launcher.state.results import LaunchResult
 from torchrunx.launcher.state.spares import check_resilience, check_spare_names, world_and_spares
 from torchrunx.launcher.view.where import sigquit_shows_stacks
@@ -105,9 +108,9 @@ class Launcher:
 
     The fields by group (its plan's): hosts (hostnames, workers_per_host, agent_start,
     spare_hosts); workers (backend, isolate_gpus); reach (ssh_config_file, default_env_vars,
-    copy_env_vars, extra_env_vars, env_file, launcher_address, relay, python, ship, ship_exclude,
-    container); timeouts (timeout, agent_timeout, start_timeout, launch_timeout); resilience
-    (max_restarts, restart_on, min_hosts, preemption_grace, requeue_on_preemption);
+    copy_env_vars, extra_env_vars, env_file, launcher_address, relay, tree_radix, python, ship,
+    ship_exclude, container); timeouts (timeout, agent_timeout, start_timeout, launch_timeout);
+    resilience (max_restarts, restart_on, min_hosts, preemption_grace, requeue_on_preemption);
     observability (stall_timeout, on_stall, straggler_threshold, health_check_port,
     console_ranks, event_handlers, log_handlers).
     """
@@ -167,6 +170,12 @@ connection's local address (srun agents: this machine's address on the route to 
     """Carry remote agents' and workers' connections to the launcher over each agent's own
 channel (the stdio of ssh, srun or kubectl exec) instead of connecting back: "on"; "auto": for
 hosts that cannot open a connection to the launcher; "off": always connect back."""
+
+    tree_radix: int | None = None
+    """Tree start over SSH: the launcher starts at most this many agents, and each of them as many
+more from its host with OpenSSH's ssh (the ssh config and keys at the same path there), their
+connections relayed (relay="on"); up to k + k*k hosts; see How it works. None: the launcher
+starts every agent."""
 
     python: str | dict[str, str] | None = None
     """The Python interpreter of remote hosts not at the launcher's path: a path (or a name on
@@ -386,6 +395,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         check_workers(self.workers_per_host, self.hostnames)
         check_agent_start(self.agent_start)
         check_relay(self.relay)
+        check_tree_radix(self.tree_radix)
         check_python(self.python)
         check_ship(self.ship, self.ship_exclude)
         check_container(self.container)
@@ -398,7 +408,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
                 _validate_seconds(name, value)
         check_env_fields(self.default_env_vars, self.copy_env_vars, self.extra_env_vars)
         check_log_fields(self.log_handlers, self.console_ranks)
-        _validate_restarts(self.max_restarts, self.restart_on)
+        check_restarts(self.max_restarts, self.restart_on)
         check_stall_fields(self.stall_timeout, self.on_stall, self.max_restarts)
         check_straggler_threshold(self.straggler_threshold)
         check_resilience(self.spare_hosts, self.min_hosts, self.restart_on, self.max_restarts)
@@ -407,7 +417,7 @@ given a trx.LogSetup (the resolved hosts) if it takes an argument."""
         )
         if self.preemption_grace is not None:
             _validate_seconds("preemption_grace", self.preemption_grace, zero=True)
-        _validate_event_handlers(self.event_handlers)
+        check_event_handlers(self.event_handlers)
         health_port_from_env(self.health_check_port, {})  # raises ValueError for a bad port
         check_files(self.env_file, self.ssh_config_file)
         return source, spares
@@ -481,32 +491,6 @@ def launch(
     return launcher.run(func, *(func_args or ()), **(func_kwargs or {}))
 
 
-def _validate_restarts(max_restarts: object, restart_on: object) -> None:
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-    if isinstance(restart_on, str) or not isinstance(restart_on, list | tuple):
-        raise TypeError(
-            f"restart_on must be a tuple of categories {list(ALL_RESTART_CATEGORIES)} and/or "
-            f"exception type names, got {restart_on!r}"
-        )
-    for entry in restart_on:
-        if not isinstance(entry, str) or not entry.replace(".", "").replace("_", "").isalnum():
-            raise ValueError(
-                f"restart_on entry {entry!r} is neither one of {list(ALL_RESTART_CATEGORIES)} "
-                "nor an exception type name"
-            )
-
-
-def _validate_event_handlers(handlers: object) -> None:
-    if not isinstance(handlers, list | tuple) or not all(
-        callable(h) or callable(getattr(h, "record", None)) for h in handlers
-    ):
-        raise TypeError(
-            "event_handlers must be a tuple of functions or of objects with a record(event) "
-            f"method, got {handlers!r}"
-        )
-
-
 def _validate_choice(name: str, value: object, choices: tuple[object, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
@@ -546,6 +530,9 @@ def _plan_of(
     names = [h.hostname for h in hosts]
     methods, argument = start_methods(it.agent_start, names, paired_transport(sources[0]), env)
     check_python_hosts(it.python, names, methods)
+    check_tree(
+        it.tree_radix, methods, len(spares), python=it.python, ship=it.ship, container=it.container
+    )
     return LaunchPlan(
         hosts=PlanHosts(
             tuple(hosts), tuple(methods), sources[0], argument, it.workers_per_host, len(spares)
@@ -554,7 +541,8 @@ def _plan_of(
             env=it.exported_env(env),
             env_file=it.env_file,
             launcher_address=it.launcher_address,
-            relay=it.relay,
+            relay="on" if it.tree_radix is not None else it.relay,
+            tree_radix=it.tree_radix,
             python=it.python,
             ship=tuple(str(p) for p in it.ship),
             ship_exclude=tuple(it.ship_exclude),

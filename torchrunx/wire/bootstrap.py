@@ -63,6 +63,10 @@ BOOT_CODE = (
     "import torchrunx.agent.agent as a;a.main(globals().pop('b'))"
 )
 
+AGENT_COMMAND = """bash --noprofile --norc -c 'IFS= read -r -d "" s && eval "$s"'"""
+"""The only command line an agent is started with (constant, holds no values): the launcher's
+transports run it, and so does a relay that starts its children (tree start)."""
+
 PYTHONPATH_WITHOUT_CWD = (
     '{ _torchrunx_r="${PYTHONPATH-}:" _torchrunx_p=; while [ -n "$_torchrunx_r" ]; do '
     "_torchrunx_e=${_torchrunx_r%%:*}; _torchrunx_r=${_torchrunx_r#*:}; "
@@ -162,6 +166,15 @@ TIMING_FIELDS = (
 
 
 @frozen
+class TreeChild:
+    """A host that a relay starts in a tree start: its index, name and worker count."""
+
+    host_index: int
+    hostname: str
+    workers: int | None
+
+
+@frozen
 class AgentBootstrap:
     """What an agent needs to find and join its launch; sent as one JSON line on its stdin.
 
@@ -210,6 +223,13 @@ class AgentBootstrap:
     """``Launcher(relay=...)`` for a host that relays (``"auto"`` or ``"on"``): the line goes
     first to the host's relay (:mod:`torchrunx.agent.relay`), which reads the mode and hands
     its agent the line with this field empty; ``""``: the agent's own line (left out of it)."""
+    tree: tuple[TreeChild, ...] = ()
+    """Tree start (``Launcher(tree_radix=...)``): the hosts this host's relay starts over SSH
+    (:mod:`torchrunx.agent.tree`); the relay hands its own agent the line without them."""
+    tree_script: str = field(default="", repr=False)
+    """The script the children's agent command reads first (forwarded variables' values)."""
+    tree_ssh_config: str = ""
+    """The ``ssh -F`` file the relay starts its children with (``""``: ssh's own default)."""
 
     def to_json_line(self) -> bytes:
         """Encode as one line of JSON (the secret as hex), ending with a newline."""
@@ -233,6 +253,10 @@ class AgentBootstrap:
             data["preload"] = list(self.preload)
         if self.relay:
             data["relay"] = self.relay
+        if self.tree:
+            data["tree"] = [[c.host_index, c.hostname, c.workers] for c in self.tree]
+            data["tree_script"] = self.tree_script
+            data["tree_ssh_config"] = self.tree_ssh_config
         return json.dumps(data).encode() + b"\n"
 
     @classmethod
@@ -271,6 +295,9 @@ class AgentBootstrap:
             package_root=fields.path("package_root"),
             preload=fields.modules("preload"),
             relay=fields.choice("relay", RELAY_MODES, default=""),
+            tree=fields.tree("tree"),
+            tree_script=fields.optional_text("tree_script"),
+            tree_ssh_config=fields.optional_text("tree_ssh_config"),
         )
         fields.no_others()
         return bootstrap
@@ -279,6 +306,21 @@ class AgentBootstrap:
 def is_module_name(name: str) -> bool:
     """Whether ``name`` is a dotted module name (``transformers.models``): no path, no space."""
     return all(part.isidentifier() for part in name.split("."))
+
+
+def _is_child(entry: object) -> bool:
+    """Whether ``entry`` is a :class:`TreeChild` as JSON: ``[index, hostname, workers]``."""
+    if not isinstance(entry, list) or len(entry) != 3:
+        return False
+    index, hostname, workers = entry
+    return (
+        isinstance(index, int)
+        and not isinstance(index, bool)
+        and index >= 0
+        and isinstance(hostname, str)
+        and bool(hostname)
+        and (workers is None or (isinstance(workers, int) and not isinstance(workers, bool)))
+    )
 
 
 class _BootstrapFields:
@@ -392,6 +434,21 @@ class _BootstrapFields:
         if value not in choices:
             raise self._bad(name, " or ".join(repr(choice) for choice in choices), value)
         return str(value)
+
+    def optional_text(self, name: str) -> str:
+        if name not in self.data:
+            self.read.add(name)
+            return ""
+        return self.path(name)
+
+    def tree(self, name: str) -> tuple[TreeChild, ...]:
+        if name not in self.data:
+            self.read.add(name)
+            return ()
+        value = self._get(name)
+        if not isinstance(value, list) or not all(_is_child(entry) for entry in value):
+            raise self._bad(name, "a list of [host index, hostname, workers]", value)
+        return tuple(TreeChild(*entry) for entry in value)
 
     def launcher(self) -> tuple[str, int]:
         value = self._get("launcher")

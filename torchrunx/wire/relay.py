@@ -20,6 +20,9 @@ endian), then ``length`` bytes:
   channel): the host writes what came before it, then closes the connection, whether or not the
   connection's own side has ended.
 - :data:`OUT` (host to launcher): bytes the agent wrote to its stdout (channel 0).
+- :data:`TREE` (host to launcher, tree start only): one JSON object about a host this relay
+  started (``Launcher(tree_radix=...)``): ``{"host": INDEX, "err": BOOL, "line": TEXT}``, a
+  line of its ``ssh`` client's output, or ``{"host": INDEX, "exit": STATUS}``, its end.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ OPEN: Final = 1
 DATA: Final = 2
 EOF: Final = 3
 OUT: Final = 4
-_KINDS = frozenset({OPEN, DATA, EOF, OUT})
+TREE: Final = 5
+_KINDS = frozenset({OPEN, DATA, EOF, OUT, TREE})
 
 HEADER = struct.Struct("!BII")
 """kind, channel, length."""

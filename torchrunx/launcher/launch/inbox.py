@@ -223,16 +223,16 @@ class Inbox:
         if agent.over:
             self.state.agent_table.agent_judged(agent)
             return
-        if self.state.progress.stopping:
-            self.agent_failed(agent, None)
+        lost = _lost_in_tree(self.pool.processes.get(agent.index), agent.slots.hostname)
+        if lost is not None or self.state.progress.stopping:
+            self.agent_failed(agent, lost)
             return
-        env_file = self.plan.reach.env_file
         error = agent_exit_error(
             agent.slots.hostname,
             agent.exit_status,
             remote=agent.remote,
             connected=agent.hello is not None,
-            env_file=None if env_file is None else str(env_file),
+            env_file=None if self.plan.reach.env_file is None else str(self.plan.reach.env_file),
             stderr_tail=self.stderr_tail(agent.index),
             python=python_for(self.plan.reach.python, agent.slots.hostname, agent.method),
         )
@@ -468,3 +468,13 @@ class Inbox:
             self.stderr_tail(agent.index),
         )
         self.agent_failed(agent, error)
+
+
+def _lost_in_tree(process: object, hostname: str) -> AgentFailedError | None:
+    """The error of a tree start's child whose interior host was lost first, else None.
+
+    Its stand-in (:class:`torchrunx.launcher.starts.tree.TreeChildProcess`) says why in
+    ``lost``, naming both hosts; any other agent process has no such attribute.
+    """
+    lost = getattr(process, "lost", "")
+    return AgentFailedError(hostname, lost) if lost else None

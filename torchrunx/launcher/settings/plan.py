@@ -53,7 +53,8 @@ LAUNCHER_GROUPS: dict[str, tuple[str, ...]] = {
     "workers": ("backend", "isolate_gpus"),
     "reach": (
         *("ssh_config_file", "default_env_vars", "copy_env_vars", "extra_env_vars", "env_file"),
-        *("launcher_address", "relay", "python", "ship", "ship_exclude", "container"),
+        *("launcher_address", "relay", "tree_radix", "python", "ship", "ship_exclude"),
+        "container",
     ),
     "timeouts": ("timeout", "agent_timeout", "start_timeout", "launch_timeout"),
     "resilience": (
@@ -110,7 +111,11 @@ class Reach:
     launcher_address: str | None
     """The ``launcher_address`` field (``TORCHRUNX_LAUNCHER_ADDR``: in the plan's ``from_env``)."""
     relay: str
-    """Whether remote agents relay their connections (:mod:`torchrunx.engines.relay`)."""
+    """Whether remote agents relay their connections (:mod:`torchrunx.engines.relay`); "on"
+    with a tree start."""
+    tree_radix: int | None
+    """Tree start (:mod:`torchrunx.launcher.starts.tree`): the launcher starts at most this many
+    agents, each of them its children over SSH; None: the launcher starts every agent."""
     python: str | Mapping[str, str] | None
     """The remote hosts' interpreter, or each one's (:mod:`torchrunx.launcher.settings.reach`)."""
     ship: tuple[str, ...]
@@ -264,6 +269,62 @@ def check_relay(relay: object) -> None:
         raise ValueError(
             f'relay={relay!r}: expected one of {", ".join(map(repr, RELAY_MODES))} ("auto" '
             "relays only for hosts that cannot open a connection to the launcher)"
+        )
+
+
+def check_tree_radix(radix: object) -> None:
+    """Refuse a ``tree_radix`` that is neither None nor a positive integer.
+
+    Raises:
+        ValueError: Any other value.
+    """
+    if radix is not None and (isinstance(radix, bool) or not isinstance(radix, int) or radix < 1):
+        raise ValueError(
+            f"tree_radix={radix!r}: expected None (the launcher starts every agent) or a "
+            "positive integer (it starts that many, and each of them starts as many more)"
+        )
+
+
+def check_tree(radix: int | None, methods: list[StartMethod], spares: int, **more: object) -> None:
+    """Refuse a tree start (``radix``) that this version cannot run: what it needs, said.
+
+    ``more``: the fields a tree start cannot use yet (``python``, ``ship``, ``container``).
+
+    Raises:
+        ValueError: A host is not started over SSH, the tree is deeper than 2, there are
+            spares, or one of ``more`` is set.
+    """
+    if radix is None:
+        return
+    if any(method != "ssh" for method in methods):
+        raise ValueError(
+            f"tree_radix={radix}: every host must be started over SSH (agent_start='ssh'), "
+            f"got {sorted(set(methods))}; launch without tree_radix"
+        )
+    if len(methods) > radix + radix * radix:
+        raise ValueError(
+            f"tree_radix={radix}: {len(methods)} hosts need a tree of depth 3 or more, which "
+            f"is not built yet (at most {radix + radix * radix} hosts); give a larger radix"
+        )
+    if spares:
+        raise ValueError(f"tree_radix={radix}: spare hosts are not supported yet with a tree")
+    for name, value in more.items():
+        if value:
+            raise ValueError(f"tree_radix={radix}: {name} is not supported yet with a tree")
+
+
+def check_event_handlers(handlers: object) -> None:
+    """Refuse ``event_handlers`` that are not functions or objects with ``record(event)``.
+
+    Raises:
+        TypeError: Anything else.
+    """
+    if not isinstance(handlers, list | tuple) or not all(
+        callable(h) or callable(getattr(h, "record", None)) for h in handlers
+    ):
+        raise TypeError(
+            "event_handlers must be a tuple of functions or of objects with a record(event) "
+            f"method, got {handlers!r}"
         )
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torchrunx import plugins
 from torchrunx.engines import AgentStart
@@ -35,7 +35,8 @@ from torchrunx.launcher.settings.reach import (
     package_root,
     python_for,
 )
-from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap
+from torchrunx.launcher.starts.tree import Tree
+from torchrunx.wire.bootstrap import BOOT_CODE, RELAY_BOOT_CODE, AgentBootstrap, TreeChild
 from torchrunx.wire.lines import parse_line
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ class AgentStarts:
     bundle: Bundle | None = field(default=None, repr=False)
     """The code shipped to the remote hosts (``Launcher(ship=...)``), read by :meth:`prepare`."""
     _scripts: dict[tuple[str, bool], bytes] = field(default_factory=dict, repr=False)
+    tree: Tree | None = field(default=None, repr=False)
+    """Tree start (``plan.reach.tree_radix``): the hosts other hosts start (:meth:`prepare`)."""
     boot_code: ClassVar[str] = BOOT_CODE
     """What the agent's interpreter runs (``torchrunx check``'s probes run their own)."""
 
@@ -107,6 +110,9 @@ class AgentStarts:
         self.script = self._script(sys.executable, remote=False, code=self.boot_code)
         if self.plan.reach.relay != "off" and self.adopt is not None:
             self.relay_script = self._script(sys.executable, remote=False, code=RELAY_BOOT_CODE)
+        if self.plan.reach.tree_radix is not None:  # checked by the plan (check_tree)
+            hostnames = [agent.slots.hostname for agent in self.agents]
+            self.tree = Tree(self.plan.reach.tree_radix, hostnames)
 
     def _refuse_unable_transports(self) -> None:
         """Refuse ``relay="on"`` or ``ship`` where a remote host's transport cannot do it."""
@@ -221,6 +227,8 @@ class AgentStarts:
             line = parse_line(text, is_stderr=is_stderr, default_name="agent")
             self.emit(index, (None, line.levelno, line.name, line.text, time.time()))
 
+        if self.tree is not None and self.tree.is_child(index):  # its interior host starts it
+            return self.tree.child(index, on_line)
         transport = self.transport(agent.method)
         relays = bool(self.relay_script) and agent.remote and transport.relays
         try:
@@ -269,6 +277,7 @@ class AgentStarts:
                 relay=self.adopt if relays else None,
                 ship=self.bundle if agent.remote else None,
                 container=self.plan.reach.container if agent.remote else (),
+                on_tree=self.tree.on_tree(agent.index) if self.tree is not None else None,
             )
         )
 
@@ -328,7 +337,25 @@ class AgentStarts:
             local_only=all(not a.remote for a in self.agents),
             package_root=package_root(self.bundle if agent.remote else None),
             relay=relay,
+            **self._tree_fields(agent),
         ).to_json_line()
+
+    def _tree_fields(self, agent: AgentRecord) -> dict[str, Any]:
+        """The bootstrap fields of an interior host of a tree start: its children, their script."""
+        if self.tree is None:
+            return {}
+        children = [self.agents[index] for index in self.tree.children(agent.index)]
+        if not children:
+            return {}
+        config = self.plan.reach.ssh_config_file
+        return {
+            "tree": tuple(
+                TreeChild(child.index, child.slots.hostname, child.slots.workers)
+                for child in children
+            ),
+            "tree_script": self.script.rstrip(b"\0").decode(errors="surrogateescape"),
+            "tree_ssh_config": "" if config is None else str(Path(config).expanduser().resolve()),
+        }
 
 
 def configured_address(launcher_address: str | None, environ: Mapping[str, str]) -> str | None:

@@ -95,3 +95,25 @@ def restartable(
     if attempt >= max_restarts:
         return False
     return restarts_for(cause.error, set(restart_on), from_worker=cause.rank is not None)
+
+
+def check_restarts(max_restarts: object, restart_on: object) -> None:
+    """Refuse a ``max_restarts`` below 0, or a ``restart_on`` that names no category or type.
+
+    Raises:
+        ValueError: A value out of range.
+        TypeError: ``restart_on`` is not a tuple.
+    """
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    if isinstance(restart_on, str) or not isinstance(restart_on, list | tuple):
+        raise TypeError(
+            f"restart_on must be a tuple of categories {list(ALL_RESTART_CATEGORIES)} and/or "
+            f"exception type names, got {restart_on!r}"
+        )
+    for entry in restart_on:
+        if not isinstance(entry, str) or not entry.replace(".", "").replace("_", "").isalnum():
+            raise ValueError(
+                f"restart_on entry {entry!r} is neither one of {list(ALL_RESTART_CATEGORIES)} "
+                "nor an exception type name"
+            )
