@@ -13,12 +13,13 @@ To bring the docs up to date after a change of the code, write the samples into 
 
 Every other block that is not code the reader writes (a fence without a language, ``text``,
 ``console``, ``json``, ``pycon``, or one with a ``$ `` or ``>>> `` prompt) must be listed in
-:data:`HAND_WRITTEN` with the reason it cannot be made by the code: a new hand-written block
-of output fails here.
+:data:`HAND_WRITTEN` with the reason it cannot be made by the code, and be marked on its page
+by a line ``<!-- illustrative -->`` before it: a new hand-written block of output fails here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^ *<!-- sample: ([a-z0-9-]+) -->$")
+ILLUSTRATIVE = re.compile(r"^ *<!-- illustrative -->$")
+"""Before a block that no code makes (listed in :data:`HAND_WRITTEN`, with the reason)."""
 WRITE = os.environ.get("TORCHRUNX_WRITE_SAMPLES") == "1"
 CODE_LANGUAGES = {"python", "bash", "toml", "yaml"}
 """Fences of code the reader writes (unless a line of theirs is a prompt: then output too)."""
@@ -95,6 +98,8 @@ class Block:
     indent: str
     lines: tuple[str, ...]
     """Its text, the indentation of its fence taken off."""
+    illustrative: bool = False
+    """Whether ``<!-- illustrative -->`` precedes it: written by hand, not made by the code."""
 
 
 def blocks(page: Path) -> list[Block]:
@@ -113,7 +118,8 @@ def blocks(page: Path) -> list[Block]:
             found.append(_block(page, lines, (index + 1, end), name, ("", "table")))
             index = end
             continue
-        if marker:
+        illustrative = ILLUSTRATIVE.match(lines[index]) is not None
+        if marker or illustrative:
             index += 1
             fence = re.match(r"^( *)```(\S*)", lines[index])
             assert fence, f"{page.name}:{index + 1}: a fence or a table must follow the marker"
@@ -122,7 +128,8 @@ def blocks(page: Path) -> list[Block]:
             end = index + 1
             while lines[end].strip() != "```":
                 end += 1
-            found.append(_block(page, lines, (index + 1, end), name, (indent, language)))
+            block = _block(page, lines, (index + 1, end), name, (indent, language))
+            found.append(dataclasses.replace(block, illustrative=illustrative))
             index = end
         index += 1
     return found
@@ -201,6 +208,20 @@ def test_every_block_of_output_is_made_by_the_code_or_listed_as_hand_written():
     )
     listed = {_hand_written(block) for block in unmarked}
     assert set(HAND_WRITTEN) <= listed, "HAND_WRITTEN lists a block that is gone or marked"
+    unsaid = [block for block in unmarked if not block.illustrative]
+    assert not unsaid, (
+        "blocks of HAND_WRITTEN that the page does not mark: put <!-- illustrative --> before "
+        "each, so that the reader of the Markdown knows no test makes it:\n"
+        + "\n".join(f"{b.page}:{b.line}: {b.lines[0]!r}" for b in unsaid)
+    )
+
+
+@pytest.mark.quick
+def test_a_block_marked_illustrative_is_listed_with_its_reason():
+    marked = [block for block in ALL_BLOCKS if block.illustrative]
+    assert marked
+    unlisted = [block for block in marked if _hand_written(block) is None]
+    assert not unlisted, "\n".join(f"{b.page}:{b.line}: {b.lines[0]!r}" for b in unlisted)
 
 
 @pytest.mark.quick
