@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -291,3 +292,62 @@ def test_no_sample_message_sends_the_reader_to_a_file_of_the_repository():
     assert not re.search(r"\b(docs|tests|scripts)/", skipped_text("/home/me/train.py:41", 1))
     for block in SAMPLES:
         assert not re.search(r"\b(docs|tests|scripts)/\w+\.(md|py)", "\n".join(block.lines))
+
+
+@pytest.mark.quick
+def test_the_ssh_reasons_on_the_errors_page_are_what_the_code_says():
+    """Each reason of docs/errors.md's SSH table, made by the code with the page's placeholders.
+
+    ``_ssh_error`` is given the user ``USER`` and host ``HOST``; the port 2222 and the timeout
+    7 s, numbers in the code, are then written ``PORT`` and ``T``; an exception whose own words
+    the page leaves out says ``...``.
+    """
+    import socket
+
+    import paramiko
+
+    from torchrunx.engines.ssh import SshTarget, _ssh_error
+
+    target = SshTarget(
+        alias="HOST",
+        hostname="HOST",
+        port=2222,
+        user="USER",
+        identity_files=(),
+        identities_only=False,
+        known_hosts_files=(),
+        strict_host_key_checking="yes",
+        connect_timeout=7.0,
+        proxy_jump=None,
+        proxy_command=None,
+    )
+
+    class BadHostKey(paramiko.BadHostKeyException):
+        def __init__(self) -> None:
+            Exception.__init__(self)
+
+        def __str__(self) -> str:
+            return "..."
+
+    client = paramiko.SSHClient()
+    client._transport = types.SimpleNamespace(_log=lambda *_: None)  # no connection: no log
+    try:  # paramiko's own words for a host missing from known_hosts
+        paramiko.RejectPolicy().missing_host_key(client, "...", paramiko.RSAKey.generate(1024))
+    except paramiko.SSHException as exc:
+        unknown: BaseException = exc
+    faults: list[BaseException] = [
+        socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+        ConnectionRefusedError(),
+        TimeoutError(),
+        OSError("the error"),
+        paramiko.AuthenticationException("..."),
+        unknown,
+        BadHostKey(),
+        paramiko.SSHException("..."),
+    ]
+    page = (ROOT / "docs" / "errors.md").read_text()
+    for fault in faults:
+        reason = _ssh_error(target, fault).reason
+        reason = reason.replace("2222", "PORT").replace(" 7 s ", " T s ")
+        reason = reason.split("; connect once with `ssh`")[0]  # the page says the hint in words
+        assert f"`{reason}`" in page, reason
