@@ -351,3 +351,24 @@ def test_the_ssh_reasons_on_the_errors_page_are_what_the_code_says():
         reason = reason.replace("2222", "PORT").replace(" 7 s ", " T s ")
         reason = reason.split("; connect once with `ssh`")[0]  # the page says the hint in words
         assert f"`{reason}`" in page, reason
+
+
+@pytest.mark.quick
+def test_the_pickling_error_on_the_errors_page_is_what_the_code_says():
+    """``dumps_call``'s error for an argument that cannot be pickled, as the page has it.
+
+    The argument is a lock; the function's name is written ``NAME``, pickle's own words ``...``.
+    """
+    import threading
+
+    from torchrunx.errors import SerializationError
+    from torchrunx.serialization import dumps_call
+
+    def train() -> None: ...
+
+    train.__qualname__ = "NAME"
+    with pytest.raises(SerializationError) as raised:
+        dumps_call(train, (threading.Lock(),), {})
+    message = str(raised.value).replace(str(raised.value.__cause__), "...")
+    page = (ROOT / "docs" / "errors.md").read_text()
+    assert f"`SerializationError: {message}`" in page, message
