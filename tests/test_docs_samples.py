@@ -357,7 +357,7 @@ def test_the_ssh_reasons_on_the_errors_page_are_what_the_code_says():
 def test_the_pickling_error_on_the_errors_page_is_what_the_code_says():
     """``dumps_call``'s error for an argument that cannot be pickled, as the page has it.
 
-    The argument is a lock; the function's name is written ``NAME``, pickle's own words ``...``.
+    The argument is a lock; the function's name is written ``NAME``, pickle's own words ``REASON``.
     """
     import threading
 
@@ -369,6 +369,6 @@ def test_the_pickling_error_on_the_errors_page_is_what_the_code_says():
     train.__qualname__ = "NAME"
     with pytest.raises(SerializationError) as raised:
         dumps_call(train, (threading.Lock(),), {})
-    message = str(raised.value).replace(str(raised.value.__cause__), "...")
+    message = str(raised.value).replace(str(raised.value.__cause__), "REASON")
     page = (ROOT / "docs" / "errors.md").read_text()
     assert f"`SerializationError: {message}`" in page, message
