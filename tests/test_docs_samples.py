@@ -13,14 +13,16 @@ To bring the docs up to date after a change of the code, write the samples into 
 
 Every other block that is not code the reader writes (a fence without a language, ``text``,
 ``console``, ``json``, ``pycon``, or one with a ``$ `` or ``>>> `` prompt) must be listed in
-:data:`HAND_WRITTEN` with the reason it cannot be made by the code: a new hand-written block
-of output fails here.
+:data:`HAND_WRITTEN` with the reason it cannot be made by the code, and be marked on its page
+by a line ``<!-- illustrative -->`` before it: a new hand-written block of output fails here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^ *<!-- sample: ([a-z0-9-]+) -->$")
+ILLUSTRATIVE = re.compile(r"^ *<!-- illustrative -->$")
+"""Before a block that no code makes (listed in :data:`HAND_WRITTEN`, with the reason)."""
 WRITE = os.environ.get("TORCHRUNX_WRITE_SAMPLES") == "1"
 CODE_LANGUAGES = {"python", "bash", "toml", "yaml"}
 """Fences of code the reader writes (unless a line of theirs is a prompt: then output too)."""
@@ -95,6 +99,8 @@ class Block:
     indent: str
     lines: tuple[str, ...]
     """Its text, the indentation of its fence taken off."""
+    illustrative: bool = False
+    """Whether ``<!-- illustrative -->`` precedes it: written by hand, not made by the code."""
 
 
 def blocks(page: Path) -> list[Block]:
@@ -113,7 +119,8 @@ def blocks(page: Path) -> list[Block]:
             found.append(_block(page, lines, (index + 1, end), name, ("", "table")))
             index = end
             continue
-        if marker:
+        illustrative = ILLUSTRATIVE.match(lines[index]) is not None
+        if marker or illustrative:
             index += 1
             fence = re.match(r"^( *)```(\S*)", lines[index])
             assert fence, f"{page.name}:{index + 1}: a fence or a table must follow the marker"
@@ -122,7 +129,8 @@ def blocks(page: Path) -> list[Block]:
             end = index + 1
             while lines[end].strip() != "```":
                 end += 1
-            found.append(_block(page, lines, (index + 1, end), name, (indent, language)))
+            block = _block(page, lines, (index + 1, end), name, (indent, language))
+            found.append(dataclasses.replace(block, illustrative=illustrative))
             index = end
         index += 1
     return found
@@ -201,6 +209,20 @@ def test_every_block_of_output_is_made_by_the_code_or_listed_as_hand_written():
     )
     listed = {_hand_written(block) for block in unmarked}
     assert set(HAND_WRITTEN) <= listed, "HAND_WRITTEN lists a block that is gone or marked"
+    unsaid = [block for block in unmarked if not block.illustrative]
+    assert not unsaid, (
+        "blocks of HAND_WRITTEN that the page does not mark: put <!-- illustrative --> before "
+        "each, so that the reader of the Markdown knows no test makes it:\n"
+        + "\n".join(f"{b.page}:{b.line}: {b.lines[0]!r}" for b in unsaid)
+    )
+
+
+@pytest.mark.quick
+def test_a_block_marked_illustrative_is_listed_with_its_reason():
+    marked = [block for block in ALL_BLOCKS if block.illustrative]
+    assert marked
+    unlisted = [block for block in marked if _hand_written(block) is None]
+    assert not unlisted, "\n".join(f"{b.page}:{b.line}: {b.lines[0]!r}" for b in unlisted)
 
 
 @pytest.mark.quick
@@ -270,3 +292,83 @@ def test_no_sample_message_sends_the_reader_to_a_file_of_the_repository():
     assert not re.search(r"\b(docs|tests|scripts)/", skipped_text("/home/me/train.py:41", 1))
     for block in SAMPLES:
         assert not re.search(r"\b(docs|tests|scripts)/\w+\.(md|py)", "\n".join(block.lines))
+
+
+@pytest.mark.quick
+def test_the_ssh_reasons_on_the_errors_page_are_what_the_code_says():
+    """Each reason of docs/errors.md's SSH table, made by the code with the page's placeholders.
+
+    ``_ssh_error`` is given the user ``USER`` and host ``HOST``; the port 2222 and the timeout
+    7 s, numbers in the code, are then written ``PORT`` and ``T``; an exception whose own words
+    the page leaves out says ``...``.
+    """
+    import socket
+
+    import paramiko
+
+    from torchrunx.engines.ssh import SshTarget, _ssh_error
+
+    target = SshTarget(
+        alias="HOST",
+        hostname="HOST",
+        port=2222,
+        user="USER",
+        identity_files=(),
+        identities_only=False,
+        known_hosts_files=(),
+        strict_host_key_checking="yes",
+        connect_timeout=7.0,
+        proxy_jump=None,
+        proxy_command=None,
+    )
+
+    class BadHostKey(paramiko.BadHostKeyException):
+        def __init__(self) -> None:
+            Exception.__init__(self)
+
+        def __str__(self) -> str:
+            return "..."
+
+    client = paramiko.SSHClient()
+    client._transport = types.SimpleNamespace(_log=lambda *_: None)  # no connection: no log
+    try:  # paramiko's own words for a host missing from known_hosts
+        paramiko.RejectPolicy().missing_host_key(client, "...", paramiko.RSAKey.generate(1024))
+    except paramiko.SSHException as exc:
+        unknown: BaseException = exc
+    faults: list[BaseException] = [
+        socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+        ConnectionRefusedError(),
+        TimeoutError(),
+        OSError("the error"),
+        paramiko.AuthenticationException("..."),
+        unknown,
+        BadHostKey(),
+        paramiko.SSHException("..."),
+    ]
+    page = (ROOT / "docs" / "errors.md").read_text()
+    for fault in faults:
+        reason = _ssh_error(target, fault).reason
+        reason = reason.replace("2222", "PORT").replace(" 7 s ", " T s ")
+        reason = reason.split("; connect once with `ssh`")[0]  # the page says the hint in words
+        assert f"`{reason}`" in page, reason
+
+
+@pytest.mark.quick
+def test_the_pickling_error_on_the_errors_page_is_what_the_code_says():
+    """``dumps_call``'s error for an argument that cannot be pickled, as the page has it.
+
+    The argument is a lock; the function's name is written ``NAME``, pickle's own words ``REASON``.
+    """
+    import threading
+
+    from torchrunx.errors import SerializationError
+    from torchrunx.serialization import dumps_call
+
+    def train() -> None: ...
+
+    train.__qualname__ = "NAME"
+    with pytest.raises(SerializationError) as raised:
+        dumps_call(train, (threading.Lock(),), {})
+    message = str(raised.value).replace(str(raised.value.__cause__), "REASON")
+    page = (ROOT / "docs" / "errors.md").read_text()
+    assert f"`SerializationError: {message}`" in page, message

@@ -761,7 +761,9 @@ def test_the_first_launch_on_a_terminal_says_once_where_every_ranks_output_is(tm
         "(--console-ranks all) shows every rank here. (Said once.)"
     )
     assert hint in shown.replace("\r\n", "\n"), shown
+    assert "found no GPU" not in shown  # workers_per_host=2: nothing of "auto"'s cores
     assert (cache / "hints" / "logs").exists()
+    assert not (cache / "hints" / "auto-cores").exists()
     again = _launch_in_a_terminal(tmp_path, cache)
     assert "RESULT [1, 1]" in again
     assert "(Said once.)" not in again
@@ -827,3 +829,32 @@ def test_rule_the_auto_cores_hint_names_at_most_four_hosts():
     assert "n4" not in text
     assert auto_cores_text(hosts[:4]) is not None
     assert "more" not in (auto_cores_text(hosts[:4]) or "")
+
+
+def test_rule_the_auto_cores_hint_names_only_hosts_where_auto_found_no_gpu():
+    from torchrunx.launcher.view.logrouter import auto_cores_hosts
+
+    world = [
+        ("login1", None, 64, 0),  # "auto", no GPU: a worker per core
+        ("gpu1", None, 8, 8),  # "auto" found GPUs: a worker per GPU, nothing to say
+        ("cpu2", 4, 4, 0),  # a number given (a list or a host file): nothing to say
+    ]
+    assert auto_cores_hosts(world) == [("login1", 64)]
+    assert auto_cores_hosts(world[1:]) == []
+
+
+def test_rule_a_hint_is_said_once_on_a_terminal_and_never_with_hints_off(tmp_path, monkeypatch):
+    from torchrunx.launcher.view.logrouter import say_once
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert not say_once("auto-cores", "hint\n", None)  # TORCHRUNX_HINTS=0: the folder is None
+    assert err.getvalue() == ""
+    assert say_once("auto-cores", "hint\n", tmp_path / "hints")
+    assert not say_once("auto-cores", "hint\n", tmp_path / "hints")  # remembered
+    assert err.getvalue() == "hint\n"

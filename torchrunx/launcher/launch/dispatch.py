@@ -18,7 +18,7 @@ from torchrunx.errors import AgentFailedError, SerializationError
 from torchrunx.launcher.launch.replace import Failed
 from torchrunx.launcher.launch.stalls import progress_every
 from torchrunx.launcher.state.records import Phase
-from torchrunx.launcher.view.logrouter import auto_cores_hint
+from torchrunx.launcher.view.logrouter import auto_cores_hint, auto_cores_hosts
 from torchrunx.wire.messages import WorkerCall, WorkerSpec
 
 if TYPE_CHECKING:
@@ -75,14 +75,12 @@ class Dispatch:
             plan.backend, [(h.slots, h.gpus) for h in hellos if h is not None]
         )
         if plan.hosts.workers_per_host == "auto":  # one worker per core, where no GPU was found
-            auto_cores_hint(
-                [
-                    (a.slots.hostname, a.hello.slots)
-                    for a in st.world
-                    if a.slots.workers is None and a.hello is not None and a.hello.gpus == 0
-                ],
-                plan.from_env.hints,
-            )
+            counted = [
+                (a.slots.hostname, a.slots.workers, a.hello.slots, a.hello.gpus)
+                for a in st.world
+                if a.hello is not None
+            ]
+            auto_cores_hint(auto_cores_hosts(counted), plan.from_env.hints)
         master_addr, master_port = self.master_address()
         debugger = session.debugger
         stragglers = plan.observability.straggler_threshold is not None

@@ -504,6 +504,21 @@ def auto_cores_text(counted: list[tuple[str, int]]) -> str | None:
     )
 
 
+def auto_cores_hosts(world: list[tuple[str, int | None, int, int]]) -> list[tuple[str, int]]:
+    """The hosts :func:`auto_cores_text` names: ``"auto"`` there found no GPU.
+
+    Args:
+        world: each host's ``(hostname, workers given for it, workers started, GPUs found)``,
+            in host order; the workers given are None where ``workers_per_host="auto"`` counted
+            them (a number: given by the list or the host file, never hinted).
+
+    Returns:
+        ``(hostname, workers started)`` of each host where ``"auto"`` counted the workers and
+        found no GPU: one worker per CPU core. Empty when every host had a GPU or a number.
+    """
+    return [(host, started) for host, given, started, gpus in world if given is None and not gpus]
+
+
 def auto_cores_hint(counted: list[tuple[str, int]], hints: Path | None) -> None:
     """Once per user, on a terminal: :func:`auto_cores_text`, when there is such a host."""
     text = auto_cores_text(counted)
