@@ -40,7 +40,9 @@ from torchrunx.launcher.launch.dispatch import Dispatch
 from torchrunx.launcher.launch.preempt import end_preemption
 from torchrunx.launcher.launch.replace import Failed, HostChanges
 from torchrunx.launcher.launch.session import LaunchLoop, earliest
+from torchrunx.launcher.launch.stalls import LOST_ANSWER_WAIT
 from torchrunx.launcher.state.failures import choose_cause, others, restartable, restarts_for
+from torchrunx.launcher.state.hangs import ranks_text
 from torchrunx.launcher.state.records import STOP_GRACE
 from torchrunx.launcher.state.reports import (
     finish_report,
@@ -273,7 +275,10 @@ class Launch:
             st.restarts < plan.resilience.max_restarts and self._provisionally_restartable()
         )
         lost = [f for f in st.faults if f.kind == "lost"]
-        if lost and (view := self.session.diagnose_now()):  # the others, before they stop
+        gone = {f.host_index for f in lost if f.host_index is not None}
+        if lost and (view := self.session.diagnose_now(gone, LOST_ANSWER_WAIT)):  # before stops
+            if away := [r.rank for r in st.ranks if r.host_index in gone]:
+                view += f"\n{ranks_text(away)} on the lost host: not asked"
             add_note(lost[0].error, f"what the ranks were doing when the host was lost:\n{view}")
         # Warm agents stay either way: only this run's workers are stopped.
         self.stop_workers(restart=may_restart or plan.warm, dump=not may_restart)

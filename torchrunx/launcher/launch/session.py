@@ -63,9 +63,9 @@ from torchrunx.wire.messages import (
 
 if TYPE_CHECKING:
     import socket
-    from collections.abc import Callable
+    from collections.abc import Callable, Collection
 
-    from torchrunx.launcher.launch.stalls import LookReason
+    from torchrunx.launcher.launch.stalls import LookReason, StallLook
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import Starter
     from torchrunx.launcher.state.hangs import Straggler
@@ -275,30 +275,29 @@ class LaunchLoop:
             self.state.current.collectives_done(rank, message.collectives)
         self.stalls.note(rank, message, now, self.debugger.paused(now))
 
-    def _ask_states(self, now: float, why: LookReason) -> bool:
-        """Ask every agent for its workers' stacks and states (stall detection's look).
-
-        False where it cannot: stall detection is off (no probe answers), or a look is under way.
-        """
+    def _ask_states(
+        self, now: float, why: LookReason, without: Collection[int] = (), wait: float | None = None
+    ) -> StallLook | None:
+        """Ask the agents (not ``without``'s) for stacks and states; None: off, or one runs."""
         stalls, st = self.stalls, self.state
         if stalls.timeout is None or stalls.look is not None:
-            return False
+            return None
         agents = [a for a in st.agents if a.conn is not None and not a.over]
+        agents = [a for a in agents if a.index not in without]
         for agent in agents:
             self.inbox.peer_of(agent).send(ShowStacks(states=True))
-        live = {r.rank for r in st.ranks if not r.state.is_final and r.conn is not None}
-        stalls.begin(agents, live, now, self.debugger.paused(now), why)
-        return True
+        ranks = [r for r in st.ranks if r.host_index not in without and r.conn is not None]
+        live = {r.rank for r in ranks if not r.state.is_final}
+        return stalls.begin(agents, live, now, self.debugger.paused(now), why, wait)
 
-    def diagnose_now(self) -> str | None:
+    def diagnose_now(self, without: Collection[int] = (), wait: float | None = None) -> str | None:
         """For ``launch_timeout``'s error, a lost host's: the collective view of every rank, now.
 
-        None where stall detection is off; waits for the answers (2 s at most).
+        None where stall detection is off; waits for the answers (``wait``, else 2 s at most),
+        but not for the hosts ``without`` (lost: they cannot answer).
         """
-        if not self._ask_states(time.monotonic(), "launch_timeout"):
+        if not (look := self._ask_states(time.monotonic(), "launch_timeout", without, wait)):
             return None
-        look = self.stalls.look
-        assert look is not None  # noqa: S101 (just begun)
         while not look.due(time.monotonic()) and self.stalls.look is look:  # not run_until:
             self.step(look.deadline)  # this runs after a failure too
         if self.stalls.look is not look:  # the attempt ended meanwhile

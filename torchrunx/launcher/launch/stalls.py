@@ -45,6 +45,10 @@ LookReason = Literal["stall", "on demand", "view", "launch_timeout"]
 DEFAULT_STALL_TIMEOUT = 300.0
 ANSWER_WAIT = 2.0
 """Seconds the launcher waits for the agents' and ranks' answers before it diagnoses."""
+LOST_ANSWER_WAIT = 0.5
+"""The same wait when a host was lost: the note on its error is a help, the error is what
+matters, and a lost host's error must come within about ``agent_timeout + 1`` s (a rank blocked
+in a collective with the lost host may not answer at all)."""
 ON_DEMAND = "torchrunx: the collectives every rank is in (Ctrl-\\; the launch goes on):"
 HEADLINE = "torchrunx: no rank made progress for {seconds:.3g} s (stall_timeout): the diagnosis"
 
@@ -221,22 +225,27 @@ class StallWatch:
             and self.stalled_for(now, paused) >= self.timeout
         )
 
-    def begin(
+    def begin(  # noqa: PLR0913, PLR0917 (the look's facts, each given by the loop)
         self,
         agents: list[AgentRecord],
         ranks: set[int],
         now: float,
         paused: float,
         why: LookReason = "stall",
-    ) -> None:
-        """The look at ``agents`` (asked already) and their live ``ranks`` starts."""
+        wait: float | None = None,
+    ) -> StallLook:
+        """The look at ``agents`` (asked already) and their live ``ranks`` starts.
+
+        It waits ``wait`` seconds for the answers (None: :data:`ANSWER_WAIT`).
+        """
         self.look = StallLook(
             self.stalled_for(now, paused),
             {a.index for a in agents},
             ranks,
-            now + ANSWER_WAIT,
+            now + (ANSWER_WAIT if wait is None else wait),
             why,
         )
+        return self.look
 
     def answer_stacks(self, agent: AgentRecord, stacks: dict[int, str]) -> None:
         """An agent's stacks of its workers (by local rank)."""
