@@ -527,3 +527,41 @@ def test_requeue_from_another_thread_leaves_sigterm_as_it_is(monkeypatch):
     thread.join()
     assert done == [None]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_requeue_ignores_sigterm_from_before_scontrol_runs_and_puts_it_back_if_it_failed(
+    monkeypatch,
+):
+    # SLURM's SIGTERM that ends the requeued job can come while scontrol still runs: a series
+    # run saw the launcher end there (its preemption handler: a second SIGTERM stops at once),
+    # before the caller's code after the launch printed its line.
+    from torchrunx.launcher.launch import preempt
+
+    seen: list[object] = []
+
+    def answer(code: int) -> None:
+        def run(command: list[str], **options: object) -> subprocess.CompletedProcess[str]:
+            del options
+            seen.append(signal.getsignal(signal.SIGTERM))
+            return subprocess.CompletedProcess(command, code, "", "no")
+
+        monkeypatch.setattr(preempt.subprocess, "run", run)
+
+    _requeue_runner(monkeypatch, subprocess.CompletedProcess([], 0, "", ""))
+    before = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: object) -> None:
+        del signum, frame
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        answer(1)
+        assert preempt.requeue_job({"SLURM_JOB_ID": "5"}) == "scontrol requeue 5 failed: no"
+        assert seen == [signal.SIG_IGN]
+        assert signal.getsignal(signal.SIGTERM) is handler  # not requeued: as it was
+        answer(0)
+        assert preempt.requeue_job({"SLURM_JOB_ID": "5"}) is None
+        assert seen == [signal.SIG_IGN, signal.SIG_IGN]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # requeued: SLURM ends it
+    finally:
+        signal.signal(signal.SIGTERM, before)

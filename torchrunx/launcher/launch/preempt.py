@@ -83,7 +83,8 @@ def _scontrol_config() -> str:
 def requeue_job(environ: Mapping[str, str] | None = None) -> str | None:
     """``scontrol requeue`` the SLURM job this runs in; None if done, else why not.
 
-    Once it is requeued, this process ignores SIGTERM (SLURM sends it to end the job).
+    This process ignores SIGTERM from just before the call (SLURM sends it to end the job,
+    maybe before scontrol returns); as it was again if the requeue failed.
     ``environ``: the plan's (None: this process's, for a call outside a launch).
     """
     env = os.environ if environ is None else environ  # outside a launch only
@@ -92,6 +93,11 @@ def requeue_job(environ: Mapping[str, str] | None = None) -> str | None:
         return "not inside a SLURM job (no SLURM_JOB_ID)"
     if shutil.which("scontrol") is None:
         return "scontrol is not installed here"
+    # SLURM ends this job (SIGTERM, then SIGKILL after KillWait) to queue it again, and its
+    # SIGTERM may come before scontrol has returned: ignored from before the call, so that
+    # the caller's code after the launch runs meanwhile (put back only if the requeue failed).
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
     try:
         done = subprocess.run(
             ["scontrol", "requeue", job],
@@ -101,14 +107,14 @@ def requeue_job(environ: Mapping[str, str] | None = None) -> str | None:
             check=False,
         )
     except (OSError, subprocess.SubprocessError) as exc:
-        return f"scontrol requeue {job} failed: {exc}"
-    if done.returncode != 0:
-        return f"scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}"
-    # SLURM now ends this job (SIGTERM, then SIGKILL after KillWait) to queue it again: let
-    # the caller's code after the launch run meanwhile (the handler below is not restored).
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return None
+        why = f"scontrol requeue {job} failed: {exc}"
+    else:
+        if done.returncode == 0:
+            return None
+        why = f"scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}"
+    if before is not None:
+        signal.signal(signal.SIGTERM, before)
+    return why
 
 
 def end_preemption(
