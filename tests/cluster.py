@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -300,6 +300,9 @@ class TestCluster:
         self._bad_identity_file = workdir / "id_ed25519_unauthorized"
         self._daemons: dict[str, subprocess.Popen[bytes]] = {}
         self._saved_etc_hosts: bytes | None = None
+        self._profile_lock: IO[str] | None = None
+        """The lock of a profile shared by separate runs (:func:`_hold_profile`), held while
+        this cluster lives."""
         self._written_etc_hosts: bytes | None = None
 
     def names(self) -> list[str]:
@@ -410,6 +413,9 @@ class TestCluster:
         if self._saved_etc_hosts is not None:
             self._restore_etc_hosts(self._saved_etc_hosts)
             self._saved_etc_hosts = None
+        if self._profile_lock is not None:
+            self._profile_lock.close()  # the next run of this profile may start its hosts
+            self._profile_lock = None
 
     def _host(self, host: TestHost | str) -> TestHost:
         if isinstance(host, TestHost):
@@ -663,12 +669,19 @@ def start_cluster(
     if any(char.isspace() for char in str(workdir)):
         msg = f"workdir path must not contain whitespace: {workdir}"
         raise ValueError(msg)
-    _remove_stale_cluster(chosen)
-    hosts = [chosen.host(i) for i in range(1, n + 1)]
     if isolated and workdir.is_relative_to(CHECKOUT):
         msg = f"an isolated cluster's workdir must lie outside the checkout {CHECKOUT}"
         raise ValueError(msg)
+    lock = _hold_profile(chosen)
+    try:
+        _remove_stale_cluster(chosen)
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
+    hosts = [chosen.host(i) for i in range(1, n + 1)]
     cluster = TestCluster(hosts, workdir, chosen, isolated=isolated)
+    cluster._profile_lock = lock
     atexit.register(cluster.stop)
     try:
         cluster._start()
@@ -676,6 +689,45 @@ def start_cluster(
         cluster.stop()
         raise
     return cluster
+
+
+SHARED_PROFILES: frozenset[str] = frozenset({"bench"})
+"""Profiles that separate runs use (a benchmark, and the suite's benchmark smoke tests): each
+run's cluster would remove the other's as stale, so one holds the profile's lock while its
+cluster lives, and the next waits (:data:`PROFILE_WAIT` at most)."""
+PROFILE_WAIT = 1800.0
+
+
+def _hold_profile(profile: Profile) -> IO[str] | None:
+    """The lock of a profile in :data:`SHARED_PROFILES` (None for the others), once free.
+
+    Raises:
+        RuntimeError: Another run held it for :data:`PROFILE_WAIT` seconds.
+    """
+    if profile.name not in SHARED_PROFILES:
+        return None
+    path = Path(f"/run/torchrunx-cluster-{profile.name}.lock")
+    handle = path.open("a")
+    deadline = time.monotonic() + PROFILE_WAIT
+    while not _try_lock(handle):
+        if time.monotonic() > deadline:
+            handle.close()
+            msg = (
+                f"the {profile.name} test hosts were in use by another run for "
+                f"{PROFILE_WAIT:.0f} s (its lock: {path}); end that run first"
+            )
+            raise RuntimeError(msg)
+        time.sleep(0.5)
+    return handle
+
+
+def _try_lock(handle: IO[str]) -> bool:
+    """Whether this process now holds ``handle``'s exclusive lock (without waiting)."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _remove_stale_cluster(profile: Profile) -> None:

@@ -68,3 +68,38 @@ def test_a_profile_cleans_up_only_what_is_its_own():
             assert not mine.owns_link(host.veth), (mine.name, host.veth)
         assert not mine.owns_link(other.bridge)
         assert not mine.is_marked(f"10.0.0.1 x {other.hosts_marker}\n".encode())
+
+
+def test_a_shared_profile_waits_for_the_run_that_holds_its_hosts(monkeypatch):
+    # A benchmark run and the suite's benchmark smoke test both use the bench profile; each
+    # start removed the other's hosts as stale (a host key mismatch mid-launch). The lock of a
+    # shared profile is held while its cluster lives: the next start waits, then says why.
+    import dataclasses
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import cluster
+
+    profile = dataclasses.replace(PROFILES["bench"], name="locktest")  # type: ignore[arg-type]
+    monkeypatch.setattr(cluster, "SHARED_PROFILES", frozenset({"locktest"}))
+    assert cluster._hold_profile(PROFILES["test"]) is None  # a profile of its own: no lock
+    path = Path("/run/torchrunx-cluster-locktest.lock")
+    code = (
+        "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        monkeypatch.setattr(cluster, "PROFILE_WAIT", 1.0)
+        with pytest.raises(RuntimeError, match="locktest test hosts were in use by another run"):
+            cluster._hold_profile(profile)
+    finally:
+        holder.communicate(timeout=30)  # its stdin closed: it ends, and its lock with it
+    handle = cluster._hold_profile(profile)  # free again: held at once
+    assert handle is not None
+    handle.close()
+    path.unlink()
