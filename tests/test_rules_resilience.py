@@ -565,3 +565,32 @@ def test_requeue_ignores_sigterm_from_before_scontrol_runs_and_puts_it_back_if_i
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # requeued: SLURM ends it
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_world_and_spares_resolves_named_spares_by_what_their_check_classified():
+    from torchrunx.launcher.settings.resolve import HostsSource
+    from torchrunx.launcher.state.spares import check_spare_names, world_and_spares
+
+    names = HostsSource(names=("a", "b"))
+    spared = check_spare_names(("c",), 2, requeue=False)
+    assert spared == HostsSource(names=("c",))
+    assert check_spare_names(1, 2, requeue=False) is None  # a count names no host
+    world, spares = world_and_spares(
+        ["a", "b"], 2, spare_hosts=("c",), min_hosts=None, sources=(names, spared), environ={}
+    )
+    assert [(h.hostname, h.workers) for h in world] == [("a", 2), ("b", 2)]
+    assert [(h.hostname, h.workers) for h in spares] == [("c", 2)]
+    world, spares = world_and_spares(
+        ["a", "b"], 1, spare_hosts=1, min_hosts=None, sources=(names, None), environ={}
+    )
+    assert [h.hostname for h in world] == ["a"]
+    assert [h.hostname for h in spares] == ["b"]
+    # A name that its check would have refused is refused here too, naming the field.
+    with pytest.raises(ValueError, match="spare_hosts"):
+        world_and_spares(
+            ["a"], 1, spare_hosts=("-c",), min_hosts=None,
+            sources=(HostsSource(names=("a",)), HostsSource(names=("-c",))), environ={},
+        )  # fmt: skip
+    with pytest.raises(TypeError) as raised:
+        check_spare_names(0, 1, requeue="yes")
+    assert str(raised.value) == "requeue_on_preemption must be True or False, got 'yes'"
