@@ -474,6 +474,10 @@ _TYRO = (
 )
 _LAST_LINE = "the last piece of an rsplit is the same whatever the number of splits"
 EQUIVALENT: dict[str, tuple[str, str]] = {
+    "torchrunx.launcher.state.failures.x_check_restarts__mutmut_25": (
+        'entry.replace(".", "").replace("_", "XXXX").isalnum()',
+        "an underscore dropped or made letters: isalnum() says the same either way",
+    ),
     "torchrunx.agent.probe.xǁProbeRequestǁfrom_json__mutmut_59": (
         'keep_path=bool(raw.get("keep_path", None)),',
         "bool(None) is False, the default it replaces",

@@ -215,3 +215,14 @@ def test_rule_a_launch_inside_a_torchrunx_worker_is_refused(environ, refused):
         RuntimeError, match=r"^a launch was started inside a torchrunx worker \(rank 1 of 2\)"
     ):
         refuse_nested_launch(environ)
+
+
+def test_rule_the_nested_launch_refusal_says_what_to_run_instead():
+    from torchrunx.env import refuse_nested_launch
+
+    with pytest.raises(RuntimeError) as raised:
+        refuse_nested_launch({"TORCHELASTIC_RUN_ID": "torchrunx", "RANK": "0", "WORLD_SIZE": "4"})
+    assert str(raised.value).endswith(
+        "runs with python, not with the torchrunx command: `python script.py`; inside a worker, "
+        "call the function directly"
+    )

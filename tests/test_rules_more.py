@@ -2931,3 +2931,9 @@ def test_rule_a_ranks_debugpy_port_goes_to_its_handler_and_nothing_else_does():
     inbox.apply(frame(ranks[0], WorkerResult(0, sent_at=1.0)))  # a result is no debugpy port
     assert seen == [(1, 5678)]
     assert inbox.state.ranks[0].result is not None
+
+
+def test_rule_a_grace_may_be_zero_and_its_refusal_says_so():
+    launcher_module._validate_seconds("preemption_grace", 0, zero=True)
+    with pytest.raises(ValueError, match=r"^preemption_grace must be 0 or more seconds, got -1$"):
+        launcher_module._validate_seconds("preemption_grace", -1, zero=True)
