@@ -209,7 +209,9 @@ def _alive(holder: list[TestCluster], factory: pytest.TempPathFactory, where: st
     dead = {n: d.returncode for n, d in made._daemons.items() if d.poll() is not None}
     if dead:
         with ISOLATED_DEATHS.open("a") as notes:
-            notes.write(f"{time.ctime()} before {where}: sshd exit {dead}\n")
+            # Popen reports 0 also when another waitpid reaped it (ECHILD): say if it runs.
+            running = {n: os.path.exists(f"/proc/{d.pid}") for n, d in made._daemons.items()}
+            notes.write(f"{time.ctime()} before {where}: sshd exit {dead}, pid alive {running}\n")
             for name in dead:  # what sshd said last (-e: its log), to find the cause
                 log = made.workdir / name / "sshd.log"
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
