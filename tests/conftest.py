@@ -347,11 +347,11 @@ def escaped_processes() -> list[str]:
     return escaped
 
 
-def listening_addresses(port: int, pid: int | None = None) -> set[str]:
-    """The addresses a TCP socket listens on at ``port``, read from ``/proc/net/tcp{,6}``.
+def listening_addresses(port: int | None, pid: int | None = None) -> set[str]:
+    """The addresses a TCP socket listens on at ``port`` (None: any), from ``/proc/net/tcp{,6}``.
 
-    With ``pid``, only sockets that process holds (its ``/proc/PID/fd`` links). ``0.0.0.0``
-    and ``::`` mean every interface.
+    With ``pid``, only sockets that process holds (its ``/proc/PID/fd`` links), read in its own
+    network namespace (``/proc/PID/net``). ``0.0.0.0`` and ``::`` mean every interface.
     """
     inodes = None
     if pid is not None:
@@ -363,12 +363,12 @@ def listening_addresses(port: int, pid: int | None = None) -> set[str]:
                     inodes.add(link[len("socket:[") : -1])
     found = set()
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/net/{table}") as f:
+        with open(f"/proc/{'net' if pid is None else f'{pid}/net'}/{table}") as f:
             rows = [line.split() for line in f.readlines()[1:]]
         for row in rows:
             local, state, inode = row[1], row[3], row[9]
             address, _, hex_port = local.partition(":")
-            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+            if state != "0A" or port not in (None, int(hex_port, 16)):  # 0A: LISTEN
                 continue
             if inodes is not None and inode not in inodes:
                 continue

@@ -199,6 +199,15 @@ def _tmux_server(name: str) -> Iterator[str]:
             os.unlink(os.path.join(folder, f"tmux-{os.getuid()}", server))
 
 
+def _quit_view(server: str, session: str) -> None:
+    """Press q in the view's pane; its session must end (the view quit) within 30 s."""
+    _tmux(server, "send-keys", "-t", session, "q")
+    deadline = time.monotonic() + 30
+    while _tmux(server, "has-session", "-t", session, check=False).returncode == 0:
+        assert time.monotonic() < deadline, "q did not end the view"
+        time.sleep(0.05)
+
+
 def _tmux(server: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run tmux against the server ``server`` (see :func:`_tmux_server`)."""
     return subprocess.run(
@@ -339,11 +348,7 @@ def test_the_live_view_in_a_terminal_shows_a_failure_within_a_second(tmp_path):
                 assert time.monotonic() < deadline, pane()
                 time.sleep(0.05)
             assert "> " in next(line for line in pane().splitlines() if " 1 localhost" in line)[:3]
-            _tmux(server, "send-keys", "-t", session, "q")
-            deadline = time.monotonic() + 30
-            while _tmux(server, "has-session", "-t", session, check=False).returncode == 0:
-                assert time.monotonic() < deadline, "q did not end the view"
-                time.sleep(0.05)
+            _quit_view(server, session)
     finally:
         _end(tmp_path)
         launch.communicate(timeout=120)
@@ -549,11 +554,7 @@ def test_the_live_view_of_two_ssh_hosts_shows_use_keys_and_a_failure_within_a_se
             raised = float((tmp_path / "failed").read_text())
             assert seen - raised < 1.0, (seen - raised, shown)
             print(f"a rank's failure to the view on the SSH test hosts: {seen - raised:.2f} s")
-            _tmux(server, "send-keys", "-t", session, "q")
-            deadline = time.monotonic() + 30
-            while _tmux(server, "has-session", "-t", session, check=False).returncode == 0:
-                assert time.monotonic() < deadline, "q did not end the view"
-                time.sleep(0.05)
+            _quit_view(server, session)
         finally:
             (tmp_path / "failed").touch()
             (tmp_path / "end").touch()

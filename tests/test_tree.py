@@ -9,11 +9,9 @@ starts hosts 0 and 1, host 0 starts hosts 2 and 3, host 1 starts hosts 4 and 5.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import escaped_processes, torchrunx_processes
+from conftest import escaped_processes, listening_addresses, torchrunx_processes
 from test_relay import connections_back_dropped
 
 import torchrunx as trx
@@ -96,27 +94,6 @@ def _wait_all_started(folder: str, ranks: int = 6, seconds: float = 120) -> None
         time.sleep(0.05)
 
 
-def _listening(pid: int) -> set[str]:
-    """The addresses process ``pid`` listens on (TCP), read in its own network namespace."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if link.startswith("socket:["):
-                inodes.add(link[len("socket:[") : -1])
-    found = set()
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            rows = [line.split() for line in f.readlines()[1:]]
-        for row in rows:
-            if row[3] != "0A" or row[9] not in inodes:  # 0A: LISTEN
-                continue
-            raw = bytes.fromhex(row[1].partition(":")[0])  # 32-bit words in host order
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            found.add(socket.inet_ntop(family, raw))
-    return found
-
-
 @pytest.mark.cluster
 def test_a_tree_of_six_hosts_runs_every_rank_with_no_route_back(cluster, capfd, log_dir):
     node1, node2 = cluster.names()
@@ -159,7 +136,7 @@ def _relay_listens(folder: str) -> list[str]:
     if int(os.environ["RANK"]) >= 2:
         return []
     _wait_all_started(folder)
-    return sorted(_listening(_relay_above(os.getpid())))
+    return sorted(listening_addresses(None, _relay_above(os.getpid())))
 
 
 @pytest.mark.cluster
