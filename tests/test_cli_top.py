@@ -560,3 +560,34 @@ def test_the_live_view_of_two_ssh_hosts_shows_use_keys_and_a_failure_within_a_se
             (tmp_path / "end").touch()
             out, _ = launch.communicate(timeout=120)
         assert "restarts 1" in out, out
+
+
+def test_an_idle_view_socket_costs_no_wakeups_and_closes_at_once(tmp_path):
+    """With no viewer, the view's thread sleeps in ``accept`` (it did wake 5 times a second,
+    a polling timeout, most of a warm launcher's idle CPU); ``close`` still ends it at once."""
+    import threading
+    from pathlib import Path
+
+    from torchrunx.launcher.view.view_server import ViewServer
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    server = ViewServer(dict, {"pid": os.getpid()}, runtime={"XDG_RUNTIME_DIR": str(runtime)})
+    server.start()
+    assert server.path is not None and server.path.exists()
+    thread = next(t for t in threading.enumerate() if t.name == "torchrunx-view")
+    status = Path(f"/proc/self/task/{thread.native_id}/status")
+
+    def switches() -> int:
+        line = next(x for x in status.read_text().splitlines() if x.startswith("voluntary_"))
+        return int(line.split()[1])
+
+    before = switches()
+    time.sleep(1.5)
+    assert switches() - before <= 1  # a 0.2 s poll: 7
+    started = time.monotonic()
+    server.close()
+    thread.join(2.0)
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 1.0
+    assert not server.path.exists()

@@ -190,7 +190,6 @@ class ViewServer:
             sock.bind(str(path))
             path.chmod(0o600)
             sock.listen(MAX_VIEWERS)
-            sock.settimeout(0.2)
         except OSError as exc:
             sock.close()
             path.unlink(missing_ok=True)
@@ -205,10 +204,8 @@ class ViewServer:
         sock = self._sock
         assert sock is not None  # noqa: S101 (started only with one)
         while not self._stop.is_set():
-            try:
+            try:  # blocks until a viewer comes; close() wakes it (shutdown): no polling
                 conn, _ = sock.accept()
-            except TimeoutError:
-                continue
             except OSError:
                 return
             if peer_uid(conn) != os.geteuid() or self._viewers() >= MAX_VIEWERS:
