@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -107,6 +108,13 @@ def deadlock_in_user_code() -> int:
     helper.start()
     time.sleep(0.2)
     second.acquire()  # the helper holds it and waits for ours: a deadlock, no collective
+    return 0
+
+
+def progress_then_sleep() -> int:
+    trx.progress()  # backend=None: the stall clock starts here
+    assert "torch.distributed" not in sys.modules
+    time.sleep(60)
     return 0
 
 
@@ -229,6 +237,18 @@ def test_a_deadlock_in_user_code_with_no_collective_names_where_every_rank_is():
     assert ranks == [0, 1] and "in deadlock_in_user_code" in where
     assert "no rank waits in a collective; where they are:" in caught.value.text
     assert "ranks 0-1 in the user's code" in caught.value.text
+
+
+def test_without_a_process_group_every_rank_still_answers_the_look():
+    # backend=None and no torch.distributed in the workers: their probe used to fail on the
+    # missing recorder and end, and every rank was named as not answering.
+    with pytest.raises(StallError) as caught:
+        _run(progress_then_sleep, workers=2, backend=None, on_stall="fail")
+    values = caught.value.diagnosis
+    assert values["waiting"] == [] and values["unanswered"] == []
+    [(where, ranks)] = values["absent"].items()
+    assert ranks == [0, 1] and "in progress_then_sleep" in where
+    assert "no rank waits in a collective; where they are:" in caught.value.text
 
 
 def test_a_hang_inside_init_process_group_is_before_the_group_formed():

@@ -607,3 +607,11 @@ def test_rule_the_chance_at_the_rule_names_the_rank_and_above_it_does_not():
     times = _entered({0: [10, 20, 30, 40, 50], 1: [11, 21, 31, 41, 51]})
     assert [s.rank for s in find_stragglers(times, StragglerRule(max_chance=1 / 32))] == [1]
     assert find_stragglers(times, StragglerRule(max_chance=1 / 33)) == []
+
+
+def test_rule_a_probe_that_cannot_read_its_state_still_answers_and_says_why():
+    from torchrunx.worker.stallprobe import _answer
+
+    answer = _answer(object())  # type: ignore[arg-type]  (no thread: reading the state fails)
+    assert answer.group_formed is False and answer.entries == ()
+    assert answer.where.startswith("(torchrunx's probe failed: AttributeError")

@@ -158,8 +158,8 @@ def state(main: threading.Thread) -> RankState:
         stacks.append(f'Thread "{names.get(ident, ident)}":\n')
         stacks.extend(traceback.format_stack(frame))
     entries = []
-    recorded = sorted(
-        _recorder(entries=True)["entries"], key=lambda e: e.get("time_created_ns") or 0
+    recorded = sorted(  # no recorder (torch.distributed not imported, backend=None): none
+        _recorder(entries=True).get("entries") or (), key=lambda e: e.get("time_created_ns") or 0
     )
     for raw in recorded[-RECENT:]:
         group = raw.get("process_group") or ("", "")
@@ -195,6 +195,18 @@ def timings() -> RankTimings:
     return RankTimings(tuple(entries), time.time_ns())
 
 
+def _answer(main: threading.Thread) -> RankState:
+    """:func:`state`, or, if reading it fails, a state that says so.
+
+    The launcher's look gets an answer either way: a probe thread ended by the error would leave
+    every later look waiting for this rank, and name it as not answering.
+    """
+    try:
+        return state(main)
+    except Exception as exc:  # noqa: BLE001 (said in the answer, which the launcher shows)
+        return RankState(group_formed=False, where=f"(torchrunx's probe failed: {exc!r})")
+
+
 class StallProbe(threading.Thread):
     """The worker's thread (see the module)."""
 
@@ -220,7 +232,7 @@ class StallProbe(threading.Thread):
                     (count,) = _ASK.unpack_from(page, timer.ASK_OFFSET)
                     if count != asked:
                         asked = count
-                        self.conn.send(state(self.main))
+                        self.conn.send(_answer(self.main))
                     (count,) = _ASK.unpack_from(page, timer.TIMINGS_OFFSET)
                     if count != timed:
                         timed = count
