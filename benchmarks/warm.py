@@ -545,6 +545,9 @@ def floor_rank(
             dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", **group)
         now = time.time()
         Path(f"floor-{tag}-{rank}").write_text(repr(now))
+        # Leave together: a rank that destroyed its group while another still finished joining
+        # it failed that one (seen under load: "failed [0, 256]"). After the time is taken.
+        dist.barrier()
         dist.destroy_process_group()
         code = 0
     except BaseException:  # noqa: BLE001 (the parent reports the exit status)
@@ -600,7 +603,12 @@ def run_floor(
             agent.close()
         agents.clear()
         gc.collect()  # paramiko's files now, not at interpreter exit (it complains then)
-    if series.error is not None:  # with the agents' tracebacks
+    return with_tracebacks(series, scratch)
+
+
+def with_tracebacks(series: Series, scratch: Path) -> Series:
+    """``series``, its error (if any) followed by the last lines the floor agents wrote."""
+    if series.error is not None:
         for path in sorted(scratch.glob("floor-agent-*.err")):
             lines = [line for line in path.read_text().splitlines() if "Warning" not in line]
             series.error += f" [{path.name}: {' | '.join(lines[-4:])}]"
@@ -640,7 +648,7 @@ def run_floor_cold(setup: Setup, ctx: Context, scratch: Path, launches: int) -> 
         series.starts.append(figures[0])
         series.walls.append(figures[1])
     del server
-    return series
+    return with_tracebacks(series, scratch)
 
 
 def start_floor_agents(setup: Setup, ctx: Context, scratch: Path, agents: list[FloorAgent]) -> str:
