@@ -188,8 +188,8 @@ def _sshd_gone(pid: int) -> bool:
 def _watch_isolated_sshd(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test: if this worker's isolated hosts' ``sshd`` died during it, note the test.
 
-    Their ``sshd`` were found dead a few times in the full suite, cause unknown (see
-    :func:`isolated`); this names the test during which it happened (two reads of ``/proc``).
+    Their ``sshd`` were found dead a few times in the full suite (see :func:`isolated`); this
+    names the test during which it happened (two reads of ``/proc``).
     """
     yield
     if not _ISOLATED_NOW or getattr(made := _ISOLATED_NOW[0][0], "death_noted", False):
@@ -218,10 +218,12 @@ def isolated(
     ``~/.cache`` is their own (see ``start_cluster(..., isolated=True)`` in ``cluster.py``).
 
     A few times in the full parallel suite (never alone) both hosts' ``sshd`` were gone when a
-    test of tests/test_reach.py came to use them, cause not yet found: an ``sshd`` found dead
-    is noted in :data:`ISOLATED_DEATHS` (its exit status, the test about to run; and, by
-    :func:`_watch_isolated_sshd`, the test during which it died) and the hosts are made again,
-    so that one test's damage does not fail the others.
+    test of tests/test_reach.py came to use them: :func:`_watch_isolated_sshd` named the test
+    during which they died, a test of the agent's worker group that gave it this process's pid
+    as the group's root, whose close SIGKILLs every process below the root (fixed). An ``sshd``
+    found dead is still noted in :data:`ISOLATED_DEATHS` (its exit status, the test about to
+    run, the test during which it died) and the hosts are made again, so that one test's damage
+    does not fail the others.
     """
     return _alive(_isolated_hosts, tmp_path_factory, request.node.nodeid)
 

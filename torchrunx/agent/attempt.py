@@ -60,13 +60,15 @@ class Attempt:
         self,
         selector: selectors.BaseSelector,
         *,
-        root: int,
+        root: int | None,
         send: Callable[[Message], None],
         forward: Callable[[Message, Sequence[bytes | bytearray | memoryview]], None],
     ) -> None:
-        """An empty group on the agent's ``selector``; ``root``: the agent's pid.
+        """An empty group on the agent's ``selector``.
 
-        ``send``: queues a message for the launcher; ``forward``: the same with payload parts.
+        ``root``: the agent's pid (None: end only the group's own workers, in a process whose
+        other children are not the group's). ``send``: queues a message for the launcher;
+        ``forward``: the same with payload parts.
         """
         self.group = WorkerGroup(selector, root=root, on_channel_end=self._channel_ended)
         self.memory = read_facts()
