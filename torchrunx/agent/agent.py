@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import selectors  # (socket imports it)
 import signal
 import socket
 import sys
@@ -98,8 +99,8 @@ if TYPE_CHECKING:
     from torchrunx.wire.messages import WorkerUsage
     from torchrunx.wire.records import Connection
 
-# What only the running agent uses (selectors, its attempts and workers, the link, usage,
-# preload, stall probe) is imported by Agent after the hello: every agent's import comes before
+# What only the running agent uses (its attempts and workers, the link, usage, preload, the
+# stall probe) is imported by Agent after the hello: every agent's import comes before
 # its hello and is what the launch waits for (issue #48; tests/test_api.py).
 
 logger = logging.getLogger("torchrunx.agent")
@@ -126,9 +127,7 @@ class Agent:
 
         ``store``: host 0's rendezvous socket (:mod:`torchrunx.agent.store`), listening.
         """
-        import selectors  # noqa: PLC0415 (this and below: after the hello, see the imports)
-
-        from torchrunx.agent.link import LauncherLink  # noqa: PLC0415
+        from torchrunx.agent.link import LauncherLink  # noqa: PLC0415 (after the hello: see the imports)
         from torchrunx.agent.usage import UsageSampler  # noqa: PLC0415
 
         self.boot = boot
@@ -201,9 +200,7 @@ class Agent:
         """
         # The import thread writes to a pipe when done, so one selector waits for it, the
         # launcher and stdin alike. Once done, later attempts wait for the spec alone.
-        import selectors  # noqa: PLC0415 (all three loaded by __init__)
-
-        from torchrunx.agent.preload import TorchPreload  # noqa: PLC0415
+        from torchrunx.agent.preload import TorchPreload  # noqa: PLC0415 (after the hello)
 
         preload = (
             None
@@ -468,24 +465,7 @@ class Agent:
         elif isinstance(message, Preempt):
             self._tell_workers(message.deadline, message.reason)
         elif isinstance(message, ShowStacks | AskTimings):
-            self._ask_workers(message)
-
-    def _ask_workers(self, message: ShowStacks | AskTimings) -> None:
-        """The launcher asks for the live workers' stacks (and states), or their timings."""
-        from torchrunx import timer  # noqa: PLC0415 (after the hello, as the agent's loop)
-        from torchrunx.worker import stallprobe  # noqa: PLC0415
-
-        current = self.current
-        live = [] if current is None or self.stopping else current.group.live()
-        if isinstance(message, AskTimings):
-            for worker in live:
-                stallprobe.ask(worker.page, timer.TIMINGS_OFFSET)  # RankTimings, on its channel
-        elif current is None or not live:
-            self.link.send(WorkerStacks({}, shown=True))  # no worker runs here now
-        else:
-            current.show_stacks()
-            for worker in live if message.states else ():
-                stallprobe.ask(worker.page)  # and its RankState, on its channel
+            _ask_workers(self, message)
 
     def _on_stop(self, message: Stop) -> None:
         if message.restart and self.waiting:
@@ -522,6 +502,24 @@ class Agent:
             return
         self.stopping = True
         self.dump_on_stop = dump_stacks
+
+
+def _ask_workers(agent: Agent, message: ShowStacks | AskTimings) -> None:
+    """The launcher asks for the live workers' stacks (and states), or their timings."""
+    from torchrunx import timer  # noqa: PLC0415 (after the hello, as the agent's loop)
+    from torchrunx.worker import stallprobe  # noqa: PLC0415
+
+    current = agent.current
+    live = [] if current is None or agent.stopping else current.group.live()
+    if isinstance(message, AskTimings):
+        for worker in live:
+            stallprobe.ask(worker.page, timer.TIMINGS_OFFSET)  # RankTimings, on its channel
+    elif current is None or not live:
+        agent.link.send(WorkerStacks({}, shown=True))  # no worker runs here now
+    else:
+        current.show_stacks()
+        for worker in live if message.states else ():
+            stallprobe.ask(worker.page)  # and its RankState, on its channel
 
 
 def main(line: bytes) -> None:
