@@ -54,18 +54,57 @@ AGENT_NEVER_IMPORTS = (
 before its hello, 8 or 1,000 of them at once (issue #48). ``uuid`` and ``pdb`` come with the
 worker's module, which the agent imports after its hello (``torchrunx.agent.preload``)."""
 
+AGENT_AFTER_ITS_HELLO = (
+    "dataclasses",  # with inspect, ast, dis, tokenize: @frozen classes make their fields on use
+    "inspect",
+    "selectors",
+    "torchrunx.agent.attempt",
+    "torchrunx.agent.workergroup",
+    "torchrunx.agent.watchdog",
+    "torchrunx.agent.outbox",
+    "torchrunx.agent.link",
+    "torchrunx.agent.usage",
+    "torchrunx.agent.preload",
+    "torchrunx.agent.workerprocess",
+    "torchrunx.worker.stallprobe",
+    "torchrunx.preemption",
+    "torchrunx.timer",
+    "torchrunx.wire.channel",
+)
+"""Modules that only the running agent uses (its loop, its attempts and workers; issue #48): its
+``Agent`` imports them after the hello, so the agent's import (``torchrunx.agent.agent``, what
+the launch waits for) loads none of them. ``socket`` (which the handshake needs) imports
+``selectors`` itself: each module is checked against what a bare ``import socket`` loads."""
+
+AGENT_RUNNING = (
+    "torchrunx.agent.attempt",
+    "torchrunx.agent.link",
+    "torchrunx.agent.usage",
+    "torchrunx.agent.preload",
+    "torchrunx.agent.workerprocess",
+    "torchrunx.worker.stallprobe",
+)
+"""What the running agent's ``Agent`` imports after the hello (with what those import)."""
+
 MUTABLE_AGENT_DATACLASSES = {"Output", "Channel", "Worker", "_Hang"}
 """The agent's own state (``torchrunx.agent.workergroup``, ``torchrunx.agent.watchdog``): the only
-dataclasses of the agent's import whose methods ``dataclasses`` compiles; every other one is
+dataclasses of the running agent whose methods ``dataclasses`` compiled; every other one is
 ``@frozen`` (``torchrunx.wire.frozen``), which compiles none."""
 
 
 def test_the_agents_import_stays_lean():
     """A fresh interpreter that imports the agent loads none of the heavy or launcher-side
-    modules, and ``dataclasses`` compiled methods only for the agent's mutable state."""
+    modules, nor what the agent uses only after its hello; once it has imported those too,
+    ``dataclasses`` compiled methods only for the agent's mutable state."""
     code = (
-        "import sys, dataclasses, torchrunx.agent.agent\n"
-        f"print(sorted(m for m in {AGENT_NEVER_IMPORTS!r} if m in sys.modules))\n"
+        "import sys, socket\n"
+        "bare = set(sys.modules)\n"
+        "import torchrunx.agent.agent\n"
+        f"never = {AGENT_NEVER_IMPORTS!r} + {AGENT_AFTER_ITS_HELLO!r}\n"
+        "print(sorted(m for m in never if m in sys.modules and m not in bare))\n"
+        f"for name in {AGENT_RUNNING!r}:\n"
+        "    __import__(name)\n"
+        "import dataclasses\n"
         "compiled = set()\n"
         "for name, module in list(sys.modules.items()):\n"
         "    if name.startswith('torchrunx'):\n"

@@ -20,7 +20,7 @@ import pytest
 import tyro
 
 import torchrunx as trx
-from torchrunx.agent import agent
+from torchrunx.devices import count_slots
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
     exported_env,
@@ -308,12 +308,12 @@ def test_gpu_and_cpu_are_counted_by_each_agent():
         ]
     with pytest.raises(ValueError, match="'auto', 'slurm', 'gpu' or 'cpu', got 'gpus'"):
         trx.Launcher(workers_per_host="gpus").validate()  # type: ignore[arg-type]
-    # What the agent reports for each count (pure: agent._slots).
-    assert agent._slots(None, "gpu", gpus=4, cpus=64) == 4
-    assert agent._slots(None, "gpu", gpus=0, cpus=64) == 0  # the launcher refuses that host
-    assert agent._slots(None, "cpu", gpus=4, cpus=64) == 64
-    assert agent._slots(None, "auto", gpus=0, cpus=64) == 64
-    assert agent._slots(3, "gpu", gpus=0, cpus=64) == 3
+    # What the agent reports for each count (pure: torchrunx.devices.count_slots).
+    assert count_slots(None, "gpu", gpus=4, cpus=64) == 4
+    assert count_slots(None, "gpu", gpus=0, cpus=64) == 0  # the launcher refuses that host
+    assert count_slots(None, "cpu", gpus=4, cpus=64) == 64
+    assert count_slots(None, "auto", gpus=0, cpus=64) == 64
+    assert count_slots(3, "gpu", gpus=0, cpus=64) == 3
     bootstrap = AgentBootstrap(
         host_index=0,
         hostname="h",

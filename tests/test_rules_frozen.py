@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -134,3 +136,50 @@ def test_messages_are_frozen_and_travel_as_before():
     assert repr(lines) == "LogLines(records=((0, 20, 'x', 'text', 1.0),))"
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.attempt = 1  # type: ignore[misc]
+
+
+def test_frozen_classes_are_made_without_dataclasses_and_read_as_dataclasses():
+    """``@frozen`` imports no ``dataclasses`` (issue #48: the agent's import); the fields that
+    ``dataclasses`` makes when first read are those of ``dataclass(frozen=True)``'s twin."""
+    code = (
+        "import sys\n"
+        "from torchrunx.wire.frozen import field, frozen\n"
+        "from torchrunx.wire.messages import WorkerSpec\n"
+        "@frozen\n"
+        "class Lazy:\n"
+        "    a: int\n"
+        "    key: bytes = field(repr=False)\n"
+        "    c: float = 0.5\n"
+        "    secret: bytes = field(default=b'', repr=False)\n"
+        "print('dataclasses' in sys.modules, 'inspect' in sys.modules)\n"
+        "import dataclasses\n"
+        "@dataclasses.dataclass(frozen=True)\n"
+        "class Twin:\n"
+        "    a: int\n"
+        "    key: bytes = dataclasses.field(repr=False)\n"
+        "    c: float = 0.5\n"
+        "    secret: bytes = dataclasses.field(default=b'', repr=False)\n"
+        "def shown(cls):\n"
+        "    return [(f.name, f.type, f.default, f.repr, f.init) for f in dataclasses.fields(cls)]\n"
+        "print(shown(Lazy) == shown(Twin), Lazy.__match_args__ == Twin.__match_args__)\n"
+        "lazy = Lazy(1, b'k')\n"
+        "print(repr(dataclasses.replace(lazy, c=2.0)), dataclasses.astuple(lazy) == (1, b'k', 0.5, b''))\n"
+        "print(dataclasses.is_dataclass(WorkerSpec), len(dataclasses.fields(WorkerSpec)) > 5)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.splitlines() == [
+        "False False",
+        "True True",
+        "Lazy(a=1, c=2.0) True",
+        "True True",
+    ]
+
+
+def test_frozen_refuses_a_mutable_default_as_dataclasses_does():
+    with pytest.raises(ValueError, match="mutable default"):
+
+        @frozen
+        class Listed:
+            items: list[int] = []  # noqa: RUF012 (the mistake refused)

@@ -189,6 +189,17 @@ def count_amd_gpus(kfd_nodes: Path) -> int:
     return count
 
 
+def count_slots(workers: int | None, count: str, gpus: int, cpus: int) -> int:
+    """Workers this host runs: the given number, else what ``count`` counts (0: no GPU)."""
+    if workers is not None:
+        return int(workers)
+    if count == "gpu":
+        return gpus  # 0 tells the launcher that workers_per_host="gpu" found none here
+    if count == "cpu":
+        return cpus
+    return gpus or cpus
+
+
 def count_local_cpus() -> int:
     """CPU cores this process may run on (its affinity mask, as SLURM or taskset set it)."""
     return len(os.sched_getaffinity(0))

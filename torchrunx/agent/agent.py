@@ -61,24 +61,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import selectors
+import selectors  # (socket imports it)
 import signal
 import socket
 import sys
 import time
 from typing import TYPE_CHECKING, NoReturn
 
-from torchrunx import preemption, timer
 from torchrunx.agent import leftovers
-from torchrunx.agent.attempt import Attempt
 from torchrunx.agent.guardian import fork_agent, missing_pidfds
-from torchrunx.agent.link import LauncherLink
-from torchrunx.agent.preload import TorchPreload
-from torchrunx.agent.store import StoreSocket, listen_address
-from torchrunx.agent.usage import UsageSampler
-from torchrunx.agent.workergroup import Ready
-from torchrunx.agent.workerprocess import become_worker
-from torchrunx.devices import count_local_cpus, count_local_gpus
+from torchrunx.agent.store import StoreSocket, free_port, listen_address
+from torchrunx.devices import count_local_cpus, count_local_gpus, count_slots
 from torchrunx.errors import ProtocolError
 from torchrunx.wire import handshake
 from torchrunx.wire.bootstrap import AgentBootstrap
@@ -95,28 +88,26 @@ from torchrunx.wire.messages import (
     WorkersStarted,
     WorkerStacks,
 )
-from torchrunx.worker import stallprobe
 from torchrunx.worker.capture import capture_logging
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from torchrunx.agent.attempt import Attempt
     from torchrunx.agent.workergroup import Fork
     from torchrunx.wire import messages
     from torchrunx.wire.messages import WorkerUsage
     from torchrunx.wire.records import Connection
+
+# What only the running agent uses (its attempts and workers, the link, usage, preload, the
+# stall probe) is imported by Agent after the hello: every agent's import comes before
+# its hello and is what the launch waits for (issue #48; tests/test_api.py).
 
 logger = logging.getLogger("torchrunx.agent")
 
 _DEFAULT_GRACE = 3.0
 _SAME_NOTICE = 1.0
 """Seconds in which a second SIGTERM is the same preemption notice (see ``on_sigterm``)."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
 
 
 class Agent:
@@ -136,6 +127,9 @@ class Agent:
 
         ``store``: host 0's rendezvous socket (:mod:`torchrunx.agent.store`), listening.
         """
+        from torchrunx.agent.link import LauncherLink  # noqa: PLC0415 (after the hello: see the imports)
+        from torchrunx.agent.usage import UsageSampler  # noqa: PLC0415
+
         self.boot = boot
         self.store = store
         self.tmpdir = tmpdir
@@ -206,6 +200,8 @@ class Agent:
         """
         # The import thread writes to a pipe when done, so one selector waits for it, the
         # launcher and stdin alike. Once done, later attempts wait for the spec alone.
+        from torchrunx.agent.preload import TorchPreload  # noqa: PLC0415 (after the hello)
+
         preload = (
             None
             if self.preloaded
@@ -237,6 +233,9 @@ class Agent:
 
     def run_workers(self, spec: WorkerSpec, payload: list[bytearray]) -> None:
         """Fork the workers; serve until they end, or stop them; then release the group."""
+        from torchrunx.agent.attempt import Attempt  # noqa: PLC0415 (after the hello)
+        from torchrunx.agent.workerprocess import become_worker  # noqa: PLC0415
+
         self.attempt = spec.attempt
         # The agent is a child subreaper, and its only children are workers: the group ends
         # whatever lives below the agent once they are done.
@@ -316,7 +315,7 @@ class Agent:
 
     def _next_port(self) -> int:
         """The next attempt's ``MASTER_PORT``: host 0's fresh store, else a free port."""
-        return self.store.renew() if self.store is not None else _free_port()
+        return self.store.renew() if self.store is not None else free_port()
 
     def finish(self) -> None:
         """Tell the launcher, deliver what is queued, and end the connection cleanly.
@@ -427,11 +426,16 @@ class Agent:
 
     def _tell_workers(self, deadline: float, reason: str) -> None:
         """Every live worker of this host: save and return by ``deadline``."""
+        from torchrunx import preemption  # noqa: PLC0415 (loaded by the worker group's module)
+
         if self.current is not None:
             for worker in self.current.group.live():
                 preemption.request(worker.notice, deadline, reason)
 
     def _dispatch(self, data: object, events: int) -> None:
+        from torchrunx.agent.preload import TorchPreload  # noqa: PLC0415 (loaded: a lookup)
+        from torchrunx.agent.workergroup import Ready  # noqa: PLC0415
+
         if isinstance(data, Ready):
             assert self.current is not None  # noqa: S101 (only while a group runs)
             self.current.on_ready(data, events)
@@ -461,21 +465,7 @@ class Agent:
         elif isinstance(message, Preempt):
             self._tell_workers(message.deadline, message.reason)
         elif isinstance(message, ShowStacks | AskTimings):
-            self._ask_workers(message)
-
-    def _ask_workers(self, message: ShowStacks | AskTimings) -> None:
-        """The launcher asks for the live workers' stacks (and states), or their timings."""
-        current = self.current
-        live = [] if current is None or self.stopping else current.group.live()
-        if isinstance(message, AskTimings):
-            for worker in live:
-                stallprobe.ask(worker.page, timer.TIMINGS_OFFSET)  # RankTimings, on its channel
-        elif current is None or not live:
-            self.link.send(WorkerStacks({}, shown=True))  # no worker runs here now
-        else:
-            current.show_stacks()
-            for worker in live if message.states else ():
-                stallprobe.ask(worker.page)  # and its RankState, on its channel
+            _ask_workers(self, message)
 
     def _on_stop(self, message: Stop) -> None:
         if message.restart and self.waiting:
@@ -514,15 +504,22 @@ class Agent:
         self.dump_on_stop = dump_stacks
 
 
-def _slots(workers: int | None, count: str, gpus: int, cpus: int) -> int:
-    """Workers this host runs: the given number, else what ``count`` counts (0: no GPU)."""
-    if workers is not None:
-        return int(workers)
-    if count == "gpu":
-        return gpus  # 0 tells the launcher that workers_per_host="gpu" found none here
-    if count == "cpu":
-        return cpus
-    return gpus or cpus
+def _ask_workers(agent: Agent, message: ShowStacks | AskTimings) -> None:
+    """The launcher asks for the live workers' stacks (and states), or their timings."""
+    from torchrunx import timer  # noqa: PLC0415 (after the hello, as the agent's loop)
+    from torchrunx.worker import stallprobe  # noqa: PLC0415
+
+    current = agent.current
+    live = [] if current is None or agent.stopping else current.group.live()
+    if isinstance(message, AskTimings):
+        for worker in live:
+            stallprobe.ask(worker.page, timer.TIMINGS_OFFSET)  # RankTimings, on its channel
+    elif current is None or not live:
+        agent.link.send(WorkerStacks({}, shown=True))  # no worker runs here now
+    else:
+        current.show_stacks()
+        for worker in live if message.states else ():
+            stallprobe.ask(worker.page)  # and its RankState, on its channel
 
 
 def main(line: bytes) -> None:
@@ -567,8 +564,8 @@ def main(line: bytes) -> None:
             host_index=boot.host_index,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            slots=_slots(boot.workers, boot.count, gpus, cpus),
-            free_port=_free_port() if store is None else store.port,
+            slots=count_slots(boot.workers, boot.count, gpus, cpus),
+            free_port=free_port() if store is None else store.port,
             gpus=gpus,
         )
     )

@@ -49,6 +49,13 @@ def listen_address(*, local_only: bool) -> str:
     return "127.0.0.1" if local_only else ""
 
 
+def free_port() -> int:
+    """A port free now on every interface (a host other than 0 offers it for ``MASTER_PORT``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
 def listening_socket(host: str, port: int = 0) -> socket.socket:
     """A socket listening on ``port`` (0: a free one) of ``host`` (``""``: every interface)."""
     if host == "" and socket.has_dualstack_ipv6():

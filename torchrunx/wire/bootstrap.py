@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import field
 from typing import TYPE_CHECKING, Any
 
 from torchrunx.errors import ProtocolError
-from torchrunx.wire.frozen import frozen
+from torchrunx.wire.frozen import field, frozen
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -3,19 +3,23 @@
 ``dataclass(frozen=True)`` writes six methods as source for every class and compiles each
 (``__init__``, ``__repr__``, ``__eq__``, ``__hash__``, ``__setattr__``, ``__delattr__``): about
 0.7 ms per class here, and the agent's import defined 35 such classes (27 of them the wire's
-messages), a fifth of its import time. :func:`frozen` makes the same class with
-``dataclass(init=False, repr=False, eq=False)``, which compiles nothing, and gives it six
-methods written once here that read the class's fields: the same positional and keyword
-arguments and defaults, repr, equality, hash and :class:`dataclasses.FrozenInstanceError` as
-``dataclass(frozen=True)``. The class is a dataclass still (``dataclasses.fields``,
-``replace``, ``asdict`` and ``is_dataclass`` work), and type checkers read it as a frozen one
-(``dataclass_transform``).
+messages), a fifth of its import time. :func:`frozen` makes the same class without
+``dataclasses`` and gives it six methods written once here that read the class's fields: the
+same positional and keyword arguments and defaults, repr, equality, hash and
+:class:`dataclasses.FrozenInstanceError` as ``dataclass(frozen=True)``. The class is a
+dataclass still (``dataclasses.fields``, ``replace``, ``asdict`` and ``is_dataclass`` work), and
+type checkers read it as a frozen one (``dataclass_transform``): its ``__dataclass_fields__``
+are made by ``dataclasses`` the first time something reads them. Until then nothing imports
+``dataclasses`` (with ``inspect``, ``ast``, ``dis`` and ``tokenize``: about a fifth of the
+agent's import, which reads no class's fields before its hello, issue #48). A field's options
+are given with :func:`field` (or ``dataclasses.field``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, overload
 
 if TYPE_CHECKING:
     from typing_extensions import dataclass_transform
@@ -36,32 +40,126 @@ _TEMPLATE = "__frozen_template__"
 _SHOWN = "__frozen_shown__"
 """The fields that the repr shows (not those of ``field(repr=False)``)."""
 _MISSING: Any = object()
+_MADE = threading.Lock()
+"""Held while ``dataclasses`` makes a class's fields (:class:`_DataclassFields`)."""
 
 
-@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
+class _Field:
+    """What :func:`field` returns: a field's default and whether its repr shows it."""
+
+    __slots__ = ("default", "repr")
+
+    def __init__(self, default: object, *, repr: bool) -> None:  # noqa: A002 (field's own name)
+        self.default = default
+        self.repr = repr
+
+
+@overload
+def field(*, default: _T, repr: bool = True) -> _T: ...
+@overload
+def field(*, repr: bool = True) -> Any: ...  # noqa: ANN401
+def field(*, default: object = _MISSING, repr: bool = True) -> Any:  # noqa: A002
+    """A field of a :func:`frozen` class with options: ``default``, ``repr=False``.
+
+    As ``dataclasses.field`` with those two (which :func:`frozen` takes too), without importing
+    ``dataclasses``.
+    """
+    return _Field(default, repr=repr)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(field,))
 def frozen(cls: type[_T]) -> type[_T]:
     """Make ``cls`` a frozen dataclass, as ``@dataclass(frozen=True)`` does, compiling nothing.
 
-    Fields may have a default and ``field(repr=False)``; not a ``default_factory``, nor
+    Fields may have a default and ``repr=False`` (:func:`field`); not a ``default_factory``, nor
     ``init=False``, nor ``compare=False`` (refused here with ``TypeError``), and the class may
-    not define ``__post_init__``.
+    not define ``__post_init__`` nor inherit from a dataclass.
     """
-    made = dataclasses.dataclass(init=False, repr=False, eq=False)(cls)
-    fields = dataclasses.fields(cast("Any", made))
-    for field in fields:
-        if field.default_factory is not dataclasses.MISSING or not field.init:
-            raise TypeError(f"{cls.__qualname__}.{field.name}: frozen takes plain defaults only")
-        if not field.compare or field.hash is not None:
-            raise TypeError(f"{cls.__qualname__}.{field.name}: frozen compares every field")
-    if hasattr(made, "__post_init__"):
+    if any("__dataclass_fields__" in vars(base) for base in cls.__mro__[1:]):
+        raise TypeError(f"{cls.__qualname__}: frozen takes no dataclass base")
+    if hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__qualname__}: frozen has no __post_init__")
-    setattr(made, _FIELDS, tuple(field.name for field in fields))
-    template = {f.name: _MISSING if f.default is dataclasses.MISSING else f.default for f in fields}
-    setattr(made, _TEMPLATE, template)
-    setattr(made, _SHOWN, tuple(field.name for field in fields if field.repr))
+    template: dict[str, object] = {}
+    shown = []
+    hidden: dict[str, object] = {}
+    for name in cls.__annotations__:  # its own (Python 3.10 on), as dataclasses reads them
+        default, show = _options(cls, name, vars(cls).get(name, _MISSING))
+        template[name] = default
+        if show:
+            shown.append(name)
+        else:
+            hidden[name] = default
+        if default is _MISSING:  # as dataclasses leaves it: no class attribute
+            if name in vars(cls):
+                delattr(cls, name)
+        else:
+            setattr(cls, name, default)
+    setattr(cls, _FIELDS, tuple(template))
+    setattr(cls, _TEMPLATE, template)
+    setattr(cls, _SHOWN, tuple(shown))
     for method in (_init, _repr, _eq, _hash, _setattr, _delattr):
-        setattr(made, method.__name__, method)
-    return made
+        setattr(cls, method.__name__, method)
+    if "__match_args__" not in vars(cls):
+        setattr(cls, "__match_args__", tuple(template))  # noqa: B010 (typed classes refuse it)
+    for name in ("__dataclass_fields__", "__dataclass_params__"):
+        setattr(cls, name, _DataclassFields(name, hidden))
+    return cls
+
+
+def _options(cls: type, name: str, value: object) -> tuple[object, bool]:
+    """A field's default (or :data:`_MISSING`) and whether the repr shows it.
+
+    From its value in the class body: a plain default, :func:`field`'s, or
+    ``dataclasses.field``'s.
+    """
+    made = sys.modules.get("dataclasses")
+    if isinstance(value, _Field):
+        default, shown = value.default, value.repr
+    elif made is None or not isinstance(value, made.Field):  # (none made without the module)
+        default, shown = value, True
+    else:
+        if value.default_factory is not made.MISSING or not value.init:
+            raise TypeError(f"{cls.__qualname__}.{name}: frozen takes plain defaults only")
+        if not value.compare or value.hash is not None:
+            raise TypeError(f"{cls.__qualname__}.{name}: frozen compares every field")
+        default = _MISSING if value.default is made.MISSING else value.default
+        shown = bool(value.repr)
+    if default is not _MISSING and type(default).__hash__ is None:  # as dataclasses refuses
+        raise ValueError(
+            f"mutable default {type(default)} for field {name} is not allowed: use default_factory"
+        )
+    return default, shown
+
+
+class _DataclassFields:
+    """A :func:`frozen` class's ``__dataclass_fields__`` or ``__dataclass_params__`` until read.
+
+    Once read, ``dataclasses`` makes both, as ``dataclass(init=False, repr=False, eq=False)``
+    makes them, in place of the two descriptors (the class's methods stay :func:`frozen`'s).
+    """
+
+    def __init__(self, name: str, hidden: dict[str, object]) -> None:
+        self.name = name
+        """Which of the two this one stands for."""
+        self.hidden = hidden
+        """The fields of ``repr=False``, with their defaults (:data:`_MISSING`: none)."""
+
+    def __get__(self, instance: object, owner: type) -> Any:  # noqa: ANN401 (what dataclasses makes)
+        import dataclasses  # noqa: PLC0415 (the reason for this class)
+
+        with _MADE:
+            if isinstance(vars(owner).get("__dataclass_fields__"), _DataclassFields):
+                del owner.__dataclass_fields__  # type: ignore[attr-defined]
+                del owner.__dataclass_params__  # type: ignore[attr-defined]
+                for name, default in self.hidden.items():
+                    shown_as = (
+                        dataclasses.field(repr=False)
+                        if default is _MISSING
+                        else dataclasses.field(default=default, repr=False)
+                    )
+                    setattr(owner, name, shown_as)  # dataclasses sets the default back
+                dataclasses.dataclass(init=False, repr=False, eq=False)(owner)
+        return getattr(owner if instance is None else instance, self.name)
 
 
 def _init(self: object, *args: object, **kwargs: object) -> None:
@@ -146,6 +244,8 @@ _hash.__name__ = "__hash__"
 
 
 def _setattr(self: object, name: str, value: object) -> None:  # noqa: ARG001
+    import dataclasses  # noqa: PLC0415 (only to raise its error)
+
     raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
 
 
@@ -153,6 +253,8 @@ _setattr.__name__ = "__setattr__"
 
 
 def _delattr(self: object, name: str) -> None:  # noqa: ARG001
+    import dataclasses  # noqa: PLC0415 (only to raise its error)
+
     raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
 
 

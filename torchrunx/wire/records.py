@@ -25,14 +25,13 @@ import pickle
 import socket
 import struct
 import threading
-from dataclasses import field
 from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from torchrunx.errors import ProtocolError, exception_text
-from torchrunx.wire.frozen import frozen
+from torchrunx.wire.frozen import field, frozen
 from torchrunx.wire.messages import _load_message
 
 if TYPE_CHECKING:
