@@ -19,9 +19,10 @@ depth 2) and with the flat start (``tree_radix=None``). Each launch measures, fr
 - the launcher process's CPU time (``getrusage(RUSAGE_SELF)``, user + system, around the call),
   per host.
 
-Prints one table row per host count, start and run kind: the median and the slowest of the
-runs. Then a model fitted to the medians (:func:`fit`) and its prediction for 1,024 hosts
-(radix 32). Every host, agent and worker runs on this one machine: see benchmarks/RESULTS.md
+Then the baseline (:func:`baseline`): the same latencies with the least else running (1 host
+flat; 2 hosts, radix 1). Prints one table row per host count and start: the median and the
+slowest of the runs; the baseline; a model fitted to the rows' medians (:func:`fit`) and its
+prediction for 1,024 hosts with radix 32 (:func:`predict`). Every host, agent and worker runs on this one machine: see benchmarks/RESULTS.md
 for what that means for the figures.
 """
 
@@ -110,11 +111,13 @@ def launch_once(hosts: list[str], ssh_config: str, radix: int | None) -> dict[st
 def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Least squares over the medians of every (hosts, start) row.
 
-    ``time = a + b * levels + c * max_children + d * hosts``, where ``d * hosts`` is this
-    machine's share (every agent and worker of every host on its 2 cores: a host's own start
-    costs every other host time here, not on separate machines), left out of the prediction;
-    ``cpu = fixed + per_direct * direct + per_host * hosts`` (the launcher's own starts are
-    its direct children; ``per_host``: a host's connection, frames and result, relayed or not).
+    ``time = a + b * levels + c * max_children + d * hosts``: ``d * hosts`` is this machine's
+    share (every host's agent, worker, relay, ``sshd`` and ``ssh`` client on its cores, which
+    separate machines do not share). On a machine whose cores are saturated ``d`` takes nearly
+    all of the time and ``a``, ``b`` and ``c`` are noise: printed, not used to predict.
+    ``cpu = cpu_fixed + cpu_per_direct * direct + cpu_per_host * hosts`` (``direct``: the
+    hosts the launcher starts itself, over SSH from its process; ``cpu_per_host``: a host's
+    connections, frames and result, relayed or not).
     """
     shapes = [shape(int(row["hosts"]), row["radix"]) for row in rows]
     times = np.array([row["start"] for row in rows])
@@ -139,12 +142,44 @@ def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def predict(model: dict[str, float], hosts: int, radix: int) -> dict[str, float]:
-    """The model's call-to-start seconds (without this machine's share) and launcher CPU."""
+def predict(
+    model: dict[str, float], base: dict[str, float], hosts: int, radix: int
+) -> dict[str, float]:
+    """The launcher's CPU (the fit) and the call to every function start on separate machines.
+
+    The start is the later of two bounds. The path: a level-1 host's hello with nothing else
+    running (``base["first"]``), plus one SSH start's launcher CPU (``cpu_per_direct``, which
+    the launcher's threads take one at a time) for each other host it starts; a child's start
+    from its interior host with nothing else running (``base["child"]``), plus the same for each
+    other child of that host (an upper bound: its OpenSSH clients are separate processes, on
+    that host's own cores); then a hello to the function's start (``base["workers"]``). The
+    launcher's own CPU: it handles every host's connection, frames and result on its core.
+    """
     s = shape(hosts, radix)
-    seconds = model["a"] + model["b"] * s["levels"] + model["c"] * s["max_children"]
-    cpu = model["cpu_fixed"] + model["cpu_per_direct"] * s["direct"]
-    return {"seconds": seconds, "cpu_s": cpu + model["cpu_per_host"] * hosts}
+    per = model["cpu_per_direct"]
+    path = base["first"] + per * (s["direct"] - 1) + base["workers"]
+    if s["levels"] > 1:
+        path += base["child"] + per * (s["max_children"] - 1)
+    cpu = model["cpu_fixed"] + per * s["direct"] + model["cpu_per_host"] * hosts
+    return {"path_s": path, "cpu_s": cpu, "seconds": max(path, cpu)}
+
+
+def baseline(names: list[str], config: str, runs: int) -> dict[str, float]:
+    """The latencies with the least else running (medians of ``runs``, after one not counted).
+
+    ``first``: 1 host, flat: the call to its hello. ``child``: 2 hosts, radix 1: host 1's hello
+    less host 0's (host 0 starts it). ``workers``: those launches' hello to function start.
+    """
+    figures: dict[str, list[float]] = {"first": [], "child": [], "workers": []}
+    launch_once(names[:1], config, None)
+    launch_once(names[:2], config, 1)
+    for _ in range(runs):
+        alone = launch_once(names[:1], config, None)
+        pair = launch_once(names[:2], config, 1)
+        figures["first"].append(alone["l1_hello"])
+        figures["child"].append(pair["child"])
+        figures["workers"] += [alone["start"] - alone["l1_hello"], pair["start"] - pair["l2_hello"]]
+    return {key: statistics.median(values) for key, values in figures.items()}
 
 
 FIGURES = ("start", "result", "l1_hello", "l2_hello", "child", "cpu_ms_per_host")
@@ -173,11 +208,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def measure(
     counts: list[int], radix: int, runs: int, failures: list[str], *, flat: bool
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Every launch, on one cluster of ``max(counts)`` bench hosts; a row per count and start.
 
     A first launch of each kind per count is not counted; a failed launch is added to
-    ``failures`` and left out of its row.
+    ``failures`` and left out of its row. Then :func:`baseline`'s latencies.
     """
     rows: list[dict[str, Any]] = []
     made = time.monotonic()
@@ -210,7 +245,8 @@ def measure(
                     row["runs_" + key] = [f[key] for f in done]
                     row[key] = statistics.median(row["runs_" + key])
                 rows.append(row)
-    return rows
+        base = baseline(names, config, runs)
+    return rows, base
 
 
 def main() -> None:
@@ -220,30 +256,34 @@ def main() -> None:
     parser.add_argument("--radix", type=int, default=0, help="0: 4 up to 20 hosts, else 8")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--no-flat", action="store_true", help="tree starts only")
-    parser.add_argument("--json", help="also write every row to this file")
+    parser.add_argument("--json", help="also write every row and the baseline to this file")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason:
         sys.exit(f"no bench test hosts: {reason}")
     os.environ.setdefault("TORCHRUNX_LOG_LEVEL", "WARNING")
     failures: list[str] = []
-    rows = measure(sorted(args.hosts), args.radix, args.runs, failures, flat=not args.no_flat)
+    rows, base = measure(sorted(args.hosts), args.radix, args.runs, failures, flat=not args.no_flat)
     print_table(rows)
     for failure in failures:
         print(f"failed launch: {failure}")
     if args.json:
         with open(args.json, "w") as f:  # noqa: PTH123
-            json.dump(rows, f, indent=1)
+            json.dump({"rows": rows, "baseline": base}, f, indent=1)
+    print(
+        "baseline (medians, the least else running): "
+        + ", ".join(f"{key} {value:.3f} s" for key, value in base.items())
+    )
     if len(rows) < 4:
         print("model: too few rows to fit (needs 4 or more)")
         return
     model = fit(rows)
     print("model: " + ", ".join(f"{key} {value:.4f}" for key, value in model.items()))
-    guess = predict(model, PREDICT_HOSTS, PREDICT_RADIX)
+    guess = predict(model, base, PREDICT_HOSTS, PREDICT_RADIX)
     print(
         f"prediction, {PREDICT_HOSTS} hosts radix {PREDICT_RADIX}: call to every function start "
-        f"{guess['seconds']:.2f} s (without this machine's share), launcher CPU "
-        f"{guess['cpu_s']:.2f} s"
+        f"{guess['seconds']:.2f} s (the path {guess['path_s']:.2f} s, the launcher's CPU "
+        f"{guess['cpu_s']:.2f} s), launcher CPU {guess['cpu_s']:.2f} s"
     )
 
 
