@@ -22,8 +22,9 @@ depth 2) and with the flat start (``tree_radix=None``). Each launch measures, fr
 Then the baseline (:func:`baseline`): the same latencies with the least else running (1 host
 flat; 2 hosts, radix 1). Prints one table row per host count and start: the median and the
 slowest of the runs; the baseline; a model fitted to the rows' medians (:func:`fit`) and its
-prediction for 1,024 hosts with radix 32 (:func:`predict`). Every host, agent and worker runs on this one machine: see benchmarks/RESULTS.md
-for what that means for the figures.
+prediction for 1,024 hosts with radix 32 (:func:`predict`), with the ``tree_sim.py`` command
+line that simulates it. Every host, agent and worker runs on this one machine: see
+benchmarks/RESULTS.md for what that means for the figures.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -41,6 +43,7 @@ import numpy as np
 from testhosts import ssh_hosts, unavailable_reason
 
 import torchrunx as trx
+from torchrunx.agent.tree.starts import ssh_target
 from torchrunx.events import AgentStarted
 from torchrunx.launcher.starts.tree import tree_children, tree_parent
 
@@ -152,14 +155,16 @@ def predict(
     the launcher's threads take one at a time) for each other host it starts; a child's start
     from its interior host with nothing else running (``base["child"]``), plus the same for each
     other child of that host (an upper bound: its OpenSSH clients are separate processes, on
-    that host's own cores); then a hello to the function's start (``base["workers"]``). The
-    launcher's own CPU: it handles every host's connection, frames and result on its core.
+    that host's own cores), and one ``ssh -G`` (``base["resolve"]``) for each other child: the
+    relay resolves each child's address in turn before it starts any; then a hello to the
+    function's start (``base["workers"]``). The launcher's own CPU: it handles every host's
+    connection, frames and result on its core.
     """
     s = shape(hosts, radix)
     per = model["cpu_per_direct"]
     path = base["first"] + per * (s["direct"] - 1) + base["workers"]
     if s["levels"] > 1:
-        path += base["child"] + per * (s["max_children"] - 1)
+        path += base["child"] + (per + base["resolve"]) * (s["max_children"] - 1)
     cpu = model["cpu_fixed"] + per * s["direct"] + model["cpu_per_host"] * hosts
     return {"path_s": path, "cpu_s": cpu, "seconds": max(path, cpu)}
 
@@ -169,8 +174,9 @@ def baseline(names: list[str], config: str, runs: int) -> dict[str, float]:
 
     ``first``: 1 host, flat: the call to its hello. ``child``: 2 hosts, radix 1: host 1's hello
     less host 0's (host 0 starts it). ``workers``: those launches' hello to function start.
+    ``resolve``: one ``ssh -G`` of a host, as an interior relay runs it for each child.
     """
-    figures: dict[str, list[float]] = {"first": [], "child": [], "workers": []}
+    figures: dict[str, list[float]] = {"first": [], "child": [], "workers": [], "resolve": []}
     launch_once(names[:1], config, None)
     launch_once(names[:2], config, 1)
     for _ in range(runs):
@@ -179,6 +185,9 @@ def baseline(names: list[str], config: str, runs: int) -> dict[str, float]:
         figures["first"].append(alone["l1_hello"])
         figures["child"].append(pair["child"])
         figures["workers"] += [alone["start"] - alone["l1_hello"], pair["start"] - pair["l2_hello"]]
+        resolving = time.perf_counter()
+        ssh_target(names[0], config)
+        figures["resolve"].append(time.perf_counter() - resolving)
     return {key: statistics.median(values) for key, values in figures.items()}
 
 
@@ -262,6 +271,7 @@ def main() -> None:
     if reason:
         sys.exit(f"no bench test hosts: {reason}")
     os.environ.setdefault("TORCHRUNX_LOG_LEVEL", "WARNING")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the hosts are stopped then too
     failures: list[str] = []
     rows, base = measure(sorted(args.hosts), args.radix, args.runs, failures, flat=not args.no_flat)
     print_table(rows)
@@ -280,6 +290,14 @@ def main() -> None:
     model = fit(rows)
     print("model: " + ", ".join(f"{key} {value:.4f}" for key, value in model.items()))
     guess = predict(model, base, PREDICT_HOSTS, PREDICT_RADIX)
+    per, k = model["cpu_per_direct"], PREDICT_RADIX
+    print(
+        f"simulate it: python benchmarks/tree_sim.py --hosts {PREDICT_HOSTS} --radix {k} "
+        f"--first {base['first']:.3f} --per-start {per:.3f} "
+        f"--child {base['child'] + base['resolve'] * (k - 1):.3f} "
+        f"--workers-after {base['workers']:.3f} --predicted {guess['seconds']:.2f} "
+        f"{guess['cpu_s']:.2f}"
+    )
     print(
         f"prediction, {PREDICT_HOSTS} hosts radix {PREDICT_RADIX}: call to every function start "
         f"{guess['seconds']:.2f} s (the path {guess['path_s']:.2f} s, the launcher's CPU "

@@ -3,17 +3,19 @@
 Usage::
 
     python benchmarks/tree_sim.py [--hosts 1024] [--workers 8] [--radix 32]
-        [--first 1.0] [--child 0.5] [--workers-after 0.1] [--predicted SECONDS CPU_S]
+        [--first 1.0] [--per-start 0.04] [--child 0.5] [--workers-after 0.1]
+        [--predicted SECONDS CPU_S]
 
 The launcher is the real one, as in ``many_hosts.py`` (whose simulated agents and workers this
 uses: the real protocol, without torch, from a few processes). What is simulated on top is the
-tree's schedule: host ``i`` that the launcher starts (``tree_parent(i, radix)`` is None) says
-hello ``--first`` seconds after the call (an SSH start from the launcher, to the agent's
-hello); a host that an interior host starts says hello ``--first + --child`` seconds after the
-call (its interior host starts every child at once, as a real relay does, each in
-``--child`` seconds: an SSH start from the interior host); each agent's workers say hello
-``--workers-after`` seconds after its spec (a real agent's fork of its workers, to their
-function's start). The three come from ``benchmarks/tree.py``'s real runs.
+tree's schedule (:func:`hello_after`): the launcher starts its hosts (``tree_parent(i, radix)``
+is None) one ``--per-start`` apart (its SSH starts' CPU, which its threads take in turn), each
+saying hello ``--first`` seconds after its start; an interior host starts its children in
+parallel, as a real relay does, the first ``--child`` seconds after its own start (an SSH start
+from the interior host, with the relay's ``ssh -G`` of every child before it), the next ones one
+``--per-start`` apart; each agent's workers say hello ``--workers-after`` seconds after its spec
+(a real agent's fork of its workers, to their function's start). The figures come from
+``benchmarks/tree.py``'s real runs, which print this script's command line.
 
 What this does not exercise: the launcher's tree code itself. The simulated agents connect to
 the launcher directly, as in a flat start, so neither the launcher's SSH sessions to the
@@ -38,11 +40,27 @@ from torchrunx.events import LaunchStarted, WorkerState, WorkerStateChanged
 from torchrunx.launcher.starts.tree import tree_parent
 
 
-def simulate(  # noqa: PLR0913, PLR0917 (each a knob of the simulated tree)
+def hello_after(index: int, radix: int, first: float, per_start: float, child: float) -> float:
+    """When host ``index`` says hello, in seconds from the call, on the simulated tree's clock.
+
+    The launcher starts its hosts one ``per_start`` apart (its SSH starts' CPU, one at a time),
+    each saying hello ``first`` seconds after its start; an interior host starts its children
+    ``child`` seconds after its own start, one ``per_start`` apart.
+    """
+    parent = tree_parent(index, radix)
+    if parent is None:
+        return first + per_start * index
+    sibling = index - (parent + 1) * radix
+    return first + per_start * parent + child + per_start * sibling
+
+
+def simulate(  # noqa: PLR0913 (each a knob of the simulated tree)
     hosts: int,
     workers: int,
     radix: int,
+    *,
     first: float,
+    per_start: float,
     child: float,
     workers_after: float,
     simulators: int,
@@ -59,14 +77,11 @@ def simulate(  # noqa: PLR0913, PLR0917 (each a knob of the simulated tree)
         elif isinstance(event, WorkerStateChanged) and event.new is WorkerState.HEALTHY:
             healthy.append(event.time)
 
-    def start_after(index: int) -> float:
-        return first if tree_parent(index, radix) is None else first + child
-
     figures = many_hosts.measure(
         hosts,
         workers,
         simulators,
-        start_after=start_after,
+        start_after=lambda index: hello_after(index, radix, first, per_start, child),
         workers_after=workers_after,
         event_handlers=(record,),
     )
@@ -82,6 +97,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--radix", type=int, default=32)
     parser.add_argument("--first", type=float, default=1.0)
+    parser.add_argument("--per-start", type=float, default=0.04)
     parser.add_argument("--child", type=float, default=0.5)
     parser.add_argument("--workers-after", type=float, default=0.1)
     parser.add_argument("--simulators", type=int, default=4)
@@ -93,16 +109,20 @@ def main() -> None:
         args.hosts,
         args.workers,
         args.radix,
-        args.first,
-        args.child,
-        args.workers_after,
-        args.simulators,
+        first=args.first,
+        per_start=args.per_start,
+        child=args.child,
+        workers_after=args.workers_after,
+        simulators=args.simulators,
     )
-    floor = args.first + args.child + args.workers_after
+    last = max(
+        hello_after(i, args.radix, args.first, args.per_start, args.child)
+        for i in range(args.hosts)
+    )
     print(
         f"simulated tree: {args.hosts} hosts x {args.workers}, radix {args.radix}; first "
-        f"{args.first:g} s, child {args.child:g} s, workers after {args.workers_after:g} s "
-        f"(the schedule's floor: {floor:.2f} s)"
+        f"{args.first:g} s, per start {args.per_start:g} s, child {args.child:g} s, workers "
+        f"after {args.workers_after:g} s (the schedule's floor: {last + args.workers_after:.2f} s)"
     )
     predicted = args.predicted or (float("nan"), float("nan"))
     print(f"{'':34}{'simulated':>12}{'model':>12}")
