@@ -63,8 +63,10 @@ sys.path.insert(0, str(REPO / "tests"))
 from wire_helpers import RecordReader  # noqa: E402  (the tests' whole-record reader)
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from multiprocessing.connection import Connection
 
+    from torchrunx.events import EventHandler
     from torchrunx.launcher.settings.plan import LaunchPlan
 
 NOOP_RESULT = [bytes(part) for part in serialization.dumps(None)]
@@ -174,6 +176,8 @@ def _worker(link: _Link, spec: messages.WorkerSpec, local: int) -> None:
 
 
 async def _agent(boot: dict[str, Any]) -> None:
+    start_at = float(boot.get("start_at", 0.0))  # a simulated start's latency (tree_sim.py)
+    await asyncio.sleep(max(start_at - time.time(), 0.0))
     address = (boot["launcher"][0], int(boot["launcher"][1]))
     secret = bytes.fromhex(boot["secret"])
     link = await _connect(address, secret, "agent")
@@ -194,6 +198,7 @@ async def _agent(boot: dict[str, Any]) -> None:
             if isinstance(message, messages.WorkerSpec):
                 spec = message
                 break
+        await asyncio.sleep(float(boot.get("workers_after", 0.0)))  # the workers' own start
         pids = tuple(100000 + spec.rank_offset + i for i in range(spec.num_workers))
         link.send(messages.WorkersStarted(pids), [])
         for local in range(spec.num_workers):
@@ -308,8 +313,21 @@ def _simulated_plan(launcher: trx.Launcher, slots: list[HostSlots]) -> LaunchPla
     return dataclasses.replace(local, hosts=simulated)
 
 
-def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
-    """One launch of ``hosts`` x ``workers`` simulated ranks; the launcher's figures."""
+def measure(  # noqa: PLR0913, PLR0915 (one measured launch, step by step, and its knobs)
+    hosts: int,
+    workers: int,
+    simulators: int,
+    *,
+    start_after: Callable[[int], float] | None = None,
+    workers_after: float = 0.0,
+    event_handlers: tuple[EventHandler, ...] = (),
+) -> dict[str, float]:
+    """One launch of ``hosts`` x ``workers`` simulated ranks; the launcher's figures.
+
+    ``start_after``: each host index's simulated start latency (its agent connects that many
+    seconds after the call; none: at once); ``workers_after``: the seconds each agent takes
+    between its spec and its workers' hellos; ``event_handlers``: the launcher's.
+    """
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     senders, processes = _start_simulators(simulators)
     launcher = trx.Launcher(
@@ -319,6 +337,7 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
         log_handlers=[],
         start_timeout=300,
         agent_timeout=120,
+        event_handlers=event_handlers,
     )
     plan = _simulated_plan(launcher, [HostSlots(f"sim{i}", workers) for i in range(hosts)])
     call = serialization.dumps((print, (), {}))
@@ -330,12 +349,18 @@ def measure(hosts: int, workers: int, simulators: int) -> dict[str, float]:
     def start(index: int) -> _SimulatedAgent:
         agent = launch.state.agents[index]
         line = launch.session.starts.bootstrap(agent, "127.0.0.1")  # what a real start sends
+        if start_after is not None or workers_after:
+            boot = json.loads(line)
+            boot["start_at"] = called_at + (start_after(index) if start_after else 0.0)
+            boot["workers_after"] = workers_after
+            line = json.dumps(boot).encode()
         senders[index % simulators].send(line.decode())
         return _SimulatedAgent(agent.slots.hostname)
 
     cpu_before = time.process_time()
     usage_before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
+    called_at = time.time()
     launch = Launch(plan, call, starter=start)
     idle_rss = 0
     send_specs = launch.dispatch.send_specs  # measured here, not changed

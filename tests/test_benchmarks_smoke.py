@@ -7,10 +7,14 @@ The whole smoke (every case, every tool) is ``python benchmarks/run.py --smoke``
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from cluster import cluster_unavailable_reason
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,3 +188,79 @@ def test_before_after_reads_every_benchmarks_figures_and_judges_noise():
     assert before_after.verdict([1.0, 1.01], [1.05, 1.06]) == "same"  # within 10%
     assert before_after.verdict([1.0, 1.01], [1.2, 1.3]) == "CHANGED"
     assert before_after.verdict([0.0], [0.0]) == "same"
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+@pytest.mark.cluster
+def test_tree_benchmark_smoke_run_on_bench_hosts():
+    """``benchmarks/tree.py`` at its smallest: 3 and 4 bench hosts, radix 2, one run each, tree
+    and flat; a row per count and start, every figure as median / slowest, and the model."""
+    reason = cluster_unavailable_reason()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"bench test hosts required on CI: {reason}")
+        pytest.skip(reason)
+    sizes = ["--hosts", "3", "4", "--radix", "2", "--runs", "1"]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "tree.py"), *sizes],
+        capture_output=True,
+        text=True,
+        timeout=240,  # the bench hosts' lock may be held by a benchmark run: start_cluster waits
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [_cells(line) for line in result.stdout.splitlines() if re.match(r"\| \d", line)]
+    assert [row[:3] for row in rows] == [
+        ["3", "tree radix 2", "1"],
+        ["3", "flat", "1"],
+        ["4", "tree radix 2", "1"],
+        ["4", "flat", "1"],
+    ], result.stdout
+    figure = r"\d+\.\d\d / \d+\.\d\d (s|ms)"
+    for row in rows:
+        flat = row[1] == "flat"
+        for index, cell in enumerate(row[3:], start=3):
+            expected = "-" if flat and index in (6, 7) else figure  # L2 hello, child: tree only
+            assert re.fullmatch(expected, cell), (row, cell)
+    assert "failed launch" not in result.stdout, result.stdout
+    assert re.search(
+        r"^model: a -?[\d.]+, b -?[\d.]+, .*cpu_per_host -?[\d.]+$", result.stdout, re.MULTILINE
+    )
+    assert re.search(
+        r"^prediction, 1024 hosts radix 32: call to every function start -?[\d.]+ s .*"
+        r"launcher CPU -?[\d.]+ s$",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout
+
+
+def test_tree_simulation_benchmark_smoke_run():
+    """``benchmarks/tree_sim.py`` at 64 simulated hosts x 2, radix 8: every rank's result comes
+    back (it asserts so itself) and the simulated figures are printed beside the model's."""
+    sizes = ["--hosts", "64", "--workers", "2", "--radix", "8", "--simulators", "2"]
+    schedule = ["--first", "0.2", "--child", "0.1", "--workers-after", "0.05"]
+    result = subprocess.run(
+        [
+            *(sys.executable, str(REPO / "benchmarks" / "tree_sim.py"), *sizes, *schedule),
+            *("--predicted", "1.5", "0.25"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "simulated agent failed" not in result.stderr, result.stderr[-4000:]
+    figures = {}
+    for line in result.stdout.splitlines():
+        match = re.fullmatch(r"([a-z][a-z ]+?) +([\d.]+|nan) +([\d.]+|nan)", line)
+        if match:
+            figures[match[1]] = (float(match[2]), float(match[3]))
+    assert figures["ranks"][0] == 128, result.stdout
+    start, predicted = figures["call to every function start s"]
+    assert start >= 0.35 and predicted == 1.5, result.stdout  # never before the schedule's floor
+    assert figures["launcher cpu s"][0] > 0 and figures["launcher cpu s"][1] == 0.25
+    assert "schedule's floor: 0.35 s" in result.stdout, result.stdout
