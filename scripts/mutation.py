@@ -392,6 +392,11 @@ TARGETS: dict[str, Target] = {
         functions=("ChannelReader.*", "ChannelConnection.*"),
         note="a worker's channel: its frames, where a stream may end (socket pairs)",
     ),
+    "environ": Target(
+        "torchrunx/launcher/settings/environ.py",
+        ("tests/test_rules_environ.py", "tests/test_rules_plan.py", "tests/test_rules_debugger.py"),
+        note="the launcher's environment variables, read once from a given mapping and checked",
+    ),
     "errors": Target(
         "torchrunx/errors.py",
         ("tests/test_rules_errors.py", "tests/test_rules_failures.py"),
@@ -473,6 +478,14 @@ _TYRO = (
     "whether tyro prints there is never seen (a test asserts that nothing is printed)"
 )
 _LAST_LINE = "the last piece of an rsplit is the same whatever the number of splits"
+_ONLY_0 = (
+    "the variable's default is only compared with '0': None, no default or another text than "
+    "'0' compare the same"
+)
+_PROGRESS = (
+    "the table has only the keys '1' and '0': an unset variable read as None, '' or 'XXXX' "
+    "finds no key either way (None)"
+)
 EQUIVALENT: dict[str, tuple[str, str]] = {
     "torchrunx.launcher.state.failures.x_check_restarts__mutmut_25": (
         'entry.replace(".", "").replace("_", "XXXX").isalnum()',
@@ -680,6 +693,53 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
     "torchrunx.wire.relay.x\u01c1ByteQueue\u01c1write_to__mutmut_17": (
         "written = None",
         "None ends the loop as 0 does: it is only tested for truth after",
+    ),
+    "torchrunx.launcher.settings.environ.x_read_environ__mutmut_46": (
+        'env.get("TORCHRUNX_HINTS", None) == "0"',
+        _ONLY_0,
+    ),
+    "torchrunx.launcher.settings.environ.x_read_environ__mutmut_48": (
+        'env.get("TORCHRUNX_HINTS", ) == "0"',
+        _ONLY_0,
+    ),
+    "torchrunx.launcher.settings.environ.x_read_environ__mutmut_51": (
+        'env.get("TORCHRUNX_HINTS", "XX1XX") == "0"',
+        _ONLY_0,
+    ),
+    "torchrunx.launcher.settings.environ.x_read_environ__mutmut_61": (
+        'get(env.get("TORCHRUNX_PROGRESS", None))',
+        _PROGRESS,
+    ),
+    "torchrunx.launcher.settings.environ.x_read_environ__mutmut_63": (
+        'get(env.get("TORCHRUNX_PROGRESS", ))',
+        _PROGRESS,
+    ),
+    "torchrunx.launcher.settings.environ.x_read_environ__mutmut_66": (
+        'get(env.get("TORCHRUNX_PROGRESS", "XXXX"))',
+        _PROGRESS,
+    ),
+    "torchrunx.launcher.settings.environ.x_read_environ__mutmut_68": (
+        'env.get("TORCHRUNX_VIEW", None) != "0"',
+        _ONLY_0,
+    ),
+    "torchrunx.launcher.settings.environ.x_read_environ__mutmut_70": (
+        'env.get("TORCHRUNX_VIEW", ) != "0"',
+        _ONLY_0,
+    ),
+    "torchrunx.launcher.settings.environ.x_read_environ__mutmut_73": (
+        'env.get("TORCHRUNX_VIEW", "XX1XX") != "0"',
+        _ONLY_0,
+    ),
+    "torchrunx.launcher.settings.environ.x_log_level_from_env__mutmut_7": (
+        'environ.get(LOG_LEVEL_ENV_VAR, "info").strip()',
+        "the name is upper-cased before it is looked up: 'info' is 'INFO'",
+    ),
+    "torchrunx.launcher.settings.environ.x_launcher_ports__mutmut_11": (
+        'value.rpartition("-")',
+        (
+            "with one dash both cut at it; with more, one side keeps a dash either way and is "
+            "refused with the same message"
+        ),
     ),
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
