@@ -734,13 +734,6 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         'environ.get(LOG_LEVEL_ENV_VAR, "info").strip()',
         "the name is upper-cased before it is looked up: 'info' is 'INFO'",
     ),
-    "torchrunx.launcher.settings.environ.x_launcher_ports__mutmut_11": (
-        'value.rpartition("-")',
-        (
-            "with one dash both cut at it; with more, one side keeps a dash either way and is "
-            "refused with the same message"
-        ),
-    ),
     # mutant name: (its mutated line, why no test can tell it from the original). An entry
     # whose line is no longer the mutant's (the code changed) is ignored: the mutant counts.
     "torchrunx.launcher.state.failures.x__order__mutmut_5": (
