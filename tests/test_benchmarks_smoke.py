@@ -241,7 +241,16 @@ def test_tree_simulation_benchmark_smoke_run():
     """``benchmarks/tree_sim.py`` at 64 simulated hosts x 2, radix 8: every rank's result comes
     back (it asserts so itself) and the simulated figures are printed beside the model's."""
     sizes = ["--hosts", "64", "--workers", "2", "--radix", "8", "--simulators", "2"]
-    schedule = ["--first", "0.2", "--per-start", "0.04", "--child", "0.1", "--workers-after", "0.05"]
+    schedule = [
+        "--first",
+        "0.2",
+        "--per-start",
+        "0.04",
+        "--child",
+        "0.1",
+        "--workers-after",
+        "0.05",
+    ]
     result = subprocess.run(
         [
             *(sys.executable, str(REPO / "benchmarks" / "tree_sim.py"), *sizes, *schedule),
