@@ -184,8 +184,10 @@ class WorkerVia:
 
 
 class StubProcess:
-    def __init__(self, tail: str = "") -> None:
+    def __init__(self, tail: str = "", status: int | None = None) -> None:
         self.tail = tail
+        self.status = status
+        """Its exit status once it ended (None: running)."""
 
     def stderr_tail(self) -> str:
         return self.tail
@@ -208,6 +210,11 @@ class Parts:
     quarantines = LaunchPlan.quarantines
     """The plan's own decision (spares or min_hosts: a failed host of the world is quarantined)."""
     preemption_grace: float = 0.0
+
+    def exit_status_now(self, host_index: int) -> int | None:
+        """As the agent pool's: the process's status if it ended, without waiting."""
+        process = self.processes.get(host_index)
+        return None if process is None else process.status
 
     # the plan's groups, as the inbox reads them (LaunchPlan.hosts, .timeouts, ...)
     @property
@@ -809,6 +816,18 @@ def test_rule_an_agents_connection_cut_fails_it_with_its_stderr():
     )
     assert "the agent's last words" in text and abs(fault.at - time.time()) < 60
     assert inbox.state.agents[0].state is AgentState.RUNNING
+
+
+def test_rule_an_agents_connection_cut_after_its_process_ended_names_how_it_ended():
+    # The agent's process (the guardian the launcher started) ended before the connection's
+    # end was seen, its exit not yet reported: the fault says how it ended.
+    inbox, parts, peers = connected()
+    parts.processes[1] = StubProcess("", status=3)
+    inbox.apply(PeerClosed(peers[1]))  # type: ignore[arg-type]
+    (fault,) = inbox.state.faults
+    assert "exit status 3" in str(fault.error), fault.error
+    assert "closed unexpectedly" not in str(fault.error)
+    assert inbox.state.agents[1].exited and inbox.state.agents[1].exit_status == 3
 
 
 def test_rule_an_agents_connection_cut_while_stopping_fails_it_without_a_fault():

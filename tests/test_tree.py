@@ -199,6 +199,60 @@ def test_a_lost_interior_host_fails_its_subtree_naming_it(cluster, tmp_path):
     _wait_nothing_left()
 
 
+def _kill_interior_host_0_once(folder: str) -> dict[str, object]:
+    """Attempt 0: host 0 (interior, it started hosts 2 and 3) loses its relay once the five
+    hosts' ranks run. The next attempt: who runs where."""
+    if os.environ["TORCHRUNX_RESTART_COUNT"] == "0":
+        _started(folder)
+        if os.environ["RANK"] == "0":
+            _wait_all_started(folder, ranks=5)
+            os.kill(_relay_above(os.getpid()), signal.SIGKILL)
+        time.sleep(120)
+    return {
+        "rank": int(os.environ["RANK"]),
+        "world": int(os.environ["WORLD_SIZE"]),
+        "host": os.uname().nodename,
+    }
+
+
+@pytest.mark.cluster
+def test_a_lost_interior_host_is_replaced_by_a_spare_and_its_subtree_dropped(cluster, tmp_path):
+    # The launch's policy decides: the lost interior host and every host it started are
+    # quarantined (each named); the spare (started by the launcher) takes the first one's
+    # place, and with min_hosts the hosts left go on in a smaller world. Five hosts and a
+    # spare (host 5), radix 2: host 0 starts hosts 2 and 3, host 1 starts host 4.
+    node1, node2 = cluster.names()
+    hosts = [node1, node2] * 3
+    with connections_back_dropped(cluster):
+        result = trx.launch(
+            _kill_interior_host_0_once,
+            func_args=(str(tmp_path),),
+            hostnames=hosts,
+            workers_per_host=1,
+            backend=None,
+            ssh_config_file=cluster.ssh_config,
+            tree_radix=2,
+            spare_hosts=1,
+            min_hosts=3,
+            agent_timeout=5,
+            max_restarts=1,
+            restart_on=("exceptions", "deaths", "hosts"),
+        )
+    # The spare (node2) runs host 0's ranks; hosts 1 (node2) and 4 (node1) go on.
+    assert result.ranks == [
+        {"rank": 0, "world": 3, "host": node2},
+        {"rank": 1, "world": 3, "host": node2},
+        {"rank": 2, "world": 3, "host": node1},
+    ]
+    changes = "\n".join(result.world_changes)
+    for index in (0, 2, 3):
+        assert f"{hosts[index]} (host {index}, " in changes, changes
+    assert f"spare {node2} replaces {node1} (host 0)" in changes, changes
+    for index in (1, 4):
+        assert f"(host {index}, " not in changes, changes
+    _wait_nothing_left()
+
+
 def _fail_leaf(folder: str, how: str) -> None:
     _started(folder)
     if os.environ["RANK"] == "1":  # host 1 (node2): the leaf, started by host 0 (node1)
@@ -309,8 +363,9 @@ def test_tree_radix_values_are_checked():
     check_tree(2, ["ssh"] * 6, 0)
     with pytest.raises(ValueError, match="over SSH"):
         check_tree(2, ["ssh", "local"], 0)
-    with pytest.raises(ValueError, match="spare hosts"):
-        check_tree(2, ["ssh"] * 3, 1)
+    check_tree(2, ["ssh"] * 7, 1)  # the spare is not in the tree: the launcher starts it
+    with pytest.raises(ValueError, match="7 hosts need a tree of depth 3"):
+        check_tree(2, ["ssh"] * 9, 2)
     with pytest.raises(ValueError, match="ship is not supported"):
         check_tree(2, ["ssh"] * 3, 0, ship=(".",))
     with pytest.raises(ValueError, match="depth 3 or more"):
@@ -346,6 +401,27 @@ def test_a_dry_run_says_who_starts_whom():
     assert line(5, 2) == [expected]
     assert line(2, 4) == ["tree start: radix 4; the launcher starts hosts 0-1; no more"]
     assert line(3, None) == []
+    spares = trx.Launcher(
+        hostnames=[f"h{i}" for i in range(6)],
+        agent_start="ssh",
+        tree_radix=2,
+        spare_hosts=2,
+        max_restarts=1,
+        restart_on=("hosts",),
+    )
+    assert [t for t in spares.dry_run().splitlines() if t.startswith("tree start")] == [
+        (
+            "tree start: radix 2; the launcher starts hosts 0-1 and the spares (4-5); host 0 "
+            "starts 2-3, over SSH from their own hosts"
+        )
+    ]
+
+
+def test_the_launcher_starts_the_spares_of_a_tree():
+    tree = Tree(2, ["a", "b", "c", "d", "e"])  # the world's hosts; a spare's index is 5 or more
+    assert [tree.is_child(i) for i in range(7)] == [False, False, True, True, True, False, False]
+    assert tree.children(5) == []
+    assert tree.children(1) == [4]
 
 
 def test_an_interior_bootstrap_carries_its_children():

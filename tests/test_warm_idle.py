@@ -130,9 +130,11 @@ def test_an_agent_killed_between_runs_fails_the_next_run_at_once_naming_it(what)
             warm.run(who)
         assert time.monotonic() - started < RAISE_WITHIN
         assert "since the last run" in str(caught.value)
-        # What happened: the agent's connection closed, or its process (the guardian, which
-        # the launcher started) ended with SIGKILL.
-        assert ("closed unexpectedly" if what == "agent" else "SIGKILL") in str(caught.value)
+        # What happened: its process (the guardian, which the launcher started, and which ends
+        # as its agent did) ended with SIGKILL; for a killed agent, its connection may also be
+        # seen closed before the guardian has ended.
+        text = str(caught.value)
+        assert "SIGKILL" in text or (what == "agent" and "closed unexpectedly" in text), text
         with pytest.raises(trx.AgentFailedError, match="localhost"):
             warm.run(who)  # and again: no run waits on it
 

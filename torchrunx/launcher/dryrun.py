@@ -58,7 +58,7 @@ def describe_plan(
         f"hosts from: {_source(plan.hosts.source)}",
         f"agent start: {_transports(methods, transport_argument)}",
         *_relay_lines(plan.reach.relay),
-        *_tree_lines(plan.reach.tree_radix, len(hosts)),
+        *_tree_lines(plan.reach.tree_radix, len(running), spares),
         f"world size: {world if world is not None else 'known once every agent has counted'}",
         *_backend_lines(plan, hosts, gpus or [None] * len(hosts)),
         "",
@@ -133,15 +133,16 @@ def _relay_lines(relay: str) -> list[str]:
     return [f"relay: {relay} (remote hosts' connections travel over their agent's channel, {when})"]
 
 
-def _tree_lines(radix: int | None, count: int) -> list[str]:
-    """Who starts whom in a tree start (``tree_radix``), unless there is none."""
+def _tree_lines(radix: int | None, count: int, spares: int = 0) -> list[str]:
+    """Who starts whom in a tree start (``tree_radix``) of ``count`` hosts and ``spares``."""
     if radix is None:
         return []
     interior = min(radix, count)
     starts = [(i, tree_children(i, radix, count)) for i in range(interior)]
     parents = [f"host {i} starts {_span(children)}" for i, children in starts if children]
+    spare = f" and the spares ({_span(range(count, count + spares))})" if spares else ""
     return [
-        f"tree start: radix {radix}; the launcher starts hosts {_span(range(interior))}; "
+        f"tree start: radix {radix}; the launcher starts hosts {_span(range(interior))}{spare}; "
         + ("; ".join(parents) + ", over SSH from their own hosts" if parents else "no more")
     ]
 

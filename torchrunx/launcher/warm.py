@@ -161,6 +161,7 @@ class _Agents:
         """
         launch = self.launch
         st = launch.state
+        launch.session.catch_up()
         since_last = st.faults  # workers and agents lost or dead while idle: no run's failure
         if st.progress.kept_workers:
             if not since_last and st.current.kept_workers_well():

@@ -455,6 +455,7 @@ class Inbox:
         agent = st.agents[owner[1]]
         if agent.conn != peer.ident or not st.agent_table.agent_conn_closed(agent):
             return
+        self._note_exit(agent)
         if agent.exited:
             self.judge_agent(agent)
             return
@@ -468,6 +469,13 @@ class Inbox:
             self.stderr_tail(agent.index),
         )
         self.agent_failed(agent, error)
+
+    def _note_exit(self, agent: AgentRecord) -> None:
+        """Its process may have ended before its connection, unseen yet: its status says more."""
+        if not agent.exited:
+            status = self.pool.exit_status_now(agent.index)
+            if status is not None:
+                self.state.agent_table.agent_exited(agent, status, time.monotonic())
 
 
 def _lost_in_tree(process: object, hostname: str) -> AgentFailedError | None:

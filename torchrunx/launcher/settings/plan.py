@@ -288,11 +288,12 @@ def check_tree_radix(radix: object) -> None:
 def check_tree(radix: int | None, methods: list[StartMethod], spares: int, **more: object) -> None:
     """Refuse a tree start (``radix``) that this version cannot run: what it needs, said.
 
-    ``more``: the fields a tree start cannot use yet (``python``, ``ship``, ``container``).
+    ``methods``: every host's, the ``spares`` last (the launcher starts those itself). ``more``:
+    the fields a tree start cannot use yet (``python``, ``ship``, ``container``).
 
     Raises:
-        ValueError: A host is not started over SSH, the tree is deeper than 2, there are
-            spares, or one of ``more`` is set.
+        ValueError: A host is not started over SSH, the tree is deeper than 2, or one of
+            ``more`` is set.
     """
     if radix is None:
         return
@@ -301,13 +302,12 @@ def check_tree(radix: int | None, methods: list[StartMethod], spares: int, **mor
             f"tree_radix={radix}: every host must be started over SSH (agent_start='ssh'), "
             f"got {sorted(set(methods))}; launch without tree_radix"
         )
-    if len(methods) > radix + radix * radix:
+    world = len(methods) - spares
+    if world > radix + radix * radix:
         raise ValueError(
-            f"tree_radix={radix}: {len(methods)} hosts need a tree of depth 3 or more, which "
+            f"tree_radix={radix}: {world} hosts need a tree of depth 3 or more, which "
             f"is not built yet (at most {radix + radix * radix} hosts); give a larger radix"
         )
-    if spares:
-        raise ValueError(f"tree_radix={radix}: spare hosts are not supported yet with a tree")
     for name, value in more.items():
         if value:
             raise ValueError(f"tree_radix={radix}: {name} is not supported yet with a tree")

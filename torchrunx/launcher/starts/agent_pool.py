@@ -155,6 +155,17 @@ class AgentPool:
             if fd >= 0:
                 self.loop.remove(fd)  # before the process closes it
 
+    def exit_status_now(self, host_index: int) -> int | None:
+        """The exit status of host ``host_index``'s agent process if it has ended, or None.
+
+        Without waiting; its :class:`AgentExited` is reported as always.
+        """
+        process = self.processes.get(host_index)
+        if process is None:
+            return None
+        self._check_exit(host_index, process)
+        return process.wait(0) if host_index in self._exited else None
+
     def poll(self) -> None:
         """Report agents that ended (for those without an exit descriptor: SSH; once a tick)."""
         for host_index, process in list(self.processes.items()):

@@ -111,8 +111,9 @@ class AgentStarts:
         if self.plan.reach.relay != "off" and self.adopt is not None:
             self.relay_script = self._script(sys.executable, remote=False, code=RELAY_BOOT_CODE)
         if self.plan.reach.tree_radix is not None:  # checked by the plan (check_tree)
-            hostnames = [agent.slots.hostname for agent in self.agents]
-            self.tree = Tree(self.plan.reach.tree_radix, hostnames)
+            # The world's hosts only: the launcher starts the spares itself, as interior hosts.
+            world = self.agents[: self.plan.hosts.world_hosts]
+            self.tree = Tree(self.plan.reach.tree_radix, [a.slots.hostname for a in world])
 
     def _refuse_unable_transports(self) -> None:
         """Refuse ``relay="on"`` or ``ship`` where a remote host's transport cannot do it."""

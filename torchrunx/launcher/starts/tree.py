@@ -145,15 +145,18 @@ class Tree:
     """The tree of one launch: each child's stand-in, and each interior host's events."""
 
     def __init__(self, radix: int, hostnames: list[str]) -> None:
-        """A tree of ``radix`` over ``hostnames`` (the launch's hosts, in order)."""
+        """A tree of ``radix`` over ``hostnames`` (the world's hosts, in order; no spare)."""
         self.radix = radix
         self.hostnames = hostnames
         self._lock = threading.Lock()
         self._children: dict[int, TreeChildProcess] = {}
 
     def is_child(self, index: int) -> bool:
-        """Whether host ``index`` is started by another host (not by the launcher)."""
-        return tree_parent(index, self.radix) is not None
+        """Whether host ``index`` is started by another host (not by the launcher).
+
+        The hosts after ``hostnames`` (the spares) are the launcher's to start.
+        """
+        return index < len(self.hostnames) and tree_parent(index, self.radix) is not None
 
     def children(self, index: int) -> list[int]:
         """The hosts that host ``index`` starts."""
