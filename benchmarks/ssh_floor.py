@@ -5,19 +5,25 @@ Run by ``run.py`` in a fresh process in the measurement's scratch directory, lik
     python ssh_floor.py SPEC_JSON
 
 This is the least that any launcher which starts Python processes on each host over SSH has to
-do: open an SSH connection to every host (one thread per host, with torchrunx's own paramiko
-connect and the bench cluster's SSH config), start one ``floor.py`` per worker there (with
-gloo: import torch and join one group of all ranks, rank 0 on the first host; with
+do: open an SSH connection to every host, all at once, start one ``floor.py`` per worker there
+(with gloo: import torch and join one group of all ranks, rank 0 on the first host; with
 ``backend=None``: start and record the start), and wait until every command has exited. No
 agent, no function to send, no results. The last line printed is the same ``BENCH-RESULT
 {json}`` report as ``driver.py``'s.
+
+The SSH clients (``BENCH_FLOOR_CLIENT``): ``openssh`` (the default) runs one OpenSSH ``ssh``
+process per host (``-F`` the bench cluster's config, ``BatchMode``), as issue #48 defines the
+floor; ``paramiko`` opens the connections from this process, one thread per host, with
+torchrunx's own paramiko connect (the floor of the figures recorded before 2026-11-29).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shlex
+import subprocess
 import sys
 import threading
 import time
@@ -48,6 +54,18 @@ def run_on(host: str, command: str, config_file: str, errors: list[str]) -> None
             client.close()
 
 
+def run_with_openssh(host: str, command: str, config_file: str, errors: list[str]) -> None:
+    """As :func:`run_on`, with an OpenSSH ``ssh`` client process."""
+    argv = ["ssh", "-T", "-F", config_file, "-o", "BatchMode=yes", "--", host, command]
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        errors.append(f"{host}: {type(exc).__name__}: {exc}")
+        return
+    if done.returncode != 0:
+        errors.append(f"{host}: exit status {done.returncode}: {done.stderr.decode()[-300:]}")
+
+
 def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     config_file: str = spec["ssh_config"]
@@ -72,8 +90,10 @@ def main() -> None:
     errors: list[str] = []
     cpu_before = cpu_seconds()
     called = time.time()
+    client = os.environ.get("BENCH_FLOOR_CLIENT", "openssh")
+    target = run_with_openssh if client == "openssh" else run_on
     threads = [
-        threading.Thread(target=run_on, args=(host, command, config_file, errors))
+        threading.Thread(target=target, args=(host, command, config_file, errors))
         for host, command in zip(hosts, commands, strict=True)
     ]
     for thread in threads:
