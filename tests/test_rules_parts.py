@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import types
 
 import pytest
@@ -238,3 +239,35 @@ def test_rule_every_setting_has_one_default_the_launchers_the_plan_none():
             assert field.default_factory is dataclasses.MISSING, (group.__name__, field.name)
     grouped = {f.name for f in dataclasses.fields(LaunchPlan)}
     assert grouped >= {"hosts", "reach", "timeouts", "resilience", "observability", "from_env"}
+
+
+def test_rule_the_event_sink_calls_each_handler_its_way_and_drops_one_that_fails(caplog):
+    from torchrunx.events import EventSink, LaunchFinished
+
+    class Recorder:  # an EventRecorder: its record method gets the events
+        def __init__(self) -> None:
+            self.seen: list[object] = []
+
+        def record(self, event: object) -> None:
+            self.seen.append(event)
+
+        def __call__(self, event: object) -> None:  # not used: record wins
+            raise AssertionError(f"called instead of record: {event}")
+
+    recorder, plain, calls = Recorder(), [], []
+
+    def failing(event: object) -> None:
+        calls.append(event)
+        raise RuntimeError("handler bug")
+
+    sink = EventSink([recorder, failing, plain.append, "not a handler"], None)
+    first = LaunchFinished(succeeded=True, attempts=1, duration=1.0, error=None)
+    second = dataclasses.replace(first, succeeded=False, error="x")
+    with caplog.at_level(logging.ERROR, logger="torchrunx"):
+        sink.emit(first)
+        sink.emit(second)
+    assert recorder.seen == [first, second]
+    assert plain == [first, second]
+    assert calls == [first]  # reported once, then no more events
+    assert caplog.text.count("gets no more events") == 1
+    assert "handler bug" in caplog.text

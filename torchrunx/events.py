@@ -319,8 +319,13 @@ class EventSink:
     """
 
     def __init__(self, handlers: Sequence[object], path: Path | None) -> None:
-        """Keep the handlers; open ``path`` (mode 0600) if given."""
-        self._handlers = list(handlers)
+        """Keep the handlers; open ``path`` (mode 0600) if given.
+
+        Each handler's call is found once here: its ``record`` method (an
+        :class:`EventRecorder`), else the handler itself if it is callable (a check against
+        the protocol at every event cost more than the rest of the event's delivery).
+        """
+        self._handlers = [(h, c) for h in handlers if (c := _handler_call(h)) is not None]
         self._file = None
         if path is not None:
             fd = _open_private(path)
@@ -330,21 +335,25 @@ class EventSink:
         """Deliver one event."""
         if self._file is not None:
             self._file.write(json.dumps(event_to_dict(event)) + "\n")
-        for handler in list(self._handlers):
+        for pair in list(self._handlers):
             try:
-                if isinstance(handler, EventRecorder):
-                    handler.record(event)
-                elif callable(handler):
-                    handler(event)
+                pair[1](event)
             except Exception:  # noqa: PERF203 (each handler is isolated from the others)
-                logger.exception("event handler %r failed; it gets no more events", handler)
-                self._handlers.remove(handler)
+                logger.exception("event handler %r failed; it gets no more events", pair[0])
+                self._handlers.remove(pair)
 
     def close(self) -> None:
         """Close the JSON-lines file."""
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _handler_call(handler: object) -> Callable[[Event], object] | None:
+    """What delivers an event to ``handler``: its ``record``, else itself if callable."""
+    if isinstance(handler, EventRecorder):
+        return handler.record
+    return handler if callable(handler) else None
 
 
 def _open_private(path: Path) -> int:

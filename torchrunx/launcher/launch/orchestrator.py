@@ -142,8 +142,9 @@ class Launch:
             bundle = self.session.starts.bundle
 
             def started() -> bool:
-                shipped = f"; code shipped: {mib(bundle.written)}" if bundle else ""
-                line.update(sum(a.hello is not None for a in st.agents), shipped)
+                if line.due():  # counted only then: this runs at every turn of the loop
+                    shipped = f"; code shipped: {mib(bundle.written)}" if bundle else ""
+                    line.update(sum(a.hello is not None for a in st.agents), shipped)
                 return st.agent_table.all_hellos
 
             try:

@@ -82,13 +82,18 @@ class ProgressLine:
         self._width = 0
         self.extra = ""
 
+    def due(self) -> bool:
+        """Whether :meth:`update` would draw now (so that a caller counts only then)."""
+        if not self.enabled:
+            return False
+        now = time.monotonic()
+        return now - self.started >= self.delay and now - self._drawn_at >= MIN_INTERVAL_S
+
     def update(self, done: int, extra: str = "") -> None:
         """Redraw with ``done`` (and ``extra`` after it), if it is time to."""
-        if not self.enabled:
+        if not self.due():
             return
         now = time.monotonic()
-        if now - self.started < self.delay or now - self._drawn_at < MIN_INTERVAL_S:
-            return
         text = progress_text(self.what, done, self.total, self.unit, now - self.started) + extra
         self.stream.write("\r" + text.ljust(self._width))
         self.stream.flush()
