@@ -248,6 +248,9 @@ def test_rule_a_report_and_a_request_travel_as_one_line_each():
     # code from the same line); a line without the field (an older launcher's) keeps none.
     own = ProbeRequest(**{**request.__dict__, "keep_path": True})
     assert ProbeRequest.from_json(own.to_json_line()).keep_path is True
+    # Where the launcher's torchrunx is (the probe keeps that entry of sys.path) travels too.
+    rooted = ProbeRequest(**{**request.__dict__, "package_root": "/opt/site"})
+    assert ProbeRequest.from_json(rooted.to_json_line()).package_root == "/opt/site"
     assert json.loads(own.to_json_line())["keep_path"] is True
     older = {k: v for k, v in json.loads(raw).items() if k != "keep_path"}
     assert ProbeRequest.from_json(json.dumps(older).encode()).keep_path is False

@@ -2956,3 +2956,16 @@ def test_rule_a_grace_may_be_zero_and_its_refusal_says_so():
     launcher_module._validate_seconds("preemption_grace", 0, zero=True)
     with pytest.raises(ValueError, match=r"^preemption_grace must be 0 or more seconds, got -1$"):
         launcher_module._validate_seconds("preemption_grace", -1, zero=True)
+
+
+def test_rule_a_tree_child_lost_with_its_interior_host_is_named_by_its_own_hostname():
+    from types import SimpleNamespace
+
+    from torchrunx.launcher.launch.inbox import _lost_in_tree
+
+    why = "host node3 (host index 3) was started by interior host node1 (host index 0), ..."
+    error = _lost_in_tree(SimpleNamespace(lost=why), "node3")
+    assert isinstance(error, trx.AgentFailedError)
+    assert error.hostname == "node3" and why in str(error)
+    assert _lost_in_tree(SimpleNamespace(lost=""), "node3") is None  # it ended on its own
+    assert _lost_in_tree(object(), "node3") is None  # not a tree's child

@@ -186,3 +186,12 @@ def test_rule_where_a_thread_begins_is_part_of_the_stack():
     two = 'Current thread 0x1 (most recent call first):\n  File "/a.py", line 1 in f\n\nThread 0x2 (most recent call first):\n  File "/b.py", line 2 in g\n'
     one = 'Current thread 0x3 (most recent call first):\n  File "/a.py", line 1 in f\n  File "/b.py", line 2 in g\n'
     assert stacks_note({0: two, 1: one}, WHERE).count("\n--- rank ") == 2
+
+
+def test_rule_a_look_at_the_stacks_is_for_the_terminal_unless_told_otherwise():
+    from torchrunx.launcher.view.where import StacksLook
+
+    plain = StacksLook([], 0.0)
+    assert plain.to_terminal is True and plain.to_view is False
+    for_view = StacksLook([], 0.0, to_terminal=False, to_view=True)
+    assert for_view.to_terminal is False and for_view.to_view is True
