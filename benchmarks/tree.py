@@ -43,7 +43,7 @@ import numpy as np
 from testhosts import ssh_hosts, unavailable_reason
 
 import torchrunx as trx
-from torchrunx.agent.tree.starts import ssh_target
+from torchrunx.agent.tree.starts import RESOLVE_AT_ONCE, ssh_target
 from torchrunx.events import AgentStarted
 from torchrunx.launcher.starts.tree import tree_children, tree_parent
 
@@ -145,6 +145,12 @@ def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def extra_resolves(s: dict[str, float], base: dict[str, float]) -> float:
+    """The ``ssh -G`` time an interior relay spends beyond a lone child's (in rounds)."""
+    rounds = -(-int(s["max_children"]) // RESOLVE_AT_ONCE)
+    return base["resolve"] * (rounds - 1)
+
+
 def predict(
     model: dict[str, float], base: dict[str, float], hosts: int, radix: int
 ) -> dict[str, float]:
@@ -155,8 +161,9 @@ def predict(
     the launcher's threads take one at a time) for each other host it starts; a child's start
     from its interior host with nothing else running (``base["child"]``), plus the same for each
     other child of that host (an upper bound: its OpenSSH clients are separate processes, on
-    that host's own cores), and one ``ssh -G`` (``base["resolve"]``) for each other child: the
-    relay resolves each child's address in turn before it starts any; then a hello to the
+    that host's own cores), and one ``ssh -G`` (``base["resolve"]``) for each further round of
+    :data:`RESOLVE_AT_ONCE` children: the relay resolves its children's addresses, that many
+    at once, before it starts any; then a hello to the
     function's start (``base["workers"]``). The launcher's own CPU: it handles every host's
     connection, frames and result on its core.
     """
@@ -164,7 +171,7 @@ def predict(
     per = model["cpu_per_direct"]
     path = base["first"] + per * (s["direct"] - 1) + base["workers"]
     if s["levels"] > 1:
-        path += base["child"] + (per + base["resolve"]) * (s["max_children"] - 1)
+        path += base["child"] + per * (s["max_children"] - 1) + extra_resolves(s, base)
     cpu = model["cpu_fixed"] + per * s["direct"] + model["cpu_per_host"] * hosts
     return {"path_s": path, "cpu_s": cpu, "seconds": max(path, cpu)}
 
@@ -294,7 +301,7 @@ def main() -> None:
     print(
         f"simulate it: python benchmarks/tree_sim.py --hosts {PREDICT_HOSTS} --radix {k} "
         f"--first {base['first']:.3f} --per-start {per:.3f} "
-        f"--child {base['child'] + base['resolve'] * (k - 1):.3f} "
+        f"--child {base['child'] + extra_resolves(shape(PREDICT_HOSTS, k), base):.3f} "
         f"--workers-after {base['workers']:.3f} --predicted {guess['seconds']:.2f} "
         f"{guess['cpu_s']:.2f}"
     )

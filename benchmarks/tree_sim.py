@@ -12,7 +12,7 @@ tree's schedule (:func:`hello_after`): the launcher starts its hosts (``tree_par
 is None) one ``--per-start`` apart (its SSH starts' CPU, which its threads take in turn), each
 saying hello ``--first`` seconds after its start; an interior host starts its children in
 parallel, as a real relay does, the first ``--child`` seconds after its own start (an SSH start
-from the interior host, with the relay's ``ssh -G`` of every child before it), the next ones one
+from the interior host, with the relay's ``ssh -G`` of its children before it), the next ones one
 ``--per-start`` apart; each agent's workers say hello ``--workers-after`` seconds after its spec
 (a real agent's fork of its workers, to their function's start). The figures come from
 ``benchmarks/tree.py``'s real runs, which print this script's command line.

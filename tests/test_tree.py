@@ -23,6 +23,7 @@ from conftest import escaped_processes, listening_addresses, torchrunx_processes
 from test_relay import connections_back_dropped
 
 import torchrunx as trx
+from torchrunx.agent.tree.starts import child_routes
 from torchrunx.launcher.settings.plan import check_tree, check_tree_radix
 from torchrunx.launcher.starts.tree import Tree, tree_children, tree_parent
 from torchrunx.launcher.view.logdirs import log_file_name
@@ -474,3 +475,20 @@ def test_a_child_ends_named_when_its_interior_host_is_lost():
         tree.child(2, lambda *_: None)
     for index in range(2, 5):
         tree.child(index).close()
+
+
+def test_an_interior_relay_finds_each_childs_route_from_the_ssh_config(tmp_path):
+    # ssh -G (the real client) reads each child's HostName; the route is asked of it.
+    config = tmp_path / "ssh_config"
+    config.write_text("".join(f"Host c{i}\n    HostName 10.9.0.{i}\n" for i in range(20)))
+    children = [TreeChild(100 + i, f"c{i}", 1) for i in range(20)] + [TreeChild(7, "bare", 1)]
+    asked: list[tuple[str, int]] = []
+
+    def route(address: tuple[str, int]) -> str:
+        asked.append(address)
+        return "via " + address[0]
+
+    routes = child_routes(children, str(config), route)
+    assert routes == {**{100 + i: f"via 10.9.0.{i}" for i in range(20)}, 7: "via bare"}
+    assert sorted(asked) == sorted([(f"10.9.0.{i}", 22) for i in range(20)] + [("bare", 22)])
+    assert child_routes([], str(config), route) == {}

@@ -36,6 +36,8 @@ TREE_CONNECT_TIMEOUT = 30
 """``ConnectTimeout`` of the ``ssh`` clients that start a tree start's children."""
 RESOLVE_TIMEOUT = 10.0
 """Seconds ``ssh -G`` gets to print a child's configuration."""
+RESOLVE_AT_ONCE = 16
+"""The most ``ssh -G`` an interior relay runs at once."""
 LOOPBACK = "127.0.0.1"
 
 
@@ -74,9 +76,18 @@ def child_routes(
     """Each child's host index, and this host's address on its route to that child.
 
     ``route``: this host's address on its route to an address and port (the relay's
-    ``own_address``), asked of the child's ``ssh`` target at port 22.
+    ``own_address``), asked of the child's ``ssh`` target at port 22. The children's ``ssh -G``
+    run at once (up to :data:`RESOLVE_AT_ONCE`), not one after the other: the last child's
+    start waits for every resolve before it.
     """
-    return {c.host_index: route((ssh_target(c.hostname, config), 22)) for c in children}
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 (interior relays only)
+
+    chosen = list(children)
+    if not chosen:
+        return {}
+    with ThreadPoolExecutor(min(RESOLVE_AT_ONCE, len(chosen))) as pool:
+        targets = list(pool.map(lambda c: ssh_target(c.hostname, config), chosen))
+    return {c.host_index: route((t, 22)) for c, t in zip(chosen, targets, strict=True)}
 
 
 def child_listeners(addresses: Iterable[str]) -> dict[str, socket.socket]:
