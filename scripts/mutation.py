@@ -1085,7 +1085,7 @@ def prepare(workdir: Path, targets: list[Target]) -> None:
         + f"only_mutate = {toml_list([target.source for target in targets])}\n"
         + f"pytest_add_cli_args_test_selection = {toml_list(selection)}\n"
         + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-m", "not cluster and not slurm"]\n'
-        + "timeout_multiplier = 5.0\n"
+        + "timeout_multiplier = 3.0\n"
         + "use_git_change_detection = false\n"
     )
 

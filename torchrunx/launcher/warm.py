@@ -37,7 +37,7 @@ from torchrunx.errors import AgentFailedError
 from torchrunx.launcher.launch.orchestrator import STOP_WAIT
 from torchrunx.launcher.launch.preempt import sigterm_preempts
 from torchrunx.launcher.launch.replace import Failed
-from torchrunx.launcher.launch.session import earliest
+from torchrunx.launcher.launch.session import catch_up, earliest
 from torchrunx.launcher.state.records import Phase
 from torchrunx.launcher.state.reports import summary
 from torchrunx.launcher.state.results import LaunchResult
@@ -161,7 +161,7 @@ class _Agents:
         """
         launch = self.launch
         st = launch.state
-        launch.session.catch_up()
+        catch_up(launch.session)
         since_last = st.faults  # workers and agents lost or dead while idle: no run's failure
         if st.progress.kept_workers:
             if not since_last and st.current.kept_workers_well():

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from torchrunx.launcher.net.listener import Listener, NetEvent
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
+    from torchrunx.launcher.state.agent_table import AgentTable
     from torchrunx.launcher.state.records import AgentRecord, FaultKind, RankRecord
     from torchrunx.launcher.state.state import LaunchState
     from torchrunx.launcher.view.debugger import Debugger
@@ -455,8 +456,7 @@ class Inbox:
         agent = st.agents[owner[1]]
         if agent.conn != peer.ident or not st.agent_table.agent_conn_closed(agent):
             return
-        self._note_exit(agent)
-        if agent.exited:
+        if _exited(self.pool, st.agent_table, agent):  # before its connection ended, maybe
             self.judge_agent(agent)
             return
         if st.progress.stopping:  # a consequence of the stop, not a fault
@@ -470,12 +470,14 @@ class Inbox:
         )
         self.agent_failed(agent, error)
 
-    def _note_exit(self, agent: AgentRecord) -> None:
-        """Its process may have ended before its connection, unseen yet: its status says more."""
-        if not agent.exited:
-            status = self.pool.exit_status_now(agent.index)
-            if status is not None:
-                self.state.agent_table.agent_exited(agent, status, time.monotonic())
+
+def _exited(pool: AgentPool, table: AgentTable, agent: AgentRecord) -> bool:
+    """Whether ``agent``'s process ended, seen now if not yet (its status says more)."""
+    if not agent.exited:
+        status = pool.exit_status_now(agent.index)
+        if status is not None:
+            table.agent_exited(agent, status, time.monotonic())
+    return agent.exited
 
 
 def _lost_in_tree(process: object, hostname: str) -> AgentFailedError | None:

@@ -397,17 +397,6 @@ class LaunchLoop:
         self.loop.run_once(max(0.0, (wake or now) - now))
         self.apply_queue()
 
-    def catch_up(self) -> None:
-        """Apply, without waiting, what has already happened.
-
-        Agents' processes that ended, what their connections and the listener have ready: a
-        warm run's look at its agents, so that one lost just before the call is named as lost
-        since the last run.
-        """
-        self.pool.poll()
-        self.loop.run_once(0.0)
-        self.apply_queue()
-
     def _tick(self, now: float) -> None:
         """Heartbeats out; silent agents lost; agents' ends polled; overdue ends judged."""
         st = self.state
@@ -498,6 +487,18 @@ class LaunchLoop:
         self.view.close()
         self.sink.close()
         self.logs.close()
+
+
+def catch_up(loop: LaunchLoop) -> None:
+    """Apply, without waiting, what has already happened to ``loop``'s launch.
+
+    Agents' processes that ended, what their connections and the listener have ready: a warm
+    run's look at its agents, so that one lost just before the call is named as lost since the
+    last run.
+    """
+    loop.pool.poll()
+    loop.loop.run_once(0.0)
+    loop.apply_queue()
 
 
 def earliest(*times: float | None) -> float | None:
