@@ -91,6 +91,8 @@ def main() -> None:
     cpu_before = cpu_seconds()
     called = time.time()
     client = os.environ.get("BENCH_FLOOR_CLIENT", "openssh")
+    if client not in ("openssh", "paramiko"):
+        sys.exit(f"BENCH_FLOOR_CLIENT={client!r}: expected openssh or paramiko")
     target = run_with_openssh if client == "openssh" else run_on
     threads = [
         threading.Thread(target=target, args=(host, command, config_file, errors))

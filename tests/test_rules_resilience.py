@@ -594,3 +594,20 @@ def test_world_and_spares_resolves_named_spares_by_what_their_check_classified()
     with pytest.raises(TypeError) as raised:
         check_spare_names(0, 1, requeue="yes")
     assert str(raised.value) == "requeue_on_preemption must be True or False, got 'yes'"
+
+
+def test_rule_a_failed_interior_hosts_children_go_with_it():
+    from types import SimpleNamespace
+
+    from torchrunx.launcher.launch.replace import subtree_of
+    from torchrunx.launcher.starts.tree import Tree
+
+    tree = Tree(2, ["h0", "h1", "h2", "h3", "h4", "h5"])  # 0 starts 2 and 3; 1 starts 4 and 5
+    agents = [SimpleNamespace(index=i) for i in range(7)]  # 6: a spare, started by the launcher
+    world = agents[:6]
+    assert [a.index for a in subtree_of(tree, world, [agents[0]])] == [2, 3]
+    assert [a.index for a in subtree_of(tree, world, [agents[0], agents[3]])] == [2]
+    assert subtree_of(tree, world, [agents[4]]) == []  # a leaf starts nobody
+    assert subtree_of(tree, [a for a in world if a.index != 3], [agents[0]]) == [agents[2]]
+    assert subtree_of(tree, [*world, agents[6]], [agents[6]]) == []  # nor does a spare
+    assert subtree_of(None, world, [agents[0]]) == []  # no tree: nobody else goes

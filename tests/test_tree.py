@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -477,6 +478,7 @@ def test_a_child_ends_named_when_its_interior_host_is_lost():
         tree.child(index).close()
 
 
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs OpenSSH's ssh client (ssh -G)")
 def test_an_interior_relay_finds_each_childs_route_from_the_ssh_config(tmp_path):
     # ssh -G (the real client) reads each child's HostName; the route is asked of it.
     config = tmp_path / "ssh_config"

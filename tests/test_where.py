@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,9 +110,7 @@ def test_sigquit_prints_every_ranks_stack_grouped_and_the_launch_goes_on(how, tm
     # come that soon.
     current = next(i for i, line in enumerate(section) if line.startswith("Current thread"))
     innermost = section[current + 1].strip()
-    assert innermost.startswith('File "<dynamic-code>", line 1'), text
-    assert innermost.endswith(" in work"), text
-    assert 11 <= int(innermost.split(", line ")[1].split()[0]) <= 15, text
+    assert re.fullmatch(r'File "<dynamic-code>", line 1[1-5] in work', innermost), text
 
 
 def test_rule_sigquit_is_taken_only_where_it_has_its_default_action():

@@ -340,7 +340,7 @@ class EventSink:
                 pair[1](event)
             except Exception:  # noqa: PERF203 (each handler is isolated from the others)
                 logger.exception("event handler %r failed; it gets no more events", pair[0])
-                self._handlers.remove(pair)
+                self._handlers = [kept for kept in self._handlers if kept is not pair]
 
     def close(self) -> None:
         """Close the JSON-lines file."""

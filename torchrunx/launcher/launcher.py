@@ -174,8 +174,8 @@ hosts that cannot open a connection to the launcher; "off": always connect back.
     tree_radix: int | None = None
     """Tree start over SSH: the launcher starts at most this many agents (and the spares), and each
 of them as many more from its host with OpenSSH's ssh (the ssh config and keys at the same path
-there), their connections relayed (relay="on"); up to k + k*k hosts; see How it works. None:
-the launcher starts every agent."""
+there), their connections relayed (relay="on"); up to k + k*k hosts (spares not counted); see
+How it works. None: the launcher starts every agent."""
 
     python: str | dict[str, str] | None = None
     """The Python interpreter of remote hosts not at the launcher's path: a path (or a name on

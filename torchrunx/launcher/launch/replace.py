@@ -24,7 +24,10 @@ from torchrunx.launcher.launch.session import earliest
 from torchrunx.launcher.state.spares import reshape
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torchrunx.launcher.launch.session import LaunchLoop
+    from torchrunx.launcher.starts.tree import Tree
     from torchrunx.launcher.state.records import AgentRecord
 
 logger = logging.getLogger("torchrunx.launcher")
@@ -80,6 +83,7 @@ class HostChanges:
             failed = st.agent_table.unready_agents()
             if not failed:
                 return
+            failed += subtree_of(self.session.starts.tree, st.world, failed)
             for agent in failed:
                 if agent.role == "host":  # alive but not ready in time, or not yet noted
                     self.session.inbox.quarantine(agent)
@@ -113,6 +117,22 @@ class HostChanges:
                     functools.partial(_all_ready, waiting),
                     earliest(time.monotonic() + self.session.plan.timeouts.start, deadline),
                 )
+
+
+def subtree_of(
+    tree: Tree | None, world: Sequence[AgentRecord], failed: Sequence[AgentRecord]
+) -> list[AgentRecord]:
+    """The hosts of ``world`` (not in ``failed``) that a failed host of a tree start started.
+
+    They go with it: their connections run through its relay, which stops them when its
+    agent stops (a quarantined host is told to stop for good), so none of them is left in the
+    next attempt's world to be lost in it.
+    """
+    if tree is None:
+        return []
+    gone = {agent.index for agent in failed}
+    started = {child for index in gone for child in tree.children(index)}
+    return [agent for agent in world if agent.index in started - gone]
 
 
 def _all_ready(agents: list[AgentRecord]) -> bool:
