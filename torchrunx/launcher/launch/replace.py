@@ -131,8 +131,8 @@ def subtree_of(
     if tree is None:
         return []
     gone = {agent.index for agent in failed}
-    started = {child for index in gone for child in tree.children(index)}
-    return [agent for agent in world if agent.index in started - gone]
+    started = {child for index in gone for child in tree.children(index)} - gone
+    return [agent for agent in world if agent.index in started]
 
 
 def _all_ready(agents: list[AgentRecord]) -> bool:
