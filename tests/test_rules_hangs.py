@@ -14,7 +14,6 @@ from torchrunx.launcher.launch.stalls import (
     StallWatch,
     check_stall_fields,
     progress_every,
-    without_probe,
 )
 from torchrunx.launcher.state.hangs import (
     CollectiveEntry,
@@ -421,16 +420,6 @@ def test_rule_a_rank_that_did_not_answer_in_time_is_named_as_such():
     report = watch.finish([_rank(0, 0), _rank(1, 1)], {0: "n", 1: "n"})  # type: ignore[arg-type]
     assert report.values["unanswered"] == [1]
     assert "rank 1 did not answer in time" in report.text
-
-
-def test_rule_the_probes_own_thread_is_left_out_of_the_stacks():
-    stacks = (
-        'Thread 0x1 (most recent call first):\n  File "/x/torchrunx/worker/stallprobe.py", line 3'
-        '\n\nCurrent thread 0x2 (most recent call first):\n  File "t.py", line 1 in f\n'
-    )
-    assert without_probe(stacks) == (
-        'Current thread 0x2 (most recent call first):\n  File "t.py", line 1 in f\n'
-    )
 
 
 def test_rule_the_users_frame_is_the_innermost_outside_torch_and_torchrunx():

@@ -10,6 +10,7 @@ from torchrunx.launcher.state.reports import (
     innermost_frame,
     rank_ranges,
     stacks_note,
+    without_probe,
 )
 
 
@@ -195,3 +196,31 @@ def test_rule_a_look_at_the_stacks_is_for_the_terminal_unless_told_otherwise():
     assert plain.to_terminal is True and plain.to_view is False
     for_view = StacksLook([], 0.0, to_terminal=False, to_view=True)
     assert for_view.to_terminal is False and for_view.to_view is True
+
+
+def test_rule_the_probes_own_thread_is_left_out_of_the_stacks():
+    stacks = (
+        'Thread 0x1 (most recent call first):\n  File "/x/torchrunx/worker/stallprobe.py", line 3'
+        '\n\nCurrent thread 0x2 (most recent call first):\n  File "t.py", line 1 in f\n'
+    )
+    assert without_probe(stacks) == (
+        'Current thread 0x2 (most recent call first):\n  File "t.py", line 1 in f\n'
+    )
+
+
+def test_rule_ranks_caught_with_their_probe_in_different_places_share_a_section():
+    """The probe thread asleep in one rank and sampling in another: the user's threads are in
+    the same place, so the ranks share one section, and the probe is not shown."""
+    user = (
+        'Current thread 0x2 (most recent call first):\n  File "/w/waits.py", line 2 in <module>\n'
+    )
+    asleep = 'Thread 0x1 (most recent call first):\n  File "/t/torchrunx/worker/stallprobe.py", line 230 in run\n'
+    sampling = (
+        'Thread 0x7 (most recent call first):\n  File "/t/torchrunx/stall.py", line 141 in calls\n'
+        '  File "/t/torchrunx/worker/stallprobe.py", line 240 in run\n'
+    )
+    note = stacks_note({0: asleep + "\n" + user, 1: sampling + "\n" + user}, WHERE)
+    assert note.splitlines()[1] == (
+        "--- ranks 0-1 on host 'node1' (the same stack; innermost: waits.py:2 in <module>) ---"
+    ), note
+    assert "stallprobe" not in note and "stall.py" not in note, note

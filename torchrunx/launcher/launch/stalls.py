@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torchrunx.launcher.net.listener import FrameReceived
 from torchrunx.launcher.state.hangs import CollectiveEntry, RankSnapshot, diagnose, render
-from torchrunx.launcher.state.reports import stacks_note
+from torchrunx.launcher.state.reports import stacks_note, without_probe
 from torchrunx.wire.messages import FromWorker, RankProgress, RankState, RankTimings
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def diagnosis_text(
         for r, text in ((s.rank, s.stacks) for s in snaps)
         if text and (r in absent or not absent) and r in where
     }
-    shown = {r: without_probe(text) for r, text in shown.items()}
+    shown = {r: without_probe(text) for r, text in shown.items()}  # the JSON's too
     shown.update({r: look.stacks[r] for r in silent if r in look.stacks and r in where})
     if shown:
         lines.append("Python stacks (ranks with the same stack together):")
@@ -279,17 +279,6 @@ class StallWatch:
             self.count += 1
         text, values, view = diagnosis_text(look, ranks, hostname)
         return StallReport(look.seconds, text, values, self.count, tuple(view))
-
-
-PROBE_FILE = "stallprobe.py"
-"""The stall probe's module (``torchrunx/worker/stallprobe.py``), whose thread a look leaves out."""
-
-
-def without_probe(stacks: str) -> str:
-    """A rank's stacks without the thread of its stall probe (it only answered)."""
-    blocks = stacks.split("\n\n")
-    kept = [b for b in blocks if f"torchrunx/worker/{PROBE_FILE}" not in b]
-    return "\n\n".join(kept)
 
 
 @dataclass(frozen=True)

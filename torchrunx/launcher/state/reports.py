@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from torchrunx.wire.messages import WorkerException, WorkerTimedOut
 
 MAX_STACKS_SHOWN = 16
+PROBE_FILE = "stallprobe.py"
+"""The file of torchrunx's own thread in every worker (it answers the launcher's looks)."""
 
 
 def summary(error: BaseException) -> str:
@@ -100,7 +102,8 @@ def stacks_note(stacks: dict[int, str], where: dict[int, tuple[int, str]]) -> st
     """The note with the Python stacks of ranks still running when the launch stopped.
 
     Ranks whose stacks are the same (thread ids aside) share one section, headed by their
-    ranks and the innermost frame of the dumping thread, so a rank stuck elsewhere stands out::
+    ranks and the innermost frame of the dumping thread, so a rank stuck elsewhere stands out
+    (torchrunx's own probe thread is left out of each: see :func:`without_probe`)::
 
         --- ranks 0-6,8 on hosts 'node1', 'node2' (the same stack; innermost: train.py:41 in
         step) ---
@@ -108,6 +111,7 @@ def stacks_note(stacks: dict[int, str], where: dict[int, tuple[int, str]]) -> st
     One rank's section keeps its local rank: ``--- rank 7 (local rank 7 on host 'node1') ---``.
     At most :data:`MAX_STACKS_SHOWN` sections. ``where`` maps a rank to its local rank and host.
     """
+    stacks = {rank: without_probe(text) for rank, text in stacks.items()}
     groups: dict[str, list[int]] = {}
     for rank in sorted(stacks):
         groups.setdefault(_same_stack(stacks[rank]), []).append(rank)
@@ -128,6 +132,18 @@ def stacks_note(stacks: dict[int, str], where: dict[int, tuple[int, str]]) -> st
         more = len(groups) - MAX_STACKS_SHOWN
         lines.append(f"... and {more} more stacks, of ranks {rank_ranges(sorted(left))}")
     return "\n".join(lines)
+
+
+def without_probe(stacks: str) -> str:
+    """A rank's stacks without the thread of torchrunx's stall probe.
+
+    That thread only answers the launcher; where it was caught (asleep, or reading the
+    collective counters) says nothing of the user's code, and would part ranks whose own
+    threads are in the same place.
+    """
+    blocks = stacks.split("\n\n")
+    kept = [b for b in blocks if f"torchrunx/worker/{PROBE_FILE}" not in b]
+    return "\n\n".join(kept)
 
 
 def _same_stack(text: str) -> str:
