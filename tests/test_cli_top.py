@@ -444,8 +444,10 @@ def test_a_killed_launchers_socket_is_removed_by_the_next_launch(tmp_path):
     launch.send_signal(signal.SIGKILL)  # no chance to remove its socket
     launch.communicate(timeout=30)
     assert view.exists()
-    assert view in prune_dead(view.parent)  # what every launch does first
-    assert not view.exists()
+    half_made = view.with_name(f"{launch.pid}-00000000.new")  # killed before it listened
+    half_made.touch()
+    assert sorted(prune_dead(view.parent)) == sorted([view, half_made])  # every launch does it
+    assert not view.exists() and not half_made.exists()
     deadline = time.monotonic() + 30  # its agent sees the launcher gone and ends its workers
     while torchrunx_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -562,6 +564,38 @@ def test_the_live_view_of_two_ssh_hosts_shows_use_keys_and_a_failure_within_a_se
             (tmp_path / "end").touch()
             out, _ = launch.communicate(timeout=120)
         assert "restarts 1" in out, out
+
+
+def test_a_viewer_looking_while_a_launch_binds_its_socket_never_removes_it(tmp_path, monkeypatch):
+    """``torchrunx top`` (``find_views``) removes a socket that refuses a connection: a dead
+    launch's. A socket bound but not yet listening refuses too, so a look at that moment (here
+    made right after each ``bind``) removed a starting launch's socket: its view never came (a
+    suite run's failure). The socket gets its name once it listens."""
+    import socket
+
+    from torchrunx.launcher.view.view_server import ViewServer
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    folder = runtime / "torchrunx"
+    looked: list[list[str]] = []
+    bind = socket.socket.bind
+
+    def bind_then_look(self: socket.socket, address: object) -> None:
+        bind(self, address)
+        looked.append([view.name for view in find_views(folder)])
+
+    monkeypatch.setattr(socket.socket, "bind", bind_then_look)
+    server = ViewServer(dict, {"pid": os.getpid()}, runtime={"XDG_RUNTIME_DIR": str(runtime)})
+    server.start()
+    try:
+        assert looked == [[]]  # the look happened, and saw no socket that was not listening
+        assert server.path is not None and server.path.exists(), sorted(folder.iterdir())
+        assert [view.name for view in find_views(folder)] == [server.path.name]
+        assert [path.name for path in folder.iterdir()] == [server.path.name]
+    finally:
+        server.close()
+    assert list(folder.iterdir()) == []
 
 
 def test_an_idle_view_socket_costs_no_wakeups_and_closes_at_once(tmp_path):

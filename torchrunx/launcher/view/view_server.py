@@ -127,11 +127,12 @@ def runtime_dir(environ: Mapping[str, str] | None = None) -> Path | None:
 def prune_dead(folder: Path) -> list[Path]:
     """Remove the sockets of launchers that are gone (killed before they could); those removed.
 
-    A socket is named by its launcher's pid (``PID-TOKEN.sock``); one whose pid no longer
-    runs is a leftover. The folder is the user's own (:func:`runtime_dir`).
+    A socket is named by its launcher's pid (``PID-TOKEN.sock``, or ``PID-TOKEN.new``
+    before it listens); one whose pid no longer runs is a leftover. The folder is the user's own
+    (:func:`runtime_dir`).
     """
     removed = []
-    for path in folder.glob("*.sock"):
+    for path in (*folder.glob("*.sock"), *folder.glob("*.new")):
         pid = path.name.split("-", 1)[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             path.unlink(missing_ok=True)
@@ -185,13 +186,20 @@ class ViewServer:
             return
         prune_dead(folder)
         path = folder / f"{os.getpid()}-{secrets.token_hex(4)}.sock"
+        # Bound under another name, and given its own once it listens: a socket named
+        # ``*.sock`` that refuses a connection is a dead launch's, which any ``torchrunx top``
+        # (find_views) removes, and one bound but not yet listening refuses too. The name is
+        # no longer than the socket's (a Unix socket's path has at most 107 bytes).
+        bound = path.with_suffix(".new")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(str(path))
-            path.chmod(0o600)
+            sock.bind(str(bound))
+            bound.chmod(0o600)
             sock.listen(MAX_VIEWERS)
+            bound.rename(path)
         except OSError as exc:
             sock.close()
+            bound.unlink(missing_ok=True)
             path.unlink(missing_ok=True)
             logger.debug("no view socket: %s", exc)
             return
