@@ -340,6 +340,45 @@ def session_pids() -> set[int]:
     return found
 
 
+CPU_LOG = os.environ.get("TORCHRUNX_TEST_CPU")
+"""A file to which each test's CPU seconds are appended (``TORCHRUNX_TEST_CPU``; CONTRIBUTING)."""
+
+
+def tree_cpu() -> float:
+    """CPU seconds used so far by this process and every live process below it, each with the
+    CPU of the children it has reaped (so what ended meanwhile is counted by its parent)."""
+    total = 0
+    for pid in (os.getpid(), *session_pids()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(field) for field in fields[11:15])  # utime stime cutime cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``TORCHRUNX_TEST_CPU=FILE``: each test's CPU (its set-up and tear-down too, with
+    every process below this pytest process: its launches, the test hosts' sshd and what they
+    start), its wall time and id, a line each, appended to FILE.
+
+    Which tests cost the suite's time: on 2 cores the suite is bound by CPU, not by waits, and
+    ``--durations`` counts a test that sleeps as much as one that computes. A process that
+    leaves the tree (a daemon) is not counted; one alive before the test and ended in it is
+    counted whole by its parent.
+    """
+    if CPU_LOG is None:
+        yield
+        return
+    began, cpu = time.monotonic(), tree_cpu()
+    yield
+    cpu, wall = tree_cpu() - cpu, time.monotonic() - began
+    with open(CPU_LOG, "a") as f:  # one short line: the workers' appends do not mix
+        f.write(f"{cpu:.2f}\t{wall:.2f}\t{item.nodeid}\n")
+
+
 def escaped_processes() -> list[str]:
     """Live processes of this test session that left the test session's process tree.
 
@@ -422,9 +461,16 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monkey
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_processes() -> Iterator[None]:
-    """After every test: no agent or worker may be left on any host, nor what they started."""
+def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test: no agent or worker may be left on any host, nor what they started.
+
+    Not after the pure tests (:data:`QUICK_FILES`), which start nothing: two looks at every
+    process of the machine after each of them cost the suite about a minute of CPU. A process
+    one of them left would be found after the next test of that worker that starts any.
+    """
     yield
+    if any(fnmatch.fnmatch(request.path.name, pattern) for pattern in QUICK_FILES):
+        return
     assert torchrunx_processes() == []
     assert escaped_processes() == []
 
