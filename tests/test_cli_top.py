@@ -440,9 +440,11 @@ def test_a_killed_launchers_socket_is_removed_by_the_next_launch(tmp_path):
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     launch = _start(tmp_path, runtime)
-    view = _its_view(launch.pid, runtime / "torchrunx")
-    launch.send_signal(signal.SIGKILL)  # no chance to remove its socket
-    launch.communicate(timeout=30)
+    try:
+        view = _its_view(launch.pid, runtime / "torchrunx")
+    finally:  # and if the view never came (a failure), the launch is not left running
+        launch.send_signal(signal.SIGKILL)  # no chance to remove its socket
+        launch.communicate(timeout=30)
     assert view.exists()
     half_made = view.with_name(f"{launch.pid}-00000000.new")  # killed before it listened
     half_made.touch()
