@@ -165,8 +165,8 @@ def diagnosis_text(
         for r, text in ((s.rank, s.stacks) for s in snaps)
         if text and (r in absent or not absent) and r in where
     }
-    shown = {r: without_probe(text) for r, text in shown.items()}  # the JSON's too
     shown.update({r: look.stacks[r] for r in silent if r in look.stacks and r in where})
+    shown = {r: without_probe(text) for r, text in shown.items()}  # the JSON's as the note's
     if shown:
         lines.append("Python stacks (ranks with the same stack together):")
         lines.extend(stacks_note(shown, where).splitlines()[1:])

@@ -199,8 +199,7 @@ class ViewServer:
             bound.rename(path)
         except OSError as exc:
             sock.close()
-            bound.unlink(missing_ok=True)
-            path.unlink(missing_ok=True)
+            bound.unlink(missing_ok=True)  # the rename comes last: nothing has the final name
             logger.debug("no view socket: %s", exc)
             return
         self._sock, self.path = sock, path
