@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import pickle
 import socket
 import struct
 import threading
@@ -253,3 +254,26 @@ def test_rule_a_frame_completed_by_a_read_straight_into_its_part_is_returned():
         assert [(message, [bytes(p) for p in parts]) for message, parts in frames] == [
             (WorkerResult(0), [part])
         ]
+
+
+def _declaring(sizes: list[int]) -> bytes:
+    """A frame's start (no part's bytes) that declares parts of ``sizes``."""
+    header = pickle.dumps(WorkerResult(0), protocol=pickle.HIGHEST_PROTOCOL)
+    return struct.pack(f"!QI{len(sizes)}Q", len(header), len(sizes), *sizes) + header
+
+
+def test_rule_a_frame_declaring_more_than_a_mebi_parts_is_refused_at_its_start():
+    frames, reader = _reader_end(_WHOLE + struct.pack("!QI", 10, (1 << 20) + 1))
+    assert [message for message, _ in frames] == [WorkerHello(0, 0, 1)]
+    assert isinstance(reader.error, ProtocolError)
+    assert str(reader.error) == f"frame of 10 header bytes, {(1 << 20) + 1} parts is too large"
+
+
+def test_rule_a_frame_declaring_more_than_a_tebibyte_is_refused_before_its_parts_come():
+    most = records.MAX_FRAME_BYTES
+    _, over = _reader_end(_declaring([most // 2, most // 2 + 1]))
+    assert isinstance(over.error, ProtocolError)
+    assert str(over.error) == f"frame of {most + 1} payload bytes: more than {most}"
+    # Exactly the most: taken (its parts grow as bytes come), then the stream ends inside it.
+    _, at_most = _reader_end(_declaring([most // 2, most // 2]))
+    assert str(at_most.error) == "the channel ended inside a frame"

@@ -9,17 +9,25 @@ rules (torchrunx/wire's package docstring, docs/security.md):
   different roles cannot talk;
 - both nonces are fresh for each connection: keys are never reused, and neither side of a
   recorded handshake can be replayed to a new peer.
+
+Then the records of torchrunx/wire/records.py (a record holds at most a whole piece; only the
+authenticated close record, between frames, is a clean end, and nothing comes after it; frames
+before a bad one are delivered first) and a frame's header (torchrunx/wire/messages.py: the
+protocol's message classes, and nothing else).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import struct
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
-from wire_helpers import server_handshake
+from wire_helpers import RecordReader, server_handshake
 
 from torchrunx.errors import ProtocolError
 from torchrunx.launcher.net.listener import _Pending
@@ -277,3 +285,206 @@ def test_rule_a_recorded_server_side_replayed_to_a_new_client_is_refused():
             handshake.client_handshake(client, SECRET, "worker")
     thread.join(10)
     assert isinstance(outcome[0], bytes)
+
+
+# -- the replies' shape, the keys' inputs, what connect leaves --------------------------------
+
+
+def test_rule_a_client_reply_of_another_size_does_not_speak_the_protocol():
+    nonce = os.urandom(handshake.NONCE_BYTES)
+    reply, _, _ = handshake.client_reply(SECRET, handshake.server_greeting(nonce), "agent")
+    for wrong in (reply + b"\0", reply[:-1]):
+        with pytest.raises(ProtocolError, match="peer does not speak torchrunx protocol"):
+            handshake.check_client_reply(SECRET, nonce, wrong)
+
+
+def test_rule_a_role_that_is_neither_agent_nor_worker_is_refused_even_with_a_valid_proof():
+    """Rule: only ``A`` and ``W`` are roles; a peer that knows the secret and proves some other
+    role byte is refused as a protocol error (never a lookup error in the listener)."""
+    nonce, client_nonce = os.urandom(handshake.NONCE_BYTES), os.urandom(handshake.NONCE_BYTES)
+    proof = handshake._mac(SECRET, b"client", b"X", nonce, client_nonce)
+    reply = handshake.MAGIC + b"X" + client_nonce + proof
+    assert len(reply) == handshake.CLIENT_REPLY_BYTES
+    with pytest.raises(ProtocolError, match="failed to authenticate"):
+        handshake.check_client_reply(SECRET, nonce, reply)
+
+
+@pytest.mark.parametrize(
+    "greeting",
+    [
+        pytest.param(b"TORCHRUNX/005\n" + bytes(handshake.NONCE_BYTES), id="another-version"),
+        pytest.param(handshake.MAGIC + bytes(handshake.NONCE_BYTES + 1), id="too-long"),
+        pytest.param(handshake.MAGIC + bytes(handshake.NONCE_BYTES - 1), id="too-short"),
+    ],
+)
+def test_rule_a_client_answers_only_a_greeting_of_this_protocol_and_size(greeting):
+    with pytest.raises(ProtocolError, match="launcher does not speak torchrunx protocol"):
+        handshake.client_reply(SECRET, greeting, "worker")
+
+
+def test_rule_the_keys_depend_on_the_clients_nonce_too():
+    """Rule: a replayed greeting (the same server nonce) still gives keys of their own."""
+    ns = os.urandom(handshake.NONCE_BYTES)
+    first = handshake.session_keys(SECRET, ns, os.urandom(handshake.NONCE_BYTES), b"W", server=True)
+    again = handshake.session_keys(SECRET, ns, os.urandom(handshake.NONCE_BYTES), b"W", server=True)
+    assert first.send != again.send
+    assert first.receive != again.receive
+
+
+def test_rule_connect_gives_up_at_once_where_nothing_listens():
+    """Rule: a refused connection is not tried again until the timeout (nothing listens)."""
+    with socket.socket() as bound:  # bound, never listening: its port refuses
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(ConnectionRefusedError):
+            handshake.connect(("127.0.0.1", port), SECRET, "worker", timeout=10)
+        assert time.monotonic() - started < 5
+
+
+def test_rule_a_connection_from_connect_blocks_without_the_connect_timeout():
+    """Rule: the timeout is the handshake's; the connection then waits as long as it must."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def accept(sock: socket.socket) -> object:
+        conn, _ = sock.accept()
+        with conn:
+            return server_handshake(conn, SECRET)
+
+    thread, outcome = run_server(listener, accept)
+    conn = handshake.connect(("127.0.0.1", listener.getsockname()[1]), SECRET, "agent", 10)
+    try:
+        thread.join(10)
+        assert isinstance(outcome[0], tuple)
+        assert conn.sock.gettimeout() is None
+    finally:
+        conn.close()
+
+
+# -- records: their sizes, the close record, what comes after a bad one -----------------------
+
+KEY = b"k" * 32
+
+
+def test_rule_a_record_of_a_whole_piece_is_taken_one_byte_more_is_not():
+    sealer, reader = records.Sealer(KEY), RecordReader(KEY)
+    part = os.urandom(records.RECORD_BYTES)
+    sealed = list(sealer.seal_frame(messages.WorkerResult(0), [part]))
+    assert len(sealed[-1]) == 4 + records.RECORD_BYTES + records.TAG_BYTES  # the largest
+    frames = [frame for record in sealed for frame in reader.open_record(record)]
+    assert [(m, [bytes(p) for p in parts]) for m, parts in frames] == [
+        (messages.WorkerResult(0), [part])
+    ]
+    for size in (records.RECORD_BYTES + records.TAG_BYTES + 1, records.TAG_BYTES - 1):
+        with pytest.raises(ProtocolError, match=f"record of {size} bytes: not a torchrunx"):
+            records.FrameReader._record_size_of(memoryview(struct.pack("!I", size)))
+
+
+def test_rule_a_close_record_inside_a_frame_is_a_cut_not_a_clean_close():
+    sealer, reader = records.Sealer(KEY), RecordReader(KEY)
+    start, _part = records.frame_pieces(messages.WorkerResult(0), [b"part"])
+    assert reader.open_record(sealer.seal(start)) == []
+    with pytest.raises(ProtocolError, match="closed its stream in the middle of a frame"):
+        reader.open_record(sealer.seal_close())
+    assert not reader.closed_by_peer
+
+
+def test_rule_no_record_is_taken_after_the_close_record():
+    sealer, reader = records.Sealer(KEY), RecordReader(KEY)
+    assert reader.open_record(sealer.seal_close()) == []
+    assert reader.closed_by_peer
+    (record,) = sealer.seal_frame(messages.Heartbeat())
+    with pytest.raises(ProtocolError, match="a record after the peer's close record"):
+        reader.open_record(record)
+
+
+def _pair() -> tuple[records.Connection, records.Connection]:
+    a, b = socket.socketpair()
+    keys = records.SessionKeys(send=KEY, receive=WRONG)
+    return records.Connection(a, keys), records.Connection(b, records.SessionKeys(WRONG, KEY))
+
+
+def test_rule_a_stream_that_ends_without_its_close_record_was_cut():
+    """Rule: only the authenticated close record is a clean end; a FIN alone is a cut stream,
+    for a blocking reader (``recv``) and a non-blocking one (``read``) alike."""
+    sender, receiver = _pair()
+    try:
+        sender.send(messages.Heartbeat())
+        sender.sock.shutdown(socket.SHUT_WR)  # no close record
+        assert receiver.recv() == (messages.Heartbeat(), [])
+        with pytest.raises(ProtocolError, match="ended without its authenticated close"):
+            receiver.recv()
+    finally:
+        sender.close()
+        receiver.close()
+    a, b = socket.socketpair()
+    with a, b:
+        (record,) = records.Sealer(KEY).seal_frame(messages.Heartbeat())
+        a.sendall(record)
+        a.shutdown(socket.SHUT_WR)
+        b.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+        reader = records.FrameReader(KEY)
+        frames, ended = reader.read(b, drain=True)
+        assert (frames, ended) == ([(messages.Heartbeat(), [])], True)
+        assert isinstance(reader.error, ProtocolError)
+        assert not reader.closed_by_peer
+
+
+def test_rule_a_clean_close_ends_the_stream_as_a_connection_error_only():
+    sender, receiver = _pair()
+    try:
+        sender.send(messages.Heartbeat())
+        sender.close()
+        assert receiver.recv() == (messages.Heartbeat(), [])
+        with pytest.raises(ConnectionError) as info:
+            receiver.recv()
+        assert not isinstance(info.value, ProtocolError)
+    finally:
+        receiver.close()
+
+
+def test_rule_frames_before_a_malformed_one_in_the_same_record_come_first():
+    too_many_parts = struct.pack("!QI", 10, (1 << 20) + 1)
+    record = records.Sealer(KEY).seal(
+        records.encode_frame_start(messages.Heartbeat()) + too_many_parts
+    )
+    a, b = socket.socketpair()
+    receiver = records.Connection(b, records.SessionKeys(send=WRONG, receive=KEY))
+    with a:
+        a.sendall(record)
+        a.shutdown(socket.SHUT_WR)
+        try:
+            assert receiver.recv() == (messages.Heartbeat(), [])
+            with pytest.raises(ProtocolError, match="parts is too large"):
+                receiver.recv()
+        finally:
+            receiver.close()
+
+
+def test_rule_a_reader_reads_a_connection_one_way_only():
+    a, b = socket.socketpair()
+    with a, b:
+        (record,) = records.Sealer(KEY).seal_frame(messages.Heartbeat())
+        a.sendall(record[:10])  # half a record: kept by ``read``
+        b.setblocking(False)  # noqa: FBT003 (socket.setblocking takes a flag)
+        reader = records.FrameReader(KEY)
+        assert reader.read(b) == ([], False)
+        with pytest.raises(ProtocolError, match="one reading style per connection"):
+            reader.read_record(b)
+
+
+# -- a frame's header: the protocol's message classes, and nothing else ----------------------
+
+
+def test_rule_a_header_naming_a_message_class_of_another_module_is_refused():
+    header = pickle.dumps(messages.Heartbeat(), protocol=2)
+    assert messages._load_message(header) == messages.Heartbeat()
+    forged = header.replace(b"ctorchrunx.wire.messages\n", b"cevil\n")
+    with pytest.raises(ProtocolError, match=r"evil\.Heartbeat is not a torchrunx message class"):
+        messages._load_message(forged)
+
+
+@pytest.mark.parametrize("value", [{"type": "Heartbeat"}, ("Heartbeat",), 5, None])
+def test_rule_a_header_of_built_ins_only_is_not_a_message(value):
+    with pytest.raises(ProtocolError, match=f"unexpected message type {type(value).__name__}"):
+        messages._load_message(pickle.dumps(value))

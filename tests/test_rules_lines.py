@@ -177,3 +177,17 @@ def test_rule_lines_ended_before_a_redraw_in_one_chunk_all_come():
 def test_rule_what_follows_a_records_marker_is_one_record_even_with_another_marker():
     splitter = LineSplitter()
     assert splitter.feed(b"bar\x1e20\x1fn\x1fx\x1ey\n") == ["bar", "\x1e20\x1fn\x1fx\x1ey"]
+
+
+def test_rule_a_line_of_four_byte_characters_is_cut_to_its_bytes_too():
+    # No shortcut may take a character for fewer than 4 bytes: "😀" is 4.
+    assert cut_line("😀😀", limit=7) == "😀 [... 4 more bytes cut]"
+    assert cut_line("😀😀", limit=8) == "😀😀"
+
+
+def test_rule_a_blank_redraw_before_an_unfinished_line_goes_too():
+    splitter = LineSplitter()
+    assert splitter.feed(b"a\n \rb") == ["a"]  # the blank redraw is dropped, "b" waits
+    assert splitter.feed(b" \t\r") == ["b \t"]
+    assert splitter.feed(b"\r  \r") == []
+    assert splitter.feed(b"") == []

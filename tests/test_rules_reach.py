@@ -15,6 +15,7 @@ import torchrunx as trx
 from torchrunx.agent import unpack
 from torchrunx.engines import ship
 from torchrunx.engines.command import MISSING_PYTHON, agent_script, unpack_source
+from torchrunx.errors import ShipError
 from torchrunx.launcher.settings import reach
 from torchrunx.launcher.settings.plan import agent_timings
 from torchrunx.wire.bootstrap import BOOT_CODE, AgentBootstrap
@@ -446,6 +447,72 @@ def test_a_file_below_an_ignored_folder_is_not_shipped_even_if_a_pattern_takes_i
         "run.py",
         "src/out/keep.txt",
     ]
+
+
+def test_rule_only_files_are_shipped_a_dangling_link_is_left_out(tmp_path):
+    _tree(tmp_path, {"a.py": ""})
+    (tmp_path / "gone.py").symlink_to(tmp_path / "nowhere.py")
+    (tmp_path / "same.py").symlink_to(tmp_path / "a.py")  # a link to a file: the file
+    assert _paths(ship.make_bundle(["."], cwd=tmp_path)) == ["a.py", "same.py"]
+
+
+def test_rule_a_folder_inside_torchrunx_does_not_hold_torchrunx_so_all_of_it_ships(tmp_path):
+    inner = ship.make_bundle([str(PACKAGE / "wire")], cwd=tmp_path)
+    assert ship.lib_entry(inner) == ".torchrunx-lib"
+    paths = [f.path for f in inner.files]
+    assert ".torchrunx-lib/torchrunx/agent/unpack.py" in paths
+    assert ".torchrunx-paths/1-wire/relay.py" in paths
+
+
+def test_rule_a_file_is_executable_on_the_hosts_when_its_owner_may_run_it(tmp_path):
+    _tree(tmp_path, {"mine.sh": "", "others.sh": ""})
+    (tmp_path / "mine.sh").chmod(0o744)
+    (tmp_path / "others.sh").chmod(0o645)  # the group's and others' bits are not the owner's
+    bundle = ship.make_bundle(["."], cwd=tmp_path)
+    assert {f.path: f.executable for f in bundle.files if f.path.endswith(".sh")} == {
+        "mine.sh": True,
+        "others.sh": False,
+    }
+
+
+def _exchange(bundle: ship.Bundle, answers: bytes) -> tuple[bytes, bytes]:
+    """The launcher's side with a host that wrote ``answers`` at once: what it was sent, and
+    what came after the exchange."""
+    written = bytearray()
+    chunks = [answers]
+
+    def read(_timeout: float) -> bytes | None:
+        return chunks.pop(0) if chunks else b""
+
+    def write(data: bytes, _timeout: float) -> None:
+        written.extend(data)
+
+    rest = bundle.exchange("node1", read, write)
+    return bytes(written), rest
+
+
+def test_rule_a_file_that_shrank_since_the_bundle_was_made_is_sent_at_its_bundled_size(tmp_path):
+    """The host reads exactly the manifest's size (then refuses the hash): the stream stays
+    in step whatever the file holds now."""
+    _tree(tmp_path, {"a.py": "abcdef"})
+    bundle = ship.make_bundle(["a.py"], cwd=tmp_path)
+    index = next(i for i, f in enumerate(bundle.files) if f.path == "a.py")
+    (tmp_path / "a.py").write_text("ab")
+    answers = b"torchrunx-ship manifest\ntorchrunx-ship need [%d]\ntorchrunx-ship done\nout" % index
+    written, rest = _exchange(bundle, answers)
+    assert written == b"%016d" % len(bundle.manifest) + bundle.manifest + b"ab" + bytes(4)
+    assert rest == b"out"
+    assert bundle.sent == {"node1": len(written)}
+
+
+def test_rule_a_host_that_answers_neither_have_nor_manifest_is_refused(tmp_path):
+    _tree(tmp_path, {"a.py": ""})
+    bundle = ship.make_bundle(["a.py"], cwd=tmp_path)
+    with pytest.raises(
+        ShipError, match=r"expected the host's answer to the shipped code, got b'hav'"
+    ):
+        _exchange(bundle, b"torchrunx-ship hav\n")
+    assert _exchange(bundle, b"torchrunx-ship have\nhello") == (b"", b"hello")
 
 
 def test_rule_python_naming_a_host_on_this_machine_is_refused_not_ignored():

@@ -21,6 +21,7 @@ from torchrunx.wire.relay import (
     MAX_DATA,
     OPEN,
     OUT,
+    TREE,
     ByteQueue,
     FrameSplitter,
     frame,
@@ -190,9 +191,15 @@ def test_a_relay_frame_of_an_unknown_kind_is_refused_whatever_its_length(kind):
         FrameSplitter().feed(HEADER.pack(kind, 1, 0))  # a length that is fine: the kind alone
 
 
-@pytest.mark.parametrize("kind", [OPEN, DATA, EOF, OUT])
+@pytest.mark.parametrize("kind", [OPEN, DATA, EOF, OUT, TREE])
 def test_every_known_kind_is_taken_up_to_the_longest_data(kind):
     data = bytes(MAX_DATA)
     assert FrameSplitter().feed(HEADER.pack(kind, 9, MAX_DATA) + data) == [(kind, 9, data)]
     with pytest.raises(ProtocolError, match=f"frame kind {kind}, length {MAX_DATA + 1} "):
         FrameSplitter().feed(HEADER.pack(kind, 9, MAX_DATA + 1))  # a known kind: the length alone
+
+
+def test_rule_a_frames_header_is_kind_then_channel_then_length_big_endian():
+    # As the module documents it: kind (1 byte), channel and length (4 bytes each, big endian).
+    assert frame(TREE, 0x01020304, b"xyz") == [b"\x05\x01\x02\x03\x04\x00\x00\x00\x03", b"xyz"]
+    assert FrameSplitter().feed(b"\x02\x00\x00\x01\x00\x00\x00\x00\x02hi") == [(DATA, 256, b"hi")]

@@ -24,7 +24,14 @@ from test_debugger import (
     _until_waiting,
 )
 
-from torchrunx.peercred import PeerSocket, find_peer, held_by, loopback_peer, proc_address
+from torchrunx.peercred import (
+    PeerSocket,
+    find_peer,
+    held_by,
+    loopback_peer,
+    proc_address,
+    same_user,
+)
 
 ATTACKER = r"""
 import json, socket, sys
@@ -112,6 +119,30 @@ def test_the_first_row_is_read_and_short_rows_are_skipped_not_the_end():
     assert find_peer(f"{header}\n{short}\n{row}\n", local, peer) == PeerSocket(1001, 333)
     assert find_peer(f"{header}\n{short}\n", local, peer) is None
     assert find_peer(row, local, peer) is None  # the first line is the header, never a row
+
+
+def test_a_row_without_its_inode_is_skipped_not_read_past_its_end():
+    if sys.byteorder != "little":
+        pytest.skip("the made-up table is written for a little-endian machine")
+    header = TABLE.splitlines()[0]
+    row = "   0: 0100007F:9C40 0100007F:162E 01 00000000:00000000 00:00000000 00000000  1001 0"
+    assert len(row.split()) == 9  # the peer's addresses, its uid, then no inode
+    assert find_peer(f"{header}\n{row}\n", ("127.0.0.1", 5678), ("127.0.0.1", 40000)) is None
+
+
+def test_the_addresses_hex_digits_are_read_in_either_case():
+    if sys.byteorder != "little":
+        pytest.skip("the made-up table is written for a little-endian machine")
+    header = TABLE.splitlines()[0]
+    row = "   0: 0a00007f:9c40 0a00007f:162e 01 00000000:00000000 00:00000000 00000000  1001 0 333"
+    local, peer = ("127.0.0.10", 5678), ("127.0.0.10", 40000)
+    assert find_peer(f"{header}\n{row}\n", local, peer) == PeerSocket(1001, 333)
+
+
+def test_a_socket_whose_other_end_is_unknown_is_never_the_users_own():
+    with socket.socket() as unconnected:  # no peer: nothing to look up
+        assert loopback_peer(unconnected) is None
+        assert same_user(unconnected) is False
 
 
 def test_a_real_connection_of_this_process_is_found_with_its_uid_and_inode():
