@@ -552,6 +552,34 @@ def test_rule_a_large_outcome_on_a_connection_of_its_own_is_waited_for():
     assert rank.settled and inbox.state.faults == [] and parts.dropped == []
 
 
+def test_rule_a_large_outcome_is_waited_for_though_the_exit_and_the_channels_end_came_first():
+    inbox, _, peers, ranks = with_workers()
+    rank = inbox.state.ranks[3]
+    inbox.apply(frame(ranks[3], DirectOutcome(3)))
+    inbox.apply(frame(peers[1], WorkerExited(1, 2003, 0, None)))
+    inbox.apply(ranks[3].ended())  # exited, channel over: the outcome's connection is not
+    assert not rank.settled and inbox.state.faults == []
+    direct = StubPeer(300, "worker")
+    inbox.apply(frame(direct, WorkerHello(3, 1, 2003)))
+    inbox.apply(frame(direct, WorkerResult(3), [bytearray(b"big")]))
+    inbox.apply(PeerClosed(direct))  # type: ignore[arg-type]
+    assert rank.settled and rank.state is WorkerState.SUCCEEDED and inbox.state.faults == []
+
+
+def test_rule_a_large_outcome_settles_its_exited_rank_when_its_connection_ends():
+    inbox, _, peers, ranks = with_workers()
+    rank = inbox.state.ranks[3]
+    inbox.apply(frame(ranks[3], DirectOutcome(3)))
+    inbox.apply(frame(peers[1], WorkerExited(1, 2003, 0, None)))  # before the outcome came
+    assert not rank.settled
+    direct = StubPeer(300, "worker")
+    inbox.apply(frame(direct, WorkerHello(3, 1, 2003)))
+    inbox.apply(frame(direct, WorkerResult(3), [bytearray(b"big")]))
+    inbox.apply(PeerClosed(direct))  # type: ignore[arg-type]
+    assert rank.settled and rank.settle_by is None  # its channel has not ended: no wait
+    assert rank.state is WorkerState.SUCCEEDED and inbox.state.faults == []
+
+
 def test_rule_a_large_outcome_that_never_comes_is_a_death_once_the_wait_is_over():
     inbox, _, peers, ranks = with_workers()
     rank = inbox.state.ranks[3]
