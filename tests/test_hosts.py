@@ -412,6 +412,16 @@ def test_count_local_gpus_with_nvidia_smi(tmp_path, monkeypatch):
     assert hosts.count_local_slots({}) == 2
 
 
+def test_a_failing_nvidia_smi_counts_no_gpu(tmp_path, monkeypatch):
+    if Path("/proc/driver/nvidia/gpus").is_dir():
+        pytest.skip("this machine has an NVIDIA driver: /proc answers before nvidia-smi")
+    fake = tmp_path / "nvidia-smi"  # a driver/library mismatch: it lists, then fails
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-1)'\nexit 18\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert hosts.count_local_gpus({}, kfd_nodes=tmp_path / "no-kfd") == 0
+
+
 def fake_kfd(root: Path, simd_counts: list[str]) -> Path:
     """AMD's KFD topology as ``amdgpu`` writes it: one folder per node (CPU nodes: 0 SIMDs)."""
     for index, simds in enumerate(simd_counts):

@@ -42,7 +42,7 @@ from wire_helpers import RecordReader
 import torchrunx as trx
 from torchrunx import logs as trx_logs
 from torchrunx import plugins, serialization
-from torchrunx.devices import cuda_device, device_env
+from torchrunx.devices import count_slots, cuda_device, device_env
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
     check_env_fields,
@@ -1169,6 +1169,23 @@ def test_rule_isolation_gives_a_worker_its_own_gpu_on_a_host_that_has_one(
         {}, local_rank=local_rank, local_world_size=4, gpus=gpus, cpus=8, isolate_gpus=True
     )
     assert settings.get("CUDA_VISIBLE_DEVICES") == expected
+
+
+@pytest.mark.parametrize(
+    ("workers", "count", "gpus", "cpus", "slots"),
+    [
+        (3, "gpu", 8, 16, 3),  # a number given is the number
+        (None, "gpu", 4, 16, 4),
+        (None, "gpu", 0, 16, 0),  # no GPU: 0 tells the launcher, never the CPU count
+        (None, "cpu", 4, 16, 16),
+        (None, "auto", 4, 16, 4),  # auto: the GPUs where there are some
+        (None, "auto", 0, 16, 16),  # else the cores
+    ],
+)
+def test_rule_a_hosts_worker_count_is_the_number_given_or_what_it_counts(
+    workers, count, gpus, cpus, slots
+):
+    assert count_slots(workers, count, gpus, cpus) == slots
 
 
 @pytest.mark.parametrize(
