@@ -1,7 +1,11 @@
 """Another local user, for the security tests: a real account made with ``useradd``.
 
 The tests run as root; an attack by "another user on the same machine" runs as this account
-(``trxattacker``), made once per machine and kept (removing it would race other test sessions).
+(``trxattacker``), made where missing and removed at the end of a run (:func:`remove_if_unused`)
+unless another test session still uses it: each process that uses it holds a shared lock on
+:data:`LEASE` for the rest of its life, and the account is removed only by a session that can
+take that lock alone (a pure-test session ending beside a whole suite once removed the account
+under a security test that was making it).
 The namespace test hosts share this machine's ``/etc/passwd``, so the same account is the other
 user on a test host: prefix :func:`as_attacker`'s command with the host's ``enter_argv``.
 
@@ -18,6 +22,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,11 +30,25 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 NAME = "trxattacker"
+MAKING = "/tmp/.trx-attacker.lock"
+"""Held (exclusively) while the account is made or removed: two sessions may do so at once."""
+LEASE = "/tmp/.trx-attacker.lease"
+"""Held shared by every process that has used the account, for the rest of its life."""
+_lease: list[int] = []
+
+
+def _hold_lease() -> None:
+    """Take this process's shared lock on :data:`LEASE` (once; released when it exits)."""
+    if not _lease:
+        fd = os.open(LEASE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _lease.append(fd)
 
 
 def attacker_ids() -> tuple[int, int]:
     """The account's ``(uid, gid)``, made first where it does not exist yet."""
-    with open("/tmp/.trx-attacker.lock", "a") as lock:  # two sessions may make it at once
+    _hold_lease()  # before it can exist: no session may remove it from here on
+    with open(MAKING, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             entry = pwd.getpwnam(NAME)
@@ -41,6 +60,55 @@ def attacker_ids() -> tuple[int, int]:
             )
             entry = pwd.getpwnam(NAME)
     return entry.pw_uid, entry.pw_gid
+
+
+def _try_lock_alone(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _lock_alone(fd: int, seconds: float) -> bool:
+    """Take ``fd``'s lock exclusively within ``seconds`` (this run's own pytest-xdist workers
+    may still be exiting, their leases with them); whether it was taken.
+    """
+    deadline = time.monotonic() + seconds
+    while not _try_lock_alone(fd):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def remove_if_unused() -> bool:
+    """Remove the account unless a live process of another session holds :data:`LEASE`, or
+    one of the account's own processes is left; whether it was removed.
+    """
+    for fd in _lease:  # this process's own lease (a run in one process) is no other's
+        os.close(fd)
+    _lease.clear()
+    with open(MAKING, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            pwd.getpwnam(NAME)
+        except KeyError:
+            return False
+        fd = os.open(LEASE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if not _lock_alone(fd, seconds=5.0):  # another session's process still uses it
+                return False
+            if (
+                subprocess.run(["pgrep", "-u", NAME], capture_output=True, check=False).returncode
+                != 1
+            ):
+                return False
+            return (
+                subprocess.run(["userdel", NAME], capture_output=True, check=False).returncode == 0
+            )
+        finally:
+            os.close(fd)
 
 
 def as_attacker(argv: list[str]) -> list[str]:

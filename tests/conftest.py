@@ -634,23 +634,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
     Tests SIGKILL launchers on purpose; their view sockets (which a launcher removes when it
     ends) are removed here, as the next launch would. The second user that the security tests
-    made (``tests/attacker.py``) is removed once none of its processes is left.
+    made (``tests/attacker.py``) is removed once none of its processes is left and no other
+    test session uses it.
     """
     if hasattr(session.config, "workerinput"):
         return
-    import pwd
-    import subprocess
 
-    from attacker import NAME
+    from attacker import remove_if_unused
 
     from torchrunx.launcher.view.view_server import prune_dead, runtime_dir
 
     folder = runtime_dir()
     if folder is not None:
         prune_dead(folder)
-    try:
-        pwd.getpwnam(NAME)
-    except KeyError:
-        return
-    if subprocess.run(["pgrep", "-u", NAME], capture_output=True, check=False).returncode == 1:
-        subprocess.run(["userdel", NAME], capture_output=True, check=False)
+    remove_if_unused()

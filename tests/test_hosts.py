@@ -131,6 +131,29 @@ def test_resolve_hosts_inside_an_allocation(monkeypatch):
         hosts.resolve_hosts(["gpu-2", "other"], "slurm", environ)
 
 
+def test_inside_an_allocation_a_hostfiles_slots_and_gpu_or_cpu_counts_come_before_slurms(
+    tmp_path,
+):
+    environ = {"SLURM_JOBID": "7", "SLURM_NODELIST": "gpu-[1-2]", "SLURM_TASKS_PER_NODE": "3,1"}
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("gpu-1 slots=2\ngpu-2\n")
+    assert hosts.resolve_hosts(hostfile, "auto", environ) == [
+        HostSlots("gpu-1", 2),  # the hostfile's own count
+        HostSlots("gpu-2", 1),  # none there: SLURM's
+    ]
+    for counted in ("gpu", "cpu"):  # each agent counts its own, not SLURM's tasks
+        assert hosts.resolve_hosts("auto", counted, environ) == [
+            HostSlots("gpu-1", None),
+            HostSlots("gpu-2", None),
+        ]
+
+
+@pytest.mark.parametrize("entry", [5, None, 2.0])
+def test_a_one_entry_list_of_no_string_is_refused_as_a_host_name(entry):
+    with pytest.raises(ValueError, match=f"invalid host name {entry}: give each host as"):
+        hosts.check_hostnames([entry])
+
+
 def test_resolve_hosts_outside_an_allocation(no_slurm):
     assert hosts.resolve_hosts("auto", "auto") == [HostSlots("localhost", None)]
     assert hosts.resolve_hosts(["a", "b"], 2) == [HostSlots("a", 2), HostSlots("b", 2)]
@@ -410,6 +433,16 @@ def test_count_local_gpus_with_nvidia_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     assert hosts.count_local_gpus({}) == 2
     assert hosts.count_local_slots({}) == 2
+
+
+def test_a_failing_nvidia_smi_counts_no_gpu(tmp_path, monkeypatch):
+    if Path("/proc/driver/nvidia/gpus").is_dir():
+        pytest.skip("this machine has an NVIDIA driver: /proc answers before nvidia-smi")
+    fake = tmp_path / "nvidia-smi"  # a driver/library mismatch: it lists, then fails
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-1)'\nexit 18\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert hosts.count_local_gpus({}, kfd_nodes=tmp_path / "no-kfd") == 0
 
 
 def fake_kfd(root: Path, simd_counts: list[str]) -> Path:

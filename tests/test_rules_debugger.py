@@ -456,3 +456,56 @@ def test_rule_the_debugger_announces_only_ranks_that_wait(term):
         "\ntorchrunx: rank 3 on node2 stopped in the debugger at eval.py:4 in step and waits; "
         "':rank 3' switches to it\n"
     )
+
+
+# -- held-out mutants (round 55b): the rules they broke ------------------------------------------
+
+
+def test_rule_a_ranks_place_stays_until_it_says_another(term):
+    term.debugger.on_output(0, _prompt(0))
+    term.debugger.on_output(3, DebugOutput(3, "one\n", waiting=False, where="eval.py:4 in step"))
+    term.printed()
+    term.debugger.on_output(3, DebugOutput(3, "(Pdb rank 3) ", waiting=True))  # no place given
+    assert "rank 3 on node2 stopped in the debugger at eval.py:4 in step" in term.printed()
+    term.type(":ranks\n")
+    assert "  rank 3 on node2: waits, eval.py:4 in step\n" in term.printed()
+
+
+def test_rule_switching_to_a_rank_that_runs_shows_no_old_prompt(term):
+    term.debugger.on_output(0, _prompt(0))
+    term.type("n\n")  # rank 0 steps: it runs, its prompt is gone
+    term.debugger.on_output(1, _prompt(1))  # rank 1 takes the terminal
+    term.printed()
+    term.type(":rank 0\n")
+    assert term.printed() == (
+        "\n--- pdb: rank 0 on node1 at train.py:9 in work ---\n" + debugger_module.HELP
+    )
+    term.type("p x\n")  # still running: nothing goes to it
+    assert term.sent == [(0, DebugInput("n"))]
+
+
+def test_rule_the_first_of_the_waiting_ranks_gets_the_terminal_next(term):
+    term.debugger.on_output(0, _prompt(0))
+    term.debugger.on_output(1, _prompt(1))
+    term.debugger.on_output(2, _prompt(2))
+    term.printed()
+    term.debugger.on_output(0, DebugOutput(0, "", waiting=False, resumed=True))
+    assert term.debugger.current == 1
+    assert term.printed().startswith("\n--- pdb: rank 1 on node1")
+
+
+def test_rule_without_a_terminal_a_ranks_output_is_shown_and_only_its_prompts_are_answered(term):
+    term.debugger.terminal = False  # the end of input came: no terminal any more
+    term.debugger.on_output(0, DebugOutput(0, "the rest of 'where'\n", waiting=False))
+    assert term.sent == []  # it waits for nothing: nothing is sent to it
+    assert term.printed().endswith("the rest of 'where'\n")
+    term.debugger.on_output(0, _prompt(0))
+    assert term.sent == [(0, DebugInput(None))]  # its prompt: answered at once, it runs on
+
+
+def test_rule_once_the_last_ranks_worker_is_gone_the_terminal_is_left_alone(term):
+    term.debugger.on_output(0, _prompt(0))
+    assert term.read_fd in term.loop.readers
+    term.debugger.forget(0)  # its worker ended (or its connection did)
+    assert term.debugger.stops == {} and term.debugger.current is None
+    assert term.read_fd not in term.loop.readers

@@ -439,3 +439,41 @@ def test_the_rank_record_is_what_makes_a_fault_a_workers():
     assert [(f.rank, f.host_index) for f in state.faults] == [(0, 0), (None, 0)]
     assert restartable(state.faults[0], ("exceptions",), attempt=0, max_restarts=1)
     assert not restartable(state.faults[1], ("exceptions",), attempt=0, max_restarts=1)
+
+
+# -- held-out mutants (round 55b): the rules they broke ------------------------------------------
+
+
+class Outer:
+    """A user's namespace for an exception type (its qualified name is ``Outer.Transient``)."""
+
+    class Transient(Exception):  # noqa: N818 (a user's name)
+        pass
+
+
+def test_rule_a_nested_exception_type_restarts_by_its_qualified_name():
+    fault = _fault("exception", Outer.Transient("flaky"), rank=0)
+    assert restartable(fault, ("Outer.Transient",), attempt=0, max_restarts=1)
+    assert restartable(fault, (f"{__name__}.Outer.Transient",), attempt=0, max_restarts=1)
+    assert restartable(fault, ("Transient",), attempt=0, max_restarts=1)
+
+
+def test_rule_the_launchers_own_plain_error_never_restarts_whatever_restart_on_holds():
+    fault = _fault("launch", OSError("the launcher's listener failed"), rank=None)
+    assert not restartable(fault, EVERYTHING, attempt=0, max_restarts=1)
+
+
+def test_rule_an_exception_without_its_type_restarts_only_as_a_workers():
+    error = _raised_without_type()
+    assert restarts_for(error, {"exceptions"}, from_worker=True)
+    assert not restarts_for(error, {"exceptions", "mypkg.TransientError"}, from_worker=False)
+
+
+def test_rule_the_other_failures_are_listed_in_the_order_they_were_learnt():
+    cause = Fault("exception", ValueError("cause"), at=1.0, seq=0, rank=0)
+    late = Fault("exception", OSError("learnt last"), at=2.0, seq=2, rank=1)
+    early = Fault("exception", KeyError("learnt first"), at=3.0, seq=1, rank=2)
+    assert others([cause, late, early], cause) == [
+        "KeyError: 'learnt first'",
+        "OSError: learnt last",
+    ]

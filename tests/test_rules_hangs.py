@@ -604,3 +604,42 @@ def test_rule_a_probe_that_cannot_read_its_state_still_answers_and_says_why():
     answer = _answer(object())  # type: ignore[arg-type]  (no thread: reading the state fails)
     assert answer.group_formed is False and answer.entries == ()
     assert answer.where.startswith("(torchrunx's probe failed: AttributeError")
+
+
+# -- held-out mutants (round 55b): the rules they broke ------------------------------------------
+
+
+def test_rule_a_rank_waits_in_its_newest_unfinished_collective():
+    # NCCL runs collectives asynchronously: rank 0 has #3 and #4 both unfinished.
+    snaps = [_snap(0, _pending(3), _pending(4)), _snap(1, _done(3), _pending(4))]
+    diagnosis = diagnose(snaps, 2)
+    assert [(w.entry.seq, w.ranks) for w in diagnosis.waiting] == [(4, (0, 1))]
+
+
+def test_rule_a_rank_waiting_in_an_earlier_collective_waits_there_and_is_not_absent():
+    # Ranks 0-1 wait in #5; rank 2 waits in #3 of the same group; rank 3 is in its own code.
+    snaps = [_snap(r, _done(3), _pending(5)) for r in (0, 1)]
+    snaps += [_snap(2, _pending(3)), _snap(3, _done(3), where="data.py:12 in __next__")]
+    diagnosis = diagnose(snaps, 4)
+    assert [(w.entry.seq, w.ranks) for w in diagnosis.waiting] == [(5, (0, 1)), (3, (2,))]
+    assert diagnosis.absent == {"data.py:12 in __next__": (3,)}
+    lines = render(diagnosis)
+    assert lines[2:4] == [
+        "not entered all_reduce #5 of default_pg:",
+        "  rank 3: data.py:12 in __next__",
+    ]
+
+
+def test_rule_different_ops_at_different_numbers_of_one_group_are_no_mismatch():
+    # A rank that went on to the next collective (a broadcast) while the others wait in #5.
+    snaps = [
+        _snap(0, _pending(5)),
+        _snap(1, _pending(5)),
+        _snap(2, _done(5), _pending(6, "broadcast")),
+    ]
+    diagnosis = diagnose(snaps, 3)
+    assert not diagnosis.mismatch
+    assert render(diagnosis)[:2] == [
+        "ranks 0-1 wait in all_reduce #5 of default_pg ([4] Float) at train.py:57 in step",
+        "rank 2 waits in broadcast #6 of default_pg ([4] Float) at train.py:57 in step",
+    ]

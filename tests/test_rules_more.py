@@ -42,7 +42,7 @@ from wire_helpers import RecordReader
 import torchrunx as trx
 from torchrunx import logs as trx_logs
 from torchrunx import plugins, serialization
-from torchrunx.devices import cuda_device, device_env
+from torchrunx.devices import count_slots, cuda_device, device_env
 from torchrunx.env import (
     DEFAULT_ENV_VARS,
     check_env_fields,
@@ -550,6 +550,34 @@ def test_rule_a_large_outcome_on_a_connection_of_its_own_is_waited_for():
     assert rank.result is payload and rank.state is WorkerState.SUCCEEDED
     inbox.apply(PeerClosed(direct))  # type: ignore[arg-type]
     assert rank.settled and inbox.state.faults == [] and parts.dropped == []
+
+
+def test_rule_a_large_outcome_is_waited_for_though_the_exit_and_the_channels_end_came_first():
+    inbox, _, peers, ranks = with_workers()
+    rank = inbox.state.ranks[3]
+    inbox.apply(frame(ranks[3], DirectOutcome(3)))
+    inbox.apply(frame(peers[1], WorkerExited(1, 2003, 0, None)))
+    inbox.apply(ranks[3].ended())  # exited, channel over: the outcome's connection is not
+    assert not rank.settled and inbox.state.faults == []
+    direct = StubPeer(300, "worker")
+    inbox.apply(frame(direct, WorkerHello(3, 1, 2003)))
+    inbox.apply(frame(direct, WorkerResult(3), [bytearray(b"big")]))
+    inbox.apply(PeerClosed(direct))  # type: ignore[arg-type]
+    assert rank.settled and rank.state is WorkerState.SUCCEEDED and inbox.state.faults == []
+
+
+def test_rule_a_large_outcome_settles_its_exited_rank_when_its_connection_ends():
+    inbox, _, peers, ranks = with_workers()
+    rank = inbox.state.ranks[3]
+    inbox.apply(frame(ranks[3], DirectOutcome(3)))
+    inbox.apply(frame(peers[1], WorkerExited(1, 2003, 0, None)))  # before the outcome came
+    assert not rank.settled
+    direct = StubPeer(300, "worker")
+    inbox.apply(frame(direct, WorkerHello(3, 1, 2003)))
+    inbox.apply(frame(direct, WorkerResult(3), [bytearray(b"big")]))
+    inbox.apply(PeerClosed(direct))  # type: ignore[arg-type]
+    assert rank.settled and rank.settle_by is None  # its channel has not ended: no wait
+    assert rank.state is WorkerState.SUCCEEDED and inbox.state.faults == []
 
 
 def test_rule_a_large_outcome_that_never_comes_is_a_death_once_the_wait_is_over():
@@ -1141,6 +1169,23 @@ def test_rule_isolation_gives_a_worker_its_own_gpu_on_a_host_that_has_one(
         {}, local_rank=local_rank, local_world_size=4, gpus=gpus, cpus=8, isolate_gpus=True
     )
     assert settings.get("CUDA_VISIBLE_DEVICES") == expected
+
+
+@pytest.mark.parametrize(
+    ("workers", "count", "gpus", "cpus", "slots"),
+    [
+        (3, "gpu", 8, 16, 3),  # a number given is the number
+        (None, "gpu", 4, 16, 4),
+        (None, "gpu", 0, 16, 0),  # no GPU: 0 tells the launcher, never the CPU count
+        (None, "cpu", 4, 16, 16),
+        (None, "auto", 4, 16, 4),  # auto: the GPUs where there are some
+        (None, "auto", 0, 16, 16),  # else the cores
+    ],
+)
+def test_rule_a_hosts_worker_count_is_the_number_given_or_what_it_counts(
+    workers, count, gpus, cpus, slots
+):
+    assert count_slots(workers, count, gpus, cpus) == slots
 
 
 @pytest.mark.parametrize(

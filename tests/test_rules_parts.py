@@ -35,7 +35,7 @@ from torchrunx.launcher.state.records import AgentRecord, Phase, Progress
 from torchrunx.launcher.state.spares import Reshape
 from torchrunx.launcher.state.state import LaunchState
 from torchrunx.serialization import dumps
-from torchrunx.wire.messages import AgentHello, WorkerSpec, WorkersStarted
+from torchrunx.wire.messages import AgentHello, WorkersEnded, WorkerSpec, WorkersStarted
 
 
 def agents(hosts: int = 2, workers: int = 2) -> list[AgentRecord]:
@@ -108,6 +108,33 @@ def test_rule_the_agent_table_answers_silence_with_start_timeout_until_workers_f
     assert hosts.silent_agents(130.0) == []  # while stopping, silence is no fault
 
 
+def test_rule_each_attempt_waits_anew_for_every_agent_of_the_world_to_end():
+    records = agents(2)
+    hosts = table(records)
+    for agent in records:
+        hosts.agent_hello(agent, agent.index, hello(agent), 101.0)
+        assert hosts.workers_ended(agent, WorkersEnded(29500 + agent.index, attempt=0))
+    assert hosts.all_waiting
+    hosts.new_attempt(keep_ready=False)
+    assert not hosts.all_waiting  # attempt 1's workers have not ended: no agent waits yet
+    hosts.progress.attempt = 1
+    assert hosts.workers_ended(records[0], WorkersEnded(29600, attempt=1))
+    assert not hosts.all_waiting
+    assert hosts.workers_ended(records[1], WorkersEnded(29601, attempt=1))
+    assert hosts.all_waiting
+
+
+def test_rule_after_a_stop_an_agent_that_never_connected_does_not_hold_up_the_end():
+    records = agents(2)
+    hosts = table(records)
+    hosts.agent_hello(records[0], 0, hello(records[0]), 101.0)
+    assert not hosts.stopped  # host 0 runs its workers
+    assert hosts.workers_ended(records[0], WorkersEnded(29500, attempt=0))
+    assert hosts.stopped  # host 1 never connected: nothing to wait for
+    hosts.agent_hello(records[1], 1, hello(records[1]), 102.0)
+    assert not hosts.stopped  # once connected, it is waited for
+
+
 def test_rule_an_agent_failed_in_the_table_marks_the_launch_degraded():
     records = agents(1)
     hosts = table(records)
@@ -150,6 +177,16 @@ def test_rule_the_attempt_alone_moves_the_launch_to_running_once_every_rank_runs
     assert attempt.progress.phase is Phase.STARTING_WORKERS
     attempt.worker_hello(attempt.ranks[-1], 103, 2003)
     assert attempt.progress.phase is Phase.RUNNING
+
+
+def test_rule_workers_that_start_while_the_launch_stops_do_not_make_it_run():
+    attempt = running_attempt()
+    attempt.progress.stopping = True
+    attempt.progress.degraded = True
+    for rank in attempt.ranks:
+        attempt.worker_hello(rank, 100 + rank.rank, 2000 + rank.rank)
+    assert attempt.progress.phase is Phase.STARTING_WORKERS
+    assert attempt.progress.degraded
 
 
 def test_rule_the_attempt_takes_the_forked_pids_of_its_agents_ranks():

@@ -3,15 +3,33 @@ a section."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
+from torchrunx import serialization
+from torchrunx.errors import RemoteTraceback, WorkerRaisedError, WorkerTimeoutError
+from torchrunx.hosts.hostlists import HostSlots
+from torchrunx.launcher.state.records import AgentRecord, RankRecord
 from torchrunx.launcher.state.reports import (
     MAX_STACKS_SHOWN,
+    count_repeats,
+    finish_report,
     innermost_frame,
+    launch_timeout_error,
+    output_tail_note,
     rank_ranges,
+    rebuild_exception,
     stacks_note,
+    start_timeout_error,
+    summary,
+    watchdog_error,
     without_probe,
+    world_changes_note,
 )
+from torchrunx.launcher.view.where import ANSWER_WAIT as WHERE_WAIT
+from torchrunx.launcher.view.where import StacksLook, sigquit_shows_stacks
+from torchrunx.wire.messages import WorkerException, WorkerSpec, WorkerTimedOut
 
 
 def dump(thread: str, *frames: str) -> str:
@@ -224,3 +242,139 @@ def test_rule_ranks_caught_with_their_probe_in_different_places_share_a_section(
         "--- ranks 0-1 on host 'node1' (the same stack; innermost: waits.py:2 in <module>) ---"
     ), note
     assert "stallprobe" not in note and "stall.py" not in note, note
+
+
+# -- held-out mutants (round 55b): the other notes and errors of a report -----------------------
+
+
+def test_rule_a_summary_is_the_type_and_the_first_line_of_the_message():
+    assert summary(ValueError("bad batch\nin step 3")) == "ValueError: bad batch"
+    assert summary(ValueError()) == "ValueError"
+
+
+def test_rule_repeated_lines_are_counted_in_first_seen_order():
+    assert count_repeats(["b", "a", "b", "c", "b"]) == ["b (x3)", "a", "c"]
+
+
+def test_rule_a_worker_exception_comes_back_with_its_type_its_traceback_and_where():
+    message = WorkerException(3, "ValueError", "bad batch", "Traceback (most recent call last):")
+    payload = [bytearray(part) for part in serialization.dumps(ValueError("bad batch"))]
+    error = rebuild_exception(message, payload, "worker rank 3")
+    assert type(error) is ValueError
+    assert isinstance(error.__cause__, RemoteTraceback)
+    assert error.__suppress_context__ is True  # the launcher's own context is not the story
+    assert error.__notes__ == ["raised in worker rank 3"]
+
+
+def test_rule_a_payload_that_is_no_exception_comes_back_as_worker_raised_error():
+    message = WorkerException(0, "mypkg.Odd", "odd", "tb")
+    payload = [bytearray(part) for part in serialization.dumps(42)]
+    error = rebuild_exception(message, payload, "worker rank 0")
+    assert isinstance(error, WorkerRaisedError)
+    assert error.type_name == "mypkg.Odd"
+    assert str(error).startswith("mypkg.Odd: odd (raised in worker rank 0; ")
+
+
+def test_rule_a_watchdog_report_without_a_stack_adds_no_note():
+    blank = watchdog_error("node1", 2, WorkerTimedOut(0, "step", 1.0, "  \n"))
+    assert isinstance(blank, WorkerTimeoutError)
+    assert getattr(blank, "__notes__", []) == []
+    shown = watchdog_error("node1", 2, WorkerTimedOut(0, "step", 1.0, "  File x\n"))
+    assert shown.__notes__ == ["Python stack of rank 2 when its limit passed:\n  File x"]
+
+
+def test_rule_a_silent_workers_note_says_so_and_where_its_log_is():
+    assert output_tail_note((), "/logs/r0.log") == "it wrote no output (full log: /logs/r0.log)"
+    assert output_tail_note((), None) is None
+    assert (
+        output_tail_note(["a", "b\nc"], None) == "last 2 lines of its output:\n    a\n    b\n    c"
+    )
+
+
+def test_rule_the_other_failures_leave_out_the_raised_one_and_the_history_counts_restarts():
+    error = ValueError("bad batch")
+    finish_report(
+        error,
+        others=["ValueError: bad batch", "OSError: gone", "OSError: gone"],
+        history=["attempt 0: RuntimeError: x", "attempt 1: RuntimeError: y"],
+        max_restarts=3,
+    )
+    assert error.__notes__ == [
+        "other failures seen while stopping: OSError: gone (x2)",
+        (
+            "the workers were restarted 2 time(s) (max_restarts=3); earlier failures:\n"
+            "  attempt 0: RuntimeError: x\n  attempt 1: RuntimeError: y"
+        ),
+    ]
+    alone = finish_report(ValueError("x"), others=["ValueError: x"], history=[], max_restarts=0)
+    assert getattr(alone, "__notes__", []) == []
+
+
+def test_rule_no_change_of_hosts_makes_no_note():
+    assert world_changes_note(()) is None
+    assert world_changes_note(["a", "b"]) == "hosts changed during the launch:\n  a\n  b"
+
+
+def test_rule_a_start_timeout_says_whether_the_agent_had_been_started():
+    started = start_timeout_error("node1", 30.0, 29400, "10.0.0.1", "")
+    assert "did not connect back within start_timeout=30 s" in started.reason
+    assert "on port 29400 at 10.0.0.1?" in started.reason
+    starting = start_timeout_error("node1", 30.0, 29400, None, "", started=False)
+    assert starting.reason.startswith("the agent's start did not finish within start_timeout=30 s")
+
+
+def test_rule_a_launch_timeout_before_any_rank_started_says_so():
+    assert "with ranks not yet started still running" in str(launch_timeout_error(60, 61.2, []))
+    assert "after 61.2 s with ranks [0, 2] still running" in str(
+        launch_timeout_error(60, 61.2, [0, 2])
+    )
+
+
+def test_rule_only_torchrunxs_own_probe_is_left_out_not_a_users_file_of_that_name():
+    stacks = (
+        'Thread 0x1 (most recent call first):\n  File "/home/me/stallprobe.py", line 3 in f'
+        '\n\nCurrent thread 0x2 (most recent call first):\n  File "t.py", line 1 in f\n'
+    )
+    assert without_probe(stacks) == stacks
+
+
+def _look_of_two_agents() -> tuple[StacksLook, list[AgentRecord]]:
+    agents = [AgentRecord(i, HostSlots(f"node{i + 1}", 1), "ssh") for i in range(2)]
+    for agent in agents:
+        agent.spec = WorkerSpec(
+            agent.index, agent.slots.hostname, 1, agent.index, 2, "a", 1, None, 1.0
+        )
+    return StacksLook(agents, now=0.0), agents
+
+
+def test_rule_a_look_shows_only_the_ranks_of_the_current_attempt():
+    look, agents = _look_of_two_agents()
+    look.answer(agents[0], {0: "stack A\n"})
+    look.answer(agents[1], {0: "stack B\n"})
+    ranks = [RankRecord(0, 0, 0)]  # the world shrank to host 0 since the look was asked
+    assert look.text(ranks, lambda _: "node1").splitlines()[1:] == [
+        "--- rank 0 (local rank 0 on host 'node1') ---",
+        "stack A",
+    ]
+
+
+def test_rule_a_look_no_agent_answered_says_who_and_that_no_worker_shows():
+    look, _ = _look_of_two_agents()
+    assert look.text([], str).splitlines()[1:] == [
+        "no worker is running",
+        f"no answer in {WHERE_WAIT:g} s from host index [0, 1]",
+    ]
+
+
+def test_rule_sigquit_asks_for_a_look_during_the_launch_only():
+    before = signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    try:
+        asked: list[str] = []
+        with sigquit_shows_stacks(lambda: asked.append("look")):
+            handler = signal.getsignal(signal.SIGQUIT)
+            assert callable(handler)
+            handler(signal.SIGQUIT, None)
+            assert asked == ["look"]
+        assert signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL  # afterwards: as it was
+    finally:
+        signal.signal(signal.SIGQUIT, before)

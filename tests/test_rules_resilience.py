@@ -611,3 +611,80 @@ def test_rule_a_failed_interior_hosts_children_go_with_it():
     assert subtree_of(tree, [a for a in world if a.index != 3], [agents[0]]) == [agents[2]]
     assert subtree_of(tree, [*world, agents[6]], [agents[6]]) == []  # nor does a spare
     assert subtree_of(None, world, [agents[0]]) == []  # no tree: nobody else goes
+
+
+# -- held-out mutants (round 55b): the rules they broke ------------------------------------------
+
+
+def test_rule_with_spares_and_min_hosts_both_given_the_message_names_spare_hosts():
+    with pytest.raises(ValueError, match=r"^spare_hosts is used only when a failed host"):
+        check_resilience(1, 2, ("deaths",), 3)
+    with pytest.raises(ValueError, match=r"^min_hosts is used only when a failed host"):
+        check_resilience(0, 2, ("deaths",), 3)
+
+
+def test_rule_a_spare_name_of_blanks_alone_is_refused():
+    with pytest.raises(TypeError, match=r"got '  ' in it"):
+        check_resilience(("node9", "  "), None, ("hosts",), 1)
+
+
+def test_rule_named_spares_refuse_workers_per_host_as_a_tuple_as_well_as_a_list():
+    from torchrunx.launcher.state.spares import check_spare_names
+
+    for counts in ([2, 2], (2, 2)):
+        with pytest.raises(ValueError, match="but workers_per_host is a list"):
+            check_spare_names(("c",), counts, requeue=False)
+
+
+def test_rule_a_given_config_reader_needs_no_scontrol_on_the_path(monkeypatch):
+    from torchrunx.launcher.launch import preempt
+
+    monkeypatch.setattr(preempt.shutil, "which", lambda _: None)
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}
+    assert default_grace(job, lambda: "KillWait = 30 sec") == 28
+
+
+def test_rule_scontrol_failing_or_hanging_means_no_grace():
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}
+    errors: list[subprocess.SubprocessError] = [
+        subprocess.CalledProcessError(1, ["scontrol", "show", "config"]),
+        subprocess.TimeoutExpired(["scontrol", "show", "config"], 10),
+    ]
+    for error in errors:
+
+        def fails(error: subprocess.SubprocessError = error) -> str:
+            raise error
+
+        assert default_grace(job, fails) == 0
+
+
+def test_rule_the_end_of_a_preemption_leaves_the_launch_failed():
+    state = _preempted_state()
+    end_preemption(state, _plan(), "the launcher received SIGTERM", lambda: None, lambda _: None)
+    assert state.phase is Phase.FAILED
+
+
+def test_rule_with_a_grace_the_first_sigterm_preempts_and_the_second_stops_at_once():
+    from torchrunx.launcher.launch.preempt import sigterm_preempts
+
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        reasons: list[str] = []
+        with sigterm_preempts(reasons.append, grace=5.0):
+            handler = signal.getsignal(signal.SIGTERM)
+            assert callable(handler)
+            handler(signal.SIGTERM, None)
+            assert reasons == ["the launcher received SIGTERM"]
+            with pytest.raises(SystemExit) as second:
+                handler(signal.SIGTERM, None)
+            assert second.value.code == 128 + signal.SIGTERM
+            assert reasons == ["the launcher received SIGTERM"]  # not preempted twice
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        with sigterm_preempts(reasons.append, grace=0.0):
+            handler = signal.getsignal(signal.SIGTERM)
+            assert callable(handler)
+            with pytest.raises(SystemExit):  # no grace: the first stops at once
+                handler(signal.SIGTERM, None)
+        assert reasons == ["the launcher received SIGTERM"]
+    finally:
+        signal.signal(signal.SIGTERM, before)

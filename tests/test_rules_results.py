@@ -31,3 +31,10 @@ def test_rule_a_hosts_local_rank_counts_through_its_entries_and_the_end_is_refus
     with pytest.raises(KeyError) as unknown:
         result.index("c", 0)
     assert unknown.value.args[0] == "host 'c' was not part of this launch (hosts: ['a', 'b'])"
+
+
+def test_rule_a_result_made_without_the_launchs_details_says_fresh_workers_and_nothing_else():
+    """Every run's workers are fresh but a warm run's that kept them (which says so)."""
+    result = _result()
+    assert result.fresh_workers is True
+    assert (result.restarts, result.world_changes, result.stragglers) == (0, (), ())

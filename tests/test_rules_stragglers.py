@@ -8,19 +8,32 @@ from __future__ import annotations
 
 import pytest
 
+import torchrunx as trx
+from torchrunx.events import StragglerFound
+from torchrunx.hosts import HostSlots
 from torchrunx.launcher.launch.stalls import progress_every
 from torchrunx.launcher.launch.stragglers import (
     ANSWER_WAIT,
     DEFAULT_STRAGGLER_THRESHOLD,
     OFFSET_SAMPLES,
     STRAGGLER_EVERY,
+    Stragglers,
     StragglerWatch,
     TimingsRound,
     check_straggler_threshold,
     entries_of,
 )
 from torchrunx.launcher.state.hangs import CollectiveEntry, StragglerRule
-from torchrunx.wire.messages import RankState, RankTimings
+from torchrunx.launcher.state.records import AgentRecord, Phase
+from torchrunx.launcher.state.state import LaunchState
+from torchrunx.wire.messages import (
+    AgentHello,
+    AskTimings,
+    RankState,
+    RankTimings,
+    WorkerResult,
+    WorkerSpec,
+)
 
 S = 10**9
 
@@ -257,3 +270,90 @@ def test_rule_a_collective_entered_as_the_last_run_ended_belongs_to_it():
     _answer_all(watch, [0, 0, 0, 0.5], steps=20)
     [found] = watch.compare([0, 1, 2, 3])
     assert (found.rank, found.window) == (3, 10)  # 11-20; 10 was the last run's
+
+
+# -- held-out mutants (round 55b): the launch's part (Stragglers.turn) ---------------------------
+
+
+class _Peer:
+    def __init__(self, sent: list[tuple[int, object]], index: int) -> None:
+        self.sent, self.index = sent, index
+
+    def send(self, message: object) -> None:
+        self.sent.append((self.index, message))
+
+
+class _Inbox:
+    """Stands in for the launch's inbox: what is sent to each agent is recorded."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, object]] = []
+
+    def peer_of(self, agent: AgentRecord) -> _Peer:
+        return _Peer(self.sent, agent.index)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def emit(self, event: object) -> None:
+        self.events.append(event)
+
+
+def _running(hosts: int = 3) -> LaunchState:
+    """A launch of one worker on each of ``hosts`` hosts, every worker running (attempt 0)."""
+    agents = [AgentRecord(i, HostSlots(f"node{i}", 1), "ssh") for i in range(hosts)]
+    state = LaunchState(agents, agent_timeout=30.0, started=100.0)
+    for agent in agents:
+        hello = AgentHello(agent.index, agent.slots.hostname, 1000 + agent.index, 1, 29500)
+        state.agent_table.agent_hello(agent, conn=agent.index, hello=hello, now=101.0)
+    state.agent_table.agents_ready(102.0)
+    state.start_run(102.0, warm=False)
+    for agent in agents:
+        spec = WorkerSpec(
+            agent.index, agent.slots.hostname, 1, agent.index, hosts, "h", 1, None, 9.0
+        )
+        state.current.assign(agent, spec)
+    for rank in state.ranks:
+        state.current.worker_hello(rank, conn=100 + rank.rank, pid=2000 + rank.rank)
+    assert state.phase is Phase.RUNNING
+    return state
+
+
+def _stragglers(state: LaunchState) -> tuple[Stragglers, _Inbox, _Sink]:
+    plan = trx.Launcher(hostnames=["localhost"], workers_per_host=1, straggler_threshold=0.1)
+    inbox, sink = _Inbox(), _Sink()
+    part = Stragglers(plan.plan(), state, inbox, sink)  # type: ignore[arg-type]
+    return part, inbox, sink
+
+
+def test_rule_a_request_waits_only_for_the_ranks_still_running_and_names_a_late_one():
+    state = _running(3)
+    state.current.worker_result(state.ranks[2], WorkerResult(2), [bytearray(b"x")], 103.0)
+    part, inbox, sink = _stragglers(state)
+    part.turn(0.0)
+    assert inbox.sent == []  # the first request comes a few seconds in
+    part.turn(STRAGGLER_EVERY)
+    assert [(index, type(message)) for index, message in inbox.sent] == [
+        (0, AskTimings),
+        (1, AskTimings),
+        (2, AskTimings),
+    ]
+    assert part.watch.round is not None and part.watch.round.ranks == {0, 1}  # rank 2 returned
+    part.watch.answer(0, _timings(0.0), received_ns=0)
+    part.watch.answer(1, _timings(0.5), received_ns=0)
+    part.turn(STRAGGLER_EVERY + 0.1)  # both answered: compared before the wait is over
+    assert part.watch.round is None
+    [found] = sink.events
+    assert isinstance(found, StragglerFound)
+    assert (found.rank, found.hostname, found.window) == (1, "node1", 10)
+
+
+def test_rule_no_request_goes_out_while_the_launch_stops():
+    state = _running(2)
+    part, inbox, _ = _stragglers(state)
+    with state.stopping_meanwhile():
+        part.turn(0.0)
+        part.turn(STRAGGLER_EVERY)
+    assert inbox.sent == [] and part.watch.round is None
