@@ -369,3 +369,90 @@ def test_rule_the_summary_counts_the_hosts_not_ready():
         ),
         "1 host checked in 0.2 s: all ready",
     ]
+
+
+def test_rule_a_host_whose_check_of_host_0_was_not_tried_is_not_blamed_for_it():
+    # master None: host 0 did not answer (its own line says why), so nothing was tried here.
+    assert judged(index=1, master=None).ok
+    assert judged(index=2, master=None).problems == ()
+
+
+def test_rule_the_last_line_the_agents_script_wrote_itself_is_the_problem():
+    said = no_report(1, "torchrunx: first", "bash: noise", "torchrunx: the last word")
+    assert said == ("the last word",)
+
+
+def test_rule_the_report_is_found_among_other_stdout_lines_before_or_after_it():
+    lines = [(False, "before"), (False, report().to_line()), (False, "after"), (True, "warn")]
+    host = judge(
+        1,
+        "node2",
+        "ssh",
+        LOCAL,
+        start_failure=None,
+        status=0,
+        lines=lines,
+        seconds=0.1,
+        timeout=60,
+    )
+    assert host.ok and host.report == report()
+
+
+def test_rule_the_host_names_column_is_as_wide_as_the_longest_name():
+    short = judged()
+    long = judge(
+        1,
+        "a-much-longer-name",
+        "srun",
+        LOCAL,
+        start_failure="srun: error",
+        status=None,
+        lines=[],
+        seconds=0.1,
+        timeout=60,
+    )
+    assert format_checks([short, long], 1.0).splitlines()[:2] == [
+        (
+            "node2               ok    ssh    python 3.11.9 (/venv/bin/python), torchrunx 0.5.0, "
+            "torch 2.13.0, 4 GPUs, 32 CPUs"
+        ),
+        "a-much-longer-name  FAIL  srun",
+    ]
+
+
+def test_rule_one_cpu_or_gpu_is_said_in_the_singular():
+    assert judged(gpus=1, cpus=1).facts[3:] == ("1 GPU", "1 CPU")
+    assert judged(gpus=0, cpus=2).facts[3:] == ("no GPU", "2 CPUs")
+
+
+@pytest.mark.parametrize("payload", ["[1, 2]", '"text"', "3", "null"])
+def test_rule_a_report_line_whose_json_is_no_object_of_the_fields_is_no_report(payload: str):
+    assert ProbeReport.from_line("torchrunx-probe " + payload) is None
+
+
+def test_rule_a_failed_connection_says_where_and_why_even_without_a_message():
+    from torchrunx.agent.probe import _why
+
+    assert (
+        _why(("10.0.0.1", 29400), TimeoutError()) == "cannot connect to 10.0.0.1:29400: timed out"
+    )
+    assert _why(("h", 1), ConnectionRefusedError(111, "Connection refused")) == (
+        "cannot connect to h:1: [Errno 111] Connection refused"
+    )
+    assert _why(("h", 1), ConnectionResetError()) == "cannot connect to h:1: ConnectionResetError"
+
+
+def test_rule_a_request_line_of_an_older_launcher_without_package_root_is_read():
+    request = ProbeRequest(
+        sys_path=("/a",),
+        host_index=0,
+        address="10.0.0.1",
+        port=29400,
+        token="t" * 32,
+        timeout=5.0,
+        master=None,
+        peers=1,
+        local_only=False,
+    )
+    older = {k: v for k, v in json.loads(request.to_json_line()).items() if k != "package_root"}
+    assert ProbeRequest.from_json(json.dumps(older).encode()) == request

@@ -179,6 +179,37 @@ def test_pods_come_in_the_jobs_own_order():
     assert [p.name for p in pods] == ["z-master", "i-b", "i-a", "g0", "w-9", "w-10", "x", "j1-0"]
 
 
+def test_a_pod_being_deleted_is_said_to_be_deleting_else_its_phase():
+    base = _pod("p", [])
+    deleting = {**base, "metadata": {"name": "p", "deletionTimestamp": "t"}}
+    pending = {**base, "status": {"phase": "Pending", "podIP": ""}}
+    (running,) = read_pods(json.dumps(base))
+    (gone,) = read_pods(json.dumps(deleting))
+    (waiting,) = read_pods(json.dumps(pending))
+    assert (running.state, gone.state, waiting.state) == ("Running", "deleting", "Pending")
+    assert waiting.ip is None  # an empty podIP is no address
+
+
+def test_an_empty_pod_list_is_no_pod_not_an_unreadable_answer():
+    assert read_pods(json.dumps({"kind": "List", "items": []})) == []
+
+
+def test_the_master_comes_first_within_its_job_not_before_the_jobs_before_it():
+    def pod(name: str, **marks: str) -> dict[str, object]:
+        return _pod(name, [], labels=marks)
+
+    jobset = "jobset.sigs.k8s.io/job-index"
+    kind = "training.kubeflow.org/replica-type"
+    items = [
+        pod("b-worker", **{jobset: "1"}),
+        pod("b-master", **{jobset: "1", kind: "Master"}),
+        pod("a-worker", **{jobset: "0"}),
+        pod("plain-master", **{kind: "master"}),  # the training operator's label is lower case
+    ]
+    pods = sorted(read_pods(json.dumps({"kind": "List", "items": items})), key=lambda p: p.order)
+    assert [p.name for p in pods] == ["plain-master", "a-worker", "b-master", "b-worker"]
+
+
 def test_the_kubernetes_provider_pairs_with_kubectl_and_its_options():
     provider = KubernetesProvider()
     assert provider.transport("app=x") == "kubectl"

@@ -226,3 +226,38 @@ def test_rule_the_nested_launch_refusal_says_what_to_run_instead():
         "runs with python, not with the torchrunx command: `python script.py`; inside a worker, "
         "call the function directly"
     )
+
+
+def test_rule_copy_env_vars_replaces_the_defaults_in_the_check_for_patterns_matching_nothing():
+    from torchrunx.env import DEFAULT_ENV_VARS, unmatched_env_vars
+
+    environ = {"PATH": "/bin", "MINE_A": "1"}
+    # torchrunx 0.4's name, given: its patterns are the ones checked, not default_env_vars'.
+    assert unmatched_env_vars(DEFAULT_ENV_VARS, ("MINE_*", "THEIRS_*"), None, environ) == (
+        "THEIRS_*",
+    )
+    assert unmatched_env_vars(("OTHER_*",), None, None, environ) == ("OTHER_*",)
+
+
+def test_rule_an_extra_value_is_everything_after_the_first_equals_sign():
+    assert split_extra_env_vars(("OPTS=--a=1 --b=2", "X==", "MY_*")) == (
+        ("MY_*",),
+        {"OPTS": "--a=1 --b=2", "X": "="},
+    )
+
+
+def test_rule_a_given_value_wins_over_the_launchers_variable_of_the_same_name():
+    environ = {"WANDB_MODE": "online", "WANDB_DIR": "/w"}
+    assert exported_env(("WANDB_*",), {"WANDB_MODE": "offline"}, environ) == {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": "/w",
+    }
+
+
+@pytest.mark.parametrize("default", [None, "PATH", ("PATH", 1)])
+def test_rule_default_env_vars_must_be_patterns_even_when_copy_env_vars_is_not_given(default):
+    from torchrunx.env import check_env_fields
+
+    with pytest.raises(TypeError, match=r"^default_env_vars must be a tuple of fnmatch patterns"):
+        check_env_fields(default, None, None)
+    check_env_fields(("PATH",), None, None)

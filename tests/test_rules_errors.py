@@ -91,6 +91,7 @@ def test_a_watchdogs_timeout_names_the_scope_and_its_limit():
     [
         AgentFailedError("node1", "gone", "err"),
         WorkerFailedError("node2", 1, 3, 4242, None, 9),
+        WorkerFailedError("node2", 0, 5, 77, None, 9, "most likely the kernel's OOM killer"),
         WorkerTimeoutError("node0", 2, 6, "step", 1.5),
         StallError(300.5, "rank 1 in the user's code\n", {"unanswered": [2]}),
     ],

@@ -188,3 +188,16 @@ def test_rule_a_callable_whose_signature_cannot_be_read_is_called_bare():
 
     assert call_handler_factory(Unreadable(), SETUP) == []
     assert calls == [()]
+
+
+@pytest.mark.parametrize("handlers", [[HANDLER, "auto"], (HANDLER, HANDLER, "auto")])
+@pytest.mark.parametrize("ranks", ["all", (1,), ()])
+def test_rule_auto_anywhere_in_the_list_keeps_the_default_console_for_console_ranks(
+    handlers, ranks
+):
+    check_log_fields(handlers, ranks)
+
+
+def test_rule_console_ranks_word_all_is_no_log_handlers():
+    with pytest.raises(TypeError, match=r"^log_handlers must be .*, got 'all'$"):
+        check_log_fields("all")

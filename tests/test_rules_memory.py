@@ -6,8 +6,11 @@ lines count, which mount wins, the numbers a cgroup writes for "no limit", sizes
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
+from torchrunx.agent import memory
 from torchrunx.agent.memory import (
     MemoryFacts,
     _number,
@@ -15,8 +18,12 @@ from torchrunx.agent.memory import (
     cgroup_mounts,
     memory_cgroup,
     oom_kill_count,
+    read_facts,
     sigkill_cause,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 _ADVICE = (
     "; use less memory per worker (a smaller batch, fewer workers_per_host) or ask for more "
@@ -131,3 +138,65 @@ def test_rule_a_count_unknown_on_either_side_says_nothing_of_its_own():
     assert sigkill_cause(cgroup_unknown_before, grown) == ""
     machine_unknown_after = MemoryFacts(cgroup="/j", cgroup_oom_kills=6)
     assert "its memory cgroup" in sigkill_cause(grown, machine_unknown_after)
+
+
+def test_rule_the_cause_names_the_cgroup_the_worker_was_killed_in():
+    before = MemoryFacts(cgroup="/old", cgroup_oom_kills=0)
+    after = MemoryFacts(cgroup="/job/step", cgroup_oom_kills=1)
+    assert "its memory cgroup (/job/step) counted an OOM kill" in sigkill_cause(before, after)
+
+
+def _machine(root: Path, cgroup: str, files: dict[str, str]) -> Path:
+    """A made-up ``/proc`` under ``root``: a v2 and a v1 memory mount, ``cgroup``, ``files``."""
+    proc = root / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "vmstat").write_text("pgfault 10\noom_kill 3\n")
+    (proc / "self" / "cgroup").write_text(cgroup)
+    (proc / "self" / "mountinfo").write_text(
+        f"30 1 0:26 / {root / 'v2'} rw - cgroup2 cgroup2 rw\n"
+        f"31 1 0:27 / {root / 'v1'} rw - cgroup cgroup rw,memory\n"
+    )
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return proc
+
+
+def test_rule_a_v2_cgroups_facts_are_read_under_the_v2_mount(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    files = {
+        "v2/job/step/memory.events": "low 0\noom 2\noom_kill 1\n",
+        "v2/job/step/memory.max": "4294967296\n",
+        "v2/job/step/memory.peak": "1073741824\n",
+        "v1/job/step/memory.oom_control": "oom_kill 9\n",  # the other mount: never read
+    }
+    monkeypatch.setattr(memory, "_PROC", _machine(tmp_path, "0::/job/step\n", files))
+    assert read_facts() == MemoryFacts(
+        oom_kills=3, cgroup="/job/step", cgroup_oom_kills=1, limit=4 << 30, peak=1 << 30
+    )
+
+
+def test_rule_a_v1_cgroups_facts_are_its_oom_control_limit_and_highest_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    files = {
+        "v1/slurm/job/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n",
+        "v1/slurm/job/memory.limit_in_bytes": "9223372036854771712\n",  # no limit
+        "v1/slurm/job/memory.max_usage_in_bytes": "2097152\n",
+        "v1/slurm/job/memory.usage_in_bytes": "1024\n",  # the use now: not the highest
+        "v2/slurm/job/memory.events": "oom_kill 7\n",  # the v2 mount: not this cgroup's
+    }
+    proc = _machine(tmp_path, "0::/\n4:memory:/slurm/job\n", files)
+    monkeypatch.setattr(memory, "_PROC", proc)
+    assert read_facts() == MemoryFacts(
+        oom_kills=3, cgroup="/slurm/job", cgroup_oom_kills=2, limit=None, peak=2 << 20
+    )
+
+
+def test_rule_a_cgroup_file_without_an_oom_kill_line_leaves_the_count_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    files = {"v2/j/memory.events": "low 0\nhigh 0\n", "v2/j/memory.max": "max\n"}
+    monkeypatch.setattr(memory, "_PROC", _machine(tmp_path, "0::/j\n", files))
+    assert read_facts() == MemoryFacts(oom_kills=3, cgroup="/j")

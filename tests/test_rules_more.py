@@ -1899,6 +1899,44 @@ def test_rule_a_hostfiles_errors_name_its_path(tmp_path):
         hostlists.read_hostfile(tmp_path)  # a folder
 
 
+def test_rule_a_host_listed_with_and_without_slots_has_its_workers_counted_by_its_agent():
+    assert hostlists.parse_hostfile("a slots=2\nb slots=1\na\nb slots=3\n") == [
+        HostSlots("a", None),
+        HostSlots("b", 4),
+    ]
+    assert hostlists.parse_hostfile("a\na slots=2\n") == [HostSlots("a", None)]
+
+
+@pytest.mark.parametrize("slots", ["0", "00", "-1", "", "2.5"])
+def test_rule_a_hostfiles_slots_are_a_positive_integer(slots):
+    message = f"<hostfile>, line 2: slots must be a positive integer, got {slots!r}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hostlists.parse_hostfile(f"a slots=1\nb slots={slots}\n")
+    assert hostlists.parse_hostfile("a slots=01") == [HostSlots("a", 1)]
+
+
+def test_rule_three_brackets_expand_in_slurms_order_last_fastest_then_the_first():
+    assert hostlists.expand_nodelist("a[1-2]b[1-2]c[1-2]") == [
+        *("a1b1c1", "a1b1c2", "a2b1c1", "a2b1c2"),
+        *("a1b2c1", "a1b2c2", "a2b2c1", "a2b2c2"),
+    ]
+    assert hostlists.expand_nodelist("r[1-2]-n[01-02]") == ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]
+
+
+def test_rule_per_node_counts_for_more_nodes_than_the_allocation_are_refused(no_scontrol):
+    message = "SLURM_TASKS_PER_NODE='2(x4)' describes 4 nodes but the allocation has 3"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hostlists.slurm_allocation({**ALLOCATION, "SLURM_TASKS_PER_NODE": "2(x4)"})
+
+
+@pytest.mark.parametrize("name", ["...", "...."])
+def test_rule_a_name_of_dots_only_is_no_host_name(name):
+    message = f"hostnames contains an invalid host name {name!r}: it is not a host name"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hosts.check_hostname(name)
+    hosts.check_hostname(f"{name}a")  # dots and a letter: a name (an alias, say)
+
+
 # -- host names (the checks of torchrunx/launcher/settings/resolve.py) ---------------------------------------
 
 

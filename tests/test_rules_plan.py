@@ -324,3 +324,39 @@ def test_rule_the_options_help_lists_them_by_group():
     assert "by group: hosts: hostnames, workers-per-host, agent-start, spare-hosts" in text
     assert "observability: stall-timeout, on-stall, straggler-threshold" in text
     assert "log-handlers" not in text  # no option, so not listed
+
+
+# -- the tree start's checks (tree_radix) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("radix", [0, -1, True, False, 2.0, "2"])
+def test_rule_a_tree_radix_is_none_or_a_positive_integer_and_never_a_bool(radix: object):
+    with pytest.raises(ValueError, match=rf"^tree_radix={re.escape(repr(radix))}: expected None"):
+        plan.check_tree_radix(radix)
+
+
+@pytest.mark.parametrize("radix", [None, 1, 2, 64])
+def test_rule_a_tree_radix_of_none_or_from_1_is_taken(radix: int | None):
+    plan.check_tree_radix(radix)
+
+
+def test_rule_a_tree_of_depth_2_holds_radix_plus_radix_squared_hosts_spares_left_out():
+    plan.check_tree(2, ["ssh"] * 6, 0)  # 2 started by the launcher, 4 by them: full
+    plan.check_tree(1, ["ssh"] * 2, 0)
+    with pytest.raises(ValueError, match=r"^tree_radix=2: 7 hosts need a tree of depth 3 or"):
+        plan.check_tree(2, ["ssh"] * 7, 0)
+    plan.check_tree(2, ["ssh"] * 9, 3)  # the spares are started by the launcher itself
+    with pytest.raises(ValueError, match=r"at most 6 hosts\); give a larger radix$"):
+        plan.check_tree(2, ["ssh"] * 9, 2)
+    plan.check_tree(None, ["local", "ray"] * 9, 0)  # no tree: nothing to check
+
+
+def test_rule_a_tree_starts_every_host_over_ssh_this_machine_included():
+    with pytest.raises(ValueError, match=r"^tree_radix=2: every host") as raised:
+        plan.check_tree(2, ["local", "ssh", "ssh"], 0)
+    assert str(raised.value) == (
+        "tree_radix=2: every host must be started over SSH (agent_start='ssh'), got "
+        "['local', 'ssh']; launch without tree_radix"
+    )
+    with pytest.raises(ValueError, match=r"got \['srun', 'ssh'\]"):
+        plan.check_tree(2, ["ssh", "srun"], 0)

@@ -515,7 +515,7 @@ def judge(  # noqa: PLR0913 (what one host's check found)
         f"torchrunx {report.torchrunx}",
         f"torch {report.torch}" if report.torch else "no torch",
         f"{report.gpus} GPU{'s' * (report.gpus != 1)}" if report.gpus else "no GPU",
-        f"{report.cpus} CPUs",
+        f"{report.cpus} CPU{'s' * (report.cpus != 1)}",
     ]
     return HostCheck(index, hostname, method, report, tuple(problems), tuple(facts), seconds)
 
