@@ -7,12 +7,22 @@ the launcher's side of the comparison is a :class:`Local`. No process, no socket
 from __future__ import annotations
 
 import json
+import selectors
+import socket
 import sys
+import threading
+import time
+from typing import TYPE_CHECKING
 
 import pytest
 
+from torchrunx.agent import probe
 from torchrunx.agent.probe import ProbeReport, ProbeRequest
+from torchrunx.launcher import preflight
 from torchrunx.launcher.preflight import Local, format_checks, judge
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 LOCAL = Local(
     python_version="3.11.7",
@@ -456,3 +466,97 @@ def test_rule_a_request_line_of_an_older_launcher_without_package_root_is_read()
     )
     older = {k: v for k, v in json.loads(request.to_json_line()).items() if k != "package_root"}
     assert ProbeRequest.from_json(json.dumps(older).encode()) == request
+
+
+# -- the two ports a check listens on: a connection dropped for a new one in the same turn ---
+
+
+class _ListenerFirst(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """A real selector whose turns hand out the listening socket's event first (an order epoll
+    may give), and that runs ``before_second`` as its second turn begins."""
+
+    listener: socket.socket | None = None
+    before_second: Callable[[], None] = staticmethod(lambda: None)
+    turns = 0
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        type(self).turns += 1
+        if type(self).turns == 2:
+            type(self).before_second()
+        events = super().select(timeout)
+        return sorted(events, key=lambda event: event[0].fileobj is not type(self).listener)
+
+
+def _connect(port: int, data: bytes = b"") -> socket.socket:
+    """A loopback connection, in the listener's queue when this returns; ``data`` sent on it."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(data)
+    return sock
+
+
+def _flood_in_the_second_turn(
+    monkeypatch: pytest.MonkeyPatch, listener: socket.socket, first: socket.socket, line: bytes
+) -> list[socket.socket]:
+    """As the second turn begins: ``first`` says half a line, then a stranger and a prober
+    (who says ``line``) connect; the connections made, to be closed by the caller."""
+    made: list[socket.socket] = []
+    port = listener.getsockname()[1]
+
+    def flood() -> None:
+        first.sendall(b"ha")
+        made.extend([_connect(port), _connect(port, line)])
+
+    monkeypatch.setattr(_ListenerFirst, "listener", listener)
+    monkeypatch.setattr(_ListenerFirst, "turns", 0)
+    monkeypatch.setattr(_ListenerFirst, "before_second", staticmethod(flood))
+    return made
+
+
+def test_rule_host_0_skips_a_peer_dropped_for_a_new_one_earlier_in_the_same_turn(monkeypatch):
+    """Host 0's port at its cap of unread connections: in the turn where the oldest has bytes,
+    the listener's event comes first and a new connection drops the oldest; the oldest's own
+    event in that turn is then skipped, and the prober's line is heard."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setattr(probe, "_PEERS_AT_ONCE", 2)
+    monkeypatch.setattr(probe.selectors, "DefaultSelector", _ListenerFirst)
+    port = listener.getsockname()[1]
+    first = [_connect(port), _connect(port)]  # accepted in the first turn: the cap
+    made = _flood_in_the_second_turn(monkeypatch, listener, first[0], b"t\n")
+    try:
+        said = probe._await_peers(listener, "t", 1, time.monotonic() + 10, None)
+    finally:
+        for sock in [*first, *made, listener]:
+            sock.close()
+    assert said == "ok"
+    assert _ListenerFirst.turns >= 3  # the flood came between turns, as meant
+
+
+def test_rule_the_launchers_port_skips_a_probe_dropped_for_a_new_one_in_the_same_turn(
+    monkeypatch,
+):
+    """The launcher's port (``torchrunx check``) at its cap, as on host 0's: the dropped
+    connection's event is skipped and the probe's line after it is heard."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setattr(preflight, "_PENDING", 2)
+    monkeypatch.setattr(preflight.selectors, "DefaultSelector", _ListenerFirst)
+    check = object.__new__(preflight._Check)
+    check.sock, check.token, check.agents = listener, "t", [None]
+    check.deadline, check.stopping = time.monotonic() + 10, threading.Event()
+    check.lock, check.heard, check.master_known = threading.Lock(), {}, threading.Event()
+    check.others_done, check.host0_conn = True, None
+    port = listener.getsockname()[1]
+    first = [_connect(port), _connect(port)]
+    made = _flood_in_the_second_turn(monkeypatch, listener, first[0], b"t 0 29500\n")
+    acceptor = threading.Thread(target=check._accept, daemon=True)
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    acceptor.start()
+    try:
+        assert check.master_known.wait(10), f"the probe's line was not heard: {errors}"
+    finally:
+        check.stopping.set()
+        acceptor.join(10)
+        for sock in [*first, *made, listener]:
+            sock.close()
+    assert check.master_port == 29500
+    assert errors == []

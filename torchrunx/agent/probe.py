@@ -331,9 +331,12 @@ def _read_peer(
     """Read what ``conn`` sent; 1 when its whole line is this check's token, else 0.
 
     A connection whose line is whole (or too long, or that ended) is closed: the host that sent
-    it waits for that close, so it knows its line was read.
+    it waits for that close, so it knows its line was read. One forgotten earlier in the same
+    turn (dropped for a newer one: the listener's event came first) is skipped.
     """
-    peer = pending[conn]
+    peer = pending.get(conn)
+    if peer is None:  # forgotten for a newer connection earlier in this turn: closed
+        return 0
     try:
         chunk = conn.recv(_LINE_LIMIT - len(peer.data))
     except (BlockingIOError, InterruptedError):

@@ -296,7 +296,9 @@ class _Check:
         pending: dict[socket.socket, _Pending],
         conn: socket.socket,
     ) -> None:
-        entry = pending[conn]
+        entry = pending.get(conn)
+        if entry is None:  # dropped for a newer connection earlier in this turn: closed
+            return
         try:
             chunk = conn.recv(_LINE_LIMIT - len(entry.data))
         except (BlockingIOError, InterruptedError):
