@@ -280,9 +280,7 @@ class _Check:
         while True:
             try:
                 conn, peer = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # out of descriptors: the next turn tries again
+            except OSError:  # none waiting, or out of descriptors: the next turn tries again
                 return
             if len(pending) >= _PENDING:
                 _drop(selector, pending, next(iter(pending)))  # the oldest
