@@ -431,9 +431,16 @@ result = trx.Launcher(
 print("hosts", list(result.hostnames))
 print("ranks", result.ranks)
 print("changes", list(result.world_changes))
-out = subprocess.run(["squeue", "-h", "-s", "-j", sys.argv[1], "-o", "%j"],
-                     capture_output=True, text=True, check=True).stdout
-print("steps", sorted(out.split()))
+def steps():
+    out = subprocess.run(["squeue", "-h", "-s", "-j", sys.argv[1], "-o", "%j"],
+                         capture_output=True, text=True, check=True).stdout
+    return sorted(out.split())
+# The spare's srun has exited when the launch returns; slurmctld drops its step once slurmd
+# tells it, a moment later (under load, after a first look: a suite run's failure).
+deadline = time.monotonic() + 10
+while (left := steps()) != ["batch"] and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("steps", left)
 """
 
 
