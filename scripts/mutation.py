@@ -412,6 +412,7 @@ IMPURE = (
     "tests/test_hosts.py::test_slurm_allocation_from_the_environment",
     "tests/test_hosts.py::test_resolve_hosts_inside_an_allocation",
     "tests/test_hosts.py::test_count_local_gpus_with_nvidia_smi",
+    "tests/test_hosts.py::test_a_failing_nvidia_smi_counts_no_gpu",
     "tests/test_hosts.py::test_a_host_name_with_shell_syntax_never_reaches_a_shell",
     "tests/test_compat.py::test_launch_like_0_4_log_folder_events_beside_it_and_local_environment",
     "tests/test_compat.py::test_gpu_and_cpu_launches",

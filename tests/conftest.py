@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pure_guard
 import pytest
 from cluster import cluster_unavailable_reason, start_cluster, xdist_worker
 from slurm_cluster import DAEMONS, slurm_processes, slurm_unavailable_reason, start_slurm_cluster
@@ -481,6 +482,15 @@ def listening_addresses(port: int | None, pid: int | None = None) -> set[str]:
             raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
             found.add(socket.inet_ntop(family, raw))
     return found
+
+
+@pytest.fixture(autouse=True)
+def pure_tests_start_no_process(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test that guards a module in scripts/mutation.py may start no process (as there)."""
+    if pure_guard.is_guarded(request.node):
+        pure_guard.forbid_processes(monkeypatch)
 
 
 @pytest.fixture(autouse=True)

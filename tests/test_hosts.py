@@ -132,8 +132,12 @@ def test_resolve_hosts_inside_an_allocation(monkeypatch):
 
 
 def test_inside_an_allocation_a_hostfiles_slots_and_gpu_or_cpu_counts_come_before_slurms(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
+    # Pure (it guards resolve.py in scripts/mutation.py): our parser, never scontrol.
+    monkeypatch.setattr(
+        hostlists, "_expand_hostnames", lambda n: tuple(hostlists.expand_nodelist(n))
+    )
     environ = {"SLURM_JOBID": "7", "SLURM_NODELIST": "gpu-[1-2]", "SLURM_TASKS_PER_NODE": "3,1"}
     hostfile = tmp_path / "hosts"
     hostfile.write_text("gpu-1 slots=2\ngpu-2\n")

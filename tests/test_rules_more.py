@@ -25,10 +25,12 @@ import collections
 import hashlib
 import hmac
 import logging
+import os
 import pickle
 import re
 import select
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -3052,3 +3054,12 @@ def test_rule_a_tree_child_lost_with_its_interior_host_is_named_by_its_own_hostn
     assert error.hostname == "node3" and why in str(error)
     assert _lost_in_tree(SimpleNamespace(lost=""), "node3") is None  # it ended on its own
     assert _lost_in_tree(object(), "node3") is None  # not a tree's child
+
+
+def test_rule_a_test_that_guards_a_module_cannot_start_a_process():
+    # This file guards modules in scripts/mutation.py: here, as in the mutation run, starting
+    # a process fails the test (tests/pure_guard.py), so that no such test guards unnoticed.
+    for start in (lambda: subprocess.run(["true"], check=False), lambda: os.system("true")):  # noqa: S605
+        with pytest.raises(BaseException, match="process") as raised:
+            start()
+        assert not isinstance(raised.value, OSError)  # not a failed start the code may go past
