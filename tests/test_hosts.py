@@ -9,8 +9,11 @@ import dataclasses
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -498,3 +501,55 @@ def test_device_env():
     assert device_env(base, local_rank=0, local_world_size=8, gpus=0, cpus=2) == {
         "OMP_NUM_THREADS": "1"
     }
+
+
+def _fake_resolver(monkeypatch, answer):
+    """``getaddrinfo`` for made-up names: ``answer(name)`` gives an address or raises."""
+    looked: list[str] = []
+    real = socket.getaddrinfo
+
+    def getaddrinfo(name, port, *args, **kwargs):
+        if not str(name).startswith("n-"):
+            return real(name, port, *args, **kwargs)  # this machine's own names
+        looked.append(name)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (answer(name), 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return looked
+
+
+def test_a_plans_host_names_are_looked_up_each_once_and_at_the_same_time(monkeypatch):
+    together = threading.Barrier(4, timeout=10)  # one after the other, the first never returns
+
+    def answer(name):
+        if name != "n-alias":
+            together.wait()
+        return "127.0.0.9" if name == "n-alias" else "192.0.2.7"  # loopback; TEST-NET-1
+
+    looked = _fake_resolver(monkeypatch, answer)
+    names = ["n-1", "n-2", "n-1", "localhost", "n-3", "n-alias", "192.0.2.1", "n-4", "::1"]
+    assert hosts.local_hosts(names) == [False, False, False, True, False, True, False, False, True]
+    assert sorted(looked) == ["n-1", "n-2", "n-3", "n-4", "n-alias"]  # each once; localhost none
+    assert hosts.local_hosts(["n-alias"]) == [True]  # one name: looked up here, no thread
+    assert hosts.local_hosts([]) == []
+
+
+def test_a_lookup_that_raises_ends_the_lookups_not_begun(monkeypatch):
+    monkeypatch.setattr(hosts, "RESOLVE_AT_ONCE", 1)
+    released = threading.Event()
+
+    def answer(name):
+        if name == "n-0":
+            raise KeyboardInterrupt  # as Ctrl-C would, in the middle of the lookups
+        released.wait(10)  # the next lookup is under way while the error is raised
+        return "192.0.2.7"
+
+    looked = _fake_resolver(monkeypatch, answer)
+    with pytest.raises(KeyboardInterrupt):
+        hosts.local_hosts([f"n-{i}" for i in range(50)])
+    released.set()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("torchrunx-resolve") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a lookup thread did not end"
+        time.sleep(0.01)
+    assert looked in (["n-0"], ["n-0", "n-1"])  # the 48 or 49 others never began

@@ -2340,6 +2340,16 @@ def test_rule_workers_per_host_words_and_counts_are_accepted(workers):
     hosts.check_workers(workers, ["a", "b"])
 
 
+@pytest.mark.parametrize("workers", [0, -2, True, 1.0, "2", [1, 0], (2, False), None])
+def test_rule_workers_per_host_is_positive_ints_or_a_word(workers):
+    message = (
+        "workers_per_host must be positive integers (one, or one per host), 'auto', 'slurm', "
+        f"'gpu' or 'cpu', got {workers!r}"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        hosts.check_workers(workers, ["a", "b"])
+
+
 def test_rule_one_count_per_host_or_one_for_all():
     message = (
         "workers_per_host has 3 entries but hostnames has 2; give one count per host or a single "

@@ -3,7 +3,7 @@ and of the environment the plan reads once (``Launcher.plan(environ=...)``).
 
 The facts that ``start_methods`` reads from the machine are given here: the SLURM variables
 (through the environment), whether ``srun`` is installed (``shutil.which``) and which names are
-this machine (``is_local_host``). No process starts and no name is resolved.
+this machine (``local_hosts``). No process starts and no name is resolved.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def machine(monkeypatch: pytest.MonkeyPatch):
     """This machine: ``localhost`` is it, every other name is remote; no SLURM job, no srun."""
     for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(plan, "is_local_host", lambda host: host == HERE)
+    monkeypatch.setattr(plan, "local_hosts", lambda hosts: [host == HERE for host in hosts])
     installed: set[str] = set()
     monkeypatch.setattr(
         plan.shutil, "which", lambda name: f"/usr/bin/{name}" if name in installed else None

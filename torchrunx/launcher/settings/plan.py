@@ -23,7 +23,7 @@ from torchrunx.errors import SlurmError
 from torchrunx.launcher.settings.resolve import (
     HostsSource,
     in_slurm_allocation,
-    is_local_host,
+    local_hosts,
     slurm_allocation,
 )
 from torchrunx.wire.bootstrap import AgentTimings
@@ -359,7 +359,7 @@ def start_methods(
     name, sep, argument = spec.partition(":")
     if name not in ("auto", "ssh", "srun"):
         return [name] * len(hostnames), (argument if sep else None)
-    local = [is_local_host(host) for host in hostnames]
+    local = local_hosts(hostnames)
     remote = [host for host, here in zip(hostnames, local, strict=True) if not here]
     method: StartMethod = "ssh"
     if name == "srun":

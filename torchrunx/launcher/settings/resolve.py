@@ -23,6 +23,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -39,7 +41,7 @@ from torchrunx.hosts.hostlists import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
 __all__ = [
     "HostSlots",
@@ -55,6 +57,7 @@ __all__ = [
     "hostnames_source",
     "in_slurm_allocation",
     "is_local_host",
+    "local_hosts",
     "resolve_hosts",
     "slurm_allocation",
 ]
@@ -287,11 +290,29 @@ def count_local_slots(environ: Mapping[str, str] | None = None) -> int:
     return count_local_gpus(environ) or count_local_cpus()
 
 
-def _local_addresses() -> set[str]:
-    addresses: set[str] = set()
-    for name in {socket.gethostname(), socket.getfqdn()}:
-        addresses.update(_addresses_of(name))
-    return addresses
+RESOLVE_AT_ONCE = 32
+"""Host names looked up at once when a launch decides which hosts are this machine: a plan of
+1,024 hosts waits for the slowest lookups, not for the sum of them all."""
+
+
+class _ThisMachine:
+    """This machine's names, and (looked up once, on first need) the addresses they resolve to.
+
+    One per plan: each host name is compared with these, not with a new lookup of them.
+    """
+
+    def __init__(self) -> None:
+        self.names = _LOCAL_NAMES | {socket.gethostname(), socket.getfqdn()}
+        self._addresses: set[str] | None = None
+        self._lock = threading.Lock()
+
+    def addresses(self) -> set[str]:
+        with self._lock:  # hosts are looked up from several threads (local_hosts)
+            if self._addresses is None:
+                self._addresses = set()
+                for name in self.names - _LOCAL_NAMES:
+                    self._addresses.update(_addresses_of(name))
+            return self._addresses
 
 
 def _addresses_of(name: str) -> list[str]:
@@ -311,13 +332,8 @@ def _bindable(address: str) -> bool:
     return True
 
 
-def is_local_host(hostname: str) -> bool:
-    """Whether ``hostname`` names this machine (then no SSH is used).
-
-    True for ``localhost``, loopback addresses, this machine's own names, and any name that
-    resolves to an address bound on this machine.
-    """
-    if hostname in _LOCAL_NAMES or hostname in {socket.gethostname(), socket.getfqdn()}:
+def _is_local(hostname: str, here: _ThisMachine) -> bool:
+    if hostname in here.names:
         return True
     try:
         infos = socket.getaddrinfo(hostname, None, proto=socket.IPPROTO_TCP)
@@ -327,9 +343,56 @@ def is_local_host(hostname: str) -> bool:
         address = str(info[4][0])
         if ipaddress.ip_address(address.split("%", maxsplit=1)[0]).is_loopback:
             return True
-        if address in _local_addresses() or _bindable(address):
+        if address in here.addresses() or _bindable(address):
             return True
     return False
+
+
+def is_local_host(hostname: str) -> bool:
+    """Whether ``hostname`` names this machine (then no SSH is used).
+
+    True for ``localhost``, loopback addresses, this machine's own names, and any name that
+    resolves to an address bound on this machine.
+    """
+    return _is_local(hostname, _ThisMachine())
+
+
+def local_hosts(hostnames: Sequence[str]) -> list[bool]:
+    """:func:`is_local_host` for each of ``hostnames``, in order.
+
+    Each distinct name is looked up once, up to :data:`RESOLVE_AT_ONCE` at a time (a name
+    lookup waits on the resolver: one after the other, 1,024 hosts at 1 ms each would be a
+    second before anything starts; an address needs no lookup and no thread), and this
+    machine's own names and addresses once in all.
+    An exception (Ctrl-C) ends the lookups not yet begun; those under way end by themselves.
+    """
+    here = _ThisMachine()
+    answers: dict[str, bool] = {}
+    names: list[str] = []  # what a resolver answers; an address needs none (no thread for it)
+    for name in dict.fromkeys(hostnames):
+        if _is_address(name) or name in here.names:
+            answers[name] = _is_local(name, here)
+        else:
+            names.append(name)
+    if len(names) == 1:
+        answers[names[0]] = _is_local(names[0], here)
+    elif names:
+        pool = ThreadPoolExecutor(
+            min(RESOLVE_AT_ONCE, len(names)), thread_name_prefix="torchrunx-resolve"
+        )
+        try:
+            answers.update(zip(names, pool.map(lambda n: _is_local(n, here), names), strict=True))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+    return [answers[name] for name in hostnames]
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.split("%", maxsplit=1)[0])
+    except ValueError:
+        return False
+    return True
 
 
 def check_workers(workers: object, hostnames: object) -> None:
