@@ -530,6 +530,7 @@ def test_a_plans_host_names_are_looked_up_each_once_and_at_the_same_time(monkeyp
     names = ["n-1", "n-2", "n-1", "localhost", "n-3", "n-alias", "192.0.2.1", "n-4", "::1"]
     assert hosts.local_hosts(names) == [False, False, False, True, False, True, False, False, True]
     assert sorted(looked) == ["n-1", "n-2", "n-3", "n-4", "n-alias"]  # each once; localhost none
+    assert not [t for t in threading.enumerate() if t.name.startswith("torchrunx-resolve")]
     assert hosts.local_hosts(["n-alias"]) == [True]  # one name: looked up here, no thread
     assert hosts.local_hosts([]) == []
 

@@ -382,8 +382,10 @@ def local_hosts(hostnames: Sequence[str]) -> list[bool]:
         )
         try:
             answers.update(zip(names, pool.map(lambda n: _is_local(n, here), names), strict=True))
-        finally:
+        except BaseException:  # a lookup under way may hold its thread a while: not waited for
             pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()  # every lookup is done: its threads end now, none is left running
     return [answers[name] for name in hostnames]
 
 
