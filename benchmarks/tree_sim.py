@@ -22,7 +22,9 @@ the launcher directly, as in a flat start, so neither the launcher's SSH session
 interior hosts nor their relays carry the children's connections (in a real tree every byte of
 a child passes through its interior host's relay and the launcher's SSH session to it: that CPU
 is not in the figures here; ``tree.py`` measures it on real hosts). Nor does the launcher's own
-SSH start of its interior hosts (paramiko) run here: ``--first`` stands for it.
+SSH start of its interior hosts (paramiko) run here: ``--first`` stands for it. Nor the launch's
+plan, made before the clock starts: a real call first looks every host name up
+(``local_hosts``, up to 32 at a time), which costs what the cluster's resolver costs.
 
 Prints the call to every rank's function start (the launcher's last worker ``HEALTHY`` event),
 the call to the result, the launcher's CPU time, and beside them the model's prediction if
