@@ -848,6 +848,16 @@ def test_rule_an_agents_connection_cut_fails_it_with_its_stderr():
     assert inbox.state.agents[0].state is AgentState.RUNNING
 
 
+def test_rule_an_agents_connection_cut_ends_its_own_workers_channels_and_no_others():
+    inbox, _, peers, _ = with_workers()  # 2 hosts x 2 workers: ranks 0, 1 on host 0; 2, 3 on 1
+    kept = {key: inbox.channels[key] for key in ((0, 0), (0, 1))}
+    ended = [inbox.channels[(1, 0)], inbox.channels[(1, 1)]]
+    inbox.apply(PeerClosed(peers[1]))  # type: ignore[arg-type]
+    assert inbox.channels == kept  # host 1's channels are gone, host 0's stay open
+    assert all(channel.closed for channel in ended)  # nothing more is sent on them
+    assert [r.conn_closed for r in inbox.state.ranks] == [False, False, True, True]
+
+
 def test_rule_an_agents_connection_cut_after_its_process_ended_names_how_it_ended():
     # The agent's process (the guardian the launcher started) ended before the connection's
     # end was seen, its exit not yet reported: the fault says how it ended.

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 import subprocess
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ import torchrunx as trx
 from torchrunx import serialization
 from torchrunx.errors import AgentFailedError, Preempted
 from torchrunx.events import AgentState
-from torchrunx.hosts import HostSlots
+from torchrunx.hosts import HostSlots, hostlists
 from torchrunx.launcher.launch.preempt import default_grace, end_preemption, slurm_kill_wait
 from torchrunx.launcher.state.records import AgentRecord, Phase
 from torchrunx.launcher.state.spares import Reshape, check_resilience, reshape, split_spares
@@ -631,8 +632,13 @@ def test_rule_a_spare_name_of_blanks_alone_is_refused():
 def test_rule_named_spares_refuse_workers_per_host_as_a_tuple_as_well_as_a_list():
     from torchrunx.launcher.state.spares import check_spare_names
 
+    message = (
+        "spare_hosts names hosts, but workers_per_host is a list (one count per host of "
+        "hostnames): give one count for every host, or make the spares the last hosts of "
+        "hostnames and set spare_hosts to their number"
+    )
     for counts in ([2, 2], (2, 2)):
-        with pytest.raises(ValueError, match="but workers_per_host is a list"):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             check_spare_names(("c",), counts, requeue=False)
 
 
@@ -688,3 +694,71 @@ def test_rule_with_a_grace_the_first_sigterm_preempts_and_the_second_stops_at_on
         assert reasons == ["the launcher received SIGTERM"]
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_rule_a_spare_name_that_is_no_host_name_is_refused_naming_spare_hosts():
+    from torchrunx.launcher.state.spares import check_spare_names
+
+    message = "spare_hosts contains an invalid host name '-c': a host name cannot start with '-'"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        check_spare_names(("-c",), 2, requeue=False)
+
+
+def test_rule_the_first_world_keeps_min_hosts_whether_spares_are_a_count_or_names():
+    from torchrunx.launcher.settings.resolve import HostsSource
+    from torchrunx.launcher.state.spares import world_and_spares
+
+    message = "min_hosts=2 is more than the 1 hosts that run (['a'])"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        world_and_spares(
+            ["a", "b"], 1, spare_hosts=1, min_hosts=2,
+            sources=(HostsSource(names=("a", "b")), None), environ={},
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"^min_hosts=2 is more than the 1 hosts that run"):
+        world_and_spares(
+            ["a"], 1, spare_hosts=("c",), min_hosts=2,
+            sources=(HostsSource(names=("a",)), HostsSource(names=("c",))), environ={},
+        )  # fmt: skip
+
+
+def test_rule_the_first_world_and_named_spares_read_slurm_from_the_plans_environment(
+    monkeypatch,
+):
+    from torchrunx.launcher.settings.resolve import HostsSource
+    from torchrunx.launcher.state.spares import world_and_spares
+
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(name, raising=False)  # this process: no allocation
+    monkeypatch.setattr(  # pure: our node-list parser, never scontrol
+        hostlists, "_expand_hostnames", lambda n: tuple(hostlists.expand_nodelist(n))
+    )
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "g[1-3]", "SLURM_TASKS_PER_NODE": "2(x3)"}
+    world, spares = world_and_spares(
+        "auto", "slurm", spare_hosts=1, min_hosts=None, sources=(HostsSource(), None), environ=job
+    )
+    assert [(h.hostname, h.workers) for h in world] == [("g1", 2), ("g2", 2)]
+    assert [(h.hostname, h.workers) for h in spares] == [("g3", 2)]
+    world, spares = world_and_spares(
+        ["g1"], "slurm", spare_hosts=("g3",), min_hosts=None,
+        sources=(HostsSource(names=("g1",)), HostsSource(names=("g3",))), environ=job,
+    )  # fmt: skip
+    assert [(h.hostname, h.workers) for h in world] == [("g1", 2)]
+    assert [(h.hostname, h.workers) for h in spares] == [("g3", 2)]
+
+
+def test_rule_the_plan_resolves_hosts_and_spares_as_their_checks_classified_them():
+    from torchrunx.launcher.settings.resolve import HostsSource
+    from torchrunx.launcher.state.spares import world_and_spares
+
+    # What the fields' checks found is what is resolved: the value is not classified again.
+    world, spares = world_and_spares(
+        ["x"], 1, spare_hosts=("y",), min_hosts=None,
+        sources=(HostsSource(names=("a", "b")), HostsSource(names=("c",))), environ={},
+    )  # fmt: skip
+    assert [h.hostname for h in world] == ["a", "b"]
+    assert [h.hostname for h in spares] == ["c"]
+    world, spares = world_and_spares(
+        ["x"], 1, spare_hosts=0, min_hosts=None,
+        sources=(HostsSource(names=("a", "b")), None), environ={},
+    )  # fmt: skip
+    assert [h.hostname for h in world] == ["a", "b"]
