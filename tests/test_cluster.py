@@ -19,6 +19,7 @@ from conftest import (
 )
 
 import torchrunx as trx
+from torchrunx.events import WorkerState, WorkerStateChanged
 
 pytestmark = pytest.mark.cluster
 
@@ -267,12 +268,23 @@ def test_no_secret_or_environment_value_on_any_command_line(cluster, monkeypatch
 
 @pytest.mark.parametrize("relay", ["off", "on"])
 def test_cut_link_is_noticed_within_agent_timeout(cluster, tmp_path, relay):
-    # The link is cut once the function runs on every host (not after a guessed delay).
+    # The link is cut once the launcher has heard that rank 1 runs (not after a guessed
+    # delay, nor when rank 1 runs: its agent's word of it may still be on the way, and until it
+    # comes the launcher waits start_timeout for that agent's workers, not agent_timeout).
     host = cluster.hosts[1]
+    heard = tmp_path / "heard"
+
+    def on_event(event: object) -> None:
+        if isinstance(event, WorkerStateChanged) and (event.rank, event.new) == (
+            1,
+            WorkerState.HEALTHY,
+        ):
+            heard.touch()
+
     started = time.monotonic()
     try:
         with (
-            when_file_appears(tmp_path / "1", lambda: cluster.cut_link(host)),
+            when_file_appears(heard, lambda: cluster.cut_link(host)),
             pytest.raises(trx.AgentFailedError, match="no heartbeat for") as info,
         ):
             trx.launch(
@@ -284,6 +296,7 @@ def test_cut_link_is_noticed_within_agent_timeout(cluster, tmp_path, relay):
                 ssh_config_file=cluster.ssh_config,
                 agent_timeout=2,
                 relay=relay,
+                event_handlers=[on_event],
             )
         assert info.value.hostname == host.name
         assert time.monotonic() - started < 25
