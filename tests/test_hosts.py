@@ -536,7 +536,7 @@ def test_a_plans_host_names_are_looked_up_each_once_and_at_the_same_time(monkeyp
 
 
 def test_a_lookup_that_raises_ends_the_lookups_not_begun(monkeypatch):
-    monkeypatch.setattr(hosts, "RESOLVE_AT_ONCE", 1)
+    monkeypatch.setattr(hosts, "LOOKUPS_AT_ONCE", 1)
     released = threading.Event()
 
     def answer(name):

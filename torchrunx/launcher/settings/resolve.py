@@ -290,7 +290,7 @@ def count_local_slots(environ: Mapping[str, str] | None = None) -> int:
     return count_local_gpus(environ) or count_local_cpus()
 
 
-RESOLVE_AT_ONCE = 32
+LOOKUPS_AT_ONCE = 32
 """Host names looked up at once when a launch decides which hosts are this machine: a plan of
 1,024 hosts waits for the slowest lookups, not for the sum of them all."""
 
@@ -360,7 +360,7 @@ def is_local_host(hostname: str) -> bool:
 def local_hosts(hostnames: Sequence[str]) -> list[bool]:
     """:func:`is_local_host` for each of ``hostnames``, in order.
 
-    Each distinct name is looked up once, up to :data:`RESOLVE_AT_ONCE` at a time (a name
+    Each distinct name is looked up once, up to :data:`LOOKUPS_AT_ONCE` at a time (a name
     lookup waits on the resolver: one after the other, 1,024 hosts at 1 ms each would be a
     second before anything starts; an address needs no lookup and no thread), and this
     machine's own names and addresses once in all.
@@ -374,11 +374,11 @@ def local_hosts(hostnames: Sequence[str]) -> list[bool]:
             answers[name] = _is_local(name, here)
         else:
             names.append(name)
-    if len(names) == 1:
-        answers[names[0]] = _is_local(names[0], here)
-    elif names:
+    if len(names) < 2:  # no thread for one name
+        answers.update((name, _is_local(name, here)) for name in names)
+    else:
         pool = ThreadPoolExecutor(
-            min(RESOLVE_AT_ONCE, len(names)), thread_name_prefix="torchrunx-resolve"
+            min(LOOKUPS_AT_ONCE, len(names)), thread_name_prefix="torchrunx-resolve"
         )
         try:
             answers.update(zip(names, pool.map(lambda n: _is_local(n, here), names), strict=True))
