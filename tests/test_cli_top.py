@@ -629,3 +629,34 @@ def test_an_idle_view_socket_costs_no_wakeups_and_closes_at_once(tmp_path):
     assert not thread.is_alive()
     assert time.monotonic() - started < 1.0
     assert not server.path.exists()
+
+
+@pytest.mark.parametrize("extra", [0, 1, 60])
+def test_a_view_in_a_runtime_folder_too_deep_for_a_socket_address_is_served_and_found(
+    tmp_path, extra
+):
+    """A socket's address holds 107 bytes. CI's temporary folder once made the final name
+    ``PID-TOKEN.sock`` 108 bytes long (the ``.new`` it was bound as, 107): the launch had no view
+    that anyone could reach. The name's length is set here to the limit, one over, and far over."""
+    from torchrunx.commands.top import find_views, snapshots
+    from torchrunx.launcher.view.view_server import UNIX_PATH_BYTES, ViewServer
+
+    final = len(f"{os.getpid()}-00000000.sock")
+    depth = UNIX_PATH_BYTES + extra - len(str(tmp_path)) - len("/torchrunx/") - final - 1
+    runtime = tmp_path / ("r" * max(depth, 1))
+    runtime.mkdir(mode=0o700)
+    server = ViewServer(
+        lambda: {"report": {"state": "running"}},
+        {"pid": os.getpid()},
+        runtime={"XDG_RUNTIME_DIR": str(runtime)},
+    )
+    server.start()
+    try:
+        assert server.path is not None
+        assert len(os.fsencode(server.path)) == UNIX_PATH_BYTES + extra
+        assert find_views(server.path.parent) == [server.path]
+        first = next(snapshots(server.path))
+        assert first["pid"] == os.getpid() and first["report"] == {"state": "running"}
+    finally:
+        server.close()
+    assert list(server.path.parent.iterdir()) == []

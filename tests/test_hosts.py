@@ -535,6 +535,33 @@ def test_a_plans_host_names_are_looked_up_each_once_and_at_the_same_time(monkeyp
     assert hosts.local_hosts([]) == []
 
 
+def test_a_plan_on_this_machines_own_names_makes_no_lookup(monkeypatch):
+    """``localhost``, the kernel's host name and loopback addresses need no resolver; the
+    fully qualified name (a reverse lookup: seconds each on a slow resolver, as on CI) is looked
+    up once, and only when a host is not one of those."""
+    fqdn_calls: list[None] = []
+
+    def getfqdn(name: str = "") -> str:
+        fqdn_calls.append(None)
+        return "here.example"
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError(f"looked up {args[0]!r}")
+
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getfqdn", getfqdn)
+    monkeypatch.setattr(socket, "gethostbyaddr", no_lookup)
+    monkeypatch.setattr(socket, "getaddrinfo", no_lookup)
+    own = ["localhost", socket.gethostname(), "127.0.0.1", "::1"]
+    assert hosts.local_hosts(own) == [True, True, True, True]
+    assert hosts.is_local_host("localhost")
+    assert fqdn_calls == []
+    monkeypatch.setattr(socket, "getaddrinfo", real)  # made-up names from here on
+    looked = _fake_resolver(monkeypatch, lambda _name: "192.0.2.7")
+    assert hosts.local_hosts(["here.example", "n-1", "n-2"]) == [True, False, False]
+    assert len(fqdn_calls) == 1 and sorted(looked) == ["n-1", "n-2"]  # the fqdn: not resolved
+
+
 def test_a_lookup_that_raises_ends_the_lookups_not_begun(monkeypatch):
     monkeypatch.setattr(hosts, "LOOKUPS_AT_ONCE", 1)
     released = threading.Event()

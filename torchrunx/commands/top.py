@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from torchrunx.launcher.view.view_server import runtime_dir
+from torchrunx.launcher.view.view_server import runtime_dir, unix_address
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -43,10 +43,12 @@ def find_views(folder: Path | None) -> list[Path]:
     if folder is None:
         return []
     found = []
-    for path in sorted(folder.glob("*.sock"), key=lambda p: p.stat().st_mtime):
+    for path in sorted(folder.glob("*.sock"), key=_age):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(CONNECT_TIMEOUT_S)  # a launch too busy to accept is skipped, not waited
         try:
-            probe.connect(str(path))
+            with unix_address(path) as address:
+                probe.connect(address)
         except ConnectionRefusedError:
             path.unlink(missing_ok=True)
             continue
@@ -58,11 +60,23 @@ def find_views(folder: Path | None) -> list[Path]:
     return found
 
 
+def _age(path: Path) -> float:
+    """When ``path`` was made (0 if it is gone: a launch that ended since the folder was listed).
+
+    A socket gone by then is skipped by the probe like any dead one.
+    """
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
 def snapshots(path: Path) -> Iterator[dict[str, Any]]:
     """The snapshots a launch's socket sends, until the launch ends (or stops answering)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(CONNECT_TIMEOUT_S)
-        sock.connect(str(path))
+        with unix_address(path) as address:
+            sock.connect(address)
         buffer = b""
         while True:
             try:
@@ -368,7 +382,8 @@ def _live(view: Path, ages: Ages, out: TextIO) -> int:
             Live(Text("connecting..."), console=console, auto_refresh=False) as live,
         ):
             sock.settimeout(CONNECT_TIMEOUT_S)
-            sock.connect(str(view))
+            with unix_address(view) as address:
+                sock.connect(address)
             buffer, ended = b"", False
             while not ended:
                 ready, _, _ = select.select(

@@ -299,18 +299,29 @@ class _ThisMachine:
     """This machine's names, and (looked up once, on first need) the addresses they resolve to.
 
     One per plan: each host name is compared with these, not with a new lookup of them.
+    ``names`` costs no lookup (``localhost`` and the kernel's host name); the fully qualified
+    name (a reverse lookup, seconds on a slow resolver) and the addresses are looked up only
+    when a host is none of those, once.
     """
 
     def __init__(self) -> None:
-        self.names = _LOCAL_NAMES | {socket.gethostname(), socket.getfqdn()}
+        self.names = _LOCAL_NAMES | {socket.gethostname()}
+        self._fqdn: str | None = None
         self._addresses: set[str] | None = None
         self._lock = threading.Lock()
 
-    def addresses(self) -> set[str]:
+    def fqdn(self) -> str:
         with self._lock:  # hosts are looked up from several threads (local_hosts)
+            if self._fqdn is None:
+                self._fqdn = socket.getfqdn()
+            return self._fqdn
+
+    def addresses(self) -> set[str]:
+        fqdn = self.fqdn()
+        with self._lock:
             if self._addresses is None:
                 self._addresses = set()
-                for name in self.names - _LOCAL_NAMES:
+                for name in (self.names | {fqdn}) - _LOCAL_NAMES:
                     self._addresses.update(_addresses_of(name))
             return self._addresses
 
@@ -333,7 +344,7 @@ def _bindable(address: str) -> bool:
 
 
 def _is_local(hostname: str, here: _ThisMachine) -> bool:
-    if hostname in here.names:
+    if hostname in here.names or (not _is_address(hostname) and hostname == here.fqdn()):
         return True
     try:
         infos = socket.getaddrinfo(hostname, None, proto=socket.IPPROTO_TCP)

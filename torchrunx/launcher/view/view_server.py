@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Iterable, Iterator, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,10 @@ MAX_VIEWERS = 8
 """Connections served at once; one more is closed at once."""
 LAST_LINE_CHARS = 200
 """A source's last log line is cut to this many characters."""
+
+
+UNIX_PATH_BYTES = 107
+"""The longest path a Unix socket's address holds (108 bytes with its closing NUL)."""
 
 
 GROUP_ABOVE = 64
@@ -124,6 +128,25 @@ def runtime_dir(environ: Mapping[str, str] | None = None) -> Path | None:
     return folder
 
 
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """An address for the socket file ``path`` that a Unix socket can bind or connect to.
+
+    ``path`` itself when it fits (:data:`UNIX_PATH_BYTES`); else the same file reached through
+    an open handle on its folder (``/proc/self/fd/N/NAME``), valid until the block ends. A
+    runtime folder deep in a long path (``XDG_RUNTIME_DIR`` set by a job, a test's temporary
+    folder) still gets its view, and ``torchrunx top`` still reaches it.
+    """
+    if len(os.fsencode(path)) <= UNIX_PATH_BYTES:
+        yield str(path)
+        return
+    folder = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{folder}/{path.name}"
+    finally:
+        os.close(folder)
+
+
 def prune_dead(folder: Path) -> list[Path]:
     """Remove the sockets of launchers that are gone (killed before they could); those removed.
 
@@ -189,11 +212,13 @@ class ViewServer:
         # Bound under another name, and given its own once it listens: a socket named
         # ``*.sock`` that refuses a connection is a dead launch's, which any ``torchrunx top``
         # (find_views) removes, and one bound but not yet listening refuses too. The name is
-        # no longer than the socket's (a Unix socket's path has at most 107 bytes).
+        # no longer than the socket's; a path too long for an address is bound through its
+        # folder (unix_address), and viewers reach it the same way.
         bound = path.with_suffix(".new")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(str(bound))
+            with unix_address(bound) as address:
+                sock.bind(address)
             bound.chmod(0o600)
             sock.listen(MAX_VIEWERS)
             bound.rename(path)
