@@ -2204,6 +2204,31 @@ def test_rule_an_ssh_config_file_must_exist_and_be_readable(tmp_path):
     )
 
 
+def test_rule_an_ssh_config_is_parsed_once_while_unchanged_and_again_once_changed(
+    tmp_path, monkeypatch
+):
+    import paramiko
+
+    from torchrunx.engines.ssh import read_ssh_config, resolve_ssh_target
+
+    config = tmp_path / "ssh_config"
+    config.write_text("Host a\n    Port 2201\n")
+    parsed: list[str] = []
+    real = paramiko.SSHConfig.from_path
+    monkeypatch.setattr(
+        paramiko.SSHConfig, "from_path", lambda path: parsed.append(path) or real(path)
+    )
+    assert [resolve_ssh_target("a", config, 5).port for _ in range(3)] == [2201] * 3
+    assert parsed == [str(config)]  # one parse for three hosts' lookups
+    config.write_text("Host a\n    Port 2202\n")  # the same size: its times tell the change
+    os.utime(config, ns=(0, 0))  # a second write may fall in the clock's same tick
+    assert resolve_ssh_target("a", config, 5).port == 2202
+    assert len(parsed) == 2
+    config.unlink()
+    with pytest.raises(ValueError, match="cannot read SSH config file"):
+        read_ssh_config(config)
+
+
 @pytest.mark.parametrize(
     "handlers", [[logging.Handler()], (logging.StreamHandler(),), [], None, "auto", list]
 )

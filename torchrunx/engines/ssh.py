@@ -8,6 +8,7 @@ how each host is reached (:func:`resolve_ssh_target`), ProxyJump and ProxyComman
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import os
 import socket
@@ -64,7 +65,12 @@ def _default_ssh_config() -> Path | None:
 
 
 def read_ssh_config(path: Path | None) -> paramiko.SSHConfig:
-    """Parse an SSH config file (an empty config for ``None``).
+    """Parse an SSH config file (an empty config for ``None``); the caller must not change it.
+
+    A file is parsed once while it stays the same (its inode, size, modification and change
+    times): a launch looks up each host it starts in the same file (a tree's interior hosts,
+    at once from the start threads), and a parse of a long file costs milliseconds. A changed
+    file is read again.
 
     Raises:
         ValueError: The file cannot be read or parsed.
@@ -74,9 +80,20 @@ def read_ssh_config(path: Path | None) -> paramiko.SSHConfig:
     if path is None:
         return paramiko.SSHConfig()
     try:
-        return paramiko.SSHConfig.from_path(str(path))
+        info = path.stat()
+        version = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        return _parsed_config(str(path), version)
     except (OSError, UnicodeDecodeError, paramiko.ConfigParseError) as exc:
         raise ValueError(f"cannot read SSH config file {str(path)!r}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_config(path: str, version: tuple[int, ...]) -> paramiko.SSHConfig:
+    """``path`` parsed (``version``: the file as it was seen, so a changed file is a new key)."""
+    import paramiko  # noqa: PLC0415
+
+    del version  # the cache's key only
+    return paramiko.SSHConfig.from_path(path)
 
 
 def resolve_ssh_target(
