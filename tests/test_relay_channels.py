@@ -105,6 +105,33 @@ def test_a_channel_the_launcher_closed_is_released_at_once_though_the_host_never
         _until(lambda: len(host.adopted) == 2)  # the relay goes on
 
 
+def test_channels_that_come_and_go_each_carry_their_own_bytes_as_descriptors_are_reused():
+    """The writing thread watches each pair from its opening to the launcher's end of it; a
+    new pair often gets the number of a descriptor just closed, and must not be taken for it."""
+    with _relayed() as (host, _):
+        before = _open_fds()
+        for number in range(1, 41):
+            host.send(OPEN, number, b"10.0.0.7\n10.0.0.1")
+            _until(lambda n=number: len(host.adopted) == n)
+            ours = host.adopted[-1]
+            ours.sendall(f"from the launcher on {number}".encode())
+            if number % 2:  # every other one stays open a while: several are watched at once
+                ours.close()
+                _until(lambda n=number: host.got(EOF, n))
+        for sock in host.adopted[1::2]:
+            sock.close()
+        _until(lambda: all(host.got(EOF, n) for n in range(1, 41)))
+        with host.lock:
+            data = [(n, d) for k, n, d in host.from_launcher if k == DATA]
+        assert sorted(data) == sorted(
+            (n, f"from the launcher on {n}".encode()) for n in range(1, 41)
+        )
+        host.adopted.clear()
+        for number in range(1, 41):  # the host ends its side too: every pair is released
+            host.send(EOF, number)
+        _until(lambda: _open_fds() == before)
+
+
 def test_out_of_descriptors_a_channel_is_refused_alone_and_the_others_go_on():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with _relayed() as (host, relay):

@@ -93,6 +93,8 @@ class LauncherRelay:
         self._initial = initial
         self._on_tree = on_tree
         self._pairs: dict[int, _Pair] = {}
+        self._fresh: list[int] = []
+        """Channels opened since the writing thread last looked: it watches them from then on."""
         self._refused: list[int] = []
         """Channels the launcher could not open: the writing thread tells the host (EOF)."""
         self.refused = 0
@@ -101,6 +103,8 @@ class LauncherRelay:
         self._stopped = False
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
+        self._poller = select.epoll()
+        """The writing thread's: the wake pipe and each pair the launcher may still write to."""
         self.out_read, self._out_write = os.pipe()
         """Read end of the agent's own stdout (OUT frames): the launch's loop reads it."""
         os.set_blocking(self.out_read, False)
@@ -215,6 +219,7 @@ class LauncherRelay:
             stopped = self._stopped
             if not stopped:
                 self._pairs[number] = _Pair(ours)
+                self._fresh.append(number)
         if stopped:  # after stop() closed every pair: this one would be left open
             ours.close()
             theirs.close()
@@ -235,28 +240,44 @@ class LauncherRelay:
             os.write(self._wake_write, b"\0")
 
     def _write_loop(self) -> None:
+        """Pass what the launcher writes on each pair to the host, as frames, until stopped.
+
+        One poller for the thread's life: a pair is watched from its opening (:attr:`_fresh`,
+        with a wake) to the launcher's end of it, so a turn costs what is ready, not what is
+        open (an interior host of a wide tree carries a channel per child).
+        """
+        poller = self._poller
+        watched: dict[int, tuple[int, _Pair]] = {}
         try:
+            poller.register(self._wake_read, select.EPOLLIN)
             while not self._stopped:
-                poller = select.poll()
-                poller.register(self._wake_read, select.POLLIN)
-                with self._lock:
-                    watched = {
-                        pair.sock.fileno(): (number, pair)
-                        for number, pair in self._pairs.items()
-                        if not pair.eof_to_host
-                    }
-                for fd in watched:
-                    poller.register(fd, select.POLLIN)
                 for fd, _events in poller.poll():
                     if fd == self._wake_read:
                         with contextlib.suppress(OSError):
                             os.read(self._wake_read, 4096)
                         self._send_refusals()
+                        self._watch_fresh(poller, watched)
                         continue
-                    number, pair = watched[fd]
-                    self._pass_on(number, pair)
+                    entry = watched.get(fd)
+                    if entry is None:
+                        continue
+                    number, pair = entry
+                    if not self._pass_on(number, pair, poller):  # the launcher's end of it
+                        del watched[fd]
         except OSError:
             pass  # the agent's stdin is closed: the agent is gone or stopping
+        finally:
+            poller.close()
+
+    def _watch_fresh(self, poller: select.epoll, watched: dict[int, tuple[int, _Pair]]) -> None:
+        with self._lock:
+            fresh, self._fresh = self._fresh, []
+            pairs = [(number, self._pairs.get(number)) for number in fresh]
+        for number, pair in pairs:
+            if pair is not None and not pair.eof_to_host:
+                fd = pair.sock.fileno()
+                poller.register(fd, select.EPOLLIN)
+                watched[fd] = (number, pair)
 
     def _send_refusals(self) -> None:
         """Tell the host to close each channel that could not be opened here."""
@@ -265,17 +286,24 @@ class LauncherRelay:
         for number in refused:
             self._send(EOF, number)
 
-    def _pass_on(self, number: int, pair: _Pair) -> None:
+    def _pass_on(self, number: int, pair: _Pair, poller: select.epoll) -> bool:
+        """Pass one read of the pair on; False at the launcher's end of it (then unwatched).
+
+        The pair leaves ``poller`` before it may be closed: its descriptor's number may be a
+        new pair's a moment later.
+        """
         try:
             data = pair.sock.recv(MAX_DATA)
         except OSError:
             data = b""
         if data:
             self._send(DATA, number, data)
-            return
+            return True
+        poller.unregister(pair.sock.fileno())
         pair.eof_to_host = True
         self._send(EOF, number)
         self._forget_if_done(number)
+        return False
 
     def _send(self, kind: int, number: int, data: bytes = b"") -> None:
         self._write_in(b"".join(frame(kind, number, data)))
