@@ -970,6 +970,11 @@ def test_rule_an_agent_silent_too_long_is_lost_and_the_message_names_both_limits
     assert "agent_timeout=7.5" in text and "start_timeout=42 until workers start" in text
     assert "the host is unreachable, its link is cut, or the agent is frozen" in text
     assert abs(fault.at - time.time()) < 60
+    inbox.agent_silent(inbox.state.agents[0], 8.0, through="host node0 ... fell silent with it")
+    text = str(inbox.state.faults[-1].error)
+    assert "no heartbeat for 8.0 s" in text and "agent_timeout=7.5" in text
+    assert text.endswith("; host node0 ... fell silent with it")  # the cause, instead of guesses
+    assert "link is cut, or the agent is frozen" not in text
 
 
 def test_rule_a_done_agent_is_not_judged_again():

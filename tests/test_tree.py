@@ -20,11 +20,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import escaped_processes, listening_addresses, torchrunx_processes
+from conftest import (
+    escaped_processes,
+    listening_addresses,
+    torchrunx_processes,
+    when_file_appears,
+)
 from test_relay import connections_back_dropped
 
 import torchrunx as trx
 from torchrunx.agent.tree.starts import child_routes
+from torchrunx.events import WorkerState, WorkerStateChanged
 from torchrunx.launcher.settings.plan import check_tree, check_tree_radix
 from torchrunx.launcher.starts.tree import Tree, tree_children, tree_parent
 from torchrunx.launcher.view.logdirs import log_file_name
@@ -197,6 +203,63 @@ def test_a_lost_interior_host_fails_its_subtree_naming_it(cluster, tmp_path):
             "(host index 0), which was lost"
         ) in text, text
     assert "host index 4" not in text, text  # host 1's subtree was not lost
+    assert took < 60, took
+    _wait_nothing_left()
+
+
+def _sleep_after_started(folder: str) -> None:
+    _started(folder)
+    time.sleep(120)
+
+
+@pytest.mark.cluster
+def test_an_interior_hosts_cut_link_names_its_subtree_lost_through_it(cluster, tmp_path):
+    # node1's link is cut once all six ranks run. Host 0 (node1, interior) and hosts 2 (node1)
+    # and 3 (node2), whose connections run through it, fall silent together: the children are
+    # named through host 0. Host 4 (node1) is host 1's child: silent on its own, said so.
+    node1, node2 = cluster.names()
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    all_run = tmp_path / "all-run"
+    seen: set[int] = set()
+
+    def on_event(event: object) -> None:
+        if isinstance(event, WorkerStateChanged) and event.new is WorkerState.HEALTHY:
+            seen.add(event.rank)
+            if len(seen) == 6:  # the launcher has heard every rank run
+                all_run.touch()
+
+    started = time.monotonic()
+    try:
+        with (
+            when_file_appears(all_run, lambda: cluster.cut_link(node1)),
+            pytest.raises(trx.AgentFailedError) as info,
+        ):
+            trx.launch(
+                _sleep_after_started,
+                func_args=(str(ranks),),
+                hostnames=[node1, node2] * 3,
+                workers_per_host=1,
+                backend=None,
+                ssh_config_file=cluster.ssh_config,
+                tree_radix=2,
+                agent_timeout=3,
+                event_handlers=[on_event],
+            )
+        took = time.monotonic() - started
+    finally:
+        cluster.restore_link(node1)
+    text = str(info.value) + "\n" + "\n".join(getattr(info.value, "__notes__", []))
+    print(f"TREE-CUT-ERROR hostname={info.value.hostname!r}\n{text}\nEND")
+    assert info.value.hostname == node1, text
+    for child, host in ((2, node1), (3, node2)):
+        assert (
+            f"host {host} (host index {child}) was started by interior host {node1} "
+            "(host index 0), which carries its connection and fell silent with it"
+        ) in text, text
+    assert "host index 4) was started" not in text, text  # its interior host answers
+    assert "when the 4 hosts were lost" in text, text
+    assert "host index 5" not in text, text  # node2's child of host 1: not lost
     assert took < 60, took
     _wait_nothing_left()
 
@@ -476,6 +539,22 @@ def test_a_child_ends_named_when_its_interior_host_is_lost():
         tree.child(2, lambda *_: None)
     for index in range(2, 5):
         tree.child(index).close()
+
+
+def test_a_child_silent_with_its_interior_host_is_named_as_lost_through_it():
+    """A cut link or a frozen interior host silences its subtree at once, with no end of its
+    SSH session to tell the stand-ins: the children are named through it, the others not."""
+    tree = Tree(2, ["a", "b", "c", "d", "e"])  # 0 starts 2 and 3; 1 starts 4
+    silent = {0, 2, 3, 4}  # host 0 and its children; host 4 on its own (its parent answers)
+    assert tree.silent_through(0, silent) is None  # the interior host: the cause itself
+    assert tree.silent_through(2, silent) == (
+        "host c (host index 2) was started by interior host a (host index 0), which carries "
+        "its connection and fell silent with it: the interior host's link is cut, or it is "
+        "frozen"
+    )
+    assert "interior host a (host index 0)" in (tree.silent_through(3, silent) or "")
+    assert tree.silent_through(4, silent) is None  # host 1 is not silent
+    assert tree.silent_through(5, {0, 1, 5}) is None  # a spare: the launcher's own start
 
 
 @pytest.mark.skipif(shutil.which("ssh") is None, reason="needs OpenSSH's ssh client (ssh -G)")

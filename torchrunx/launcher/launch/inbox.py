@@ -209,13 +209,21 @@ class Inbox:
         logger.warning("%s", line)
         self.sink.emit(HostQuarantined(agent.index, agent.slots.hostname, agent.state.value))
 
-    def agent_silent(self, agent: AgentRecord, silent: float) -> None:
-        """No heartbeat from an agent for too long: it is lost."""
+    def agent_silent(
+        self, agent: AgentRecord, silent: float, *, through: str | None = None
+    ) -> None:
+        """No heartbeat from an agent for too long: it is lost.
+
+        ``through``: a tree start's child silenced with its interior host, which carries its
+        connection (:meth:`torchrunx.launcher.starts.tree.Tree.silent_through`): said so.
+        """
+        limits = (
+            f"(agent_timeout={self.plan.timeouts.agent:g}, "
+            f"start_timeout={self.plan.timeouts.start:g} until workers start)"
+        )
+        cause = "the host is unreachable, its link is cut, or the agent is frozen"
         error = AgentFailedError(
-            agent.slots.hostname,
-            f"no heartbeat for {silent:.1f} s (agent_timeout={self.plan.timeouts.agent:g}, "
-            f"start_timeout={self.plan.timeouts.start:g} until workers start); the host is "
-            "unreachable, its link is cut, or the agent is frozen",
+            agent.slots.hostname, f"no heartbeat for {silent:.1f} s {limits}; {through or cause}"
         )
         self.agent_failed(agent, error, lost=True)
 

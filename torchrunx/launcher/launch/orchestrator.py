@@ -278,9 +278,12 @@ class Launch:
         lost = [f for f in st.faults if f.kind == "lost"]
         gone = {f.host_index for f in lost if f.host_index is not None}
         if lost and (view := self.session.diagnose_now(gone, LOST_ANSWER_WAIT)):  # before stops
+            hosts, were = ("host", "was") if len(gone) == 1 else (f"{len(gone)} hosts", "were")
             if away := [r.rank for r in st.ranks if r.host_index in gone]:
-                view += f"\n{ranks_text(away)} on the lost host: not asked"
-            add_note(lost[0].error, f"what the ranks were doing when the host was lost:\n{view}")
+                view += f"\n{ranks_text(away)} on the lost {hosts}: not asked"
+            add_note(
+                lost[0].error, f"what the ranks were doing when the {hosts} {were} lost:\n{view}"
+            )
         # Warm agents stay either way: only this run's workers are stopped.
         self.stop_workers(restart=may_restart or plan.warm, dump=not may_restart)
         cause = choose_cause(st.faults)

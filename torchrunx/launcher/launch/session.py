@@ -405,8 +405,12 @@ class LaunchLoop:
             for agent in st.agents:
                 if agent.conn is not None and not agent.over:
                     self.inbox.peer_of(agent).send(Heartbeat())
-        for agent, silent in st.agent_table.silent_agents(now):
-            self.inbox.agent_silent(agent, silent)
+        silent = st.agent_table.silent_agents(now)
+        tree = self.starts.tree
+        indices = {agent.index for agent, _ in silent}
+        for agent, seconds in silent:
+            through = None if tree is None else tree.silent_through(agent.index, indices)
+            self.inbox.agent_silent(agent, seconds, through=through)
         self.listener.tick(now)
         self.pool.poll()
         agents, ranks = st.due(now)

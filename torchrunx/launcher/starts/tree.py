@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 from torchrunx.errors import AgentFailedError
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from torchrunx.engines.protocol import OnLine, Reader
     from torchrunx.engines.relay import OnTree
 
@@ -181,6 +183,25 @@ class Tree:
                 )
             made.on_line = on_line
         return made
+
+    def silent_through(self, index: int, silent: Collection[int]) -> str | None:
+        """Why host ``index`` fell silent, if its interior host fell silent with it, else None.
+
+        A child's connection runs through its interior host's relay: a cut link or a frozen
+        interior host silences the whole subtree at once (its SSH session to the launcher does
+        not end, so the stand-ins are not told). The children are then named as lost through
+        that host, not as unreachable each on its own.
+        """
+        if not self.is_child(index):
+            return None
+        parent = tree_parent(index, self.radix)
+        if parent is None or parent not in silent:
+            return None
+        return (
+            f"host {self.hostnames[index]} (host index {index}) was started by interior host "
+            f"{self.hostnames[parent]} (host index {parent}), which carries its connection and "
+            "fell silent with it: the interior host's link is cut, or it is frozen"
+        )
 
     def on_tree(self, parent: int) -> OnTree:
         """What the relay of interior host ``parent`` hands its TREE frames to."""
