@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
     from torchrunx.events import Event, EventSink
     from torchrunx.launcher.net.listener import Listener, NetEvent
-    from torchrunx.launcher.settings.plan import LaunchPlan
+    from torchrunx.launcher.settings.plan import LaunchPlan, Timeouts
     from torchrunx.launcher.starts.agent_pool import AgentPool, PoolEvent
     from torchrunx.launcher.state.agent_table import AgentTable
     from torchrunx.launcher.state.records import AgentRecord, FaultKind, RankRecord
@@ -212,19 +212,8 @@ class Inbox:
     def agent_silent(
         self, agent: AgentRecord, silent: float, *, through: str | None = None
     ) -> None:
-        """No heartbeat from an agent for too long: it is lost.
-
-        ``through``: a tree start's child silenced with its interior host, which carries its
-        connection (:meth:`torchrunx.launcher.starts.tree.Tree.silent_through`): said so.
-        """
-        limits = (
-            f"(agent_timeout={self.plan.timeouts.agent:g}, "
-            f"start_timeout={self.plan.timeouts.start:g} until workers start)"
-        )
-        cause = "the host is unreachable, its link is cut, or the agent is frozen"
-        error = AgentFailedError(
-            agent.slots.hostname, f"no heartbeat for {silent:.1f} s {limits}; {through or cause}"
-        )
+        """No heartbeat from an agent for too long: it is lost (see :func:`silence_error`)."""
+        error = silence_error(agent.slots.hostname, silent, self.plan.timeouts, through)
         self.agent_failed(agent, error, lost=True)
 
     def judge_agent(self, agent: AgentRecord) -> None:
@@ -486,6 +475,22 @@ def _exited(pool: AgentPool, table: AgentTable, agent: AgentRecord) -> bool:
         if status is not None:
             table.agent_exited(agent, status, time.monotonic())
     return agent.exited
+
+
+def silence_error(
+    hostname: str, silent: float, timeouts: Timeouts, through: str | None
+) -> AgentFailedError:
+    """An agent silent for ``silent`` seconds, with the limits it answered to.
+
+    ``through``: a tree start's child silenced with its interior host, which carries its
+    connection (:meth:`torchrunx.launcher.starts.tree.Tree.silent_through`): said instead of
+    the guesses at the cause.
+    """
+    limits = f"agent_timeout={timeouts.agent:g}, start_timeout={timeouts.start:g}"
+    cause = through or "the host is unreachable, its link is cut, or the agent is frozen"
+    return AgentFailedError(
+        hostname, f"no heartbeat for {silent:.1f} s ({limits} until workers start); {cause}"
+    )
 
 
 def _lost_in_tree(process: object, hostname: str) -> AgentFailedError | None:

@@ -68,6 +68,8 @@ if TYPE_CHECKING:
     from torchrunx.launcher.launch.stalls import LookReason, StallLook
     from torchrunx.launcher.settings.plan import LaunchPlan
     from torchrunx.launcher.starts.agent_pool import Starter
+    from torchrunx.launcher.starts.tree import Tree
+    from torchrunx.launcher.state.agent_table import AgentTable
     from torchrunx.launcher.state.hangs import Straggler
     from torchrunx.launcher.state.health import HealthReport
     from torchrunx.launcher.state.results import LaunchTimings
@@ -405,11 +407,7 @@ class LaunchLoop:
             for agent in st.agents:
                 if agent.conn is not None and not agent.over:
                     self.inbox.peer_of(agent).send(Heartbeat())
-        silent = st.agent_table.silent_agents(now)
-        tree = self.starts.tree
-        indices = {agent.index for agent, _ in silent}
-        for agent, seconds in silent:
-            through = None if tree is None else tree.silent_through(agent.index, indices)
+        for agent, seconds, through in silent_causes(st.agent_table, now, self.starts.tree):
             self.inbox.agent_silent(agent, seconds, through=through)
         self.listener.tick(now)
         self.pool.poll()
@@ -503,6 +501,21 @@ def catch_up(loop: LaunchLoop) -> None:
     loop.pool.poll()
     loop.loop.run_once(0.0)
     loop.apply_queue()
+
+
+def silent_causes(
+    table: AgentTable, now: float, tree: Tree | None
+) -> list[tuple[AgentRecord, float, str | None]]:
+    """The agents silent too long (:meth:`AgentTable.silent_agents`), each with how long.
+
+    And, for a tree's child silenced with its interior host, why (:meth:`Tree.silent_through`).
+    """
+    silent = table.silent_agents(now)
+    indices = {agent.index for agent, _ in silent}
+    return [
+        (agent, seconds, None if tree is None else tree.silent_through(agent.index, indices))
+        for agent, seconds in silent
+    ]
 
 
 def earliest(*times: float | None) -> float | None:
