@@ -125,15 +125,10 @@ def one_fault(
         except trx.AgentFailedError as error:
             took = time.monotonic() - lost_at[0]
             text = str(error) + "\n".join(getattr(error, "__notes__", []))
-            named = [
-                i
-                for i in children
-                if f"host {names[i]} (host index {i}) was started by interior host {host.name}"
-                in text
-            ]
+            named = [i for i in children if f"{names[i]} (host index {i})" in text]
             outcome = (
                 f"raised {took:.1f} s after the fault, on host {error.hostname} "
-                f"(victim {host.name}); children named through it: {len(named)} of "
+                f"(victim {host.name}); children named: {len(named)} of "
                 f"{len(children)}"
             )
         finally:

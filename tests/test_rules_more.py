@@ -975,6 +975,9 @@ def test_rule_an_agent_silent_too_long_is_lost_and_the_message_names_both_limits
     assert "no heartbeat for 8.0 s" in text and "agent_timeout=7.5" in text
     assert text.endswith("; host node0 ... fell silent with it")  # the cause, instead of guesses
     assert "link is cut, or the agent is frozen" not in text
+    inbox.agent_silent(inbox.state.agents[1], 8.0, through=None, subtree="it is interior: ...")
+    text = str(inbox.state.faults[-1].error)
+    assert text.endswith("its link is cut, or the agent is frozen; it is interior: ...")
 
 
 def test_rule_a_done_agent_is_not_judged_again():

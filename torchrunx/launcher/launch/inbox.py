@@ -209,11 +209,9 @@ class Inbox:
         logger.warning("%s", line)
         self.sink.emit(HostQuarantined(agent.index, agent.slots.hostname, agent.state.value))
 
-    def agent_silent(
-        self, agent: AgentRecord, silent: float, *, through: str | None = None
-    ) -> None:
-        """No heartbeat from an agent for too long: it is lost (see :func:`silence_error`)."""
-        error = silence_error(agent.slots.hostname, silent, self.plan.timeouts, through)
+    def agent_silent(self, agent: AgentRecord, silent: float, **why: str | None) -> None:
+        """No heartbeat from an agent for too long: it is lost (``why``: :func:`silence_error`)."""
+        error = silence_error(agent.slots.hostname, silent, self.plan.timeouts, **why)
         self.agent_failed(agent, error, lost=True)
 
     def judge_agent(self, agent: AgentRecord) -> None:
@@ -478,18 +476,25 @@ def _exited(pool: AgentPool, table: AgentTable, agent: AgentRecord) -> bool:
 
 
 def silence_error(
-    hostname: str, silent: float, timeouts: Timeouts, through: str | None
+    hostname: str,
+    silent: float,
+    timeouts: Timeouts,
+    *,
+    through: str | None = None,
+    subtree: str | None = None,
 ) -> AgentFailedError:
     """An agent silent for ``silent`` seconds, with the limits it answered to.
 
     ``through``: a tree start's child silenced with its interior host, which carries its
     connection (:meth:`torchrunx.launcher.starts.tree.Tree.silent_through`): said instead of
-    the guesses at the cause.
+    the guesses at the cause. ``subtree``: an interior host's children, lost with it
+    (:meth:`~torchrunx.launcher.starts.tree.Tree.silent_subtree`): said after them.
     """
     limits = f"agent_timeout={timeouts.agent:g}, start_timeout={timeouts.start:g}"
     cause = through or "the host is unreachable, its link is cut, or the agent is frozen"
+    also = f"; {subtree}" if subtree else ""
     return AgentFailedError(
-        hostname, f"no heartbeat for {silent:.1f} s ({limits} until workers start); {cause}"
+        hostname, f"no heartbeat for {silent:.1f} s ({limits} until workers start); {cause}{also}"
     )
 
 

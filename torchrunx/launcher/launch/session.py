@@ -407,8 +407,8 @@ class LaunchLoop:
             for agent in st.agents:
                 if agent.conn is not None and not agent.over:
                     self.inbox.peer_of(agent).send(Heartbeat())
-        for agent, seconds, through in silent_causes(st.agent_table, now, self.starts.tree):
-            self.inbox.agent_silent(agent, seconds, through=through)
+        for agent, seconds, why in silent_causes(st.agent_table, now, self.starts.tree):
+            self.inbox.agent_silent(agent, seconds, **why)
         self.listener.tick(now)
         self.pool.poll()
         agents, ranks = st.due(now)
@@ -505,15 +505,28 @@ def catch_up(loop: LaunchLoop) -> None:
 
 def silent_causes(
     table: AgentTable, now: float, tree: Tree | None
-) -> list[tuple[AgentRecord, float, str | None]]:
+) -> list[tuple[AgentRecord, float, dict[str, str | None]]]:
     """The agents silent too long (:meth:`AgentTable.silent_agents`), each with how long.
 
-    And, for a tree's child silenced with its interior host, why (:meth:`Tree.silent_through`).
+    And, in a tree, what the silence means (the ``through`` and ``subtree`` of
+    :func:`torchrunx.launcher.launch.inbox.silence_error`): a child silenced with its interior
+    host (:meth:`Tree.silent_through`), an interior host's children lost with it
+    (:meth:`Tree.silent_subtree`).
     """
     silent = table.silent_agents(now)
+    if tree is None:
+        return [(agent, seconds, {}) for agent, seconds in silent]
     indices = {agent.index for agent, _ in silent}
+    live = {agent.index for agent in table.agents if not agent.over}
     return [
-        (agent, seconds, None if tree is None else tree.silent_through(agent.index, indices))
+        (
+            agent,
+            seconds,
+            {
+                "through": tree.silent_through(agent.index, indices),
+                "subtree": tree.silent_subtree(agent.index, live),
+            },
+        )
         for agent, seconds in silent
     ]
 

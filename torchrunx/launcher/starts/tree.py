@@ -203,6 +203,22 @@ class Tree:
             "fell silent with it: the interior host's link is cut, or it is frozen"
         )
 
+    def silent_subtree(self, index: int, live: Collection[int]) -> str | None:
+        """What else an interior host fallen silent takes with it: its ``live`` children.
+
+        Their connections run through it, and the launch's policy drops them with it (named
+        here when it is judged, whether or not each child's own silence has been long enough
+        yet to be judged too); None for a host that starts none.
+        """
+        children = [i for i in self.children(index) if i in live]
+        if not children:
+            return None
+        named = ", ".join(f"{self.hostnames[i]} (host index {i})" for i in children)
+        return (
+            "it is an interior host of the tree: the hosts it started, whose connections run "
+            f"through it, are lost with it: {named}"
+        )
+
     def on_tree(self, parent: int) -> OnTree:
         """What the relay of interior host ``parent`` hands its TREE frames to."""
         return lambda data: self._on_event(parent, data)
