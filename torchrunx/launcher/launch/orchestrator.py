@@ -37,6 +37,7 @@ from torchrunx.events import (
     WorkerState,
 )
 from torchrunx.launcher.launch.dispatch import Dispatch
+from torchrunx.launcher.launch.limits import GUESSED_WORKERS, DescriptorLimit, descriptors_needed
 from torchrunx.launcher.launch.preempt import end_preemption
 from torchrunx.launcher.launch.replace import Failed, HostChanges
 from torchrunx.launcher.launch.session import LaunchLoop, earliest
@@ -96,8 +97,17 @@ class Launch:
         """
         self.plan = plan
         self.call = call
-        self.session = LaunchLoop(plan, starter=starter)
-        """The parts and the loop: opened here, closed by :meth:`close`."""
+        slots = plan.hosts.slots
+        self.descriptors = DescriptorLimit(  # before any part opens one
+            descriptors_needed(len(slots), sum(s.workers or GUESSED_WORKERS for s in slots))
+        )
+        """The launch's hold on the process's open-file limit, released by :meth:`close`."""
+        try:
+            self.session = LaunchLoop(plan, starter=starter)
+            """The parts and the loop: opened here, closed by :meth:`close`."""
+        except BaseException:
+            self.descriptors.release()
+            raise
         self.host_changes = HostChanges(self.session)
         """The world's hosts between attempts: new agents, spares, a smaller world."""
         self.state = self.session.state
@@ -106,8 +116,11 @@ class Launch:
         """What the workers are sent (specs, calls), and their results."""
 
     def close(self) -> None:
-        """Release every part of the launch (see :meth:`LaunchLoop.close`)."""
-        self.session.close()
+        """Release every part of the launch (see :meth:`LaunchLoop.close`), then its limit."""
+        try:
+            self.session.close()
+        finally:
+            self.descriptors.release()
 
     def execute(self) -> tuple[tuple[Any, ...], ...]:
         """Run every phase of a one-shot launch; return the unpickled results per host."""
