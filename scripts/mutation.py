@@ -397,6 +397,12 @@ TARGETS: dict[str, Target] = {
         ("tests/test_rules_environ.py", "tests/test_rules_plan.py", "tests/test_rules_debugger.py"),
         note="the launcher's environment variables, read once from a given mapping and checked",
     ),
+    "limits": Target(
+        "torchrunx/launcher/launch/limits.py",
+        ("tests/test_limits.py",),
+        functions=("descriptors_needed",),
+        note="what a launch may need of the open-file limit (not DescriptorLimit: it sets it)",
+    ),
     "errors": Target(
         "torchrunx/errors.py",
         ("tests/test_rules_errors.py", "tests/test_rules_failures.py"),
@@ -407,6 +413,9 @@ TARGETS: dict[str, Target] = {
 IMPURE = (
     # Tests of the guarding files above that start processes (the guard finds them): left out.
     "tests/test_rules_more.py::test_rule_what_slurm_cannot_give_is_a_slurm_error_and_still_a_runtime_error",
+    "tests/test_limits.py::test_the_limit_is_raised_held_by_each_launch_and_put_back_by_the_last",
+    "tests/test_limits.py::test_a_hard_limit_below_the_need_is_reached_and_said_with_the_fix",
+    "tests/test_limits.py::test_a_launch_on_more_hosts_than_the_soft_limit_allows_runs_and_puts_it_back",
     "tests/test_pure.py::test_agent_script_keeps_hostile_values_intact",
     "tests/test_pure.py::test_tensors_travel_without_numpy_and_without_a_copy",
     "tests/test_hosts.py::test_slurm_allocation_from_the_environment",
