@@ -164,17 +164,21 @@ def test_large_results_draw_their_bytes_in_cold_and_warm_runs(where, request):
     # The script's own lines (rank 0's output comes too, prefixed: gloo's warnings on hosts).
     out = [line for line in done.stdout.decode().splitlines() if not line.startswith("[")]
     assert out == [f"{kind} [{4 * 2**20}, {4 * 2**20}]" for kind in ("cold", "warm", "warm")]
-    drawn = [part for part in stderr.split("\r") if part.startswith("torchrunx: results: ")]
-    # Each run's line counts its own bytes: at most the two results' 32 MiB (and the frames
-    # around them), never a sum over runs (48 MiB and more by the second); three runs, three
-    # lines (the last redraw may come before the last bytes: at most every 0.1 s).
-    finals = [
-        float(a.split()[2])
-        for a, b in zip(drawn, [*drawn[1:], ""], strict=True)
-        if not b or float(b.split()[2]) < float(a.split()[2])
-    ]
-    assert len(finals) == 3, drawn
-    assert all(0 < mib < 33.0 for mib in finals), finals
+    # Each run's line counts its own bytes: the two results' 32 MiB (and the frames around
+    # them), never a sum over runs (48 MiB and more by the second); three runs, three lines,
+    # each erased at its run's end (a blank redraw), its last figure drawn just before (the
+    # redraws come at most every 0.1 s: 32 MiB often all come within one).
+    runs: list[list[float]] = []
+    current: list[float] = []
+    for part in stderr.split("\r"):
+        if part.startswith("torchrunx: results: "):
+            current.append(float(part.split()[2]))
+        elif part and not part.strip() and current:  # the line erased: its run is over
+            runs.append(current)
+            current = []
+    assert not current, stderr  # every results line was erased
+    assert len(runs) == 3, runs
+    assert all(32.0 <= run[-1] < 33.0 for run in runs), runs
     first = f"torchrunx: agents starting: 0/{len(names)}"
     starts = [p for p in stderr.split("\r") if p.startswith(first)]
     assert len(starts) >= 2, stderr  # the cold launch's agents, then the warm block's

@@ -89,9 +89,12 @@ class ProgressLine:
         now = time.monotonic()
         return now - self.started >= self.delay and now - self._drawn_at >= MIN_INTERVAL_S
 
-    def update(self, done: int, extra: str = "") -> None:
-        """Redraw with ``done`` (and ``extra`` after it), if it is time to."""
-        if not self.due():
+    def update(self, done: int, extra: str = "", *, now_or_never: bool = False) -> None:
+        """Redraw with ``done`` (and ``extra`` after it), if it is time to.
+
+        ``now_or_never``: the step's last figure, drawn at once if a line is shown at all.
+        """
+        if not (self.due() or (now_or_never and self._width)):
             return
         now = time.monotonic()
         text = progress_text(self.what, done, self.total, self.unit, now - self.started) + extra
@@ -139,6 +142,12 @@ class BytesProgress:
             self.line.update(done)
 
     def close(self) -> None:
-        """Erase the line, if one was drawn."""
+        """Draw the last count (the truth, however fast the bytes came), then erase the line.
+
+        Only if a line was drawn: a redraw waits :data:`MIN_INTERVAL_S`, and bytes that all
+        came within it would otherwise end on the first figure (``0.0 MiB``), which a log of
+        a forced line (``TORCHRUNX_PROGRESS=1``) would keep.
+        """
         if self.line is not None:
+            self.line.update(self.count() - self.start, now_or_never=True)
             self.line.close()
