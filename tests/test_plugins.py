@@ -154,6 +154,7 @@ SCRIPT = """
 import torch.distributed as dist
 dist.init_process_group("gloo")  # a torchrun script sets up its own group
 print("script rank", dist.get_rank(), "of", dist.get_world_size())
+dist.barrier()  # else a rank may tear its group down while gloo still connects the other's
 dist.destroy_process_group()
 """
 

@@ -1523,6 +1523,9 @@ def test_rule_silence_is_measured_from_the_last_word_and_over_the_limit_only():
     state.agent_table.replace_agent(2)  # its new agent never said hello: not silent either
     assert state.agent_table.silent_agents(110.0) == []  # exactly the limit
     assert state.agent_table.silent_agents(110.5) == [(state.agents[1], 10.5)]
+    # With slack: those within that many seconds of the limit too (silent together).
+    assert state.agent_table.silent_agents(108.0, slack=2.0) == []  # exactly limit - slack
+    assert state.agent_table.silent_agents(108.5, slack=2.0) == [(state.agents[1], 8.5)]
 
 
 def test_rule_an_agent_without_hello_is_never_silent():

@@ -85,6 +85,9 @@ NO_VIEW = (
     "the ranks' flight-recorder probe; press s for the Python stacks"
 )
 BEAT_EVERY = HEARTBEAT_INTERVAL
+SILENT_TOGETHER = 2 * HEARTBEAT_INTERVAL
+"""Agents whose silence began within this many seconds of each other's fell silent together
+(a heartbeat a second each): how a tree's interior host is found the cause of its children's."""
 """Seconds between two heartbeats to each agent: as often as agents send theirs (every tick
 would double the launcher's sends, a thousand a round at a thousand hosts, for nothing: an
 agent only needs to hear from the launcher within ``agent_timeout``)."""
@@ -509,25 +512,37 @@ def silent_causes(
     """The agents silent too long (:meth:`AgentTable.silent_agents`), each with how long.
 
     And, in a tree, what the silence means (the ``through`` and ``subtree`` of
-    :func:`torchrunx.launcher.launch.inbox.silence_error`): a child silenced with its interior
-    host (:meth:`Tree.silent_through`), an interior host's children lost with it
-    (:meth:`Tree.silent_subtree`).
+    :func:`torchrunx.launcher.launch.inbox.silence_error`). A cut link or a frozen interior
+    host silences its subtree at once, but each agent's last heartbeat came at its own time
+    (one a second): a child may be due before its interior host. An interior host silent
+    within :data:`SILENT_TOGETHER` of its limit, whose child is due, is the cause: it is
+    judged first, naming the children lost with it (:meth:`Tree.silent_subtree`), and each
+    child due is named through it (:meth:`Tree.silent_through`).
     """
     silent = table.silent_agents(now)
-    if tree is None:
+    if tree is None or not silent:
         return [(agent, seconds, {}) for agent, seconds in silent]
-    indices = {agent.index for agent, _ in silent}
+    quiet = {
+        agent.index: (agent, seconds)
+        for agent, seconds in table.silent_agents(now, slack=SILENT_TOGETHER)
+    }
+    due = {agent.index for agent, _ in silent}
+    causes = {
+        parent for index in due if (parent := tree.parent_of(index)) is not None and parent in quiet
+    }
+    ordered = [quiet[i] for i in sorted(causes - due)] + silent
     live = {agent.index for agent in table.agents if not agent.over}
+    together = due | causes
     return [
         (
             agent,
             seconds,
             {
-                "through": tree.silent_through(agent.index, indices),
+                "through": tree.silent_through(agent.index, together),
                 "subtree": tree.silent_subtree(agent.index, live),
             },
         )
-        for agent, seconds in silent
+        for agent, seconds in ordered
     ]
 
 

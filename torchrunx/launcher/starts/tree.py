@@ -184,6 +184,10 @@ class Tree:
             made.on_line = on_line
         return made
 
+    def parent_of(self, index: int) -> int | None:
+        """The interior host that started host ``index`` (None: the launcher did)."""
+        return tree_parent(index, self.radix) if self.is_child(index) else None
+
     def silent_through(self, index: int, silent: Collection[int]) -> str | None:
         """Why host ``index`` fell silent, if its interior host fell silent with it, else None.
 

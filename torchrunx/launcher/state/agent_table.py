@@ -150,12 +150,13 @@ class AgentTable:
         agent.conn_closed = True
         return not agent.over
 
-    def silent_agents(self, now: float) -> list[tuple[AgentRecord, float]]:
+    def silent_agents(self, now: float, slack: float = 0.0) -> list[tuple[AgentRecord, float]]:
         """Agents silent for longer than they may be, with how long (none while stopping).
 
         Until it first forks workers an agent may be busy importing torch (it holds the GIL
         for seconds on a busy host): that phase answers to ``start_timeout``. Warm agents
-        between runs answer to ``agent_timeout`` once they have forked workers.
+        between runs answer to ``agent_timeout`` once they have forked workers. ``slack``:
+        those within that many seconds of it too (fallen silent at about the same time).
         """
         if self.progress.stopping:
             return []
@@ -168,7 +169,7 @@ class AgentTable:
                 if agent.pids or agent.forked
                 else max(self.agent_timeout, self.start_timeout)
             )
-            if now - agent.last_heard > limit:
+            if now - agent.last_heard > limit - slack:
                 silent.append((agent, now - agent.last_heard))
         return silent
 
