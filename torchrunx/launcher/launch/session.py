@@ -532,7 +532,7 @@ def silent_causes(
     }
     ordered = [quiet[i] for i in sorted(causes - due)] + silent
     live = {agent.index for agent in table.agents if not agent.over}
-    together = due | causes
+    together = due | causes  # those judged now: the due, and the interior hosts behind them
     return [
         (
             agent,

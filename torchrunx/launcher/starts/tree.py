@@ -196,9 +196,7 @@ class Tree:
         not end, so the stand-ins are not told). The children are then named as lost through
         that host, not as unreachable each on its own.
         """
-        if not self.is_child(index):
-            return None
-        parent = tree_parent(index, self.radix)
+        parent = self.parent_of(index)
         if parent is None or parent not in silent:
             return None
         return (
